@@ -1,0 +1,109 @@
+//! Online softmax, as four named steps (the vocabulary of FlashAttention-3's `softmax.h`):
+//! [`max_get_scale`] finds each row's new running maximum and the factor `alpha` that rescales what
+//! was accumulated under the old one; [`online_softmax`] turns scores into probabilities and updates
+//! `row_sum`; [`rescale_o`] applies `alpha` to `acc_o`; [`finalize`] divides by `row_sum` once at the
+//! end and yields the LSE.
+//!
+//! Scores arrive in the log2 domain (already multiplied by `log2(e)`), so every exponential is an
+//! `exp2`. A row whose maximum is still -inf has seen only masked keys: its maximum is taken as 0
+//! (otherwise `-inf - -inf` = NaN) and its probabilities are exactly 0.
+
+/// `2^x`, accurate to ~2 ulp, branch-free so loops over it vectorise. Exactly 0 below -126 (and for
+/// -inf), NaN for NaN. Inputs above 127 are clamped (softmax only feeds it `x <= 0`).
+#[inline(always)]
+pub(crate) fn exp2(x: f32) -> f32 {
+    // 1.5 * 2^23: adding it rounds to an integer held in the low mantissa bits.
+    const ROUND: f32 = 12_582_912.0;
+    let xc = if x < -126.0 { -126.0 } else if x > 127.0 { 127.0 } else { x };
+    let shifted = xc + ROUND;
+    let n = shifted - ROUND;
+    let f = (xc - n) * std::f32::consts::LN_2; // |f| <= ln2 / 2
+    // e^f by Taylor to degree 7: truncation error < 6e-9 on |f| <= 0.347.
+    let poly = 1.0
+        + f * (1.0
+            + f * (0.5
+                + f * (1.0 / 6.0
+                    + f * (1.0 / 24.0 + f * (1.0 / 120.0 + f * (1.0 / 720.0 + f * (1.0 / 5040.0)))))));
+    let n_int = shifted.to_bits() as i32 - ROUND.to_bits() as i32;
+    let scale = f32::from_bits(((n_int + 127) << 23) as u32);
+    if x < -126.0 {
+        0.0
+    } else {
+        poly * scale
+    }
+}
+
+/// Running statistics of one query block.
+pub(crate) struct RowStats<'a> {
+    /// Running maximum of each row's scores (log2 domain).
+    pub row_max: &'a mut [f32],
+    /// Running sum of `exp2(score - row_max)`.
+    pub row_sum: &'a mut [f32],
+}
+
+/// For each row of `s` (`rows x cols`): the new running maximum, and `alpha[r] = exp2(old - new)`.
+pub(crate) fn max_get_scale(s: &[f32], cols: usize, row_max: &mut [f32], alpha: &mut [f32]) {
+    for (r, (m, a)) in row_max.iter_mut().zip(alpha.iter_mut()).enumerate() {
+        let block_max = s[r * cols..(r + 1) * cols].iter().fold(f32::NEG_INFINITY, |acc, &x| acc.max(x));
+        let new = m.max(block_max);
+        *a = if new == f32::NEG_INFINITY { 1.0 } else { exp2(*m - new) };
+        *m = new;
+    }
+}
+
+/// Scores -> probabilities `exp2(s - row_max)` in place; `row_sum = row_sum * alpha + Σ p`.
+pub(crate) fn online_softmax(s: &mut [f32], cols: usize, stats: &mut RowStats, alpha: &[f32]) {
+    for (r, sr) in s.chunks_exact_mut(cols).enumerate() {
+        let m = stats.row_max[r];
+        let m = if m == f32::NEG_INFINITY { 0.0 } else { m };
+        let mut sum = 0.0f32;
+        for x in sr.iter_mut() {
+            *x = exp2(*x - m);
+            sum += *x;
+        }
+        stats.row_sum[r] = stats.row_sum[r] * alpha[r] + sum;
+    }
+}
+
+/// `acc_o[r] *= alpha[r]`.
+pub(crate) fn rescale_o(acc_o: &mut [f32], d: usize, alpha: &[f32]) {
+    for (row, &a) in acc_o.chunks_exact_mut(d).zip(alpha) {
+        if a != 1.0 {
+            row.iter_mut().for_each(|x| *x *= a);
+        }
+    }
+}
+
+/// Normalises `acc_o` by `row_sum` and returns the row's natural-log LSE; a row that saw no key
+/// (`row_sum == 0`) becomes 0 with LSE -inf.
+pub(crate) fn finalize(acc_row: &mut [f32], row_max: f32, row_sum: f32) -> f32 {
+    if row_sum == 0.0 {
+        acc_row.iter_mut().for_each(|x| *x = 0.0);
+        return f32::NEG_INFINITY;
+    }
+    let inv = 1.0 / row_sum;
+    acc_row.iter_mut().for_each(|x| *x *= inv);
+    (row_max + row_sum.log2()) * std::f32::consts::LN_2
+}
+
+#[cfg(test)]
+mod tests {
+    use super::exp2;
+
+    #[test]
+    fn exp2_is_accurate_and_exact_at_the_edges() {
+        let mut worst = 0f64;
+        let mut x = -126.0f32;
+        while x <= 20.0 {
+            let want = (x as f64).exp2();
+            worst = worst.max(((exp2(x) as f64) - want).abs() / want);
+            x += 0.001_37;
+        }
+        assert!(worst < 3e-7, "worst relative error {worst}");
+        assert_eq!(exp2(0.0), 1.0);
+        assert_eq!(exp2(-1.0), 0.5);
+        assert_eq!(exp2(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp2(-1000.0), 0.0);
+        assert!(exp2(f32::NAN).is_nan());
+    }
+}

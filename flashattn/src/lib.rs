@@ -1,0 +1,102 @@
+//! # flashattn
+//!
+//! Exact attention `O = softmax(Q·Kᵀ·scale)·V`, computed the FlashAttention way:
+//!
+//! 1. q, k and v are cut into tiles (`block_m` query rows, `block_n` key rows) that fit the caches;
+//! 2. for each query tile, the key tiles it can see are streamed through once: `S = Q·Kᵀ`, scale,
+//!    softcap, ALiBi and masks, then an **online softmax** (running `row_max`, `row_sum`) and
+//!    `acc_o += P·V`, all fused, so the N×N score matrix never exists;
+//! 3. each row is divided by its `row_sum` once at the end, and its log-sum-exp `lse` is stored.
+//!
+//! Memory is O(N) instead of O(N²), and the result is exact (up to floating-point rounding).
+//!
+//! ```
+//! use flashattn::{flash_attn, AttnOptions, TensorRef};
+//! let (b, n, h, d) = (1, 3, 2, 4);
+//! let q: Vec<f32> = (0..b * n * h * d).map(|i| (i as f32 * 0.37).sin()).collect();
+//! let shape = [b, n, h, d];
+//! let t = TensorRef::contiguous(&q, &shape);
+//! let res = flash_attn(&t, &t, &t, &AttnOptions::default().causal(true)).unwrap();
+//! assert_eq!(res.out.shape(), &shape);
+//! assert_eq!(res.lse.shape(), &[b, h, n]);
+//! ```
+//!
+//! ## Glossary
+//! - `block_m` / `block_n`: rows of a query / key tile; `m_block` / `n_block`: a tile's index.
+//! - `row_max`, `row_sum`: the online softmax's running statistics (log2 domain inside kernels).
+//! - `acc_o`: the unnormalised output accumulator of a query tile.
+//! - `lse`: log-sum-exp of a row's scaled scores, natural log; -inf for a fully masked row.
+//! - `scale_log2`: `softmax_scale · log2(e)`, so exponentials are `exp2`.
+//! - `delta`: `rowsum(dO ∘ O)`, the backward pass's softmax correction.
+
+pub mod blocks;
+pub(crate) mod cpu;
+pub mod error;
+pub mod flops;
+pub(crate) mod params;
+pub mod reference;
+pub mod tensor;
+
+pub use error::{CuSeqlensProblem, Error, ErrorKind, Result};
+pub use params::{AttnOptions, MAX_HEAD_DIM};
+pub use tensor::{Buffer, DType, Element, Slice, Tensor, TensorRef};
+
+use half::{bf16, f16};
+use params::Params;
+
+/// What a forward call returns.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AttnOutput {
+    /// Attention output, q's dtype and shape.
+    pub out: Tensor,
+    /// Log-sum-exp of each row's scaled scores (natural log), f32: `[batch, heads, seqlen_q]`
+    /// (batched) or `[heads, total_q]` (packed). -inf for a row that sees no key.
+    pub lse: Tensor,
+}
+
+/// Attention over a batch of equal-length sequences.
+///
+/// q `[batch, seqlen_q, heads, head_dim]`, k and v `[batch, seqlen_k, heads_kv, head_dim]`, all of
+/// one dtype (f32, f16 or bf16); `heads` a multiple of `heads_kv` (MQA/GQA: query head h reads kv
+/// head `h / (heads / heads_kv)`). Runs on the current rayon pool.
+pub fn flash_attn(q: &TensorRef, k: &TensorRef, v: &TensorRef, opts: &AttnOptions) -> Result<AttnOutput> {
+    let p = params::batched(q, k, v, opts)?;
+    Ok(forward(&p, q, k, v))
+}
+
+/// Attention over packed variable-length sequences.
+///
+/// q `[total_q, heads, head_dim]`, k and v `[total_k, heads_kv, head_dim]`; sequence b holds q
+/// tokens `cu_seqlens_q[b]..cu_seqlens_q[b + 1]` and k/v tokens `cu_seqlens_k[b]..cu_seqlens_k[b + 1]`
+/// and attends only within itself; masks apply per sequence. `lse` is `[heads, total_q]`.
+pub fn flash_attn_varlen(
+    q: &TensorRef,
+    k: &TensorRef,
+    v: &TensorRef,
+    cu_seqlens_q: &[i32],
+    cu_seqlens_k: &[i32],
+    opts: &AttnOptions,
+) -> Result<AttnOutput> {
+    let p = params::varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, opts)?;
+    Ok(forward(&p, q, k, v))
+}
+
+/// The buffer of a validated tensor (its dtype was checked against `T`).
+fn data<'a, T: Element>(t: &TensorRef<'a>) -> &'a [T] {
+    t.typed::<T>().expect("dtype validated")
+}
+
+fn forward(p: &Params, q: &TensorRef, k: &TensorRef, v: &TensorRef) -> AttnOutput {
+    fn typed<T: Element>(p: &Params, q: &TensorRef, k: &TensorRef, v: &TensorRef) -> AttnOutput {
+        let (out, lse) = cpu::forward::forward(p, data(q), data(k), data(v));
+        AttnOutput {
+            out: Tensor::new_unchecked(T::wrap_vec(out), p.out_shape.clone()),
+            lse: Tensor::new_unchecked(Buffer::F32(lse), p.lse_shape.clone()),
+        }
+    }
+    match p.dtype {
+        DType::F32 => typed::<f32>(p, q, k, v),
+        DType::F16 => typed::<f16>(p, q, k, v),
+        DType::BF16 => typed::<bf16>(p, q, k, v),
+    }
+}

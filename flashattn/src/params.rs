@@ -1,0 +1,386 @@
+//! User options -> validated parameters. This is the only place that checks input: every shape,
+//! stride, dtype, option and `cu_seqlens` entry is checked here once, and the kernels trust [`Params`].
+//!
+//! Batched and packed (varlen) layouts are reduced to one description: per sequence, the element
+//! offset of its first row in q, k and v, its lengths, and where its rows go in `out` and `lse`.
+//! Row `i`, head `h` of sequence `b` of q starts at `seqs[b].q_base + i * q.row_stride + h * q.head_stride`.
+
+use crate::error::{CuSeqlensProblem, ErrorKind, Result, TensorName};
+use crate::tensor::{DType, TensorRef};
+
+/// log2(e), folded into the softmax scale so the kernels can use exp2.
+pub const LOG2_E: f32 = std::f32::consts::LOG2_E;
+/// Largest supported head dimension.
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// The options of an attention call, as in flash-attn 2.x's `flash_attn_func`.
+#[derive(Clone, Debug)]
+pub struct AttnOptions<'a> {
+    /// Multiplies Q·Kᵀ. `None`: 1/sqrt(head_dim).
+    pub softmax_scale: Option<f32>,
+    /// Causal mask aligned to the bottom-right corner: query i sees key j iff j <= i + seqlen_k - seqlen_q.
+    /// Same as `window = (left, 0)`.
+    pub causal: bool,
+    /// Sliding window `(left, right)`, -1 meaning unbounded: query i sees key j iff
+    /// `i + sk - sq - left <= j <= i + sk - sq + right`.
+    pub window: (i64, i64),
+    /// Scores become `softcap * tanh(scores / softcap)` (after scaling, before masks and bias).
+    pub softcap: Option<f32>,
+    /// ALiBi slopes, f32, shape `[heads]` or `[batch, heads]`: bias `-slope * |i + sk - sq - j|`.
+    pub alibi_slopes: Option<TensorRef<'a>>,
+}
+
+impl Default for AttnOptions<'_> {
+    fn default() -> Self {
+        AttnOptions { softmax_scale: None, causal: false, window: (-1, -1), softcap: None, alibi_slopes: None }
+    }
+}
+
+impl<'a> AttnOptions<'a> {
+    pub fn causal(mut self, causal: bool) -> Self {
+        self.causal = causal;
+        self
+    }
+    pub fn window(mut self, left: i64, right: i64) -> Self {
+        self.window = (left, right);
+        self
+    }
+    pub fn softmax_scale(mut self, scale: f32) -> Self {
+        self.softmax_scale = Some(scale);
+        self
+    }
+    pub fn softcap(mut self, softcap: f32) -> Self {
+        self.softcap = Some(softcap);
+        self
+    }
+    pub fn alibi_slopes(mut self, slopes: TensorRef<'a>) -> Self {
+        self.alibi_slopes = Some(slopes);
+        self
+    }
+}
+
+/// Element strides of a q/k/v-like tensor's token and head dimensions (the last one is 1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RowLayout {
+    pub row_stride: usize,
+    pub head_stride: usize,
+}
+
+/// One sequence of the batch.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Seq {
+    pub seqlen_q: usize,
+    pub seqlen_k: usize,
+    /// Element offsets of row 0, head 0 in q, k and v.
+    pub q_base: usize,
+    pub k_base: usize,
+    pub v_base: usize,
+    /// Token index of row 0 in the contiguous outputs (`b * seqlen_q` batched, `cu_seqlens_q[b]` packed).
+    pub out_row0: usize,
+    /// Index of (head 0, row 0) in `lse`.
+    pub lse_base: usize,
+}
+
+/// Validated parameters: the whole contract between the API and the kernels.
+#[derive(Clone, Debug)]
+pub(crate) struct Params {
+    pub dtype: DType,
+    pub heads: usize,
+    pub heads_kv: usize,
+    pub head_dim: usize,
+    pub seqs: Vec<Seq>,
+    pub q: RowLayout,
+    pub k: RowLayout,
+    pub v: RowLayout,
+    /// Total rows of `out` (batch * seqlen_q, or total_q when packed).
+    pub total_q: usize,
+    /// Distance between heads in `lse`.
+    pub lse_head_stride: usize,
+    pub out_shape: Vec<usize>,
+    pub lse_shape: Vec<usize>,
+    pub softmax_scale: f32,
+    pub softcap: Option<f32>,
+    /// `None`: unbounded.
+    pub window_left: Option<usize>,
+    pub window_right: Option<usize>,
+    /// Slopes per (batch, head), `batch * heads` entries.
+    pub alibi: Option<Vec<f32>>,
+}
+
+impl Params {
+    /// Index into `out` of (sequence `b`, row `i`, head `h`, 0).
+    #[inline]
+    pub fn out_offset(&self, b: usize, i: usize, h: usize) -> usize {
+        ((self.seqs[b].out_row0 + i) * self.heads + h) * self.head_dim
+    }
+    /// Index into `lse` of (sequence `b`, head `h`, row `i`).
+    #[inline]
+    pub fn lse_offset(&self, b: usize, h: usize, i: usize) -> usize {
+        self.seqs[b].lse_base + h * self.lse_head_stride + i
+    }
+    /// The kv head that query head `h` reads.
+    #[inline]
+    pub fn kv_head(&self, h: usize) -> usize {
+        h / (self.heads / self.heads_kv)
+    }
+    pub fn alibi_slope(&self, b: usize, h: usize) -> Option<f32> {
+        self.alibi.as_ref().map(|s| s[b * self.heads + h])
+    }
+    pub fn out_len(&self) -> usize {
+        self.total_q * self.heads * self.head_dim
+    }
+    pub fn lse_len(&self) -> usize {
+        self.total_q * self.heads
+    }
+}
+
+/// Checks rank, stride count, contiguity of the last dimension and that every element the view
+/// addresses lies inside its buffer.
+pub(crate) fn check_view(name: TensorName, t: &TensorRef, rank: usize, layout: &'static str) -> Result<()> {
+    if t.shape().len() != rank {
+        return Err(ErrorKind::Rank { tensor: name, expected: rank, got: t.shape().len(), layout }.into());
+    }
+    if t.strides().len() != rank {
+        return Err(ErrorKind::StridesRank { tensor: name, dims: rank, strides: t.strides().len() }.into());
+    }
+    let last = rank - 1;
+    if t.shape()[last] > 1 && t.strides()[last] != 1 {
+        return Err(ErrorKind::LastDimNotContiguous { tensor: name, stride: t.strides()[last] }.into());
+    }
+    if t.shape().contains(&0) {
+        return Ok(());
+    }
+    // u128 cannot overflow: at most 4 products of two 64-bit numbers.
+    let max_index: u128 =
+        t.shape().iter().zip(t.strides()).map(|(&n, &s)| (n as u128 - 1) * s as u128).sum();
+    let needed = max_index + 1;
+    if needed > t.data().len() as u128 {
+        return Err(ErrorKind::OutOfBounds {
+            tensor: name,
+            shape: t.shape().to_vec(),
+            strides: t.strides().to_vec(),
+            needed,
+            len: t.data().len(),
+        }
+        .into());
+    }
+    Ok(())
+}
+
+pub(crate) fn check_dtype(name: TensorName, t: &TensorRef, expected: DType) -> Result<()> {
+    if t.dtype() != expected {
+        return Err(ErrorKind::DType { tensor: name, expected, got: t.dtype() }.into());
+    }
+    Ok(())
+}
+
+pub(crate) fn check_shape(name: TensorName, t: &TensorRef, expected: &[usize]) -> Result<()> {
+    if t.shape() != expected {
+        return Err(ErrorKind::Shape { tensor: name, expected: expected.to_vec(), got: t.shape().to_vec() }.into());
+    }
+    Ok(())
+}
+
+fn checked_product(name: TensorName, dims: &[usize]) -> Result<usize> {
+    dims.iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| ErrorKind::TooLarge { tensor: name }.into())
+}
+
+/// Shared checks of q, k, v whatever the layout; returns (heads, heads_kv, head_dim).
+fn check_qkv(q: &TensorRef, k: &TensorRef, v: &TensorRef, rank: usize, layout: &'static str) -> Result<(usize, usize, usize)> {
+    check_view("q", q, rank, layout)?;
+    check_view("k", k, rank, layout)?;
+    check_view("v", v, rank, layout)?;
+    check_dtype("k", k, q.dtype())?;
+    check_dtype("v", v, q.dtype())?;
+    let (qs, ks) = (q.shape(), k.shape());
+    let head_dim = qs[rank - 1];
+    if head_dim == 0 || head_dim > MAX_HEAD_DIM {
+        return Err(ErrorKind::HeadDim { tensor: "q", head_dim }.into());
+    }
+    // k must agree with q on batch (batched layout) and head_dim.
+    let mut k_expected = ks.to_vec();
+    if rank == 4 {
+        k_expected[0] = qs[0];
+    }
+    k_expected[rank - 1] = head_dim;
+    check_shape("k", k, &k_expected)?;
+    check_shape("v", v, ks)?;
+    let (heads, heads_kv) = (qs[rank - 2], ks[rank - 2]);
+    if heads == 0 || heads_kv == 0 || heads % heads_kv != 0 {
+        return Err(ErrorKind::HeadsNotMultiple { heads, heads_kv }.into());
+    }
+    Ok((heads, heads_kv, head_dim))
+}
+
+fn layout_of(t: &TensorRef) -> RowLayout {
+    let n = t.strides().len();
+    RowLayout { row_stride: t.strides()[n - 3], head_stride: t.strides()[n - 2] }
+}
+
+/// Options shared by both layouts, validated.
+struct CheckedOptions {
+    softmax_scale: f32,
+    softcap: Option<f32>,
+    window_left: Option<usize>,
+    window_right: Option<usize>,
+}
+
+fn check_options(opts: &AttnOptions, head_dim: usize) -> Result<CheckedOptions> {
+    let softmax_scale = opts.softmax_scale.unwrap_or(1.0 / (head_dim as f32).sqrt());
+    if !softmax_scale.is_finite() {
+        return Err(ErrorKind::Scale { scale: softmax_scale }.into());
+    }
+    if let Some(softcap) = opts.softcap {
+        if !(softcap > 0.0 && softcap.is_finite()) {
+            return Err(ErrorKind::Softcap { softcap }.into());
+        }
+    }
+    let (left, right) = opts.window;
+    if left < -1 || right < -1 {
+        return Err(ErrorKind::Window { left, right }.into());
+    }
+    let bound = |w: i64| (w >= 0).then_some(w as usize);
+    let window_right = if opts.causal { Some(0) } else { bound(right) };
+    Ok(CheckedOptions { softmax_scale, softcap: opts.softcap, window_left: bound(left), window_right })
+}
+
+/// Reads ALiBi slopes into one f32 per (batch, head).
+fn check_alibi(opts: &AttnOptions, batch: usize, heads: usize) -> Result<Option<Vec<f32>>> {
+    let Some(slopes) = &opts.alibi_slopes else { return Ok(None) };
+    check_dtype("alibi_slopes", slopes, DType::F32)?;
+    let per_batch = match slopes.shape() {
+        [h] if *h == heads => false,
+        [b, h] if *b == batch && *h == heads => true,
+        got => return Err(ErrorKind::AlibiShape { got: got.to_vec(), batch, heads }.into()),
+    };
+    check_view("alibi_slopes", slopes, slopes.shape().len(), "[heads] or [batch, heads]")?;
+    let data = slopes.typed::<f32>().expect("dtype checked above");
+    let st = slopes.strides();
+    let mut out = Vec::with_capacity(batch * heads);
+    for b in 0..batch {
+        for h in 0..heads {
+            let idx = if per_batch { b * st[0] + h * st[1] } else { h * st[0] };
+            out.push(data[idx]);
+        }
+    }
+    Ok(Some(out))
+}
+
+/// Validates a batched call: q `[batch, seqlen_q, heads, d]`, k/v `[batch, seqlen_k, heads_kv, d]`.
+pub(crate) fn batched(q: &TensorRef, k: &TensorRef, v: &TensorRef, opts: &AttnOptions) -> Result<Params> {
+    const LAYOUT: &str = "[batch, seqlen, heads, head_dim]";
+    let (heads, heads_kv, head_dim) = check_qkv(q, k, v, 4, LAYOUT)?;
+    let (batch, seqlen_q, seqlen_k) = (q.shape()[0], q.shape()[1], k.shape()[1]);
+    let o = check_options(opts, head_dim)?;
+    let alibi = check_alibi(opts, batch, heads)?;
+    let out_shape = vec![batch, seqlen_q, heads, head_dim];
+    checked_product("out", &out_shape)?;
+    let seqs = (0..batch)
+        .map(|b| Seq {
+            seqlen_q,
+            seqlen_k,
+            q_base: b * q.strides()[0],
+            k_base: b * k.strides()[0],
+            v_base: b * v.strides()[0],
+            out_row0: b * seqlen_q,
+            lse_base: b * heads * seqlen_q,
+        })
+        .collect();
+    Ok(Params {
+        dtype: q.dtype(),
+        heads,
+        heads_kv,
+        head_dim,
+        seqs,
+        q: layout_of(q),
+        k: layout_of(k),
+        v: layout_of(v),
+        total_q: batch * seqlen_q,
+        lse_head_stride: seqlen_q,
+        out_shape,
+        lse_shape: vec![batch, heads, seqlen_q],
+        softmax_scale: o.softmax_scale,
+        softcap: o.softcap,
+        window_left: o.window_left,
+        window_right: o.window_right,
+        alibi,
+    })
+}
+
+fn check_cu_seqlens(name: TensorName, cu: &[i32], entries: usize, total: usize) -> Result<()> {
+    let err = |problem| Err(ErrorKind::CuSeqlens { tensor: name, problem }.into());
+    if cu.len() != entries || entries == 0 {
+        return err(CuSeqlensProblem::Length { expected: entries.max(1), got: cu.len() });
+    }
+    if cu[0] != 0 {
+        return err(CuSeqlensProblem::NotStartingAtZero { first: cu[0] });
+    }
+    for (index, w) in cu.windows(2).enumerate() {
+        if w[1] < w[0] {
+            return err(CuSeqlensProblem::Decreasing { index: index + 1, previous: w[0], value: w[1] });
+        }
+    }
+    let last = cu[entries - 1];
+    if last as usize > total {
+        return err(CuSeqlensProblem::PastTensor { last, total });
+    }
+    Ok(())
+}
+
+/// Validates a packed call: q `[total_q, heads, d]`, k/v `[total_k, heads_kv, d]`, and the
+/// cumulative sequence lengths (batch + 1 entries each).
+pub(crate) fn varlen(
+    q: &TensorRef,
+    k: &TensorRef,
+    v: &TensorRef,
+    cu_seqlens_q: &[i32],
+    cu_seqlens_k: &[i32],
+    opts: &AttnOptions,
+) -> Result<Params> {
+    const LAYOUT: &str = "[total_tokens, heads, head_dim]";
+    let (heads, heads_kv, head_dim) = check_qkv(q, k, v, 3, LAYOUT)?;
+    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, cu_seqlens_q.len().max(1), q.shape()[0])?;
+    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.len(), k.shape()[0])?;
+    let batch = cu_seqlens_q.len() - 1;
+    let o = check_options(opts, head_dim)?;
+    let alibi = check_alibi(opts, batch, heads)?;
+    let total_q = q.shape()[0];
+    let out_shape = vec![total_q, heads, head_dim];
+    checked_product("out", &out_shape)?;
+    let (ql, kl, vl) = (layout_of(q), layout_of(k), layout_of(v));
+    let seqs = (0..batch)
+        .map(|b| {
+            let (q0, k0) = (cu_seqlens_q[b] as usize, cu_seqlens_k[b] as usize);
+            Seq {
+                seqlen_q: cu_seqlens_q[b + 1] as usize - q0,
+                seqlen_k: cu_seqlens_k[b + 1] as usize - k0,
+                q_base: q0 * ql.row_stride,
+                k_base: k0 * kl.row_stride,
+                v_base: k0 * vl.row_stride,
+                out_row0: q0,
+                lse_base: q0,
+            }
+        })
+        .collect();
+    Ok(Params {
+        dtype: q.dtype(),
+        heads,
+        heads_kv,
+        head_dim,
+        seqs,
+        q: ql,
+        k: kl,
+        v: vl,
+        total_q,
+        lse_head_stride: total_q,
+        out_shape,
+        lse_shape: vec![heads, total_q],
+        softmax_scale: o.softmax_scale,
+        softcap: o.softcap,
+        window_left: o.window_left,
+        window_right: o.window_right,
+        alibi,
+    })
+}

@@ -1,0 +1,313 @@
+//! Element types, borrowed tensor views and owned tensors.
+//!
+//! A [`TensorRef`] borrows a caller's buffer with a shape and element strides; the last dimension must
+//! be contiguous (stride 1), the others may be anything, so views into larger buffers work without a
+//! copy. Nothing here validates: [`crate::params`] checks every view once, at the boundary, and the
+//! kernels trust what it accepted. Owned [`Tensor`]s (what the library returns) are always contiguous,
+//! row-major.
+
+use half::{bf16, f16};
+use std::fmt;
+
+/// The element types flashattn computes in. Accumulation is always f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+}
+
+impl DType {
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+        }
+    }
+
+    /// Unit roundoff of the format (half the distance from 1.0 to the next number).
+    pub fn epsilon(self) -> f64 {
+        match self {
+            DType::F32 => f32::EPSILON as f64 / 2.0,
+            DType::F16 => 2f64.powi(-11),
+            DType::BF16 => 2f64.powi(-8),
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
+}
+
+/// An element type: f32, f16 or bf16.
+pub trait Element: Copy + Send + Sync + Default + PartialEq + fmt::Debug + sealed::Sealed + 'static {
+    const DTYPE: DType;
+    fn to_f32(self) -> f32;
+    /// Round to nearest even.
+    fn from_f32(x: f32) -> Self;
+    fn to_f64(self) -> f64;
+    /// Round to nearest even, directly from f64 (no double rounding through f32).
+    fn from_f64(x: f64) -> Self;
+    fn wrap(data: &[Self]) -> Slice<'_>;
+    fn unwrap(data: Slice<'_>) -> Option<&[Self]>;
+    fn wrap_vec(data: Vec<Self>) -> Buffer;
+    /// Widens `src` into `dst` (same length); F16C/NEON-accelerated where `half` has it.
+    fn widen(src: &[Self], dst: &mut [f32]);
+    /// Rounds `src` into `dst` (same length).
+    fn narrow(src: &[f32], dst: &mut [Self]);
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    #[inline(always)]
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+    #[inline(always)]
+    fn from_f64(x: f64) -> Self {
+        x as f32
+    }
+    fn wrap(data: &[Self]) -> Slice<'_> {
+        Slice::F32(data)
+    }
+    fn unwrap(data: Slice<'_>) -> Option<&[Self]> {
+        match data {
+            Slice::F32(d) => Some(d),
+            _ => None,
+        }
+    }
+    fn wrap_vec(data: Vec<Self>) -> Buffer {
+        Buffer::F32(data)
+    }
+    #[inline]
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        dst.copy_from_slice(src)
+    }
+    #[inline]
+    fn narrow(src: &[f32], dst: &mut [Self]) {
+        dst.copy_from_slice(src)
+    }
+}
+
+macro_rules! half_element {
+    ($t:ty, $variant:ident) => {
+        impl Element for $t {
+            const DTYPE: DType = DType::$variant;
+            #[inline(always)]
+            fn to_f32(self) -> f32 {
+                <$t>::to_f32(self)
+            }
+            #[inline(always)]
+            fn from_f32(x: f32) -> Self {
+                <$t>::from_f32(x)
+            }
+            #[inline(always)]
+            fn to_f64(self) -> f64 {
+                <$t>::to_f64(self)
+            }
+            #[inline(always)]
+            fn from_f64(x: f64) -> Self {
+                <$t>::from_f64(x)
+            }
+            fn wrap(data: &[Self]) -> Slice<'_> {
+                Slice::$variant(data)
+            }
+            fn unwrap(data: Slice<'_>) -> Option<&[Self]> {
+                match data {
+                    Slice::$variant(d) => Some(d),
+                    _ => None,
+                }
+            }
+            fn wrap_vec(data: Vec<Self>) -> Buffer {
+                Buffer::$variant(data)
+            }
+            #[inline]
+            fn widen(src: &[Self], dst: &mut [f32]) {
+                use half::slice::HalfFloatSliceExt;
+                src.convert_to_f32_slice(dst)
+            }
+            #[inline]
+            fn narrow(src: &[f32], dst: &mut [Self]) {
+                use half::slice::HalfFloatSliceExt;
+                dst.convert_from_f32_slice(src)
+            }
+        }
+    };
+}
+half_element!(f16, F16);
+half_element!(bf16, BF16);
+
+/// A borrowed buffer of one of the element types.
+#[derive(Clone, Copy, Debug)]
+pub enum Slice<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    BF16(&'a [bf16]),
+}
+
+impl Slice<'_> {
+    pub fn dtype(&self) -> DType {
+        match self {
+            Slice::F32(_) => DType::F32,
+            Slice::F16(_) => DType::F16,
+            Slice::BF16(_) => DType::BF16,
+        }
+    }
+    pub fn len(&self) -> usize {
+        match self {
+            Slice::F32(d) => d.len(),
+            Slice::F16(d) => d.len(),
+            Slice::BF16(d) => d.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A strided view of a caller's buffer. Strides are in elements.
+#[derive(Clone, Debug)]
+pub struct TensorRef<'a> {
+    data: Slice<'a>,
+    shape: Vec<usize>,
+    strides: Vec<usize>,
+}
+
+impl<'a> TensorRef<'a> {
+    /// A view with explicit strides (in elements). Checked when passed to an attention call.
+    pub fn new<T: Element>(data: &'a [T], shape: &[usize], strides: &[usize]) -> Self {
+        Self::from_slice(T::wrap(data), shape, strides)
+    }
+
+    /// A contiguous row-major view.
+    pub fn contiguous<T: Element>(data: &'a [T], shape: &[usize]) -> Self {
+        Self::new(data, shape, &contiguous_strides(shape))
+    }
+
+    pub fn from_slice(data: Slice<'a>, shape: &[usize], strides: &[usize]) -> Self {
+        TensorRef { data, shape: shape.to_vec(), strides: strides.to_vec() }
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.data.dtype()
+    }
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    pub fn strides(&self) -> &[usize] {
+        &self.strides
+    }
+    pub fn data(&self) -> Slice<'a> {
+        self.data
+    }
+    /// The buffer as `&[T]`, if `T` is its element type.
+    pub fn typed<T: Element>(&self) -> Option<&'a [T]> {
+        T::unwrap(self.data)
+    }
+}
+
+/// Row-major strides for `shape`.
+pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
+    let mut strides = vec![1; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1] * shape[i + 1];
+    }
+    strides
+}
+
+/// An owned buffer of one of the element types.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Buffer {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    BF16(Vec<bf16>),
+}
+
+impl Buffer {
+    pub fn dtype(&self) -> DType {
+        self.as_slice().dtype()
+    }
+    pub fn as_slice(&self) -> Slice<'_> {
+        match self {
+            Buffer::F32(d) => Slice::F32(d),
+            Buffer::F16(d) => Slice::F16(d),
+            Buffer::BF16(d) => Slice::BF16(d),
+        }
+    }
+}
+
+/// An owned, contiguous, row-major tensor (what flashattn returns).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tensor {
+    data: Buffer,
+    shape: Vec<usize>,
+}
+
+impl Tensor {
+    /// Wraps `data`; `None` if its length is not the product of `shape`.
+    pub fn from_buffer(data: Buffer, shape: &[usize]) -> Option<Self> {
+        let n: usize = shape.iter().product();
+        (data.as_slice().len() == n).then(|| Tensor { data, shape: shape.to_vec() })
+    }
+    pub fn from_vec<T: Element>(data: Vec<T>, shape: &[usize]) -> Option<Self> {
+        Self::from_buffer(T::wrap_vec(data), shape)
+    }
+    pub(crate) fn new_unchecked(data: Buffer, shape: Vec<usize>) -> Self {
+        debug_assert_eq!(data.as_slice().len(), shape.iter().product::<usize>());
+        Tensor { data, shape }
+    }
+    pub fn dtype(&self) -> DType {
+        self.data.dtype()
+    }
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    pub fn buffer(&self) -> &Buffer {
+        &self.data
+    }
+    pub fn into_buffer(self) -> Buffer {
+        self.data
+    }
+    /// The elements as `&[T]`, if `T` is the element type.
+    pub fn as_slice<T: Element>(&self) -> Option<&[T]> {
+        T::unwrap(self.data.as_slice())
+    }
+    /// A view of the whole tensor.
+    pub fn view(&self) -> TensorRef<'_> {
+        TensorRef::from_slice(self.data.as_slice(), &self.shape, &contiguous_strides(&self.shape))
+    }
+    /// The elements widened to f32.
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        match &self.data {
+            Buffer::F32(d) => d.clone(),
+            Buffer::F16(d) => d.iter().map(|x| x.to_f32()).collect(),
+            Buffer::BF16(d) => d.iter().map(|x| x.to_f32()).collect(),
+        }
+    }
+    /// The elements widened to f64.
+    pub fn to_f64_vec(&self) -> Vec<f64> {
+        match &self.data {
+            Buffer::F32(d) => d.iter().map(|&x| x as f64).collect(),
+            Buffer::F16(d) => d.iter().map(|x| x.to_f64()).collect(),
+            Buffer::BF16(d) => d.iter().map(|x| x.to_f64()).collect(),
+        }
+    }
+}
