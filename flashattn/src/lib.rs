@@ -33,6 +33,7 @@ pub mod blocks;
 pub(crate) mod cpu;
 pub mod error;
 pub mod flops;
+pub mod naive;
 pub(crate) mod params;
 pub mod reference;
 pub mod tensor;
@@ -82,7 +83,7 @@ pub fn flash_attn_varlen(
 }
 
 /// The buffer of a validated tensor (its dtype was checked against `T`).
-fn data<'a, T: Element>(t: &TensorRef<'a>) -> &'a [T] {
+pub(crate) fn data<'a, T: Element>(t: &TensorRef<'a>) -> &'a [T] {
     t.typed::<T>().expect("dtype validated")
 }
 
