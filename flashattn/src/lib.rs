@@ -30,6 +30,7 @@
 //! - `delta`: `rowsum(dO ∘ O)`, the backward pass's softmax correction.
 
 pub mod blocks;
+pub mod dropout;
 pub(crate) mod cpu;
 pub mod error;
 pub mod flops;
@@ -53,6 +54,30 @@ pub struct AttnOutput {
     /// Log-sum-exp of each row's scaled scores (natural log), f32: `[batch, heads, seqlen_q]`
     /// (batched) or `[heads, total_q]` (packed). -inf for a row that sees no key.
     pub lse: Tensor,
+}
+
+/// What a backward call returns: gradients with the shapes and dtypes of q, k and v.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AttnGrads {
+    pub dq: Tensor,
+    pub dk: Tensor,
+    pub dv: Tensor,
+}
+
+impl AttnOutput {
+    /// The backward pass of the batched forward that produced `self`: gradients of `Σ out ∘ dout`
+    /// with respect to q, k and v. Pass the same q, k, v and options as the forward (the same
+    /// `seed` regenerates the same dropout mask). See [`flash_attn_backward`].
+    pub fn backward(
+        &self,
+        q: &TensorRef,
+        k: &TensorRef,
+        v: &TensorRef,
+        dout: &TensorRef,
+        opts: &AttnOptions,
+    ) -> Result<AttnGrads> {
+        flash_attn_backward(q, k, v, &self.out.view(), &self.lse.view(), dout, opts)
+    }
 }
 
 /// Attention over a batch of equal-length sequences.
@@ -85,6 +110,78 @@ pub fn flash_attn_varlen(
 /// The buffer of a validated tensor (its dtype was checked against `T`).
 pub(crate) fn data<'a, T: Element>(t: &TensorRef<'a>) -> &'a [T] {
     t.typed::<T>().expect("dtype validated")
+}
+
+/// Backward pass of [`flash_attn`]: gradients of `Σ out ∘ dout` with respect to q, k and v
+/// (accumulated in f32, returned in q's dtype, contiguous, shapes of q, k, v; for GQA/MQA, dk and dv
+/// sum over the query heads of each group).
+///
+/// `out` and `lse` are the forward's results for the same inputs and options; `dout` has q's shape
+/// and dtype (any strides, last dimension contiguous). Attention probabilities are recomputed
+/// tile by tile from q, k and `lse`; no buffer grows with seqlen_q · seqlen_k. Results are
+/// bit-identical for any thread count.
+pub fn flash_attn_backward(
+    q: &TensorRef,
+    k: &TensorRef,
+    v: &TensorRef,
+    out: &TensorRef,
+    lse: &TensorRef,
+    dout: &TensorRef,
+    opts: &AttnOptions,
+) -> Result<AttnGrads> {
+    let p = params::batched(q, k, v, opts)?;
+    let g = params::grad_inputs(&p, out, lse, dout)?;
+    Ok(backward(&p, &g, q, k, v, out, dout))
+}
+
+/// Backward pass of [`flash_attn_varlen`] (packed layout; `lse` `[heads, total_q]`).
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_varlen_backward(
+    q: &TensorRef,
+    k: &TensorRef,
+    v: &TensorRef,
+    out: &TensorRef,
+    lse: &TensorRef,
+    dout: &TensorRef,
+    cu_seqlens_q: &[i32],
+    cu_seqlens_k: &[i32],
+    opts: &AttnOptions,
+) -> Result<AttnGrads> {
+    let p = params::varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, opts)?;
+    let g = params::grad_inputs(&p, out, lse, dout)?;
+    Ok(backward(&p, &g, q, k, v, out, dout))
+}
+
+fn backward(
+    p: &Params,
+    g: &params::GradInputs,
+    q: &TensorRef,
+    k: &TensorRef,
+    v: &TensorRef,
+    out: &TensorRef,
+    dout: &TensorRef,
+) -> AttnGrads {
+    fn typed<T: Element>(
+        p: &Params,
+        g: &params::GradInputs,
+        q: &TensorRef,
+        k: &TensorRef,
+        v: &TensorRef,
+        out: &TensorRef,
+        dout: &TensorRef,
+    ) -> AttnGrads {
+        let (dq, dk, dv) = cpu::backward::backward(p, g, data(q), data(k), data(v), data(out), data(dout));
+        AttnGrads {
+            dq: Tensor::new_unchecked(T::wrap_vec(dq), p.out_shape.clone()),
+            dk: Tensor::new_unchecked(T::wrap_vec(dk), p.k_shape.clone()),
+            dv: Tensor::new_unchecked(T::wrap_vec(dv), p.k_shape.clone()),
+        }
+    }
+    match p.dtype {
+        DType::F32 => typed::<f32>(p, g, q, k, v, out, dout),
+        DType::F16 => typed::<f16>(p, g, q, k, v, out, dout),
+        DType::BF16 => typed::<bf16>(p, g, q, k, v, out, dout),
+    }
 }
 
 fn forward(p: &Params, q: &TensorRef, k: &TensorRef, v: &TensorRef) -> AttnOutput {

@@ -5,6 +5,7 @@
 //! offset of its first row in q, k and v, its lengths, and where its rows go in `out` and `lse`.
 //! Row `i`, head `h` of sequence `b` of q starts at `seqs[b].q_base + i * q.row_stride + h * q.head_stride`.
 
+use crate::dropout::Dropout;
 use crate::error::{CuSeqlensProblem, ErrorKind, Result, TensorName};
 use crate::tensor::{DType, TensorRef};
 
@@ -28,11 +29,24 @@ pub struct AttnOptions<'a> {
     pub softcap: Option<f32>,
     /// ALiBi slopes, f32, shape `[heads]` or `[batch, heads]`: bias `-slope * |i + sk - sq - j|`.
     pub alibi_slopes: Option<TensorRef<'a>>,
+    /// Probability of dropping an attention probability, in `[0, 1)`; kept ones are scaled by
+    /// `1 / (1 - p)`. The mask comes from Philox keyed by `seed` (see [`crate::dropout`]).
+    pub dropout_p: f32,
+    /// Seed of the dropout mask; the same seed gives the same mask forward and backward.
+    pub seed: u64,
 }
 
 impl Default for AttnOptions<'_> {
     fn default() -> Self {
-        AttnOptions { softmax_scale: None, causal: false, window: (-1, -1), softcap: None, alibi_slopes: None }
+        AttnOptions {
+            softmax_scale: None,
+            causal: false,
+            window: (-1, -1),
+            softcap: None,
+            alibi_slopes: None,
+            dropout_p: 0.0,
+            seed: 0,
+        }
     }
 }
 
@@ -57,6 +71,11 @@ impl<'a> AttnOptions<'a> {
         self.alibi_slopes = Some(slopes);
         self
     }
+    pub fn dropout(mut self, p: f32, seed: u64) -> Self {
+        self.dropout_p = p;
+        self.seed = seed;
+        self
+    }
 }
 
 /// Element strides of a q/k/v-like tensor's token and head dimensions (the last one is 1).
@@ -79,6 +98,8 @@ pub(crate) struct Seq {
     pub out_row0: usize,
     /// Index of (head 0, row 0) in `lse`.
     pub lse_base: usize,
+    /// Token index of key 0 in the contiguous `dk`/`dv` (`b * seqlen_k` batched, `cu_seqlens_k[b]` packed).
+    pub k_row0: usize,
 }
 
 /// Validated parameters: the whole contract between the API and the kernels.
@@ -98,6 +119,10 @@ pub(crate) struct Params {
     pub lse_head_stride: usize,
     pub out_shape: Vec<usize>,
     pub lse_shape: Vec<usize>,
+    /// Shape of k and v (and so of `dk`, `dv`).
+    pub k_shape: Vec<usize>,
+    /// Total key rows (batch * seqlen_k, or total_k when packed).
+    pub total_k: usize,
     pub softmax_scale: f32,
     pub softcap: Option<f32>,
     /// `None`: unbounded.
@@ -105,6 +130,9 @@ pub(crate) struct Params {
     pub window_right: Option<usize>,
     /// Slopes per (batch, head), `batch * heads` entries.
     pub alibi: Option<Vec<f32>>,
+    pub dropout: Option<Dropout>,
+    /// Whether q is packed (`[total_q, heads, d]`) rather than batched.
+    pub packed: bool,
 }
 
 impl Params {
@@ -117,6 +145,14 @@ impl Params {
     #[inline]
     pub fn lse_offset(&self, b: usize, h: usize, i: usize) -> usize {
         self.seqs[b].lse_base + h * self.lse_head_stride + i
+    }
+    /// Index into `dk`/`dv` of (sequence `b`, key `j`, kv head `hk`, 0).
+    #[inline]
+    pub fn dk_offset(&self, b: usize, j: usize, hk: usize) -> usize {
+        ((self.seqs[b].k_row0 + j) * self.heads_kv + hk) * self.head_dim
+    }
+    pub fn dk_len(&self) -> usize {
+        self.total_k * self.heads_kv * self.head_dim
     }
     /// The kv head that query head `h` reads.
     #[inline]
@@ -225,6 +261,7 @@ struct CheckedOptions {
     softcap: Option<f32>,
     window_left: Option<usize>,
     window_right: Option<usize>,
+    dropout: Option<Dropout>,
 }
 
 fn check_options(opts: &AttnOptions, head_dim: usize) -> Result<CheckedOptions> {
@@ -243,7 +280,17 @@ fn check_options(opts: &AttnOptions, head_dim: usize) -> Result<CheckedOptions> 
     }
     let bound = |w: i64| (w >= 0).then_some(w as usize);
     let window_right = if opts.causal { Some(0) } else { bound(right) };
-    Ok(CheckedOptions { softmax_scale, softcap: opts.softcap, window_left: bound(left), window_right })
+    let p = opts.dropout_p;
+    if !(0.0..1.0).contains(&p) {
+        return Err(ErrorKind::Dropout { p }.into());
+    }
+    Ok(CheckedOptions {
+        softmax_scale,
+        softcap: opts.softcap,
+        window_left: bound(left),
+        window_right,
+        dropout: Dropout::new(p, opts.seed),
+    })
 }
 
 /// Reads ALiBi slopes into one f32 per (batch, head).
@@ -271,6 +318,7 @@ fn check_alibi(opts: &AttnOptions, batch: usize, heads: usize) -> Result<Option<
 /// Validates a batched call: q `[batch, seqlen_q, heads, d]`, k/v `[batch, seqlen_k, heads_kv, d]`.
 pub(crate) fn batched(q: &TensorRef, k: &TensorRef, v: &TensorRef, opts: &AttnOptions) -> Result<Params> {
     const LAYOUT: &str = "[batch, seqlen, heads, head_dim]";
+    const PACKED: bool = false;
     let (heads, heads_kv, head_dim) = check_qkv(q, k, v, 4, LAYOUT)?;
     let (batch, seqlen_q, seqlen_k) = (q.shape()[0], q.shape()[1], k.shape()[1]);
     let o = check_options(opts, head_dim)?;
@@ -286,6 +334,7 @@ pub(crate) fn batched(q: &TensorRef, k: &TensorRef, v: &TensorRef, opts: &AttnOp
             v_base: b * v.strides()[0],
             out_row0: b * seqlen_q,
             lse_base: b * heads * seqlen_q,
+            k_row0: b * seqlen_k,
         })
         .collect();
     Ok(Params {
@@ -301,11 +350,15 @@ pub(crate) fn batched(q: &TensorRef, k: &TensorRef, v: &TensorRef, opts: &AttnOp
         lse_head_stride: seqlen_q,
         out_shape,
         lse_shape: vec![batch, heads, seqlen_q],
+        k_shape: k.shape().to_vec(),
+        total_k: batch * seqlen_k,
         softmax_scale: o.softmax_scale,
         softcap: o.softcap,
         window_left: o.window_left,
         window_right: o.window_right,
         alibi,
+        dropout: o.dropout,
+        packed: PACKED,
     })
 }
 
@@ -340,6 +393,7 @@ pub(crate) fn varlen(
     opts: &AttnOptions,
 ) -> Result<Params> {
     const LAYOUT: &str = "[total_tokens, heads, head_dim]";
+    const PACKED: bool = true;
     let (heads, heads_kv, head_dim) = check_qkv(q, k, v, 3, LAYOUT)?;
     check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, cu_seqlens_q.len().max(1), q.shape()[0])?;
     check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.len(), k.shape()[0])?;
@@ -361,6 +415,7 @@ pub(crate) fn varlen(
                 v_base: k0 * vl.row_stride,
                 out_row0: q0,
                 lse_base: q0,
+                k_row0: k0,
             }
         })
         .collect();
@@ -377,10 +432,75 @@ pub(crate) fn varlen(
         lse_head_stride: total_q,
         out_shape,
         lse_shape: vec![heads, total_q],
+        k_shape: k.shape().to_vec(),
+        total_k: k.shape()[0],
         softmax_scale: o.softmax_scale,
         softcap: o.softcap,
         window_left: o.window_left,
         window_right: o.window_right,
         alibi,
+        dropout: o.dropout,
+        packed: PACKED,
     })
+}
+
+/// A tensor laid out like q (`out`, `dout`): its row/head strides and, per sequence, the element
+/// offset of row 0, head 0.
+#[derive(Clone, Debug)]
+pub(crate) struct QLike {
+    pub layout: RowLayout,
+    pub bases: Vec<usize>,
+}
+
+impl QLike {
+    /// Element offset of (sequence b, row i, head h, 0).
+    #[inline]
+    pub fn offset(&self, b: usize, i: usize, h: usize) -> usize {
+        self.bases[b] + i * self.layout.row_stride + h * self.layout.head_stride
+    }
+}
+
+/// Checks a tensor that must have q's shape and dtype (any strides, last dimension contiguous).
+pub(crate) fn q_like(name: TensorName, t: &TensorRef, p: &Params) -> Result<QLike> {
+    let rank = p.out_shape.len();
+    let layout = if p.packed { "[total_q, heads, head_dim]" } else { "[batch, seqlen_q, heads, head_dim]" };
+    check_view(name, t, rank, layout)?;
+    check_dtype(name, t, p.dtype)?;
+    check_shape(name, t, &p.out_shape)?;
+    let bases = p
+        .seqs
+        .iter()
+        .enumerate()
+        .map(|(b, s)| if p.packed { s.out_row0 * t.strides()[0] } else { b * t.strides()[0] })
+        .collect();
+    Ok(QLike { layout: layout_of(t), bases })
+}
+
+/// What the backward pass reads besides q, k and v, validated.
+#[derive(Clone, Debug)]
+pub(crate) struct GradInputs {
+    pub out: QLike,
+    pub dout: QLike,
+    /// The forward's LSE, gathered contiguous in `p.lse_shape` order.
+    pub lse: Vec<f32>,
+}
+
+/// Validates `out`, `dout` (q's shape and dtype) and `lse` (f32, `p.lse_shape`).
+pub(crate) fn grad_inputs(p: &Params, out: &TensorRef, lse: &TensorRef, dout: &TensorRef) -> Result<GradInputs> {
+    let out = q_like("out", out, p)?;
+    let dout = q_like("dout", dout, p)?;
+    check_view("lse", lse, p.lse_shape.len(), if p.packed { "[heads, total_q]" } else { "[batch, heads, seqlen_q]" })?;
+    check_dtype("lse", lse, DType::F32)?;
+    check_shape("lse", lse, &p.lse_shape)?;
+    let data = lse.typed::<f32>().expect("dtype checked above");
+    let st = lse.strides();
+    let gathered = if p.packed {
+        (0..p.heads).flat_map(|h| (0..p.total_q).map(move |i| data[h * st[0] + i * st[1]])).collect()
+    } else {
+        let (batch, heads, sq) = (p.lse_shape[0], p.lse_shape[1], p.lse_shape[2]);
+        (0..batch)
+            .flat_map(|b| (0..heads).flat_map(move |h| (0..sq).map(move |i| data[b * st[0] + h * st[1] + i * st[2]])))
+            .collect()
+    };
+    Ok(GradInputs { out, dout, lse: gathered })
 }

@@ -1,15 +1,18 @@
-//! Naive attention in f64: the oracle the tests compare against.
+//! Naive attention in f64: the oracle the tests compare against, forward and backward.
 //!
-//! It builds each head's full `seqlen_q x seqlen_k` score matrix, applies the options straight from
-//! their written definitions (it does not use [`crate::blocks`], so a bounds bug there cannot hide in
-//! both), and normalises with an exact softmax. Slow and O(N²) in memory by design.
+//! It builds each head's full `seqlen_q x seqlen_k` score and probability matrices, applies the
+//! options straight from their written definitions (it does not use [`crate::blocks`], so a bounds
+//! bug there cannot hide in both), normalises with an exact softmax, and differentiates with the
+//! textbook formulas (no `delta` shortcut). Slow and O(N²) in memory by design. Its own gradients
+//! are checked against finite differences in this module's tests.
 
+use crate::dropout::Dropout;
 use crate::error::Result;
-use crate::params::{self, AttnOptions, Params};
+use crate::params::{self, AttnOptions, Params, QLike};
 use crate::tensor::{Slice, TensorRef};
 
-/// f64 results in the layouts of the fast path: `out` like q, `lse` `[batch, heads, seqlen_q]`
-/// (batched) or `[heads, total_q]` (packed).
+/// f64 forward results in the layouts of the fast path: `out` like q, `lse` `[batch, heads,
+/// seqlen_q]` (batched) or `[heads, total_q]` (packed).
 #[derive(Clone, Debug)]
 pub struct Reference {
     pub out: Vec<f64>,
@@ -18,22 +21,36 @@ pub struct Reference {
     pub lse_shape: Vec<usize>,
 }
 
-/// Reads element `idx` of a validated buffer as f64.
-pub(crate) fn read(data: Slice, idx: usize) -> f64 {
+/// f64 gradients, contiguous, with the shapes of q (`dq`) and k/v (`dk`, `dv`).
+#[derive(Clone, Debug)]
+pub struct ReferenceGrads {
+    pub dq: Vec<f64>,
+    pub dk: Vec<f64>,
+    pub dv: Vec<f64>,
+}
+
+/// A whole buffer widened to f64, indexed as the original.
+pub(crate) fn widen_all(data: Slice) -> Vec<f64> {
     match data {
-        Slice::F32(d) => d[idx] as f64,
-        Slice::F16(d) => d[idx].to_f64(),
-        Slice::BF16(d) => d[idx].to_f64(),
+        Slice::F32(d) => d.iter().map(|&x| x as f64).collect(),
+        Slice::F16(d) => d.iter().map(|x| x.to_f64()).collect(),
+        Slice::BF16(d) => d.iter().map(|x| x.to_f64()).collect(),
     }
 }
 
-/// Gathers one head row (head_dim values) of q/k/v as f64.
-pub(crate) fn head_row(data: Slice, base: usize, d: usize) -> Vec<f64> {
-    (0..d).map(|x| read(data, base + x)).collect()
+/// q, k, v (and optionally dout) as f64 buffers with the validated layouts of `p`.
+pub(crate) struct Inputs<'a> {
+    pub q: &'a [f64],
+    pub k: &'a [f64],
+    pub v: &'a [f64],
+}
+
+fn rows(buf: &[f64], base: usize, row_stride: usize, n: usize, d: usize) -> Vec<Vec<f64>> {
+    (0..n).map(|r| buf[base + r * row_stride..base + r * row_stride + d].to_vec()).collect()
 }
 
 /// Whether query `i` sees key `j`, written from the definition in the README.
-pub(crate) fn visible(p: &Params, sq: usize, sk: usize, i: usize, j: usize) -> bool {
+fn visible(p: &Params, sq: usize, sk: usize, i: usize, j: usize) -> bool {
     let diag = i as i64 + sk as i64 - sq as i64; // the key on query i's diagonal
     let j = j as i64;
     let left_ok = p.window_left.is_none_or(|l| j >= diag - l as i64);
@@ -41,70 +58,143 @@ pub(crate) fn visible(p: &Params, sq: usize, sk: usize, i: usize, j: usize) -> b
     left_ok && right_ok
 }
 
-/// The score of (query row, key row) after scale, softcap and ALiBi, or `None` when masked.
-pub(crate) fn score(p: &Params, b: usize, h: usize, i: usize, j: usize, qrow: &[f64], krow: &[f64]) -> Option<f64> {
-    let s = &p.seqs[b];
-    if !visible(p, s.seqlen_q, s.seqlen_k, i, j) {
-        return None;
-    }
-    let dot: f64 = qrow.iter().zip(krow).map(|(a, b)| a * b).sum();
-    let mut x = dot * p.softmax_scale as f64;
-    if let Some(cap) = p.softcap {
-        let cap = cap as f64;
-        x = cap * (x / cap).tanh();
-    }
-    if let Some(slope) = p.alibi_slope(b, h) {
-        let dist = (i as i64 + s.seqlen_k as i64 - s.seqlen_q as i64 - j as i64).abs();
-        x -= slope as f64 * dist as f64;
-    }
-    Some(x)
+/// One (sequence, head): everything forward and backward need, as full matrices.
+struct Head {
+    q: Vec<Vec<f64>>,
+    k: Vec<Vec<f64>>,
+    v: Vec<Vec<f64>>,
+    /// Probabilities before dropout (0 where masked).
+    p: Vec<Vec<f64>>,
+    /// Probabilities after dropout and its 1/(1-p) scaling: what multiplies V.
+    p_drop: Vec<Vec<f64>>,
+    /// Dropout's keep-mask (all true without dropout).
+    keep: Vec<Vec<bool>>,
+    /// d(score)/d(scaled dot product): 1, or 1 - tanh² with softcap.
+    dscore: Vec<Vec<f64>>,
+    lse: Vec<f64>,
 }
 
-/// Rows of q, k or v of one head as f64, `[rows][head_dim]`.
-pub(crate) fn head_rows(data: Slice, base: usize, row_stride: usize, head_offset: usize, rows: usize, d: usize) -> Vec<Vec<f64>> {
-    (0..rows).map(|r| head_row(data, base + r * row_stride + head_offset, d)).collect()
-}
-
-/// The full score matrix of (sequence b, head h), `None` where masked.
-pub(crate) fn score_matrix(p: &Params, b: usize, h: usize, q: &[Vec<f64>], k: &[Vec<f64>]) -> Vec<Vec<Option<f64>>> {
-    (0..q.len()).map(|i| (0..k.len()).map(|j| score(p, b, h, i, j, &q[i], &k[j])).collect()).collect()
-}
-
-/// Softmax of one row of scores: (probabilities, lse). A fully masked row gives zeros and -inf.
-pub(crate) fn softmax_row(row: &[Option<f64>]) -> (Vec<f64>, f64) {
-    let max = row.iter().flatten().fold(f64::NEG_INFINITY, |m, &x| m.max(x));
-    if max == f64::NEG_INFINITY {
-        return (vec![0.0; row.len()], f64::NEG_INFINITY);
+/// Query rows `row_range` of (sequence b, head h); row `r` of the result is query `row_range.start + r`.
+fn head(p: &Params, x: &Inputs, b: usize, h: usize, row_range: std::ops::Range<usize>) -> Head {
+    let (s, d, hk) = (p.seqs[b], p.head_dim, p.kv_head(h));
+    let (sq, sk) = (s.seqlen_q, s.seqlen_k);
+    let i0 = row_range.start;
+    let q = rows(x.q, s.q_base + i0 * p.q.row_stride + h * p.q.head_stride, p.q.row_stride, row_range.len(), d);
+    let k = rows(x.k, s.k_base + hk * p.k.head_stride, p.k.row_stride, sk, d);
+    let v = rows(x.v, s.v_base + hk * p.v.head_stride, p.v.row_stride, sk, d);
+    let mut scores = vec![vec![None; sk]; q.len()];
+    let mut dscore = vec![vec![1.0; sk]; q.len()];
+    for r in 0..q.len() {
+        let i = i0 + r;
+        for j in (0..sk).filter(|&j| visible(p, sq, sk, i, j)) {
+            let dot: f64 = q[r].iter().zip(&k[j]).map(|(a, b)| a * b).sum();
+            let mut val = dot * p.softmax_scale as f64;
+            if let Some(cap) = p.softcap {
+                let t = (val / cap as f64).tanh();
+                val = cap as f64 * t;
+                dscore[r][j] = 1.0 - t * t;
+            }
+            if let Some(slope) = p.alibi_slope(b, h) {
+                val -= slope as f64 * (i as i64 + sk as i64 - sq as i64 - j as i64).abs() as f64;
+            }
+            scores[r][j] = Some(val);
+        }
     }
-    let e: Vec<f64> = row.iter().map(|x| x.map_or(0.0, |x| (x - max).exp())).collect();
-    let sum: f64 = e.iter().sum();
-    (e.iter().map(|x| x / sum).collect(), max + sum.ln())
+    let mut probs = Vec::with_capacity(q.len());
+    let mut lse = Vec::with_capacity(q.len());
+    for row in &scores {
+        let max = row.iter().flatten().fold(f64::NEG_INFINITY, |m, &x| m.max(x));
+        if max == f64::NEG_INFINITY {
+            probs.push(vec![0.0; sk]);
+            lse.push(f64::NEG_INFINITY);
+            continue;
+        }
+        let sum: f64 = row.iter().flatten().map(|x| (x - max).exp()).sum();
+        probs.push(row.iter().map(|x| x.map_or(0.0, |x| (x - max).exp() / sum)).collect());
+        lse.push(max + sum.ln());
+    }
+    let keep = keep_rows(p.dropout, b, h, row_range, sk);
+    let drop_scale = p.dropout.map_or(1.0, |dr| 1.0 / (1.0 - dr.p() as f64));
+    let p_drop = probs
+        .iter()
+        .zip(&keep)
+        .map(|(row, kr)| row.iter().zip(kr).map(|(&x, &kept)| if kept { x * drop_scale } else { 0.0 }).collect())
+        .collect();
+    Head { q, k, v, p: probs, p_drop, keep, dscore, lse }
 }
 
-fn run(p: &Params, q: &TensorRef, k: &TensorRef, v: &TensorRef) -> Reference {
+fn keep_rows(drop: Option<Dropout>, b: usize, h: usize, rows: std::ops::Range<usize>, sk: usize) -> Vec<Vec<bool>> {
+    rows.map(|i| {
+        let mut keep = vec![true; sk];
+        if let Some(drop) = drop {
+            drop.keep_row(b, h, i, 0, &mut keep);
+        }
+        keep
+    })
+    .collect()
+}
+
+pub(crate) fn forward_core(p: &Params, x: &Inputs) -> Reference {
     let d = p.head_dim;
     let mut out = vec![0.0; p.out_len()];
-    let mut lse = vec![0.0; p.lse_len()];
-    for (b, s) in p.seqs.iter().enumerate() {
+    let mut lse = vec![f64::NEG_INFINITY; p.lse_len()];
+    for b in 0..p.seqs.len() {
         for h in 0..p.heads {
-            let hk = p.kv_head(h);
-            let qr = head_rows(q.data(), s.q_base, p.q.row_stride, h * p.q.head_stride, s.seqlen_q, d);
-            let kr = head_rows(k.data(), s.k_base, p.k.row_stride, hk * p.k.head_stride, s.seqlen_k, d);
-            let vr = head_rows(v.data(), s.v_base, p.v.row_stride, hk * p.v.head_stride, s.seqlen_k, d);
-            let scores = score_matrix(p, b, h, &qr, &kr);
-            for (i, row) in scores.iter().enumerate() {
-                let (probs, row_lse) = softmax_row(row);
+            let hd = head(p, x, b, h, 0..p.seqs[b].seqlen_q);
+            for (i, prow) in hd.p_drop.iter().enumerate() {
                 let o = p.out_offset(b, i, h);
-                for (j, pj) in probs.iter().enumerate() {
-                    for x in 0..d {
-                        out[o + x] += pj * vr[j][x];
+                for (pj, vj) in prow.iter().zip(&hd.v) {
+                    for c in 0..d {
+                        out[o + c] += pj * vj[c];
                     }
                 }
-                lse[p.lse_offset(b, h, i)] = row_lse;
+                lse[p.lse_offset(b, h, i)] = hd.lse[i];
             }
         }
     }
     Reference { out, lse, out_shape: p.out_shape.clone(), lse_shape: p.lse_shape.clone() }
+}
+
+pub(crate) fn backward_core(p: &Params, x: &Inputs, dout: &[f64], dout_layout: &QLike) -> ReferenceGrads {
+    let d = p.head_dim;
+    let scale = p.softmax_scale as f64;
+    let mut dq = vec![0.0; p.out_len()];
+    let mut dk = vec![0.0; p.dk_len()];
+    let mut dv = vec![0.0; p.dk_len()];
+    for b in 0..p.seqs.len() {
+        for h in 0..p.heads {
+            let hd = head(p, x, b, h, 0..p.seqs[b].seqlen_q);
+            let hk = p.kv_head(h);
+            let (sq, sk) = (hd.q.len(), hd.k.len());
+            let drop_scale = p.dropout.map_or(1.0, |dr| 1.0 / (1.0 - dr.p() as f64));
+            for i in 0..sq {
+                let at = dout_layout.offset(b, i, h);
+                let d_o = &dout[at..at + d];
+                // dP[j] = d(out_i)/d(P_ij): through dropout, dO_i · V_j · keep / (1 - p).
+                let dp: Vec<f64> = (0..sk)
+                    .map(|j| {
+                        let factor = if hd.keep[i][j] { drop_scale } else { 0.0 };
+                        factor * d_o.iter().zip(&hd.v[j]).map(|(a, b)| a * b).sum::<f64>()
+                    })
+                    .collect();
+                let pdp: f64 = (0..sk).map(|j| hd.p[i][j] * dp[j]).sum();
+                for j in 0..sk {
+                    let dsc = hd.p[i][j] * (dp[j] - pdp) * hd.dscore[i][j] * scale;
+                    for c in 0..d {
+                        dq[p.out_offset(b, i, h) + c] += dsc * hd.k[j][c];
+                        dk[p.dk_offset(b, j, hk) + c] += dsc * hd.q[i][c];
+                        dv[p.dk_offset(b, j, hk) + c] += hd.p_drop[i][j] * d_o[c];
+                    }
+                }
+            }
+        }
+    }
+    ReferenceGrads { dq, dk, dv }
+}
+
+fn run(p: &Params, q: &TensorRef, k: &TensorRef, v: &TensorRef) -> Reference {
+    let (q, k, v) = (widen_all(q.data()), widen_all(k.data()), widen_all(v.data()));
+    forward_core(p, &Inputs { q: &q, k: &k, v: &v })
 }
 
 /// Naive f64 attention, batched layout (same validation and errors as [`crate::flash_attn`]).
@@ -126,8 +216,42 @@ pub fn attention_varlen(
     Ok(run(&p, q, k, v))
 }
 
+fn run_backward(p: &Params, q: &TensorRef, k: &TensorRef, v: &TensorRef, dout: &TensorRef) -> Result<ReferenceGrads> {
+    let layout = params::q_like("dout", dout, p)?;
+    let (q, k, v, dout) = (widen_all(q.data()), widen_all(k.data()), widen_all(v.data()), widen_all(dout.data()));
+    Ok(backward_core(p, &Inputs { q: &q, k: &k, v: &v }, &dout, &layout))
+}
+
+/// Gradients of `Σ out ∘ dout` in f64, batched layout; recomputes the forward itself.
+pub fn attention_backward(
+    q: &TensorRef,
+    k: &TensorRef,
+    v: &TensorRef,
+    dout: &TensorRef,
+    opts: &AttnOptions,
+) -> Result<ReferenceGrads> {
+    let p = params::batched(q, k, v, opts)?;
+    run_backward(&p, q, k, v, dout)
+}
+
+/// Gradients in f64, packed layout.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_varlen_backward(
+    q: &TensorRef,
+    k: &TensorRef,
+    v: &TensorRef,
+    dout: &TensorRef,
+    cu_seqlens_q: &[i32],
+    cu_seqlens_k: &[i32],
+    opts: &AttnOptions,
+) -> Result<ReferenceGrads> {
+    let p = params::varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, opts)?;
+    run_backward(&p, q, k, v, dout)
+}
+
 /// One output row of the batched layout, for spot checks on shapes too large for [`attention`]:
 /// `(out row of head_dim values, lse)` of (batch `b`, head `h`, query row `i`).
+#[allow(clippy::too_many_arguments)]
 pub fn attention_row(
     q: &TensorRef,
     k: &TensorRef,
@@ -138,17 +262,82 @@ pub fn attention_row(
     i: usize,
 ) -> Result<(Vec<f64>, f64)> {
     let p = params::batched(q, k, v, opts)?;
-    let (d, s, hk) = (p.head_dim, p.seqs[b], p.kv_head(h));
-    let qrow = head_row(q.data(), s.q_base + i * p.q.row_stride + h * p.q.head_stride, d);
-    let kr = head_rows(k.data(), s.k_base, p.k.row_stride, hk * p.k.head_stride, s.seqlen_k, d);
-    let scores: Vec<Option<f64>> = (0..s.seqlen_k).map(|j| score(&p, b, h, i, j, &qrow, &kr[j])).collect();
-    let (probs, lse) = softmax_row(&scores);
-    let mut out = vec![0.0; d];
-    for (j, pj) in probs.iter().enumerate().filter(|(_, &pj)| pj != 0.0) {
-        let vrow = head_row(v.data(), s.v_base + j * p.v.row_stride + hk * p.v.head_stride, d);
-        for x in 0..d {
-            out[x] += pj * vrow[x];
+    let (q, k, v) = (widen_all(q.data()), widen_all(k.data()), widen_all(v.data()));
+    let hd = head(&p, &Inputs { q: &q, k: &k, v: &v }, b, h, i..i + 1);
+    let mut out = vec![0.0; p.head_dim];
+    for (pj, vj) in hd.p_drop[0].iter().zip(&hd.v) {
+        for (o, x) in out.iter_mut().zip(vj) {
+            *o += pj * x;
         }
     }
-    Ok((out, lse))
+    Ok((out, hd.lse[0]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::TensorRef;
+
+    fn lcg(seed: &mut u64) -> f32 {
+        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    /// The reference backward agrees with central finite differences of the reference forward,
+    /// with every option on (GQA, window, softcap, ALiBi, dropout, seqlen_q != seqlen_k).
+    #[test]
+    fn backward_matches_finite_differences() {
+        let (b, sq, sk, h, hk, d) = (2usize, 5usize, 7usize, 4usize, 2usize, 3usize);
+        let mut seed = 7u64;
+        let mut gen = |n: usize| -> Vec<f32> { (0..n).map(|_| lcg(&mut seed)).collect() };
+        let (q, k, v, dout) = (gen(b * sq * h * d), gen(b * sk * hk * d), gen(b * sk * hk * d), gen(b * sq * h * d));
+        let slopes = [0.3f32, 0.1, 0.7, 0.2];
+        for (causal, window, softcap, alibi, dropout) in [
+            (false, (-1, -1), None, false, 0.0),
+            (true, (-1, -1), Some(1.5f32), true, 0.0),
+            (false, (3, 1), Some(2.0), false, 0.3),
+            (true, (2, -1), None, true, 0.5),
+        ] {
+            let mut opts = AttnOptions::default().causal(causal).window(window.0, window.1).dropout(dropout, 11);
+            opts.softcap = softcap;
+            if alibi {
+                opts.alibi_slopes = Some(TensorRef::contiguous(&slopes, &[h]));
+            }
+            let qt = TensorRef::contiguous(&q, &[b, sq, h, d]);
+            let kt = TensorRef::contiguous(&k, &[b, sk, hk, d]);
+            let vt = TensorRef::contiguous(&v, &[b, sk, hk, d]);
+            let p = params::batched(&qt, &kt, &vt, &opts).unwrap();
+            let dt = TensorRef::contiguous(&dout, &[b, sq, h, d]);
+            let layout = params::q_like("dout", &dt, &p).unwrap();
+            let (q64, k64, v64, do64) = (widen_all(qt.data()), widen_all(kt.data()), widen_all(vt.data()), widen_all(dt.data()));
+            let grads = backward_core(&p, &Inputs { q: &q64, k: &k64, v: &v64 }, &do64, &layout);
+            let loss = |q: &[f64], k: &[f64], v: &[f64]| -> f64 {
+                let r = forward_core(&p, &Inputs { q, k, v });
+                r.out.iter().zip(&do64).map(|(a, b)| a * b).sum()
+            };
+            let eps = 1e-6;
+            let mut worst = 0f64;
+            for which in 0..3 {
+                let (base, grad) = match which {
+                    0 => (&q64, &grads.dq),
+                    1 => (&k64, &grads.dk),
+                    _ => (&v64, &grads.dv),
+                };
+                for idx in 0..base.len() {
+                    let mut plus = base.clone();
+                    let mut minus = base.clone();
+                    plus[idx] += eps;
+                    minus[idx] -= eps;
+                    let (lp, lm) = match which {
+                        0 => (loss(&plus, &k64, &v64), loss(&minus, &k64, &v64)),
+                        1 => (loss(&q64, &plus, &v64), loss(&q64, &minus, &v64)),
+                        _ => (loss(&q64, &k64, &plus), loss(&q64, &k64, &minus)),
+                    };
+                    let fd = (lp - lm) / (2.0 * eps);
+                    worst = worst.max((fd - grad[idx]).abs());
+                }
+            }
+            assert!(worst < 1e-7, "causal={causal} window={window:?} softcap={softcap:?} alibi={alibi} dropout={dropout}: worst |fd - grad| = {worst:e}");
+        }
+    }
 }

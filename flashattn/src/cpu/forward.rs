@@ -10,6 +10,7 @@ use super::kernels::{pv, qk};
 use super::softmax::{finalize, max_get_scale, online_softmax, rescale_o, RowStats};
 use super::{block_sizes, BlockSizes, Disjoint};
 use crate::blocks::Mask;
+use crate::dropout::Dropout;
 use crate::params::{Params, LOG2_E};
 use crate::tensor::Element;
 use rayon::prelude::*;
@@ -24,6 +25,7 @@ pub(crate) struct Scratch {
     row_max: Vec<f32>,
     row_sum: Vec<f32>,
     alpha: Vec<f32>,
+    keep: Vec<bool>,
 }
 
 impl Scratch {
@@ -38,6 +40,7 @@ impl Scratch {
             row_max: vec![0.0; bm],
             row_sum: vec![0.0; bm],
             alpha: vec![0.0; bm],
+            keep: vec![true; bn],
         }
     }
 }
@@ -94,6 +97,20 @@ pub(crate) fn load_tile<T: Element>(src: &[T], base: usize, row_stride: usize, r
     for r in 0..rows {
         let at = base + r * row_stride;
         T::widen(&src[at..at + d], &mut dst[r * d..(r + 1) * d]);
+    }
+}
+
+/// Zeroes the dropped probabilities of the tile of rows `m0..`, keys `n0..n0 + cols` (the 1/(1-p)
+/// factor is applied once, at the end).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn apply_dropout(drop: Dropout, b: usize, h: usize, m0: usize, n0: usize, s: &mut [f32], cols: usize, keep: &mut [bool]) {
+    for (r, row) in s.chunks_exact_mut(cols).enumerate() {
+        drop.keep_row(b, h, m0 + r, n0, &mut keep[..cols]);
+        for (x, &kept) in row.iter_mut().zip(keep.iter()) {
+            if !kept {
+                *x = 0.0;
+            }
+        }
     }
 }
 
@@ -186,12 +203,17 @@ fn forward_block<T: Element>(
         let mut stats = RowStats { row_max: &mut scr.row_max[..rows], row_sum: &mut scr.row_sum[..rows] };
         online_softmax(s, cols, &mut stats, &scr.alpha[..rows]);
         rescale_o(&mut scr.acc_o[..rows * d], d, &scr.alpha[..rows]);
+        if let Some(drop) = p.dropout {
+            // row_sum keeps the undropped probabilities (the softmax normaliser); only P·V sees the mask.
+            apply_dropout(drop, b, h, m0, n0, s, cols, &mut scr.keep);
+        }
         pv(s, &scr.v, &mut scr.acc_o[..rows * d], rows, cols, d);
     }
 
+    let out_scale = p.dropout.map_or(1.0, |drop| drop.scale());
     for r in 0..rows {
         let acc = &mut scr.acc_o[r * d..(r + 1) * d];
-        let row_lse = finalize(acc, scr.row_max[r], scr.row_sum[r]);
+        let row_lse = finalize(acc, scr.row_max[r], scr.row_sum[r], out_scale);
         T::narrow(acc, row_buf);
         // SAFETY: rows m0..m1 of head h of sequence b belong to this work item alone.
         unsafe {

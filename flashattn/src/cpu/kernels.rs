@@ -26,6 +26,17 @@ pub(crate) fn pv(p: &[f32], v: &[f32], acc: &mut [f32], rows: usize, cols: usize
     }
 }
 
+/// `acc[c] += Σ_r p[r * cols + c] · x[r]` for a `rows x cols` tile `p` and a `rows x d` tile `x`
+/// (the transposed product of the backward pass: dV += Pᵀ·dO, dK += dSᵀ·Q).
+pub(crate) fn ptx(p: &[f32], x: &[f32], acc: &mut [f32], rows: usize, cols: usize, d: usize) {
+    for r in 0..rows {
+        let xr = &x[r * d..(r + 1) * d];
+        for (c, &prc) in p[r * cols..(r + 1) * cols].iter().enumerate() {
+            axpy(prc, xr, &mut acc[c * d..(c + 1) * d]);
+        }
+    }
+}
+
 /// Dot product with 8 independent partial sums combined in a fixed order (deterministic).
 #[inline(always)]
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -70,6 +81,14 @@ mod tests {
                 for c in 0..cols {
                     let want: f64 = (0..d).map(|x| q[r * d + x] as f64 * k[c * d + x] as f64).sum();
                     assert!((s[r * cols + c] as f64 - want).abs() < 1e-4 * (1.0 + want.abs()));
+                }
+            }
+            let mut acct = vec![0.5f32; cols * d];
+            ptx(&s, &q, &mut acct, rows, cols, d);
+            for c in 0..cols {
+                for x in 0..d {
+                    let want: f64 = 0.5 + (0..rows).map(|r| s[r * cols + c] as f64 * q[r * d + x] as f64).sum::<f64>();
+                    assert!((acct[c * d + x] as f64 - want).abs() < 1e-4 * (1.0 + want.abs()));
                 }
             }
             let mut acc = vec![1.0f32; rows * d];

@@ -3,6 +3,7 @@
 //! Work is split into independent items (sequence, head, query block); each item owns the output
 //! rows it writes, so results do not depend on the number of threads or on scheduling.
 
+pub(crate) mod backward;
 pub(crate) mod forward;
 pub(crate) mod kernels;
 pub(crate) mod softmax;

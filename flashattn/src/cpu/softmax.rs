@@ -74,14 +74,14 @@ pub(crate) fn rescale_o(acc_o: &mut [f32], d: usize, alpha: &[f32]) {
     }
 }
 
-/// Normalises `acc_o` by `row_sum` and returns the row's natural-log LSE; a row that saw no key
-/// (`row_sum == 0`) becomes 0 with LSE -inf.
-pub(crate) fn finalize(acc_row: &mut [f32], row_max: f32, row_sum: f32) -> f32 {
+/// Normalises `acc_o` by `row_sum` (times `out_scale`, dropout's 1/(1-p)) and returns the row's
+/// natural-log LSE; a row that saw no key (`row_sum == 0`) becomes 0 with LSE -inf.
+pub(crate) fn finalize(acc_row: &mut [f32], row_max: f32, row_sum: f32, out_scale: f32) -> f32 {
     if row_sum == 0.0 {
         acc_row.iter_mut().for_each(|x| *x = 0.0);
         return f32::NEG_INFINITY;
     }
-    let inv = 1.0 / row_sum;
+    let inv = out_scale / row_sum;
     acc_row.iter_mut().for_each(|x| *x *= inv);
     (row_max + row_sum.log2()) * std::f32::consts::LN_2
 }
