@@ -16,8 +16,18 @@ pub(crate) struct Mask {
 }
 
 impl Mask {
-    pub fn new(seqlen_q: usize, seqlen_k: usize, left: Option<usize>, right: Option<usize>) -> Self {
-        Mask { seqlen_k, offset: seqlen_k as i64 - seqlen_q as i64, left, right }
+    pub fn new(
+        seqlen_q: usize,
+        seqlen_k: usize,
+        left: Option<usize>,
+        right: Option<usize>,
+    ) -> Self {
+        Mask {
+            seqlen_k,
+            offset: seqlen_k as i64 - seqlen_q as i64,
+            left,
+            right,
+        }
     }
 
     /// First visible key of row `i` (clipped to `0..=seqlen_k`).
@@ -34,7 +44,9 @@ impl Mask {
     fn hi(&self, i: usize) -> usize {
         match self.right {
             None => self.seqlen_k,
-            Some(r) => (i as i64 + self.offset + r as i64 + 1).clamp(0, self.seqlen_k as i64) as usize,
+            Some(r) => {
+                (i as i64 + self.offset + r as i64 + 1).clamp(0, self.seqlen_k as i64) as usize
+            }
         }
     }
 
@@ -97,7 +109,8 @@ mod tests {
                                     }
                                     for nb in nb0..nb1 {
                                         let (n0, n1) = (nb * bn, ((nb + 1) * bn).min(sk));
-                                        let all = (m0..m1).all(|i| (n0..n1).all(|j| visible(&m, i, j)));
+                                        let all =
+                                            (m0..m1).all(|i| (n0..n1).all(|j| visible(&m, i, j)));
                                         assert_eq!(!m.needs_mask(m0, m1, n0, n1), all);
                                     }
                                 }

@@ -24,7 +24,12 @@ pub fn philox4x32_10(counter: [u32; 4], key: [u32; 2]) -> [u32; 4] {
         }
         let p0 = M0 as u64 * c[0] as u64;
         let p1 = M1 as u64 * c[2] as u64;
-        c = [(p1 >> 32) as u32 ^ c[1] ^ k[0], p1 as u32, (p0 >> 32) as u32 ^ c[3] ^ k[1], p0 as u32];
+        c = [
+            (p1 >> 32) as u32 ^ c[1] ^ k[0],
+            p1 as u32,
+            (p0 >> 32) as u32 ^ c[3] ^ k[1],
+            p0 as u32,
+        ];
     }
     c
 }
@@ -41,7 +46,11 @@ pub struct Dropout {
 impl Dropout {
     /// `None` when `p == 0` (no dropout). `p` must lie in `[0, 1)`; callers validate.
     pub(crate) fn new(p: f32, seed: u64) -> Option<Self> {
-        (p > 0.0).then(|| Dropout { p, seed, threshold: ((1.0 - p as f64) * 4_294_967_296.0).round() as u64 })
+        (p > 0.0).then(|| Dropout {
+            p,
+            seed,
+            threshold: ((1.0 - p as f64) * 4_294_967_296.0).round() as u64,
+        })
     }
 
     pub fn p(&self) -> f32 {
@@ -77,7 +86,14 @@ impl Dropout {
 /// The keep-mask of one (sequence `b`, head `h`) as `seqlen_q x seqlen_k` booleans, row-major,
 /// exactly as the forward and backward passes regenerate it (like flash-attn's
 /// `return_attn_probs`, for tests and debugging). All `true` when `p == 0`.
-pub fn keep_mask(seed: u64, p: f32, b: usize, h: usize, seqlen_q: usize, seqlen_k: usize) -> Vec<bool> {
+pub fn keep_mask(
+    seed: u64,
+    p: f32,
+    b: usize,
+    h: usize,
+    seqlen_q: usize,
+    seqlen_k: usize,
+) -> Vec<bool> {
     let mut keep = vec![true; seqlen_q * seqlen_k];
     if let Some(d) = Dropout::new(p, seed).filter(|_| seqlen_k > 0) {
         for (row, chunk) in keep.chunks_exact_mut(seqlen_k).enumerate() {
@@ -94,10 +110,19 @@ mod tests {
     /// Known-answer vectors of Random123's `kat_vectors` for philox4x32 10.
     #[test]
     fn philox_known_answers() {
-        assert_eq!(philox4x32_10([0; 4], [0; 2]), [0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8]);
-        assert_eq!(philox4x32_10([u32::MAX; 4], [u32::MAX; 2]), [0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd]);
         assert_eq!(
-            philox4x32_10([0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344], [0xa4093822, 0x299f31d0]),
+            philox4x32_10([0; 4], [0; 2]),
+            [0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8]
+        );
+        assert_eq!(
+            philox4x32_10([u32::MAX; 4], [u32::MAX; 2]),
+            [0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd]
+        );
+        assert_eq!(
+            philox4x32_10(
+                [0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344],
+                [0xa4093822, 0x299f31d0]
+            ),
             [0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1]
         );
     }
@@ -124,7 +149,10 @@ mod tests {
             let rate = m.iter().filter(|&&k| k).count() as f64 / n;
             let q = 1.0 - p as f64;
             let sigma = (q * (1.0 - q) / n).sqrt();
-            assert!((rate - q).abs() < 5.0 * sigma, "p={p}: keep rate {rate}, expected {q} ± {sigma}");
+            assert!(
+                (rate - q).abs() < 5.0 * sigma,
+                "p={p}: keep rate {rate}, expected {q} ± {sigma}"
+            );
         }
     }
 }

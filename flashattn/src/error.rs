@@ -16,7 +16,11 @@ pub enum CuSeqlensProblem {
     /// The first entry must be 0.
     NotStartingAtZero { first: i32 },
     /// Entries must not decrease.
-    Decreasing { index: usize, previous: i32, value: i32 },
+    Decreasing {
+        index: usize,
+        previous: i32,
+        value: i32,
+    },
     /// The last entry points past the packed tensor's token dimension.
     PastTensor { last: i32, total: usize },
 }
@@ -25,16 +29,26 @@ impl fmt::Display for CuSeqlensProblem {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             CuSeqlensProblem::Length { expected, got } => {
-                write!(f, "has {got} entries, expected {expected} (batch + 1, at least 1)")
+                write!(
+                    f,
+                    "has {got} entries, expected {expected} (batch + 1, at least 1)"
+                )
             }
             CuSeqlensProblem::NotStartingAtZero { first } => {
                 write!(f, "starts at {first}, must start at 0")
             }
-            CuSeqlensProblem::Decreasing { index, previous, value } => {
+            CuSeqlensProblem::Decreasing {
+                index,
+                previous,
+                value,
+            } => {
                 write!(f, "decreases at entry {index}: {previous} then {value}")
             }
             CuSeqlensProblem::PastTensor { last, total } => {
-                write!(f, "ends at {last}, past the {total} tokens of the packed tensor")
+                write!(
+                    f,
+                    "ends at {last}, past the {total} tokens of the packed tensor"
+                )
             }
         }
     }
@@ -45,34 +59,68 @@ impl fmt::Display for CuSeqlensProblem {
 #[non_exhaustive]
 pub enum ErrorKind {
     #[error("tensor `{tensor}` has rank {got}, expected {expected} ({layout})")]
-    Rank { tensor: TensorName, expected: usize, got: usize, layout: &'static str },
+    Rank {
+        tensor: TensorName,
+        expected: usize,
+        got: usize,
+        layout: &'static str,
+    },
     #[error("tensor `{tensor}` has {strides} strides for {dims} dimensions")]
-    StridesRank { tensor: TensorName, dims: usize, strides: usize },
+    StridesRank {
+        tensor: TensorName,
+        dims: usize,
+        strides: usize,
+    },
     #[error("tensor `{tensor}` has shape {got:?}, expected {expected:?}")]
-    Shape { tensor: TensorName, expected: Vec<usize>, got: Vec<usize> },
+    Shape {
+        tensor: TensorName,
+        expected: Vec<usize>,
+        got: Vec<usize>,
+    },
     #[error("tensor `{tensor}` has dtype {got}, expected {expected}")]
-    DType { tensor: TensorName, expected: DType, got: DType },
+    DType {
+        tensor: TensorName,
+        expected: DType,
+        got: DType,
+    },
     #[error("tensor `{tensor}` has head_dim {head_dim}; supported: 1..=256")]
     HeadDim { tensor: TensorName, head_dim: usize },
     #[error("heads ({heads}) must be a positive multiple of heads_kv ({heads_kv})")]
     HeadsNotMultiple { heads: usize, heads_kv: usize },
-    #[error("tensor `{tensor}`: the last dimension must be contiguous (stride 1), got stride {stride}")]
+    #[error(
+        "tensor `{tensor}`: the last dimension must be contiguous (stride 1), got stride {stride}"
+    )]
     LastDimNotContiguous { tensor: TensorName, stride: usize },
     #[error(
         "tensor `{tensor}`: shape {shape:?} with strides {strides:?} reaches element {needed}, \
          but the buffer holds {len}"
     )]
-    OutOfBounds { tensor: TensorName, shape: Vec<usize>, strides: Vec<usize>, needed: u128, len: usize },
+    OutOfBounds {
+        tensor: TensorName,
+        shape: Vec<usize>,
+        strides: Vec<usize>,
+        needed: u128,
+        len: usize,
+    },
     #[error("window ({left}, {right}) is invalid: each side must be -1 (unbounded) or >= 0")]
     Window { left: i64, right: i64 },
-    #[error("softcap {softcap} is invalid: it must be a finite number > 0 (leave it unset to disable)")]
+    #[error(
+        "softcap {softcap} is invalid: it must be a finite number > 0 (leave it unset to disable)"
+    )]
     Softcap { softcap: f32 },
     #[error("softmax_scale {scale} is invalid: it must be finite")]
     Scale { scale: f32 },
     #[error("alibi_slopes has shape {got:?}, expected [{heads}] or [{batch}, {heads}]")]
-    AlibiShape { got: Vec<usize>, batch: usize, heads: usize },
+    AlibiShape {
+        got: Vec<usize>,
+        batch: usize,
+        heads: usize,
+    },
     #[error("`{tensor}` {problem}")]
-    CuSeqlens { tensor: TensorName, problem: CuSeqlensProblem },
+    CuSeqlens {
+        tensor: TensorName,
+        problem: CuSeqlensProblem,
+    },
     #[error("dropout_p {p} is invalid: it must be in [0, 1)")]
     Dropout { p: f32 },
     #[error("tensor `{tensor}` is too large: its size overflows the address space")]

@@ -5,7 +5,12 @@
 use crate::blocks::Mask;
 
 /// Visible (query, key) pairs of one sequence under a window (`None` = unbounded side).
-pub fn visible_pairs(seqlen_q: usize, seqlen_k: usize, window_left: Option<usize>, window_right: Option<usize>) -> u64 {
+pub fn visible_pairs(
+    seqlen_q: usize,
+    seqlen_k: usize,
+    window_left: Option<usize>,
+    window_right: Option<usize>,
+) -> u64 {
     let m = Mask::new(seqlen_q, seqlen_k, window_left, window_right);
     (0..seqlen_q)
         .map(|i| {
@@ -42,6 +47,9 @@ mod tests {
     fn causal_square_counts_the_lower_triangle() {
         assert_eq!(super::visible_pairs(4, 4, None, Some(0)), 10);
         assert_eq!(super::visible_pairs(4, 4, None, None), 16);
-        assert_eq!(super::forward(2, 3, 4, 4, 8, true, (-1, -1)), 4.0 * 2.0 * 3.0 * 8.0 * 10.0);
+        assert_eq!(
+            super::forward(2, 3, 4, 4, 8, true, (-1, -1)),
+            4.0 * 2.0 * 3.0 * 8.0 * 10.0
+        );
     }
 }

@@ -30,8 +30,8 @@
 //! - `delta`: `rowsum(dO ∘ O)`, the backward pass's softmax correction.
 
 pub mod blocks;
-pub mod dropout;
 pub(crate) mod cpu;
+pub mod dropout;
 pub mod error;
 pub mod flops;
 pub mod naive;
@@ -85,7 +85,12 @@ impl AttnOutput {
 /// q `[batch, seqlen_q, heads, head_dim]`, k and v `[batch, seqlen_k, heads_kv, head_dim]`, all of
 /// one dtype (f32, f16 or bf16); `heads` a multiple of `heads_kv` (MQA/GQA: query head h reads kv
 /// head `h / (heads / heads_kv)`). Runs on the current rayon pool.
-pub fn flash_attn(q: &TensorRef, k: &TensorRef, v: &TensorRef, opts: &AttnOptions) -> Result<AttnOutput> {
+pub fn flash_attn(
+    q: &TensorRef,
+    k: &TensorRef,
+    v: &TensorRef,
+    opts: &AttnOptions,
+) -> Result<AttnOutput> {
     let p = params::batched(q, k, v, opts)?;
     Ok(forward(&p, q, k, v))
 }
@@ -170,7 +175,8 @@ fn backward(
         out: &TensorRef,
         dout: &TensorRef,
     ) -> AttnGrads {
-        let (dq, dk, dv) = cpu::backward::backward(p, g, data(q), data(k), data(v), data(out), data(dout));
+        let (dq, dk, dv) =
+            cpu::backward::backward(p, g, data(q), data(k), data(v), data(out), data(dout));
         AttnGrads {
             dq: Tensor::new_unchecked(T::wrap_vec(dq), p.out_shape.clone()),
             dk: Tensor::new_unchecked(T::wrap_vec(dk), p.k_shape.clone()),

@@ -22,7 +22,12 @@ pub fn memory_bytes(batch: usize, heads: usize, seqlen_q: usize, seqlen_k: usize
 
 /// Naive attention, batched layout; same arguments, validation and result layout as
 /// [`crate::flash_attn`].
-pub fn attention(q: &TensorRef, k: &TensorRef, v: &TensorRef, opts: &AttnOptions) -> Result<AttnOutput> {
+pub fn attention(
+    q: &TensorRef,
+    k: &TensorRef,
+    v: &TensorRef,
+    opts: &AttnOptions,
+) -> Result<AttnOutput> {
     let p = params::batched(q, k, v, opts)?;
     Ok(dispatch(&p, q, k, v))
 }
@@ -114,7 +119,10 @@ fn head<T: Element>(
     let rows = |src: &[T], base: usize, stride: usize, n: usize| -> Vec<f32> {
         let mut m = vec![0f32; n * d];
         for r in 0..n {
-            T::widen(&src[base + r * stride..base + r * stride + d], &mut m[r * d..(r + 1) * d]);
+            T::widen(
+                &src[base + r * stride..base + r * stride + d],
+                &mut m[r * d..(r + 1) * d],
+            );
         }
         m
     };
@@ -128,7 +136,9 @@ fn head<T: Element>(
         let srow = &mut s_mat[i * sk..(i + 1) * sk];
         let diag = i as i64 + diag_offset;
         for (j, x) in srow.iter_mut().enumerate() {
-            let mut val = round::<T>(round::<T>(dot(&qm[i * d..(i + 1) * d], &km[j * d..(j + 1) * d])) * p.softmax_scale);
+            let mut val = round::<T>(
+                round::<T>(dot(&qm[i * d..(i + 1) * d], &km[j * d..(j + 1) * d])) * p.softmax_scale,
+            );
             if let Some(cap) = p.softcap {
                 val = round::<T>(cap * (val / cap).tanh());
             }
@@ -136,7 +146,8 @@ fn head<T: Element>(
                 val = round::<T>(val - slope * (diag - j as i64).unsigned_abs() as f32);
             }
             let j = j as i64;
-            let hidden = p.window_left.is_some_and(|l| j < diag - l as i64) || p.window_right.is_some_and(|r| j > diag + r as i64);
+            let hidden = p.window_left.is_some_and(|l| j < diag - l as i64)
+                || p.window_right.is_some_and(|r| j > diag + r as i64);
             *x = if hidden { f32::NEG_INFINITY } else { val };
         }
         let max = srow.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));

@@ -172,23 +172,47 @@ impl Params {
 
 /// Checks rank, stride count, contiguity of the last dimension and that every element the view
 /// addresses lies inside its buffer.
-pub(crate) fn check_view(name: TensorName, t: &TensorRef, rank: usize, layout: &'static str) -> Result<()> {
+pub(crate) fn check_view(
+    name: TensorName,
+    t: &TensorRef,
+    rank: usize,
+    layout: &'static str,
+) -> Result<()> {
     if t.shape().len() != rank {
-        return Err(ErrorKind::Rank { tensor: name, expected: rank, got: t.shape().len(), layout }.into());
+        return Err(ErrorKind::Rank {
+            tensor: name,
+            expected: rank,
+            got: t.shape().len(),
+            layout,
+        }
+        .into());
     }
     if t.strides().len() != rank {
-        return Err(ErrorKind::StridesRank { tensor: name, dims: rank, strides: t.strides().len() }.into());
+        return Err(ErrorKind::StridesRank {
+            tensor: name,
+            dims: rank,
+            strides: t.strides().len(),
+        }
+        .into());
     }
     let last = rank - 1;
     if t.shape()[last] > 1 && t.strides()[last] != 1 {
-        return Err(ErrorKind::LastDimNotContiguous { tensor: name, stride: t.strides()[last] }.into());
+        return Err(ErrorKind::LastDimNotContiguous {
+            tensor: name,
+            stride: t.strides()[last],
+        }
+        .into());
     }
     if t.shape().contains(&0) {
         return Ok(());
     }
     // u128 cannot overflow: at most 4 products of two 64-bit numbers.
-    let max_index: u128 =
-        t.shape().iter().zip(t.strides()).map(|(&n, &s)| (n as u128 - 1) * s as u128).sum();
+    let max_index: u128 = t
+        .shape()
+        .iter()
+        .zip(t.strides())
+        .map(|(&n, &s)| (n as u128 - 1) * s as u128)
+        .sum();
     let needed = max_index + 1;
     if needed > t.data().len() as u128 {
         return Err(ErrorKind::OutOfBounds {
@@ -205,14 +229,24 @@ pub(crate) fn check_view(name: TensorName, t: &TensorRef, rank: usize, layout: &
 
 pub(crate) fn check_dtype(name: TensorName, t: &TensorRef, expected: DType) -> Result<()> {
     if t.dtype() != expected {
-        return Err(ErrorKind::DType { tensor: name, expected, got: t.dtype() }.into());
+        return Err(ErrorKind::DType {
+            tensor: name,
+            expected,
+            got: t.dtype(),
+        }
+        .into());
     }
     Ok(())
 }
 
 pub(crate) fn check_shape(name: TensorName, t: &TensorRef, expected: &[usize]) -> Result<()> {
     if t.shape() != expected {
-        return Err(ErrorKind::Shape { tensor: name, expected: expected.to_vec(), got: t.shape().to_vec() }.into());
+        return Err(ErrorKind::Shape {
+            tensor: name,
+            expected: expected.to_vec(),
+            got: t.shape().to_vec(),
+        }
+        .into());
     }
     Ok(())
 }
@@ -224,7 +258,13 @@ fn checked_product(name: TensorName, dims: &[usize]) -> Result<usize> {
 }
 
 /// Shared checks of q, k, v whatever the layout; returns (heads, heads_kv, head_dim).
-fn check_qkv(q: &TensorRef, k: &TensorRef, v: &TensorRef, rank: usize, layout: &'static str) -> Result<(usize, usize, usize)> {
+fn check_qkv(
+    q: &TensorRef,
+    k: &TensorRef,
+    v: &TensorRef,
+    rank: usize,
+    layout: &'static str,
+) -> Result<(usize, usize, usize)> {
     check_view("q", q, rank, layout)?;
     check_view("k", k, rank, layout)?;
     check_view("v", v, rank, layout)?;
@@ -233,7 +273,11 @@ fn check_qkv(q: &TensorRef, k: &TensorRef, v: &TensorRef, rank: usize, layout: &
     let (qs, ks) = (q.shape(), k.shape());
     let head_dim = qs[rank - 1];
     if head_dim == 0 || head_dim > MAX_HEAD_DIM {
-        return Err(ErrorKind::HeadDim { tensor: "q", head_dim }.into());
+        return Err(ErrorKind::HeadDim {
+            tensor: "q",
+            head_dim,
+        }
+        .into());
     }
     // k must agree with q on batch (batched layout) and head_dim.
     let mut k_expected = ks.to_vec();
@@ -252,7 +296,10 @@ fn check_qkv(q: &TensorRef, k: &TensorRef, v: &TensorRef, rank: usize, layout: &
 
 fn layout_of(t: &TensorRef) -> RowLayout {
     let n = t.strides().len();
-    RowLayout { row_stride: t.strides()[n - 3], head_stride: t.strides()[n - 2] }
+    RowLayout {
+        row_stride: t.strides()[n - 3],
+        head_stride: t.strides()[n - 2],
+    }
 }
 
 /// Options shared by both layouts, validated.
@@ -267,7 +314,10 @@ struct CheckedOptions {
 fn check_options(opts: &AttnOptions, head_dim: usize) -> Result<CheckedOptions> {
     let softmax_scale = opts.softmax_scale.unwrap_or(1.0 / (head_dim as f32).sqrt());
     if !softmax_scale.is_finite() {
-        return Err(ErrorKind::Scale { scale: softmax_scale }.into());
+        return Err(ErrorKind::Scale {
+            scale: softmax_scale,
+        }
+        .into());
     }
     if let Some(softcap) = opts.softcap {
         if !(softcap > 0.0 && softcap.is_finite()) {
@@ -295,20 +345,38 @@ fn check_options(opts: &AttnOptions, head_dim: usize) -> Result<CheckedOptions> 
 
 /// Reads ALiBi slopes into one f32 per (batch, head).
 fn check_alibi(opts: &AttnOptions, batch: usize, heads: usize) -> Result<Option<Vec<f32>>> {
-    let Some(slopes) = &opts.alibi_slopes else { return Ok(None) };
+    let Some(slopes) = &opts.alibi_slopes else {
+        return Ok(None);
+    };
     check_dtype("alibi_slopes", slopes, DType::F32)?;
     let per_batch = match slopes.shape() {
         [h] if *h == heads => false,
         [b, h] if *b == batch && *h == heads => true,
-        got => return Err(ErrorKind::AlibiShape { got: got.to_vec(), batch, heads }.into()),
+        got => {
+            return Err(ErrorKind::AlibiShape {
+                got: got.to_vec(),
+                batch,
+                heads,
+            }
+            .into())
+        }
     };
-    check_view("alibi_slopes", slopes, slopes.shape().len(), "[heads] or [batch, heads]")?;
+    check_view(
+        "alibi_slopes",
+        slopes,
+        slopes.shape().len(),
+        "[heads] or [batch, heads]",
+    )?;
     let data = slopes.typed::<f32>().expect("dtype checked above");
     let st = slopes.strides();
     let mut out = Vec::with_capacity(batch * heads);
     for b in 0..batch {
         for h in 0..heads {
-            let idx = if per_batch { b * st[0] + h * st[1] } else { h * st[0] };
+            let idx = if per_batch {
+                b * st[0] + h * st[1]
+            } else {
+                h * st[0]
+            };
             out.push(data[idx]);
         }
     }
@@ -316,7 +384,12 @@ fn check_alibi(opts: &AttnOptions, batch: usize, heads: usize) -> Result<Option<
 }
 
 /// Validates a batched call: q `[batch, seqlen_q, heads, d]`, k/v `[batch, seqlen_k, heads_kv, d]`.
-pub(crate) fn batched(q: &TensorRef, k: &TensorRef, v: &TensorRef, opts: &AttnOptions) -> Result<Params> {
+pub(crate) fn batched(
+    q: &TensorRef,
+    k: &TensorRef,
+    v: &TensorRef,
+    opts: &AttnOptions,
+) -> Result<Params> {
     const LAYOUT: &str = "[batch, seqlen, heads, head_dim]";
     const PACKED: bool = false;
     let (heads, heads_kv, head_dim) = check_qkv(q, k, v, 4, LAYOUT)?;
@@ -363,16 +436,29 @@ pub(crate) fn batched(q: &TensorRef, k: &TensorRef, v: &TensorRef, opts: &AttnOp
 }
 
 fn check_cu_seqlens(name: TensorName, cu: &[i32], entries: usize, total: usize) -> Result<()> {
-    let err = |problem| Err(ErrorKind::CuSeqlens { tensor: name, problem }.into());
+    let err = |problem| {
+        Err(ErrorKind::CuSeqlens {
+            tensor: name,
+            problem,
+        }
+        .into())
+    };
     if cu.len() != entries || entries == 0 {
-        return err(CuSeqlensProblem::Length { expected: entries.max(1), got: cu.len() });
+        return err(CuSeqlensProblem::Length {
+            expected: entries.max(1),
+            got: cu.len(),
+        });
     }
     if cu[0] != 0 {
         return err(CuSeqlensProblem::NotStartingAtZero { first: cu[0] });
     }
     for (index, w) in cu.windows(2).enumerate() {
         if w[1] < w[0] {
-            return err(CuSeqlensProblem::Decreasing { index: index + 1, previous: w[0], value: w[1] });
+            return err(CuSeqlensProblem::Decreasing {
+                index: index + 1,
+                previous: w[0],
+                value: w[1],
+            });
         }
     }
     let last = cu[entries - 1];
@@ -395,8 +481,18 @@ pub(crate) fn varlen(
     const LAYOUT: &str = "[total_tokens, heads, head_dim]";
     const PACKED: bool = true;
     let (heads, heads_kv, head_dim) = check_qkv(q, k, v, 3, LAYOUT)?;
-    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, cu_seqlens_q.len().max(1), q.shape()[0])?;
-    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.len(), k.shape()[0])?;
+    check_cu_seqlens(
+        "cu_seqlens_q",
+        cu_seqlens_q,
+        cu_seqlens_q.len().max(1),
+        q.shape()[0],
+    )?;
+    check_cu_seqlens(
+        "cu_seqlens_k",
+        cu_seqlens_k,
+        cu_seqlens_q.len(),
+        k.shape()[0],
+    )?;
     let batch = cu_seqlens_q.len() - 1;
     let o = check_options(opts, head_dim)?;
     let alibi = check_alibi(opts, batch, heads)?;
@@ -463,7 +559,11 @@ impl QLike {
 /// Checks a tensor that must have q's shape and dtype (any strides, last dimension contiguous).
 pub(crate) fn q_like(name: TensorName, t: &TensorRef, p: &Params) -> Result<QLike> {
     let rank = p.out_shape.len();
-    let layout = if p.packed { "[total_q, heads, head_dim]" } else { "[batch, seqlen_q, heads, head_dim]" };
+    let layout = if p.packed {
+        "[total_q, heads, head_dim]"
+    } else {
+        "[batch, seqlen_q, heads, head_dim]"
+    };
     check_view(name, t, rank, layout)?;
     check_dtype(name, t, p.dtype)?;
     check_shape(name, t, &p.out_shape)?;
@@ -471,9 +571,18 @@ pub(crate) fn q_like(name: TensorName, t: &TensorRef, p: &Params) -> Result<QLik
         .seqs
         .iter()
         .enumerate()
-        .map(|(b, s)| if p.packed { s.out_row0 * t.strides()[0] } else { b * t.strides()[0] })
+        .map(|(b, s)| {
+            if p.packed {
+                s.out_row0 * t.strides()[0]
+            } else {
+                b * t.strides()[0]
+            }
+        })
         .collect();
-    Ok(QLike { layout: layout_of(t), bases })
+    Ok(QLike {
+        layout: layout_of(t),
+        bases,
+    })
 }
 
 /// What the backward pass reads besides q, k and v, validated.
@@ -486,21 +595,45 @@ pub(crate) struct GradInputs {
 }
 
 /// Validates `out`, `dout` (q's shape and dtype) and `lse` (f32, `p.lse_shape`).
-pub(crate) fn grad_inputs(p: &Params, out: &TensorRef, lse: &TensorRef, dout: &TensorRef) -> Result<GradInputs> {
+pub(crate) fn grad_inputs(
+    p: &Params,
+    out: &TensorRef,
+    lse: &TensorRef,
+    dout: &TensorRef,
+) -> Result<GradInputs> {
     let out = q_like("out", out, p)?;
     let dout = q_like("dout", dout, p)?;
-    check_view("lse", lse, p.lse_shape.len(), if p.packed { "[heads, total_q]" } else { "[batch, heads, seqlen_q]" })?;
+    check_view(
+        "lse",
+        lse,
+        p.lse_shape.len(),
+        if p.packed {
+            "[heads, total_q]"
+        } else {
+            "[batch, heads, seqlen_q]"
+        },
+    )?;
     check_dtype("lse", lse, DType::F32)?;
     check_shape("lse", lse, &p.lse_shape)?;
     let data = lse.typed::<f32>().expect("dtype checked above");
     let st = lse.strides();
     let gathered = if p.packed {
-        (0..p.heads).flat_map(|h| (0..p.total_q).map(move |i| data[h * st[0] + i * st[1]])).collect()
+        (0..p.heads)
+            .flat_map(|h| (0..p.total_q).map(move |i| data[h * st[0] + i * st[1]]))
+            .collect()
     } else {
         let (batch, heads, sq) = (p.lse_shape[0], p.lse_shape[1], p.lse_shape[2]);
         (0..batch)
-            .flat_map(|b| (0..heads).flat_map(move |h| (0..sq).map(move |i| data[b * st[0] + h * st[1] + i * st[2]])))
+            .flat_map(|b| {
+                (0..heads).flat_map(move |h| {
+                    (0..sq).map(move |i| data[b * st[0] + h * st[1] + i * st[2]])
+                })
+            })
             .collect()
     };
-    Ok(GradInputs { out, dout, lse: gathered })
+    Ok(GradInputs {
+        out,
+        dout,
+        lse: gathered,
+    })
 }

@@ -46,7 +46,9 @@ pub(crate) struct Inputs<'a> {
 }
 
 fn rows(buf: &[f64], base: usize, row_stride: usize, n: usize, d: usize) -> Vec<Vec<f64>> {
-    (0..n).map(|r| buf[base + r * row_stride..base + r * row_stride + d].to_vec()).collect()
+    (0..n)
+        .map(|r| buf[base + r * row_stride..base + r * row_stride + d].to_vec())
+        .collect()
 }
 
 /// Whether query `i` sees key `j`, written from the definition in the README.
@@ -79,7 +81,13 @@ fn head(p: &Params, x: &Inputs, b: usize, h: usize, row_range: std::ops::Range<u
     let (s, d, hk) = (p.seqs[b], p.head_dim, p.kv_head(h));
     let (sq, sk) = (s.seqlen_q, s.seqlen_k);
     let i0 = row_range.start;
-    let q = rows(x.q, s.q_base + i0 * p.q.row_stride + h * p.q.head_stride, p.q.row_stride, row_range.len(), d);
+    let q = rows(
+        x.q,
+        s.q_base + i0 * p.q.row_stride + h * p.q.head_stride,
+        p.q.row_stride,
+        row_range.len(),
+        d,
+    );
     let k = rows(x.k, s.k_base + hk * p.k.head_stride, p.k.row_stride, sk, d);
     let v = rows(x.v, s.v_base + hk * p.v.head_stride, p.v.row_stride, sk, d);
     let mut scores = vec![vec![None; sk]; q.len()];
@@ -103,14 +111,21 @@ fn head(p: &Params, x: &Inputs, b: usize, h: usize, row_range: std::ops::Range<u
     let mut probs = Vec::with_capacity(q.len());
     let mut lse = Vec::with_capacity(q.len());
     for row in &scores {
-        let max = row.iter().flatten().fold(f64::NEG_INFINITY, |m, &x| m.max(x));
+        let max = row
+            .iter()
+            .flatten()
+            .fold(f64::NEG_INFINITY, |m, &x| m.max(x));
         if max == f64::NEG_INFINITY {
             probs.push(vec![0.0; sk]);
             lse.push(f64::NEG_INFINITY);
             continue;
         }
         let sum: f64 = row.iter().flatten().map(|x| (x - max).exp()).sum();
-        probs.push(row.iter().map(|x| x.map_or(0.0, |x| (x - max).exp() / sum)).collect());
+        probs.push(
+            row.iter()
+                .map(|x| x.map_or(0.0, |x| (x - max).exp() / sum))
+                .collect(),
+        );
         lse.push(max + sum.ln());
     }
     let keep = keep_rows(p.dropout, b, h, row_range, sk);
@@ -118,12 +133,32 @@ fn head(p: &Params, x: &Inputs, b: usize, h: usize, row_range: std::ops::Range<u
     let p_drop = probs
         .iter()
         .zip(&keep)
-        .map(|(row, kr)| row.iter().zip(kr).map(|(&x, &kept)| if kept { x * drop_scale } else { 0.0 }).collect())
+        .map(|(row, kr)| {
+            row.iter()
+                .zip(kr)
+                .map(|(&x, &kept)| if kept { x * drop_scale } else { 0.0 })
+                .collect()
+        })
         .collect();
-    Head { q, k, v, p: probs, p_drop, keep, dscore, lse }
+    Head {
+        q,
+        k,
+        v,
+        p: probs,
+        p_drop,
+        keep,
+        dscore,
+        lse,
+    }
 }
 
-fn keep_rows(drop: Option<Dropout>, b: usize, h: usize, rows: std::ops::Range<usize>, sk: usize) -> Vec<Vec<bool>> {
+fn keep_rows(
+    drop: Option<Dropout>,
+    b: usize,
+    h: usize,
+    rows: std::ops::Range<usize>,
+    sk: usize,
+) -> Vec<Vec<bool>> {
     rows.map(|i| {
         let mut keep = vec![true; sk];
         if let Some(drop) = drop {
@@ -152,10 +187,20 @@ pub(crate) fn forward_core(p: &Params, x: &Inputs) -> Reference {
             }
         }
     }
-    Reference { out, lse, out_shape: p.out_shape.clone(), lse_shape: p.lse_shape.clone() }
+    Reference {
+        out,
+        lse,
+        out_shape: p.out_shape.clone(),
+        lse_shape: p.lse_shape.clone(),
+    }
 }
 
-pub(crate) fn backward_core(p: &Params, x: &Inputs, dout: &[f64], dout_layout: &QLike) -> ReferenceGrads {
+pub(crate) fn backward_core(
+    p: &Params,
+    x: &Inputs,
+    dout: &[f64],
+    dout_layout: &QLike,
+) -> ReferenceGrads {
     let d = p.head_dim;
     let scale = p.softmax_scale as f64;
     let mut dq = vec![0.0; p.out_len()];
@@ -193,12 +238,28 @@ pub(crate) fn backward_core(p: &Params, x: &Inputs, dout: &[f64], dout_layout: &
 }
 
 fn run(p: &Params, q: &TensorRef, k: &TensorRef, v: &TensorRef) -> Reference {
-    let (q, k, v) = (widen_all(q.data()), widen_all(k.data()), widen_all(v.data()));
-    forward_core(p, &Inputs { q: &q, k: &k, v: &v })
+    let (q, k, v) = (
+        widen_all(q.data()),
+        widen_all(k.data()),
+        widen_all(v.data()),
+    );
+    forward_core(
+        p,
+        &Inputs {
+            q: &q,
+            k: &k,
+            v: &v,
+        },
+    )
 }
 
 /// Naive f64 attention, batched layout (same validation and errors as [`crate::flash_attn`]).
-pub fn attention(q: &TensorRef, k: &TensorRef, v: &TensorRef, opts: &AttnOptions) -> Result<Reference> {
+pub fn attention(
+    q: &TensorRef,
+    k: &TensorRef,
+    v: &TensorRef,
+    opts: &AttnOptions,
+) -> Result<Reference> {
     let p = params::batched(q, k, v, opts)?;
     Ok(run(&p, q, k, v))
 }
@@ -216,10 +277,30 @@ pub fn attention_varlen(
     Ok(run(&p, q, k, v))
 }
 
-fn run_backward(p: &Params, q: &TensorRef, k: &TensorRef, v: &TensorRef, dout: &TensorRef) -> Result<ReferenceGrads> {
+fn run_backward(
+    p: &Params,
+    q: &TensorRef,
+    k: &TensorRef,
+    v: &TensorRef,
+    dout: &TensorRef,
+) -> Result<ReferenceGrads> {
     let layout = params::q_like("dout", dout, p)?;
-    let (q, k, v, dout) = (widen_all(q.data()), widen_all(k.data()), widen_all(v.data()), widen_all(dout.data()));
-    Ok(backward_core(p, &Inputs { q: &q, k: &k, v: &v }, &dout, &layout))
+    let (q, k, v, dout) = (
+        widen_all(q.data()),
+        widen_all(k.data()),
+        widen_all(v.data()),
+        widen_all(dout.data()),
+    );
+    Ok(backward_core(
+        p,
+        &Inputs {
+            q: &q,
+            k: &k,
+            v: &v,
+        },
+        &dout,
+        &layout,
+    ))
 }
 
 /// Gradients of `Σ out ∘ dout` in f64, batched layout; recomputes the forward itself.
@@ -262,8 +343,22 @@ pub fn attention_row(
     i: usize,
 ) -> Result<(Vec<f64>, f64)> {
     let p = params::batched(q, k, v, opts)?;
-    let (q, k, v) = (widen_all(q.data()), widen_all(k.data()), widen_all(v.data()));
-    let hd = head(&p, &Inputs { q: &q, k: &k, v: &v }, b, h, i..i + 1);
+    let (q, k, v) = (
+        widen_all(q.data()),
+        widen_all(k.data()),
+        widen_all(v.data()),
+    );
+    let hd = head(
+        &p,
+        &Inputs {
+            q: &q,
+            k: &k,
+            v: &v,
+        },
+        b,
+        h,
+        i..i + 1,
+    );
     let mut out = vec![0.0; p.head_dim];
     for (pj, vj) in hd.p_drop[0].iter().zip(&hd.v) {
         for (o, x) in out.iter_mut().zip(vj) {
@@ -279,7 +374,9 @@ mod tests {
     use crate::tensor::TensorRef;
 
     fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 
@@ -290,7 +387,12 @@ mod tests {
         let (b, sq, sk, h, hk, d) = (2usize, 5usize, 7usize, 4usize, 2usize, 3usize);
         let mut seed = 7u64;
         let mut gen = |n: usize| -> Vec<f32> { (0..n).map(|_| lcg(&mut seed)).collect() };
-        let (q, k, v, dout) = (gen(b * sq * h * d), gen(b * sk * hk * d), gen(b * sk * hk * d), gen(b * sq * h * d));
+        let (q, k, v, dout) = (
+            gen(b * sq * h * d),
+            gen(b * sk * hk * d),
+            gen(b * sk * hk * d),
+            gen(b * sq * h * d),
+        );
         let slopes = [0.3f32, 0.1, 0.7, 0.2];
         for (causal, window, softcap, alibi, dropout) in [
             (false, (-1, -1), None, false, 0.0),
@@ -298,7 +400,10 @@ mod tests {
             (false, (3, 1), Some(2.0), false, 0.3),
             (true, (2, -1), None, true, 0.5),
         ] {
-            let mut opts = AttnOptions::default().causal(causal).window(window.0, window.1).dropout(dropout, 11);
+            let mut opts = AttnOptions::default()
+                .causal(causal)
+                .window(window.0, window.1)
+                .dropout(dropout, 11);
             opts.softcap = softcap;
             if alibi {
                 opts.alibi_slopes = Some(TensorRef::contiguous(&slopes, &[h]));
@@ -309,8 +414,22 @@ mod tests {
             let p = params::batched(&qt, &kt, &vt, &opts).unwrap();
             let dt = TensorRef::contiguous(&dout, &[b, sq, h, d]);
             let layout = params::q_like("dout", &dt, &p).unwrap();
-            let (q64, k64, v64, do64) = (widen_all(qt.data()), widen_all(kt.data()), widen_all(vt.data()), widen_all(dt.data()));
-            let grads = backward_core(&p, &Inputs { q: &q64, k: &k64, v: &v64 }, &do64, &layout);
+            let (q64, k64, v64, do64) = (
+                widen_all(qt.data()),
+                widen_all(kt.data()),
+                widen_all(vt.data()),
+                widen_all(dt.data()),
+            );
+            let grads = backward_core(
+                &p,
+                &Inputs {
+                    q: &q64,
+                    k: &k64,
+                    v: &v64,
+                },
+                &do64,
+                &layout,
+            );
             let loss = |q: &[f64], k: &[f64], v: &[f64]| -> f64 {
                 let r = forward_core(&p, &Inputs { q, k, v });
                 r.out.iter().zip(&do64).map(|(a, b)| a * b).sum()

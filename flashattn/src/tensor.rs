@@ -50,7 +50,9 @@ mod sealed {
 }
 
 /// An element type: f32, f16 or bf16.
-pub trait Element: Copy + Send + Sync + Default + PartialEq + fmt::Debug + sealed::Sealed + 'static {
+pub trait Element:
+    Copy + Send + Sync + Default + PartialEq + fmt::Debug + sealed::Sealed + 'static
+{
     const DTYPE: DType;
     fn to_f32(self) -> f32;
     /// Round to nearest even.
@@ -203,7 +205,11 @@ impl<'a> TensorRef<'a> {
     }
 
     pub fn from_slice(data: Slice<'a>, shape: &[usize], strides: &[usize]) -> Self {
-        TensorRef { data, shape: shape.to_vec(), strides: strides.to_vec() }
+        TensorRef {
+            data,
+            shape: shape.to_vec(),
+            strides: strides.to_vec(),
+        }
     }
 
     pub fn dtype(&self) -> DType {
@@ -265,7 +271,10 @@ impl Tensor {
     /// Wraps `data`; `None` if its length is not the product of `shape`.
     pub fn from_buffer(data: Buffer, shape: &[usize]) -> Option<Self> {
         let n: usize = shape.iter().product();
-        (data.as_slice().len() == n).then(|| Tensor { data, shape: shape.to_vec() })
+        (data.as_slice().len() == n).then(|| Tensor {
+            data,
+            shape: shape.to_vec(),
+        })
     }
     pub fn from_vec<T: Element>(data: Vec<T>, shape: &[usize]) -> Option<Self> {
         Self::from_buffer(T::wrap_vec(data), shape)
@@ -292,7 +301,11 @@ impl Tensor {
     }
     /// A view of the whole tensor.
     pub fn view(&self) -> TensorRef<'_> {
-        TensorRef::from_slice(self.data.as_slice(), &self.shape, &contiguous_strides(&self.shape))
+        TensorRef::from_slice(
+            self.data.as_slice(),
+            &self.shape,
+            &contiguous_strides(&self.shape),
+        )
     }
     /// The elements widened to f32.
     pub fn to_f32_vec(&self) -> Vec<f32> {

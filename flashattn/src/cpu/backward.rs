@@ -14,7 +14,7 @@
 //! derivative `1 - tanh²` applied to dS.
 
 use super::forward::{apply_dropout, load_tile, ScoreMod, WorkItem};
-use super::kernels::{pv, ptx, qk};
+use super::kernels::{ptx, pv, qk};
 use super::softmax::exp2;
 use super::{block_sizes, BlockSizes, Disjoint};
 use crate::blocks::Mask;
@@ -88,10 +88,23 @@ pub(crate) fn backward<T: Element>(
 ) -> (Vec<T>, Vec<T>, Vec<T>) {
     let bs = block_sizes(p.head_dim);
     let delta = compute_delta(p, g, out, dout);
-    let cx = Ctx { p, g, q, k, v, dout, delta: &delta, bs };
+    let cx = Ctx {
+        p,
+        g,
+        q,
+        k,
+        v,
+        dout,
+        delta: &delta,
+        bs,
+    };
     let d = p.head_dim;
     let poison = T::from_f32(f32::NAN);
-    let (mut dq, mut dk, mut dv) = (vec![poison; p.out_len()], vec![poison; p.dk_len()], vec![poison; p.dk_len()]);
+    let (mut dq, mut dk, mut dv) = (
+        vec![poison; p.out_len()],
+        vec![poison; p.dk_len()],
+        vec![poison; p.dk_len()],
+    );
     // Rows of no sequence (packed inputs with spare tokens) get zero gradients.
     let q_used = p.seqs.last().map_or(0, |s| s.out_row0 + s.seqlen_q);
     let k_used = p.seqs.last().map_or(0, |s| s.k_row0 + s.seqlen_k);
@@ -105,7 +118,9 @@ pub(crate) fn backward<T: Element>(
         .iter()
         .enumerate()
         .flat_map(|(b, s)| {
-            (0..p.heads_kv).flat_map(move |h| (0..s.seqlen_k.div_ceil(bs.block_n)).map(move |m_block| WorkItem { b, h, m_block }))
+            (0..p.heads_kv).flat_map(move |h| {
+                (0..s.seqlen_k.div_ceil(bs.block_n)).map(move |m_block| WorkItem { b, h, m_block })
+            })
         })
         .collect();
     kv_items.par_iter().for_each_init(
@@ -114,17 +129,21 @@ pub(crate) fn backward<T: Element>(
     );
 
     let dq_w = Disjoint::new(&mut dq);
-    super::forward::work_items(p, bs.block_m).par_iter().for_each_init(
-        || (Scratch::new(bs, d), vec![T::default(); d]),
-        |(scr, row_buf), item| dq_block(&cx, *item, scr, row_buf, &dq_w),
-    );
+    super::forward::work_items(p, bs.block_m)
+        .par_iter()
+        .for_each_init(
+            || (Scratch::new(bs, d), vec![T::default(); d]),
+            |(scr, row_buf), item| dq_block(&cx, *item, scr, row_buf, &dq_w),
+        );
     (dq, dk, dv)
 }
 
 /// `delta[b, h, i] = dO_i · O_i`, in `lse` layout.
 fn compute_delta<T: Element>(p: &Params, g: &GradInputs, out: &[T], dout: &[T]) -> Vec<f32> {
     let d = p.head_dim;
-    let jobs: Vec<(usize, usize)> = (0..p.seqs.len()).flat_map(|b| (0..p.heads).map(move |h| (b, h))).collect();
+    let jobs: Vec<(usize, usize)> = (0..p.seqs.len())
+        .flat_map(|b| (0..p.heads).map(move |h| (b, h)))
+        .collect();
     let rows: Vec<Vec<f32>> = jobs
         .par_iter()
         .map(|&(b, h)| {
@@ -151,14 +170,32 @@ impl<T: Element> Ctx<'_, T> {
     /// Loads q, dO, lse and delta of rows `m0..m0 + rows` of (sequence b, head h).
     fn load_query_side(&self, b: usize, h: usize, m0: usize, rows: usize, scr: &mut Scratch) {
         let (p, s, d) = (self.p, self.p.seqs[b], self.p.head_dim);
-        load_tile(self.q, s.q_base + m0 * p.q.row_stride + h * p.q.head_stride, p.q.row_stride, rows, d, &mut scr.q);
+        load_tile(
+            self.q,
+            s.q_base + m0 * p.q.row_stride + h * p.q.head_stride,
+            p.q.row_stride,
+            rows,
+            d,
+            &mut scr.q,
+        );
         let dl = self.g.dout.layout;
-        load_tile(self.dout, self.g.dout.offset(b, m0, h), dl.row_stride, rows, d, &mut scr.d_o);
+        load_tile(
+            self.dout,
+            self.g.dout.offset(b, m0, h),
+            dl.row_stride,
+            rows,
+            d,
+            &mut scr.d_o,
+        );
         for r in 0..rows {
             let at = p.lse_offset(b, h, m0 + r);
             let lse = self.g.lse[at];
             // A fully masked row (lse = -inf) has P = 0: +inf makes every exp2 below 0.
-            scr.lse_log2[r] = if lse == f32::NEG_INFINITY { f32::INFINITY } else { lse * LOG2_E };
+            scr.lse_log2[r] = if lse == f32::NEG_INFINITY {
+                f32::INFINITY
+            } else {
+                lse * LOG2_E
+            };
             scr.delta[r] = self.delta[at];
         }
     }
@@ -166,14 +203,37 @@ impl<T: Element> Ctx<'_, T> {
     /// Loads k and v of keys `n0..n0 + cols` of (sequence b, kv head hk).
     fn load_key_side(&self, b: usize, hk: usize, n0: usize, cols: usize, scr: &mut Scratch) {
         let (p, s, d) = (self.p, self.p.seqs[b], self.p.head_dim);
-        load_tile(self.k, s.k_base + n0 * p.k.row_stride + hk * p.k.head_stride, p.k.row_stride, cols, d, &mut scr.k);
-        load_tile(self.v, s.v_base + n0 * p.v.row_stride + hk * p.v.head_stride, p.v.row_stride, cols, d, &mut scr.v);
+        load_tile(
+            self.k,
+            s.k_base + n0 * p.k.row_stride + hk * p.k.head_stride,
+            p.k.row_stride,
+            cols,
+            d,
+            &mut scr.k,
+        );
+        load_tile(
+            self.v,
+            s.v_base + n0 * p.v.row_stride + hk * p.v.head_stride,
+            p.v.row_stride,
+            cols,
+            d,
+            &mut scr.v,
+        );
     }
 
     /// With q-side rows `m0..m1` and key-side `n0..n1` loaded: P̃ into `scr.p` and
     /// dS·softmax_scale into `scr.ds` (both `rows x cols`).
     #[allow(clippy::too_many_arguments)]
-    fn recompute(&self, b: usize, h: usize, m0: usize, m1: usize, n0: usize, n1: usize, scr: &mut Scratch) {
+    fn recompute(
+        &self,
+        b: usize,
+        h: usize,
+        m0: usize,
+        m1: usize,
+        n0: usize,
+        n1: usize,
+        scr: &mut Scratch,
+    ) {
         let (p, d) = (self.p, self.p.head_dim);
         let s = p.seqs[b];
         let (rows, cols) = (m1 - m0, n1 - n0);
@@ -220,7 +280,14 @@ impl<T: Element> Ctx<'_, T> {
 }
 
 /// Pass 1 item: dK and dV of keys `n_block` (stored in `item.m_block`) of kv head `item.h`.
-fn dkdv_block<T: Element>(cx: &Ctx<T>, item: WorkItem, scr: &mut Scratch, row_buf: &mut [T], dk: &Disjoint<T>, dv: &Disjoint<T>) {
+fn dkdv_block<T: Element>(
+    cx: &Ctx<T>,
+    item: WorkItem,
+    scr: &mut Scratch,
+    row_buf: &mut [T],
+    dk: &Disjoint<T>,
+    dv: &Disjoint<T>,
+) {
     let (p, bs, d) = (cx.p, cx.bs, cx.p.head_dim);
     let (b, hk, n_block) = (item.b, item.h, item.m_block);
     let s = p.seqs[b];
@@ -243,8 +310,22 @@ fn dkdv_block<T: Element>(cx: &Ctx<T>, item: WorkItem, scr: &mut Scratch, row_bu
             let rows = m1 - m0;
             cx.load_query_side(b, h, m0, rows, scr);
             cx.recompute(b, h, m0, m1, n0, n1, scr);
-            ptx(&scr.p[..rows * cols], &scr.d_o, &mut scr.acc_b[..cols * d], rows, cols, d);
-            ptx(&scr.ds[..rows * cols], &scr.q, &mut scr.acc_a[..cols * d], rows, cols, d);
+            ptx(
+                &scr.p[..rows * cols],
+                &scr.d_o,
+                &mut scr.acc_b[..cols * d],
+                rows,
+                cols,
+                d,
+            );
+            ptx(
+                &scr.ds[..rows * cols],
+                &scr.q,
+                &mut scr.acc_a[..cols * d],
+                rows,
+                cols,
+                d,
+            );
         }
     }
     for c in 0..cols {
@@ -260,7 +341,13 @@ fn dkdv_block<T: Element>(cx: &Ctx<T>, item: WorkItem, scr: &mut Scratch, row_bu
 }
 
 /// Pass 2 item: dQ of rows `m_block` of head `h`.
-fn dq_block<T: Element>(cx: &Ctx<T>, item: WorkItem, scr: &mut Scratch, row_buf: &mut [T], dq: &Disjoint<T>) {
+fn dq_block<T: Element>(
+    cx: &Ctx<T>,
+    item: WorkItem,
+    scr: &mut Scratch,
+    row_buf: &mut [T],
+    dq: &Disjoint<T>,
+) {
     let (p, bs, d) = (cx.p, cx.bs, cx.p.head_dim);
     let WorkItem { b, h, m_block } = item;
     let s = p.seqs[b];
@@ -276,11 +363,21 @@ fn dq_block<T: Element>(cx: &Ctx<T>, item: WorkItem, scr: &mut Scratch, row_buf:
         let n1 = (n0 + bs.block_n).min(s.seqlen_k);
         cx.load_key_side(b, p.kv_head(h), n0, n1 - n0, scr);
         cx.recompute(b, h, m0, m1, n0, n1, scr);
-        pv(&scr.ds[..rows * (n1 - n0)], &scr.k, &mut scr.acc_a[..rows * d], rows, n1 - n0, d);
+        pv(
+            &scr.ds[..rows * (n1 - n0)],
+            &scr.k,
+            &mut scr.acc_a[..rows * d],
+            rows,
+            n1 - n0,
+            d,
+        );
     }
     for r in 0..rows {
         T::narrow(&scr.acc_a[r * d..(r + 1) * d], row_buf);
         // SAFETY: rows m0..m1 of head h of sequence b belong to this work item alone.
-        unsafe { dq.range(p.out_offset(b, m0 + r, h), d).copy_from_slice(row_buf) };
+        unsafe {
+            dq.range(p.out_offset(b, m0 + r, h), d)
+                .copy_from_slice(row_buf)
+        };
     }
 }

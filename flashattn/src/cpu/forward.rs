@@ -67,7 +67,15 @@ impl ScoreMod {
 
     /// Raw dot products of rows `m0..` x keys `n0..n0 + cols` -> log2-domain scores, masked to
     /// -inf where `masked` says the mask cuts this block.
-    pub fn apply(&self, s: &mut [f32], cols: usize, m0: usize, n0: usize, mask: &Mask, masked: bool) {
+    pub fn apply(
+        &self,
+        s: &mut [f32],
+        cols: usize,
+        m0: usize,
+        n0: usize,
+        mask: &Mask,
+        masked: bool,
+    ) {
         for (r, row) in s.chunks_exact_mut(cols).enumerate() {
             let i = m0 + r;
             match self.softcap {
@@ -93,7 +101,14 @@ impl ScoreMod {
 
 /// Copies `rows` head rows starting at element `base` (stride `row_stride`) into a packed f32 tile.
 #[inline]
-pub(crate) fn load_tile<T: Element>(src: &[T], base: usize, row_stride: usize, rows: usize, d: usize, dst: &mut [f32]) {
+pub(crate) fn load_tile<T: Element>(
+    src: &[T],
+    base: usize,
+    row_stride: usize,
+    rows: usize,
+    d: usize,
+    dst: &mut [f32],
+) {
     for r in 0..rows {
         let at = base + r * row_stride;
         T::widen(&src[at..at + d], &mut dst[r * d..(r + 1) * d]);
@@ -103,7 +118,16 @@ pub(crate) fn load_tile<T: Element>(src: &[T], base: usize, row_stride: usize, r
 /// Zeroes the dropped probabilities of the tile of rows `m0..`, keys `n0..n0 + cols` (the 1/(1-p)
 /// factor is applied once, at the end).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn apply_dropout(drop: Dropout, b: usize, h: usize, m0: usize, n0: usize, s: &mut [f32], cols: usize, keep: &mut [bool]) {
+pub(crate) fn apply_dropout(
+    drop: Dropout,
+    b: usize,
+    h: usize,
+    m0: usize,
+    n0: usize,
+    s: &mut [f32],
+    cols: usize,
+    keep: &mut [bool],
+) {
     for (r, row) in s.chunks_exact_mut(cols).enumerate() {
         drop.keep_row(b, h, m0 + r, n0, &mut keep[..cols]);
         for (x, &kept) in row.iter_mut().zip(keep.iter()) {
@@ -127,7 +151,11 @@ pub(crate) fn work_items(p: &Params, block_m: usize) -> Vec<WorkItem> {
     let mut items = Vec::new();
     for (b, s) in p.seqs.iter().enumerate() {
         for h in 0..p.heads {
-            items.extend((0..s.seqlen_q.div_ceil(block_m)).map(|m_block| WorkItem { b, h, m_block }));
+            items.extend((0..s.seqlen_q.div_ceil(block_m)).map(|m_block| WorkItem {
+                b,
+                h,
+                m_block,
+            }));
         }
     }
     items
@@ -143,7 +171,9 @@ pub(crate) fn forward<T: Element>(p: &Params, q: &[T], k: &[T], v: &[T]) -> (Vec
     let (out_w, lse_w) = (Disjoint::new(&mut out), Disjoint::new(&mut lse));
     work_items(p, bs.block_m).par_iter().for_each_init(
         || (Scratch::new(bs, p.head_dim), vec![T::default(); p.head_dim]),
-        |(scratch, row_buf), item| forward_block(p, q, k, v, *item, bs, scratch, row_buf, &out_w, &lse_w),
+        |(scratch, row_buf), item| {
+            forward_block(p, q, k, v, *item, bs, scratch, row_buf, &out_w, &lse_w)
+        },
     );
     (out, lse)
 }
@@ -194,13 +224,30 @@ fn forward_block<T: Element>(
         let n0 = n_block * bs.block_n;
         let n1 = (n0 + bs.block_n).min(seq.seqlen_k);
         let cols = n1 - n0;
-        load_tile(k, seq.k_base + n0 * p.k.row_stride + hk * p.k.head_stride, p.k.row_stride, cols, d, &mut scr.k);
-        load_tile(v, seq.v_base + n0 * p.v.row_stride + hk * p.v.head_stride, p.v.row_stride, cols, d, &mut scr.v);
+        load_tile(
+            k,
+            seq.k_base + n0 * p.k.row_stride + hk * p.k.head_stride,
+            p.k.row_stride,
+            cols,
+            d,
+            &mut scr.k,
+        );
+        load_tile(
+            v,
+            seq.v_base + n0 * p.v.row_stride + hk * p.v.head_stride,
+            p.v.row_stride,
+            cols,
+            d,
+            &mut scr.v,
+        );
         let s = &mut scr.s[..rows * cols];
         qk(&scr.q, &scr.k, s, rows, cols, d);
         score_mod.apply(s, cols, m0, n0, &mask, mask.needs_mask(m0, m1, n0, n1));
         max_get_scale(s, cols, &mut scr.row_max[..rows], &mut scr.alpha[..rows]);
-        let mut stats = RowStats { row_max: &mut scr.row_max[..rows], row_sum: &mut scr.row_sum[..rows] };
+        let mut stats = RowStats {
+            row_max: &mut scr.row_max[..rows],
+            row_sum: &mut scr.row_sum[..rows],
+        };
         online_softmax(s, cols, &mut stats, &scr.alpha[..rows]);
         rescale_o(&mut scr.acc_o[..rows * d], d, &scr.alpha[..rows]);
         if let Some(drop) = p.dropout {
@@ -217,8 +264,11 @@ fn forward_block<T: Element>(
         T::narrow(acc, row_buf);
         // SAFETY: rows m0..m1 of head h of sequence b belong to this work item alone.
         unsafe {
-            out.range(p.out_offset(b, m0 + r, h), d).copy_from_slice(row_buf);
-            *lse.range(p.lse_offset(b, h, m0 + r), 1).first_mut().expect("len 1") = row_lse;
+            out.range(p.out_offset(b, m0 + r, h), d)
+                .copy_from_slice(row_buf);
+            *lse.range(p.lse_offset(b, h, m0 + r), 1)
+                .first_mut()
+                .expect("len 1") = row_lse;
         }
     }
 }

@@ -73,13 +73,19 @@ mod tests {
     fn products_match_f64() {
         let (rows, cols) = (5, 7);
         for d in [1usize, 7, 8, 9, 40, 59] {
-            let q: Vec<f32> = (0..rows * d).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
-            let k: Vec<f32> = (0..cols * d).map(|i| ((i * 53 % 97) as f32 - 48.0) / 13.0).collect();
+            let q: Vec<f32> = (0..rows * d)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0)
+                .collect();
+            let k: Vec<f32> = (0..cols * d)
+                .map(|i| ((i * 53 % 97) as f32 - 48.0) / 13.0)
+                .collect();
             let mut s = vec![f32::NAN; rows * cols];
             qk(&q, &k, &mut s, rows, cols, d);
             for r in 0..rows {
                 for c in 0..cols {
-                    let want: f64 = (0..d).map(|x| q[r * d + x] as f64 * k[c * d + x] as f64).sum();
+                    let want: f64 = (0..d)
+                        .map(|x| q[r * d + x] as f64 * k[c * d + x] as f64)
+                        .sum();
                     assert!((s[r * cols + c] as f64 - want).abs() < 1e-4 * (1.0 + want.abs()));
                 }
             }
@@ -87,7 +93,10 @@ mod tests {
             ptx(&s, &q, &mut acct, rows, cols, d);
             for c in 0..cols {
                 for x in 0..d {
-                    let want: f64 = 0.5 + (0..rows).map(|r| s[r * cols + c] as f64 * q[r * d + x] as f64).sum::<f64>();
+                    let want: f64 = 0.5
+                        + (0..rows)
+                            .map(|r| s[r * cols + c] as f64 * q[r * d + x] as f64)
+                            .sum::<f64>();
                     assert!((acct[c * d + x] as f64 - want).abs() < 1e-4 * (1.0 + want.abs()));
                 }
             }
@@ -95,7 +104,10 @@ mod tests {
             pv(&s, &k, &mut acc, rows, cols, d);
             for r in 0..rows {
                 for x in 0..d {
-                    let want: f64 = 1.0 + (0..cols).map(|c| s[r * cols + c] as f64 * k[c * d + x] as f64).sum::<f64>();
+                    let want: f64 = 1.0
+                        + (0..cols)
+                            .map(|c| s[r * cols + c] as f64 * k[c * d + x] as f64)
+                            .sum::<f64>();
                     assert!((acc[r * d + x] as f64 - want).abs() < 1e-4 * (1.0 + want.abs()));
                 }
             }

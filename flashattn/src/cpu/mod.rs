@@ -22,7 +22,10 @@ pub(crate) struct BlockSizes {
 }
 
 pub(crate) fn block_sizes(_head_dim: usize) -> BlockSizes {
-    BlockSizes { block_m: 64, block_n: 64 }
+    BlockSizes {
+        block_m: 64,
+        block_n: 64,
+    }
 }
 
 /// An output buffer that parallel workers write at disjoint index ranges.
@@ -39,7 +42,11 @@ unsafe impl<T: Send> Sync for Disjoint<'_, T> {}
 
 impl<'a, T> Disjoint<'a, T> {
     pub fn new(buf: &'a mut [T]) -> Self {
-        Disjoint { ptr: buf.as_mut_ptr(), len: buf.len(), _borrow: PhantomData }
+        Disjoint {
+            ptr: buf.as_mut_ptr(),
+            len: buf.len(),
+            _borrow: PhantomData,
+        }
     }
 
     /// The elements `start..start + len`.
@@ -49,7 +56,11 @@ impl<'a, T> Disjoint<'a, T> {
     /// decomposition guarantees this: each work item writes only its own (sequence, head, rows).
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn range(&self, start: usize, len: usize) -> &mut [T] {
-        assert!(start <= self.len && len <= self.len - start, "range {start}+{len} past {}", self.len);
+        assert!(
+            start <= self.len && len <= self.len - start,
+            "range {start}+{len} past {}",
+            self.len
+        );
         // SAFETY: in bounds (checked above) of a buffer borrowed mutably for 'a; exclusive by the
         // caller's contract.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), len) }

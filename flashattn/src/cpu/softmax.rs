@@ -14,16 +14,23 @@
 pub(crate) fn exp2(x: f32) -> f32 {
     // 1.5 * 2^23: adding it rounds to an integer held in the low mantissa bits.
     const ROUND: f32 = 12_582_912.0;
-    let xc = if x < -126.0 { -126.0 } else if x > 127.0 { 127.0 } else { x };
+    let xc = if x < -126.0 {
+        -126.0
+    } else if x > 127.0 {
+        127.0
+    } else {
+        x
+    };
     let shifted = xc + ROUND;
     let n = shifted - ROUND;
     let f = (xc - n) * std::f32::consts::LN_2; // |f| <= ln2 / 2
-    // e^f by Taylor to degree 7: truncation error < 6e-9 on |f| <= 0.347.
+                                               // e^f by Taylor to degree 7: truncation error < 6e-9 on |f| <= 0.347.
     let poly = 1.0
         + f * (1.0
             + f * (0.5
                 + f * (1.0 / 6.0
-                    + f * (1.0 / 24.0 + f * (1.0 / 120.0 + f * (1.0 / 720.0 + f * (1.0 / 5040.0)))))));
+                    + f * (1.0 / 24.0
+                        + f * (1.0 / 120.0 + f * (1.0 / 720.0 + f * (1.0 / 5040.0)))))));
     let n_int = shifted.to_bits() as i32 - ROUND.to_bits() as i32;
     let scale = f32::from_bits(((n_int + 127) << 23) as u32);
     if x < -126.0 {
@@ -44,9 +51,15 @@ pub(crate) struct RowStats<'a> {
 /// For each row of `s` (`rows x cols`): the new running maximum, and `alpha[r] = exp2(old - new)`.
 pub(crate) fn max_get_scale(s: &[f32], cols: usize, row_max: &mut [f32], alpha: &mut [f32]) {
     for (r, (m, a)) in row_max.iter_mut().zip(alpha.iter_mut()).enumerate() {
-        let block_max = s[r * cols..(r + 1) * cols].iter().fold(f32::NEG_INFINITY, |acc, &x| acc.max(x));
+        let block_max = s[r * cols..(r + 1) * cols]
+            .iter()
+            .fold(f32::NEG_INFINITY, |acc, &x| acc.max(x));
         let new = m.max(block_max);
-        *a = if new == f32::NEG_INFINITY { 1.0 } else { exp2(*m - new) };
+        *a = if new == f32::NEG_INFINITY {
+            1.0
+        } else {
+            exp2(*m - new)
+        };
         *m = new;
     }
 }
