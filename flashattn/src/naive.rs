@@ -163,12 +163,180 @@ fn head<T: Element>(
         lse[i] = max + sum.ln();
     }
     let mut out = vec![0f32; sq * d];
+    let mut keep = vec![true; sk];
+    let drop_scale = p.dropout.map_or(1.0, |dr| dr.scale());
     for i in 0..sq {
+        if let Some(drop) = p.dropout {
+            drop.keep_row(b, h, i, 0, &mut keep);
+        }
         let orow = &mut out[i * d..(i + 1) * d];
         for (j, &pj) in p_mat[i * sk..(i + 1) * sk].iter().enumerate() {
+            let pj = if keep[j] {
+                round::<T>(pj * drop_scale)
+            } else {
+                0.0
+            };
             crate::cpu::kernels::axpy(pj, &vm[j * d..(j + 1) * d], orow);
         }
         orow.iter_mut().for_each(|x| *x = round::<T>(*x));
     }
     (out, lse)
+}
+
+/// Naive backward in the inputs' precision (what autograd through `softmax(q @ k.T) @ v` computes):
+/// recomputes the naive forward, then `dV = P̃ᵀ·dO`, `dP = dO·Vᵀ`, `dS = P ∘ (dP - rowsum(P ∘ dP))`,
+/// `dQ = dS·K·scale`, `dK = dSᵀ·Q·scale`, each product accumulated in f32 and rounded to the dtype.
+/// The yardstick of the gradient tests' error bounds.
+pub fn attention_backward(
+    q: &TensorRef,
+    k: &TensorRef,
+    v: &TensorRef,
+    dout: &TensorRef,
+    opts: &AttnOptions,
+) -> Result<crate::AttnGrads> {
+    let p = params::batched(q, k, v, opts)?;
+    backward_dispatch(&p, q, k, v, dout)
+}
+
+/// Naive backward, packed layout.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_varlen_backward(
+    q: &TensorRef,
+    k: &TensorRef,
+    v: &TensorRef,
+    dout: &TensorRef,
+    cu_seqlens_q: &[i32],
+    cu_seqlens_k: &[i32],
+    opts: &AttnOptions,
+) -> Result<crate::AttnGrads> {
+    let p = params::varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, opts)?;
+    backward_dispatch(&p, q, k, v, dout)
+}
+
+fn backward_dispatch(
+    p: &Params,
+    q: &TensorRef,
+    k: &TensorRef,
+    v: &TensorRef,
+    dout: &TensorRef,
+) -> Result<crate::AttnGrads> {
+    let layout = params::q_like("dout", dout, p)?;
+    fn typed<T: Element>(
+        p: &Params,
+        q: &TensorRef,
+        k: &TensorRef,
+        v: &TensorRef,
+        dout: &TensorRef,
+        layout: &params::QLike,
+    ) -> crate::AttnGrads {
+        let (dq, dk, dv) = backward_run::<T>(p, data(q), data(k), data(v), data(dout), layout);
+        let wrap = |x: Vec<f32>, shape: &[usize]| {
+            let mut t = vec![T::default(); x.len()];
+            T::narrow(&x, &mut t);
+            Tensor::new_unchecked(T::wrap_vec(t), shape.to_vec())
+        };
+        crate::AttnGrads {
+            dq: wrap(dq, &p.out_shape),
+            dk: wrap(dk, &p.k_shape),
+            dv: wrap(dv, &p.k_shape),
+        }
+    }
+    Ok(match p.dtype {
+        DType::F32 => typed::<f32>(p, q, k, v, dout, &layout),
+        DType::F16 => typed::<f16>(p, q, k, v, dout, &layout),
+        DType::BF16 => typed::<bf16>(p, q, k, v, dout, &layout),
+    })
+}
+
+fn backward_run<T: Element>(
+    p: &Params,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    dout: &[T],
+    layout: &params::QLike,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let d = p.head_dim;
+    let scale = p.softmax_scale;
+    let mut dq = vec![0f32; p.out_len()];
+    let mut dk = vec![0f32; p.dk_len()];
+    let mut dv = vec![0f32; p.dk_len()];
+    for (b, s) in p.seqs.iter().enumerate() {
+        let (sq, sk) = (s.seqlen_q, s.seqlen_k);
+        for h in 0..p.heads {
+            let hk = p.kv_head(h);
+            let (mut s_mat, mut p_mat) = (vec![0f32; sq * sk], vec![0f32; sq * sk]);
+            head::<T>(p, q, k, v, b, h, &mut s_mat, &mut p_mat);
+            let row = |src: &[T], at: usize| -> Vec<f32> {
+                let mut r = vec![0f32; d];
+                T::widen(&src[at..at + d], &mut r);
+                r
+            };
+            let qr: Vec<Vec<f32>> = (0..sq)
+                .map(|i| row(q, s.q_base + i * p.q.row_stride + h * p.q.head_stride))
+                .collect();
+            let kr: Vec<Vec<f32>> = (0..sk)
+                .map(|j| row(k, s.k_base + j * p.k.row_stride + hk * p.k.head_stride))
+                .collect();
+            let vr: Vec<Vec<f32>> = (0..sk)
+                .map(|j| row(v, s.v_base + j * p.v.row_stride + hk * p.v.head_stride))
+                .collect();
+            let dor: Vec<Vec<f32>> = (0..sq).map(|i| row(dout, layout.offset(b, i, h))).collect();
+            let drop_scale = p.dropout.map_or(1.0, |dr| dr.scale());
+            let mut keep = vec![true; sk];
+            // Per-head gradients, rounded to T, then summed over the GQA group in f32.
+            let (mut hdq, mut hdk, mut hdv) =
+                (vec![0f32; sq * d], vec![0f32; sk * d], vec![0f32; sk * d]);
+            for i in 0..sq {
+                if let Some(drop) = p.dropout {
+                    drop.keep_row(b, h, i, 0, &mut keep);
+                }
+                let prow = &p_mat[i * sk..(i + 1) * sk];
+                let pdrop: Vec<f32> = prow
+                    .iter()
+                    .zip(&keep)
+                    .map(|(&x, &kp)| if kp { round::<T>(x * drop_scale) } else { 0.0 })
+                    .collect();
+                let dp: Vec<f32> = (0..sk)
+                    .map(|j| {
+                        if keep[j] {
+                            round::<T>(round::<T>(dot(&dor[i], &vr[j])) * drop_scale)
+                        } else {
+                            0.0
+                        }
+                    })
+                    .collect();
+                let pdp = round::<T>(prow.iter().zip(&dp).map(|(a, b)| a * b).sum());
+                for j in 0..sk {
+                    let mut ds = round::<T>(prow[j] * (dp[j] - pdp));
+                    if let Some(cap) = p.softcap {
+                        let x = s_mat[i * sk + j];
+                        if x != f32::NEG_INFINITY {
+                            // s_mat holds the capped score c·tanh(·): 1 - tanh² = 1 - (x/c)² (ALiBi off the diagonal aside).
+                            let raw = round::<T>(round::<T>(dot(&qr[i], &kr[j])) * scale);
+                            let th = (raw / cap).tanh();
+                            ds = round::<T>(ds * (1.0 - th * th));
+                        }
+                    }
+                    crate::cpu::kernels::axpy(ds, &kr[j], &mut hdq[i * d..(i + 1) * d]);
+                    crate::cpu::kernels::axpy(ds, &qr[i], &mut hdk[j * d..(j + 1) * d]);
+                    crate::cpu::kernels::axpy(pdrop[j], &dor[i], &mut hdv[j * d..(j + 1) * d]);
+                }
+            }
+            for i in 0..sq {
+                let at = p.out_offset(b, i, h);
+                for c in 0..d {
+                    dq[at + c] = round::<T>(hdq[i * d + c] * scale);
+                }
+            }
+            for j in 0..sk {
+                let at = p.dk_offset(b, j, hk);
+                for c in 0..d {
+                    dk[at + c] += round::<T>(hdk[j * d + c] * scale);
+                    dv[at + c] += round::<T>(hdv[j * d + c]);
+                }
+            }
+        }
+    }
+    (dq, dk, dv)
 }
