@@ -14,13 +14,7 @@
 pub(crate) fn exp2(x: f32) -> f32 {
     // 1.5 * 2^23: adding it rounds to an integer held in the low mantissa bits.
     const ROUND: f32 = 12_582_912.0;
-    let xc = if x < -126.0 {
-        -126.0
-    } else if x > 127.0 {
-        127.0
-    } else {
-        x
-    };
+    let xc = x.clamp(-126.0, 127.0); // NaN stays NaN
     let shifted = xc + ROUND;
     let n = shifted - ROUND;
     let f = (xc - n) * std::f32::consts::LN_2; // |f| <= ln2 / 2
