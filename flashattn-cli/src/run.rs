@@ -27,10 +27,10 @@ pub struct RunArgs {
     #[arg(long, default_value_t = -1, allow_negative_numbers = true)]
     pub window_right: i64,
     /// Soft-cap the scores: softcap * tanh(scores / softcap).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub softcap: Option<f32>,
     /// Softmax scale (default 1/sqrt(head_dim)).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub scale: Option<f32>,
     /// Worker threads (default: one per core).
     #[arg(long)]
