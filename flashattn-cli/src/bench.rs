@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 /// Default sequence lengths. The last one is chosen so that naive attention would need more than
 /// 8 GiB for its score and probability matrices (8 · heads · N² bytes = 8.06 GiB at heads 4), which
 /// is where the skip rule kicks in and only flashattn runs.
-const DEFAULT_SEQLENS: [usize; 4] = [512, 2048, 8192, 16448];
+const DEFAULT_SEQLENS: &str = "512,2048,8192,16448";
 /// Rows checked against the f64 oracle per measurement.
 const ERR_ROWS: usize = 16;
 /// Cap on repeats of very short shapes, so `--min-time` is what bounds them in practice.
@@ -51,7 +51,7 @@ pub struct BenchArgs {
     #[arg(long)]
     pub heads_kv: Option<usize>,
     /// Query sequence length(s), comma-separated.
-    #[arg(long, value_delimiter = ',', default_values_t = DEFAULT_SEQLENS)]
+    #[arg(long, value_delimiter = ',', default_value = DEFAULT_SEQLENS)]
     pub seqlen: Vec<usize>,
     /// Key sequence length(s): one for all, or one per --seqlen (default: same as the query's).
     #[arg(long, value_delimiter = ',')]
