@@ -230,11 +230,12 @@ impl<'a> TensorRef<'a> {
     }
 }
 
-/// Row-major strides for `shape`.
+/// Row-major strides for `shape`. Saturating: a shape too large to address gets strides that the
+/// bounds check then rejects, instead of wrapping around.
 pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
-    let mut strides = vec![1; shape.len()];
+    let mut strides = vec![1usize; shape.len()];
     for i in (0..shape.len().saturating_sub(1)).rev() {
-        strides[i] = strides[i + 1] * shape[i + 1];
+        strides[i] = strides[i + 1].saturating_mul(shape[i + 1]);
     }
     strides
 }

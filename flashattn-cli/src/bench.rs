@@ -1,0 +1,523 @@
+//! `flashattn bench`: flashattn against naive (materialising) attention on seeded random data.
+
+use crate::alloc;
+use crate::error::{fail, CliError, Result};
+use crate::threads::with_threads;
+use flashattn::{flops, naive, reference, AttnOptions, AttnOutput, Buffer, DType, TensorRef};
+use half::{bf16, f16};
+use indicatif::{ProgressBar, ProgressStyle};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+use std::time::{Duration, Instant};
+
+/// Default sequence lengths. The last one is chosen so that naive attention would need more than
+/// 8 GiB for its score and probability matrices (8 · heads · N² bytes = 8.06 GiB at heads 4), which
+/// is where the skip rule kicks in and only flashattn runs.
+const DEFAULT_SEQLENS: &str = "512,2048,8192,16448";
+/// Rows checked against the f64 oracle per measurement.
+const ERR_ROWS: usize = 16;
+/// Cap on repeats of very short shapes, so `--min-time` is what bounds them in practice.
+const MAX_REPS: usize = 1000;
+const GIB: f64 = (1u64 << 30) as f64;
+const MIB: f64 = (1u64 << 20) as f64;
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+pub enum DtypeArg {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl DtypeArg {
+    fn dtype(self) -> DType {
+        match self {
+            DtypeArg::F32 => DType::F32,
+            DtypeArg::F16 => DType::F16,
+            DtypeArg::Bf16 => DType::BF16,
+        }
+    }
+}
+
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    /// Batch size.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    /// Query heads.
+    #[arg(long, default_value_t = 4)]
+    pub heads: usize,
+    /// Key/value heads (default: --heads); --heads must be a multiple of it.
+    #[arg(long)]
+    pub heads_kv: Option<usize>,
+    /// Query sequence length(s), comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = DEFAULT_SEQLENS)]
+    pub seqlen: Vec<usize>,
+    /// Key sequence length(s): one for all, or one per --seqlen (default: same as the query's).
+    #[arg(long, value_delimiter = ',')]
+    pub seqlen_k: Vec<usize>,
+    /// Head dimension (1..=256).
+    #[arg(long, default_value_t = 64)]
+    pub head_dim: usize,
+    /// Element type of q, k, v and out.
+    #[arg(long, value_enum, default_value_t = DtypeArg::F32)]
+    pub dtype: DtypeArg,
+    /// Causal mask.
+    #[arg(long)]
+    pub causal: bool,
+    /// Worker threads (default: one per core).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// One JSON object per line per measurement instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Skip naive attention where its score matrices would need more than this many GiB (it is
+    /// also skipped above half of MemAvailable).
+    #[arg(long, default_value_t = 4.0)]
+    pub naive_max_gib: f64,
+    /// Run flashattn only.
+    #[arg(long)]
+    pub no_naive: bool,
+    /// Seconds of timed repeats to aim for per measurement (at least 3 repeats, or 1 when a single
+    /// call already takes this long), after one warm-up call.
+    #[arg(long, default_value_t = 0.5)]
+    pub min_time: f64,
+    /// Seed of the random inputs.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+/// The fields every JSON line shares.
+#[derive(Serialize, Clone, Debug)]
+struct Config {
+    dtype: &'static str,
+    batch: usize,
+    heads: usize,
+    heads_kv: usize,
+    seqlen_q: usize,
+    seqlen_k: usize,
+    head_dim: usize,
+    causal: bool,
+    pass: &'static str,
+    threads: usize,
+}
+
+#[derive(Serialize, Debug)]
+struct Measured {
+    #[serde(rename = "impl")]
+    implementation: &'static str,
+    #[serde(flatten)]
+    config: Config,
+    skipped: bool,
+    median_ms: f64,
+    min_ms: f64,
+    reps: usize,
+    flops: f64,
+    gflops: f64,
+    peak_extra_bytes: u64,
+    /// `null` when not computed.
+    max_abs_err: Option<f64>,
+    err_rows: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    speedup_vs_naive: Option<f64>,
+}
+
+#[derive(Serialize, Debug)]
+struct Skipped {
+    #[serde(rename = "impl")]
+    implementation: &'static str,
+    #[serde(flatten)]
+    config: Config,
+    skipped: bool,
+    reason: String,
+    need_bytes: u64,
+}
+
+pub fn bench(args: &BenchArgs) -> Result<()> {
+    let cases = validate(args)?;
+    with_threads(args.threads, || bench_in_pool(args, &cases))?
+}
+
+/// Checks the options up front, so a mistake is reported before minutes of benchmarking; returns
+/// the (seqlen_q, seqlen_k) pairs.
+fn validate(args: &BenchArgs) -> Result<Vec<(usize, usize)>> {
+    let heads_kv = args.heads_kv.unwrap_or(args.heads);
+    if args.batch == 0 || args.heads == 0 || heads_kv == 0 {
+        return fail("--batch, --heads and --heads-kv must be at least 1");
+    }
+    if args.heads % heads_kv != 0 {
+        return fail(format!(
+            "--heads ({}) must be a multiple of --heads-kv ({heads_kv})",
+            args.heads
+        ));
+    }
+    if args.head_dim == 0 || args.head_dim > flashattn::MAX_HEAD_DIM {
+        return fail(format!(
+            "--head-dim {} is out of range 1..={}",
+            args.head_dim,
+            flashattn::MAX_HEAD_DIM
+        ));
+    }
+    if !(args.min_time >= 0.0 && args.min_time.is_finite()) {
+        return fail(format!(
+            "--min-time {} must be a finite number >= 0",
+            args.min_time
+        ));
+    }
+    if args.naive_max_gib.is_nan() || args.naive_max_gib < 0.0 {
+        return fail(format!(
+            "--naive-max-gib {} must be >= 0",
+            args.naive_max_gib
+        ));
+    }
+    let ks: Vec<usize> = match args.seqlen_k.len() {
+        0 => args.seqlen.clone(),
+        1 => vec![args.seqlen_k[0]; args.seqlen.len()],
+        n if n == args.seqlen.len() => args.seqlen_k.clone(),
+        n => {
+            return fail(format!(
+                "--seqlen-k has {n} values; give one, or one per --seqlen value ({})",
+                args.seqlen.len()
+            ))
+        }
+    };
+    let cases: Vec<(usize, usize)> = args.seqlen.iter().copied().zip(ks).collect();
+    if cases.is_empty() || cases.iter().any(|&(q, k)| q == 0 || k == 0) {
+        return fail("--seqlen and --seqlen-k values must be at least 1");
+    }
+    for &(sq, sk) in &cases {
+        let elems = |n: usize, h: usize| {
+            [args.batch, n, h, args.head_dim]
+                .iter()
+                .try_fold(1usize, |a, &x| a.checked_mul(x))
+        };
+        if elems(sq, args.heads).is_none() || elems(sk, heads_kv).is_none() {
+            return fail(format!("seqlen {sq}/{sk}: the tensors' sizes overflow"));
+        }
+    }
+    Ok(cases)
+}
+
+/// MemAvailable from /proc/meminfo, in bytes; `None` where there is no such file.
+fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+fn random_buffer(rng: &mut ChaCha8Rng, n: usize, dtype: DType) -> Buffer {
+    let vals = (0..n).map(|_| rng.gen_range(-1.0f32..1.0));
+    match dtype {
+        DType::F32 => Buffer::F32(vals.collect()),
+        DType::F16 => Buffer::F16(vals.map(f16::from_f32).collect()),
+        DType::BF16 => Buffer::BF16(vals.map(bf16::from_f32).collect()),
+    }
+}
+
+fn view<'a>(buf: &'a Buffer, shape: &[usize]) -> TensorRef<'a> {
+    TensorRef::from_slice(
+        buf.as_slice(),
+        shape,
+        &flashattn::tensor::contiguous_strides(shape),
+    )
+}
+
+/// One row of the f64 oracle: (batch, head, query row, output row).
+struct RefRow {
+    b: usize,
+    h: usize,
+    i: usize,
+    out: Vec<f64>,
+}
+
+/// Up to [`ERR_ROWS`] rows: (batch, head) pairs taken in turn, query rows spread evenly from the
+/// first to the last (the last query sees the most keys, the first the fewest under a causal mask).
+fn sample_rows(batch: usize, heads: usize, sq: usize) -> Vec<(usize, usize, usize)> {
+    let n = ERR_ROWS.min(batch * heads * sq);
+    let mut rows: Vec<(usize, usize, usize)> = (0..n)
+        .map(|r| {
+            let bh = r % (batch * heads);
+            let i = if n > 1 { r * (sq - 1) / (n - 1) } else { 0 };
+            (bh / heads, bh % heads, i)
+        })
+        .collect();
+    rows.sort_unstable();
+    rows.dedup();
+    rows
+}
+
+/// Largest |out - reference| over the sampled rows; NaN is reported, not hidden.
+fn max_abs_err(
+    res: &AttnOutput,
+    refs: &[RefRow],
+    sq: usize,
+    heads: usize,
+    d: usize,
+) -> Option<f64> {
+    if refs.is_empty() {
+        return None;
+    }
+    let buf = res.out.buffer();
+    let get = |idx: usize| -> Option<f64> {
+        match buf {
+            Buffer::F32(v) => v.get(idx).map(|&x| x as f64),
+            Buffer::F16(v) => v.get(idx).map(|x| x.to_f64()),
+            Buffer::BF16(v) => v.get(idx).map(|x| x.to_f64()),
+        }
+    };
+    let mut worst = 0.0f64;
+    for r in refs {
+        let base = ((r.b * sq + r.i) * heads + r.h) * d;
+        for (x, want) in r.out.iter().enumerate() {
+            let e = (get(base + x)? - want).abs();
+            if e > worst || e.is_nan() {
+                worst = e;
+                if e.is_nan() {
+                    return Some(f64::NAN);
+                }
+            }
+        }
+    }
+    Some(worst)
+}
+
+struct Timing {
+    median_s: f64,
+    min_s: f64,
+    reps: usize,
+    peak_extra: usize,
+    /// The warm-up's result, kept for the accuracy check.
+    first: AttnOutput,
+}
+
+/// One timed, memory-counted call. The result is returned so it is dropped outside the timing.
+fn timed_call(
+    f: &mut dyn FnMut() -> flashattn::Result<AttnOutput>,
+) -> Result<(AttnOutput, f64, usize)> {
+    let ((res, secs), peak) = alloc::peak_extra(|| {
+        let t = Instant::now();
+        let r = f();
+        (r, t.elapsed().as_secs_f64())
+    });
+    Ok((res?, secs, peak))
+}
+
+/// A warm-up call (faults in fresh pages, wakes the pool), then timed repeats until `min_time`
+/// seconds are spent: at least 3, or 1 when the warm-up alone took `min_time` (long shapes, where
+/// a second and third repeat would cost more than they tell).
+fn measure(min_time: f64, mut f: impl FnMut() -> flashattn::Result<AttnOutput>) -> Result<Timing> {
+    let (first, warm_s, mut peak_extra) = timed_call(&mut f)?;
+    let min_reps = if warm_s >= min_time { 1 } else { 3 };
+    let mut times = Vec::new();
+    let mut spent = 0.0;
+    while times.len() < min_reps || (spent < min_time && times.len() < MAX_REPS) {
+        let (res, secs, peak) = timed_call(&mut f)?;
+        drop(res);
+        peak_extra = peak_extra.max(peak);
+        times.push(secs);
+        spent += secs;
+    }
+    times.sort_by(f64::total_cmp);
+    let n = times.len();
+    let median_s = if n % 2 == 1 {
+        times[n / 2]
+    } else {
+        (times[n / 2 - 1] + times[n / 2]) / 2.0
+    };
+    Ok(Timing {
+        median_s,
+        min_s: times[0],
+        reps: n,
+        peak_extra,
+        first,
+    })
+}
+
+/// Why naive attention is skipped at this size, if it is.
+fn naive_skip_reason(need: u128, max_gib: f64, avail: Option<u64>) -> Option<String> {
+    let need_gib = need as f64 / GIB;
+    if need_gib > max_gib {
+        return Some(format!(
+            "naive attention would need {need_gib:.2} GiB for its score and probability matrices, over --naive-max-gib {max_gib}"
+        ));
+    }
+    let half = avail? as f64 / 2.0 / GIB;
+    (need_gib > half).then(|| {
+        format!(
+            "naive attention would need {need_gib:.2} GiB for its score and probability matrices, over half of MemAvailable ({half:.2} GiB)"
+        )
+    })
+}
+
+fn progress(steps: u64) -> ProgressBar {
+    let pb = ProgressBar::new(steps);
+    if let Ok(style) =
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} {msg}")
+    {
+        pb.set_style(style);
+    }
+    // Ticks keep the elapsed time moving during calls that last seconds.
+    pb.enable_steady_tick(Duration::from_millis(250));
+    pb
+}
+
+const TABLE_HEADER: &str =
+    "impl       seqlen_q  seqlen_k    median ms     GFLOP/s  peak extra MiB  max abs err  speed-up";
+
+fn table_row(m: &Measured) -> String {
+    let err = match m.max_abs_err {
+        Some(e) => format!("{e:.2e}"),
+        None => "n/a".into(),
+    };
+    let speedup = m
+        .speedup_vs_naive
+        .map_or(String::new(), |s| format!("{s:.2}x"));
+    format!(
+        "{:<9} {:>9} {:>9} {:>12.3} {:>11.2} {:>15.2} {:>12} {:>9}",
+        m.implementation,
+        m.config.seqlen_q,
+        m.config.seqlen_k,
+        m.median_ms,
+        m.gflops,
+        m.peak_extra_bytes as f64 / MIB,
+        err,
+        speedup
+    )
+}
+
+fn emit(pb: &ProgressBar, line: String) {
+    // Printed between progress-bar frames so the two do not interleave on a terminal.
+    pb.suspend(|| println!("{line}"));
+}
+
+fn to_json<T: Serialize>(x: &T) -> Result<String> {
+    serde_json::to_string(x).map_err(|e| CliError(format!("cannot encode a JSON line: {e}")))
+}
+
+fn bench_in_pool(args: &BenchArgs, cases: &[(usize, usize)]) -> Result<()> {
+    let dtype = args.dtype.dtype();
+    let (batch, heads, d) = (args.batch, args.heads, args.head_dim);
+    let heads_kv = args.heads_kv.unwrap_or(heads);
+    let threads = rayon::current_num_threads();
+    let avail = mem_available();
+    let opts = AttnOptions::default().causal(args.causal);
+    let run_naive = !args.no_naive;
+    let steps = cases.len() as u64 * if run_naive { 2 } else { 1 };
+    let pb = progress(steps);
+
+    if !args.json {
+        emit(
+            &pb,
+            format!(
+                "flashattn bench: batch {batch}, heads {heads} (kv {heads_kv}), head_dim {d}, {dtype}, {}, {threads} threads; \
+                 median of timed repeats after one warm-up; max abs err over {ERR_ROWS} rows vs the f64 reference",
+                if args.causal { "causal" } else { "non-causal" }
+            ),
+        );
+        emit(&pb, TABLE_HEADER.into());
+    }
+
+    for (n, &(sq, sk)) in cases.iter().enumerate() {
+        let config = Config {
+            dtype: dtype.name(),
+            batch,
+            heads,
+            heads_kv,
+            seqlen_q: sq,
+            seqlen_k: sk,
+            head_dim: d,
+            causal: args.causal,
+            pass: "fwd",
+            threads,
+        };
+        pb.set_message(format!("seqlen {sq}x{sk}: preparing inputs"));
+        let mut rng = ChaCha8Rng::seed_from_u64(args.seed.wrapping_add(n as u64));
+        let (q_shape, kv_shape) = ([batch, sq, heads, d], [batch, sk, heads_kv, d]);
+        let qb = random_buffer(&mut rng, q_shape.iter().product(), dtype);
+        let kb = random_buffer(&mut rng, kv_shape.iter().product(), dtype);
+        let vb = random_buffer(&mut rng, kv_shape.iter().product(), dtype);
+        let (q, k, v) = (
+            view(&qb, &q_shape),
+            view(&kb, &kv_shape),
+            view(&vb, &kv_shape),
+        );
+        let refs = sample_rows(batch, heads, sq)
+            .into_iter()
+            .map(|(b, h, i)| {
+                reference::attention_row(&q, &k, &v, &opts, b, h, i).map(|(out, _lse)| RefRow {
+                    b,
+                    h,
+                    i,
+                    out,
+                })
+            })
+            .collect::<flashattn::Result<Vec<_>>>()?;
+        let flop = flops::forward(batch, heads, sq, sk, d, args.causal, opts.window);
+        let record = |name: &'static str, t: &Timing| Measured {
+            implementation: name,
+            config: config.clone(),
+            skipped: false,
+            median_ms: t.median_s * 1e3,
+            min_ms: t.min_s * 1e3,
+            reps: t.reps,
+            flops: flop,
+            gflops: flop / t.median_s / 1e9,
+            peak_extra_bytes: t.peak_extra as u64,
+            max_abs_err: max_abs_err(&t.first, &refs, sq, heads, d),
+            err_rows: refs.len(),
+            speedup_vs_naive: None,
+        };
+
+        pb.set_message(format!("seqlen {sq}x{sk}: flashattn"));
+        let flash = measure(args.min_time, || flashattn::flash_attn(&q, &k, &v, &opts))?;
+        let mut flash_rec = record("flashattn", &flash);
+        drop(flash);
+        pb.inc(1);
+
+        let mut lines = Vec::new();
+        if run_naive {
+            let need = naive::memory_bytes(batch, heads, sq, sk);
+            match naive_skip_reason(need, args.naive_max_gib, avail) {
+                Some(reason) => {
+                    let skipped = Skipped {
+                        implementation: "naive",
+                        config: config.clone(),
+                        skipped: true,
+                        need_bytes: u64::try_from(need).unwrap_or(u64::MAX),
+                        reason,
+                    };
+                    lines.push(if args.json {
+                        to_json(&skipped)?
+                    } else {
+                        format!("naive     {sq:>9} {sk:>9}  skipped: {}", skipped.reason)
+                    });
+                }
+                None => {
+                    pb.set_message(format!("seqlen {sq}x{sk}: naive"));
+                    let t = measure(args.min_time, || naive::attention(&q, &k, &v, &opts))?;
+                    let naive_rec = record("naive", &t);
+                    drop(t);
+                    flash_rec.speedup_vs_naive = Some(naive_rec.median_ms / flash_rec.median_ms);
+                    lines.push(if args.json {
+                        to_json(&naive_rec)?
+                    } else {
+                        table_row(&naive_rec)
+                    });
+                }
+            }
+            pb.inc(1);
+        }
+        let flash_line = if args.json {
+            to_json(&flash_rec)?
+        } else {
+            table_row(&flash_rec)
+        };
+        lines.insert(0, flash_line);
+        for line in lines {
+            emit(&pb, line);
+        }
+    }
+    pb.finish_and_clear();
+    Ok(())
+}

@@ -1,0 +1,108 @@
+//! `flashattn run IN OUT`: attention on the tensors of a safetensors file.
+
+use crate::error::{CliError, Result};
+use crate::st_io;
+use crate::threads::with_threads;
+use flashattn::{AttnOptions, AttnOutput};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+#[derive(clap::Args, Debug)]
+pub struct RunArgs {
+    /// Input file with tensors q, k, v (F32, F16 or BF16, all the same), optionally alibi_slopes
+    /// (F32, [heads] or [batch, heads]) and cu_seqlens_q + cu_seqlens_k (I32; selects the packed
+    /// layout q [total_q, heads, d], k/v [total_k, heads_kv, d]; otherwise q is
+    /// [batch, seqlen_q, heads, d], k/v [batch, seqlen_k, heads_kv, d]).
+    pub input: PathBuf,
+    /// Output file: gets `out` (q's dtype and shape) and `lse` (F32). Written only on success,
+    /// through a temporary file renamed into place; an existing file is untouched on failure.
+    pub output: PathBuf,
+    /// Causal mask aligned to the bottom-right corner (same as --window-right 0).
+    #[arg(long)]
+    pub causal: bool,
+    /// Keys visible to the left of the diagonal; -1 = unbounded.
+    #[arg(long, default_value_t = -1, allow_negative_numbers = true)]
+    pub window_left: i64,
+    /// Keys visible to the right of the diagonal; -1 = unbounded.
+    #[arg(long, default_value_t = -1, allow_negative_numbers = true)]
+    pub window_right: i64,
+    /// Soft-cap the scores: softcap * tanh(scores / softcap).
+    #[arg(long, allow_negative_numbers = true)]
+    pub softcap: Option<f32>,
+    /// Softmax scale (default 1/sqrt(head_dim)).
+    #[arg(long, allow_negative_numbers = true)]
+    pub scale: Option<f32>,
+    /// Worker threads (default: one per core).
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+pub fn run(args: &RunArgs) -> Result<()> {
+    let inputs = st_io::load(&args.input)?;
+    // Create the temporary file before computing, so an unwritable destination fails fast; it
+    // lives next to OUT so the final rename stays on one filesystem (atomic), and it is deleted
+    // when dropped on any error path.
+    let dir = match args.output.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".flashattn-")
+        .suffix(".tmp")
+        .tempfile_in(dir)
+        .map_err(|e| {
+            CliError(format!(
+                "cannot create a temporary file in {}: {e}",
+                dir.display()
+            ))
+        })?;
+
+    let res = with_threads(args.threads, || compute(&inputs, args))??;
+    let bytes = st_io::serialize(&res)?;
+    drop(res);
+
+    let shown = args.output.display();
+    let write_err = |e: std::io::Error| CliError(format!("cannot write {shown}: {e}"));
+    tmp.write_all(&bytes).map_err(write_err)?;
+    tmp.as_file().sync_all().map_err(write_err)?;
+    set_readable(tmp.as_file()).map_err(write_err)?;
+    tmp.persist(&args.output).map_err(|e| write_err(e.error))?;
+    Ok(())
+}
+
+fn compute(inputs: &st_io::Inputs, args: &RunArgs) -> Result<AttnOutput> {
+    let opts = AttnOptions {
+        softmax_scale: args.scale,
+        causal: args.causal,
+        window: (args.window_left, args.window_right),
+        softcap: args.softcap,
+        alibi_slopes: inputs.alibi_slopes.as_ref().map(|a| a.view()),
+    };
+    let (q, k, v) = (inputs.q.view(), inputs.k.view(), inputs.v.view());
+    match &inputs.cu_seqlens {
+        Some((cq, ck)) => Ok(flashattn::flash_attn_varlen(&q, &k, &v, cq, ck, &opts)?),
+        None => {
+            if q.shape().len() == 3 {
+                // The likeliest cause of a rank-3 q is a packed file without its offsets.
+                return Err(CliError(format!(
+                    "tensor `q` has rank 3 (shape {:?}); the batched layout needs [batch, seqlen, heads, head_dim], \
+                     the packed layout [total, heads, head_dim] needs tensors cu_seqlens_q and cu_seqlens_k",
+                    q.shape()
+                )));
+            }
+            Ok(flashattn::flash_attn(&q, &k, &v, &opts)?)
+        }
+    }
+}
+
+/// Temporary files are created 0600; the result should have the usual permissions of a new file.
+#[cfg(unix)]
+fn set_readable(f: &std::fs::File) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    f.set_permissions(std::fs::Permissions::from_mode(0o644))
+}
+
+#[cfg(not(unix))]
+fn set_readable(_: &std::fs::File) -> std::io::Result<()> {
+    Ok(())
+}

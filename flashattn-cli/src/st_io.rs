@@ -1,0 +1,245 @@
+//! Reading the inputs of `flashattn run` from a safetensors file and writing its outputs.
+
+use crate::error::{fail, CliError, Result};
+use flashattn::{AttnOutput, Buffer, TensorRef};
+use half::{bf16, f16};
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors};
+use std::path::Path;
+
+/// Every tensor name `run` understands; anything else in the file is rejected rather than ignored,
+/// so a typo (`Q`, `cu_seqlen_q`) cannot silently change the computation.
+pub const ACCEPTED: [&str; 6] = [
+    "q",
+    "k",
+    "v",
+    "alibi_slopes",
+    "cu_seqlens_q",
+    "cu_seqlens_k",
+];
+
+/// An owned floating-point tensor, contiguous, row-major.
+pub struct Loaded {
+    pub buf: Buffer,
+    pub shape: Vec<usize>,
+    strides: Vec<usize>,
+}
+
+impl Loaded {
+    pub fn view(&self) -> TensorRef<'_> {
+        TensorRef::from_slice(self.buf.as_slice(), &self.shape, &self.strides)
+    }
+}
+
+/// The contents of an input file.
+pub struct Inputs {
+    pub q: Loaded,
+    pub k: Loaded,
+    pub v: Loaded,
+    pub alibi_slopes: Option<Loaded>,
+    /// `(cu_seqlens_q, cu_seqlens_k)`: present means the packed layout.
+    pub cu_seqlens: Option<(Vec<i32>, Vec<i32>)>,
+}
+
+/// Row-major strides, or an error if they overflow. A shape with a zero dimension passes the
+/// safetensors size check whatever its other dimensions are, so this cannot be left to chance.
+fn checked_strides(name: &str, shape: &[usize]) -> Result<Vec<usize>> {
+    let mut strides = vec![1usize; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1].checked_mul(shape[i + 1]).ok_or_else(|| {
+            CliError(format!(
+                "tensor `{name}` has shape {shape:?}, whose size overflows"
+            ))
+        })?;
+    }
+    Ok(strides)
+}
+
+/// Decodes a float tensor. Bytes are copied into typed vectors (little-endian, as safetensors
+/// stores them) because the file's data section need not be aligned for f32 or f16.
+fn decode_float(name: &str, t: &TensorView) -> Result<Loaded> {
+    let bytes = t.data();
+    let buf = match t.dtype() {
+        Dtype::F32 => Buffer::F32(
+            bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        ),
+        Dtype::F16 => Buffer::F16(
+            bytes
+                .chunks_exact(2)
+                .map(|c| f16::from_bits(u16::from_le_bytes([c[0], c[1]])))
+                .collect(),
+        ),
+        Dtype::BF16 => Buffer::BF16(
+            bytes
+                .chunks_exact(2)
+                .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])))
+                .collect(),
+        ),
+        other => {
+            return fail(format!(
+                "tensor `{name}` has dtype {other:?}, expected F32, F16 or BF16"
+            ))
+        }
+    };
+    let shape = t.shape().to_vec();
+    let strides = checked_strides(name, &shape)?;
+    Ok(Loaded {
+        buf,
+        shape,
+        strides,
+    })
+}
+
+fn decode_i32(name: &str, t: &TensorView) -> Result<Vec<i32>> {
+    if t.dtype() != Dtype::I32 {
+        return fail(format!(
+            "tensor `{name}` has dtype {:?}, expected I32",
+            t.dtype()
+        ));
+    }
+    if t.shape().len() != 1 {
+        return fail(format!(
+            "tensor `{name}` has shape {:?}, expected rank 1 [batch + 1]",
+            t.shape()
+        ));
+    }
+    Ok(t.data()
+        .chunks_exact(4)
+        .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+/// Reads and checks `path`: accepted names only, q/k/v present and of one float dtype, ALiBi
+/// slopes F32, cu_seqlens I32 and both or neither. Shapes are left to the library, which names
+/// the tensor and the expected layout in its errors.
+pub fn load(path: &Path) -> Result<Inputs> {
+    let shown = path.display();
+    let bytes = std::fs::read(path).map_err(|e| CliError(format!("cannot read {shown}: {e}")))?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| {
+        CliError(format!(
+            "{shown} is not a valid safetensors file: {}",
+            describe(&e)
+        ))
+    })?;
+    let mut names: Vec<&String> = st.names();
+    names.sort();
+    if let Some(bad) = names.iter().find(|n| !ACCEPTED.contains(&n.as_str())) {
+        return fail(format!(
+            "{shown}: unexpected tensor `{bad}`; accepted names: {}",
+            ACCEPTED.join(", ")
+        ));
+    }
+    let get = |name: &str| -> Result<Option<TensorView>> {
+        match st.tensor(name) {
+            Ok(t) => Ok(Some(t)),
+            Err(safetensors::SafeTensorError::TensorNotFound(_)) => Ok(None),
+            Err(e) => fail(format!(
+                "{shown}: cannot read tensor `{name}`: {}",
+                describe(&e)
+            )),
+        }
+    };
+    let required = |name: &str| -> Result<Loaded> {
+        match get(name)? {
+            Some(t) => decode_float(name, &t),
+            None => fail(format!(
+                "{shown}: missing tensor `{name}` (q, k and v are required)"
+            )),
+        }
+    };
+    let q = required("q")?;
+    let k = required("k")?;
+    let v = required("v")?;
+    for (name, t) in [("k", &k), ("v", &v)] {
+        if t.buf.dtype() != q.buf.dtype() {
+            return fail(format!(
+                "tensor `{name}` has dtype {}, but `q` has {}; q, k and v must share one dtype",
+                t.buf.dtype(),
+                q.buf.dtype()
+            ));
+        }
+    }
+    let alibi_slopes = match get("alibi_slopes")? {
+        Some(t) if t.dtype() != Dtype::F32 => {
+            return fail(format!(
+                "tensor `alibi_slopes` has dtype {:?}, expected F32",
+                t.dtype()
+            ))
+        }
+        Some(t) => Some(decode_float("alibi_slopes", &t)?),
+        None => None,
+    };
+    let cu_seqlens = match (get("cu_seqlens_q")?, get("cu_seqlens_k")?) {
+        (Some(cq), Some(ck)) => Some((
+            decode_i32("cu_seqlens_q", &cq)?,
+            decode_i32("cu_seqlens_k", &ck)?,
+        )),
+        (None, None) => None,
+        (Some(_), None) => return fail(
+            "tensor `cu_seqlens_q` is present without `cu_seqlens_k`; the packed layout needs both",
+        ),
+        (None, Some(_)) => return fail(
+            "tensor `cu_seqlens_k` is present without `cu_seqlens_q`; the packed layout needs both",
+        ),
+    };
+    Ok(Inputs {
+        q,
+        k,
+        v,
+        alibi_slopes,
+        cu_seqlens,
+    })
+}
+
+/// A readable sentence for a safetensors error (its own Display is its Debug form).
+fn describe(e: &safetensors::SafeTensorError) -> String {
+    use safetensors::SafeTensorError as E;
+    match e {
+        E::InvalidHeader => "the header is not valid UTF-8".into(),
+        E::InvalidHeaderStart => "the header does not start with `{`".into(),
+        E::InvalidHeaderDeserialization => "the header is not valid JSON".into(),
+        E::HeaderTooLarge => "the header is larger than 100 MB".into(),
+        E::HeaderTooSmall => "the file is shorter than its 8-byte header length".into(),
+        E::InvalidHeaderLength => "the header length points past the end of the file".into(),
+        E::TensorNotFound(name) => format!("no tensor named `{name}`"),
+        E::TensorInvalidInfo => "a tensor's shape, dtype and data offsets disagree".into(),
+        E::InvalidOffset(name) => format!("tensor `{name}` has invalid data offsets"),
+        E::MetadataIncompleteBuffer => "the tensors do not cover the data section exactly".into(),
+        E::ValidationOverflow => "a tensor's size overflows".into(),
+        other => format!("{other:?}"),
+    }
+}
+
+/// Little-endian bytes of a buffer, with its safetensors dtype.
+fn buffer_bytes(buf: &Buffer) -> (Dtype, Vec<u8>) {
+    match buf {
+        Buffer::F32(d) => (Dtype::F32, d.iter().flat_map(|x| x.to_le_bytes()).collect()),
+        Buffer::F16(d) => (
+            Dtype::F16,
+            d.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
+        ),
+        Buffer::BF16(d) => (
+            Dtype::BF16,
+            d.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
+        ),
+    }
+}
+
+/// The whole output file (`out` and `lse`) in memory.
+pub fn serialize(res: &AttnOutput) -> Result<Vec<u8>> {
+    let (out_dtype, out_bytes) = buffer_bytes(res.out.buffer());
+    let (lse_dtype, lse_bytes) = buffer_bytes(res.lse.buffer());
+    let view = |name: &str, dtype, shape: &[usize], bytes| {
+        TensorView::new(dtype, shape.to_vec(), bytes)
+            .map_err(|e| CliError(format!("cannot encode output tensor `{name}`: {e:?}")))
+    };
+    let tensors = vec![
+        ("out", view("out", out_dtype, res.out.shape(), &out_bytes)?),
+        ("lse", view("lse", lse_dtype, res.lse.shape(), &lse_bytes)?),
+    ];
+    safetensors::serialize(tensors, &None)
+        .map_err(|e| CliError(format!("cannot encode the output: {e:?}")))
+}

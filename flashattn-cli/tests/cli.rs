@@ -1,0 +1,753 @@
+//! End-to-end tests of the `flashattn` binary: `run` against the f64 reference, every kind of bad
+//! input (non-zero exit, a message naming the tensor, no OUT file, an existing OUT untouched), and
+//! the JSON lines of `bench`.
+
+use flashattn::{reference, AttnOptions, TensorRef};
+use half::{bf16, f16};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use safetensors::{Dtype, SafeTensors};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const BIN: &str = env!("CARGO_BIN_EXE_flashattn");
+
+/// A tensor to write: name, safetensors dtype name, shape, little-endian bytes.
+struct Raw {
+    name: String,
+    dtype: &'static str,
+    shape: Vec<usize>,
+    bytes: Vec<u8>,
+}
+
+fn raw(name: &str, dtype: &'static str, shape: &[usize], bytes: Vec<u8>) -> Raw {
+    Raw {
+        name: name.into(),
+        dtype,
+        shape: shape.to_vec(),
+        bytes,
+    }
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn i32_bytes(v: &[i32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Writes a safetensors file by hand. The header is padded to an odd length on purpose, so every
+/// tensor's data starts at an address no f32 or f16 load may assume aligned: the CLI must copy
+/// bytes, not reinterpret them.
+fn write_st(path: &Path, tensors: &[Raw]) {
+    let mut header = serde_json::Map::new();
+    let mut offset = 0;
+    for t in tensors {
+        let end = offset + t.bytes.len();
+        header.insert(
+            t.name.clone(),
+            serde_json::json!({"dtype": t.dtype, "shape": t.shape, "data_offsets": [offset, end]}),
+        );
+        offset = end;
+    }
+    let mut json = serde_json::Value::Object(header).to_string();
+    while json.len() % 4 != 1 {
+        json.push(' ');
+    }
+    let mut file = (json.len() as u64).to_le_bytes().to_vec();
+    file.extend(json.as_bytes());
+    for t in tensors {
+        file.extend(&t.bytes);
+    }
+    std::fs::write(path, file).unwrap();
+}
+
+fn random(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.gen_range(-1.5f32..1.5)).collect()
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Ty {
+    F32,
+    F16,
+    BF16,
+}
+
+/// Values rounded to `ty` (so the reference sees exactly what the CLI reads), with their bytes.
+fn encode(ty: Ty, v: &[f32]) -> (&'static str, Vec<f32>, Vec<u8>) {
+    match ty {
+        Ty::F32 => ("F32", v.to_vec(), f32_bytes(v)),
+        Ty::F16 => {
+            let h: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
+            (
+                "F16",
+                h.iter().map(|x| x.to_f32()).collect(),
+                h.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
+            )
+        }
+        Ty::BF16 => {
+            let h: Vec<bf16> = v.iter().map(|&x| bf16::from_f32(x)).collect();
+            (
+                "BF16",
+                h.iter().map(|x| x.to_f32()).collect(),
+                h.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
+            )
+        }
+    }
+}
+
+fn flashattn(args: &[&str]) -> Output {
+    Command::new(BIN).args(args).output().unwrap()
+}
+
+fn run_files(input: &Path, output: &Path, extra: &[&str]) -> Output {
+    let mut args = vec!["run", input.to_str().unwrap(), output.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    flashattn(&args)
+}
+
+/// Reads a tensor of the output file as f64.
+fn read_out(path: &Path, name: &str) -> (Dtype, Vec<usize>, Vec<f64>) {
+    let bytes = std::fs::read(path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let t = st.tensor(name).unwrap();
+    let d = t.data();
+    let vals: Vec<f64> = match t.dtype() {
+        Dtype::F32 => d
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
+            .collect(),
+        Dtype::F16 => d
+            .chunks_exact(2)
+            .map(|c| f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f64())
+            .collect(),
+        Dtype::BF16 => d
+            .chunks_exact(2)
+            .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f64())
+            .collect(),
+        other => panic!("unexpected dtype {other:?}"),
+    };
+    (t.dtype(), t.shape().to_vec(), vals)
+}
+
+fn assert_close(name: &str, got: &[f64], want: &[f64], tol: f64) {
+    assert_eq!(got.len(), want.len(), "{name}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let ok = if w.is_infinite() {
+            g == w
+        } else {
+            (g - w).abs() <= tol * (1.0 + w.abs())
+        };
+        assert!(ok, "{name}[{i}]: got {g}, want {w} (tol {tol})");
+    }
+}
+
+fn tolerance(ty: Ty) -> f64 {
+    // Output rounding to the format dominates; f32 accumulation adds a little on top.
+    match ty {
+        Ty::F32 => 1e-5,
+        Ty::F16 => 4e-3,
+        Ty::BF16 => 3e-2,
+    }
+}
+
+struct Case {
+    ty: Ty,
+    /// Batched `[batch, seqlen_q, seqlen_k]`, or packed `cu_seqlens_q`/`cu_seqlens_k`.
+    batched: Option<(usize, usize, usize)>,
+    cu: Option<(Vec<i32>, Vec<i32>)>,
+    heads: usize,
+    heads_kv: usize,
+    d: usize,
+    alibi: Option<Vec<usize>>,
+    flags: Vec<&'static str>,
+    opts: AttnOptions<'static>,
+}
+
+/// Writes the case's input, runs the CLI, compares `out` and `lse` with `reference`.
+fn check_against_reference(case: Case) {
+    let dir = tempfile::tempdir().unwrap();
+    let (input, output) = (
+        dir.path().join("in.safetensors"),
+        dir.path().join("out.safetensors"),
+    );
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let (q_shape, kv_shape) = match (&case.batched, &case.cu) {
+        (Some((b, sq, sk)), None) => (
+            vec![*b, *sq, case.heads, case.d],
+            vec![*b, *sk, case.heads_kv, case.d],
+        ),
+        (None, Some((cq, ck))) => (
+            vec![*cq.last().unwrap() as usize, case.heads, case.d],
+            vec![*ck.last().unwrap() as usize, case.heads_kv, case.d],
+        ),
+        _ => unreachable!(),
+    };
+    let n = |s: &[usize]| s.iter().product::<usize>();
+    let (dt, q, qb) = encode(case.ty, &random(&mut rng, n(&q_shape)));
+    let (_, k, kb) = encode(case.ty, &random(&mut rng, n(&kv_shape)));
+    let (_, v, vb) = encode(case.ty, &random(&mut rng, n(&kv_shape)));
+    let mut tensors = vec![
+        raw("q", dt, &q_shape, qb),
+        raw("k", dt, &kv_shape, kb),
+        raw("v", dt, &kv_shape, vb),
+    ];
+    let slopes: Option<Vec<f32>> = case
+        .alibi
+        .as_ref()
+        .map(|s| (0..n(s)).map(|i| 0.05 + 0.1 * i as f32).collect());
+    if let (Some(shape), Some(sl)) = (&case.alibi, &slopes) {
+        tensors.push(raw("alibi_slopes", "F32", shape, f32_bytes(sl)));
+    }
+    if let Some((cq, ck)) = &case.cu {
+        tensors.push(raw("cu_seqlens_q", "I32", &[cq.len()], i32_bytes(cq)));
+        tensors.push(raw("cu_seqlens_k", "I32", &[ck.len()], i32_bytes(ck)));
+    }
+    write_st(&input, &tensors);
+
+    let res = run_files(&input, &output, &case.flags);
+    assert!(
+        res.status.success(),
+        "run failed: {}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+
+    let wrap = |v: &'static [f32], shape: &[usize]| -> TensorRef<'static> {
+        match case.ty {
+            Ty::F32 => TensorRef::contiguous(v, shape),
+            Ty::F16 => TensorRef::contiguous(
+                Vec::leak(v.iter().map(|&x| f16::from_f32(x)).collect()),
+                shape,
+            ),
+            Ty::BF16 => TensorRef::contiguous(
+                Vec::leak(v.iter().map(|&x| bf16::from_f32(x)).collect()),
+                shape,
+            ),
+        }
+    };
+    let (qt, kt, vt) = (
+        wrap(q.leak(), &q_shape),
+        wrap(k.leak(), &kv_shape),
+        wrap(v.leak(), &kv_shape),
+    );
+    let mut opts = case.opts.clone();
+    if let (Some(shape), Some(sl)) = (&case.alibi, slopes) {
+        opts.alibi_slopes = Some(TensorRef::contiguous(sl.leak(), shape));
+    }
+    let want = match &case.cu {
+        Some((cq, ck)) => reference::attention_varlen(&qt, &kt, &vt, cq, ck, &opts).unwrap(),
+        None => reference::attention(&qt, &kt, &vt, &opts).unwrap(),
+    };
+    let (out_dt, out_shape, out) = read_out(&output, "out");
+    let (lse_dt, lse_shape, lse) = read_out(&output, "lse");
+    assert_eq!(format!("{out_dt:?}"), dt, "out keeps q's dtype");
+    assert_eq!(lse_dt, Dtype::F32);
+    assert_eq!(out_shape, want.out_shape);
+    assert_eq!(lse_shape, want.lse_shape);
+    assert_close("out", &out, &want.out, tolerance(case.ty));
+    assert_close(
+        "lse",
+        &lse,
+        &want.lse,
+        if matches!(case.ty, Ty::F32) {
+            1e-5
+        } else {
+            1e-3
+        },
+    );
+}
+
+#[test]
+fn batched_causal_softcap_alibi_gqa_matches_reference() {
+    check_against_reference(Case {
+        ty: Ty::F32,
+        batched: Some((2, 37, 53)),
+        cu: None,
+        heads: 4,
+        heads_kv: 2,
+        d: 40,
+        alibi: Some(vec![4]),
+        flags: vec!["--causal", "--softcap", "5", "--threads", "2"],
+        opts: AttnOptions {
+            causal: true,
+            softcap: Some(5.0),
+            ..Default::default()
+        },
+    });
+}
+
+#[test]
+fn batched_window_scale_per_batch_alibi_matches_reference() {
+    check_against_reference(Case {
+        ty: Ty::F32,
+        batched: Some((2, 41, 29)),
+        cu: None,
+        heads: 3,
+        heads_kv: 3,
+        d: 16,
+        alibi: Some(vec![2, 3]),
+        flags: vec![
+            "--window-left",
+            "7",
+            "--window-right",
+            "3",
+            "--scale",
+            "0.3",
+            "--threads",
+            "1",
+        ],
+        opts: AttnOptions {
+            window: (7, 3),
+            softmax_scale: Some(0.3),
+            ..Default::default()
+        },
+    });
+}
+
+#[test]
+fn packed_varlen_causal_matches_reference() {
+    check_against_reference(Case {
+        ty: Ty::F32,
+        batched: None,
+        cu: Some((vec![0, 5, 17, 30, 30], vec![0, 9, 20, 41, 44])),
+        heads: 4,
+        heads_kv: 1,
+        d: 32,
+        alibi: None,
+        flags: vec!["--causal"],
+        opts: AttnOptions {
+            causal: true,
+            ..Default::default()
+        },
+    });
+}
+
+#[test]
+fn f16_matches_reference() {
+    check_against_reference(Case {
+        ty: Ty::F16,
+        batched: Some((1, 70, 70)),
+        cu: None,
+        heads: 2,
+        heads_kv: 2,
+        d: 64,
+        alibi: None,
+        flags: vec!["--causal", "--softcap", "10"],
+        opts: AttnOptions {
+            causal: true,
+            softcap: Some(10.0),
+            ..Default::default()
+        },
+    });
+}
+
+#[test]
+fn bf16_packed_matches_reference() {
+    check_against_reference(Case {
+        ty: Ty::BF16,
+        batched: None,
+        cu: Some((vec![0, 33, 50], vec![0, 20, 64])),
+        heads: 2,
+        heads_kv: 2,
+        d: 64,
+        alibi: Some(vec![2, 2]),
+        flags: vec![],
+        opts: AttnOptions::default(),
+    });
+}
+
+// ---- bad input -------------------------------------------------------------------------------
+
+/// A valid batched f32 input: q [1, 4, 2, 8], k/v [1, 6, 2, 8].
+fn good_tensors() -> Vec<Raw> {
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    let q = random(&mut rng, 4 * 2 * 8);
+    let kv = random(&mut rng, 6 * 2 * 8);
+    vec![
+        raw("q", "F32", &[1, 4, 2, 8], f32_bytes(&q)),
+        raw("k", "F32", &[1, 6, 2, 8], f32_bytes(&kv)),
+        raw("v", "F32", &[1, 6, 2, 8], f32_bytes(&kv)),
+    ]
+}
+
+fn replace(mut tensors: Vec<Raw>, t: Raw) -> Vec<Raw> {
+    tensors.retain(|x| x.name != t.name);
+    tensors.push(t);
+    tensors
+}
+
+fn without(mut tensors: Vec<Raw>, name: &str) -> Vec<Raw> {
+    tensors.retain(|x| x.name != name);
+    tensors
+}
+
+fn files_in(dir: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    v.sort();
+    v
+}
+
+/// Runs with the input `write` produces and expects failure: a one-line `error:` message that
+/// contains every `needles` string, no OUT, no leftover temporary file; then again with an OUT
+/// that already exists, which must be left byte-for-byte as it was.
+fn expect_failure(write: impl Fn(&Path), flags: &[&str], needles: &[&str]) {
+    let dir = tempfile::tempdir().unwrap();
+    let (input, output) = (
+        dir.path().join("in.safetensors"),
+        dir.path().join("out.safetensors"),
+    );
+    write(&input);
+    let before = files_in(dir.path());
+    for existing in [false, true] {
+        if existing {
+            std::fs::write(&output, b"previous result").unwrap();
+        }
+        let res = run_files(&input, &output, flags);
+        let stderr = String::from_utf8_lossy(&res.stderr);
+        assert!(!res.status.success(), "expected failure for {needles:?}");
+        assert_eq!(
+            res.status.code(),
+            Some(1),
+            "a clean error exit, not a panic: {stderr}"
+        );
+        assert!(stderr.starts_with("error: "), "stderr: {stderr}");
+        assert_eq!(stderr.trim_end().lines().count(), 1, "one line: {stderr}");
+        for n in needles {
+            assert!(stderr.contains(n), "stderr should mention {n:?}: {stderr}");
+        }
+        if existing {
+            assert_eq!(
+                std::fs::read(&output).unwrap(),
+                b"previous result",
+                "existing OUT changed"
+            );
+            std::fs::remove_file(&output).unwrap();
+        }
+        assert_eq!(
+            files_in(dir.path()),
+            before,
+            "no OUT and no temporary file may remain"
+        );
+    }
+}
+
+fn with_tensors(tensors: Vec<Raw>) -> impl Fn(&Path) {
+    move |p| write_st(p, &tensors)
+}
+
+#[test]
+fn missing_tensor_is_named() {
+    expect_failure(
+        with_tensors(without(good_tensors(), "v")),
+        &[],
+        &["missing", "`v`"],
+    );
+}
+
+#[test]
+fn unknown_tensor_is_named_with_accepted_list() {
+    let t = replace(good_tensors(), raw("extra", "F32", &[1], f32_bytes(&[1.0])));
+    expect_failure(
+        with_tensors(t),
+        &[],
+        &[
+            "`extra`",
+            "q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k",
+        ],
+    );
+}
+
+#[test]
+fn unsupported_dtype_is_named() {
+    let t = replace(
+        good_tensors(),
+        raw("k", "F64", &[1, 6, 2, 8], vec![0; 6 * 2 * 8 * 8]),
+    );
+    expect_failure(with_tensors(t), &[], &["`k`", "F64"]);
+}
+
+#[test]
+fn mixed_dtypes_are_named() {
+    let t = replace(
+        good_tensors(),
+        raw("v", "F16", &[1, 6, 2, 8], vec![0; 6 * 2 * 8 * 2]),
+    );
+    expect_failure(with_tensors(t), &[], &["`v`", "f16"]);
+}
+
+#[test]
+fn wrong_rank_is_named() {
+    let t = replace(
+        good_tensors(),
+        raw("q", "F32", &[4, 16], vec![0; 4 * 16 * 4]),
+    );
+    expect_failure(with_tensors(t), &[], &["`q`", "rank 2"]);
+}
+
+#[test]
+fn packed_shape_without_cu_seqlens_is_explained() {
+    let t = replace(
+        good_tensors(),
+        raw("q", "F32", &[4, 2, 8], vec![0; 4 * 2 * 8 * 4]),
+    );
+    expect_failure(with_tensors(t), &[], &["`q`", "cu_seqlens_q"]);
+}
+
+#[test]
+fn shape_mismatch_is_named() {
+    let t = replace(
+        good_tensors(),
+        raw("k", "F32", &[1, 6, 2, 4], vec![0; 6 * 2 * 4 * 4]),
+    );
+    expect_failure(with_tensors(t), &[], &["`k`", "shape"]);
+}
+
+#[test]
+fn one_cu_seqlens_without_the_other_is_named() {
+    let t = replace(
+        good_tensors(),
+        raw("cu_seqlens_q", "I32", &[2], i32_bytes(&[0, 4])),
+    );
+    expect_failure(with_tensors(t), &[], &["cu_seqlens_q", "cu_seqlens_k"]);
+}
+
+#[test]
+fn cu_seqlens_wrong_dtype_is_named() {
+    let t = replace(
+        good_tensors(),
+        raw("cu_seqlens_q", "I64", &[2], vec![0; 16]),
+    );
+    let t = replace(t, raw("cu_seqlens_k", "I32", &[2], i32_bytes(&[0, 6])));
+    expect_failure(with_tensors(t), &[], &["`cu_seqlens_q`", "I32"]);
+}
+
+#[test]
+fn bad_cu_seqlens_values_are_named() {
+    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    let t = vec![
+        raw("q", "F32", &[4, 2, 8], f32_bytes(&random(&mut rng, 64))),
+        raw("k", "F32", &[6, 2, 8], f32_bytes(&random(&mut rng, 96))),
+        raw("v", "F32", &[6, 2, 8], f32_bytes(&random(&mut rng, 96))),
+        raw("cu_seqlens_q", "I32", &[3], i32_bytes(&[0, 3, 2])),
+        raw("cu_seqlens_k", "I32", &[3], i32_bytes(&[0, 3, 6])),
+    ];
+    expect_failure(with_tensors(t), &[], &["cu_seqlens_q", "decreases"]);
+}
+
+#[test]
+fn alibi_problems_are_named() {
+    let t = replace(
+        good_tensors(),
+        raw("alibi_slopes", "F32", &[3], f32_bytes(&[0.1, 0.2, 0.3])),
+    );
+    expect_failure(with_tensors(t), &[], &["alibi_slopes", "[3]"]);
+    let t = replace(good_tensors(), raw("alibi_slopes", "F16", &[2], vec![0; 4]));
+    expect_failure(with_tensors(t), &[], &["`alibi_slopes`", "F32"]);
+}
+
+#[test]
+fn bad_options_are_reported() {
+    expect_failure(
+        with_tensors(good_tensors()),
+        &["--softcap", "-1"],
+        &["softcap"],
+    );
+    expect_failure(
+        with_tensors(good_tensors()),
+        &["--scale", "inf"],
+        &["softmax_scale"],
+    );
+    expect_failure(
+        with_tensors(good_tensors()),
+        &["--window-left", "-5"],
+        &["window"],
+    );
+    expect_failure(
+        with_tensors(good_tensors()),
+        &["--threads", "0"],
+        &["--threads"],
+    );
+}
+
+#[test]
+fn unreadable_and_corrupt_files_are_reported() {
+    expect_failure(|_: &Path| {}, &[], &["cannot read", "in.safetensors"]);
+    expect_failure(
+        |p: &Path| std::fs::write(p, b"not a safetensors file").unwrap(),
+        &[],
+        &["not a valid safetensors"],
+    );
+    // Truncated: the header promises more data than the file holds.
+    expect_failure(
+        |p: &Path| {
+            write_st(p, &good_tensors());
+            let bytes = std::fs::read(p).unwrap();
+            std::fs::write(p, &bytes[..bytes.len() - 10]).unwrap();
+        },
+        &[],
+        &["not a valid safetensors"],
+    );
+}
+
+#[test]
+fn unwritable_destination_is_reported_and_input_untouched() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("in.safetensors");
+    write_st(&input, &good_tensors());
+    let res = run_files(&input, &dir.path().join("no/such/dir/out.safetensors"), &[]);
+    assert!(!res.status.success());
+    assert!(String::from_utf8_lossy(&res.stderr).starts_with("error: "));
+    assert_eq!(files_in(dir.path()), vec![input]);
+}
+
+#[test]
+fn success_replaces_an_existing_out_and_leaves_no_temporary() {
+    let dir = tempfile::tempdir().unwrap();
+    let (input, output) = (
+        dir.path().join("in.safetensors"),
+        dir.path().join("out.safetensors"),
+    );
+    write_st(&input, &good_tensors());
+    std::fs::write(&output, b"old").unwrap();
+    let res = run_files(&input, &output, &["--causal"]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let (_, shape, _) = read_out(&output, "out");
+    assert_eq!(shape, vec![1, 4, 2, 8]);
+    assert_eq!(files_in(dir.path()), vec![input, output]);
+}
+
+// ---- bench -----------------------------------------------------------------------------------
+
+fn bench_json(extra: &[&str]) -> Vec<serde_json::Value> {
+    let mut args = vec![
+        "bench",
+        "--json",
+        "--seqlen",
+        "64,128",
+        "--heads",
+        "2",
+        "--min-time",
+        "0.02",
+    ];
+    args.extend_from_slice(extra);
+    let res = flashattn(&args);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let stdout = String::from_utf8(res.stdout).unwrap();
+    stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad JSON line {l:?}: {e}")))
+        .collect()
+}
+
+#[test]
+fn bench_json_lines_have_the_fields() {
+    let lines = bench_json(&["--threads", "2"]);
+    assert_eq!(lines.len(), 4, "flashattn and naive at two lengths");
+    for l in &lines {
+        for field in [
+            "impl",
+            "dtype",
+            "batch",
+            "heads",
+            "heads_kv",
+            "seqlen_q",
+            "seqlen_k",
+            "head_dim",
+            "causal",
+            "pass",
+            "median_ms",
+            "gflops",
+            "peak_extra_bytes",
+            "max_abs_err",
+            "threads",
+            "reps",
+        ] {
+            assert!(l.get(field).is_some(), "missing {field} in {l}");
+        }
+        assert!(["flashattn", "naive"].contains(&l["impl"].as_str().unwrap()));
+        assert_eq!(l["pass"], "fwd");
+        assert_eq!(l["dtype"], "f32");
+        assert_eq!(l["heads"], 2);
+        assert_eq!(l["threads"], 2);
+        assert_eq!(l["skipped"], false);
+        assert!(l["median_ms"].as_f64().unwrap() > 0.0);
+        assert!(l["gflops"].as_f64().unwrap() > 0.0);
+        assert!(l["reps"].as_u64().unwrap() >= 3);
+        assert!(l["max_abs_err"].as_f64().unwrap() < 1e-4, "{l}");
+    }
+    let seqlens: Vec<u64> = lines
+        .iter()
+        .map(|l| l["seqlen_q"].as_u64().unwrap())
+        .collect();
+    assert_eq!(seqlens, vec![64, 64, 128, 128]);
+    // Naive holds S and P (2 · heads · N² f32) at its peak; flashattn far less at 128.
+    let naive_128 = lines
+        .iter()
+        .find(|l| l["impl"] == "naive" && l["seqlen_q"] == 128)
+        .unwrap();
+    assert!(naive_128["peak_extra_bytes"].as_u64().unwrap() >= 8 * 2 * 128 * 128);
+}
+
+#[test]
+fn bench_skips_naive_over_the_memory_limit() {
+    let lines = bench_json(&["--naive-max-gib", "0.0001", "--dtype", "bf16", "--causal"]);
+    assert_eq!(lines.len(), 4);
+    // At 128, naive needs 2 · 2 heads · 128² f32 = 256 KiB > 0.0001 GiB; at 64, 64 KiB, so it runs.
+    let naive: Vec<_> = lines.iter().filter(|l| l["impl"] == "naive").collect();
+    assert_eq!(naive.len(), 2);
+    assert_eq!(
+        (naive[0]["seqlen_q"].as_u64(), naive[0]["skipped"].as_bool()),
+        (Some(64), Some(false))
+    );
+    assert_eq!(
+        (naive[1]["seqlen_q"].as_u64(), naive[1]["skipped"].as_bool()),
+        (Some(128), Some(true))
+    );
+    assert!(
+        naive[1]["reason"].as_str().unwrap().contains("GiB"),
+        "{}",
+        naive[1]
+    );
+    let flash = lines
+        .iter()
+        .find(|l| l["impl"] == "flashattn" && l["seqlen_q"] == 128)
+        .unwrap();
+    assert_eq!(flash["dtype"], "bf16");
+    assert_eq!(flash["causal"], true);
+}
+
+#[test]
+fn bench_table_and_bad_options() {
+    let res = flashattn(&[
+        "bench",
+        "--seqlen",
+        "32",
+        "--heads",
+        "1",
+        "--min-time",
+        "0",
+        "--no-naive",
+    ]);
+    assert!(res.status.success());
+    let stdout = String::from_utf8(res.stdout).unwrap();
+    assert!(
+        stdout.contains("median ms") && stdout.contains("flashattn"),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("naive "), "{stdout}");
+    let res = flashattn(&["bench", "--heads", "3", "--heads-kv", "2"]);
+    assert_eq!(res.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&res.stderr).contains("--heads-kv"));
+}
