@@ -1,6 +1,3 @@
-<<<<<<< HEAD
-fn main() {}
-=======
 //! The `flashattn` command: exact attention on safetensors files (`run`), and a benchmark of
 //! flashattn against naive attention (`bench`).
 
@@ -61,4 +58,3 @@ fn main() -> ExitCode {
         }
     }
 }
->>>>>>> cli

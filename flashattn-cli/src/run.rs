@@ -3,7 +3,7 @@
 use crate::error::{CliError, Result};
 use crate::st_io;
 use crate::threads::with_threads;
-use flashattn::{AttnOptions, AttnOutput};
+use flashattn::{AttnGrads, AttnOptions, AttnOutput};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -12,9 +12,11 @@ pub struct RunArgs {
     /// Input file with tensors q, k, v (F32, F16 or BF16, all the same), optionally alibi_slopes
     /// (F32, [heads] or [batch, heads]) and cu_seqlens_q + cu_seqlens_k (I32; selects the packed
     /// layout q [total_q, heads, d], k/v [total_k, heads_kv, d]; otherwise q is
-    /// [batch, seqlen_q, heads, d], k/v [batch, seqlen_k, heads_kv, d]).
+    /// [batch, seqlen_q, heads, d], k/v [batch, seqlen_k, heads_kv, d]), and optionally dout
+    /// (q's shape and dtype), which runs the backward pass too.
     pub input: PathBuf,
-    /// Output file: gets `out` (q's dtype and shape) and `lse` (F32). Written only on success,
+    /// Output file: gets `out` (q's dtype and shape) and `lse` (F32), and `dq`, `dk`, `dv` (the
+    /// shapes and dtype of q, k, v) when the input holds `dout`. Written only on success,
     /// through a temporary file renamed into place; an existing file is untouched on failure.
     pub output: PathBuf,
     /// Causal mask aligned to the bottom-right corner (same as --window-right 0).
@@ -32,6 +34,12 @@ pub struct RunArgs {
     /// Softmax scale (default 1/sqrt(head_dim)).
     #[arg(long, allow_negative_numbers = true)]
     pub scale: Option<f32>,
+    /// Dropout probability on the attention probabilities, in [0, 1) (Philox mask keyed by --seed).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub dropout: f32,
+    /// Seed of the dropout mask.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
     /// Worker threads (default: one per core).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -57,9 +65,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
             ))
         })?;
 
-    let res = with_threads(args.threads, || compute(&inputs, args))??;
-    let bytes = st_io::serialize(&res)?;
-    drop(res);
+    let (res, grads) = with_threads(args.threads, || compute(&inputs, args))??;
+    let bytes = st_io::serialize(&res, grads.as_ref())?;
+    drop((res, grads));
 
     let shown = args.output.display();
     let write_err = |e: std::io::Error| CliError(format!("cannot write {shown}: {e}"));
@@ -70,17 +78,38 @@ pub fn run(args: &RunArgs) -> Result<()> {
     Ok(())
 }
 
-fn compute(inputs: &st_io::Inputs, args: &RunArgs) -> Result<AttnOutput> {
+/// Forward, and backward when the file holds `dout`.
+fn compute(inputs: &st_io::Inputs, args: &RunArgs) -> Result<(AttnOutput, Option<AttnGrads>)> {
     let opts = AttnOptions {
         softmax_scale: args.scale,
         causal: args.causal,
         window: (args.window_left, args.window_right),
         softcap: args.softcap,
         alibi_slopes: inputs.alibi_slopes.as_ref().map(|a| a.view()),
+        dropout_p: args.dropout,
+        seed: args.seed,
     };
     let (q, k, v) = (inputs.q.view(), inputs.k.view(), inputs.v.view());
+    let dout = inputs.dout.as_ref().map(|t| t.view());
     match &inputs.cu_seqlens {
-        Some((cq, ck)) => Ok(flashattn::flash_attn_varlen(&q, &k, &v, cq, ck, &opts)?),
+        Some((cq, ck)) => {
+            let res = flashattn::flash_attn_varlen(&q, &k, &v, cq, ck, &opts)?;
+            let grads = match &dout {
+                Some(dout) => Some(flashattn::flash_attn_varlen_backward(
+                    &q,
+                    &k,
+                    &v,
+                    &res.out.view(),
+                    &res.lse.view(),
+                    dout,
+                    cq,
+                    ck,
+                    &opts,
+                )?),
+                None => None,
+            };
+            Ok((res, grads))
+        }
         None => {
             if q.shape().len() == 3 {
                 // The likeliest cause of a rank-3 q is a packed file without its offsets.
@@ -90,7 +119,12 @@ fn compute(inputs: &st_io::Inputs, args: &RunArgs) -> Result<AttnOutput> {
                     q.shape()
                 )));
             }
-            Ok(flashattn::flash_attn(&q, &k, &v, &opts)?)
+            let res = flashattn::flash_attn(&q, &k, &v, &opts)?;
+            let grads = match &dout {
+                Some(dout) => Some(res.backward(&q, &k, &v, dout, &opts)?),
+                None => None,
+            };
+            Ok((res, grads))
         }
     }
 }

@@ -1,7 +1,7 @@
 //! Reading the inputs of `flashattn run` from a safetensors file and writing its outputs.
 
 use crate::error::{fail, CliError, Result};
-use flashattn::{AttnOutput, Buffer, TensorRef};
+use flashattn::{AttnGrads, AttnOutput, Buffer, Tensor, TensorRef};
 use half::{bf16, f16};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
@@ -9,10 +9,11 @@ use std::path::Path;
 
 /// Every tensor name `run` understands; anything else in the file is rejected rather than ignored,
 /// so a typo (`Q`, `cu_seqlen_q`) cannot silently change the computation.
-pub const ACCEPTED: [&str; 6] = [
+pub const ACCEPTED: [&str; 7] = [
     "q",
     "k",
     "v",
+    "dout",
     "alibi_slopes",
     "cu_seqlens_q",
     "cu_seqlens_k",
@@ -37,6 +38,8 @@ pub struct Inputs {
     pub k: Loaded,
     pub v: Loaded,
     pub alibi_slopes: Option<Loaded>,
+    /// Gradient of the output; present means the backward pass runs too.
+    pub dout: Option<Loaded>,
     /// `(cu_seqlens_q, cu_seqlens_k)`: present means the packed layout.
     pub cu_seqlens: Option<(Vec<i32>, Vec<i32>)>,
 }
@@ -162,6 +165,19 @@ pub fn load(path: &Path) -> Result<Inputs> {
             ));
         }
     }
+    let dout = match get("dout")? {
+        Some(t) => Some(decode_float("dout", &t)?),
+        None => None,
+    };
+    if let Some(t) = &dout {
+        if t.buf.dtype() != q.buf.dtype() {
+            return fail(format!(
+                "tensor `dout` has dtype {}, but `q` has {}; dout must have q's dtype",
+                t.buf.dtype(),
+                q.buf.dtype()
+            ));
+        }
+    }
     let alibi_slopes = match get("alibi_slopes")? {
         Some(t) if t.dtype() != Dtype::F32 => {
             return fail(format!(
@@ -190,6 +206,7 @@ pub fn load(path: &Path) -> Result<Inputs> {
         k,
         v,
         alibi_slopes,
+        dout,
         cu_seqlens,
     })
 }
@@ -228,18 +245,25 @@ fn buffer_bytes(buf: &Buffer) -> (Dtype, Vec<u8>) {
     }
 }
 
-/// The whole output file (`out` and `lse`) in memory.
-pub fn serialize(res: &AttnOutput) -> Result<Vec<u8>> {
-    let (out_dtype, out_bytes) = buffer_bytes(res.out.buffer());
-    let (lse_dtype, lse_bytes) = buffer_bytes(res.lse.buffer());
-    let view = |name: &str, dtype, shape: &[usize], bytes| {
-        TensorView::new(dtype, shape.to_vec(), bytes)
-            .map_err(|e| CliError(format!("cannot encode output tensor `{name}`: {e:?}")))
-    };
-    let tensors = vec![
-        ("out", view("out", out_dtype, res.out.shape(), &out_bytes)?),
-        ("lse", view("lse", lse_dtype, res.lse.shape(), &lse_bytes)?),
-    ];
+/// The whole output file (`out`, `lse`, and `dq`, `dk`, `dv` when gradients were computed) in memory.
+pub fn serialize(res: &AttnOutput, grads: Option<&AttnGrads>) -> Result<Vec<u8>> {
+    let mut named: Vec<(&str, &Tensor)> = vec![("out", &res.out), ("lse", &res.lse)];
+    if let Some(g) = grads {
+        named.extend([("dq", &g.dq), ("dk", &g.dk), ("dv", &g.dv)]);
+    }
+    let encoded: Vec<(&str, Dtype, &[usize], Vec<u8>)> = named
+        .iter()
+        .map(|(name, t)| {
+            let (dtype, bytes) = buffer_bytes(t.buffer());
+            (*name, dtype, t.shape(), bytes)
+        })
+        .collect();
+    let mut tensors = Vec::with_capacity(encoded.len());
+    for (name, dtype, shape, bytes) in &encoded {
+        let view = TensorView::new(*dtype, shape.to_vec(), bytes)
+            .map_err(|e| CliError(format!("cannot encode output tensor `{name}`: {e:?}")))?;
+        tensors.push((*name, view));
+    }
     safetensors::serialize(tensors, &None)
         .map_err(|e| CliError(format!("cannot encode the output: {e:?}")))
 }

@@ -456,7 +456,7 @@ fn unknown_tensor_is_named_with_accepted_list() {
         &[],
         &[
             "`extra`",
-            "q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k",
+            "q, k, v, dout, alibi_slopes, cu_seqlens_q, cu_seqlens_k",
         ],
     );
 }
@@ -750,4 +750,85 @@ fn bench_table_and_bad_options() {
     let res = flashattn(&["bench", "--heads", "3", "--heads-kv", "2"]);
     assert_eq!(res.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&res.stderr).contains("--heads-kv"));
+}
+
+/// With `dout` in the input, `run` also writes dq, dk, dv, matching the f64 reference backward,
+/// with dropout (the same seed drives forward and backward).
+#[test]
+fn dout_writes_gradients_matching_reference() {
+    let (b, sq, sk, h, hk, d) = (2usize, 37usize, 53usize, 4usize, 2usize, 16usize);
+    let mut rng = ChaCha8Rng::seed_from_u64(31);
+    let q = random(&mut rng, b * sq * h * d);
+    let k = random(&mut rng, b * sk * hk * d);
+    let v = random(&mut rng, b * sk * hk * d);
+    let dout = random(&mut rng, b * sq * h * d);
+    let dir = tempfile::tempdir().unwrap();
+    let (input, output) = (
+        dir.path().join("in.safetensors"),
+        dir.path().join("out.safetensors"),
+    );
+    write_st(
+        &input,
+        &[
+            raw("q", "F32", &[b, sq, h, d], f32_bytes(&q)),
+            raw("k", "F32", &[b, sk, hk, d], f32_bytes(&k)),
+            raw("v", "F32", &[b, sk, hk, d], f32_bytes(&v)),
+            raw("dout", "F32", &[b, sq, h, d], f32_bytes(&dout)),
+        ],
+    );
+    let res = run_files(
+        &input,
+        &output,
+        &["--causal", "--dropout", "0.2", "--seed", "9"],
+    );
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let opts = flashattn::AttnOptions::default()
+        .causal(true)
+        .dropout(0.2, 9);
+    let (qt, kt, vt, dt) = (
+        flashattn::TensorRef::contiguous(&q, &[b, sq, h, d]),
+        flashattn::TensorRef::contiguous(&k, &[b, sk, hk, d]),
+        flashattn::TensorRef::contiguous(&v, &[b, sk, hk, d]),
+        flashattn::TensorRef::contiguous(&dout, &[b, sq, h, d]),
+    );
+    let want_out = flashattn::reference::attention(&qt, &kt, &vt, &opts).unwrap();
+    let want = flashattn::reference::attention_backward(&qt, &kt, &vt, &dt, &opts).unwrap();
+    assert_close("out", &read_out(&output, "out").2, &want_out.out, 1e-5);
+    for (name, shape, w) in [
+        ("dq", [b, sq, h, d], &want.dq),
+        ("dk", [b, sk, hk, d], &want.dk),
+        ("dv", [b, sk, hk, d], &want.dv),
+    ] {
+        let (dtype, got_shape, got) = read_out(&output, name);
+        assert_eq!(dtype, Dtype::F32);
+        assert_eq!(got_shape, shape.to_vec(), "{name} shape");
+        assert_close(name, &got, w, 1e-5);
+    }
+    // dout of the wrong shape is named.
+    write_st(
+        &input,
+        &[
+            raw("q", "F32", &[b, sq, h, d], f32_bytes(&q)),
+            raw("k", "F32", &[b, sk, hk, d], f32_bytes(&k)),
+            raw("v", "F32", &[b, sk, hk, d], f32_bytes(&v)),
+            raw(
+                "dout",
+                "F32",
+                &[b, sq - 1, h, d],
+                f32_bytes(&dout[..b * (sq - 1) * h * d]),
+            ),
+        ],
+    );
+    let bad = run_files(&input, &dir.path().join("never.safetensors"), &[]);
+    assert!(!bad.status.success());
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("dout"),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
+    );
+    assert!(!dir.path().join("never.safetensors").exists());
 }
