@@ -78,6 +78,9 @@ pub struct BenchArgs {
     /// Run flashattn only.
     #[arg(long)]
     pub no_naive: bool,
+    /// Time forward + backward (pass "fwd+bwd", FLOPs 3.5x the forward's) instead of the forward.
+    #[arg(long)]
+    pub backward: bool,
     /// Seconds of timed repeats to aim for per measurement (at least 3 repeats, or 1 when a single
     /// call already takes this long), after one warm-up call.
     #[arg(long, default_value_t = 0.5)]
@@ -282,19 +285,37 @@ fn max_abs_err(
     Some(worst)
 }
 
-struct Timing {
+struct Timing<R> {
     median_s: f64,
     min_s: f64,
     reps: usize,
     peak_extra: usize,
     /// The warm-up's result, kept for the accuracy check.
-    first: AttnOutput,
+    first: R,
+}
+
+/// The numbers of a [`Timing`], whatever the call returned.
+#[derive(Clone, Copy)]
+struct Stats {
+    median_s: f64,
+    min_s: f64,
+    reps: usize,
+    peak_extra: usize,
+}
+
+impl<R> Timing<R> {
+    fn stats(&self) -> Stats {
+        Stats {
+            median_s: self.median_s,
+            min_s: self.min_s,
+            reps: self.reps,
+            peak_extra: self.peak_extra,
+        }
+    }
 }
 
 /// One timed, memory-counted call. The result is returned so it is dropped outside the timing.
-fn timed_call(
-    f: &mut dyn FnMut() -> flashattn::Result<AttnOutput>,
-) -> Result<(AttnOutput, f64, usize)> {
+fn timed_call<R>(f: &mut dyn FnMut() -> flashattn::Result<R>) -> Result<(R, f64, usize)> {
     let ((res, secs), peak) = alloc::peak_extra(|| {
         let t = Instant::now();
         let r = f();
@@ -306,7 +327,7 @@ fn timed_call(
 /// A warm-up call (faults in fresh pages, wakes the pool), then timed repeats until `min_time`
 /// seconds are spent: at least 3, or 1 when the warm-up alone took `min_time` (long shapes, where
 /// a second and third repeat would cost more than they tell).
-fn measure(min_time: f64, mut f: impl FnMut() -> flashattn::Result<AttnOutput>) -> Result<Timing> {
+fn measure<R>(min_time: f64, mut f: impl FnMut() -> flashattn::Result<R>) -> Result<Timing<R>> {
     let (first, warm_s, mut peak_extra) = timed_call(&mut f)?;
     let min_reps = if warm_s >= min_time { 1 } else { 3 };
     let mut times = Vec::new();
@@ -428,7 +449,7 @@ fn bench_in_pool(args: &BenchArgs, cases: &[(usize, usize)]) -> Result<()> {
             seqlen_k: sk,
             head_dim: d,
             causal: args.causal,
-            pass: "fwd",
+            pass: if args.backward { "fwd+bwd" } else { "fwd" },
             threads,
         };
         pb.set_message(format!("seqlen {sq}x{sk}: preparing inputs"));
@@ -437,6 +458,8 @@ fn bench_in_pool(args: &BenchArgs, cases: &[(usize, usize)]) -> Result<()> {
         let qb = random_buffer(&mut rng, q_shape.iter().product(), dtype);
         let kb = random_buffer(&mut rng, kv_shape.iter().product(), dtype);
         let vb = random_buffer(&mut rng, kv_shape.iter().product(), dtype);
+        let dob = random_buffer(&mut rng, q_shape.iter().product(), dtype);
+        let dout = view(&dob, &q_shape);
         let (q, k, v) = (
             view(&qb, &q_shape),
             view(&kb, &kv_shape),
@@ -453,8 +476,13 @@ fn bench_in_pool(args: &BenchArgs, cases: &[(usize, usize)]) -> Result<()> {
                 })
             })
             .collect::<flashattn::Result<Vec<_>>>()?;
-        let flop = flops::forward(batch, heads, sq, sk, d, args.causal, opts.window);
-        let record = |name: &'static str, t: &Timing| Measured {
+        let fwd_flop = flops::forward(batch, heads, sq, sk, d, args.causal, opts.window);
+        let flop = if args.backward {
+            fwd_flop + flops::backward(fwd_flop)
+        } else {
+            fwd_flop
+        };
+        let record = |name: &'static str, t: Stats, err: Option<f64>| Measured {
             implementation: name,
             config: config.clone(),
             skipped: false,
@@ -464,14 +492,23 @@ fn bench_in_pool(args: &BenchArgs, cases: &[(usize, usize)]) -> Result<()> {
             flops: flop,
             gflops: flop / t.median_s / 1e9,
             peak_extra_bytes: t.peak_extra as u64,
-            max_abs_err: max_abs_err(&t.first, &refs, sq, heads, d),
+            max_abs_err: err,
             err_rows: refs.len(),
             speedup_vs_naive: None,
         };
 
         pb.set_message(format!("seqlen {sq}x{sk}: flashattn"));
-        let flash = measure(args.min_time, || flashattn::flash_attn(&q, &k, &v, &opts))?;
-        let mut flash_rec = record("flashattn", &flash);
+        // Backward mode: forward, then backward from its out and lse (grads dropped inside the
+        // timing); the accuracy column still checks the forward's out.
+        let flash = measure(args.min_time, || {
+            let res = flashattn::flash_attn(&q, &k, &v, &opts)?;
+            if args.backward {
+                drop(res.backward(&q, &k, &v, &dout, &opts)?);
+            }
+            Ok(res)
+        })?;
+        let flash_err = max_abs_err(&flash.first, &refs, sq, heads, d);
+        let mut flash_rec = record("flashattn", flash.stats(), flash_err);
         drop(flash);
         pb.inc(1);
 
@@ -495,9 +532,17 @@ fn bench_in_pool(args: &BenchArgs, cases: &[(usize, usize)]) -> Result<()> {
                 }
                 None => {
                     pb.set_message(format!("seqlen {sq}x{sk}: naive"));
-                    let t = measure(args.min_time, || naive::attention(&q, &k, &v, &opts))?;
-                    let naive_rec = record("naive", &t);
-                    drop(t);
+                    let naive_rec = if args.backward {
+                        // The naive backward computes its own forward (S, P, out) first.
+                        let t = measure(args.min_time, || {
+                            naive::attention_backward(&q, &k, &v, &dout, &opts)
+                        })?;
+                        record("naive", t.stats(), None)
+                    } else {
+                        let t = measure(args.min_time, || naive::attention(&q, &k, &v, &opts))?;
+                        let err = max_abs_err(&t.first, &refs, sq, heads, d);
+                        record("naive", t.stats(), err)
+                    };
                     flash_rec.speedup_vs_naive = Some(naive_rec.median_ms / flash_rec.median_ms);
                     lines.push(if args.json {
                         to_json(&naive_rec)?

@@ -258,85 +258,105 @@ fn backward_run<T: Element>(
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let d = p.head_dim;
     let scale = p.softmax_scale;
+    let jobs: Vec<(usize, usize)> = (0..p.seqs.len())
+        .flat_map(|b| (0..p.heads).map(move |h| (b, h)))
+        .collect();
+    let per_head: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = jobs
+        .par_iter()
+        .map(|&(b, h)| head_backward::<T>(p, q, k, v, dout, layout, b, h))
+        .collect();
     let mut dq = vec![0f32; p.out_len()];
     let mut dk = vec![0f32; p.dk_len()];
     let mut dv = vec![0f32; p.dk_len()];
-    for (b, s) in p.seqs.iter().enumerate() {
-        let (sq, sk) = (s.seqlen_q, s.seqlen_k);
-        for h in 0..p.heads {
-            let hk = p.kv_head(h);
-            let (mut s_mat, mut p_mat) = (vec![0f32; sq * sk], vec![0f32; sq * sk]);
-            head::<T>(p, q, k, v, b, h, &mut s_mat, &mut p_mat);
-            let row = |src: &[T], at: usize| -> Vec<f32> {
-                let mut r = vec![0f32; d];
-                T::widen(&src[at..at + d], &mut r);
-                r
-            };
-            let qr: Vec<Vec<f32>> = (0..sq)
-                .map(|i| row(q, s.q_base + i * p.q.row_stride + h * p.q.head_stride))
-                .collect();
-            let kr: Vec<Vec<f32>> = (0..sk)
-                .map(|j| row(k, s.k_base + j * p.k.row_stride + hk * p.k.head_stride))
-                .collect();
-            let vr: Vec<Vec<f32>> = (0..sk)
-                .map(|j| row(v, s.v_base + j * p.v.row_stride + hk * p.v.head_stride))
-                .collect();
-            let dor: Vec<Vec<f32>> = (0..sq).map(|i| row(dout, layout.offset(b, i, h))).collect();
-            let drop_scale = p.dropout.map_or(1.0, |dr| dr.scale());
-            let mut keep = vec![true; sk];
-            // Per-head gradients, rounded to T, then summed over the GQA group in f32.
-            let (mut hdq, mut hdk, mut hdv) =
-                (vec![0f32; sq * d], vec![0f32; sk * d], vec![0f32; sk * d]);
-            for i in 0..sq {
-                if let Some(drop) = p.dropout {
-                    drop.keep_row(b, h, i, 0, &mut keep);
-                }
-                let prow = &p_mat[i * sk..(i + 1) * sk];
-                let pdrop: Vec<f32> = prow
-                    .iter()
-                    .zip(&keep)
-                    .map(|(&x, &kp)| if kp { round::<T>(x * drop_scale) } else { 0.0 })
-                    .collect();
-                let dp: Vec<f32> = (0..sk)
-                    .map(|j| {
-                        if keep[j] {
-                            round::<T>(round::<T>(dot(&dor[i], &vr[j])) * drop_scale)
-                        } else {
-                            0.0
-                        }
-                    })
-                    .collect();
-                let pdp = round::<T>(prow.iter().zip(&dp).map(|(a, b)| a * b).sum());
-                for j in 0..sk {
-                    let mut ds = round::<T>(prow[j] * (dp[j] - pdp));
-                    if let Some(cap) = p.softcap {
-                        let x = s_mat[i * sk + j];
-                        if x != f32::NEG_INFINITY {
-                            // s_mat holds the capped score c·tanh(·): 1 - tanh² = 1 - (x/c)² (ALiBi off the diagonal aside).
-                            let raw = round::<T>(round::<T>(dot(&qr[i], &kr[j])) * scale);
-                            let th = (raw / cap).tanh();
-                            ds = round::<T>(ds * (1.0 - th * th));
-                        }
-                    }
-                    crate::cpu::kernels::axpy(ds, &kr[j], &mut hdq[i * d..(i + 1) * d]);
-                    crate::cpu::kernels::axpy(ds, &qr[i], &mut hdk[j * d..(j + 1) * d]);
-                    crate::cpu::kernels::axpy(pdrop[j], &dor[i], &mut hdv[j * d..(j + 1) * d]);
-                }
+    // Per-head gradients (already rounded to T) summed over the GQA group in a fixed order.
+    for (&(b, h), (hdq, hdk, hdv)) in jobs.iter().zip(per_head) {
+        let (s, hk) = (p.seqs[b], p.kv_head(h));
+        for i in 0..s.seqlen_q {
+            let at = p.out_offset(b, i, h);
+            for c in 0..d {
+                dq[at + c] = round::<T>(hdq[i * d + c] * scale);
             }
-            for i in 0..sq {
-                let at = p.out_offset(b, i, h);
-                for c in 0..d {
-                    dq[at + c] = round::<T>(hdq[i * d + c] * scale);
-                }
-            }
-            for j in 0..sk {
-                let at = p.dk_offset(b, j, hk);
-                for c in 0..d {
-                    dk[at + c] += round::<T>(hdk[j * d + c] * scale);
-                    dv[at + c] += round::<T>(hdv[j * d + c]);
-                }
+        }
+        for j in 0..s.seqlen_k {
+            let at = p.dk_offset(b, j, hk);
+            for c in 0..d {
+                dk[at + c] += round::<T>(hdk[j * d + c] * scale);
+                dv[at + c] += round::<T>(hdv[j * d + c]);
             }
         }
     }
     (dq, dk, dv)
+}
+
+/// Unscaled dQ/scale, dK/scale and dV of one (sequence, head).
+#[allow(clippy::too_many_arguments)]
+fn head_backward<T: Element>(
+    p: &Params,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    dout: &[T],
+    layout: &params::QLike,
+    b: usize,
+    h: usize,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (d, scale) = (p.head_dim, p.softmax_scale);
+    let s = p.seqs[b];
+    let (sq, sk) = (s.seqlen_q, s.seqlen_k);
+    let hk = p.kv_head(h);
+    let (mut s_mat, mut p_mat) = (vec![0f32; sq * sk], vec![0f32; sq * sk]);
+    head::<T>(p, q, k, v, b, h, &mut s_mat, &mut p_mat);
+    let row = |src: &[T], at: usize| -> Vec<f32> {
+        let mut r = vec![0f32; d];
+        T::widen(&src[at..at + d], &mut r);
+        r
+    };
+    let qr: Vec<Vec<f32>> = (0..sq)
+        .map(|i| row(q, s.q_base + i * p.q.row_stride + h * p.q.head_stride))
+        .collect();
+    let kr: Vec<Vec<f32>> = (0..sk)
+        .map(|j| row(k, s.k_base + j * p.k.row_stride + hk * p.k.head_stride))
+        .collect();
+    let vr: Vec<Vec<f32>> = (0..sk)
+        .map(|j| row(v, s.v_base + j * p.v.row_stride + hk * p.v.head_stride))
+        .collect();
+    let dor: Vec<Vec<f32>> = (0..sq).map(|i| row(dout, layout.offset(b, i, h))).collect();
+    let drop_scale = p.dropout.map_or(1.0, |dr| dr.scale());
+    let mut keep = vec![true; sk];
+    let (mut hdq, mut hdk, mut hdv) = (vec![0f32; sq * d], vec![0f32; sk * d], vec![0f32; sk * d]);
+    for i in 0..sq {
+        if let Some(drop) = p.dropout {
+            drop.keep_row(b, h, i, 0, &mut keep);
+        }
+        let prow = &p_mat[i * sk..(i + 1) * sk];
+        let pdrop: Vec<f32> = prow
+            .iter()
+            .zip(&keep)
+            .map(|(&x, &kp)| if kp { round::<T>(x * drop_scale) } else { 0.0 })
+            .collect();
+        let dp: Vec<f32> = (0..sk)
+            .map(|j| {
+                if keep[j] {
+                    round::<T>(round::<T>(dot(&dor[i], &vr[j])) * drop_scale)
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let pdp = round::<T>(prow.iter().zip(&dp).map(|(a, b)| a * b).sum());
+        for j in 0..sk {
+            let mut ds = round::<T>(prow[j] * (dp[j] - pdp));
+            if let Some(cap) = p.softcap {
+                if s_mat[i * sk + j] != f32::NEG_INFINITY {
+                    let raw = round::<T>(round::<T>(dot(&qr[i], &kr[j])) * scale);
+                    let th = (raw / cap).tanh();
+                    ds = round::<T>(ds * (1.0 - th * th));
+                }
+            }
+            crate::cpu::kernels::axpy(ds, &kr[j], &mut hdq[i * d..(i + 1) * d]);
+            crate::cpu::kernels::axpy(ds, &qr[i], &mut hdk[j * d..(j + 1) * d]);
+            crate::cpu::kernels::axpy(pdrop[j], &dor[i], &mut hdv[j * d..(j + 1) * d]);
+        }
+    }
+    (hdq, hdk, hdv)
 }
