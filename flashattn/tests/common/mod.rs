@@ -129,8 +129,13 @@ pub enum Layout {
     BroadcastKv,
 }
 
-pub const LAYOUTS: [Layout; 5] =
-    [Layout::Contiguous, Layout::Packed, Layout::Padded, Layout::HeadMajor, Layout::BroadcastKv];
+pub const LAYOUTS: [Layout; 5] = [
+    Layout::Contiguous,
+    Layout::Packed,
+    Layout::Padded,
+    Layout::HeadMajor,
+    Layout::BroadcastKv,
+];
 
 /// Where one tensor lives: buffer index, offset of element 0, shape, strides.
 #[derive(Clone, Debug)]
@@ -148,7 +153,14 @@ impl Placement {
         let mut out = Vec::with_capacity(n);
         let mut idx = vec![0usize; self.shape.len()];
         for _ in 0..n {
-            out.push(self.offset + idx.iter().zip(&self.strides).map(|(i, s)| i * s).sum::<usize>());
+            out.push(
+                self.offset
+                    + idx
+                        .iter()
+                        .zip(&self.strides)
+                        .map(|(i, s)| i * s)
+                        .sum::<usize>(),
+            );
             for dim in (0..idx.len()).rev() {
                 idx[dim] += 1;
                 if idx[dim] < self.shape[dim] {
@@ -165,7 +177,14 @@ impl Placement {
         if self.shape.contains(&0) {
             return self.offset;
         }
-        self.offset + self.shape.iter().zip(&self.strides).map(|(n, s)| (n - 1) * s).sum::<usize>() + 1
+        self.offset
+            + self
+                .shape
+                .iter()
+                .zip(&self.strides)
+                .map(|(n, s)| (n - 1) * s)
+                .sum::<usize>()
+            + 1
     }
 }
 
@@ -237,7 +256,12 @@ pub fn batched_placements(
                 let head = d + rng.gen_range(0..4);
                 let row = shape[2] * head + rng.gen_range(0..5);
                 let batch = shape[1] * row + rng.gen_range(1..7);
-                Placement { buf, offset: rng.gen_range(0..9), shape: shape.to_vec(), strides: vec![batch, row, head, 1] }
+                Placement {
+                    buf,
+                    offset: rng.gen_range(0..9),
+                    shape: shape.to_vec(),
+                    strides: vec![batch, row, head, 1],
+                }
             };
             let q = padded(0, qs);
             let k = padded(1, ks);
@@ -247,7 +271,12 @@ pub fn batched_placements(
         Layout::HeadMajor => {
             let hm = |buf: usize, shape: [usize; 4]| {
                 let (s, n) = (shape[1], shape[2]);
-                Placement { buf, offset: 0, shape: shape.to_vec(), strides: vec![n * s * d, d, s * d, 1] }
+                Placement {
+                    buf,
+                    offset: 0,
+                    shape: shape.to_vec(),
+                    strides: vec![n * s * d, d, s * d, 1],
+                }
             };
             (hm(0, qs), hm(1, ks), hm(2, ks), 3)
         }
@@ -263,7 +292,11 @@ pub fn batched_placements(
 
 /// A view of `p` inside `bufs`.
 pub fn view<'a>(bufs: &'a [Buffer], p: &Placement) -> TensorRef<'a> {
-    TensorRef::from_slice(slice_from(bufs[p.buf].as_slice(), p.offset), &p.shape, &p.strides)
+    TensorRef::from_slice(
+        slice_from(bufs[p.buf].as_slice(), p.offset),
+        &p.shape,
+        &p.strides,
+    )
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -353,13 +386,20 @@ impl Case {
     }
 
     pub fn effective_scale(&self) -> f64 {
-        self.scale.map_or(1.0 / (self.head_dim as f64).sqrt(), |s| s as f64)
+        self.scale
+            .map_or(1.0 / (self.head_dim as f64).sqrt(), |s| s as f64)
     }
 
     pub fn build(&self) -> Inputs {
         let mut rng = rng(self.seed);
-        let (b, sq, sk, h, hkv, d) =
-            (self.batch, self.seqlen_q, self.seqlen_k, self.heads, self.heads_kv, self.head_dim);
+        let (b, sq, sk, h, hkv, d) = (
+            self.batch,
+            self.seqlen_q,
+            self.seqlen_k,
+            self.heads,
+            self.heads_kv,
+            self.head_dim,
+        );
         let (pq, pk, pv, n_bufs) = batched_placements(self.layout, &mut rng, b, sq, sk, h, hkv, d);
         let mut q = values(&mut rng, b * sq * h * d, self.dist);
         let mut k = values(&mut rng, b * sk * hkv * d, self.dist);
@@ -373,12 +413,23 @@ impl Case {
         let bufs = materialize(&[(&pq, &q), (&pk, &k), (&pv, &v)], self.dtype, n_bufs);
         let alibi = match self.alibi {
             Alibi::None => None,
-            Alibi::PerHead => Some((vec![h], (0..h).map(|_| rng.gen_range(0.01f32..0.5)).collect())),
-            Alibi::PerBatchHead => {
-                Some((vec![b, h], (0..b * h).map(|_| rng.gen_range(0.01f32..0.5)).collect()))
-            }
+            Alibi::PerHead => Some((
+                vec![h],
+                (0..h).map(|_| rng.gen_range(0.01f32..0.5)).collect(),
+            )),
+            Alibi::PerBatchHead => Some((
+                vec![b, h],
+                (0..b * h).map(|_| rng.gen_range(0.01f32..0.5)).collect(),
+            )),
         };
-        Inputs { bufs, q: pq, k: pk, v: pv, alibi, case: self.clone() }
+        Inputs {
+            bufs,
+            q: pq,
+            k: pk,
+            v: pv,
+            alibi,
+            case: self.clone(),
+        }
     }
 }
 
@@ -396,19 +447,28 @@ pub struct Inputs {
 impl Inputs {
     /// The values of v as stored (rounded to the dtype), in logical order.
     pub fn v_values(&self) -> Vec<f64> {
-        let all = Tensor::from_buffer(self.bufs[self.v.buf].clone(), &[self.bufs[self.v.buf].as_slice().len()])
-            .expect("1-d")
-            .to_f64_vec();
+        let all = Tensor::from_buffer(
+            self.bufs[self.v.buf].clone(),
+            &[self.bufs[self.v.buf].as_slice().len()],
+        )
+        .expect("1-d")
+        .to_f64_vec();
         self.v.indices().into_iter().map(|i| all[i]).collect()
     }
 
     pub fn views(&self) -> (TensorRef<'_>, TensorRef<'_>, TensorRef<'_>) {
-        (view(&self.bufs, &self.q), view(&self.bufs, &self.k), view(&self.bufs, &self.v))
+        (
+            view(&self.bufs, &self.q),
+            view(&self.bufs, &self.k),
+            view(&self.bufs, &self.v),
+        )
     }
 
     pub fn opts(&self) -> AttnOptions<'_> {
         let c = &self.case;
-        let mut o = AttnOptions::default().causal(c.causal).window(c.window.0, c.window.1);
+        let mut o = AttnOptions::default()
+            .causal(c.causal)
+            .window(c.window.0, c.window.1);
         o.softcap = c.softcap;
         o.softmax_scale = c.scale;
         if let Some((shape, slopes)) = &self.alibi {
@@ -419,12 +479,14 @@ impl Inputs {
 
     pub fn flash(&self) -> AttnOutput {
         let (q, k, v) = self.views();
-        flashattn::flash_attn(&q, &k, &v, &self.opts()).unwrap_or_else(|e| panic!("{}: flash_attn: {e}", self.case))
+        flashattn::flash_attn(&q, &k, &v, &self.opts())
+            .unwrap_or_else(|e| panic!("{}: flash_attn: {e}", self.case))
     }
 
     pub fn naive(&self) -> AttnOutput {
         let (q, k, v) = self.views();
-        flashattn::naive::attention(&q, &k, &v, &self.opts()).unwrap_or_else(|e| panic!("{}: naive: {e}", self.case))
+        flashattn::naive::attention(&q, &k, &v, &self.opts())
+            .unwrap_or_else(|e| panic!("{}: naive: {e}", self.case))
     }
 
     pub fn reference(&self) -> Reference {
@@ -439,7 +501,15 @@ impl Inputs {
         let naive = self.naive();
         let reference = self.reference();
         let v_max = self.v_values().iter().fold(0f64, |m, x| m.max(x.abs()));
-        check_bound(&self.case.to_string(), self.case.dtype, &flash, &naive, &reference, v_max, self.case.seqlen_k)
+        check_bound(
+            &self.case.to_string(),
+            self.case.dtype,
+            &flash,
+            &naive,
+            &reference,
+            v_max,
+            self.case.seqlen_k,
+        )
     }
 }
 
@@ -481,7 +551,13 @@ impl Errors {
     /// `err_flash / (2 · err_naive + floor)`: the check passes iff both are <= 1.
     /// An exact result (error 0) is 0 even when the bound is 0 (e.g. an all-zero output).
     pub fn normalised(&self) -> (f64, f64) {
-        let ratio = |err: f64, naive: f64, floor: f64| if err == 0.0 { 0.0 } else { err / (NAIVE_FACTOR * naive + floor) };
+        let ratio = |err: f64, naive: f64, floor: f64| {
+            if err == 0.0 {
+                0.0
+            } else {
+                err / (NAIVE_FACTOR * naive + floor)
+            }
+        };
         (
             ratio(self.out_flash, self.out_naive, self.out_floor),
             ratio(self.lse_flash, self.lse_naive, self.lse_floor),
@@ -496,7 +572,14 @@ impl fmt::Display for Errors {
             f,
             "out: flash {:.3e}, naive {:.3e}, floor {:.3e}, normalised {:.3}; \
              lse: flash {:.3e}, naive {:.3e}, floor {:.3e}, normalised {:.3}",
-            self.out_flash, self.out_naive, self.out_floor, no, self.lse_flash, self.lse_naive, self.lse_floor, nl
+            self.out_flash,
+            self.out_naive,
+            self.out_floor,
+            no,
+            self.lse_flash,
+            self.lse_naive,
+            self.lse_floor,
+            nl
         )
     }
 }
@@ -526,28 +609,53 @@ pub fn check_bound(
 ) -> Errors {
     assert_eq!(flash.out.dtype(), dtype, "{what}: out dtype");
     assert_eq!(flash.lse.dtype(), DType::F32, "{what}: lse dtype");
-    assert_eq!(flash.out.shape(), r.out_shape.as_slice(), "{what}: out shape");
-    assert_eq!(flash.lse.shape(), r.lse_shape.as_slice(), "{what}: lse shape");
-    assert_eq!(naive.out.shape(), r.out_shape.as_slice(), "{what}: naive out shape");
-    assert_eq!(naive.lse.shape(), r.lse_shape.as_slice(), "{what}: naive lse shape");
+    assert_eq!(
+        flash.out.shape(),
+        r.out_shape.as_slice(),
+        "{what}: out shape"
+    );
+    assert_eq!(
+        flash.lse.shape(),
+        r.lse_shape.as_slice(),
+        "{what}: lse shape"
+    );
+    assert_eq!(
+        naive.out.shape(),
+        r.out_shape.as_slice(),
+        "{what}: naive out shape"
+    );
+    assert_eq!(
+        naive.lse.shape(),
+        r.lse_shape.as_slice(),
+        "{what}: naive lse shape"
+    );
     let (fo, no) = (flash.out.to_f64_vec(), naive.out.to_f64_vec());
     let (fl, nl) = (flash.lse.to_f64_vec(), naive.lse.to_f64_vec());
     let eps = dtype.epsilon();
 
     // lse: NaN, the -inf pattern.
     let lse_shape = &r.lse_shape;
-    let (heads, rows) = (lse_shape[lse_shape.len() - 2], lse_shape[lse_shape.len() - 1]);
+    let (heads, rows) = (
+        lse_shape[lse_shape.len() - 2],
+        lse_shape[lse_shape.len() - 1],
+    );
     let d = r.out_shape[r.out_shape.len() - 1];
     let mut masked_rows = vec![false; fl.len()];
     for (i, (&f, &x)) in fl.iter().zip(&r.lse).enumerate() {
         assert!(!f.is_nan(), "{what}: lse[{i}] is NaN (reference {x})");
-        assert!(x != f64::INFINITY && !x.is_nan(), "{what}: reference lse[{i}] = {x}");
+        assert!(
+            x != f64::INFINITY && !x.is_nan(),
+            "{what}: reference lse[{i}] = {x}"
+        );
         assert_eq!(
             f == f64::NEG_INFINITY,
             x == f64::NEG_INFINITY,
             "{what}: lse[{i}] = {f} but reference {x}: the -inf (fully masked) pattern differs"
         );
-        assert!(f != f64::INFINITY, "{what}: lse[{i}] = +inf (reference {x})");
+        assert!(
+            f != f64::INFINITY,
+            "{what}: lse[{i}] = +inf (reference {x})"
+        );
         masked_rows[i] = x == f64::NEG_INFINITY;
     }
     // Fully masked rows of out are exactly 0. lse index (.., h, row) <-> out row (.., row, h, ..).
@@ -570,20 +678,35 @@ pub fn check_bound(
     // out: NaN, errors.
     let ref_out_max = r.out.iter().fold(0f64, |m, x| m.max(x.abs()));
     let ln_keys = (max_keys.max(1) as f64).ln();
-    let score_max = r.lse.iter().filter(|x| x.is_finite()).fold(0f64, |m, x| m.max(x.abs()).max((x - ln_keys).abs()));
-    let out_floor = FLOOR_UNITS * eps * ref_out_max + SCORE_UNITS * DType::F32.epsilon() * score_max * v_max;
-    let mut e = Errors { out_floor, ..Errors::default() };
+    let score_max = r
+        .lse
+        .iter()
+        .filter(|x| x.is_finite())
+        .fold(0f64, |m, x| m.max(x.abs()).max((x - ln_keys).abs()));
+    let out_floor =
+        FLOOR_UNITS * eps * ref_out_max + SCORE_UNITS * DType::F32.epsilon() * score_max * v_max;
+    let mut e = Errors {
+        out_floor,
+        ..Errors::default()
+    };
     let mut worst = 0;
     for (i, ((&f, &n), &x)) in fo.iter().zip(&no).zip(&r.out).enumerate() {
         assert!(x.is_finite(), "{what}: reference out[{i}] = {x}");
-        assert!(!f.is_nan(), "{what}: out[{i}] is NaN (reference {x}): not written, or a NaN leaked in");
+        assert!(
+            !f.is_nan(),
+            "{what}: out[{i}] is NaN (reference {x}): not written, or a NaN leaked in"
+        );
         if (f - x).abs() > e.out_flash {
             e.out_flash = (f - x).abs();
             worst = i;
         }
         e.out_naive = e.out_naive.max((n - x).abs());
     }
-    let ref_lse_max = r.lse.iter().filter(|x| x.is_finite()).fold(0f64, |m, x| m.max(x.abs()));
+    let ref_lse_max = r
+        .lse
+        .iter()
+        .filter(|x| x.is_finite())
+        .fold(0f64, |m, x| m.max(x.abs()));
     e.lse_floor = FLOOR_UNITS * eps * ref_lse_max.max(1.0);
     let mut worst_lse = 0;
     for (i, ((&f, &n), &x)) in fl.iter().zip(&nl).zip(&r.lse).enumerate() {
