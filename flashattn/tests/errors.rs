@@ -938,3 +938,25 @@ fn validation_order() {
     let e = batched_err(&q, &k_bad, &k_bad, &AttnOptions::default().softcap(-1.0));
     assert!(matches!(e.kind(), ErrorKind::Rank { tensor: "k", .. }));
 }
+
+/// Library bug: a batched call whose output is empty (seqlen_q = 0) passes the `TooLarge` check
+/// (0 elements), but `params::batched` then collects one `Seq` per batch entry, so a huge batch
+/// (possible with stride-0 views of a 1-element buffer) panics with "capacity overflow" (or, for
+/// e.g. batch = 2^40, attempts a multi-terabyte allocation and aborts). Expected: `Ok` with empty
+/// `out` `[batch, 0, 1, 1]` / `lse` `[batch, 1, 0]`, or `Err(TooLarge)` — not a panic.
+#[test]
+#[ignore = "library bug: params::batched allocates one Seq per batch entry even when out is empty; huge batch panics"]
+fn huge_batch_with_empty_output_does_not_panic() {
+    let one = [0.5f32];
+    let big = usize::MAX / 2;
+    let q = TensorRef::new(&one, &[big, 0, 1, 1], &[0, 0, 0, 1]);
+    let k = TensorRef::new(&one, &[big, 1, 1, 1], &[0, 0, 0, 1]);
+    let r = catch_unwind(|| {
+        flash_attn(&q, &k, &k, &AttnOptions::default()).map(|o| o.out.shape().to_vec())
+    });
+    match r {
+        Ok(Ok(shape)) => assert_eq!(shape, [big, 0, 1, 1]),
+        Ok(Err(e)) => assert!(matches!(e.kind(), ErrorKind::TooLarge { .. }), "{e}"),
+        Err(_) => panic!("flash_attn panicked"),
+    }
+}
