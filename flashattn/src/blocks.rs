@@ -35,7 +35,11 @@ impl Mask {
     fn lo(&self, i: usize) -> usize {
         match self.left {
             None => 0,
-            Some(l) => (i as i64 + self.offset - l as i64).clamp(0, self.seqlen_k as i64) as usize,
+            // i128: window sides up to i64::MAX cannot overflow.
+            Some(l) => {
+                (i as i128 + self.offset as i128 - l as i128).clamp(0, self.seqlen_k as i128)
+                    as usize
+            }
         }
     }
 
@@ -44,9 +48,8 @@ impl Mask {
     fn hi(&self, i: usize) -> usize {
         match self.right {
             None => self.seqlen_k,
-            Some(r) => {
-                (i as i64 + self.offset + r as i64 + 1).clamp(0, self.seqlen_k as i64) as usize
-            }
+            Some(r) => (i as i128 + self.offset as i128 + r as i128 + 1)
+                .clamp(0, self.seqlen_k as i128) as usize,
         }
     }
 

@@ -145,9 +145,10 @@ fn head<T: Element>(
             if let Some(slope) = slope {
                 val = round::<T>(val - slope * (diag - j as i64).unsigned_abs() as f32);
             }
-            let j = j as i64;
-            let hidden = p.window_left.is_some_and(|l| j < diag - l as i64)
-                || p.window_right.is_some_and(|r| j > diag + r as i64);
+            // i128: window sides up to i64::MAX cannot overflow.
+            let (j, diag) = (j as i128, diag as i128);
+            let hidden = p.window_left.is_some_and(|l| j < diag - l as i128)
+                || p.window_right.is_some_and(|r| j > diag + r as i128);
             *x = if hidden { f32::NEG_INFINITY } else { val };
         }
         let max = srow.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));

@@ -206,14 +206,17 @@ pub(crate) fn check_view(
     if t.shape().contains(&0) {
         return Ok(());
     }
-    // u128 cannot overflow: at most 4 products of two 64-bit numbers.
-    let max_index: u128 = t
+    // Each term is below 2^128 but their sum need not be: overflow means "far out of bounds".
+    let max_index: Option<u128> = t
         .shape()
         .iter()
         .zip(t.strides())
-        .map(|(&n, &s)| (n as u128 - 1) * s as u128)
-        .sum();
-    let needed = max_index + 1;
+        .try_fold(0u128, |acc, (&n, &s)| {
+            acc.checked_add((n as u128 - 1).checked_mul(s as u128)?)
+        });
+    let needed = max_index
+        .and_then(|m| m.checked_add(1))
+        .unwrap_or(u128::MAX);
     if needed > t.data().len() as u128 {
         return Err(ErrorKind::OutOfBounds {
             tensor: name,
@@ -251,10 +254,32 @@ pub(crate) fn check_shape(name: TensorName, t: &TensorRef, expected: &[usize]) -
     Ok(())
 }
 
-fn checked_product(name: TensorName, dims: &[usize]) -> Result<usize> {
+/// Element count of `dims`, if a buffer of that many `elem_bytes`-byte elements can be allocated
+/// (at most `isize::MAX` bytes); otherwise `TooLarge`.
+fn checked_product(name: TensorName, dims: &[usize], elem_bytes: usize) -> Result<usize> {
     dims.iter()
         .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .filter(|&n| {
+            n.checked_mul(elem_bytes)
+                .is_some_and(|b| b <= isize::MAX as usize)
+        })
         .ok_or_else(|| ErrorKind::TooLarge { tensor: name }.into())
+}
+
+/// Everything a call allocates in proportion to its shapes must be allocatable: out and dq
+/// (q's shape), lse, dk and dv (k's shape), and the per-sequence table. f32 is the widest element.
+fn check_sizes(
+    q_shape: &[usize],
+    k_shape: &[usize],
+    batch: usize,
+    heads: usize,
+    rows: usize,
+) -> Result<()> {
+    checked_product("out", q_shape, 4)?;
+    checked_product("k", k_shape, 4)?;
+    checked_product("lse", &[rows, heads], 4)?;
+    checked_product("q", &[batch], std::mem::size_of::<Seq>())?;
+    Ok(())
 }
 
 /// Shared checks of q, k, v whatever the layout; returns (heads, heads_kv, head_dim).
@@ -397,7 +422,13 @@ pub(crate) fn batched(
     let o = check_options(opts, head_dim)?;
     let alibi = check_alibi(opts, batch, heads)?;
     let out_shape = vec![batch, seqlen_q, heads, head_dim];
-    checked_product("out", &out_shape)?;
+    check_sizes(
+        &out_shape,
+        k.shape(),
+        batch,
+        heads,
+        batch.saturating_mul(seqlen_q),
+    )?;
     let seqs = (0..batch)
         .map(|b| Seq {
             seqlen_q,
@@ -498,7 +529,7 @@ pub(crate) fn varlen(
     let alibi = check_alibi(opts, batch, heads)?;
     let total_q = q.shape()[0];
     let out_shape = vec![total_q, heads, head_dim];
-    checked_product("out", &out_shape)?;
+    check_sizes(&out_shape, k.shape(), batch, heads, total_q)?;
     let (ql, kl, vl) = (layout_of(q), layout_of(k), layout_of(v));
     let seqs = (0..batch)
         .map(|b| {

@@ -53,10 +53,11 @@ fn rows(buf: &[f64], base: usize, row_stride: usize, n: usize, d: usize) -> Vec<
 
 /// Whether query `i` sees key `j`, written from the definition in the README.
 fn visible(p: &Params, sq: usize, sk: usize, i: usize, j: usize) -> bool {
-    let diag = i as i64 + sk as i64 - sq as i64; // the key on query i's diagonal
-    let j = j as i64;
-    let left_ok = p.window_left.is_none_or(|l| j >= diag - l as i64);
-    let right_ok = p.window_right.is_none_or(|r| j <= diag + r as i64);
+    // In i128, so that any window side (up to i64::MAX) is exact.
+    let diag = i as i128 + sk as i128 - sq as i128; // the key on query i's diagonal
+    let j = j as i128;
+    let left_ok = p.window_left.is_none_or(|l| j >= diag - l as i128);
+    let right_ok = p.window_right.is_none_or(|r| j <= diag + r as i128);
     left_ok && right_ok
 }
 
