@@ -43,8 +43,8 @@ pub use error::{CuSeqlensProblem, Error, ErrorKind, Result};
 pub use params::{AttnOptions, MAX_HEAD_DIM};
 pub use tensor::{Buffer, DType, Element, Slice, Tensor, TensorRef};
 
-use half::{bf16, f16};
 use params::Params;
+use tensor::with_dtype;
 
 /// What a forward call returns.
 #[derive(Clone, Debug, PartialEq)]
@@ -183,11 +183,7 @@ fn backward(
             dv: Tensor::new_unchecked(T::wrap_vec(dv), p.k_shape.clone()),
         }
     }
-    match p.dtype {
-        DType::F32 => typed::<f32>(p, g, q, k, v, out, dout),
-        DType::F16 => typed::<f16>(p, g, q, k, v, out, dout),
-        DType::BF16 => typed::<bf16>(p, g, q, k, v, out, dout),
-    }
+    with_dtype!(p.dtype, T => typed::<T>(p, g, q, k, v, out, dout))
 }
 
 fn forward(p: &Params, q: &TensorRef, k: &TensorRef, v: &TensorRef) -> AttnOutput {
@@ -198,9 +194,5 @@ fn forward(p: &Params, q: &TensorRef, k: &TensorRef, v: &TensorRef) -> AttnOutpu
             lse: Tensor::new_unchecked(Buffer::F32(lse), p.lse_shape.clone()),
         }
     }
-    match p.dtype {
-        DType::F32 => typed::<f32>(p, q, k, v),
-        DType::F16 => typed::<f16>(p, q, k, v),
-        DType::BF16 => typed::<bf16>(p, q, k, v),
-    }
+    with_dtype!(p.dtype, T => typed::<T>(p, q, k, v))
 }

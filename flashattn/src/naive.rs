@@ -10,9 +10,8 @@
 use crate::cpu::kernels::dot;
 use crate::error::Result;
 use crate::params::{self, AttnOptions, Params};
-use crate::tensor::{Buffer, DType, Element, Tensor, TensorRef};
+use crate::tensor::{with_dtype, Buffer, Element, Tensor, TensorRef};
 use crate::{data, AttnOutput};
-use half::{bf16, f16};
 use rayon::prelude::*;
 
 /// Bytes of S and P that [`attention`] allocates for a batched shape.
@@ -53,11 +52,7 @@ fn dispatch(p: &Params, q: &TensorRef, k: &TensorRef, v: &TensorRef) -> AttnOutp
             lse: Tensor::new_unchecked(Buffer::F32(lse), p.lse_shape.clone()),
         }
     }
-    match p.dtype {
-        DType::F32 => typed::<f32>(p, q, k, v),
-        DType::F16 => typed::<f16>(p, q, k, v),
-        DType::BF16 => typed::<bf16>(p, q, k, v),
-    }
+    with_dtype!(p.dtype, T => typed::<T>(p, q, k, v))
 }
 
 /// Rounds an f32 to the precision of `T`.
@@ -242,11 +237,7 @@ fn backward_dispatch(
             dv: wrap(dv, &p.k_shape),
         }
     }
-    Ok(match p.dtype {
-        DType::F32 => typed::<f32>(p, q, k, v, dout, &layout),
-        DType::F16 => typed::<f16>(p, q, k, v, dout, &layout),
-        DType::BF16 => typed::<bf16>(p, q, k, v, dout, &layout),
-    })
+    Ok(with_dtype!(p.dtype, T => typed::<T>(p, q, k, v, dout, &layout)))
 }
 
 fn backward_run<T: Element>(

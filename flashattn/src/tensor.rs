@@ -42,6 +42,28 @@ impl fmt::Display for DType {
     }
 }
 
+/// Evaluates `$body` with the type alias `$T` bound to the element type of `$dtype` (a [`DType`]):
+/// the one place that turns a run-time dtype into a generic instantiation.
+macro_rules! with_dtype {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            $crate::tensor::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            $crate::tensor::DType::F16 => {
+                type $T = half::f16;
+                $body
+            }
+            $crate::tensor::DType::BF16 => {
+                type $T = half::bf16;
+                $body
+            }
+        }
+    };
+}
+pub(crate) use with_dtype;
+
 mod sealed {
     pub trait Sealed {}
     impl Sealed for f32 {}
