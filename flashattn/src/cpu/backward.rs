@@ -13,7 +13,7 @@
 //! With `delta = rowsum(dO ∘ O)`: `dS = P ∘ (dP - delta)`, dropout folded into dP and P̃, softcap's
 //! derivative `1 - tanh²` applied to dS.
 
-use super::forward::{apply_dropout, load_tile, ScoreMod, WorkItem};
+use super::forward::{load_tile, ScoreMod, WorkItem};
 use super::kernels::{ptx, pv, qk};
 use super::softmax::exp2;
 use super::{block_sizes, BlockSizes, Disjoint};
@@ -240,41 +240,36 @@ impl<T: Element> Ctx<'_, T> {
         let mask = Mask::new(s.seqlen_q, s.seqlen_k, p.window_left, p.window_right);
         let sp = &mut scr.p[..rows * cols];
         qk(&scr.q, &scr.k, sp, rows, cols, d);
-        if let Some(cap) = p.softcap {
-            let pre = p.softmax_scale / cap;
-            for (t, &x) in scr.dtanh[..rows * cols].iter_mut().zip(sp.iter()) {
-                let th = (x * pre).tanh();
-                *t = 1.0 - th * th;
-            }
-        }
-        ScoreMod::new(p, b, h).apply(sp, cols, m0, n0, &mask, mask.needs_mask(m0, m1, n0, n1));
+        let dtanh = p.softcap.map(|_| &mut scr.dtanh[..rows * cols]);
+        let masked = mask.needs_mask(m0, m1, n0, n1);
+        ScoreMod::new(p, b, h).apply(sp, cols, m0, n0, &mask, masked, dtanh);
         for (row, &l) in sp.chunks_exact_mut(cols).zip(&scr.lse_log2[..rows]) {
             row.iter_mut().for_each(|x| *x = exp2(*x - l));
         }
         // dP̃ = dO·Vᵀ.
         let ds = &mut scr.ds[..rows * cols];
         qk(&scr.d_o, &scr.v, ds, rows, cols, d);
+        // One pass per row, with the dropout mask generated once: dropped entries get P̃ = 0 and
+        // dP = 0, kept ones are scaled by 1/(1-p); then dS = P ∘ (dP - delta) · scale (· 1 - tanh²).
         let drop_scale = p.dropout.map_or(1.0, |dr| dr.scale());
-        if let Some(drop) = p.dropout {
-            // Dropped entries: P̃ = 0 and dP = 0; kept ones are scaled by 1/(1-p).
-            apply_dropout(drop, b, h, m0, n0, ds, cols, &mut scr.keep);
-        }
         let scale = p.softmax_scale;
         for r in 0..rows {
+            if let Some(drop) = p.dropout {
+                drop.keep_row(b, h, m0 + r, n0, &mut scr.keep[..cols]);
+            }
             let delta = scr.delta[r];
             for c in 0..cols {
                 let at = r * cols + c;
+                let kept = p.dropout.is_none() || scr.keep[c];
                 let prob = sp[at];
-                let mut g = prob * (ds[at] * drop_scale - delta) * scale;
+                let dp = if kept { ds[at] } else { 0.0 };
+                let mut g = prob * (dp * drop_scale - delta) * scale;
                 if p.softcap.is_some() {
                     g *= scr.dtanh[at];
                 }
                 ds[at] = g;
+                sp[at] = if kept { prob * drop_scale } else { 0.0 };
             }
-        }
-        if let Some(drop) = p.dropout {
-            apply_dropout(drop, b, h, m0, n0, sp, cols, &mut scr.keep);
-            sp.iter_mut().for_each(|x| *x *= drop_scale);
         }
     }
 }

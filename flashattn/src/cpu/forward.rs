@@ -66,7 +66,10 @@ impl ScoreMod {
     }
 
     /// Raw dot products of rows `m0..` x keys `n0..n0 + cols` -> log2-domain scores, masked to
-    /// -inf where `masked` says the mask cuts this block.
+    /// -inf where `masked` says the mask cuts this block. With softcap, `dtanh` (if given, same
+    /// length as `s`) receives the derivative `1 - tanh²` that the backward pass needs, from the
+    /// same `tanh` (computed once per element).
+    #[allow(clippy::too_many_arguments)]
     pub fn apply(
         &self,
         s: &mut [f32],
@@ -75,12 +78,22 @@ impl ScoreMod {
         n0: usize,
         mask: &Mask,
         masked: bool,
+        mut dtanh: Option<&mut [f32]>,
     ) {
         for (r, row) in s.chunks_exact_mut(cols).enumerate() {
             let i = m0 + r;
-            match self.softcap {
-                None => row.iter_mut().for_each(|x| *x *= self.scale_log2),
-                Some((pre, post)) => row.iter_mut().for_each(|x| *x = post * (*x * pre).tanh()),
+            match (self.softcap, dtanh.as_deref_mut()) {
+                (None, _) => row.iter_mut().for_each(|x| *x *= self.scale_log2),
+                (Some((pre, post)), None) => {
+                    row.iter_mut().for_each(|x| *x = post * (*x * pre).tanh())
+                }
+                (Some((pre, post)), Some(dt)) => {
+                    for (x, t) in row.iter_mut().zip(&mut dt[r * cols..(r + 1) * cols]) {
+                        let th = (*x * pre).tanh();
+                        *t = 1.0 - th * th;
+                        *x = post * th;
+                    }
+                }
             }
             if let Some(slope) = self.alibi_log2 {
                 for (c, x) in row.iter_mut().enumerate() {
@@ -181,7 +194,7 @@ pub(crate) fn forward<T: Element>(p: &Params, q: &[T], k: &[T], v: &[T]) -> (Vec
 /// Packed inputs may have tokens after the last sequence; their rows are 0 with LSE -inf.
 fn clear_unused_rows<T: Element>(p: &Params, out: &mut [T], lse: &mut [f32]) {
     let used = p.seqs.last().map_or(0, |s| s.out_row0 + s.seqlen_q);
-    if p.lse_head_stride != p.total_q || used == p.total_q {
+    if !p.packed || used == p.total_q {
         return; // batched layout: every row belongs to a sequence
     }
     out[used * p.heads * p.head_dim..].fill(T::default());
@@ -242,7 +255,15 @@ fn forward_block<T: Element>(
         );
         let s = &mut scr.s[..rows * cols];
         qk(&scr.q, &scr.k, s, rows, cols, d);
-        score_mod.apply(s, cols, m0, n0, &mask, mask.needs_mask(m0, m1, n0, n1));
+        score_mod.apply(
+            s,
+            cols,
+            m0,
+            n0,
+            &mask,
+            mask.needs_mask(m0, m1, n0, n1),
+            None,
+        );
         max_get_scale(s, cols, &mut scr.row_max[..rows], &mut scr.alpha[..rows]);
         let mut stats = RowStats {
             row_max: &mut scr.row_max[..rows],
