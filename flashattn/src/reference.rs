@@ -38,7 +38,7 @@ pub(crate) fn widen_all(data: Slice) -> Vec<f64> {
     }
 }
 
-/// q, k, v (and optionally dout) as f64 buffers with the validated layouts of `p`.
+/// q, k and v as f64 buffers, indexed with the validated layouts of `p`.
 pub(crate) struct Inputs<'a> {
     pub q: &'a [f64],
     pub k: &'a [f64],

@@ -131,7 +131,7 @@ pub(crate) fn load_tile<T: Element>(
 /// Zeroes the dropped probabilities of the tile of rows `m0..`, keys `n0..n0 + cols` (the 1/(1-p)
 /// factor is applied once, at the end).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn apply_dropout(
+fn apply_dropout(
     drop: Dropout,
     b: usize,
     h: usize,
