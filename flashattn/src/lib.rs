@@ -37,6 +37,11 @@ pub mod flops;
 pub mod naive;
 pub(crate) mod params;
 pub mod reference;
+/// The CPU microkernels: which instruction set runs, and the kernels themselves (public for the
+/// benches and tests; the attention calls are the supported interface).
+pub mod simd {
+    pub use crate::cpu::simd::*;
+}
 pub mod tensor;
 
 pub use error::{CuSeqlensProblem, Error, ErrorKind, Result};

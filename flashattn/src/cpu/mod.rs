@@ -6,6 +6,7 @@
 pub(crate) mod backward;
 pub(crate) mod forward;
 pub(crate) mod kernels;
+pub(crate) mod simd;
 pub(crate) mod softmax;
 
 use std::marker::PhantomData;

@@ -1,0 +1,347 @@
+//! Run-time selection of the CPU microkernels, and their contracts.
+//!
+//! The CPU path keeps query rows in SIMD lanes: q is held transposed (`qt[x][r]`), scores as
+//! `st[c][r]` (key c, query row r), the output accumulator as `ot[x][r]`. Every block product of the
+//! forward and backward passes is then one shape of matrix product, [`Kernels::gemm`]
+//! (`C[i][j] (+)= Σ_k A[i, k] · B[k][j]` with A read by broadcasts at any strides and B, C read as
+//! vectors along j), and the online softmax's per-row statistics are plain vertical vector
+//! operations with no horizontal reductions. Lane counts are padded to [`LANES`].
+//!
+//! One table of function pointers per instruction set ([`Isa`]), chosen once: the best the CPU
+//! has, or the one named by the `FLASHATTN_ISA` environment variable (`scalar`, `avx2`,
+//! `avx512`), or the one an [`crate::AttnOptions::isa`] call asks for. The scalar kernels are the
+//! twins every SIMD kernel is tested against.
+
+pub(crate) mod scalar;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86_avx2;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86_avx512;
+
+use crate::error::{ErrorKind, Result};
+use std::fmt;
+use std::sync::OnceLock;
+
+/// Lane padding of every lane-major buffer (query rows, padded head dims): one AVX-512 register of
+/// f32. The narrower paths use multiples of it.
+pub const LANES: usize = 16;
+
+/// Rounds `n` up to a multiple of [`LANES`].
+#[inline]
+pub const fn pad_lanes(n: usize) -> usize {
+    n.div_ceil(LANES) * LANES
+}
+
+/// An instruction set the CPU kernels can run on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum Isa {
+    /// Portable Rust, what LLVM makes of it for the build target; the reference twin.
+    Scalar,
+    /// x86-64 AVX2 + FMA (8 f32 lanes).
+    Avx2,
+    /// x86-64 AVX-512F (16 f32 lanes); bf16 products with `vdpbf16ps` when the CPU has AVX512_BF16.
+    Avx512,
+}
+
+impl Isa {
+    /// Every instruction set, slowest first.
+    pub const ALL: [Isa; 3] = [Isa::Scalar, Isa::Avx2, Isa::Avx512];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+        }
+    }
+
+    /// Parses a name as printed by [`Isa::name`].
+    pub fn from_name(name: &str) -> Option<Isa> {
+        Isa::ALL.into_iter().find(|i| i.name() == name)
+    }
+
+    /// Whether this CPU can run the instruction set.
+    pub fn is_available(self) -> bool {
+        match self {
+            Isa::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => {
+                std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+            }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
+            #[allow(unreachable_patterns)]
+            _ => false,
+        }
+    }
+
+    /// Whether bf16 products run as bf16 dot products (`vdpbf16ps`) rather than in f32.
+    pub fn has_bf16_dot(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if self == Isa::Avx512 {
+            return self.is_available() && std::arch::is_x86_feature_detected!("avx512bf16");
+        }
+        false
+    }
+}
+
+impl fmt::Display for Isa {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())?;
+        if self.has_bf16_dot() {
+            f.write_str("+bf16")?;
+        }
+        Ok(())
+    }
+}
+
+/// The best instruction set this CPU has (detected once).
+pub fn detected() -> Isa {
+    static BEST: OnceLock<Isa> = OnceLock::new();
+    *BEST.get_or_init(|| {
+        Isa::ALL
+            .into_iter()
+            .rev()
+            .find(|i| i.is_available())
+            .unwrap_or(Isa::Scalar)
+    })
+}
+
+/// Every instruction set this CPU can run, slowest first.
+pub fn available() -> Vec<Isa> {
+    Isa::ALL.into_iter().filter(|i| i.is_available()).collect()
+}
+
+/// The instruction set calls use when their options name none: `FLASHATTN_ISA` if set (read once),
+/// else [`detected`]. An unknown or unavailable name in `FLASHATTN_ISA` is an error here and in
+/// every attention call.
+pub fn active() -> Result<Isa> {
+    static FROM_ENV: OnceLock<Result<Isa>> = OnceLock::new();
+    FROM_ENV
+        .get_or_init(|| match std::env::var("FLASHATTN_ISA") {
+            Err(_) => Ok(detected()),
+            Ok(name) => match Isa::from_name(name.trim()) {
+                Some(isa) => check_available(isa),
+                None => Err(ErrorKind::IsaUnknown { name }.into()),
+            },
+        })
+        .clone()
+}
+
+/// `isa` if this CPU runs it, else an error naming it and the best available one.
+pub(crate) fn check_available(isa: Isa) -> Result<Isa> {
+    if isa.is_available() {
+        Ok(isa)
+    } else {
+        Err(ErrorKind::IsaUnavailable {
+            requested: isa,
+            best: detected(),
+        }
+        .into())
+    }
+}
+
+/// Operands of one [`Kernels::gemm`] call: `C[i][j] (+)= Σ_{k < k} A[i·a_rs + k·a_cs] · B[k·b_rs + j]`
+/// for `i < m`, `j < n`. `T` is f32, or u32 for bf16 pairs ([`Kernels::gemm_bf16`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Gemm<'a, T> {
+    pub m: usize,
+    /// A multiple of [`LANES`].
+    pub n: usize,
+    pub k: usize,
+    pub a: &'a [T],
+    pub a_rs: usize,
+    pub a_cs: usize,
+    pub b: &'a [T],
+    pub b_rs: usize,
+    /// Add to C (true) or overwrite it (false).
+    pub accumulate: bool,
+}
+
+impl<T> Gemm<'_, T> {
+    /// Panics unless every element the product touches is inside its slice (checked once per call,
+    /// so the kernels can index without checks).
+    fn check(&self, c: &[f32], c_rs: usize) {
+        assert!(self.n % LANES == 0, "gemm: n = {} is not padded", self.n);
+        if self.m == 0 || self.n == 0 {
+            return;
+        }
+        assert!(c_rs >= self.n && (self.m - 1) * c_rs + self.n <= c.len(), "gemm: C too short");
+        if self.k == 0 {
+            return;
+        }
+        assert!(
+            (self.m - 1) * self.a_rs + (self.k - 1) * self.a_cs < self.a.len(),
+            "gemm: A too short"
+        );
+        assert!(
+            self.b_rs >= self.n && (self.k - 1) * self.b_rs + self.n <= self.b.len(),
+            "gemm: B too short"
+        );
+    }
+}
+
+/// Raw kernel signatures. Safety contract of every `unsafe fn` here: the arguments passed the
+/// checks of the matching safe method of [`Kernels`], and the CPU has the table's instruction set.
+type GemmFn = unsafe fn(&Gemm<f32>, &mut [f32], usize);
+type GemmBf16Fn = unsafe fn(&Gemm<u32>, &mut [f32], usize);
+type MaxFn = unsafe fn(&mut [f32], usize, usize, f32, &mut [f32], &mut [f32], &mut [f32]);
+type SoftmaxFn = unsafe fn(&mut [f32], usize, usize, &[f32], &mut [f32], &[f32]);
+type RescaleFn = unsafe fn(&mut [f32], usize, usize, &[f32]);
+type PairsFn = unsafe fn(&[f32], usize, usize, &mut [u32]);
+
+/// The microkernels of one instruction set.
+pub struct Kernels {
+    pub isa: Isa,
+    gemm: GemmFn,
+    gemm_bf16: Option<GemmBf16Fn>,
+    max_get_scale: MaxFn,
+    online_softmax: SoftmaxFn,
+    rescale_o: RescaleFn,
+    pack_pairs_bf16: PairsFn,
+}
+
+impl fmt::Debug for Kernels {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Kernels({})", self.isa)
+    }
+}
+
+static SCALAR: Kernels = Kernels {
+    isa: Isa::Scalar,
+    gemm: scalar::gemm,
+    gemm_bf16: None,
+    max_get_scale: scalar::max_get_scale,
+    online_softmax: scalar::online_softmax,
+    rescale_o: scalar::rescale_o,
+    pack_pairs_bf16: scalar::pack_pairs_bf16,
+};
+
+#[cfg(target_arch = "x86_64")]
+static AVX2: Kernels = Kernels {
+    isa: Isa::Avx2,
+    gemm: x86_avx2::gemm,
+    gemm_bf16: None,
+    max_get_scale: x86_avx2::max_get_scale,
+    online_softmax: x86_avx2::online_softmax,
+    rescale_o: x86_avx2::rescale_o,
+    pack_pairs_bf16: scalar::pack_pairs_bf16,
+};
+
+#[cfg(target_arch = "x86_64")]
+static AVX512: Kernels = Kernels {
+    isa: Isa::Avx512,
+    gemm: x86_avx512::gemm,
+    gemm_bf16: None,
+    max_get_scale: x86_avx512::max_get_scale,
+    online_softmax: x86_avx512::online_softmax,
+    rescale_o: x86_avx512::rescale_o,
+    pack_pairs_bf16: scalar::pack_pairs_bf16,
+};
+
+#[cfg(target_arch = "x86_64")]
+static AVX512_BF16: Kernels = Kernels {
+    isa: Isa::Avx512,
+    gemm: x86_avx512::gemm,
+    gemm_bf16: Some(x86_avx512::gemm_bf16),
+    max_get_scale: x86_avx512::max_get_scale,
+    online_softmax: x86_avx512::online_softmax,
+    rescale_o: x86_avx512::rescale_o,
+    pack_pairs_bf16: x86_avx512::pack_pairs_bf16,
+};
+
+impl Kernels {
+    /// The table of `isa`, or an error if this CPU cannot run it.
+    pub fn for_isa(isa: Isa) -> Result<&'static Kernels> {
+        let isa = check_available(isa)?;
+        Ok(match isa {
+            Isa::Scalar => &SCALAR,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => &AVX2,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 if isa.has_bf16_dot() => &AVX512_BF16,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => &AVX512,
+            #[allow(unreachable_patterns)]
+            _ => unreachable!("check_available accepted an ISA this build has no kernels for"),
+        })
+    }
+
+    /// `C[i][j] (+)= Σ_k A[i, k] · B[k][j]` in f32 (see [`Gemm`]); `c_rs` is C's row stride.
+    pub fn gemm(&self, g: &Gemm<f32>, c: &mut [f32], c_rs: usize) {
+        g.check(c, c_rs);
+        // SAFETY: bounds checked above; the table exists only for an available ISA (for_isa).
+        unsafe { (self.gemm)(g, c, c_rs) }
+    }
+
+    /// Whether [`Kernels::gemm_bf16`] is available.
+    pub fn has_bf16_dot(&self) -> bool {
+        self.gemm_bf16.is_some()
+    }
+
+    /// As [`Kernels::gemm`] over bf16 pairs: each u32 of A and B holds two bf16 (element 2k in the
+    /// low half, 2k + 1 in the high half) and `k` counts pairs; products accumulate in f32.
+    /// Panics if the table has no bf16 dot product.
+    pub fn gemm_bf16(&self, g: &Gemm<u32>, c: &mut [f32], c_rs: usize) {
+        let f = self.gemm_bf16.expect("gemm_bf16 on an ISA without it");
+        g.check(c, c_rs);
+        // SAFETY: as in `gemm`.
+        unsafe { f(g, c, c_rs) }
+    }
+
+    /// Online softmax, step 1, over `st` (`cols` rows of `n` lanes): scores are multiplied by
+    /// `scale` in place (1 when the caller already scaled them); then per lane the new running
+    /// maximum `row_max`, the factor `alpha = exp2(old - new)` that rescales what was accumulated
+    /// (1 while the maximum is -inf) and the maximum to subtract, `m_sub` (0 while it is -inf, so
+    /// that -inf - -inf never happens).
+    #[allow(clippy::too_many_arguments)]
+    pub fn max_get_scale(
+        &self,
+        st: &mut [f32],
+        cols: usize,
+        n: usize,
+        scale: f32,
+        row_max: &mut [f32],
+        alpha: &mut [f32],
+        m_sub: &mut [f32],
+    ) {
+        assert!(n % LANES == 0 && st.len() >= cols * n);
+        assert!(row_max.len() >= n && alpha.len() >= n && m_sub.len() >= n);
+        // SAFETY: lengths checked above; available ISA.
+        unsafe { (self.max_get_scale)(st, cols, n, scale, row_max, alpha, m_sub) }
+    }
+
+    /// Online softmax, step 2: `st = exp2(st - m_sub)` per lane, and
+    /// `row_sum = row_sum · alpha + Σ_c st[c]`.
+    pub fn online_softmax(
+        &self,
+        st: &mut [f32],
+        cols: usize,
+        n: usize,
+        m_sub: &[f32],
+        row_sum: &mut [f32],
+        alpha: &[f32],
+    ) {
+        assert!(n % LANES == 0 && st.len() >= cols * n);
+        assert!(m_sub.len() >= n && row_sum.len() >= n && alpha.len() >= n);
+        // SAFETY: lengths checked above; available ISA.
+        unsafe { (self.online_softmax)(st, cols, n, m_sub, row_sum, alpha) }
+    }
+
+    /// Online softmax, step 3: `ot[x][r] *= alpha[r]` for `rows` rows of `n` lanes.
+    pub fn rescale_o(&self, ot: &mut [f32], rows: usize, n: usize, alpha: &[f32]) {
+        assert!(n % LANES == 0 && ot.len() >= rows * n && alpha.len() >= n);
+        // SAFETY: lengths checked above; available ISA.
+        unsafe { (self.rescale_o)(ot, rows, n, alpha) }
+    }
+
+    /// Rounds `cols` rows of `n` f32 lanes to bf16 pairs for [`Kernels::gemm_bf16`]'s B operand:
+    /// `out[cp][r]` = (row 2cp, row 2cp + 1) of lane r; a missing odd row is 0.
+    pub fn pack_pairs_bf16(&self, st: &[f32], cols: usize, n: usize, out: &mut [u32]) {
+        assert!(n % LANES == 0 && st.len() >= cols * n && out.len() >= cols.div_ceil(2) * n);
+        // SAFETY: lengths checked above; available ISA.
+        unsafe { (self.pack_pairs_bf16)(st, cols, n, out) }
+    }
+}

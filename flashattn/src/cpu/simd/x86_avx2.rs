@@ -1,0 +1,163 @@
+//! AVX2 + FMA microkernels (8 f32 lanes).
+//!
+//! Register budget of the product tile: MR = 4 rows × 2 ymm (16 lanes) = 8 accumulators, + 2 ymm of
+//! B per k, + 1 broadcast = 11 of the 16 ymm registers; per k step 2 loads, 4 broadcasts, 8 FMAs.
+//!
+//! Safety: as in `x86_avx512`: the CPU has the features of each `target_feature` attribute, and the
+//! operands passed [`super::Kernels`]'s bounds checks.
+
+use super::Gemm;
+use std::arch::x86_64::*;
+
+const MR: usize = 4;
+const W: usize = 8;
+
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn gemm(g: &Gemm<f32>, c: &mut [f32], c_rs: usize) {
+    let cp = c.as_mut_ptr();
+    for j in (0..g.n).step_by(2 * W) {
+        let mut i = 0;
+        while i + MR <= g.m {
+            tile::<MR>(g, cp, c_rs, i, j);
+            i += MR;
+        }
+        match g.m - i {
+            3 => tile::<3>(g, cp, c_rs, i, j),
+            2 => tile::<2>(g, cp, c_rs, i, j),
+            1 => tile::<1>(g, cp, c_rs, i, j),
+            _ => {}
+        }
+    }
+}
+
+/// Rows `i..i + R`, lanes `j..j + 16` of C.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn tile<const R: usize>(g: &Gemm<f32>, cp: *mut f32, c_rs: usize, i: usize, j: usize) {
+    let mut acc = [[_mm256_setzero_ps(); 2]; R];
+    if g.accumulate {
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            for (v, a) in acc_r.iter_mut().enumerate() {
+                *a = _mm256_loadu_ps(cp.add((i + r) * c_rs + j + W * v));
+            }
+        }
+    }
+    let a = g.a.as_ptr().add(i * g.a_rs);
+    let b = g.b.as_ptr().add(j);
+    for k in 0..g.k {
+        let bk = b.add(k * g.b_rs);
+        let bv = [_mm256_loadu_ps(bk), _mm256_loadu_ps(bk.add(W))];
+        let ak = a.add(k * g.a_cs);
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            let ar = _mm256_set1_ps(*ak.add(r * g.a_rs));
+            for (x, bx) in acc_r.iter_mut().zip(&bv) {
+                *x = _mm256_fmadd_ps(ar, *bx, *x);
+            }
+        }
+    }
+    for (r, acc_r) in acc.iter().enumerate() {
+        for (v, x) in acc_r.iter().enumerate() {
+            _mm256_storeu_ps(cp.add((i + r) * c_rs + j + W * v), *x);
+        }
+    }
+}
+
+/// `2^x` per lane, as [`crate::cpu::softmax::exp2`] (same reduction and polynomial, with FMAs).
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn exp2_ps(x: __m256) -> __m256 {
+    // max/min return their second operand when either is NaN, so NaN passes through.
+    let xc = _mm256_min_ps(
+        _mm256_set1_ps(127.0),
+        _mm256_max_ps(_mm256_set1_ps(-126.0), x),
+    );
+    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(xc);
+    let f = _mm256_mul_ps(_mm256_sub_ps(xc, n), _mm256_set1_ps(std::f32::consts::LN_2));
+    let mut p = _mm256_set1_ps(1.0 / 5040.0);
+    for c in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+    }
+    // 2^n from its exponent bits; n is in [-126, 127] here.
+    let bits = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+        _mm256_cvtps_epi32(n),
+        _mm256_set1_epi32(127),
+    ));
+    let r = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+    let under = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-126.0));
+    _mm256_blendv_ps(r, _mm256_setzero_ps(), under)
+}
+
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn max_get_scale(
+    st: &mut [f32],
+    cols: usize,
+    n: usize,
+    scale: f32,
+    row_max: &mut [f32],
+    alpha: &mut [f32],
+    m_sub: &mut [f32],
+) {
+    let sp = st.as_mut_ptr();
+    let sc = _mm256_set1_ps(scale);
+    let neg_inf = _mm256_set1_ps(f32::NEG_INFINITY);
+    for j in (0..n).step_by(W) {
+        let mut bm = neg_inf;
+        for c in 0..cols {
+            let p = sp.add(c * n + j);
+            let x = _mm256_mul_ps(_mm256_loadu_ps(p), sc);
+            _mm256_storeu_ps(p, x);
+            bm = _mm256_max_ps(bm, x);
+        }
+        let old = _mm256_loadu_ps(row_max.as_ptr().add(j));
+        let new = _mm256_max_ps(old, bm);
+        let none = _mm256_cmp_ps::<_CMP_EQ_OQ>(new, neg_inf);
+        let a = exp2_ps(_mm256_sub_ps(old, new));
+        _mm256_storeu_ps(
+            alpha.as_mut_ptr().add(j),
+            _mm256_blendv_ps(a, _mm256_set1_ps(1.0), none),
+        );
+        _mm256_storeu_ps(
+            m_sub.as_mut_ptr().add(j),
+            _mm256_blendv_ps(new, _mm256_setzero_ps(), none),
+        );
+        _mm256_storeu_ps(row_max.as_mut_ptr().add(j), new);
+    }
+}
+
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn online_softmax(
+    st: &mut [f32],
+    cols: usize,
+    n: usize,
+    m_sub: &[f32],
+    row_sum: &mut [f32],
+    alpha: &[f32],
+) {
+    let sp = st.as_mut_ptr();
+    for j in (0..n).step_by(W) {
+        let m = _mm256_loadu_ps(m_sub.as_ptr().add(j));
+        let mut sum = _mm256_mul_ps(
+            _mm256_loadu_ps(row_sum.as_ptr().add(j)),
+            _mm256_loadu_ps(alpha.as_ptr().add(j)),
+        );
+        for c in 0..cols {
+            let p = sp.add(c * n + j);
+            let e = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(p), m));
+            _mm256_storeu_ps(p, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        _mm256_storeu_ps(row_sum.as_mut_ptr().add(j), sum);
+    }
+}
+
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn rescale_o(ot: &mut [f32], rows: usize, n: usize, alpha: &[f32]) {
+    let op = ot.as_mut_ptr();
+    for j in (0..n).step_by(W) {
+        let a = _mm256_loadu_ps(alpha.as_ptr().add(j));
+        for x in 0..rows {
+            let p = op.add(x * n + j);
+            _mm256_storeu_ps(p, _mm256_mul_ps(_mm256_loadu_ps(p), a));
+        }
+    }
+}
