@@ -2,6 +2,7 @@
 
 use crate::alloc;
 use crate::error::{fail, CliError, Result};
+use crate::peak::{self, Peak};
 use crate::threads::with_threads;
 use flashattn::{flops, naive, reference, AttnOptions, AttnOutput, Buffer, DType, TensorRef};
 use half::{bf16, f16};
@@ -88,6 +89,9 @@ pub struct BenchArgs {
     /// Seed of the random inputs.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Skip measuring the CPU's peak FMA / bf16-dot rate (about 1.5 s) and the "% of peak" column.
+    #[arg(long)]
+    pub no_peak: bool,
 }
 
 /// The fields every JSON line shares.
@@ -105,8 +109,28 @@ struct Config {
     threads: usize,
 }
 
+/// The first JSON line: what the run's numbers are relative to.
+#[derive(Serialize, Debug)]
+struct Machine {
+    kind: &'static str,
+    /// `flashattn::simd::active()`, e.g. "avx512+bf16".
+    isa: String,
+    threads: usize,
+    /// Measured peaks in GFLOP/s on `threads` threads; `null` with --no-peak or where the
+    /// instruction is missing.
+    peak_f32_gflops: Option<f64>,
+    peak_f32_method: Option<&'static str>,
+    peak_bf16_gflops: Option<f64>,
+    peak_bf16_method: Option<&'static str>,
+    /// Which of the two the "peak_fraction" of this run's rows divides by ("f32" or "bf16").
+    peak_used: Option<&'static str>,
+    peak_secs_per_run: Option<f64>,
+    peak_runs: Option<usize>,
+}
+
 #[derive(Serialize, Debug)]
 struct Measured {
+    kind: &'static str,
     #[serde(rename = "impl")]
     implementation: &'static str,
     #[serde(flatten)]
@@ -123,10 +147,14 @@ struct Measured {
     err_rows: usize,
     #[serde(skip_serializing_if = "Option::is_none")]
     speedup_vs_naive: Option<f64>,
+    /// GFLOP/s over the machine's measured peak for this dtype (see the "machine" line); `null`
+    /// with --no-peak.
+    peak_fraction: Option<f64>,
 }
 
 #[derive(Serialize, Debug)]
 struct Skipped {
+    kind: &'static str,
     #[serde(rename = "impl")]
     implementation: &'static str,
     #[serde(flatten)]
@@ -384,7 +412,7 @@ fn progress(steps: u64) -> ProgressBar {
 }
 
 const TABLE_HEADER: &str =
-    "impl       seqlen_q  seqlen_k    median ms     GFLOP/s  peak extra MiB  max abs err  speed-up";
+    "impl       seqlen_q  seqlen_k    median ms     GFLOP/s  % of peak  peak extra MiB  max abs err  speed-up";
 
 fn table_row(m: &Measured) -> String {
     let err = match m.max_abs_err {
@@ -394,13 +422,17 @@ fn table_row(m: &Measured) -> String {
     let speedup = m
         .speedup_vs_naive
         .map_or(String::new(), |s| format!("{s:.2}x"));
+    let of_peak = m
+        .peak_fraction
+        .map_or("n/a".into(), |f| format!("{:.1}%", 100.0 * f));
     format!(
-        "{:<9} {:>9} {:>9} {:>12.3} {:>11.2} {:>15.2} {:>12} {:>9}",
+        "{:<9} {:>9} {:>9} {:>12.3} {:>11.2} {:>10} {:>15.2} {:>12} {:>9}",
         m.implementation,
         m.config.seqlen_q,
         m.config.seqlen_k,
         m.median_ms,
         m.gflops,
+        of_peak,
         m.peak_extra_bytes as f64 / MIB,
         err,
         speedup
@@ -416,6 +448,35 @@ fn to_json<T: Serialize>(x: &T) -> Result<String> {
     serde_json::to_string(x).map_err(|e| CliError(format!("cannot encode a JSON line: {e}")))
 }
 
+/// The peak this run's "% of peak" divides by: the bf16 dot-product rate for bf16 when the active
+/// kernels multiply bf16 with `vdpbf16ps`, else the f32 FMA rate (f16 is computed in f32).
+fn peak_for(peak: &Peak, dtype: DType, bf16_dot: bool) -> Option<(&'static str, f64)> {
+    match (dtype, peak.bf16) {
+        (DType::BF16, Some(r)) if bf16_dot => Some(("bf16", r.gflops)),
+        _ => peak.f32.map(|r| ("f32", r.gflops)),
+    }
+}
+
+/// The line printed above the table.
+fn machine_line(m: &Machine) -> String {
+    let rate = |g: Option<f64>, method: Option<&str>| match (g, method) {
+        (Some(g), Some(method)) => format!("{g:.1} GFLOP/s ({method})"),
+        _ => "unavailable".into(),
+    };
+    let peaks = match m.peak_runs {
+        None => "peak not measured (--no-peak)".to_string(),
+        Some(runs) => format!(
+            "measured peak f32 {}, bf16 dot {} (median of {runs} runs of {:.2} s on all threads); \
+             % of peak against {}",
+            rate(m.peak_f32_gflops, m.peak_f32_method),
+            rate(m.peak_bf16_gflops, m.peak_bf16_method),
+            m.peak_secs_per_run.unwrap_or(0.0),
+            m.peak_used.unwrap_or("nothing"),
+        ),
+    };
+    format!("machine: ISA {}, {} threads; {peaks}", m.isa, m.threads)
+}
+
 fn bench_in_pool(args: &BenchArgs, cases: &[(usize, usize)]) -> Result<()> {
     let dtype = args.dtype.dtype();
     let (batch, heads, d) = (args.batch, args.heads, args.head_dim);
@@ -424,8 +485,40 @@ fn bench_in_pool(args: &BenchArgs, cases: &[(usize, usize)]) -> Result<()> {
     let avail = mem_available();
     let opts = AttnOptions::default().causal(args.causal);
     let run_naive = !args.no_naive;
+    let isa = flashattn::simd::active()?;
     let steps = cases.len() as u64 * if run_naive { 2 } else { 1 };
     let pb = progress(steps);
+
+    let peak = if args.no_peak {
+        None
+    } else {
+        pb.set_message("measuring the peak FLOP rate");
+        Some(peak::measure(peak::DEFAULT_SECS))
+    };
+    let used = peak
+        .as_ref()
+        .and_then(|p| peak_for(p, dtype, isa.has_bf16_dot()));
+    let machine = Machine {
+        kind: "machine",
+        isa: isa.to_string(),
+        threads,
+        peak_f32_gflops: peak.and_then(|p| p.f32).map(|r| r.gflops),
+        peak_f32_method: peak.and_then(|p| p.f32).map(|r| r.method.name()),
+        peak_bf16_gflops: peak.and_then(|p| p.bf16).map(|r| r.gflops),
+        peak_bf16_method: peak.and_then(|p| p.bf16).map(|r| r.method.name()),
+        peak_used: used.map(|u| u.0),
+        peak_secs_per_run: peak.map(|_| peak::DEFAULT_SECS),
+        peak_runs: peak.map(|_| peak::RUNS),
+    };
+    let peak_gflops = used.map(|u| u.1);
+    emit(
+        &pb,
+        if args.json {
+            to_json(&machine)?
+        } else {
+            machine_line(&machine)
+        },
+    );
 
     if !args.json {
         emit(
@@ -483,6 +576,7 @@ fn bench_in_pool(args: &BenchArgs, cases: &[(usize, usize)]) -> Result<()> {
             fwd_flop
         };
         let record = |name: &'static str, t: Stats, err: Option<f64>| Measured {
+            kind: "measurement",
             implementation: name,
             config: config.clone(),
             skipped: false,
@@ -495,6 +589,7 @@ fn bench_in_pool(args: &BenchArgs, cases: &[(usize, usize)]) -> Result<()> {
             max_abs_err: err,
             err_rows: refs.len(),
             speedup_vs_naive: None,
+            peak_fraction: peak_gflops.map(|p| flop / t.median_s / 1e9 / p),
         };
 
         pb.set_message(format!("seqlen {sq}x{sk}: flashattn"));
@@ -518,6 +613,7 @@ fn bench_in_pool(args: &BenchArgs, cases: &[(usize, usize)]) -> Result<()> {
             match naive_skip_reason(need, args.naive_max_gib, avail) {
                 Some(reason) => {
                     let skipped = Skipped {
+                        kind: "measurement",
                         implementation: "naive",
                         config: config.clone(),
                         skipped: true,

@@ -1,9 +1,12 @@
-//! The `flashattn` command: exact attention on safetensors files (`run`), and a benchmark of
-//! flashattn against naive attention (`bench`).
+//! The `flashattn` command: exact attention on safetensors files (`run`), a benchmark of
+//! flashattn against naive attention (`bench`), the CPU's peak FLOP rate (`peak`), and a plot of
+//! benchmark results (`plot`).
 
 mod alloc;
 mod bench;
 mod error;
+mod peak;
+mod plot;
 mod run;
 mod st_io;
 mod threads;
@@ -42,6 +45,11 @@ enum Command {
     /// output rows against an f64 reference.
     #[command(long_about)]
     Bench(bench::BenchArgs),
+    /// Measure this CPU's peak f32 FMA and bf16 dot-product rates (GFLOP/s, all threads at once).
+    Peak(peak::PeakArgs),
+    /// Draw GFLOP/s against sequence length from JSON results (bench/compare_torch.py's output or
+    /// `bench --json` lines) into an SVG file.
+    Plot(plot::PlotArgs),
 }
 
 fn main() -> ExitCode {
@@ -49,6 +57,8 @@ fn main() -> ExitCode {
     let result = match &cli.command {
         Command::Run(args) => run::run(args),
         Command::Bench(args) => bench::bench(args),
+        Command::Peak(args) => peak::peak(args),
+        Command::Plot(args) => plot::plot(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

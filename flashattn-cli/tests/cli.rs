@@ -638,7 +638,15 @@ fn bench_json(extra: &[&str]) -> Vec<serde_json::Value> {
         "0.02",
     ];
     args.extend_from_slice(extra);
-    let res = flashattn(&args);
+    let lines = bench_json_all(&args);
+    assert_eq!(lines[0]["kind"], "machine", "{}", lines[0]);
+    // The measurements, without the leading "machine" line.
+    lines[1..].to_vec()
+}
+
+/// Every JSON line of a `bench --json` run, the "machine" line first.
+fn bench_json_all(args: &[&str]) -> Vec<serde_json::Value> {
+    let res = flashattn(args);
     assert!(
         res.status.success(),
         "{}",
@@ -750,6 +758,258 @@ fn bench_table_and_bad_options() {
     let res = flashattn(&["bench", "--heads", "3", "--heads-kv", "2"]);
     assert_eq!(res.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&res.stderr).contains("--heads-kv"));
+}
+
+/// The machine line (ISA, threads, measured peaks) and the "% of peak" column / `peak_fraction`.
+#[test]
+fn bench_reports_the_peak_and_the_fraction_of_it() {
+    let res = flashattn(&[
+        "bench",
+        "--seqlen",
+        "32",
+        "--heads",
+        "1",
+        "--min-time",
+        "0",
+        "--threads",
+        "1",
+    ]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let stdout = String::from_utf8(res.stdout).unwrap();
+    let first = stdout.lines().next().unwrap();
+    let isa = flashattn::simd::active().unwrap().to_string();
+    assert!(first.starts_with("machine: ISA "), "{stdout}");
+    assert!(
+        first.contains(&isa) && first.contains("1 threads"),
+        "{first}"
+    );
+    assert!(first.contains("measured peak f32"), "{first}");
+    assert!(stdout.contains("% of peak"), "{stdout}");
+    // Every measured row has a percentage (or n/a where this CPU has no FMA to measure).
+    let row = stdout
+        .lines()
+        .find(|l| l.starts_with("flashattn ") && !l.starts_with("flashattn bench"))
+        .unwrap_or_else(|| panic!("{stdout}"));
+    assert!(row.contains('%') || row.contains("n/a"), "{row}");
+
+    let lines = bench_json_all(&[
+        "bench",
+        "--json",
+        "--seqlen",
+        "32",
+        "--heads",
+        "1",
+        "--min-time",
+        "0",
+        "--dtype",
+        "bf16",
+    ]);
+    let m = &lines[0];
+    assert_eq!(m["kind"], "machine");
+    assert_eq!(m["isa"], isa.as_str());
+    assert!(m["threads"].as_u64().unwrap() >= 1);
+    for l in &lines[1..] {
+        assert_eq!(l["kind"], "measurement");
+    }
+    let flash = lines.iter().find(|l| l["impl"] == "flashattn").unwrap();
+    #[cfg(target_arch = "x86_64")]
+    let has_fma = std::arch::is_x86_feature_detected!("avx512f")
+        || (std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma"));
+    #[cfg(not(target_arch = "x86_64"))]
+    let has_fma = false;
+    if has_fma {
+        let p32 = m["peak_f32_gflops"].as_f64().unwrap();
+        assert!(p32 > 0.0, "{m}");
+        // bf16 divides by the bf16 dot-product peak when the kernels use vdpbf16ps.
+        let used = if isa.ends_with("+bf16") {
+            "bf16"
+        } else {
+            "f32"
+        };
+        assert_eq!(m["peak_used"], used, "{m}");
+        let peak = m[format!("peak_{used}_gflops").as_str()].as_f64().unwrap();
+        let frac = flash["peak_fraction"].as_f64().unwrap();
+        let want = flash["gflops"].as_f64().unwrap() / peak;
+        assert!((frac - want).abs() <= 1e-9 * want.max(1.0), "{flash} {m}");
+    }
+}
+
+#[test]
+fn bench_no_peak_skips_the_measurement() {
+    let lines = bench_json_all(&[
+        "bench",
+        "--json",
+        "--no-peak",
+        "--no-naive",
+        "--seqlen",
+        "32",
+        "--heads",
+        "1",
+        "--min-time",
+        "0",
+    ]);
+    assert_eq!(lines.len(), 2);
+    assert_eq!(lines[0]["kind"], "machine");
+    assert!(lines[0]["isa"].as_str().is_some());
+    assert!(lines[0]["peak_f32_gflops"].is_null(), "{}", lines[0]);
+    assert!(lines[1]["peak_fraction"].is_null(), "{}", lines[1]);
+    assert!(lines[1]["gflops"].as_f64().unwrap() > 0.0);
+
+    let res = flashattn(&[
+        "bench",
+        "--no-peak",
+        "--no-naive",
+        "--seqlen",
+        "32",
+        "--heads",
+        "1",
+        "--min-time",
+        "0",
+    ]);
+    assert!(res.status.success());
+    let stdout = String::from_utf8(res.stdout).unwrap();
+    assert!(stdout.contains("peak not measured (--no-peak)"), "{stdout}");
+    let row = stdout
+        .lines()
+        .find(|l| l.starts_with("flashattn ") && !l.starts_with("flashattn bench"))
+        .unwrap();
+    assert!(row.contains("n/a") && !row.contains('%'), "{row}");
+}
+
+#[test]
+fn peak_prints_positive_rates() {
+    let res = flashattn(&["peak", "--json", "--threads", "1", "--secs", "0.02"]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&res.stdout).unwrap();
+    assert_eq!(v["kind"], "peak");
+    assert_eq!(v["threads"], 1);
+    for k in ["peak_f32_gflops", "peak_bf16_gflops"] {
+        if let Some(g) = v[k].as_f64() {
+            assert!(g > 0.0 && g.is_finite(), "{v}");
+        }
+    }
+    let res = flashattn(&["peak", "--secs", "0"]);
+    assert_eq!(res.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&res.stderr).contains("--secs"));
+}
+
+/// A results file in `bench/compare_torch.py`'s format, written by hand.
+const COMPARE_JSON: &str = r#"{
+  "format": "flashattn-compare/1",
+  "machine": {"threads": 2, "isa": "avx512+bf16", "peak_f32_gflops": 230.0, "peak_bf16_gflops": 460.0},
+  "results": [
+    {"impl": "flashattn", "dtype": "f32", "batch": 1, "heads": 16, "seqlen_q": 512, "seqlen_k": 512, "head_dim": 64, "causal": false, "pass": "fwd", "threads": 2, "gflops": 100.5},
+    {"impl": "flashattn", "dtype": "f32", "batch": 1, "heads": 16, "seqlen_q": 1024, "seqlen_k": 1024, "head_dim": 64, "causal": false, "pass": "fwd", "threads": 2, "gflops": 120.25},
+    {"impl": "torch_sdpa", "dtype": "f32", "batch": 1, "heads": 16, "seqlen_q": 512, "seqlen_k": 512, "head_dim": 64, "causal": false, "pass": "fwd", "threads": 2, "gflops": 110.0},
+    {"impl": "torch_sdpa", "dtype": "f32", "batch": 1, "heads": 16, "seqlen_q": 1024, "seqlen_k": 1024, "head_dim": 64, "causal": false, "pass": "fwd", "threads": 2, "gflops": 130.0},
+    {"impl": "naive", "dtype": "f32", "batch": 1, "heads": 16, "seqlen_q": 512, "seqlen_k": 512, "head_dim": 64, "causal": false, "pass": "fwd", "threads": 2, "gflops": 40.0},
+    {"impl": "naive", "dtype": "f32", "batch": 1, "heads": 16, "seqlen_q": 1024, "seqlen_k": 1024, "head_dim": 64, "causal": false, "pass": "fwd", "threads": 2, "skipped": true, "gflops": 0.0},
+    {"impl": "flashattn", "dtype": "bf16", "batch": 1, "heads": 16, "seqlen_q": 512, "seqlen_k": 512, "head_dim": 128, "causal": true, "pass": "fwd+bwd", "threads": 2, "gflops": 90.0}
+  ]
+}"#;
+
+#[test]
+fn plot_writes_an_svg() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("results.json");
+    let output = dir.path().join("plot.svg");
+    std::fs::write(&input, COMPARE_JSON).unwrap();
+    let res = flashattn(&["plot", input.to_str().unwrap(), output.to_str().unwrap()]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let svg = std::fs::read_to_string(&output).unwrap();
+    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+    // Text is SVG text (no font files needed): the title, the panels and the legend are there.
+    for needle in [
+        "Attention GFLOP/s vs sequence length",
+        "f32, non-causal, fwd",
+        "bf16, causal, fwd+bwd",
+        "flashattn d=64",
+        "torch_sdpa d=64",
+        "naive d=64",
+        "flashattn d=128",
+        "GFLOP/s",
+        "1024",
+        "ISA avx512+bf16",
+    ] {
+        assert!(svg.contains(needle), "missing {needle:?}");
+    }
+    assert!(svg.matches("<polyline").count() >= 4, "one line per series");
+
+    // `bench --json` lines are accepted as they are.
+    let lines = dir.path().join("bench.jsonl");
+    let res = flashattn(&[
+        "bench",
+        "--json",
+        "--no-peak",
+        "--seqlen",
+        "32,64",
+        "--heads",
+        "1",
+        "--min-time",
+        "0",
+    ]);
+    assert!(res.status.success());
+    std::fs::write(&lines, &res.stdout).unwrap();
+    let out2 = dir.path().join("bench.svg");
+    let res = flashattn(&[
+        "plot",
+        lines.to_str().unwrap(),
+        out2.to_str().unwrap(),
+        "--title",
+        "T",
+    ]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let svg = std::fs::read_to_string(&out2).unwrap();
+    assert!(svg.contains("flashattn d=64") && svg.contains("naive d=64"));
+}
+
+#[test]
+fn plot_rejects_bad_input_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = dir.path().join("plot.svg");
+    let cases: [(&str, &str); 5] = [
+        ("{\"results\": [", "not JSON"),
+        ("{\"results\": []}", "no measurements"),
+        ("{\"results\": 3}", "not an array"),
+        ("[{\"impl\": \"flashattn\", \"gflops\": 1.0}]", "seqlen_q"),
+        (
+            "[{\"impl\": \"flashattn\", \"seqlen_q\": 64, \"gflops\": \"fast\"}]",
+            "gflops",
+        ),
+    ];
+    for (text, needle) in cases {
+        let input = dir.path().join("bad.json");
+        std::fs::write(&input, text).unwrap();
+        let res = flashattn(&["plot", input.to_str().unwrap(), output.to_str().unwrap()]);
+        assert_eq!(res.status.code(), Some(1), "{text}");
+        let err = String::from_utf8_lossy(&res.stderr);
+        assert!(
+            err.starts_with("error: ") && err.contains(needle),
+            "{text}: {err}"
+        );
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(!output.exists(), "no SVG for bad input");
+    }
+    let res = flashattn(&["plot", "/nonexistent/in.json", output.to_str().unwrap()]);
+    assert_eq!(res.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&res.stderr).contains("cannot read"));
 }
 
 /// With `dout` in the input, `run` also writes dq, dk, dv, matching the f64 reference backward,

@@ -1,0 +1,297 @@
+//! The CPU's instruction-level peak: f32 FMA and bf16 dot-product rates, measured on every thread
+//! of the current rayon pool at once (wrap the call in [`crate::threads::with_threads`] to choose
+//! the count). `bench` divides its GFLOP/s by these to report "% of peak".
+//!
+//! Each thread runs [`CHAINS`] independent accumulator chains of one instruction (enough to cover
+//! its latency times the number of pipes, 4 cycles × 2 on Zen 4) for a fixed time; the rate of a
+//! run is the sum over threads of each thread's FLOPs over its own elapsed time, and a measurement
+//! is the median of [`RUNS`] runs. The accumulators are summed and passed through `black_box`, so
+//! the loop cannot be removed.
+//!
+//! FLOPs per instruction: `vfmadd` on 16 (AVX-512) or 8 (AVX2) f32 lanes = 2 · lanes; `vdpbf16ps`
+//! = 16 lanes × 2 bf16 pairs × 2 = 64. Without AVX2+FMA (or off x86-64) the f32 rate is
+//! "unavailable" rather than a guess.
+
+use crate::error::{fail, Result};
+use crate::threads::with_threads;
+use serde::Serialize;
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+/// Independent accumulator chains per thread.
+const CHAINS: usize = 12;
+/// Instructions per chain between two clock reads (12 · 4096 instructions: tens of microseconds).
+const INNER: u64 = 4096;
+/// Runs per measurement; the median is reported.
+pub const RUNS: usize = 3;
+/// Default seconds per run (all threads concurrently).
+pub const DEFAULT_SECS: f64 = 0.25;
+
+/// Which instruction a rate was measured with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Method {
+    #[serde(rename = "avx512 vfmadd231ps zmm")]
+    Avx512Fma,
+    #[serde(rename = "avx2 vfmadd231ps ymm")]
+    Avx2Fma,
+    #[serde(rename = "avx512bf16 vdpbf16ps zmm")]
+    Avx512Bf16Dot,
+}
+
+impl Method {
+    pub fn name(self) -> &'static str {
+        match self {
+            Method::Avx512Fma => "avx512 fma",
+            Method::Avx2Fma => "avx2 fma",
+            Method::Avx512Bf16Dot => "vdpbf16ps",
+        }
+    }
+}
+
+/// One measured rate.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Rate {
+    pub gflops: f64,
+    pub method: Method,
+}
+
+/// The machine's measured peaks on `threads` threads; `None` where the instruction is missing.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Peak {
+    pub threads: usize,
+    pub f32: Option<Rate>,
+    pub bf16: Option<Rate>,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct PeakArgs {
+    /// Worker threads, all measured at once (default: one per core).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Seconds per run (the median of 3 runs is reported).
+    #[arg(long, default_value_t = DEFAULT_SECS)]
+    pub secs: f64,
+    /// One JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `flashattn peak`: prints the measured peaks.
+pub fn peak(args: &PeakArgs) -> Result<()> {
+    if !(args.secs > 0.0 && args.secs <= 60.0) {
+        return fail(format!("--secs {} must be in (0, 60]", args.secs));
+    }
+    let p = with_threads(args.threads, || measure(args.secs))?;
+    if args.json {
+        let line = serde_json::json!({
+            "kind": "peak",
+            "isa": flashattn::simd::active()?.to_string(),
+            "threads": p.threads,
+            "peak_f32_gflops": p.f32.map(|r| r.gflops),
+            "peak_f32_method": p.f32.map(|r| r.method.name()),
+            "peak_bf16_gflops": p.bf16.map(|r| r.gflops),
+            "peak_bf16_method": p.bf16.map(|r| r.method.name()),
+            "peak_secs_per_run": args.secs,
+            "peak_runs": RUNS,
+        });
+        println!("{line}");
+    } else {
+        let rate = |r: Option<Rate>| match r {
+            Some(r) => format!("{:.1} GFLOP/s ({})", r.gflops, r.method.name()),
+            None => "unavailable".into(),
+        };
+        println!(
+            "{} threads: f32 FMA {}, bf16 dot {}; median of {RUNS} runs of {:.2} s",
+            p.threads,
+            rate(p.f32),
+            rate(p.bf16),
+            args.secs
+        );
+    }
+    Ok(())
+}
+
+/// Measures both peaks on every thread of the current rayon pool, `secs` seconds per run.
+pub fn measure(secs: f64) -> Peak {
+    let dur = Duration::from_secs_f64(secs.max(0.0));
+    Peak {
+        threads: rayon::current_num_threads(),
+        f32: f32_method().map(|m| Rate {
+            gflops: median_rate(m, dur),
+            method: m,
+        }),
+        bf16: bf16_method().map(|m| Rate {
+            gflops: median_rate(m, dur),
+            method: m,
+        }),
+    }
+}
+
+/// The widest f32 FMA this CPU runs.
+fn f32_method() -> Option<Method> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return Some(Method::Avx512Fma);
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            return Some(Method::Avx2Fma);
+        }
+    }
+    None
+}
+
+fn bf16_method() -> Option<Method> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bf16")
+        {
+            return Some(Method::Avx512Bf16Dot);
+        }
+    }
+    None
+}
+
+/// Median over [`RUNS`] runs of the summed per-thread rate, in GFLOP/s.
+fn median_rate(method: Method, dur: Duration) -> f64 {
+    let mut rates: Vec<f64> = (0..RUNS)
+        .map(|_| {
+            // Every thread of the pool at once; each returns (FLOPs, seconds).
+            rayon::broadcast(|_| run_for(method, dur))
+                .into_iter()
+                .map(|(flops, secs)| if secs > 0.0 { flops / secs } else { 0.0 })
+                .sum::<f64>()
+                / 1e9
+        })
+        .collect();
+    rates.sort_by(f64::total_cmp);
+    rates[rates.len() / 2]
+}
+
+/// Runs `method`'s chains on this thread until `dur` has passed (at least one inner block);
+/// returns the FLOPs done and the seconds taken.
+fn run_for(method: Method, dur: Duration) -> (f64, f64) {
+    let start = Instant::now();
+    let mut blocks = 0u64;
+    let mut sink = 0.0f32;
+    loop {
+        sink += block(method);
+        blocks += 1;
+        if start.elapsed() >= dur {
+            break;
+        }
+    }
+    black_box(sink);
+    let flops_per_insn = match method {
+        Method::Avx512Fma => 32.0,
+        Method::Avx2Fma => 16.0,
+        Method::Avx512Bf16Dot => 64.0,
+    };
+    let insns = (blocks * INNER * CHAINS as u64) as f64;
+    (insns * flops_per_insn, start.elapsed().as_secs_f64())
+}
+
+/// One block of `INNER` steps of every chain; returns the sum of the accumulators.
+fn block(method: Method) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    match method {
+        // SAFETY: `Avx512Fma` is only chosen by `f32_method` after `is_x86_feature_detected!`
+        // confirmed avx512f, the only feature `x86::fma512` is compiled for; it touches no memory.
+        Method::Avx512Fma => unsafe { x86::fma512(INNER) },
+        // SAFETY: chosen only after avx2 and fma were detected, the features of `x86::fma256`.
+        Method::Avx2Fma => unsafe { x86::fma256(INNER) },
+        // SAFETY: chosen only after avx512f and avx512bf16 were detected, the features of
+        // `x86::dpbf16`.
+        Method::Avx512Bf16Dot => unsafe { x86::dpbf16(INNER) },
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = method;
+        unreachable!("no peak method exists off x86-64")
+    }
+}
+
+// The AVX-512 intrinsics are stable since Rust 1.89, above the workspace's declared 1.85; the
+// library's AVX-512 kernels need the same.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::incompatible_msrv)]
+mod x86 {
+    use super::CHAINS;
+    use std::arch::x86_64::*;
+    use std::hint::black_box;
+
+    /// `acc = acc · a + b` on 12 zmm chains; with a < 1 every chain converges to b / (1 - a)
+    /// (no overflow, no denormals whatever the run length).
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn fma512(steps: u64) -> f32 {
+        let a = _mm512_set1_ps(black_box(0.999_9));
+        let b = _mm512_set1_ps(black_box(1e-4));
+        let mut acc = [_mm512_set1_ps(black_box(1.0)); CHAINS];
+        for _ in 0..steps {
+            for x in acc.iter_mut() {
+                *x = _mm512_fmadd_ps(*x, a, b);
+            }
+        }
+        let mut sum = _mm512_setzero_ps();
+        for x in acc {
+            sum = _mm512_add_ps(sum, x);
+        }
+        _mm512_reduce_add_ps(sum)
+    }
+
+    /// The same with 8-lane ymm FMAs.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn fma256(steps: u64) -> f32 {
+        let a = _mm256_set1_ps(black_box(0.999_9));
+        let b = _mm256_set1_ps(black_box(1e-4));
+        let mut acc = [_mm256_set1_ps(black_box(1.0)); CHAINS];
+        for _ in 0..steps {
+            for x in acc.iter_mut() {
+                *x = _mm256_fmadd_ps(*x, a, b);
+            }
+        }
+        let mut sum = _mm256_setzero_ps();
+        for x in acc {
+            sum = _mm256_add_ps(sum, x);
+        }
+        let mut lanes = [0.0f32; 8];
+        // SAFETY (within this unsafe fn): `lanes` is 8 f32 = 32 bytes, what an unaligned
+        // 256-bit store writes.
+        _mm256_storeu_ps(lanes.as_mut_ptr(), sum);
+        lanes.iter().sum()
+    }
+
+    /// `acc += Σ pairs a·b` on 12 zmm chains of `vdpbf16ps`. Each step adds 2 · 2^-14 per lane,
+    /// so even minutes of steps stay far from overflow.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn dpbf16(steps: u64) -> f32 {
+        let x = _mm512_set1_ps(black_box(2f32.powi(-7)));
+        let a = _mm512_cvtne2ps_pbh(x, x);
+        let b = _mm512_cvtne2ps_pbh(x, x);
+        let mut acc = [_mm512_setzero_ps(); CHAINS];
+        for _ in 0..steps {
+            for s in acc.iter_mut() {
+                *s = _mm512_dpbf16_ps(*s, a, b);
+            }
+        }
+        let mut sum = _mm512_setzero_ps();
+        for s in acc {
+            sum = _mm512_add_ps(sum, s);
+        }
+        _mm512_reduce_add_ps(sum)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn rates_are_positive_where_measured() {
+        let p = super::measure(0.01);
+        assert!(p.threads >= 1);
+        for r in [p.f32, p.bf16].into_iter().flatten() {
+            assert!(r.gflops > 0.0 && r.gflops.is_finite(), "{r:?}");
+        }
+    }
+}
