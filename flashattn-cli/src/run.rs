@@ -88,6 +88,7 @@ fn compute(inputs: &st_io::Inputs, args: &RunArgs) -> Result<(AttnOutput, Option
         alibi_slopes: inputs.alibi_slopes.as_ref().map(|a| a.view()),
         dropout_p: args.dropout,
         seed: args.seed,
+        isa: None,
     };
     let (q, k, v) = (inputs.q.view(), inputs.k.view(), inputs.v.view());
     let dout = inputs.dout.as_ref().map(|t| t.view());

@@ -7,6 +7,7 @@
 
 use crate::dropout::Dropout;
 use crate::error::{CuSeqlensProblem, ErrorKind, Result, TensorName};
+use crate::cpu::simd::{self, Isa, Kernels};
 use crate::tensor::{DType, TensorRef};
 
 /// log2(e), folded into the softmax scale so the kernels can use exp2.
@@ -34,6 +35,9 @@ pub struct AttnOptions<'a> {
     pub dropout_p: f32,
     /// Seed of the dropout mask; the same seed gives the same mask forward and backward.
     pub seed: u64,
+    /// CPU instruction set of the kernels. `None`: [`crate::simd::active`] (the best this CPU has,
+    /// or `FLASHATTN_ISA`). Naming one the CPU lacks is an error.
+    pub isa: Option<Isa>,
 }
 
 impl Default for AttnOptions<'_> {
@@ -46,6 +50,7 @@ impl Default for AttnOptions<'_> {
             alibi_slopes: None,
             dropout_p: 0.0,
             seed: 0,
+            isa: None,
         }
     }
 }
@@ -74,6 +79,11 @@ impl<'a> AttnOptions<'a> {
     pub fn dropout(mut self, p: f32, seed: u64) -> Self {
         self.dropout_p = p;
         self.seed = seed;
+        self
+    }
+    /// Forces the CPU kernels of one instruction set (tests, benchmarks).
+    pub fn isa(mut self, isa: Isa) -> Self {
+        self.isa = Some(isa);
         self
     }
 }
@@ -133,6 +143,8 @@ pub(crate) struct Params {
     pub dropout: Option<Dropout>,
     /// Whether q is packed (`[total_q, heads, d]`) rather than batched.
     pub packed: bool,
+    /// The CPU microkernels to run.
+    pub kernels: &'static Kernels,
 }
 
 impl Params {
@@ -334,6 +346,7 @@ struct CheckedOptions {
     window_left: Option<usize>,
     window_right: Option<usize>,
     dropout: Option<Dropout>,
+    kernels: &'static Kernels,
 }
 
 fn check_options(opts: &AttnOptions, head_dim: usize) -> Result<CheckedOptions> {
@@ -365,6 +378,10 @@ fn check_options(opts: &AttnOptions, head_dim: usize) -> Result<CheckedOptions> 
         window_left: bound(left),
         window_right,
         dropout: Dropout::new(p, opts.seed),
+        kernels: Kernels::for_isa(match opts.isa {
+            Some(isa) => isa,
+            None => simd::active()?,
+        })?,
     })
 }
 
@@ -463,6 +480,7 @@ pub(crate) fn batched(
         alibi,
         dropout: o.dropout,
         packed: PACKED,
+        kernels: o.kernels,
     })
 }
 
@@ -568,6 +586,7 @@ pub(crate) fn varlen(
         alibi,
         dropout: o.dropout,
         packed: PACKED,
+        kernels: o.kernels,
     })
 }
 

@@ -13,52 +13,69 @@
 //! With `delta = rowsum(dO ∘ O)`: `dS = P ∘ (dP - delta)`, dropout folded into dP and P̃, softcap's
 //! derivative `1 - tanh²` applied to dS.
 
-use super::forward::{load_tile, ScoreMod, WorkItem};
-use super::kernels::{ptx, pv, qk};
-use super::softmax::exp2;
+use super::forward::{load_tile, load_tile_t, ScoreMod, WorkItem};
+use super::simd::{pad_lanes, Gemm, KC};
 use super::{block_sizes, BlockSizes, Disjoint};
 use crate::blocks::Mask;
 use crate::params::{GradInputs, Params, LOG2_E};
 use crate::tensor::Element;
 use rayon::prelude::*;
 
-/// Per-thread tiles of the backward pass.
+/// Per-thread tiles of the backward pass. Query rows live in lanes (`np` = rows padded); `dp` is
+/// head_dim padded, the lane count of the row-major query-side tiles and of the dK/dV accumulators.
 struct Scratch {
-    q: Vec<f32>,
-    d_o: Vec<f32>,
+    /// q and dO transposed (`[d][np]`) and row-major (`[rows][dp]`, padding 0).
+    qt: Vec<f32>,
+    dot: Vec<f32>,
+    q_rm: Vec<f32>,
+    do_rm: Vec<f32>,
+    /// k and v tiles, `[cols][d]`.
     k: Vec<f32>,
     v: Vec<f32>,
-    /// Scores, then probabilities P̃ (after dropout).
-    p: Vec<f32>,
-    /// dP, then dS.
-    ds: Vec<f32>,
-    /// Softcap's derivative `1 - tanh²` per element.
+    /// Scores, then probabilities P̃ (after dropout), `[cols][np]`.
+    pt: Vec<f32>,
+    /// dP, then dS, `[cols][np]`.
+    dst: Vec<f32>,
+    /// The second half-sum of the scores.
+    tmp: Vec<f32>,
+    /// Softcap's derivative `1 - tanh²` per element, `[cols][np]`.
     dtanh: Vec<f32>,
     lse_log2: Vec<f32>,
     delta: Vec<f32>,
+    /// Ones and a sink: the online-softmax kernel's alpha and row_sum when it only exponentiates.
+    ones: Vec<f32>,
+    sink: Vec<f32>,
+    /// Dropout mask of the tile, `[rows][cols]`.
     keep: Vec<bool>,
-    /// dK and dV (pass 1) or dQ (pass 2) accumulators.
+    /// dK and dV `[cols][dp]` (pass 1), or dQᵀ `[d][np]` (pass 2).
     acc_a: Vec<f32>,
     acc_b: Vec<f32>,
+    row: Vec<f32>,
 }
 
 impl Scratch {
     fn new(bs: BlockSizes, d: usize) -> Self {
-        let (bm, bn) = (bs.block_m, bs.block_n);
-        let big = bm.max(bn) * d;
+        let (np, bn, dp) = (pad_lanes(bs.block_m), bs.block_n, pad_lanes(d));
+        let big = (bn * dp).max(d * np);
         Scratch {
-            q: vec![0.0; bm * d],
-            d_o: vec![0.0; bm * d],
+            qt: vec![0.0; d * np],
+            dot: vec![0.0; d * np],
+            q_rm: vec![0.0; np * dp],
+            do_rm: vec![0.0; np * dp],
             k: vec![0.0; bn * d],
             v: vec![0.0; bn * d],
-            p: vec![0.0; bm * bn],
-            ds: vec![0.0; bm * bn],
-            dtanh: vec![0.0; bm * bn],
-            lse_log2: vec![0.0; bm],
-            delta: vec![0.0; bm],
-            keep: vec![true; bn],
+            pt: vec![0.0; bn * np],
+            dst: vec![0.0; bn * np],
+            tmp: vec![0.0; bn * np],
+            dtanh: vec![0.0; bn * np],
+            lse_log2: vec![0.0; np],
+            delta: vec![0.0; np],
+            ones: vec![1.0; np],
+            sink: vec![0.0; np],
+            keep: vec![true; bs.block_m * bn],
             acc_a: vec![0.0; big],
             acc_b: vec![0.0; big],
+            row: vec![0.0; d],
         }
     }
 }
@@ -167,27 +184,27 @@ fn compute_delta<T: Element>(p: &Params, g: &GradInputs, out: &[T], dout: &[T]) 
 }
 
 impl<T: Element> Ctx<'_, T> {
-    /// Loads q, dO, lse and delta of rows `m0..m0 + rows` of (sequence b, head h).
-    fn load_query_side(&self, b: usize, h: usize, m0: usize, rows: usize, scr: &mut Scratch) {
+    /// Loads q, dO (transposed, and row-major when `row_major`), lse and delta of rows
+    /// `m0..m0 + rows` of (sequence b, head h). Padded lanes get P = 0 (lse +inf) and dO = 0.
+    fn load_query_side(&self, b: usize, h: usize, m0: usize, rows: usize, row_major: bool, scr: &mut Scratch) {
         let (p, s, d) = (self.p, self.p.seqs[b], self.p.head_dim);
-        load_tile(
-            self.q,
-            s.q_base + m0 * p.q.row_stride + h * p.q.head_stride,
-            p.q.row_stride,
-            rows,
-            d,
-            &mut scr.q,
-        );
-        let dl = self.g.dout.layout;
-        load_tile(
-            self.dout,
-            self.g.dout.offset(b, m0, h),
-            dl.row_stride,
-            rows,
-            d,
-            &mut scr.d_o,
-        );
-        for r in 0..rows {
+        let (np, dp) = (pad_lanes(rows), pad_lanes(d));
+        let q_base = s.q_base + m0 * p.q.row_stride + h * p.q.head_stride;
+        let (do_base, do_stride) = (self.g.dout.offset(b, m0, h), self.g.dout.layout.row_stride);
+        load_tile_t(self.q, q_base, p.q.row_stride, (rows, d, np), &mut scr.row, &mut scr.qt);
+        load_tile_t(self.dout, do_base, do_stride, (rows, d, np), &mut scr.row, &mut scr.dot);
+        if row_major {
+            scr.q_rm[..rows * dp].fill(0.0);
+            scr.do_rm[..rows * dp].fill(0.0);
+            load_tile(self.q, q_base, p.q.row_stride, (rows, d, dp), &mut scr.q_rm);
+            load_tile(self.dout, do_base, do_stride, (rows, d, dp), &mut scr.do_rm);
+        }
+        for r in 0..np {
+            if r >= rows {
+                scr.lse_log2[r] = f32::INFINITY;
+                scr.delta[r] = 0.0;
+                continue;
+            }
             let at = p.lse_offset(b, h, m0 + r);
             let lse = self.g.lse[at];
             // A fully masked row (lse = -inf) has P = 0: +inf makes every exp2 below 0.
@@ -200,29 +217,17 @@ impl<T: Element> Ctx<'_, T> {
         }
     }
 
-    /// Loads k and v of keys `n0..n0 + cols` of (sequence b, kv head hk).
+    /// Loads k and v of keys `n0..n0 + cols` of (sequence b, kv head hk), `[cols][d]`.
     fn load_key_side(&self, b: usize, hk: usize, n0: usize, cols: usize, scr: &mut Scratch) {
         let (p, s, d) = (self.p, self.p.seqs[b], self.p.head_dim);
-        load_tile(
-            self.k,
-            s.k_base + n0 * p.k.row_stride + hk * p.k.head_stride,
-            p.k.row_stride,
-            cols,
-            d,
-            &mut scr.k,
-        );
-        load_tile(
-            self.v,
-            s.v_base + n0 * p.v.row_stride + hk * p.v.head_stride,
-            p.v.row_stride,
-            cols,
-            d,
-            &mut scr.v,
-        );
+        let k_base = s.k_base + n0 * p.k.row_stride + hk * p.k.head_stride;
+        let v_base = s.v_base + n0 * p.v.row_stride + hk * p.v.head_stride;
+        load_tile(self.k, k_base, p.k.row_stride, (cols, d, d), &mut scr.k);
+        load_tile(self.v, v_base, p.v.row_stride, (cols, d, d), &mut scr.v);
     }
 
-    /// With q-side rows `m0..m1` and key-side `n0..n1` loaded: P̃ into `scr.p` and
-    /// dS·softmax_scale into `scr.ds` (both `rows x cols`).
+    /// With q-side rows `m0..m1` and key-side `n0..n1` loaded: P̃ᵀ into `scr.pt` and
+    /// (dS·softmax_scale)ᵀ into `scr.dst` (both `[cols][np]`; padded lanes 0).
     #[allow(clippy::too_many_arguments)]
     fn recompute(
         &self,
@@ -235,40 +240,59 @@ impl<T: Element> Ctx<'_, T> {
         scr: &mut Scratch,
     ) {
         let (p, d) = (self.p, self.p.head_dim);
+        let kern = p.kernels;
         let s = p.seqs[b];
         let (rows, cols) = (m1 - m0, n1 - n0);
+        let np = pad_lanes(rows);
         let mask = Mask::new(s.seqlen_q, s.seqlen_k, p.window_left, p.window_right);
-        let sp = &mut scr.p[..rows * cols];
-        qk(&scr.q, &scr.k, sp, rows, cols, d);
-        let dtanh = p.softcap.map(|_| &mut scr.dtanh[..rows * cols]);
+        let pt = &mut scr.pt[..cols * np];
+        let product = |a, b| Gemm {
+            m: cols,
+            n: np,
+            k: d,
+            a,
+            a_rs: d,
+            a_cs: 1,
+            b,
+            b_rs: np,
+            accumulate: false,
+            kc: KC,
+        };
+        // Sᵀ = K·Qᵀ, then P = exp2(S·scale_log2 - lse_log2).
+        kern.gemm_scores(&product(&scr.k, &scr.qt), pt, np, &mut scr.tmp);
+        let score_mod = ScoreMod::new(p, b, h);
         let masked = mask.needs_mask(m0, m1, n0, n1);
-        ScoreMod::new(p, b, h).apply(sp, cols, m0, n0, &mask, masked, dtanh);
-        for (row, &l) in sp.chunks_exact_mut(cols).zip(&scr.lse_log2[..rows]) {
-            row.iter_mut().for_each(|x| *x = exp2(*x - l));
+        if score_mod.needs_apply(masked) {
+            let dtanh = p.softcap.map(|_| &mut scr.dtanh[..cols * np]);
+            score_mod.apply(pt, np, (m0, rows), (n0, cols), &mask, masked, dtanh);
+        } else {
+            pt.iter_mut().for_each(|x| *x *= score_mod.scale_log2);
         }
-        // dP̃ = dO·Vᵀ.
-        let ds = &mut scr.ds[..rows * cols];
-        qk(&scr.d_o, &scr.v, ds, rows, cols, d);
-        // One pass per row, with the dropout mask generated once: dropped entries get P̃ = 0 and
-        // dP = 0, kept ones are scaled by 1/(1-p); then dS = P ∘ (dP - delta) · scale (· 1 - tanh²).
+        kern.online_softmax(pt, cols, np, &scr.lse_log2, &mut scr.sink, &scr.ones);
+        // dP̃ᵀ = V·dOᵀ.
+        let ds = &mut scr.dst[..cols * np];
+        kern.gemm(&product(&scr.v, &scr.dot), ds, np);
+        // dropped entries get P̃ = 0 and dP = 0, kept ones are scaled by 1/(1-p); then
+        // dS = P ∘ (dP - delta) · scale (· 1 - tanh²).
         let drop_scale = p.dropout.map_or(1.0, |dr| dr.scale());
-        let scale = p.softmax_scale;
-        for r in 0..rows {
-            if let Some(drop) = p.dropout {
-                drop.keep_row(b, h, m0 + r, n0, &mut scr.keep[..cols]);
+        if let Some(drop) = p.dropout {
+            for r in 0..rows {
+                drop.keep_row(b, h, m0 + r, n0, &mut scr.keep[r * cols..(r + 1) * cols]);
             }
-            let delta = scr.delta[r];
-            for c in 0..cols {
-                let at = r * cols + c;
-                let kept = p.dropout.is_none() || scr.keep[c];
-                let prob = sp[at];
+        }
+        let scale = p.softmax_scale;
+        for c in 0..cols {
+            for r in 0..rows {
+                let at = c * np + r;
+                let kept = p.dropout.is_none() || scr.keep[r * cols + c];
+                let prob = pt[at];
                 let dp = if kept { ds[at] } else { 0.0 };
-                let mut g = prob * (dp * drop_scale - delta) * scale;
+                let mut g = prob * (dp * drop_scale - scr.delta[r]) * scale;
                 if p.softcap.is_some() {
                     g *= scr.dtanh[at];
                 }
                 ds[at] = g;
-                sp[at] = if kept { prob * drop_scale } else { 0.0 };
+                pt[at] = if kept { prob * drop_scale } else { 0.0 };
             }
         }
     }
@@ -284,6 +308,7 @@ fn dkdv_block<T: Element>(
     dv: &Disjoint<T>,
 ) {
     let (p, bs, d) = (cx.p, cx.bs, cx.p.head_dim);
+    let dp = pad_lanes(d);
     let (b, hk, n_block) = (item.b, item.h, item.m_block);
     let s = p.seqs[b];
     let n0 = n_block * bs.block_n;
@@ -291,8 +316,8 @@ fn dkdv_block<T: Element>(
     let cols = n1 - n0;
     let mask = Mask::new(s.seqlen_q, s.seqlen_k, p.window_left, p.window_right);
     cx.load_key_side(b, hk, n0, cols, scr);
-    scr.acc_a[..cols * d].fill(0.0);
-    scr.acc_b[..cols * d].fill(0.0);
+    scr.acc_a[..cols * dp].fill(0.0);
+    scr.acc_b[..cols * dp].fill(0.0);
     let group = p.heads / p.heads_kv;
     for h in hk * group..(hk + 1) * group {
         for m_block in 0..s.seqlen_q.div_ceil(bs.block_m) {
@@ -303,33 +328,40 @@ fn dkdv_block<T: Element>(
                 continue;
             }
             let rows = m1 - m0;
-            cx.load_query_side(b, h, m0, rows, scr);
+            let np = pad_lanes(rows);
+            cx.load_query_side(b, h, m0, rows, true, scr);
             cx.recompute(b, h, m0, m1, n0, n1, scr);
-            ptx(
-                &scr.p[..rows * cols],
-                &scr.d_o,
-                &mut scr.acc_b[..cols * d],
-                rows,
-                cols,
-                d,
-            );
-            ptx(
-                &scr.ds[..rows * cols],
-                &scr.q,
-                &mut scr.acc_a[..cols * d],
-                rows,
-                cols,
-                d,
-            );
+            // dV += P̃ᵀ·dO and dK += dSᵀ·Q (row-major, dp lanes).
+            for (a, x, acc) in [
+                (&scr.pt, &scr.do_rm, &mut scr.acc_b),
+                (&scr.dst, &scr.q_rm, &mut scr.acc_a),
+            ] {
+                p.kernels.gemm(
+                    &Gemm {
+                        m: cols,
+                        n: dp,
+                        k: rows,
+                        a,
+                        a_rs: np,
+                        a_cs: 1,
+                        b: x,
+                        b_rs: dp,
+                        accumulate: true,
+                        kc: KC,
+                    },
+                    acc,
+                    dp,
+                );
+            }
         }
     }
     for c in 0..cols {
         let at = p.dk_offset(b, n0 + c, hk);
         // SAFETY: keys n0..n1 of kv head hk of sequence b belong to this work item alone.
         unsafe {
-            T::narrow(&scr.acc_a[c * d..(c + 1) * d], row_buf);
+            T::narrow(&scr.acc_a[c * dp..c * dp + d], row_buf);
             dk.range(at, d).copy_from_slice(row_buf);
-            T::narrow(&scr.acc_b[c * d..(c + 1) * d], row_buf);
+            T::narrow(&scr.acc_b[c * dp..c * dp + d], row_buf);
             dv.range(at, d).copy_from_slice(row_buf);
         }
     }
@@ -349,26 +381,40 @@ fn dq_block<T: Element>(
     let m0 = m_block * bs.block_m;
     let m1 = (m0 + bs.block_m).min(s.seqlen_q);
     let rows = m1 - m0;
+    let np = pad_lanes(rows);
     let mask = Mask::new(s.seqlen_q, s.seqlen_k, p.window_left, p.window_right);
-    cx.load_query_side(b, h, m0, rows, scr);
-    scr.acc_a[..rows * d].fill(0.0);
+    cx.load_query_side(b, h, m0, rows, false, scr);
+    scr.acc_a[..d * np].fill(0.0);
     let (nb0, nb1) = mask.n_block_range(m0, m1, bs.block_n);
     for n_block in nb0..nb1 {
         let n0 = n_block * bs.block_n;
         let n1 = (n0 + bs.block_n).min(s.seqlen_k);
-        cx.load_key_side(b, p.kv_head(h), n0, n1 - n0, scr);
+        let cols = n1 - n0;
+        cx.load_key_side(b, p.kv_head(h), n0, cols, scr);
         cx.recompute(b, h, m0, m1, n0, n1, scr);
-        pv(
-            &scr.ds[..rows * (n1 - n0)],
-            &scr.k,
-            &mut scr.acc_a[..rows * d],
-            rows,
-            n1 - n0,
-            d,
+        // dQᵀ += Kᵀ·dSᵀ: dqt[x][r] += Σ_c k[c][x] · ds[r][c].
+        p.kernels.gemm(
+            &Gemm {
+                m: d,
+                n: np,
+                k: cols,
+                a: &scr.k,
+                a_rs: 1,
+                a_cs: d,
+                b: &scr.dst,
+                b_rs: np,
+                accumulate: true,
+                kc: KC,
+            },
+            &mut scr.acc_a,
+            np,
         );
     }
     for r in 0..rows {
-        T::narrow(&scr.acc_a[r * d..(r + 1) * d], row_buf);
+        for (x, o) in scr.row.iter_mut().enumerate() {
+            *o = scr.acc_a[x * np + r];
+        }
+        T::narrow(&scr.row, row_buf);
         // SAFETY: rows m0..m1 of head h of sequence b belong to this work item alone.
         unsafe {
             dq.range(p.out_offset(b, m0 + r, h), d)

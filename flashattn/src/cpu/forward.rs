@@ -6,41 +6,64 @@
 //! by row_sum once at the end and store the LSE. Scratch is O(block · head_dim) per thread; nothing
 //! grows with seqlen_q · seqlen_k.
 
-use super::kernels::{pv, qk};
-use super::softmax::{finalize, max_get_scale, online_softmax, rescale_o, RowStats};
+use super::simd::{pad_lanes, Gemm, Kernels, KC};
+use super::softmax::finalize;
 use super::{block_sizes, BlockSizes, Disjoint};
 use crate::blocks::Mask;
 use crate::dropout::Dropout;
 use crate::params::{Params, LOG2_E};
-use crate::tensor::Element;
+use crate::tensor::{DType, Element};
+use half::bf16;
 use rayon::prelude::*;
 
-/// Per-thread tiles, allocated once per worker, never inside the block loops.
+/// Per-thread tiles, allocated once per worker, never inside the block loops. Query rows live in
+/// lanes, padded to `np = pad_lanes(rows)`; padded lanes hold zeros and are never written out.
 pub(crate) struct Scratch {
-    q: Vec<f32>,
+    /// q transposed: `qt[x * np + r]` (f32 products).
+    qt: Vec<f32>,
+    /// q as bf16 pairs: `qp[xp * np + r]` = (q[r][2xp], q[r][2xp + 1]) (bf16 dot products).
+    qp: Vec<u32>,
+    /// A tile of k rows: f32 `[cols][d]`, or bf16 pairs `[cols][d2]` with `d2 = d.div_ceil(2)`.
     k: Vec<f32>,
+    kp: Vec<u32>,
+    /// A tile of v rows, f32 `[cols][d]` (f32 products).
     v: Vec<f32>,
-    s: Vec<f32>,
-    acc_o: Vec<f32>,
+    /// Scores, then probabilities, transposed: `st[c * np + r]`; `st2` the second half-sum.
+    st: Vec<f32>,
+    st2: Vec<f32>,
+    /// Probabilities as bf16 pairs of keys: `pp[cp * np + r]`.
+    pp: Vec<u32>,
+    /// The output accumulator, transposed: `ot[x * np + r]`.
+    ot: Vec<f32>,
     row_max: Vec<f32>,
     row_sum: Vec<f32>,
     alpha: Vec<f32>,
+    m_sub: Vec<f32>,
     keep: Vec<bool>,
+    /// One head row in f32.
+    row: Vec<f32>,
 }
 
 impl Scratch {
     pub fn new(bs: BlockSizes, d: usize) -> Self {
-        let (bm, bn) = (bs.block_m, bs.block_n);
+        let (np, bn) = (pad_lanes(bs.block_m), bs.block_n);
+        let d2 = d.div_ceil(2);
         Scratch {
-            q: vec![0.0; bm * d],
+            qt: vec![0.0; d * np],
+            qp: vec![0; d2 * np],
             k: vec![0.0; bn * d],
+            kp: vec![0; bn * d2],
             v: vec![0.0; bn * d],
-            s: vec![0.0; bm * bn],
-            acc_o: vec![0.0; bm * d],
-            row_max: vec![0.0; bm],
-            row_sum: vec![0.0; bm],
-            alpha: vec![0.0; bm],
+            st: vec![0.0; bn * np],
+            st2: vec![0.0; bn * np],
+            pp: vec![0; bn.div_ceil(2) * np],
+            ot: vec![0.0; d * np],
+            row_max: vec![0.0; np],
+            row_sum: vec![0.0; np],
+            alpha: vec![0.0; np],
+            m_sub: vec![0.0; np],
             keep: vec![true; bn],
+            row: vec![0.0; d],
         }
     }
 }
@@ -49,7 +72,7 @@ impl Scratch {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ScoreMod {
     /// softmax_scale · log2(e): without softcap, one multiply takes a raw dot product to the log2 domain.
-    scale_log2: f32,
+    pub scale_log2: f32,
     /// (softmax_scale / softcap, softcap · log2(e)).
     softcap: Option<(f32, f32)>,
     /// slope · log2(e).
@@ -65,30 +88,35 @@ impl ScoreMod {
         }
     }
 
-    /// Raw dot products of rows `m0..` x keys `n0..n0 + cols` -> log2-domain scores, masked to
-    /// -inf where `masked` says the mask cuts this block. With softcap, `dtanh` (if given, same
-    /// length as `s`) receives the derivative `1 - tanh²` that the backward pass needs, from the
-    /// same `tanh` (computed once per element).
+    /// Whether a block needs [`ScoreMod::apply`] rather than a plain multiply by `scale_log2`.
+    pub fn needs_apply(&self, masked: bool) -> bool {
+        masked || self.softcap.is_some() || self.alibi_log2.is_some()
+    }
+
+    /// Raw dot products of keys `n0..n0 + cols` (rows of `st`) x query rows `m0..m0 + rows`
+    /// (lanes, `np` per key) -> log2-domain scores, masked to -inf where `masked` says the mask
+    /// cuts this block. With softcap, `dtanh` (if given, same layout as `st`) receives the
+    /// derivative `1 - tanh²` that the backward pass needs, from the same `tanh`.
     #[allow(clippy::too_many_arguments)]
     pub fn apply(
         &self,
-        s: &mut [f32],
-        cols: usize,
-        m0: usize,
-        n0: usize,
+        st: &mut [f32],
+        np: usize,
+        (m0, rows): (usize, usize),
+        (n0, cols): (usize, usize),
         mask: &Mask,
         masked: bool,
         mut dtanh: Option<&mut [f32]>,
     ) {
-        for (r, row) in s.chunks_exact_mut(cols).enumerate() {
-            let i = m0 + r;
+        for c in 0..cols {
+            let row = &mut st[c * np..c * np + rows];
             match (self.softcap, dtanh.as_deref_mut()) {
                 (None, _) => row.iter_mut().for_each(|x| *x *= self.scale_log2),
                 (Some((pre, post)), None) => {
                     row.iter_mut().for_each(|x| *x = post * (*x * pre).tanh())
                 }
                 (Some((pre, post)), Some(dt)) => {
-                    for (x, t) in row.iter_mut().zip(&mut dt[r * cols..(r + 1) * cols]) {
+                    for (x, t) in row.iter_mut().zip(&mut dt[c * np..c * np + rows]) {
                         let th = (*x * pre).tanh();
                         *t = 1.0 - th * th;
                         *x = post * th;
@@ -96,15 +124,17 @@ impl ScoreMod {
                 }
             }
             if let Some(slope) = self.alibi_log2 {
-                for (c, x) in row.iter_mut().enumerate() {
-                    *x -= slope * mask.diagonal_distance(i, n0 + c).unsigned_abs() as f32;
+                for (r, x) in row.iter_mut().enumerate() {
+                    *x -= slope * mask.diagonal_distance(m0 + r, n0 + c).unsigned_abs() as f32;
                 }
             }
-            if masked {
-                let (lo, hi) = mask.key_range(i);
-                for (c, x) in row.iter_mut().enumerate() {
+        }
+        if masked {
+            for r in 0..rows {
+                let (lo, hi) = mask.key_range(m0 + r);
+                for c in 0..cols {
                     if !(lo..hi).contains(&(n0 + c)) {
-                        *x = f32::NEG_INFINITY;
+                        st[c * np + r] = f32::NEG_INFINITY;
                     }
                 }
             }
@@ -112,40 +142,168 @@ impl ScoreMod {
     }
 }
 
-/// Copies `rows` head rows starting at element `base` (stride `row_stride`) into a packed f32 tile.
+/// Copies `rows` head rows starting at element `base` (stride `row_stride`) into a packed f32 tile
+/// (`[rows][d]`, or rows `ld` apart when `ld > d`).
 #[inline]
 pub(crate) fn load_tile<T: Element>(
     src: &[T],
     base: usize,
     row_stride: usize,
-    rows: usize,
-    d: usize,
+    (rows, d, ld): (usize, usize, usize),
     dst: &mut [f32],
 ) {
     for r in 0..rows {
         let at = base + r * row_stride;
-        T::widen(&src[at..at + d], &mut dst[r * d..(r + 1) * d]);
+        T::widen(&src[at..at + d], &mut dst[r * ld..r * ld + d]);
     }
 }
 
-/// Zeroes the dropped probabilities of the tile of rows `m0..`, keys `n0..n0 + cols` (the 1/(1-p)
-/// factor is applied once, at the end).
+/// Copies `rows` head rows into a transposed f32 tile `dst[x * np + r]`; lanes `rows..np` are 0.
+/// `row` is a scratch row of length d.
+#[inline]
+pub(crate) fn load_tile_t<T: Element>(
+    src: &[T],
+    base: usize,
+    row_stride: usize,
+    (rows, d, np): (usize, usize, usize),
+    row: &mut [f32],
+    dst: &mut [f32],
+) {
+    for r in 0..rows {
+        let at = base + r * row_stride;
+        T::widen(&src[at..at + d], row);
+        for (x, &val) in row.iter().enumerate() {
+            dst[x * np + r] = val;
+        }
+    }
+    for x in 0..d {
+        dst[x * np + rows..(x + 1) * np].fill(0.0);
+    }
+}
+
+/// The bits of bf16 element `x` of a row of `d` (0 past the end: the odd half of the last pair).
+#[inline(always)]
+fn bf16_bits(row: &[bf16], x: usize) -> u16 {
+    row.get(x).map_or(0, |v| v.to_bits())
+}
+
+/// Copies `rows` bf16 head rows as pairs: `dst[r * d2 + xp]` = (row[2xp], row[2xp + 1]).
+fn load_pairs(src: &[bf16], base: usize, row_stride: usize, rows: usize, d: usize, dst: &mut [u32]) {
+    let (d2, even) = (d.div_ceil(2), d / 2);
+    for r in 0..rows {
+        let row = &src[base + r * row_stride..base + r * row_stride + d];
+        let out = &mut dst[r * d2..(r + 1) * d2];
+        // Little-endian: bf16 elements 2xp, 2xp + 1 are exactly the low and high halves of u32 xp.
+        let (head, tail) = out.split_at_mut(even);
+        // SAFETY: `head` holds `even` u32 = 4·even bytes, `row` at least 2·d >= 4·even bytes;
+        // u32 and bf16 are plain bit patterns (any bits valid), and the two slices are distinct
+        // allocations (input vs scratch), so the byte copy is in bounds and non-overlapping.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                row.as_ptr().cast::<u8>(),
+                head.as_mut_ptr().cast::<u8>(),
+                4 * even,
+            );
+        }
+        if let Some(last) = tail.first_mut() {
+            *last = row[d - 1].to_bits() as u32; // odd d: the last pair's high half is 0
+        }
+    }
+}
+
+/// Copies `rows` bf16 head rows as transposed pairs: `dst[xp * np + r]`; lanes `rows..np` are 0.
+fn load_pairs_t(
+    src: &[bf16],
+    base: usize,
+    row_stride: usize,
+    (rows, d, np): (usize, usize, usize),
+    dst: &mut [u32],
+) {
+    let d2 = d.div_ceil(2);
+    for r in 0..rows {
+        let row = &src[base + r * row_stride..base + r * row_stride + d];
+        for xp in 0..d2 {
+            dst[xp * np + r] =
+                bf16_bits(row, 2 * xp) as u32 | (bf16_bits(row, 2 * xp + 1) as u32) << 16;
+        }
+    }
+    for xp in 0..d2 {
+        dst[xp * np + rows..(xp + 1) * np].fill(0);
+    }
+}
+
+/// V of every (sequence, kv head, key block) as bf16 pairs of keys, for the P·V product of the
+/// bf16 path: block `(b, hk, n_block)` is `[d][block_n / 2]`, element `(x, cp)` = (v[2cp][x],
+/// v[2cp + 1][x]) of the block's keys (0 past its last key). Built once per call (one pass over v,
+/// the size of v in memory) because every query block of the head reads it.
+pub(crate) struct PackedV {
+    data: Vec<u32>,
+    /// Index of the first block of each sequence (kv head 0).
+    seq_block0: Vec<usize>,
+    block_len: usize,
+}
+
+impl PackedV {
+    fn new(p: &Params, v: &[bf16], bs: BlockSizes) -> Self {
+        let (d, bn2) = (p.head_dim, bs.block_n / 2);
+        let block_len = d * bn2;
+        let mut seq_block0 = Vec::with_capacity(p.seqs.len());
+        let mut blocks = Vec::new();
+        for (b, s) in p.seqs.iter().enumerate() {
+            seq_block0.push(blocks.len());
+            for hk in 0..p.heads_kv {
+                blocks.extend((0..s.seqlen_k.div_ceil(bs.block_n)).map(|nb| (b, hk, nb)));
+            }
+        }
+        let mut data = vec![0u32; blocks.len() * block_len];
+        data.par_chunks_mut(block_len)
+            .zip(&blocks)
+            .for_each(|(out, &(b, hk, nb))| {
+                let s = p.seqs[b];
+                let n0 = nb * bs.block_n;
+                let cols = (s.seqlen_k - n0).min(bs.block_n);
+                let base = s.v_base + hk * p.v.head_stride;
+                let row = |c: usize| &v[base + (n0 + c) * p.v.row_stride..][..d];
+                for cp in 0..cols.div_ceil(2) {
+                    let lo = row(2 * cp);
+                    let hi = (2 * cp + 1 < cols).then(|| row(2 * cp + 1));
+                    for x in 0..d {
+                        let h = hi.map_or(0, |hr| hr[x].to_bits() as u32);
+                        out[x * bn2 + cp] = lo[x].to_bits() as u32 | h << 16;
+                    }
+                }
+            });
+        PackedV {
+            data,
+            seq_block0,
+            block_len,
+        }
+    }
+
+    fn block(&self, p: &Params, b: usize, hk: usize, n_block: usize, block_n: usize) -> &[u32] {
+        let per_head = p.seqs[b].seqlen_k.div_ceil(block_n);
+        let at = (self.seq_block0[b] + hk * per_head + n_block) * self.block_len;
+        &self.data[at..at + self.block_len]
+    }
+}
+
+/// Zeroes the dropped probabilities of the tile of rows `m0..m0 + rows` (lanes), keys
+/// `n0..n0 + cols` (the 1/(1-p) factor is applied once, at the end).
 #[allow(clippy::too_many_arguments)]
 fn apply_dropout(
     drop: Dropout,
-    b: usize,
-    h: usize,
-    m0: usize,
-    n0: usize,
-    s: &mut [f32],
-    cols: usize,
+    (b, h): (usize, usize),
+    (m0, rows): (usize, usize),
+    (n0, cols): (usize, usize),
+    st: &mut [f32],
+    np: usize,
     keep: &mut [bool],
 ) {
-    for (r, row) in s.chunks_exact_mut(cols).enumerate() {
+    for r in 0..rows {
         drop.keep_row(b, h, m0 + r, n0, &mut keep[..cols]);
-        for (x, &kept) in row.iter_mut().zip(keep.iter()) {
+        for (c, &kept) in keep[..cols].iter().enumerate() {
             if !kept {
-                *x = 0.0;
+                st[c * np + r] = 0.0;
             }
         }
     }
@@ -181,14 +339,62 @@ pub(crate) fn forward<T: Element>(p: &Params, q: &[T], k: &[T], v: &[T]) -> (Vec
     let mut out = vec![T::from_f32(f32::NAN); p.out_len()];
     let mut lse = vec![f32::NAN; p.lse_len()];
     clear_unused_rows(p, &mut out, &mut lse);
+    let inputs = Inputs {
+        q,
+        k,
+        v,
+        packed_v: bf16_inputs(p, q, k, v)
+            .map(|(_, _, vb)| PackedV::new(p, vb, bs))
+            .map(Box::new),
+    };
     let (out_w, lse_w) = (Disjoint::new(&mut out), Disjoint::new(&mut lse));
-    work_items(p, bs.block_m).par_iter().for_each_init(
+    let mut items = work_items(p, bs.block_m);
+    // Longest first (causal and windowed items see different numbers of key blocks), so the last
+    // items to run are short ones and the threads finish together.
+    items.sort_by_key(|it| std::cmp::Reverse(key_blocks(p, it, bs)));
+    items.par_iter().with_max_len(1).for_each_init(
         || (Scratch::new(bs, p.head_dim), vec![T::default(); p.head_dim]),
         |(scratch, row_buf), item| {
-            forward_block(p, q, k, v, *item, bs, scratch, row_buf, &out_w, &lse_w)
+            forward_block(p, &inputs, *item, bs, scratch, row_buf, &out_w, &lse_w)
         },
     );
     (out, lse)
+}
+
+/// Number of key blocks a work item visits.
+pub(crate) fn key_blocks(p: &Params, it: &WorkItem, bs: BlockSizes) -> usize {
+    let s = p.seqs[it.b];
+    let mask = Mask::new(s.seqlen_q, s.seqlen_k, p.window_left, p.window_right);
+    let m0 = it.m_block * bs.block_m;
+    let (lo, hi) = mask.n_block_range(m0, (m0 + bs.block_m).min(s.seqlen_q), bs.block_n);
+    hi.saturating_sub(lo)
+}
+
+struct Inputs<'a, T> {
+    q: &'a [T],
+    k: &'a [T],
+    v: &'a [T],
+    /// Present when the bf16 dot-product path runs.
+    packed_v: Option<Box<PackedV>>,
+}
+
+/// `x` itself when `T` is f32.
+pub(crate) fn as_f32<T: Element>(x: &[T]) -> Option<&[f32]> {
+    f32::unwrap(T::wrap(x))
+}
+
+/// q, k, v as bf16 when they are bf16 and the kernels have a bf16 dot product.
+fn bf16_inputs<'a, T: Element>(
+    p: &Params,
+    q: &'a [T],
+    k: &'a [T],
+    v: &'a [T],
+) -> Option<(&'a [bf16], &'a [bf16], &'a [bf16])> {
+    if T::DTYPE != DType::BF16 || !p.kernels.has_bf16_dot() {
+        return None;
+    }
+    let cast = |x: &'a [T]| bf16::unwrap(T::wrap(x)).expect("T is bf16");
+    Some((cast(q), cast(k), cast(v)))
 }
 
 /// Packed inputs may have tokens after the last sequence; their rows are 0 with LSE -inf.
@@ -206,9 +412,7 @@ fn clear_unused_rows<T: Element>(p: &Params, out: &mut [T], lse: &mut [f32]) {
 #[allow(clippy::too_many_arguments)]
 fn forward_block<T: Element>(
     p: &Params,
-    q: &[T],
-    k: &[T],
-    v: &[T],
+    inp: &Inputs<T>,
     item: WorkItem,
     bs: BlockSizes,
     scr: &mut Scratch,
@@ -217,72 +421,171 @@ fn forward_block<T: Element>(
     lse: &Disjoint<f32>,
 ) {
     let WorkItem { b, h, m_block } = item;
+    let kern: &Kernels = p.kernels;
     let seq = p.seqs[b];
     let d = p.head_dim;
+    let d2 = d.div_ceil(2);
     let hk = p.kv_head(h);
     let m0 = m_block * bs.block_m;
     let m1 = (m0 + bs.block_m).min(seq.seqlen_q);
     let rows = m1 - m0;
+    let np = pad_lanes(rows);
     let mask = Mask::new(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
     let score_mod = ScoreMod::new(p, b, h);
+    let bf = bf16_inputs(p, inp.q, inp.k, inp.v);
 
     let q_base = seq.q_base + m0 * p.q.row_stride + h * p.q.head_stride;
-    load_tile(q, q_base, p.q.row_stride, rows, d, &mut scr.q);
-    scr.acc_o[..rows * d].fill(0.0);
-    scr.row_max[..rows].fill(f32::NEG_INFINITY);
-    scr.row_sum[..rows].fill(0.0);
+    match bf {
+        Some((qb, _, _)) => load_pairs_t(qb, q_base, p.q.row_stride, (rows, d, np), &mut scr.qp),
+        None => load_tile_t(
+            inp.q,
+            q_base,
+            p.q.row_stride,
+            (rows, d, np),
+            &mut scr.row,
+            &mut scr.qt,
+        ),
+    }
+    scr.ot[..d * np].fill(0.0);
+    scr.row_max[..np].fill(f32::NEG_INFINITY);
+    scr.row_sum[..np].fill(0.0);
 
     let (n_min, n_max) = mask.n_block_range(m0, m1, bs.block_n);
     for n_block in n_min..n_max {
         let n0 = n_block * bs.block_n;
         let n1 = (n0 + bs.block_n).min(seq.seqlen_k);
         let cols = n1 - n0;
-        load_tile(
-            k,
-            seq.k_base + n0 * p.k.row_stride + hk * p.k.head_stride,
-            p.k.row_stride,
-            cols,
-            d,
-            &mut scr.k,
-        );
-        load_tile(
-            v,
-            seq.v_base + n0 * p.v.row_stride + hk * p.v.head_stride,
-            p.v.row_stride,
-            cols,
-            d,
-            &mut scr.v,
-        );
-        let s = &mut scr.s[..rows * cols];
-        qk(&scr.q, &scr.k, s, rows, cols, d);
-        score_mod.apply(
-            s,
-            cols,
-            m0,
-            n0,
-            &mask,
-            mask.needs_mask(m0, m1, n0, n1),
-            None,
-        );
-        max_get_scale(s, cols, &mut scr.row_max[..rows], &mut scr.alpha[..rows]);
-        let mut stats = RowStats {
-            row_max: &mut scr.row_max[..rows],
-            row_sum: &mut scr.row_sum[..rows],
+        let k_base = seq.k_base + n0 * p.k.row_stride + hk * p.k.head_stride;
+        let st = &mut scr.st[..cols * np];
+        // S = Q·Kᵀ, transposed: st[c][r] = Σ_x k[c][x] · q[r][x].
+        match bf {
+            Some((_, kb, _)) => {
+                load_pairs(kb, k_base, p.k.row_stride, cols, d, &mut scr.kp);
+                kern.gemm_bf16(
+                    &Gemm {
+                        m: cols,
+                        n: np,
+                        k: d2,
+                        a: &scr.kp,
+                        a_rs: d2,
+                        a_cs: 1,
+                        b: &scr.qp,
+                        b_rs: np,
+                        accumulate: false,
+                        kc: KC,
+                    },
+                    st,
+                    np,
+                );
+            }
+            None => {
+                // f32 k is read in place (A takes any strides); other dtypes are widened.
+                let (a, a_rs) = match as_f32(inp.k) {
+                    Some(kf) => (&kf[k_base..], p.k.row_stride),
+                    None => {
+                        load_tile(inp.k, k_base, p.k.row_stride, (cols, d, d), &mut scr.k);
+                        (&scr.k[..], d)
+                    }
+                };
+                kern.gemm_scores(
+                    &Gemm {
+                        m: cols,
+                        n: np,
+                        k: d,
+                        a,
+                        a_rs,
+                        a_cs: 1,
+                        b: &scr.qt,
+                        b_rs: np,
+                        accumulate: false,
+                        kc: KC,
+                    },
+                    st,
+                    np,
+                    &mut scr.st2,
+                );
+            }
+        }
+        let masked = mask.needs_mask(m0, m1, n0, n1);
+        let scale = if score_mod.needs_apply(masked) {
+            score_mod.apply(st, np, (m0, rows), (n0, cols), &mask, masked, None);
+            1.0
+        } else {
+            score_mod.scale_log2
         };
-        online_softmax(s, cols, &mut stats, &scr.alpha[..rows]);
-        rescale_o(&mut scr.acc_o[..rows * d], d, &scr.alpha[..rows]);
+        kern.max_get_scale(
+            st,
+            cols,
+            np,
+            scale,
+            &mut scr.row_max,
+            &mut scr.alpha,
+            &mut scr.m_sub,
+        );
+        kern.online_softmax(st, cols, np, &scr.m_sub, &mut scr.row_sum, &scr.alpha);
+        kern.rescale_o(&mut scr.ot, d, np, &scr.alpha);
         if let Some(drop) = p.dropout {
             // row_sum keeps the undropped probabilities (the softmax normaliser); only P·V sees the mask.
-            apply_dropout(drop, b, h, m0, n0, s, cols, &mut scr.keep);
+            apply_dropout(drop, (b, h), (m0, rows), (n0, cols), st, np, &mut scr.keep);
         }
-        pv(s, &scr.v, &mut scr.acc_o[..rows * d], rows, cols, d);
+        // O += P·V, transposed: ot[x][r] += Σ_c v[c][x] · p[r][c].
+        match &inp.packed_v {
+            Some(pv) => {
+                kern.pack_pairs_bf16(st, cols, np, &mut scr.pp);
+                let bn2 = bs.block_n / 2;
+                kern.gemm_bf16(
+                    &Gemm {
+                        m: d,
+                        n: np,
+                        k: cols.div_ceil(2),
+                        a: pv.block(p, b, hk, n_block, bs.block_n),
+                        a_rs: bn2,
+                        a_cs: 1,
+                        b: &scr.pp,
+                        b_rs: np,
+                        accumulate: true,
+                        kc: KC,
+                    },
+                    &mut scr.ot,
+                    np,
+                );
+            }
+            None => {
+                let v_base = seq.v_base + n0 * p.v.row_stride + hk * p.v.head_stride;
+                let (a, a_cs) = match as_f32(inp.v) {
+                    Some(vf) => (&vf[v_base..], p.v.row_stride),
+                    None => {
+                        load_tile(inp.v, v_base, p.v.row_stride, (cols, d, d), &mut scr.v);
+                        (&scr.v[..], d)
+                    }
+                };
+                kern.gemm(
+                    &Gemm {
+                        m: d,
+                        n: np,
+                        k: cols,
+                        a,
+                        a_rs: 1,
+                        a_cs,
+                        b: st,
+                        b_rs: np,
+                        accumulate: true,
+                        kc: KC,
+                    },
+                    &mut scr.ot,
+                    np,
+                );
+            }
+        }
     }
 
     let out_scale = p.dropout.map_or(1.0, |drop| drop.scale());
     for r in 0..rows {
-        let acc = &mut scr.acc_o[r * d..(r + 1) * d];
-        let row_lse = finalize(acc, scr.row_max[r], scr.row_sum[r], out_scale);
-        T::narrow(acc, row_buf);
+        for (x, o) in scr.row.iter_mut().enumerate() {
+            *o = scr.ot[x * np + r];
+        }
+        let row_lse = finalize(&mut scr.row, scr.row_max[r], scr.row_sum[r], out_scale);
+        T::narrow(&scr.row, row_buf);
         // SAFETY: rows m0..m1 of head h of sequence b belong to this work item alone.
         unsafe {
             out.range(p.out_offset(b, m0 + r, h), d)

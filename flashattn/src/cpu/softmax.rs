@@ -1,8 +1,9 @@
 //! Online softmax, as four named steps (the vocabulary of FlashAttention-3's `softmax.h`):
-//! [`max_get_scale`] finds each row's new running maximum and the factor `alpha` that rescales what
-//! was accumulated under the old one; [`online_softmax`] turns scores into probabilities and updates
-//! `row_sum`; [`rescale_o`] applies `alpha` to `acc_o`; [`finalize`] divides by `row_sum` once at the
-//! end and yields the LSE.
+//! `max_get_scale` finds each row's new running maximum and the factor `alpha` that rescales what
+//! was accumulated under the old one; `online_softmax` turns scores into probabilities and updates
+//! `row_sum`; `rescale_o` applies `alpha` to `acc_o` (those three are vector kernels over query
+//! rows in lanes, in [`super::simd::Kernels`]); [`finalize`] divides by `row_sum` once at the end and
+//! yields the LSE. This module holds the scalar `exp2` every kernel's version reproduces.
 //!
 //! Scores arrive in the log2 domain (already multiplied by `log2(e)`), so every exponential is an
 //! `exp2`. A row whose maximum is still -inf has seen only masked keys: its maximum is taken as 0
@@ -31,53 +32,6 @@ pub(crate) fn exp2(x: f32) -> f32 {
         0.0
     } else {
         poly * scale
-    }
-}
-
-/// Running statistics of one query block.
-pub(crate) struct RowStats<'a> {
-    /// Running maximum of each row's scores (log2 domain).
-    pub row_max: &'a mut [f32],
-    /// Running sum of `exp2(score - row_max)`.
-    pub row_sum: &'a mut [f32],
-}
-
-/// For each row of `s` (`rows x cols`): the new running maximum, and `alpha[r] = exp2(old - new)`.
-pub(crate) fn max_get_scale(s: &[f32], cols: usize, row_max: &mut [f32], alpha: &mut [f32]) {
-    for (r, (m, a)) in row_max.iter_mut().zip(alpha.iter_mut()).enumerate() {
-        let block_max = s[r * cols..(r + 1) * cols]
-            .iter()
-            .fold(f32::NEG_INFINITY, |acc, &x| acc.max(x));
-        let new = m.max(block_max);
-        *a = if new == f32::NEG_INFINITY {
-            1.0
-        } else {
-            exp2(*m - new)
-        };
-        *m = new;
-    }
-}
-
-/// Scores -> probabilities `exp2(s - row_max)` in place; `row_sum = row_sum * alpha + Σ p`.
-pub(crate) fn online_softmax(s: &mut [f32], cols: usize, stats: &mut RowStats, alpha: &[f32]) {
-    for (r, sr) in s.chunks_exact_mut(cols).enumerate() {
-        let m = stats.row_max[r];
-        let m = if m == f32::NEG_INFINITY { 0.0 } else { m };
-        let mut sum = 0.0f32;
-        for x in sr.iter_mut() {
-            *x = exp2(*x - m);
-            sum += *x;
-        }
-        stats.row_sum[r] = stats.row_sum[r] * alpha[r] + sum;
-    }
-}
-
-/// `acc_o[r] *= alpha[r]`.
-pub(crate) fn rescale_o(acc_o: &mut [f32], d: usize, alpha: &[f32]) {
-    for (row, &a) in acc_o.chunks_exact_mut(d).zip(alpha) {
-        if a != 1.0 {
-            row.iter_mut().for_each(|x| *x *= a);
-        }
     }
 }
 

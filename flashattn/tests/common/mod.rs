@@ -495,10 +495,19 @@ impl Inputs {
             .unwrap_or_else(|e| panic!("{}: reference: {e}", self.case))
     }
 
-    /// Runs flash, naive and the reference and checks the error bound; returns the errors.
+    /// Naive attention with the scores' dot products summed sequentially (as BLAS does).
+    pub fn naive_sequential(&self) -> AttnOutput {
+        let (q, k, v) = self.views();
+        let order = flashattn::naive::DotOrder::Sequential;
+        flashattn::naive::attention_with_order(&q, &k, &v, &self.opts(), order)
+            .unwrap_or_else(|e| panic!("{}: naive: {e}", self.case))
+    }
+
+    /// Runs flash, naive (both dot-product orders) and the reference and checks the error bound;
+    /// returns the errors.
     pub fn check(&self) -> Errors {
         let flash = self.flash();
-        let naive = self.naive();
+        let naive = [self.naive(), self.naive_sequential()];
         let reference = self.reference();
         let v_max = self.v_values().iter().fold(0f64, |m, x| m.max(x.abs()));
         check_bound(
@@ -597,12 +606,15 @@ impl fmt::Display for Errors {
 ///   score of a row: `max(|lse|, |lse - ln(max_keys)|)` over rows (a row's max score lies in
 ///   `[lse - ln(keys), lse]`). See [`FLOOR_UNITS`] and [`SCORE_UNITS`].
 ///
+/// `naive` holds one or more naive results (e.g. both [`flashattn::naive::DotOrder`]s); the
+/// naive error is the largest of theirs.
+///
 /// Panics with the problem, both errors and the normalised error on failure.
 pub fn check_bound(
     what: &str,
     dtype: DType,
     flash: &AttnOutput,
-    naive: &AttnOutput,
+    naives: &[AttnOutput],
     r: &Reference,
     v_max: f64,
     max_keys: usize,
@@ -619,18 +631,21 @@ pub fn check_bound(
         r.lse_shape.as_slice(),
         "{what}: lse shape"
     );
-    assert_eq!(
-        naive.out.shape(),
-        r.out_shape.as_slice(),
-        "{what}: naive out shape"
-    );
-    assert_eq!(
-        naive.lse.shape(),
-        r.lse_shape.as_slice(),
-        "{what}: naive lse shape"
-    );
-    let (fo, no) = (flash.out.to_f64_vec(), naive.out.to_f64_vec());
-    let (fl, nl) = (flash.lse.to_f64_vec(), naive.lse.to_f64_vec());
+    assert!(!naives.is_empty(), "{what}: no naive result");
+    for naive in naives {
+        assert_eq!(
+            naive.out.shape(),
+            r.out_shape.as_slice(),
+            "{what}: naive out shape"
+        );
+        assert_eq!(
+            naive.lse.shape(),
+            r.lse_shape.as_slice(),
+            "{what}: naive lse shape"
+        );
+    }
+    let (fo, no) = (flash.out.to_f64_vec(), naives[0].out.to_f64_vec());
+    let (fl, nl) = (flash.lse.to_f64_vec(), naives[0].lse.to_f64_vec());
     let eps = dtype.epsilon();
 
     // lse: NaN, the -inf pattern.
@@ -690,7 +705,7 @@ pub fn check_bound(
         ..Errors::default()
     };
     let mut worst = 0;
-    for (i, ((&f, &n), &x)) in fo.iter().zip(&no).zip(&r.out).enumerate() {
+    for (i, (&f, &x)) in fo.iter().zip(&r.out).enumerate() {
         assert!(x.is_finite(), "{what}: reference out[{i}] = {x}");
         assert!(
             !f.is_nan(),
@@ -700,7 +715,13 @@ pub fn check_bound(
             e.out_flash = (f - x).abs();
             worst = i;
         }
-        e.out_naive = e.out_naive.max((n - x).abs());
+    }
+    for naive in naives {
+        let no = naive.out.to_f64_vec();
+        e.out_naive = no
+            .iter()
+            .zip(&r.out)
+            .fold(e.out_naive, |m, (n, x)| m.max((n - x).abs()));
     }
     let ref_lse_max = r
         .lse
@@ -709,14 +730,19 @@ pub fn check_bound(
         .fold(0f64, |m, x| m.max(x.abs()));
     e.lse_floor = FLOOR_UNITS * eps * ref_lse_max.max(1.0);
     let mut worst_lse = 0;
-    for (i, ((&f, &n), &x)) in fl.iter().zip(&nl).zip(&r.lse).enumerate() {
-        if x.is_finite() {
-            if (f - x).abs() > e.lse_flash {
-                e.lse_flash = (f - x).abs();
-                worst_lse = i;
-            }
-            e.lse_naive = e.lse_naive.max((n - x).abs());
+    for (i, (&f, &x)) in fl.iter().zip(&r.lse).enumerate() {
+        if x.is_finite() && (f - x).abs() > e.lse_flash {
+            e.lse_flash = (f - x).abs();
+            worst_lse = i;
         }
+    }
+    for naive in naives {
+        let nl = naive.lse.to_f64_vec();
+        e.lse_naive = nl
+            .iter()
+            .zip(&r.lse)
+            .filter(|(_, x)| x.is_finite())
+            .fold(e.lse_naive, |m, (n, x)| m.max((n - x).abs()));
     }
     assert!(
         e.out_naive.is_finite() && e.lse_naive.is_finite(),

@@ -6,18 +6,23 @@ use super::Gemm;
 use crate::cpu::softmax::exp2;
 use half::bf16;
 
+/// Sums in f64 (then rounds once to f32): the twin is the oracle of the SIMD products and the
+/// fallback on CPUs without them, so it takes accuracy over speed (`kc` does not apply). With
+/// huge logits under softcap, an f32 twin without FMA measured 3× the naive lse error.
 pub(crate) unsafe fn gemm(g: &Gemm<f32>, c: &mut [f32], c_rs: usize) {
+    let mut acc = vec![0f64; g.n];
     for i in 0..g.m {
         let ci = &mut c[i * c_rs..i * c_rs + g.n];
-        if !g.accumulate {
-            ci.fill(0.0);
-        }
+        acc.fill(0.0);
         for k in 0..g.k {
-            let a = g.a[i * g.a_rs + k * g.a_cs];
+            let a = g.a[i * g.a_rs + k * g.a_cs] as f64;
             let bk = &g.b[k * g.b_rs..k * g.b_rs + g.n];
-            for (cj, &bj) in ci.iter_mut().zip(bk) {
-                *cj += a * bj;
+            for (s, &bj) in acc.iter_mut().zip(bk) {
+                *s += a * bj as f64;
             }
+        }
+        for (cj, &s) in ci.iter_mut().zip(&acc) {
+            *cj = if g.accumulate { (*cj as f64 + s) as f32 } else { s as f32 };
         }
     }
 }
@@ -39,19 +44,22 @@ pub(crate) fn pair(lo: bf16, hi: bf16) -> u32 {
 
 /// The bf16 twin: exact products of bf16 pairs, accumulated in f32 (`vdpbf16ps` adds both
 /// products of a pair before accumulating; here they are added one by one).
+/// The bf16 twin: exact products of bf16 pairs, summed in f64 as [`gemm`].
 pub(crate) unsafe fn gemm_bf16(g: &Gemm<u32>, c: &mut [f32], c_rs: usize) {
+    let mut acc = vec![0f64; g.n];
     for i in 0..g.m {
         let ci = &mut c[i * c_rs..i * c_rs + g.n];
-        if !g.accumulate {
-            ci.fill(0.0);
-        }
+        acc.fill(0.0);
         for k in 0..g.k {
             let (a0, a1) = unpair(g.a[i * g.a_rs + k * g.a_cs]);
             let bk = &g.b[k * g.b_rs..k * g.b_rs + g.n];
-            for (cj, &bj) in ci.iter_mut().zip(bk) {
+            for (s, &bj) in acc.iter_mut().zip(bk) {
                 let (b0, b1) = unpair(bj);
-                *cj += a0 * b0 + a1 * b1;
+                *s += a0 as f64 * b0 as f64 + a1 as f64 * b1 as f64;
             }
+        }
+        for (cj, &s) in ci.iter_mut().zip(&acc) {
+            *cj = if g.accumulate { (*cj as f64 + s) as f32 } else { s as f32 };
         }
     }
 }

@@ -34,30 +34,50 @@ pub(crate) unsafe fn gemm(g: &Gemm<f32>, c: &mut [f32], c_rs: usize) {
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 unsafe fn tile<const R: usize>(g: &Gemm<f32>, cp: *mut f32, c_rs: usize, i: usize, j: usize) {
-    let mut acc = [[_mm256_setzero_ps(); 2]; R];
-    if g.accumulate {
-        for (r, acc_r) in acc.iter_mut().enumerate() {
-            for (v, a) in acc_r.iter_mut().enumerate() {
-                *a = _mm256_loadu_ps(cp.add((i + r) * c_rs + j + W * v));
-            }
-        }
-    }
     let a = g.a.as_ptr().add(i * g.a_rs);
     let b = g.b.as_ptr().add(j);
-    for k in 0..g.k {
-        let bk = b.add(k * g.b_rs);
-        let bv = [_mm256_loadu_ps(bk), _mm256_loadu_ps(bk.add(W))];
-        let ak = a.add(k * g.a_cs);
-        for (r, acc_r) in acc.iter_mut().enumerate() {
-            let ar = _mm256_set1_ps(*ak.add(r * g.a_rs));
-            for (x, bx) in acc_r.iter_mut().zip(&bv) {
-                *x = _mm256_fmadd_ps(ar, *bx, *x);
+    let mut first = !g.accumulate;
+    if g.k == 0 && first {
+        store_tile::<R>(&[[_mm256_setzero_ps(); 2]; R], cp, c_rs, i, j, true);
+    }
+    for k0 in (0..g.k).step_by(g.kc) {
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        for k in k0..(k0 + g.kc).min(g.k) {
+            let bk = b.add(k * g.b_rs);
+            let bv = [_mm256_loadu_ps(bk), _mm256_loadu_ps(bk.add(W))];
+            let ak = a.add(k * g.a_cs);
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                let ar = _mm256_set1_ps(*ak.add(r * g.a_rs));
+                for (x, bx) in acc_r.iter_mut().zip(&bv) {
+                    *x = _mm256_fmadd_ps(ar, *bx, *x);
+                }
             }
         }
+        store_tile::<R>(&acc, cp, c_rs, i, j, first);
+        first = false;
     }
+}
+
+/// Writes (`overwrite`) or adds a tile of partial sums to C.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn store_tile<const R: usize>(
+    acc: &[[__m256; 2]; R],
+    cp: *mut f32,
+    c_rs: usize,
+    i: usize,
+    j: usize,
+    overwrite: bool,
+) {
     for (r, acc_r) in acc.iter().enumerate() {
         for (v, x) in acc_r.iter().enumerate() {
-            _mm256_storeu_ps(cp.add((i + r) * c_rs + j + W * v), *x);
+            let at = cp.add((i + r) * c_rs + j + W * v);
+            let val = if overwrite {
+                *x
+            } else {
+                _mm256_add_ps(_mm256_loadu_ps(at), *x)
+            };
+            _mm256_storeu_ps(at, val);
         }
     }
 }

@@ -59,33 +59,53 @@ unsafe fn tile<const R: usize, const V: usize>(
     i: usize,
     j: usize,
 ) {
-    let mut acc = [[_mm512_setzero_ps(); V]; R];
-    if g.accumulate {
-        for (r, acc_r) in acc.iter_mut().enumerate() {
-            for (v, a) in acc_r.iter_mut().enumerate() {
-                *a = _mm512_loadu_ps(cp.add((i + r) * c_rs + j + W * v));
-            }
-        }
-    }
     let a = g.a.as_ptr().add(i * g.a_rs);
     let b = g.b.as_ptr().add(j);
-    for k in 0..g.k {
-        let bk = b.add(k * g.b_rs);
-        let mut bv = [_mm512_setzero_ps(); V];
-        for (v, x) in bv.iter_mut().enumerate() {
-            *x = _mm512_loadu_ps(bk.add(W * v));
-        }
-        let ak = a.add(k * g.a_cs);
-        for (r, acc_r) in acc.iter_mut().enumerate() {
-            let ar = _mm512_set1_ps(*ak.add(r * g.a_rs));
-            for (x, bx) in acc_r.iter_mut().zip(&bv) {
-                *x = _mm512_fmadd_ps(ar, *bx, *x);
+    let mut first = !g.accumulate;
+    if g.k == 0 && first {
+        store_tile::<R, V>(&[[_mm512_setzero_ps(); V]; R], cp, c_rs, i, j, true);
+    }
+    for k0 in (0..g.k).step_by(g.kc) {
+        let mut acc = [[_mm512_setzero_ps(); V]; R];
+        for k in k0..(k0 + g.kc).min(g.k) {
+            let bk = b.add(k * g.b_rs);
+            let mut bv = [_mm512_setzero_ps(); V];
+            for (v, x) in bv.iter_mut().enumerate() {
+                *x = _mm512_loadu_ps(bk.add(W * v));
+            }
+            let ak = a.add(k * g.a_cs);
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                let ar = _mm512_set1_ps(*ak.add(r * g.a_rs));
+                for (x, bx) in acc_r.iter_mut().zip(&bv) {
+                    *x = _mm512_fmadd_ps(ar, *bx, *x);
+                }
             }
         }
+        store_tile::<R, V>(&acc, cp, c_rs, i, j, first);
+        first = false;
     }
+}
+
+/// Writes (`overwrite`) or adds a tile of partial sums to C.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn store_tile<const R: usize, const V: usize>(
+    acc: &[[__m512; V]; R],
+    cp: *mut f32,
+    c_rs: usize,
+    i: usize,
+    j: usize,
+    overwrite: bool,
+) {
     for (r, acc_r) in acc.iter().enumerate() {
         for (v, x) in acc_r.iter().enumerate() {
-            _mm512_storeu_ps(cp.add((i + r) * c_rs + j + W * v), *x);
+            let at = cp.add((i + r) * c_rs + j + W * v);
+            let val = if overwrite {
+                *x
+            } else {
+                _mm512_add_ps(_mm512_loadu_ps(at), *x)
+            };
+            _mm512_storeu_ps(at, val);
         }
     }
 }
@@ -132,34 +152,31 @@ unsafe fn tile_bf16<const R: usize, const V: usize>(
     i: usize,
     j: usize,
 ) {
-    let mut acc = [[_mm512_setzero_ps(); V]; R];
-    if g.accumulate {
-        for (r, acc_r) in acc.iter_mut().enumerate() {
-            for (v, a) in acc_r.iter_mut().enumerate() {
-                *a = _mm512_loadu_ps(cp.add((i + r) * c_rs + j + W * v));
-            }
-        }
-    }
     let a = g.a.as_ptr().add(i * g.a_rs);
     let b = g.b.as_ptr().add(j);
-    for k in 0..g.k {
-        let bk = b.add(k * g.b_rs);
-        let mut bv = [_mm512_setzero_si512(); V];
-        for (v, x) in bv.iter_mut().enumerate() {
-            *x = _mm512_loadu_si512(bk.add(W * v).cast());
-        }
-        let ak = a.add(k * g.a_cs);
-        for (r, acc_r) in acc.iter_mut().enumerate() {
-            let ar: __m512bh = std::mem::transmute(_mm512_set1_epi32(*ak.add(r * g.a_rs) as i32));
-            for (x, bx) in acc_r.iter_mut().zip(&bv) {
-                *x = _mm512_dpbf16_ps(*x, ar, std::mem::transmute::<__m512i, __m512bh>(*bx));
+    let mut first = !g.accumulate;
+    if g.k == 0 && first {
+        store_tile::<R, V>(&[[_mm512_setzero_ps(); V]; R], cp, c_rs, i, j, true);
+    }
+    for k0 in (0..g.k).step_by(g.kc.div_ceil(2)) {
+        let mut acc = [[_mm512_setzero_ps(); V]; R];
+        for k in k0..(k0 + g.kc.div_ceil(2)).min(g.k) {
+            let bk = b.add(k * g.b_rs);
+            let mut bv = [_mm512_setzero_si512(); V];
+            for (v, x) in bv.iter_mut().enumerate() {
+                *x = _mm512_loadu_si512(bk.add(W * v).cast());
+            }
+            let ak = a.add(k * g.a_cs);
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                let ar: __m512bh =
+                    std::mem::transmute(_mm512_set1_epi32(*ak.add(r * g.a_rs) as i32));
+                for (x, bx) in acc_r.iter_mut().zip(&bv) {
+                    *x = _mm512_dpbf16_ps(*x, ar, std::mem::transmute::<__m512i, __m512bh>(*bx));
+                }
             }
         }
-    }
-    for (r, acc_r) in acc.iter().enumerate() {
-        for (v, x) in acc_r.iter().enumerate() {
-            _mm512_storeu_ps(cp.add((i + r) * c_rs + j + W * v), *x);
-        }
+        store_tile::<R, V>(&acc, cp, c_rs, i, j, first);
+        first = false;
     }
 }
 
