@@ -66,19 +66,23 @@ fn case<T: Element>(
         TensorRef::contiguous(&v, &[b, sk, hk, d]),
         TensorRef::contiguous(&dout, &[b, sq, h, d]),
     );
-    let fwd = flash_attn(&qt, &kt, &vt, opts).unwrap();
-    let grads = fwd.backward(&qt, &kt, &vt, &dt, opts).unwrap();
     let want = reference::attention_backward(&qt, &kt, &vt, &dt, opts).unwrap();
     let naive = flashattn::naive::attention_backward(&qt, &kt, &vt, &dt, opts).unwrap();
-    let ctx = format!(
-        "{} b={b} sq={sq} sk={sk} h={h}/{hk} d={d} seed={seed} opts={opts:?}",
-        T::DTYPE
-    );
-    check("dq", &grads.dq, &naive.dq, &want.dq, T::DTYPE, &ctx);
-    check("dk", &grads.dk, &naive.dk, &want.dk, T::DTYPE, &ctx);
-    check("dv", &grads.dv, &naive.dv, &want.dv, T::DTYPE, &ctx);
-    assert_eq!(grads.dq.shape(), &[b, sq, h, d]);
-    assert_eq!(grads.dk.shape(), &[b, sk, hk, d]);
+    // Every instruction set this CPU runs (the scalar twin included) must meet the bound.
+    for isa in flashattn::simd::available() {
+        let opts = opts.clone().isa(isa);
+        let fwd = flash_attn(&qt, &kt, &vt, &opts).unwrap();
+        let grads = fwd.backward(&qt, &kt, &vt, &dt, &opts).unwrap();
+        let ctx = format!(
+            "{} b={b} sq={sq} sk={sk} h={h}/{hk} d={d} seed={seed} isa={isa} opts={opts:?}",
+            T::DTYPE
+        );
+        check("dq", &grads.dq, &naive.dq, &want.dq, T::DTYPE, &ctx);
+        check("dk", &grads.dk, &naive.dk, &want.dk, T::DTYPE, &ctx);
+        check("dv", &grads.dv, &naive.dv, &want.dv, T::DTYPE, &ctx);
+        assert_eq!(grads.dq.shape(), &[b, sq, h, d]);
+        assert_eq!(grads.dk.shape(), &[b, sk, hk, d]);
+    }
 }
 
 fn grid<T: Element>() {

@@ -958,3 +958,31 @@ fn huge_batch_with_empty_output_does_not_panic() {
         Err(_) => panic!("flash_attn panicked"),
     }
 }
+
+/// Forcing an instruction set: the ones this CPU runs work and give the same result within
+/// rounding; any other is `IsaUnavailable`, naming the best one there is.
+#[test]
+fn isa_unavailable() {
+    use flashattn::simd::{available, detected, Isa};
+    let q: Vec<f32> = (0..2 * 3 * 2 * 8).map(|i| (i as f32 * 0.7).sin()).collect();
+    let t = TensorRef::contiguous(&q, &[2, 3, 2, 8]);
+    let base = flash_attn(&t, &t, &t, &AttnOptions::default().isa(Isa::Scalar)).unwrap();
+    for isa in Isa::ALL {
+        let res = flash_attn(&t, &t, &t, &AttnOptions::default().isa(isa));
+        if available().contains(&isa) {
+            let out = res.unwrap().out.to_f32_vec();
+            for (a, b) in out.iter().zip(base.out.to_f32_vec()) {
+                assert!((a - b).abs() < 1e-5, "{isa}: {a} vs scalar {b}");
+            }
+        } else {
+            assert_eq!(
+                res.unwrap_err().kind(),
+                &ErrorKind::IsaUnavailable {
+                    requested: isa,
+                    best: detected()
+                }
+            );
+        }
+    }
+    assert!(available().contains(&Isa::Scalar) && available().contains(&detected()));
+}
