@@ -208,6 +208,8 @@ type PairsFn = unsafe fn(&[f32], usize, usize, &mut [u32]);
 pub struct Kernels {
     pub isa: Isa,
     gemm: GemmFn,
+    /// A dedicated [`Kernels::gemm_scores`]; `None`: two chunked `gemm` calls and an add pass.
+    gemm_scores: Option<GemmFn>,
     gemm_bf16: Option<GemmBf16Fn>,
     max_get_scale: MaxFn,
     online_softmax: SoftmaxFn,
@@ -224,6 +226,7 @@ impl fmt::Debug for Kernels {
 static SCALAR: Kernels = Kernels {
     isa: Isa::Scalar,
     gemm: scalar::gemm,
+    gemm_scores: None,
     gemm_bf16: None,
     max_get_scale: scalar::max_get_scale,
     online_softmax: scalar::online_softmax,
@@ -235,6 +238,7 @@ static SCALAR: Kernels = Kernels {
 static AVX2: Kernels = Kernels {
     isa: Isa::Avx2,
     gemm: x86_avx2::gemm,
+    gemm_scores: None,
     gemm_bf16: None,
     max_get_scale: x86_avx2::max_get_scale,
     online_softmax: x86_avx2::online_softmax,
@@ -246,6 +250,7 @@ static AVX2: Kernels = Kernels {
 static AVX512: Kernels = Kernels {
     isa: Isa::Avx512,
     gemm: x86_avx512::gemm,
+    gemm_scores: Some(x86_avx512::gemm_scores),
     gemm_bf16: None,
     max_get_scale: x86_avx512::max_get_scale,
     online_softmax: x86_avx512::online_softmax,
@@ -257,6 +262,7 @@ static AVX512: Kernels = Kernels {
 static AVX512_BF16: Kernels = Kernels {
     isa: Isa::Avx512,
     gemm: x86_avx512::gemm,
+    gemm_scores: Some(x86_avx512::gemm_scores),
     gemm_bf16: Some(x86_avx512::gemm_bf16),
     max_get_scale: x86_avx512::max_get_scale,
     online_softmax: x86_avx512::online_softmax,
@@ -296,6 +302,11 @@ impl Kernels {
     /// `kc` 32 and no split the f32 grid's softcap cases measured up to 1.86× the naive error
     /// bound. Costs a few percent of the score product (more chunk flushes, one add pass).
     pub fn gemm_scores(&self, g: &Gemm<f32>, c: &mut [f32], c_rs: usize, tmp: &mut [f32]) {
+        if let Some(f) = self.gemm_scores {
+            g.check(c, c_rs);
+            // SAFETY: bounds checked above; the table exists only for an available ISA.
+            return unsafe { f(g, c, c_rs) };
+        }
         let half = g.k / 2;
         if half < KC_SCORES {
             return self.gemm(&Gemm { kc: KC_SCORES, accumulate: false, ..*g }, c, c_rs);

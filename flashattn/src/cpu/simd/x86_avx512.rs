@@ -110,6 +110,88 @@ unsafe fn store_tile<const R: usize, const V: usize>(
     }
 }
 
+/// [`super::Kernels::gemm_scores`]: `C = A·B` with k split in two halves, each summed in chunks of
+/// `KC_SCORES` that are added to a running sum per half, the halves added at the end: the same
+/// order of additions as the portable version (two chunked `gemm` calls and an add pass), so the
+/// same bits, but the half-sums stay in registers: no loads, stores or add pass per chunk.
+/// Register budget: tile MR = 4 rows × 2 vectors (32 lanes): 8 chunk accumulators + 2 × 8
+/// half-sums + 2 B vectors + 1 broadcast = 27 of 32 zmm. Per k: 2 loads, 4 broadcasts, 8 FMAs.
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn gemm_scores(g: &Gemm<f32>, c: &mut [f32], c_rs: usize) {
+    let cp = c.as_mut_ptr();
+    let mut j = 0;
+    while j < g.n {
+        if g.n - j >= 2 * W {
+            scores_rows::<2>(g, cp, c_rs, j);
+            j += 2 * W;
+        } else {
+            scores_rows::<1>(g, cp, c_rs, j);
+            j += W;
+        }
+    }
+}
+
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn scores_rows<const V: usize>(g: &Gemm<f32>, cp: *mut f32, c_rs: usize, j: usize) {
+    let mut i = 0;
+    while i + MR <= g.m {
+        scores_tile::<MR, V>(g, cp, c_rs, i, j);
+        i += MR;
+    }
+    match g.m - i {
+        3 => scores_tile::<3, V>(g, cp, c_rs, i, j),
+        2 => scores_tile::<2, V>(g, cp, c_rs, i, j),
+        1 => scores_tile::<1, V>(g, cp, c_rs, i, j),
+        _ => {}
+    }
+}
+
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn scores_tile<const R: usize, const V: usize>(
+    g: &Gemm<f32>,
+    cp: *mut f32,
+    c_rs: usize,
+    i: usize,
+    j: usize,
+) {
+    let a = g.a.as_ptr().add(i * g.a_rs);
+    let b = g.b.as_ptr().add(j);
+    let half = if g.k / 2 < super::KC_SCORES { g.k } else { g.k / 2 };
+    let mut sums = [[[_mm512_setzero_ps(); V]; R]; 2];
+    for (sum, (k_lo, k_hi)) in sums.iter_mut().zip([(0, half), (half, g.k)]) {
+        for k0 in (k_lo..k_hi).step_by(super::KC_SCORES) {
+            let mut acc = [[_mm512_setzero_ps(); V]; R];
+            for k in k0..(k0 + super::KC_SCORES).min(k_hi) {
+                let bk = b.add(k * g.b_rs);
+                let mut bv = [_mm512_setzero_ps(); V];
+                for (v, x) in bv.iter_mut().enumerate() {
+                    *x = _mm512_loadu_ps(bk.add(W * v));
+                }
+                let ak = a.add(k * g.a_cs);
+                for (r, acc_r) in acc.iter_mut().enumerate() {
+                    let ar = _mm512_set1_ps(*ak.add(r * g.a_rs));
+                    for (x, bx) in acc_r.iter_mut().zip(&bv) {
+                        *x = _mm512_fmadd_ps(ar, *bx, *x);
+                    }
+                }
+            }
+            for (s_r, acc_r) in sum.iter_mut().zip(&acc) {
+                for (s, x) in s_r.iter_mut().zip(acc_r) {
+                    *s = _mm512_add_ps(*s, *x);
+                }
+            }
+        }
+    }
+    let [lo, hi] = sums;
+    for (r, (lo_r, hi_r)) in lo.iter().zip(&hi).enumerate() {
+        for (v, (x, y)) in lo_r.iter().zip(hi_r).enumerate() {
+            _mm512_storeu_ps(cp.add((i + r) * c_rs + j + W * v), _mm512_add_ps(*x, *y));
+        }
+    }
+}
+
 #[target_feature(enable = "avx512f,avx512bf16")]
 pub(crate) unsafe fn gemm_bf16(g: &Gemm<u32>, c: &mut [f32], c_rs: usize) {
     let cp = c.as_mut_ptr();
@@ -193,7 +275,15 @@ pub(crate) unsafe fn exp2_ps(x: __m512) -> __m512 {
     let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(xc);
     let f = _mm512_mul_ps(_mm512_sub_ps(xc, n), _mm512_set1_ps(std::f32::consts::LN_2));
     let mut p = _mm512_set1_ps(1.0 / 5040.0);
-    for c in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+    for c in [
+        1.0 / 720.0,
+        1.0 / 120.0,
+        1.0 / 24.0,
+        1.0 / 6.0,
+        0.5,
+        1.0,
+        1.0,
+    ] {
         p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
     }
     let r = _mm512_scalef_ps(p, n);
@@ -227,9 +317,15 @@ pub(crate) unsafe fn max_get_scale(
         let none = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(new, neg_inf);
         let a = exp2_ps(_mm512_sub_ps(old, new));
         let one = _mm512_set1_ps(1.0);
-        _mm512_storeu_ps(alpha.as_mut_ptr().add(j), _mm512_mask_blend_ps(none, a, one));
+        _mm512_storeu_ps(
+            alpha.as_mut_ptr().add(j),
+            _mm512_mask_blend_ps(none, a, one),
+        );
         let zero = _mm512_setzero_ps();
-        _mm512_storeu_ps(m_sub.as_mut_ptr().add(j), _mm512_mask_blend_ps(none, new, zero));
+        _mm512_storeu_ps(
+            m_sub.as_mut_ptr().add(j),
+            _mm512_mask_blend_ps(none, new, zero),
+        );
         _mm512_storeu_ps(row_max.as_mut_ptr().add(j), new);
     }
 }
