@@ -10,7 +10,8 @@ Usage (from anywhere; plain `python3`, the script sets up its own environment):
 
 Defaults (issue 4's targets): 2 threads, batch 1, 16 heads, head_dim 64 and 128, sequence lengths
 512..8192, f32 and bf16, non-causal and causal, forward. `--backward` times forward+backward
-instead, `--both-passes` both. Restrict with `--dtype`, `--head-dim`, `--seqlen` (comma lists),
+instead, `--both-passes` both (`--backward-max-seqlen N` limits forward+backward to lengths up
+to N: it costs 3.5x the forward's FLOPs). Restrict with `--dtype`, `--head-dim`, `--seqlen` (comma lists),
 `--causal-only` / `--no-causal`.
 
 How it measures. For each shape, `--rounds` rounds alternate a flashattn run and a torch run, so
@@ -292,6 +293,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     passes = p.add_mutually_exclusive_group()
     passes.add_argument("--backward", action="store_true", help="time forward+backward only")
     passes.add_argument("--both-passes", action="store_true", help="forward, and forward+backward")
+    p.add_argument("--backward-max-seqlen", type=int, default=None,
+                   help="time forward+backward only up to this length (default: every length)")
     p.add_argument("--rounds", type=int, default=None, help="alternations per shape; default 3")
     p.add_argument("--min-time", type=float, default=None,
                    help="seconds of timed repeats per run; default 0.3")
@@ -427,6 +430,7 @@ def main() -> None:
         for d in args.head_dim
         for c in args.causals
         for n in args.seqlen
+        if ps == "fwd" or args.backward_max_seqlen is None or n <= args.backward_max_seqlen
     ]
     print(
         f"flashattn vs torch {torch.__version__} SDPA: {args.threads} threads, batch {args.batch}, "
