@@ -125,12 +125,14 @@ pub enum ErrorKind {
     Dropout { p: f32 },
     #[error("tensor `{tensor}` is too large: its size overflows the address space")]
     TooLarge { tensor: TensorName },
-    #[error("instruction set {requested:?} is not available on this CPU (best available: {best:?})")]
+    #[error(
+        "instruction set {requested:?} is not available on this CPU (best available: {best:?})"
+    )]
     IsaUnavailable {
         requested: crate::simd::Isa,
         best: crate::simd::Isa,
     },
-    #[error("FLASHATTN_ISA={name:?} names no instruction set; use scalar, avx2 or avx512")]
+    #[error("FLASHATTN_ISA={name:?} names no instruction set; use scalar, neon, avx2 or avx512")]
     IsaUnknown { name: String },
 }
 

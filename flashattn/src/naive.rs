@@ -178,8 +178,11 @@ fn head<T: Element>(
         let diag = i as i64 + diag_offset;
         for (j, x) in srow.iter_mut().enumerate() {
             let mut val = round::<T>(
-                round::<T>(dot_in(order, &qm[i * d..(i + 1) * d], &km[j * d..(j + 1) * d]))
-                    * p.softmax_scale,
+                round::<T>(dot_in(
+                    order,
+                    &qm[i * d..(i + 1) * d],
+                    &km[j * d..(j + 1) * d],
+                )) * p.softmax_scale,
             );
             if let Some(cap) = p.softcap {
                 val = round::<T>(cap * (val / cap).tanh());

@@ -5,9 +5,9 @@
 //! offset of its first row in q, k and v, its lengths, and where its rows go in `out` and `lse`.
 //! Row `i`, head `h` of sequence `b` of q starts at `seqs[b].q_base + i * q.row_stride + h * q.head_stride`.
 
+use crate::cpu::simd::{self, Isa, Kernels};
 use crate::dropout::Dropout;
 use crate::error::{CuSeqlensProblem, ErrorKind, Result, TensorName};
-use crate::cpu::simd::{self, Isa, Kernels};
 use crate::tensor::{DType, TensorRef};
 
 /// log2(e), folded into the softmax scale so the kernels can use exp2.

@@ -186,13 +186,35 @@ fn compute_delta<T: Element>(p: &Params, g: &GradInputs, out: &[T], dout: &[T]) 
 impl<T: Element> Ctx<'_, T> {
     /// Loads q, dO (transposed, and row-major when `row_major`), lse and delta of rows
     /// `m0..m0 + rows` of (sequence b, head h). Padded lanes get P = 0 (lse +inf) and dO = 0.
-    fn load_query_side(&self, b: usize, h: usize, m0: usize, rows: usize, row_major: bool, scr: &mut Scratch) {
+    fn load_query_side(
+        &self,
+        b: usize,
+        h: usize,
+        m0: usize,
+        rows: usize,
+        row_major: bool,
+        scr: &mut Scratch,
+    ) {
         let (p, s, d) = (self.p, self.p.seqs[b], self.p.head_dim);
         let (np, dp) = (pad_lanes(rows), pad_lanes(d));
         let q_base = s.q_base + m0 * p.q.row_stride + h * p.q.head_stride;
         let (do_base, do_stride) = (self.g.dout.offset(b, m0, h), self.g.dout.layout.row_stride);
-        load_tile_t(self.q, q_base, p.q.row_stride, (rows, d, np), &mut scr.row, &mut scr.qt);
-        load_tile_t(self.dout, do_base, do_stride, (rows, d, np), &mut scr.row, &mut scr.dot);
+        load_tile_t(
+            self.q,
+            q_base,
+            p.q.row_stride,
+            (rows, d, np),
+            &mut scr.row,
+            &mut scr.qt,
+        );
+        load_tile_t(
+            self.dout,
+            do_base,
+            do_stride,
+            (rows, d, np),
+            &mut scr.row,
+            &mut scr.dot,
+        );
         if row_major {
             scr.q_rm[..rows * dp].fill(0.0);
             scr.do_rm[..rows * dp].fill(0.0);

@@ -188,7 +188,14 @@ fn bf16_bits(row: &[bf16], x: usize) -> u16 {
 }
 
 /// Copies `rows` bf16 head rows as pairs: `dst[r * d2 + xp]` = (row[2xp], row[2xp + 1]).
-fn load_pairs(src: &[bf16], base: usize, row_stride: usize, rows: usize, d: usize, dst: &mut [u32]) {
+fn load_pairs(
+    src: &[bf16],
+    base: usize,
+    row_stride: usize,
+    rows: usize,
+    d: usize,
+    dst: &mut [u32],
+) {
     let (d2, even) = (d.div_ceil(2), d / 2);
     for r in 0..rows {
         let row = &src[base + r * row_stride..base + r * row_stride + d];

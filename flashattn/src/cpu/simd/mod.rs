@@ -8,11 +8,13 @@
 //! operations with no horizontal reductions. Lane counts are padded to [`LANES`].
 //!
 //! One table of function pointers per instruction set ([`Isa`]), chosen once: the best the CPU
-//! has, or the one named by the `FLASHATTN_ISA` environment variable (`scalar`, `avx2`,
-//! `avx512`), or the one an [`crate::AttnOptions::isa`] call asks for. The scalar kernels are the
+//! has, or the one named by the `FLASHATTN_ISA` environment variable (`scalar`, `neon`,
+//! `avx2`, `avx512`), or the one an [`crate::AttnOptions::isa`] call asks for. The scalar kernels are the
 //! twins every SIMD kernel is tested against.
 
 pub(crate) mod scalar;
+#[cfg(target_arch = "aarch64")]
+pub(crate) mod aarch64_neon;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86_avx2;
 #[cfg(target_arch = "x86_64")]
@@ -51,17 +53,20 @@ pub enum Isa {
     Avx2,
     /// x86-64 AVX-512F (16 f32 lanes); bf16 products with `vdpbf16ps` when the CPU has AVX512_BF16.
     Avx512,
+    /// aarch64 Advanced SIMD (4 f32 lanes).
+    Neon,
 }
 
 impl Isa {
     /// Every instruction set, slowest first.
-    pub const ALL: [Isa; 3] = [Isa::Scalar, Isa::Avx2, Isa::Avx512];
+    pub const ALL: [Isa; 4] = [Isa::Scalar, Isa::Neon, Isa::Avx2, Isa::Avx512];
 
     pub fn name(self) -> &'static str {
         match self {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2",
             Isa::Avx512 => "avx512",
+            Isa::Neon => "neon",
         }
     }
 
@@ -81,6 +86,8 @@ impl Isa {
             }
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => std::arch::is_aarch64_feature_detected!("neon"),
             #[allow(unreachable_patterns)]
             _ => false,
         }
@@ -234,6 +241,18 @@ static SCALAR: Kernels = Kernels {
     pack_pairs_bf16: scalar::pack_pairs_bf16,
 };
 
+#[cfg(target_arch = "aarch64")]
+static NEON: Kernels = Kernels {
+    isa: Isa::Neon,
+    gemm: aarch64_neon::gemm,
+    gemm_scores: None,
+    gemm_bf16: None,
+    max_get_scale: aarch64_neon::max_get_scale,
+    online_softmax: aarch64_neon::online_softmax,
+    rescale_o: aarch64_neon::rescale_o,
+    pack_pairs_bf16: scalar::pack_pairs_bf16,
+};
+
 #[cfg(target_arch = "x86_64")]
 static AVX2: Kernels = Kernels {
     isa: Isa::Avx2,
@@ -276,6 +295,8 @@ impl Kernels {
         let isa = check_available(isa)?;
         Ok(match isa {
             Isa::Scalar => &SCALAR,
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => &NEON,
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => &AVX2,
             #[cfg(target_arch = "x86_64")]
@@ -339,6 +360,14 @@ impl Kernels {
         g.check(c, c_rs);
         // SAFETY: as in `gemm`.
         unsafe { f(g, c, c_rs) }
+    }
+
+    /// The portable twin of [`Kernels::gemm_bf16`] (f64 sums), on every CPU: the oracle the
+    /// `vdpbf16ps` kernel is tested against.
+    pub fn gemm_bf16_twin(g: &Gemm<u32>, c: &mut [f32], c_rs: usize) {
+        g.check(c, c_rs);
+        // SAFETY: bounds checked above; the scalar kernel runs on any CPU.
+        unsafe { scalar::gemm_bf16(g, c, c_rs) }
     }
 
     /// Online softmax, step 1, over `st` (`cols` rows of `n` lanes): scores are multiplied by

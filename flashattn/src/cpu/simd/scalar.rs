@@ -22,7 +22,11 @@ pub(crate) unsafe fn gemm(g: &Gemm<f32>, c: &mut [f32], c_rs: usize) {
             }
         }
         for (cj, &s) in ci.iter_mut().zip(&acc) {
-            *cj = if g.accumulate { (*cj as f64 + s) as f32 } else { s as f32 };
+            *cj = if g.accumulate {
+                (*cj as f64 + s) as f32
+            } else {
+                s as f32
+            };
         }
     }
 }
@@ -59,7 +63,11 @@ pub(crate) unsafe fn gemm_bf16(g: &Gemm<u32>, c: &mut [f32], c_rs: usize) {
             }
         }
         for (cj, &s) in ci.iter_mut().zip(&acc) {
-            *cj = if g.accumulate { (*cj as f64 + s) as f32 } else { s as f32 };
+            *cj = if g.accumulate {
+                (*cj as f64 + s) as f32
+            } else {
+                s as f32
+            };
         }
     }
 }

@@ -94,7 +94,15 @@ unsafe fn exp2_ps(x: __m256) -> __m256 {
     let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(xc);
     let f = _mm256_mul_ps(_mm256_sub_ps(xc, n), _mm256_set1_ps(std::f32::consts::LN_2));
     let mut p = _mm256_set1_ps(1.0 / 5040.0);
-    for c in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+    for c in [
+        1.0 / 720.0,
+        1.0 / 120.0,
+        1.0 / 24.0,
+        1.0 / 6.0,
+        0.5,
+        1.0,
+        1.0,
+    ] {
         p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
     }
     // 2^n from its exponent bits; n is in [-126, 127] here.
