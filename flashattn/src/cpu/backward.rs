@@ -13,7 +13,7 @@
 //! With `delta = rowsum(dO ∘ O)`: `dS = P ∘ (dP - delta)`, dropout folded into dP and P̃, softcap's
 //! derivative `1 - tanh²` applied to dS.
 
-use super::forward::{load_tile, load_tile_t, ScoreMod, WorkItem};
+use super::forward::{as_f32, load_tile, load_tile_t, ScoreMod, WorkItem};
 use super::simd::{pad_lanes, Gemm, KC};
 use super::{block_sizes, BlockSizes, Disjoint};
 use crate::blocks::Mask;
@@ -24,9 +24,7 @@ use rayon::prelude::*;
 /// Per-thread tiles of the backward pass. Query rows live in lanes (`np` = rows padded); `dp` is
 /// head_dim padded, the lane count of the row-major query-side tiles and of the dK/dV accumulators.
 struct Scratch {
-    /// q and dO transposed (`[d][np]`) and row-major (`[rows][dp]`, padding 0).
-    qt: Vec<f32>,
-    dot: Vec<f32>,
+    /// q and dO row-major (`[rows][dp]`, padding 0); their transposes are in [`QueryTiles`].
     q_rm: Vec<f32>,
     do_rm: Vec<f32>,
     /// k and v tiles, `[cols][d]`.
@@ -58,8 +56,6 @@ impl Scratch {
         let (np, bn, dp) = (pad_lanes(bs.block_m), bs.block_n, pad_lanes(d));
         let big = (bn * dp).max(d * np);
         Scratch {
-            qt: vec![0.0; d * np],
-            dot: vec![0.0; d * np],
             q_rm: vec![0.0; np * dp],
             do_rm: vec![0.0; np * dp],
             k: vec![0.0; bn * d],
@@ -80,6 +76,14 @@ impl Scratch {
     }
 }
 
+/// The key side of a tile: k and v rows, `[cols][d]` at the given row strides.
+struct KeySide<'a> {
+    k: &'a [f32],
+    k_rs: usize,
+    v: &'a [f32],
+    v_rs: usize,
+}
+
 /// Everything both passes read.
 struct Ctx<'a, T> {
     p: &'a Params,
@@ -90,7 +94,71 @@ struct Ctx<'a, T> {
     dout: &'a [T],
     /// rowsum(dO ∘ O) per row, in `lse` layout.
     delta: &'a [f32],
+    tiles: &'a QueryTiles,
     bs: BlockSizes,
+}
+
+/// q and dO of every (sequence, head, query block) transposed to `[d][np]` (query rows in lanes,
+/// padded lanes 0), built once per call: pass 1 reads each tile once per key block it sees, and
+/// transposing there (scalar strided stores) cost ~25% of pass 1. Memory: twice q in f32.
+struct QueryTiles {
+    data: Vec<f32>,
+    /// Start of each tile pair (qt, then dot), in `work_items` order.
+    offsets: Vec<usize>,
+    /// Index of the first work item of each sequence.
+    seq_item0: Vec<usize>,
+}
+
+impl QueryTiles {
+    fn new<T: Element>(p: &Params, g: &GradInputs, q: &[T], dout: &[T], bs: BlockSizes) -> Self {
+        let d = p.head_dim;
+        let items = super::forward::work_items(p, bs.block_m);
+        let rows = |it: &WorkItem| (p.seqs[it.b].seqlen_q - it.m_block * bs.block_m).min(bs.block_m);
+        let mut offsets = Vec::with_capacity(items.len() + 1);
+        offsets.push(0);
+        for it in &items {
+            offsets.push(offsets.last().expect("non-empty") + 2 * d * pad_lanes(rows(it)));
+        }
+        let mut seq_item0 = Vec::with_capacity(p.seqs.len());
+        let mut n = 0;
+        for s in &p.seqs {
+            seq_item0.push(n);
+            n += p.heads * s.seqlen_q.div_ceil(bs.block_m);
+        }
+        let mut data = vec![0f32; *offsets.last().expect("non-empty")];
+        let mut chunks = Vec::with_capacity(items.len());
+        let mut rest = data.as_mut_slice();
+        for w in offsets.windows(2) {
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(w[1] - w[0]);
+            chunks.push(head);
+            rest = tail;
+        }
+        chunks.into_par_iter().zip(&items).for_each_init(
+            || vec![0f32; d],
+            |row, (chunk, it)| {
+                let (s, m0, r) = (p.seqs[it.b], it.m_block * bs.block_m, rows(it));
+                let np = pad_lanes(r);
+                let (qt, dot) = chunk.split_at_mut(d * np);
+                let q_base = s.q_base + m0 * p.q.row_stride + it.h * p.q.head_stride;
+                load_tile_t(q, q_base, p.q.row_stride, (r, d, np), row, qt);
+                let (do_base, do_stride) =
+                    (g.dout.offset(it.b, m0, it.h), g.dout.layout.row_stride);
+                load_tile_t(dout, do_base, do_stride, (r, d, np), row, dot);
+            },
+        );
+        QueryTiles {
+            data,
+            offsets,
+            seq_item0,
+        }
+    }
+
+    /// (qᵀ, dOᵀ) of (sequence b, head h, query block m_block).
+    fn get(&self, p: &Params, b: usize, h: usize, m_block: usize, block_m: usize) -> (&[f32], &[f32]) {
+        let i = self.seq_item0[b] + h * p.seqs[b].seqlen_q.div_ceil(block_m) + m_block;
+        let tile = &self.data[self.offsets[i]..self.offsets[i + 1]];
+        tile.split_at(tile.len() / 2)
+    }
 }
 
 /// Gradients `(dq, dk, dv)`: dq in q's contiguous layout, dk/dv in k's.
@@ -105,6 +173,7 @@ pub(crate) fn backward<T: Element>(
 ) -> (Vec<T>, Vec<T>, Vec<T>) {
     let bs = block_sizes(p.head_dim);
     let delta = compute_delta(p, g, out, dout);
+    let tiles = QueryTiles::new(p, g, q, dout, bs);
     let cx = Ctx {
         p,
         g,
@@ -113,6 +182,7 @@ pub(crate) fn backward<T: Element>(
         v,
         dout,
         delta: &delta,
+        tiles: &tiles,
         bs,
     };
     let d = p.head_dim;
@@ -184,8 +254,9 @@ fn compute_delta<T: Element>(p: &Params, g: &GradInputs, out: &[T], dout: &[T]) 
 }
 
 impl<T: Element> Ctx<'_, T> {
-    /// Loads q, dO (transposed, and row-major when `row_major`), lse and delta of rows
-    /// `m0..m0 + rows` of (sequence b, head h). Padded lanes get P = 0 (lse +inf) and dO = 0.
+    /// Loads q and dO row-major (when `row_major`), lse and delta of rows `m0..m0 + rows` of
+    /// (sequence b, head h); their transposes come from [`QueryTiles`]. Padded lanes get P = 0
+    /// (lse +inf) and dO = 0.
     fn load_query_side(
         &self,
         b: usize,
@@ -199,22 +270,6 @@ impl<T: Element> Ctx<'_, T> {
         let (np, dp) = (pad_lanes(rows), pad_lanes(d));
         let q_base = s.q_base + m0 * p.q.row_stride + h * p.q.head_stride;
         let (do_base, do_stride) = (self.g.dout.offset(b, m0, h), self.g.dout.layout.row_stride);
-        load_tile_t(
-            self.q,
-            q_base,
-            p.q.row_stride,
-            (rows, d, np),
-            &mut scr.row,
-            &mut scr.qt,
-        );
-        load_tile_t(
-            self.dout,
-            do_base,
-            do_stride,
-            (rows, d, np),
-            &mut scr.row,
-            &mut scr.dot,
-        );
         if row_major {
             scr.q_rm[..rows * dp].fill(0.0);
             scr.do_rm[..rows * dp].fill(0.0);
@@ -239,26 +294,51 @@ impl<T: Element> Ctx<'_, T> {
         }
     }
 
-    /// Loads k and v of keys `n0..n0 + cols` of (sequence b, kv head hk), `[cols][d]`.
-    fn load_key_side(&self, b: usize, hk: usize, n0: usize, cols: usize, scr: &mut Scratch) {
+    /// k and v of keys `n0..n0 + cols` of (sequence b, kv head hk) as `(k, k row stride, v, v row
+    /// stride)`: f32 inputs in place, others widened into the scratch tiles (`[cols][d]`).
+    fn key_side<'s>(
+        &'s self,
+        b: usize,
+        hk: usize,
+        n0: usize,
+        cols: usize,
+        scr_k: &'s mut [f32],
+        scr_v: &'s mut [f32],
+    ) -> KeySide<'s> {
         let (p, s, d) = (self.p, self.p.seqs[b], self.p.head_dim);
         let k_base = s.k_base + n0 * p.k.row_stride + hk * p.k.head_stride;
         let v_base = s.v_base + n0 * p.v.row_stride + hk * p.v.head_stride;
-        load_tile(self.k, k_base, p.k.row_stride, (cols, d, d), &mut scr.k);
-        load_tile(self.v, v_base, p.v.row_stride, (cols, d, d), &mut scr.v);
+        match (as_f32(self.k), as_f32(self.v)) {
+            (Some(kf), Some(vf)) => KeySide {
+                k: &kf[k_base..],
+                k_rs: p.k.row_stride,
+                v: &vf[v_base..],
+                v_rs: p.v.row_stride,
+            },
+            _ => {
+                load_tile(self.k, k_base, p.k.row_stride, (cols, d, d), scr_k);
+                load_tile(self.v, v_base, p.v.row_stride, (cols, d, d), scr_v);
+                KeySide {
+                    k: scr_k,
+                    k_rs: d,
+                    v: scr_v,
+                    v_rs: d,
+                }
+            }
+        }
     }
 
-    /// With q-side rows `m0..m1` and key-side `n0..n1` loaded: P̃ᵀ into `scr.pt` and
-    /// (dS·softmax_scale)ᵀ into `scr.dst` (both `[cols][np]`; padded lanes 0).
+    /// With q-side rows `m0..m1` loaded (`qt`, `dot` their transposes) and key side `ks` of keys
+    /// `n0..n1`: P̃ᵀ into `scr.pt` and (dS·softmax_scale)ᵀ into `scr.dst` (both `[cols][np]`;
+    /// padded lanes 0).
     #[allow(clippy::too_many_arguments)]
     fn recompute(
         &self,
-        b: usize,
-        h: usize,
-        m0: usize,
-        m1: usize,
-        n0: usize,
-        n1: usize,
+        (b, h): (usize, usize),
+        (m0, m1): (usize, usize),
+        (n0, n1): (usize, usize),
+        (qt, dot): (&[f32], &[f32]),
+        ks: &KeySide,
         scr: &mut Scratch,
     ) {
         let (p, d) = (self.p, self.p.head_dim);
@@ -268,12 +348,12 @@ impl<T: Element> Ctx<'_, T> {
         let np = pad_lanes(rows);
         let mask = Mask::new(s.seqlen_q, s.seqlen_k, p.window_left, p.window_right);
         let pt = &mut scr.pt[..cols * np];
-        let product = |a, b| Gemm {
+        let product = |a, a_rs, b| Gemm {
             m: cols,
             n: np,
             k: d,
             a,
-            a_rs: d,
+            a_rs,
             a_cs: 1,
             b,
             b_rs: np,
@@ -281,7 +361,7 @@ impl<T: Element> Ctx<'_, T> {
             kc: KC,
         };
         // Sᵀ = K·Qᵀ, then P = exp2(S·scale_log2 - lse_log2).
-        kern.gemm_scores(&product(&scr.k, &scr.qt), pt, np, &mut scr.tmp);
+        kern.gemm_scores(&product(ks.k, ks.k_rs, qt), pt, np, &mut scr.tmp);
         let score_mod = ScoreMod::new(p, b, h);
         let masked = mask.needs_mask(m0, m1, n0, n1);
         if score_mod.needs_apply(masked) {
@@ -293,7 +373,7 @@ impl<T: Element> Ctx<'_, T> {
         kern.online_softmax(pt, cols, np, &scr.lse_log2, &mut scr.sink, &scr.ones);
         // dP̃ᵀ = V·dOᵀ.
         let ds = &mut scr.dst[..cols * np];
-        kern.gemm(&product(&scr.v, &scr.dot), ds, np);
+        kern.gemm(&product(ks.v, ks.v_rs, dot), ds, np);
         // dropped entries get P̃ = 0 and dP = 0, kept ones are scaled by 1/(1-p); then
         // dS = P ∘ (dP - delta) · scale (· 1 - tanh²).
         let drop_scale = p.dropout.map_or(1.0, |dr| dr.scale());
@@ -337,7 +417,8 @@ fn dkdv_block<T: Element>(
     let n1 = (n0 + bs.block_n).min(s.seqlen_k);
     let cols = n1 - n0;
     let mask = Mask::new(s.seqlen_q, s.seqlen_k, p.window_left, p.window_right);
-    cx.load_key_side(b, hk, n0, cols, scr);
+    let (mut sk, mut sv) = (std::mem::take(&mut scr.k), std::mem::take(&mut scr.v));
+    let ks = cx.key_side(b, hk, n0, cols, &mut sk, &mut sv);
     scr.acc_a[..cols * dp].fill(0.0);
     scr.acc_b[..cols * dp].fill(0.0);
     let group = p.heads / p.heads_kv;
@@ -352,7 +433,8 @@ fn dkdv_block<T: Element>(
             let rows = m1 - m0;
             let np = pad_lanes(rows);
             cx.load_query_side(b, h, m0, rows, true, scr);
-            cx.recompute(b, h, m0, m1, n0, n1, scr);
+            let tiles = cx.tiles.get(p, b, h, m_block, bs.block_m);
+            cx.recompute((b, h), (m0, m1), (n0, n1), tiles, &ks, scr);
             // dV += P̃ᵀ·dO and dK += dSᵀ·Q (row-major, dp lanes).
             for (a, x, acc) in [
                 (&scr.pt, &scr.do_rm, &mut scr.acc_b),
@@ -377,6 +459,7 @@ fn dkdv_block<T: Element>(
             }
         }
     }
+    (scr.k, scr.v) = (sk, sv);
     for c in 0..cols {
         let at = p.dk_offset(b, n0 + c, hk);
         // SAFETY: keys n0..n1 of kv head hk of sequence b belong to this work item alone.
@@ -406,23 +489,25 @@ fn dq_block<T: Element>(
     let np = pad_lanes(rows);
     let mask = Mask::new(s.seqlen_q, s.seqlen_k, p.window_left, p.window_right);
     cx.load_query_side(b, h, m0, rows, false, scr);
+    let tiles = cx.tiles.get(p, b, h, m_block, bs.block_m);
     scr.acc_a[..d * np].fill(0.0);
+    let (mut sk, mut sv) = (std::mem::take(&mut scr.k), std::mem::take(&mut scr.v));
     let (nb0, nb1) = mask.n_block_range(m0, m1, bs.block_n);
     for n_block in nb0..nb1 {
         let n0 = n_block * bs.block_n;
         let n1 = (n0 + bs.block_n).min(s.seqlen_k);
         let cols = n1 - n0;
-        cx.load_key_side(b, p.kv_head(h), n0, cols, scr);
-        cx.recompute(b, h, m0, m1, n0, n1, scr);
+        let ks = cx.key_side(b, p.kv_head(h), n0, cols, &mut sk, &mut sv);
+        cx.recompute((b, h), (m0, m1), (n0, n1), tiles, &ks, scr);
         // dQᵀ += Kᵀ·dSᵀ: dqt[x][r] += Σ_c k[c][x] · ds[r][c].
         p.kernels.gemm(
             &Gemm {
                 m: d,
                 n: np,
                 k: cols,
-                a: &scr.k,
+                a: ks.k,
                 a_rs: 1,
-                a_cs: d,
+                a_cs: ks.k_rs,
                 b: &scr.dst,
                 b_rs: np,
                 accumulate: true,
@@ -432,6 +517,7 @@ fn dq_block<T: Element>(
             np,
         );
     }
+    (scr.k, scr.v) = (sk, sv);
     for r in 0..rows {
         for (x, o) in scr.row.iter_mut().enumerate() {
             *o = scr.acc_a[x * np + r];
