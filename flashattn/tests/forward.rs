@@ -744,7 +744,15 @@ fn varlen_matches_reference_and_per_sequence_calls() {
             assert_eq!(flash.lse.shape(), &[h, tq]);
             let v_max = p.v.iter().fold(0f64, |m, x| m.max(x.abs()));
             let max_keys = lk.iter().copied().max().unwrap_or(0);
-            check_bound(&what, dtype, &flash, std::slice::from_ref(&nv), &r, v_max, max_keys);
+            check_bound(
+                &what,
+                dtype,
+                &flash,
+                std::slice::from_ref(&nv),
+                &r,
+                v_max,
+                max_keys,
+            );
 
             let out = flash.out.to_f64_vec();
             let lse = flash.lse.to_f64_vec();
@@ -1031,14 +1039,33 @@ fn checker_rejects_bad_results() {
     };
     let inp = case.build();
     let (flash, nv, r) = (inp.flash(), inp.naive(), inp.reference());
-    let e = check_bound("real", DType::F32, &flash, std::slice::from_ref(&nv), &r, 1.0, 30);
+    let e = check_bound(
+        "real",
+        DType::F32,
+        &flash,
+        std::slice::from_ref(&nv),
+        &r,
+        1.0,
+        30,
+    );
     let bound = NAIVE_FACTOR * e.out_naive + e.out_floor;
     let rejects = |out: Vec<f32>, lse: Vec<f32>| {
         let bad = AttnOutput {
             out: flashattn::Tensor::from_vec(out, flash.out.shape()).unwrap(),
             lse: flashattn::Tensor::from_vec(lse, flash.lse.shape()).unwrap(),
         };
-        std::panic::catch_unwind(|| check_bound("bad", DType::F32, &bad, std::slice::from_ref(&nv), &r, 1.0, 30)).is_err()
+        std::panic::catch_unwind(|| {
+            check_bound(
+                "bad",
+                DType::F32,
+                &bad,
+                std::slice::from_ref(&nv),
+                &r,
+                1.0,
+                30,
+            )
+        })
+        .is_err()
     };
     let (out, lse) = (flash.out.to_f32_vec(), flash.lse.to_f32_vec());
     let last = out.len() - 1;

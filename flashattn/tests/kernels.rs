@@ -524,10 +524,6 @@ fn gemm_scores_gives_the_same_bits_on_every_simd_table() {
 /// `gemm_scores` with padded C rows (c_rs > n) and a scratch buffer holding stale data: the
 /// padding columns of C must stay as they were, as they do with `gemm`.
 #[test]
-#[ignore = "bug: the portable Kernels::gemm_scores (tables without a dedicated kernel: scalar, \
-            AVX2) adds tmp[..len] into c[..len] with len = (m-1)·c_rs + n, so for c_rs > n and \
-            k >= 2·KC_SCORES the padding columns n..c_rs of C rows < m-1 get tmp's stale contents \
-            added"]
 fn gemm_scores_leaves_padding_columns_of_c_untouched() {
     for kern in simd_kernels().into_iter().chain([scalar()]) {
         let lay = Layout {
@@ -563,10 +559,6 @@ fn gemm_scores_leaves_padding_columns_of_c_untouched() {
 /// `gemm_scores` with m = 0 has nothing to read or write, like `gemm` (whose check accepts any A
 /// and C when m = 0): it must neither touch C nor panic on an empty A or C.
 #[test]
-#[ignore = "bug: the portable Kernels::gemm_scores (scalar, AVX2) with m = 0 and \
-            k >= 2·KC_SCORES slices a[half·a_cs..] before any check (panics on an empty A) and \
-            adds tmp[..n] into c[..n] (len = (max(m,1)-1)·c_rs + n = n): modifies a non-empty C, \
-            panics on an empty one"]
 fn gemm_scores_with_no_rows_touches_nothing() {
     let mut failures = Vec::new();
     for kern in simd_kernels().into_iter().chain([scalar()]) {
@@ -1410,12 +1402,6 @@ fn gemm_scores_panics_on_a_short_c() {
 /// passes and row 1 is written 64 bytes *before* C.)
 #[test]
 #[should_panic]
-#[cfg_attr(
-    not(debug_assertions),
-    ignore = "bug: Gemm::check computes (m-1)·c_rs + n and (m-1)·a_rs + (k-1)·a_cs with \
-              wrapping arithmetic when overflow checks are off (release): a huge stride passes \
-              the check and the safe gemm writes (or reads) out of bounds"
-)]
 fn gemm_check_does_not_wrap_around_on_huge_strides() {
     let b = vec![1.0f32; 16];
     let a = vec![1.0f32; 1];

@@ -113,7 +113,8 @@ impl QueryTiles {
     fn new<T: Element>(p: &Params, g: &GradInputs, q: &[T], dout: &[T], bs: BlockSizes) -> Self {
         let d = p.head_dim;
         let items = super::forward::work_items(p, bs.block_m);
-        let rows = |it: &WorkItem| (p.seqs[it.b].seqlen_q - it.m_block * bs.block_m).min(bs.block_m);
+        let rows =
+            |it: &WorkItem| (p.seqs[it.b].seqlen_q - it.m_block * bs.block_m).min(bs.block_m);
         let mut offsets = Vec::with_capacity(items.len() + 1);
         offsets.push(0);
         for it in &items {
@@ -154,7 +155,14 @@ impl QueryTiles {
     }
 
     /// (qᵀ, dOᵀ) of (sequence b, head h, query block m_block).
-    fn get(&self, p: &Params, b: usize, h: usize, m_block: usize, block_m: usize) -> (&[f32], &[f32]) {
+    fn get(
+        &self,
+        p: &Params,
+        b: usize,
+        h: usize,
+        m_block: usize,
+        block_m: usize,
+    ) -> (&[f32], &[f32]) {
         let i = self.seq_item0[b] + h * p.seqs[b].seqlen_q.div_ceil(block_m) + m_block;
         let tile = &self.data[self.offsets[i]..self.offsets[i + 1]];
         tile.split_at(tile.len() / 2)

@@ -12,9 +12,9 @@
 //! `avx2`, `avx512`), or the one an [`crate::AttnOptions::isa`] call asks for. The scalar kernels are the
 //! twins every SIMD kernel is tested against.
 
-pub(crate) mod scalar;
 #[cfg(target_arch = "aarch64")]
 pub(crate) mod aarch64_neon;
+pub(crate) mod scalar;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86_avx2;
 #[cfg(target_arch = "x86_64")]
@@ -187,19 +187,38 @@ impl<T> Gemm<'_, T> {
         if self.m == 0 || self.n == 0 {
             return;
         }
-        assert!(c_rs >= self.n && (self.m - 1) * c_rs + self.n <= c.len(), "gemm: C too short");
+        // Checked arithmetic: a wrapped product would pass the comparison and let the kernels
+        // run out of bounds.
+        let c_end = span(self.m, c_rs, self.n);
+        assert!(
+            c_rs >= self.n && c_end.is_some_and(|e| e <= c.len()),
+            "gemm: C too short"
+        );
         if self.k == 0 {
             return;
         }
+        let a_end = span(self.m, self.a_rs, 1)
+            .and_then(|e| e.checked_add((self.k - 1).checked_mul(self.a_cs)?));
         assert!(
-            (self.m - 1) * self.a_rs + (self.k - 1) * self.a_cs < self.a.len(),
+            a_end.is_some_and(|e| e <= self.a.len()),
             "gemm: A too short"
         );
+        let b_end = span(self.k, self.b_rs, self.n);
         assert!(
-            self.b_rs >= self.n && (self.k - 1) * self.b_rs + self.n <= self.b.len(),
+            self.b_rs >= self.n && b_end.is_some_and(|e| e <= self.b.len()),
             "gemm: B too short"
         );
     }
+}
+
+/// `(rows - 1) · stride + extent` (rows >= 1), the length a strided operand spans; `None` on overflow.
+fn span(rows: usize, stride: usize, extent: usize) -> Option<usize> {
+    (rows - 1).checked_mul(stride)?.checked_add(extent)
+}
+
+/// `rows · n <= len` without overflow.
+fn fits(rows: usize, n: usize, len: usize) -> bool {
+    rows.checked_mul(n).is_some_and(|x| x <= len)
 }
 
 /// Raw kernel signatures. Safety contract of every `unsafe fn` here: the arguments passed the
@@ -323,16 +342,32 @@ impl Kernels {
     /// `kc` 32 and no split the f32 grid's softcap cases measured up to 1.86× the naive error
     /// bound. Costs a few percent of the score product (more chunk flushes, one add pass).
     pub fn gemm_scores(&self, g: &Gemm<f32>, c: &mut [f32], c_rs: usize, tmp: &mut [f32]) {
+        g.check(c, c_rs);
+        if g.m == 0 || g.n == 0 {
+            return;
+        }
         if let Some(f) = self.gemm_scores {
-            g.check(c, c_rs);
             // SAFETY: bounds checked above; the table exists only for an available ISA.
             return unsafe { f(g, c, c_rs) };
         }
         let half = g.k / 2;
         if half < KC_SCORES {
-            return self.gemm(&Gemm { kc: KC_SCORES, accumulate: false, ..*g }, c, c_rs);
+            return self.gemm(
+                &Gemm {
+                    kc: KC_SCORES,
+                    accumulate: false,
+                    ..*g
+                },
+                c,
+                c_rs,
+            );
         }
-        let lo = Gemm { k: half, kc: KC_SCORES, accumulate: false, ..*g };
+        let lo = Gemm {
+            k: half,
+            kc: KC_SCORES,
+            accumulate: false,
+            ..*g
+        };
         let hi = Gemm {
             k: g.k - half,
             a: &g.a[half * g.a_cs..],
@@ -341,9 +376,12 @@ impl Kernels {
         };
         self.gemm(&lo, c, c_rs);
         self.gemm(&hi, tmp, c_rs);
-        let len = (g.m.max(1) - 1) * c_rs + g.n;
-        for (x, y) in c[..len].iter_mut().zip(&tmp[..len]) {
-            *x += y;
+        // Rows' first n columns only: C's padding columns are the caller's.
+        for i in 0..g.m {
+            let row = i * c_rs..i * c_rs + g.n;
+            for (x, y) in c[row.clone()].iter_mut().zip(&tmp[row]) {
+                *x += y;
+            }
         }
     }
 
@@ -386,7 +424,7 @@ impl Kernels {
         alpha: &mut [f32],
         m_sub: &mut [f32],
     ) {
-        assert!(n % LANES == 0 && st.len() >= cols * n);
+        assert!(n % LANES == 0 && fits(cols, n, st.len()));
         assert!(row_max.len() >= n && alpha.len() >= n && m_sub.len() >= n);
         // SAFETY: lengths checked above; available ISA.
         unsafe { (self.max_get_scale)(st, cols, n, scale, row_max, alpha, m_sub) }
@@ -403,7 +441,7 @@ impl Kernels {
         row_sum: &mut [f32],
         alpha: &[f32],
     ) {
-        assert!(n % LANES == 0 && st.len() >= cols * n);
+        assert!(n % LANES == 0 && fits(cols, n, st.len()));
         assert!(m_sub.len() >= n && row_sum.len() >= n && alpha.len() >= n);
         // SAFETY: lengths checked above; available ISA.
         unsafe { (self.online_softmax)(st, cols, n, m_sub, row_sum, alpha) }
@@ -411,7 +449,7 @@ impl Kernels {
 
     /// Online softmax, step 3: `ot[x][r] *= alpha[r]` for `rows` rows of `n` lanes.
     pub fn rescale_o(&self, ot: &mut [f32], rows: usize, n: usize, alpha: &[f32]) {
-        assert!(n % LANES == 0 && ot.len() >= rows * n && alpha.len() >= n);
+        assert!(n % LANES == 0 && fits(rows, n, ot.len()) && alpha.len() >= n);
         // SAFETY: lengths checked above; available ISA.
         unsafe { (self.rescale_o)(ot, rows, n, alpha) }
     }
@@ -419,7 +457,7 @@ impl Kernels {
     /// Rounds `cols` rows of `n` f32 lanes to bf16 pairs for [`Kernels::gemm_bf16`]'s B operand:
     /// `out[cp][r]` = (row 2cp, row 2cp + 1) of lane r; a missing odd row is 0.
     pub fn pack_pairs_bf16(&self, st: &[f32], cols: usize, n: usize, out: &mut [u32]) {
-        assert!(n % LANES == 0 && st.len() >= cols * n && out.len() >= cols.div_ceil(2) * n);
+        assert!(n % LANES == 0 && fits(cols, n, st.len()) && fits(cols.div_ceil(2), n, out.len()));
         // SAFETY: lengths checked above; available ISA.
         unsafe { (self.pack_pairs_bf16)(st, cols, n, out) }
     }

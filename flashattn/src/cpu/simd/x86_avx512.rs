@@ -158,7 +158,11 @@ unsafe fn scores_tile<const R: usize, const V: usize>(
 ) {
     let a = g.a.as_ptr().add(i * g.a_rs);
     let b = g.b.as_ptr().add(j);
-    let half = if g.k / 2 < super::KC_SCORES { g.k } else { g.k / 2 };
+    let half = if g.k / 2 < super::KC_SCORES {
+        g.k
+    } else {
+        g.k / 2
+    };
     let mut sums = [[[_mm512_setzero_ps(); V]; R]; 2];
     for (sum, (k_lo, k_hi)) in sums.iter_mut().zip([(0, half), (half, g.k)]) {
         for k0 in (k_lo..k_hi).step_by(super::KC_SCORES) {
