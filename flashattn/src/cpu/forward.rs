@@ -218,6 +218,20 @@ fn load_pairs(
     }
 }
 
+/// `src[base..]` seen as u32 pairs of bf16, if that is exact: an even head_dim, even row stride and
+/// offset, and a 4-byte aligned start (pairs are read as u32).
+fn bf16_rows_as_pairs(src: &[bf16], base: usize, row_stride: usize, d: usize) -> Option<&[u32]> {
+    if d % 2 != 0 || row_stride % 2 != 0 || base % 2 != 0 {
+        return None;
+    }
+    let rest = &src[base..];
+    // SAFETY: bf16 is a transparent u16, every bit pattern of which is a valid half of a u32;
+    // `align_to` only reinterprets the aligned middle, whose bytes stay inside `rest`.
+    let (head, mid, _) = unsafe { rest.align_to::<u32>() };
+    // Little-endian: element 2i is the low half of u32 i, as the pair layout requires.
+    (head.is_empty() && cfg!(target_endian = "little")).then_some(mid)
+}
+
 /// Copies `rows` bf16 head rows as transposed pairs: `dst[xp * np + r]`; lanes `rows..np` are 0.
 fn load_pairs_t(
     src: &[bf16],
@@ -271,12 +285,17 @@ impl PackedV {
                 let cols = (s.seqlen_k - n0).min(bs.block_n);
                 let base = s.v_base + hk * p.v.head_stride;
                 let row = |c: usize| &v[base + (n0 + c) * p.v.row_stride..][..d];
-                for cp in 0..cols.div_ceil(2) {
-                    let lo = row(2 * cp);
-                    let hi = (2 * cp + 1 < cols).then(|| row(2 * cp + 1));
-                    for x in 0..d {
-                        let h = hi.map_or(0, |hr| hr[x].to_bits() as u32);
-                        out[x * bn2 + cp] = lo[x].to_bits() as u32 | h << 16;
+                // 16 output rows (x) at a time: their lines (32 u32 each) stay in L1 while every
+                // key pair fills one element of each; reads run along v's rows.
+                for x0 in (0..d).step_by(16) {
+                    let x1 = (x0 + 16).min(d);
+                    for cp in 0..cols.div_ceil(2) {
+                        let lo = &row(2 * cp)[x0..x1];
+                        let hi = (2 * cp + 1 < cols).then(|| &row(2 * cp + 1)[x0..x1]);
+                        for (i, l) in lo.iter().enumerate() {
+                            let h = hi.map_or(0, |hr| hr[i].to_bits() as u32);
+                            out[(x0 + i) * bn2 + cp] = l.to_bits() as u32 | h << 16;
+                        }
                     }
                 }
             });
@@ -467,14 +486,21 @@ fn forward_block<T: Element>(
         // S = Q·Kᵀ, transposed: st[c][r] = Σ_x k[c][x] · q[r][x].
         match bf {
             Some((_, kb, _)) => {
-                load_pairs(kb, k_base, p.k.row_stride, cols, d, &mut scr.kp);
+                // bf16 k rows are read in place as u32 pairs when they line up, else copied.
+                let (a, a_rs) = match bf16_rows_as_pairs(kb, k_base, p.k.row_stride, d) {
+                    Some(rows) => (rows, p.k.row_stride / 2),
+                    None => {
+                        load_pairs(kb, k_base, p.k.row_stride, cols, d, &mut scr.kp);
+                        (&scr.kp[..], d2)
+                    }
+                };
                 kern.gemm_bf16(
                     &Gemm {
                         m: cols,
                         n: np,
                         k: d2,
-                        a: &scr.kp,
-                        a_rs: d2,
+                        a,
+                        a_rs,
                         a_cs: 1,
                         b: &scr.qp,
                         b_rs: np,
@@ -530,7 +556,11 @@ fn forward_block<T: Element>(
             &mut scr.m_sub,
         );
         kern.online_softmax(st, cols, np, &scr.m_sub, &mut scr.row_sum, &scr.alpha);
-        kern.rescale_o(&mut scr.ot, d, np, &scr.alpha);
+        // alpha is exactly 1 where a lane's maximum did not move (exp2(0) = 1 in every kernel):
+        // after the first blocks that is every lane, and the pass over acc_o can be skipped.
+        if scr.alpha[..np].iter().any(|&a| a != 1.0) {
+            kern.rescale_o(&mut scr.ot, d, np, &scr.alpha);
+        }
         if let Some(drop) = p.dropout {
             // row_sum keeps the undropped probabilities (the softmax normaliser); only P·V sees the mask.
             apply_dropout(drop, (b, h), (m0, rows), (n0, cols), st, np, &mut scr.keep);
