@@ -302,6 +302,40 @@ impl<T: Element> Ctx<'_, T> {
         }
     }
 
+    /// Whether q and dO rows can be read in place as the row-major operands: f32 with a head_dim
+    /// that is a whole number of lanes.
+    fn rows_in_place(&self) -> bool {
+        self.p.head_dim % super::simd::LANES == 0
+            && as_f32(self.q).is_some()
+            && as_f32(self.dout).is_some()
+    }
+
+    /// Row-major q and dO of rows `m0..` of (sequence b, head h) as `(slice, row stride)`: in place
+    /// when [`Ctx::rows_in_place`], else the padded copies `load_query_side` made.
+    fn query_rows<'s>(
+        &'s self,
+        b: usize,
+        h: usize,
+        m0: usize,
+        (q_rm, do_rm): (&'s [f32], &'s [f32]),
+    ) -> ((&'s [f32], usize), (&'s [f32], usize)) {
+        let p = self.p;
+        match (self.rows_in_place(), as_f32(self.q), as_f32(self.dout)) {
+            (true, Some(qf), Some(df)) => {
+                let q_base = p.seqs[b].q_base + m0 * p.q.row_stride + h * p.q.head_stride;
+                let do_base = self.g.dout.offset(b, m0, h);
+                (
+                    (&qf[q_base..], p.q.row_stride),
+                    (&df[do_base..], self.g.dout.layout.row_stride),
+                )
+            }
+            _ => {
+                let dp = pad_lanes(p.head_dim);
+                ((q_rm, dp), (do_rm, dp))
+            }
+        }
+    }
+
     /// k and v of keys `n0..n0 + cols` of (sequence b, kv head hk) as `(k, k row stride, v, v row
     /// stride)`: f32 inputs in place, others widened into the scratch tiles (`[cols][d]`).
     fn key_side<'s>(
@@ -391,6 +425,16 @@ impl<T: Element> Ctx<'_, T> {
             }
         }
         let scale = p.softmax_scale;
+        if p.dropout.is_none() && p.softcap.is_none() {
+            // The common case as a plain loop over lanes, which LLVM vectorises.
+            let delta = &scr.delta[..rows];
+            for (pr, dr) in pt.chunks_exact(np).zip(ds.chunks_exact_mut(np)) {
+                for ((g, &prob), &dl) in dr[..rows].iter_mut().zip(&pr[..rows]).zip(delta) {
+                    *g = prob * (*g - dl) * scale;
+                }
+            }
+            return;
+        }
         for c in 0..cols {
             for r in 0..rows {
                 let at = c * np + r;
@@ -440,13 +484,15 @@ fn dkdv_block<T: Element>(
             }
             let rows = m1 - m0;
             let np = pad_lanes(rows);
-            cx.load_query_side(b, h, m0, rows, true, scr);
+            cx.load_query_side(b, h, m0, rows, !cx.rows_in_place(), scr);
             let tiles = cx.tiles.get(p, b, h, m_block, bs.block_m);
             cx.recompute((b, h), (m0, m1), (n0, n1), tiles, &ks, scr);
-            // dV += P̃ᵀ·dO and dK += dSᵀ·Q (row-major, dp lanes).
-            for (a, x, acc) in [
-                (&scr.pt, &scr.do_rm, &mut scr.acc_b),
-                (&scr.dst, &scr.q_rm, &mut scr.acc_a),
+            // dV += P̃ᵀ·dO and dK += dSᵀ·Q (row-major, dp lanes): f32 rows in place when
+            // head_dim needs no lane padding, else the padded copies.
+            let (q_rows, do_rows) = cx.query_rows(b, h, m0, (&scr.q_rm, &scr.do_rm));
+            for (a, (x, x_rs), acc) in [
+                (&scr.pt, do_rows, &mut scr.acc_b),
+                (&scr.dst, q_rows, &mut scr.acc_a),
             ] {
                 p.kernels.gemm(
                     &Gemm {
@@ -457,7 +503,7 @@ fn dkdv_block<T: Element>(
                         a_rs: np,
                         a_cs: 1,
                         b: x,
-                        b_rs: dp,
+                        b_rs: x_rs,
                         accumulate: true,
                         kc: KC,
                     },
