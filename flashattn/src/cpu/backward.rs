@@ -76,6 +76,9 @@ impl Scratch {
     }
 }
 
+/// Row-major rows and their stride.
+type Rows<'a> = (&'a [f32], usize);
+
 /// The key side of a tile: k and v rows, `[cols][d]` at the given row strides.
 struct KeySide<'a> {
     k: &'a [f32],
@@ -305,7 +308,7 @@ impl<T: Element> Ctx<'_, T> {
     /// Whether q and dO rows can be read in place as the row-major operands: f32 with a head_dim
     /// that is a whole number of lanes.
     fn rows_in_place(&self) -> bool {
-        self.p.head_dim % super::simd::LANES == 0
+        self.p.head_dim.is_multiple_of(super::simd::LANES)
             && as_f32(self.q).is_some()
             && as_f32(self.dout).is_some()
     }
@@ -318,7 +321,7 @@ impl<T: Element> Ctx<'_, T> {
         h: usize,
         m0: usize,
         (q_rm, do_rm): (&'s [f32], &'s [f32]),
-    ) -> ((&'s [f32], usize), (&'s [f32], usize)) {
+    ) -> (Rows<'s>, Rows<'s>) {
         let p = self.p;
         match (self.rows_in_place(), as_f32(self.q), as_f32(self.dout)) {
             (true, Some(qf), Some(df)) => {

@@ -221,7 +221,7 @@ fn load_pairs(
 /// `src[base..]` seen as u32 pairs of bf16, if that is exact: an even head_dim, even row stride and
 /// offset, and a 4-byte aligned start (pairs are read as u32).
 fn bf16_rows_as_pairs(src: &[bf16], base: usize, row_stride: usize, d: usize) -> Option<&[u32]> {
-    if d % 2 != 0 || row_stride % 2 != 0 || base % 2 != 0 {
+    if !d.is_multiple_of(2) || !row_stride.is_multiple_of(2) || !base.is_multiple_of(2) {
         return None;
     }
     let rest = &src[base..];

@@ -182,7 +182,11 @@ impl<T> Gemm<'_, T> {
     /// Panics unless every element the product touches is inside its slice (checked once per call,
     /// so the kernels can index without checks).
     fn check(&self, c: &[f32], c_rs: usize) {
-        assert!(self.n % LANES == 0, "gemm: n = {} is not padded", self.n);
+        assert!(
+            self.n.is_multiple_of(LANES),
+            "gemm: n = {} is not padded",
+            self.n
+        );
         assert!(self.kc >= 1, "gemm: kc = 0");
         if self.m == 0 || self.n == 0 {
             return;
@@ -424,7 +428,7 @@ impl Kernels {
         alpha: &mut [f32],
         m_sub: &mut [f32],
     ) {
-        assert!(n % LANES == 0 && fits(cols, n, st.len()));
+        assert!(n.is_multiple_of(LANES) && fits(cols, n, st.len()));
         assert!(row_max.len() >= n && alpha.len() >= n && m_sub.len() >= n);
         // SAFETY: lengths checked above; available ISA.
         unsafe { (self.max_get_scale)(st, cols, n, scale, row_max, alpha, m_sub) }
@@ -441,7 +445,7 @@ impl Kernels {
         row_sum: &mut [f32],
         alpha: &[f32],
     ) {
-        assert!(n % LANES == 0 && fits(cols, n, st.len()));
+        assert!(n.is_multiple_of(LANES) && fits(cols, n, st.len()));
         assert!(m_sub.len() >= n && row_sum.len() >= n && alpha.len() >= n);
         // SAFETY: lengths checked above; available ISA.
         unsafe { (self.online_softmax)(st, cols, n, m_sub, row_sum, alpha) }
@@ -449,7 +453,7 @@ impl Kernels {
 
     /// Online softmax, step 3: `ot[x][r] *= alpha[r]` for `rows` rows of `n` lanes.
     pub fn rescale_o(&self, ot: &mut [f32], rows: usize, n: usize, alpha: &[f32]) {
-        assert!(n % LANES == 0 && fits(rows, n, ot.len()) && alpha.len() >= n);
+        assert!(n.is_multiple_of(LANES) && fits(rows, n, ot.len()) && alpha.len() >= n);
         // SAFETY: lengths checked above; available ISA.
         unsafe { (self.rescale_o)(ot, rows, n, alpha) }
     }
@@ -457,7 +461,11 @@ impl Kernels {
     /// Rounds `cols` rows of `n` f32 lanes to bf16 pairs for [`Kernels::gemm_bf16`]'s B operand:
     /// `out[cp][r]` = (row 2cp, row 2cp + 1) of lane r; a missing odd row is 0.
     pub fn pack_pairs_bf16(&self, st: &[f32], cols: usize, n: usize, out: &mut [u32]) {
-        assert!(n % LANES == 0 && fits(cols, n, st.len()) && fits(cols.div_ceil(2), n, out.len()));
+        assert!(
+            n.is_multiple_of(LANES)
+                && fits(cols, n, st.len())
+                && fits(cols.div_ceil(2), n, out.len())
+        );
         // SAFETY: lengths checked above; available ISA.
         unsafe { (self.pack_pairs_bf16)(st, cols, n, out) }
     }

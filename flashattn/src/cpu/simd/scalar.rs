@@ -91,9 +91,8 @@ pub(crate) unsafe fn max_get_scale(
                 *m = m.max(*x);
             }
         }
-        for l in 0..super::LANES {
-            let j = j0 + l;
-            let new = row_max[j].max(block_max[l]);
+        for (j, &bm) in (j0..).zip(&block_max) {
+            let new = row_max[j].max(bm);
             alpha[j] = if new == f32::NEG_INFINITY {
                 1.0
             } else {
