@@ -13,9 +13,9 @@
 //! With `delta = rowsum(dO ∘ O)`: `dS = P ∘ (dP - delta)`, dropout folded into dP and P̃, softcap's
 //! derivative `1 - tanh²` applied to dS.
 
-use super::forward::{as_f32, load_tile, load_tile_t, ScoreMod, WorkItem};
+use super::forward::{load_tile, load_tile_t, ScoreMod, WorkItem};
 use super::simd::{pad_lanes, Gemm, KC};
-use super::{block_sizes, BlockSizes, Disjoint};
+use super::{block_sizes, BlockSizes, Disjoint, Pass};
 use crate::blocks::Mask;
 use crate::params::{GradInputs, Params, LOG2_E};
 use crate::tensor::Element;
@@ -75,9 +75,6 @@ impl Scratch {
         }
     }
 }
-
-/// Row-major rows and their stride.
-type Rows<'a> = (&'a [f32], usize);
 
 /// The key side of a tile: k and v rows, `[cols][d]` at the given row strides.
 struct KeySide<'a> {
@@ -182,7 +179,7 @@ pub(crate) fn backward<T: Element>(
     out: &[T],
     dout: &[T],
 ) -> (Vec<T>, Vec<T>, Vec<T>) {
-    let bs = block_sizes(p.head_dim);
+    let bs = block_sizes(Pass::Backward);
     let delta = compute_delta(p, g, out, dout);
     let tiles = QueryTiles::new(p, g, q, dout, bs);
     let cx = Ctx {
@@ -305,42 +302,8 @@ impl<T: Element> Ctx<'_, T> {
         }
     }
 
-    /// Whether q and dO rows can be read in place as the row-major operands: f32 with a head_dim
-    /// that is a whole number of lanes.
-    fn rows_in_place(&self) -> bool {
-        self.p.head_dim.is_multiple_of(super::simd::LANES)
-            && as_f32(self.q).is_some()
-            && as_f32(self.dout).is_some()
-    }
-
-    /// Row-major q and dO of rows `m0..` of (sequence b, head h) as `(slice, row stride)`: in place
-    /// when [`Ctx::rows_in_place`], else the padded copies `load_query_side` made.
-    fn query_rows<'s>(
-        &'s self,
-        b: usize,
-        h: usize,
-        m0: usize,
-        (q_rm, do_rm): (&'s [f32], &'s [f32]),
-    ) -> (Rows<'s>, Rows<'s>) {
-        let p = self.p;
-        match (self.rows_in_place(), as_f32(self.q), as_f32(self.dout)) {
-            (true, Some(qf), Some(df)) => {
-                let q_base = p.seqs[b].q_base + m0 * p.q.row_stride + h * p.q.head_stride;
-                let do_base = self.g.dout.offset(b, m0, h);
-                (
-                    (&qf[q_base..], p.q.row_stride),
-                    (&df[do_base..], self.g.dout.layout.row_stride),
-                )
-            }
-            _ => {
-                let dp = pad_lanes(p.head_dim);
-                ((q_rm, dp), (do_rm, dp))
-            }
-        }
-    }
-
-    /// k and v of keys `n0..n0 + cols` of (sequence b, kv head hk) as `(k, k row stride, v, v row
-    /// stride)`: f32 inputs in place, others widened into the scratch tiles (`[cols][d]`).
+    /// k and v of keys `n0..n0 + cols` of (sequence b, kv head hk), widened into the scratch tiles
+    /// (`[cols][d]`).
     fn key_side<'s>(
         &'s self,
         b: usize,
@@ -353,23 +316,15 @@ impl<T: Element> Ctx<'_, T> {
         let (p, s, d) = (self.p, self.p.seqs[b], self.p.head_dim);
         let k_base = s.k_base + n0 * p.k.row_stride + hk * p.k.head_stride;
         let v_base = s.v_base + n0 * p.v.row_stride + hk * p.v.head_stride;
-        match (as_f32(self.k), as_f32(self.v)) {
-            (Some(kf), Some(vf)) => KeySide {
-                k: &kf[k_base..],
-                k_rs: p.k.row_stride,
-                v: &vf[v_base..],
-                v_rs: p.v.row_stride,
-            },
-            _ => {
-                load_tile(self.k, k_base, p.k.row_stride, (cols, d, d), scr_k);
-                load_tile(self.v, v_base, p.v.row_stride, (cols, d, d), scr_v);
-                KeySide {
-                    k: scr_k,
-                    k_rs: d,
-                    v: scr_v,
-                    v_rs: d,
-                }
-            }
+        // Copied into contiguous tiles, also for f32: see forward's k tile (rows heads·d apart
+        // thrash the TLB when the products re-read them in place).
+        load_tile(self.k, k_base, p.k.row_stride, (cols, d, d), scr_k);
+        load_tile(self.v, v_base, p.v.row_stride, (cols, d, d), scr_v);
+        KeySide {
+            k: scr_k,
+            k_rs: d,
+            v: scr_v,
+            v_rs: d,
         }
     }
 
@@ -487,15 +442,13 @@ fn dkdv_block<T: Element>(
             }
             let rows = m1 - m0;
             let np = pad_lanes(rows);
-            cx.load_query_side(b, h, m0, rows, !cx.rows_in_place(), scr);
+            cx.load_query_side(b, h, m0, rows, true, scr);
             let tiles = cx.tiles.get(p, b, h, m_block, bs.block_m);
             cx.recompute((b, h), (m0, m1), (n0, n1), tiles, &ks, scr);
-            // dV += P̃ᵀ·dO and dK += dSᵀ·Q (row-major, dp lanes): f32 rows in place when
-            // head_dim needs no lane padding, else the padded copies.
-            let (q_rows, do_rows) = cx.query_rows(b, h, m0, (&scr.q_rm, &scr.do_rm));
-            for (a, (x, x_rs), acc) in [
-                (&scr.pt, do_rows, &mut scr.acc_b),
-                (&scr.dst, q_rows, &mut scr.acc_a),
+            // dV += P̃ᵀ·dO and dK += dSᵀ·Q (row-major, dp lanes).
+            for (a, x, acc) in [
+                (&scr.pt, &scr.do_rm, &mut scr.acc_b),
+                (&scr.dst, &scr.q_rm, &mut scr.acc_a),
             ] {
                 p.kernels.gemm(
                     &Gemm {
@@ -506,7 +459,7 @@ fn dkdv_block<T: Element>(
                         a_rs: np,
                         a_cs: 1,
                         b: x,
-                        b_rs: x_rs,
+                        b_rs: dp,
                         accumulate: true,
                         kc: KC,
                     },
