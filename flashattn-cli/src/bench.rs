@@ -176,7 +176,7 @@ fn validate(args: &BenchArgs) -> Result<Vec<(usize, usize)>> {
     if args.batch == 0 || args.heads == 0 || heads_kv == 0 {
         return fail("--batch, --heads and --heads-kv must be at least 1");
     }
-    if args.heads % heads_kv != 0 {
+    if !args.heads.is_multiple_of(heads_kv) {
         return fail(format!(
             "--heads ({}) must be a multiple of --heads-kv ({heads_kv})",
             args.heads

@@ -213,10 +213,8 @@ fn block(method: Method) -> f32 {
     }
 }
 
-// The AVX-512 intrinsics are stable since Rust 1.89, above the workspace's declared 1.85; the
-// library's AVX-512 kernels need the same.
+// The AVX-512 intrinsics are stable since Rust 1.89, the workspace's minimum.
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::incompatible_msrv)]
 mod x86 {
     use super::CHAINS;
     use std::arch::x86_64::*;
