@@ -455,6 +455,10 @@ def main() -> None:
             machine["flashattn_git"] = rev + ("+uncommitted library changes" if dirty else "")
     except OSError:
         pass
+    # Outside a checkout (a copied binary) only its build time tells which commit it is.
+    machine.setdefault("flashattn_git", None)
+    machine["flashattn_binary_mtime"] = _dt.datetime.fromtimestamp(
+        binary.stat().st_mtime, _dt.timezone.utc).isoformat(timespec="seconds")
 
     doc = {
         "format": "flashattn-compare/1",
