@@ -76,14 +76,6 @@ impl Scratch {
     }
 }
 
-/// The key side of a tile: k and v rows, `[cols][d]` at the given row strides.
-struct KeySide<'a> {
-    k: &'a [f32],
-    k_rs: usize,
-    v: &'a [f32],
-    v_rs: usize,
-}
-
 /// Everything both passes read.
 struct Ctx<'a, T> {
     p: &'a Params,
@@ -302,35 +294,20 @@ impl<T: Element> Ctx<'_, T> {
         }
     }
 
-    /// k and v of keys `n0..n0 + cols` of (sequence b, kv head hk), widened into the scratch tiles
-    /// (`[cols][d]`).
-    fn key_side<'s>(
-        &'s self,
-        b: usize,
-        hk: usize,
-        n0: usize,
-        cols: usize,
-        scr_k: &'s mut [f32],
-        scr_v: &'s mut [f32],
-    ) -> KeySide<'s> {
+    /// Loads k and v of keys `n0..n0 + cols` of (sequence b, kv head hk) into the scratch tiles
+    /// (`[cols][d]`), also for f32: see forward's k tile (rows heads·d apart thrash the TLB when the
+    /// products re-read them in place).
+    fn load_key_side(&self, b: usize, hk: usize, n0: usize, cols: usize, scr: &mut Scratch) {
         let (p, s, d) = (self.p, self.p.seqs[b], self.p.head_dim);
         let k_base = s.k_base + n0 * p.k.row_stride + hk * p.k.head_stride;
         let v_base = s.v_base + n0 * p.v.row_stride + hk * p.v.head_stride;
-        // Copied into contiguous tiles, also for f32: see forward's k tile (rows heads·d apart
-        // thrash the TLB when the products re-read them in place).
-        load_tile(self.k, k_base, p.k.row_stride, (cols, d, d), scr_k);
-        load_tile(self.v, v_base, p.v.row_stride, (cols, d, d), scr_v);
-        KeySide {
-            k: scr_k,
-            k_rs: d,
-            v: scr_v,
-            v_rs: d,
-        }
+        load_tile(self.k, k_base, p.k.row_stride, (cols, d, d), &mut scr.k);
+        load_tile(self.v, v_base, p.v.row_stride, (cols, d, d), &mut scr.v);
     }
 
-    /// With q-side rows `m0..m1` loaded (`qt`, `dot` their transposes) and key side `ks` of keys
-    /// `n0..n1`: P̃ᵀ into `scr.pt` and (dS·softmax_scale)ᵀ into `scr.dst` (both `[cols][np]`;
-    /// padded lanes 0).
+    /// With q-side rows `m0..m1` loaded (`qt`, `dot` their transposes) and keys `n0..n1` in
+    /// `scr.k`, `scr.v`: P̃ᵀ into `scr.pt` and (dS·softmax_scale)ᵀ into `scr.dst` (both
+    /// `[cols][np]`; padded lanes 0).
     #[allow(clippy::too_many_arguments)]
     fn recompute(
         &self,
@@ -338,7 +315,6 @@ impl<T: Element> Ctx<'_, T> {
         (m0, m1): (usize, usize),
         (n0, n1): (usize, usize),
         (qt, dot): (&[f32], &[f32]),
-        ks: &KeySide,
         scr: &mut Scratch,
     ) {
         let (p, d) = (self.p, self.p.head_dim);
@@ -348,12 +324,12 @@ impl<T: Element> Ctx<'_, T> {
         let np = pad_lanes(rows);
         let mask = Mask::new(s.seqlen_q, s.seqlen_k, p.window_left, p.window_right);
         let pt = &mut scr.pt[..cols * np];
-        let product = |a, a_rs, b| Gemm {
+        let product = |a, b| Gemm {
             m: cols,
             n: np,
             k: d,
             a,
-            a_rs,
+            a_rs: d,
             a_cs: 1,
             b,
             b_rs: np,
@@ -361,7 +337,7 @@ impl<T: Element> Ctx<'_, T> {
             kc: KC,
         };
         // Sᵀ = K·Qᵀ, then P = exp2(S·scale_log2 - lse_log2).
-        kern.gemm_scores(&product(ks.k, ks.k_rs, qt), pt, np, &mut scr.tmp);
+        kern.gemm_scores(&product(&scr.k, qt), pt, np, &mut scr.tmp);
         let score_mod = ScoreMod::new(p, b, h);
         let masked = mask.needs_mask(m0, m1, n0, n1);
         if score_mod.needs_apply(masked) {
@@ -373,7 +349,7 @@ impl<T: Element> Ctx<'_, T> {
         kern.online_softmax(pt, cols, np, &scr.lse_log2, &mut scr.sink, &scr.ones);
         // dP̃ᵀ = V·dOᵀ.
         let ds = &mut scr.dst[..cols * np];
-        kern.gemm(&product(ks.v, ks.v_rs, dot), ds, np);
+        kern.gemm(&product(&scr.v, dot), ds, np);
         // dropped entries get P̃ = 0 and dP = 0, kept ones are scaled by 1/(1-p); then
         // dS = P ∘ (dP - delta) · scale (· 1 - tanh²).
         let drop_scale = p.dropout.map_or(1.0, |dr| dr.scale());
@@ -427,8 +403,7 @@ fn dkdv_block<T: Element>(
     let n1 = (n0 + bs.block_n).min(s.seqlen_k);
     let cols = n1 - n0;
     let mask = Mask::new(s.seqlen_q, s.seqlen_k, p.window_left, p.window_right);
-    let (mut sk, mut sv) = (std::mem::take(&mut scr.k), std::mem::take(&mut scr.v));
-    let ks = cx.key_side(b, hk, n0, cols, &mut sk, &mut sv);
+    cx.load_key_side(b, hk, n0, cols, scr);
     scr.acc_a[..cols * dp].fill(0.0);
     scr.acc_b[..cols * dp].fill(0.0);
     let group = p.heads / p.heads_kv;
@@ -444,7 +419,7 @@ fn dkdv_block<T: Element>(
             let np = pad_lanes(rows);
             cx.load_query_side(b, h, m0, rows, true, scr);
             let tiles = cx.tiles.get(p, b, h, m_block, bs.block_m);
-            cx.recompute((b, h), (m0, m1), (n0, n1), tiles, &ks, scr);
+            cx.recompute((b, h), (m0, m1), (n0, n1), tiles, scr);
             // dV += P̃ᵀ·dO and dK += dSᵀ·Q (row-major, dp lanes).
             for (a, x, acc) in [
                 (&scr.pt, &scr.do_rm, &mut scr.acc_b),
@@ -469,7 +444,6 @@ fn dkdv_block<T: Element>(
             }
         }
     }
-    (scr.k, scr.v) = (sk, sv);
     for c in 0..cols {
         let at = p.dk_offset(b, n0 + c, hk);
         // SAFETY: keys n0..n1 of kv head hk of sequence b belong to this work item alone.
@@ -501,23 +475,22 @@ fn dq_block<T: Element>(
     cx.load_query_side(b, h, m0, rows, false, scr);
     let tiles = cx.tiles.get(p, b, h, m_block, bs.block_m);
     scr.acc_a[..d * np].fill(0.0);
-    let (mut sk, mut sv) = (std::mem::take(&mut scr.k), std::mem::take(&mut scr.v));
     let (nb0, nb1) = mask.n_block_range(m0, m1, bs.block_n);
     for n_block in nb0..nb1 {
         let n0 = n_block * bs.block_n;
         let n1 = (n0 + bs.block_n).min(s.seqlen_k);
         let cols = n1 - n0;
-        let ks = cx.key_side(b, p.kv_head(h), n0, cols, &mut sk, &mut sv);
-        cx.recompute((b, h), (m0, m1), (n0, n1), tiles, &ks, scr);
+        cx.load_key_side(b, p.kv_head(h), n0, cols, scr);
+        cx.recompute((b, h), (m0, m1), (n0, n1), tiles, scr);
         // dQᵀ += Kᵀ·dSᵀ: dqt[x][r] += Σ_c k[c][x] · ds[r][c].
         p.kernels.gemm(
             &Gemm {
                 m: d,
                 n: np,
                 k: cols,
-                a: ks.k,
+                a: &scr.k,
                 a_rs: 1,
-                a_cs: ks.k_rs,
+                a_cs: d,
                 b: &scr.dst,
                 b_rs: np,
                 accumulate: true,
@@ -527,7 +500,6 @@ fn dq_block<T: Element>(
             np,
         );
     }
-    (scr.k, scr.v) = (sk, sv);
     for r in 0..rows {
         for (x, o) in scr.row.iter_mut().enumerate() {
             *o = scr.acc_a[x * np + r];

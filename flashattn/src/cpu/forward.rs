@@ -3,8 +3,13 @@
 //! For each work item (sequence b, head h, query block m_block): load the q tile once, then stream
 //! the key blocks that [`Mask::n_block_range`] says it sees: S = Q·Kᵀ, score modifiers (scale,
 //! softcap, ALiBi) and the mask (only on blocks the mask cuts), online softmax, acc_o += P·V. Divide
-//! by row_sum once at the end and store the LSE. Scratch is O(block · head_dim) per thread; nothing
-//! grows with seqlen_q · seqlen_k.
+//! by row_sum once at the end and store the LSE.
+//!
+//! Query rows sit in SIMD lanes: the item's q is held transposed (`qt[x][r]`), scores as `st[c][r]`
+//! and the accumulator as `ot[x][r]`, so both products are [`Kernels::gemm`] calls and the row
+//! statistics are vertical vector operations (see [`super::simd`]). Memory: per-thread tiles of
+//! O(block · head_dim), plus, on the bf16 dot-product path, v packed in key pairs once per call
+//! (the size of v); nothing grows with seqlen_q · seqlen_k.
 
 use super::simd::{pad_lanes, Gemm, Kernels, KC};
 use super::softmax::finalize;

@@ -1,4 +1,4 @@
-//! The CPU backend: tiled forward (and, later, backward and decoding) over rayon.
+//! The CPU backend: tiled forward and backward over rayon, on the microkernels of [`simd`].
 //!
 //! Work is split into independent items (sequence, head, query block); each item owns the output
 //! rows it writes, so results do not depend on the number of threads or on scheduling.
