@@ -36,8 +36,8 @@ enum Command {
     /// Benchmark flashattn against naive attention on seeded random data.
     ///
     /// With no arguments: batch 1, 4 heads, head_dim 64, f32, non-causal, sequence lengths 512,
-    /// 2048, 8192 and 16448, on all cores; about 40 s on 2 cores at flashattn's
-    /// current ~27 GFLOP/s (naive at 8192 is the largest fixed cost). At 16448 naive
+    /// 2048, 8192 and 16448, on all cores; about 20 s on 2 cores at flashattn's
+    /// ~145-155 GFLOP/s (naive at 8192, ~4 s a call, is the largest fixed cost). At 16448 naive
     /// attention would need 8.06 GiB for its N² score and probability matrices, so it is skipped
     /// (see --naive-max-gib) and only flashattn runs, showing its O(N) memory. Each measurement:
     /// median time of repeats after a warm-up, GFLOP/s under flashattn::flops::forward, peak
