@@ -20,6 +20,7 @@ use crate::params::{Params, LOG2_E};
 use crate::tensor::{DType, Element};
 use half::bf16;
 use rayon::prelude::*;
+use std::sync::Mutex;
 
 /// Per-thread tiles, allocated once per worker, never inside the block loops. Query rows live in
 /// lanes, padded to `np = pad_lanes(rows)`; padded lanes hold zeros and are never written out.
@@ -351,8 +352,8 @@ pub(crate) fn work_items(p: &Params, block_m: usize) -> Vec<WorkItem> {
 
 /// Forward attention. Returns `out` (q's dtype, `p.out_shape`) and `lse` (`p.lse_shape`).
 pub(crate) fn forward<T: Element>(p: &Params, q: &[T], k: &[T], v: &[T]) -> (Vec<T>, Vec<f32>) {
-    let bf16_dot = bf16_inputs(p, q, k, v).is_some();
-    let bs = block_sizes(if bf16_dot {
+    let bf = bf16_inputs(p, q, k, v);
+    let bs = block_sizes(if bf.is_some() {
         Pass::ForwardBf16Dot
     } else {
         Pass::ForwardF32
@@ -365,21 +366,30 @@ pub(crate) fn forward<T: Element>(p: &Params, q: &[T], k: &[T], v: &[T]) -> (Vec
         q,
         k,
         v,
-        packed_v: bf16_inputs(p, q, k, v)
-            .map(|(_, _, vb)| PackedV::new(p, vb, bs))
-            .map(Box::new),
+        packed_v: bf.map(|(_, _, vb)| PackedV::new(p, vb, bs)),
+        bf,
     };
     let (out_w, lse_w) = (Disjoint::new(&mut out), Disjoint::new(&mut lse));
     let mut items = work_items(p, bs.block_m);
     // Longest first (causal and windowed items see different numbers of key blocks), so the last
     // items to run are short ones and the threads finish together.
     items.sort_by_key(|it| std::cmp::Reverse(key_blocks(p, it, bs)));
-    items.par_iter().with_max_len(1).for_each_init(
-        || (Scratch::new(bs, p.head_dim), vec![T::default(); p.head_dim]),
-        |(scratch, row_buf), item| {
-            forward_block(p, &inputs, *item, bs, scratch, row_buf, &out_w, &lse_w)
-        },
-    );
+    // One item per steal keeps that order; each worker thread reuses its own scratch (rayon's
+    // `for_each_init` would build and zero a new one per item at this granularity).
+    let pool: Vec<Mutex<Option<(Scratch, Vec<T>)>>> = (0..rayon::current_num_threads())
+        .map(|_| Mutex::new(None))
+        .collect();
+    items.par_iter().with_max_len(1).for_each(|item| {
+        let slot = rayon::current_thread_index().and_then(|i| pool.get(i));
+        let mut guard = slot.map(|m| m.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut local = None;
+        let (scratch, row_buf) = match guard.as_deref_mut() {
+            Some(own) => own,
+            None => &mut local,
+        }
+        .get_or_insert_with(|| (Scratch::new(bs, p.head_dim), vec![T::default(); p.head_dim]));
+        forward_block(p, &inputs, *item, bs, scratch, row_buf, &out_w, &lse_w)
+    });
     (out, lse)
 }
 
@@ -396,8 +406,9 @@ struct Inputs<'a, T> {
     q: &'a [T],
     k: &'a [T],
     v: &'a [T],
-    /// Present when the bf16 dot-product path runs.
-    packed_v: Option<Box<PackedV>>,
+    /// q, k, v as bf16, and v packed in key pairs: present when the bf16 dot-product path runs.
+    bf: Option<(&'a [bf16], &'a [bf16], &'a [bf16])>,
+    packed_v: Option<PackedV>,
 }
 
 /// q, k, v as bf16 when they are bf16 and the kernels have a bf16 dot product.
@@ -449,7 +460,7 @@ fn forward_block<T: Element>(
     let np = pad_lanes(rows);
     let mask = Mask::new(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
     let score_mod = ScoreMod::new(p, b, h);
-    let bf = bf16_inputs(p, inp.q, inp.k, inp.v);
+    let bf = inp.bf;
 
     let q_base = seq.q_base + m0 * p.q.row_stride + h * p.q.head_stride;
     match bf {
