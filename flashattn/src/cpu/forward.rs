@@ -376,7 +376,7 @@ pub(crate) fn forward<T: Element>(p: &Params, q: &[T], k: &[T], v: &[T]) -> (Vec
     items.sort_by_key(|it| std::cmp::Reverse(key_blocks(p, it, bs)));
     // One item per steal keeps that order; each worker thread reuses its own scratch (rayon's
     // `for_each_init` would build and zero a new one per item at this granularity).
-    let pool: Vec<Mutex<Option<(Scratch, Vec<T>)>>> = (0..rayon::current_num_threads())
+    let pool: Vec<Mutex<Option<ThreadScratch<T>>>> = (0..rayon::current_num_threads())
         .map(|_| Mutex::new(None))
         .collect();
     items.par_iter().with_max_len(1).for_each(|item| {
@@ -392,6 +392,9 @@ pub(crate) fn forward<T: Element>(p: &Params, q: &[T], k: &[T], v: &[T]) -> (Vec
     });
     (out, lse)
 }
+
+/// A worker's tiles and its output row buffer.
+type ThreadScratch<T> = (Scratch, Vec<T>);
 
 /// Number of key blocks a work item visits.
 pub(crate) fn key_blocks(p: &Params, it: &WorkItem, bs: BlockSizes) -> usize {
