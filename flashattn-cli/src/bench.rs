@@ -31,7 +31,7 @@ pub enum DtypeArg {
 }
 
 impl DtypeArg {
-    fn dtype(self) -> DType {
+    pub fn dtype(self) -> DType {
         match self {
             DtypeArg::F32 => DType::F32,
             DtypeArg::F16 => DType::F16,
@@ -45,24 +45,25 @@ pub struct BenchArgs {
     /// Batch size.
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
-    /// Query heads.
-    #[arg(long, default_value_t = 4)]
-    pub heads: usize,
-    /// Key/value heads (default: --heads); --heads must be a multiple of it.
+    /// Query heads (default 4; 32 with --decode).
+    #[arg(long)]
+    pub heads: Option<usize>,
+    /// Key/value heads (default: --heads; 8 with --decode); --heads must be a multiple of it.
     #[arg(long)]
     pub heads_kv: Option<usize>,
-    /// Query sequence length(s), comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = DEFAULT_SEQLENS)]
+    /// Query sequence length(s), comma-separated (default 512,2048,8192,16448; with --decode
+    /// the new query tokens per step, default 1).
+    #[arg(long, value_delimiter = ',')]
     pub seqlen: Vec<usize>,
     /// Key sequence length(s): one for all, or one per --seqlen (default: same as the query's).
     #[arg(long, value_delimiter = ',')]
     pub seqlen_k: Vec<usize>,
-    /// Head dimension (1..=256).
-    #[arg(long, default_value_t = 64)]
-    pub head_dim: usize,
-    /// Element type of q, k, v and out.
-    #[arg(long, value_enum, default_value_t = DtypeArg::F32)]
-    pub dtype: DtypeArg,
+    /// Head dimension (1..=256; default 64, 128 with --decode).
+    #[arg(long)]
+    pub head_dim: Option<usize>,
+    /// Element type of q, k, v and out (default f32; with --decode both f32 and bf16).
+    #[arg(long, value_enum)]
+    pub dtype: Option<DtypeArg>,
     /// Causal mask.
     #[arg(long)]
     pub causal: bool,
@@ -92,6 +93,41 @@ pub struct BenchArgs {
     /// Skip measuring the CPU's peak FMA / bf16-dot rate (about 1.5 s) and the "% of peak" column.
     #[arg(long)]
     pub no_peak: bool,
+    /// Time decoding with a KV cache instead (flash_attn_with_kvcache: one step appends
+    /// --seqlen new tokens to a cache of --cache-len - seqlen tokens and attends all of it):
+    /// median time, GB/s of k/v read, and the fraction of this machine's memory read bandwidth,
+    /// measured in the same run. Defaults: batch 1, heads 32, kv heads 8, head_dim 128,
+    /// cache 32768, f32 and bf16.
+    #[arg(long)]
+    pub decode: bool,
+    /// --decode: cache length(s) in tokens, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "32768")]
+    pub cache_len: Vec<usize>,
+    /// --decode: a paged cache with this page size (tokens per page) and a shuffled block table.
+    #[arg(long)]
+    pub page_size: Option<usize>,
+    /// --decode: number of key splits (default: chosen from the shape and thread count).
+    #[arg(long)]
+    pub num_splits: Option<usize>,
+    /// --decode: skip measuring the memory bandwidth (about 3 s) and the "% of bandwidth" column.
+    #[arg(long)]
+    pub no_bandwidth: bool,
+}
+
+impl BenchArgs {
+    pub fn heads(&self) -> usize {
+        self.heads.unwrap_or(if self.decode { 32 } else { 4 })
+    }
+    pub fn heads_kv(&self) -> usize {
+        self.heads_kv.unwrap_or(if self.decode {
+            8.min(self.heads())
+        } else {
+            self.heads()
+        })
+    }
+    pub fn head_dim(&self) -> usize {
+        self.head_dim.unwrap_or(if self.decode { 128 } else { 64 })
+    }
 }
 
 /// The fields every JSON line shares.
@@ -165,6 +201,9 @@ struct Skipped {
 }
 
 pub fn bench(args: &BenchArgs) -> Result<()> {
+    if args.decode {
+        return crate::decode::bench(args);
+    }
     let cases = validate(args)?;
     with_threads(args.threads, || bench_in_pool(args, &cases))?
 }
@@ -172,20 +211,71 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
 /// Checks the options up front, so a mistake is reported before minutes of benchmarking; returns
 /// the (seqlen_q, seqlen_k) pairs.
 fn validate(args: &BenchArgs) -> Result<Vec<(usize, usize)>> {
-    let heads_kv = args.heads_kv.unwrap_or(args.heads);
-    if args.batch == 0 || args.heads == 0 || heads_kv == 0 {
-        return fail("--batch, --heads and --heads-kv must be at least 1");
-    }
-    if !args.heads.is_multiple_of(heads_kv) {
+    validate_common(args)?;
+    if args.naive_max_gib.is_nan() || args.naive_max_gib < 0.0 {
         return fail(format!(
-            "--heads ({}) must be a multiple of --heads-kv ({heads_kv})",
-            args.heads
+            "--naive-max-gib {} must be >= 0",
+            args.naive_max_gib
         ));
     }
-    if args.head_dim == 0 || args.head_dim > flashattn::MAX_HEAD_DIM {
+    let seqlen = seqlens(args);
+    let (heads, heads_kv, head_dim) = (args.heads(), args.heads_kv(), args.head_dim());
+    let ks: Vec<usize> = match args.seqlen_k.len() {
+        0 => seqlen.clone(),
+        1 => vec![args.seqlen_k[0]; seqlen.len()],
+        n if n == seqlen.len() => args.seqlen_k.clone(),
+        n => {
+            return fail(format!(
+                "--seqlen-k has {n} values; give one, or one per --seqlen value ({})",
+                seqlen.len()
+            ))
+        }
+    };
+    let cases: Vec<(usize, usize)> = seqlen.iter().copied().zip(ks).collect();
+    if cases.is_empty() || cases.iter().any(|&(q, k)| q == 0 || k == 0) {
+        return fail("--seqlen and --seqlen-k values must be at least 1");
+    }
+    for &(sq, sk) in &cases {
+        let elems = |n: usize, h: usize| {
+            [args.batch, n, h, head_dim]
+                .iter()
+                .try_fold(1usize, |a, &x| a.checked_mul(x))
+        };
+        if elems(sq, heads).is_none() || elems(sk, heads_kv).is_none() {
+            return fail(format!("seqlen {sq}/{sk}: the tensors' sizes overflow"));
+        }
+    }
+    Ok(cases)
+}
+
+/// The query lengths: --seqlen, or the default of the mode.
+pub fn seqlens(args: &BenchArgs) -> Vec<usize> {
+    if !args.seqlen.is_empty() {
+        args.seqlen.clone()
+    } else if args.decode {
+        vec![1]
+    } else {
+        DEFAULT_SEQLENS
+            .split(',')
+            .map(|x| x.parse().expect("a number"))
+            .collect()
+    }
+}
+
+/// Checks shared by both modes: sizes >= 1, heads a multiple of heads_kv, head_dim, min_time.
+pub fn validate_common(args: &BenchArgs) -> Result<()> {
+    let (heads, heads_kv, head_dim) = (args.heads(), args.heads_kv(), args.head_dim());
+    if args.batch == 0 || heads == 0 || heads_kv == 0 {
+        return fail("--batch, --heads and --heads-kv must be at least 1");
+    }
+    if !heads.is_multiple_of(heads_kv) {
         return fail(format!(
-            "--head-dim {} is out of range 1..={}",
-            args.head_dim,
+            "--heads ({heads}) must be a multiple of --heads-kv ({heads_kv})"
+        ));
+    }
+    if head_dim == 0 || head_dim > flashattn::MAX_HEAD_DIM {
+        return fail(format!(
+            "--head-dim {head_dim} is out of range 1..={}",
             flashattn::MAX_HEAD_DIM
         ));
     }
@@ -195,49 +285,18 @@ fn validate(args: &BenchArgs) -> Result<Vec<(usize, usize)>> {
             args.min_time
         ));
     }
-    if args.naive_max_gib.is_nan() || args.naive_max_gib < 0.0 {
-        return fail(format!(
-            "--naive-max-gib {} must be >= 0",
-            args.naive_max_gib
-        ));
-    }
-    let ks: Vec<usize> = match args.seqlen_k.len() {
-        0 => args.seqlen.clone(),
-        1 => vec![args.seqlen_k[0]; args.seqlen.len()],
-        n if n == args.seqlen.len() => args.seqlen_k.clone(),
-        n => {
-            return fail(format!(
-                "--seqlen-k has {n} values; give one, or one per --seqlen value ({})",
-                args.seqlen.len()
-            ))
-        }
-    };
-    let cases: Vec<(usize, usize)> = args.seqlen.iter().copied().zip(ks).collect();
-    if cases.is_empty() || cases.iter().any(|&(q, k)| q == 0 || k == 0) {
-        return fail("--seqlen and --seqlen-k values must be at least 1");
-    }
-    for &(sq, sk) in &cases {
-        let elems = |n: usize, h: usize| {
-            [args.batch, n, h, args.head_dim]
-                .iter()
-                .try_fold(1usize, |a, &x| a.checked_mul(x))
-        };
-        if elems(sq, args.heads).is_none() || elems(sk, heads_kv).is_none() {
-            return fail(format!("seqlen {sq}/{sk}: the tensors' sizes overflow"));
-        }
-    }
-    Ok(cases)
+    Ok(())
 }
 
 /// MemAvailable from /proc/meminfo, in bytes; `None` where there is no such file.
-fn mem_available() -> Option<u64> {
+pub fn mem_available() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
 }
 
-fn random_buffer(rng: &mut ChaCha8Rng, n: usize, dtype: DType) -> Buffer {
+pub fn random_buffer(rng: &mut ChaCha8Rng, n: usize, dtype: DType) -> Buffer {
     let vals = (0..n).map(|_| rng.gen_range(-1.0f32..1.0));
     match dtype {
         DType::F32 => Buffer::F32(vals.collect()),
@@ -313,13 +372,13 @@ fn max_abs_err(
     Some(worst)
 }
 
-struct Timing<R> {
-    median_s: f64,
-    min_s: f64,
-    reps: usize,
-    peak_extra: usize,
+pub struct Timing<R> {
+    pub median_s: f64,
+    pub min_s: f64,
+    pub reps: usize,
+    pub peak_extra: usize,
     /// The warm-up's result, kept for the accuracy check.
-    first: R,
+    pub first: R,
 }
 
 /// The numbers of a [`Timing`], whatever the call returned.
@@ -355,7 +414,7 @@ fn timed_call<R>(f: &mut dyn FnMut() -> flashattn::Result<R>) -> Result<(R, f64,
 /// A warm-up call (faults in fresh pages, wakes the pool), then timed repeats until `min_time`
 /// seconds are spent: at least 3, or 1 when the warm-up alone took `min_time` (long shapes, where
 /// a second and third repeat would cost more than they tell).
-fn measure<R>(min_time: f64, mut f: impl FnMut() -> flashattn::Result<R>) -> Result<Timing<R>> {
+pub fn measure<R>(min_time: f64, mut f: impl FnMut() -> flashattn::Result<R>) -> Result<Timing<R>> {
     let (first, warm_s, mut peak_extra) = timed_call(&mut f)?;
     let min_reps = if warm_s >= min_time { 1 } else { 3 };
     let mut times = Vec::new();
@@ -399,7 +458,7 @@ fn naive_skip_reason(need: u128, max_gib: f64, avail: Option<u64>) -> Option<Str
     })
 }
 
-fn progress(steps: u64) -> ProgressBar {
+pub fn progress(steps: u64) -> ProgressBar {
     let pb = ProgressBar::new(steps);
     if let Ok(style) =
         ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} {msg}")
@@ -439,12 +498,12 @@ fn table_row(m: &Measured) -> String {
     )
 }
 
-fn emit(pb: &ProgressBar, line: String) {
+pub fn emit(pb: &ProgressBar, line: String) {
     // Printed between progress-bar frames so the two do not interleave on a terminal.
     pb.suspend(|| println!("{line}"));
 }
 
-fn to_json<T: Serialize>(x: &T) -> Result<String> {
+pub fn to_json<T: Serialize>(x: &T) -> Result<String> {
     serde_json::to_string(x).map_err(|e| CliError(format!("cannot encode a JSON line: {e}")))
 }
 
@@ -478,9 +537,9 @@ fn machine_line(m: &Machine) -> String {
 }
 
 fn bench_in_pool(args: &BenchArgs, cases: &[(usize, usize)]) -> Result<()> {
-    let dtype = args.dtype.dtype();
-    let (batch, heads, d) = (args.batch, args.heads, args.head_dim);
-    let heads_kv = args.heads_kv.unwrap_or(heads);
+    let dtype = args.dtype.unwrap_or(DtypeArg::F32).dtype();
+    let (batch, heads, d) = (args.batch, args.heads(), args.head_dim());
+    let heads_kv = args.heads_kv();
     let threads = rayon::current_num_threads();
     let avail = mem_available();
     let opts = AttnOptions::default().causal(args.causal);

@@ -4,6 +4,7 @@
 
 mod alloc;
 mod bench;
+mod decode;
 mod error;
 mod peak;
 mod plot;

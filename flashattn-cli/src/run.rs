@@ -43,14 +43,32 @@ pub struct RunArgs {
     /// Worker threads (default: one per core).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// KV-cache files: rotary embedding in GPT-J style (pairs 2i, 2i+1) instead of GPT-NeoX
+    /// (pairs i, i + rotary_dim/2).
+    #[arg(long)]
+    pub rotary_interleaved: bool,
+    /// KV-cache files: number of key splits (default: chosen from the shape and thread count).
+    #[arg(long)]
+    pub num_splits: Option<usize>,
 }
 
 pub fn run(args: &RunArgs) -> Result<()> {
+    if crate::decode::is_kvcache_file(&args.input) {
+        return crate::decode::run(args);
+    }
     let inputs = st_io::load(&args.input)?;
-    // Create the temporary file before computing, so an unwritable destination fails fast; it
-    // lives next to OUT so the final rename stays on one filesystem (atomic), and it is deleted
-    // when dropped on any error path.
-    let dir = match args.output.parent() {
+    write_atomically(&args.output, || {
+        let (res, grads) = with_threads(args.threads, || compute(&inputs, args))??;
+        st_io::serialize(&res, grads.as_ref())
+    })
+}
+
+/// Computes the bytes of OUT with `produce` and writes them to `output` atomically. The temporary
+/// file is created before computing, so an unwritable destination fails fast; it lives next to
+/// OUT so the final rename stays on one filesystem (atomic), and it is deleted when dropped on
+/// any error path, so a failure leaves an existing OUT untouched.
+pub fn write_atomically(output: &Path, produce: impl FnOnce() -> Result<Vec<u8>>) -> Result<()> {
+    let dir = match output.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
     };
@@ -65,16 +83,14 @@ pub fn run(args: &RunArgs) -> Result<()> {
             ))
         })?;
 
-    let (res, grads) = with_threads(args.threads, || compute(&inputs, args))??;
-    let bytes = st_io::serialize(&res, grads.as_ref())?;
-    drop((res, grads));
+    let bytes = produce()?;
 
-    let shown = args.output.display();
+    let shown = output.display();
     let write_err = |e: std::io::Error| CliError(format!("cannot write {shown}: {e}"));
     tmp.write_all(&bytes).map_err(write_err)?;
     tmp.as_file().sync_all().map_err(write_err)?;
     set_readable(tmp.as_file()).map_err(write_err)?;
-    tmp.persist(&args.output).map_err(|e| write_err(e.error))?;
+    tmp.persist(output).map_err(|e| write_err(e.error))?;
     Ok(())
 }
 

@@ -60,7 +60,7 @@ fn checked_strides(name: &str, shape: &[usize]) -> Result<Vec<usize>> {
 
 /// Decodes a float tensor. Bytes are copied into typed vectors (little-endian, as safetensors
 /// stores them) because the file's data section need not be aligned for f32 or f16.
-fn decode_float(name: &str, t: &TensorView) -> Result<Loaded> {
+pub fn decode_float(name: &str, t: &TensorView) -> Result<Loaded> {
     let bytes = t.data();
     let buf = match t.dtype() {
         Dtype::F32 => Buffer::F32(
@@ -212,7 +212,7 @@ pub fn load(path: &Path) -> Result<Inputs> {
 }
 
 /// A readable sentence for a safetensors error (its own Display is its Debug form).
-fn describe(e: &safetensors::SafeTensorError) -> String {
+pub fn describe(e: &safetensors::SafeTensorError) -> String {
     use safetensors::SafeTensorError as E;
     match e {
         E::InvalidHeader => "the header is not valid UTF-8".into(),
@@ -243,6 +243,25 @@ fn buffer_bytes(buf: &Buffer) -> (Dtype, Vec<u8>) {
             d.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
         ),
     }
+}
+
+/// An output file of the named tensors (name, buffer, shape), in memory.
+pub fn serialize_named(named: &[(&str, &Buffer, &[usize])]) -> Result<Vec<u8>> {
+    let encoded: Vec<(&str, Dtype, &[usize], Vec<u8>)> = named
+        .iter()
+        .map(|(name, buf, shape)| {
+            let (dtype, bytes) = buffer_bytes(buf);
+            (*name, dtype, *shape, bytes)
+        })
+        .collect();
+    let mut tensors = Vec::with_capacity(encoded.len());
+    for (name, dtype, shape, bytes) in &encoded {
+        let view = TensorView::new(*dtype, shape.to_vec(), bytes)
+            .map_err(|e| CliError(format!("cannot encode output tensor `{name}`: {e:?}")))?;
+        tensors.push((*name, view));
+    }
+    safetensors::serialize(tensors, &None)
+        .map_err(|e| CliError(format!("cannot encode the output: {e:?}")))
 }
 
 /// The whole output file (`out`, `lse`, and `dq`, `dk`, `dv` when gradients were computed) in memory.

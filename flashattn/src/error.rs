@@ -134,6 +134,83 @@ pub enum ErrorKind {
     },
     #[error("FLASHATTN_ISA={name:?} names no instruction set; use scalar, neon, avx2 or avx512")]
     IsaUnknown { name: String },
+    #[error("`{tensor}` has {got} entries, expected {expected} ({what})")]
+    IndexLength {
+        tensor: TensorName,
+        expected: usize,
+        got: usize,
+        what: &'static str,
+    },
+    #[error("`{tensor}`[{index}] = {value} is out of range 0..{bound}")]
+    IndexOutOfRange {
+        tensor: TensorName,
+        index: usize,
+        value: i64,
+        bound: usize,
+    },
+    #[error(
+        "appending {seqlen_new} tokens at cache_seqlens[{batch}] = {cache_seqlen} needs {needed} \
+         slots, but the cache holds {capacity} for this sequence; nothing was written"
+    )]
+    CacheOverflow {
+        batch: usize,
+        cache_seqlen: usize,
+        seqlen_new: usize,
+        needed: usize,
+        capacity: usize,
+    },
+    #[error(
+        "cache_batch_idx cannot be combined with block_table: a paged cache is addressed through \
+         block_table alone"
+    )]
+    PagedWithBatchIdx,
+    #[error(
+        "rotary_dim {rotary_dim} (twice the columns of rotary_cos/rotary_sin) must be in \
+         2..=head_dim ({head_dim})"
+    )]
+    RotaryDim { rotary_dim: usize, head_dim: usize },
+    #[error(
+        "the rotary embedding of batch {batch} needs positions 0..{needed}, but rotary_cos and \
+         rotary_sin have {seqlen_ro} rows"
+    )]
+    RotaryPositions {
+        batch: usize,
+        needed: usize,
+        seqlen_ro: usize,
+    },
+    #[error(
+        "a rotary embedding needs new keys (k_new, v_new): q and the appended keys are rotated at \
+         positions cache_seqlens[b] + i"
+    )]
+    RotaryWithoutNewKv,
+    #[error("dropout is not available when decoding with a KV cache (dropout_p = {p}); use 0")]
+    DropoutInDecode { p: f32 },
+    #[error("num_splits = {num_splits} is invalid: it must be at least 1 (unset: automatic)")]
+    NumSplits { num_splits: usize },
+    #[error("merging attention partials needs at least one partial result")]
+    NoPartials,
+    #[error("got {outs} partial outputs but {lses} partial LSEs")]
+    PartialsCount { outs: usize, lses: usize },
+    #[error(
+        "partial {part}: `{tensor}` has shape {got:?} and dtype {got_dtype}, expected \
+         {expected:?} and {expected_dtype} (those of partial 0)"
+    )]
+    PartialMismatch {
+        part: usize,
+        tensor: TensorName,
+        expected: Vec<usize>,
+        got: Vec<usize>,
+        expected_dtype: DType,
+        got_dtype: DType,
+    },
+    #[error(
+        "partial {part}: lse holds {value} at flat index {index}; an LSE must be finite or -inf"
+    )]
+    PartialLse {
+        part: usize,
+        index: usize,
+        value: f32,
+    },
 }
 
 /// The error flashattn returns for every rejected input.

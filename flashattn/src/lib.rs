@@ -31,6 +31,7 @@
 
 pub mod blocks;
 pub(crate) mod cpu;
+pub mod decode;
 pub mod dropout;
 pub mod error;
 pub mod flops;
@@ -44,6 +45,10 @@ pub mod simd {
 }
 pub mod tensor;
 
+pub use decode::{
+    flash_attn_with_kvcache, merge_attn_partials, BlockTable, KvCacheOptions, Rotary, SliceMut,
+    TensorMut,
+};
 pub use error::{CuSeqlensProblem, Error, ErrorKind, Result};
 pub use params::{AttnOptions, MAX_HEAD_DIM};
 pub use tensor::{Buffer, DType, Element, Slice, Tensor, TensorRef};

@@ -4,6 +4,7 @@
 //! rows it writes, so results do not depend on the number of threads or on scheduling.
 
 pub(crate) mod backward;
+pub(crate) mod decode;
 pub(crate) mod forward;
 pub(crate) mod kernels;
 pub(crate) mod simd;

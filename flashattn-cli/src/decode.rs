@@ -1,0 +1,591 @@
+//! Decoding with a KV cache from the command line: `flashattn run` on a file that holds
+//! `k_cache`/`v_cache`, and `flashattn bench --decode` (time, GB/s of k/v read, and the fraction
+//! of this machine's memory bandwidth, measured in the same run).
+
+use crate::bench::{self, BenchArgs, DtypeArg};
+use crate::error::{fail, CliError, Result};
+use crate::run::{self, RunArgs};
+use crate::st_io::{self, Loaded};
+use crate::threads::with_threads;
+use flashattn::decode::SliceMut;
+use flashattn::{
+    flash_attn_with_kvcache, reference, AttnOptions, BlockTable, Buffer, DType, KvCacheOptions,
+    TensorMut, TensorRef,
+};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors};
+use serde::Serialize;
+use std::path::Path;
+use std::time::Instant;
+
+// ---------------------------------------------------------------------------------------------
+// flashattn run (KV cache files)
+// ---------------------------------------------------------------------------------------------
+
+/// Tensor names of a KV-cache input file; anything else is rejected (a typo must not silently
+/// change the computation).
+pub const ACCEPTED: [&str; 11] = [
+    "q",
+    "k_cache",
+    "v_cache",
+    "cache_seqlens",
+    "k_new",
+    "v_new",
+    "block_table",
+    "cache_batch_idx",
+    "rotary_cos",
+    "rotary_sin",
+    "alibi_slopes",
+];
+
+/// Whether `path` is a safetensors file whose header names a `k_cache` tensor (read from the
+/// header alone). Any problem answers `false`, and the ordinary loader reports it.
+pub fn is_kvcache_file(path: &Path) -> bool {
+    use std::io::Read;
+    let Ok(mut f) = std::fs::File::open(path) else {
+        return false;
+    };
+    let mut len = [0u8; 8];
+    if f.read_exact(&mut len).is_err() {
+        return false;
+    }
+    let n = u64::from_le_bytes(len);
+    // safetensors caps headers at 100 MB.
+    if n > 100_000_000 {
+        return false;
+    }
+    let mut header = vec![0u8; n as usize];
+    if f.read_exact(&mut header).is_err() {
+        return false;
+    }
+    serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(&header)
+        .map(|m| m.contains_key("k_cache"))
+        .unwrap_or(false)
+}
+
+/// An I32 tensor of the expected rank, as (shape, values).
+fn decode_i32(
+    name: &str,
+    t: &TensorView,
+    rank: usize,
+    layout: &str,
+) -> Result<(Vec<usize>, Vec<i32>)> {
+    if t.dtype() != Dtype::I32 {
+        return fail(format!(
+            "tensor `{name}` has dtype {:?}, expected I32",
+            t.dtype()
+        ));
+    }
+    if t.shape().len() != rank {
+        return fail(format!(
+            "tensor `{name}` has shape {:?}, expected rank {rank} {layout}",
+            t.shape()
+        ));
+    }
+    let vals = t
+        .data()
+        .chunks_exact(4)
+        .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    Ok((t.shape().to_vec(), vals))
+}
+
+/// `flashattn run` on a KV-cache file: appends `k_new`/`v_new` (if present) to the caches,
+/// attends, and writes `out`, `lse` and the updated `k_cache`, `v_cache` to OUT.
+pub fn run(args: &RunArgs) -> Result<()> {
+    let shown = args.input.display();
+    let bytes =
+        std::fs::read(&args.input).map_err(|e| CliError(format!("cannot read {shown}: {e}")))?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| {
+        CliError(format!(
+            "{shown} is not a valid safetensors file: {}",
+            st_io::describe(&e)
+        ))
+    })?;
+    let mut names: Vec<&String> = st.names();
+    names.sort();
+    if let Some(bad) = names.iter().find(|n| !ACCEPTED.contains(&n.as_str())) {
+        return fail(format!(
+            "{shown}: unexpected tensor `{bad}` in a KV-cache file; accepted names: {}",
+            ACCEPTED.join(", ")
+        ));
+    }
+    let get = |name: &str| -> Result<Option<TensorView>> {
+        match st.tensor(name) {
+            Ok(t) => Ok(Some(t)),
+            Err(safetensors::SafeTensorError::TensorNotFound(_)) => Ok(None),
+            Err(e) => fail(format!(
+                "{shown}: cannot read tensor `{name}`: {}",
+                st_io::describe(&e)
+            )),
+        }
+    };
+    let float = |name: &str| -> Result<Option<Loaded>> {
+        get(name)?
+            .map(|t| st_io::decode_float(name, &t))
+            .transpose()
+    };
+    let required = |name: &str| -> Result<Loaded> {
+        float(name)?.ok_or_else(|| {
+            CliError(format!(
+                "{shown}: missing tensor `{name}` (q, k_cache, v_cache and cache_seqlens are required)"
+            ))
+        })
+    };
+    let q = required("q")?;
+    let mut k_cache = required("k_cache")?;
+    let mut v_cache = required("v_cache")?;
+    let cache_seqlens = match get("cache_seqlens")? {
+        Some(t) => decode_i32("cache_seqlens", &t, 1, "[batch]")?.1,
+        None => {
+            return fail(format!(
+                "{shown}: missing tensor `cache_seqlens` (q, k_cache, v_cache and cache_seqlens are required)"
+            ))
+        }
+    };
+    let k_new = float("k_new")?;
+    let v_new = float("v_new")?;
+    let (cos, sin) = (float("rotary_cos")?, float("rotary_sin")?);
+    let alibi = float("alibi_slopes")?;
+    if let Some(a) = &alibi {
+        if a.buf.dtype() != DType::F32 {
+            return fail(format!(
+                "tensor `alibi_slopes` has dtype {}, expected F32",
+                a.buf.dtype()
+            ));
+        }
+    }
+    let block_table = get("block_table")?
+        .map(|t| decode_i32("block_table", &t, 2, "[batch, max_blocks_per_seq]"))
+        .transpose()?;
+    let batch_idx = get("cache_batch_idx")?
+        .map(|t| decode_i32("cache_batch_idx", &t, 1, "[batch]"))
+        .transpose()?;
+
+    let mut opts = KvCacheOptions::default().attn(AttnOptions {
+        softmax_scale: args.scale,
+        causal: args.causal,
+        window: (args.window_left, args.window_right),
+        softcap: args.softcap,
+        alibi_slopes: alibi.as_ref().map(|a| a.view()),
+        dropout_p: args.dropout,
+        seed: args.seed,
+        isa: None,
+    });
+    opts.num_splits = args.num_splits;
+    match (&k_new, &v_new) {
+        (Some(k), Some(v)) => opts = opts.new_kv(k.view(), v.view()),
+        (None, None) => {}
+        (Some(_), None) => {
+            return fail("tensor `k_new` is present without `v_new`; appending needs both")
+        }
+        (None, Some(_)) => {
+            return fail("tensor `v_new` is present without `k_new`; appending needs both")
+        }
+    }
+    match (&cos, &sin) {
+        (Some(c), Some(s)) => opts = opts.rotary(c.view(), s.view(), args.rotary_interleaved),
+        (None, None) => {}
+        (Some(_), None) => return fail("tensor `rotary_cos` is present without `rotary_sin`"),
+        (None, Some(_)) => return fail("tensor `rotary_sin` is present without `rotary_cos`"),
+    }
+    if let Some((shape, data)) = &block_table {
+        opts = opts.block_table(BlockTable::new(data, shape[0], shape[1]));
+    }
+    if let Some((_, idx)) = &batch_idx {
+        opts = opts.cache_batch_idx(idx);
+    }
+
+    run::write_atomically(&args.output, || {
+        let (k_shape, v_shape) = (k_cache.shape.clone(), v_cache.shape.clone());
+        let res = with_threads(args.threads, || {
+            let mut k = TensorMut::contiguous(slice_mut(&mut k_cache.buf), &k_shape);
+            let mut v = TensorMut::contiguous(slice_mut(&mut v_cache.buf), &v_shape);
+            flash_attn_with_kvcache(&q.view(), &mut k, &mut v, &cache_seqlens, &opts)
+        })??;
+        st_io::serialize_named(&[
+            ("out", res.out.buffer(), res.out.shape()),
+            ("lse", res.lse.buffer(), res.lse.shape()),
+            ("k_cache", &k_cache.buf, &k_shape),
+            ("v_cache", &v_cache.buf, &v_shape),
+        ])
+    })
+}
+
+/// A contiguous view of a whole buffer.
+fn view<'a>(b: &'a Buffer, shape: &[usize]) -> TensorRef<'a> {
+    TensorRef::from_slice(
+        b.as_slice(),
+        shape,
+        &flashattn::tensor::contiguous_strides(shape),
+    )
+}
+
+fn slice_mut(b: &mut Buffer) -> SliceMut<'_> {
+    match b {
+        Buffer::F32(d) => SliceMut::F32(d),
+        Buffer::F16(d) => SliceMut::F16(d),
+        Buffer::BF16(d) => SliceMut::BF16(d),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Memory bandwidth
+// ---------------------------------------------------------------------------------------------
+
+/// Size of the buffers the bandwidth is measured on: far past every cache (L3 is 32 MiB on Zen 4).
+const BW_BYTES: usize = 1 << 30;
+/// Timed runs of each measurement (after one warm-up); the median is reported.
+const BW_RUNS: usize = 5;
+/// Work unit of the parallel loops: 4 MiB, 256 units over 1 GiB.
+const BW_CHUNK: usize = (4 << 20) / 8;
+
+/// This machine's memory bandwidth on the current rayon pool, GB/s (1e9 bytes/s).
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Bandwidth {
+    /// Median rate of summing a 1 GiB buffer (u64, all threads): reads only, like decoding.
+    pub read_gbps: f64,
+    /// Median rate of copying 1 GiB into another 1 GiB buffer, counted as bytes copied per
+    /// second (the memory traffic is at least twice that).
+    pub copy_gbps: f64,
+    pub bytes: usize,
+    pub runs: usize,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Sum of a chunk with 8 independent lanes (vectorised by the compiler; memory-bound anyway).
+fn sum_chunk(c: &[u64]) -> u64 {
+    let mut acc = [0u64; 8];
+    let mut it = c.chunks_exact(8);
+    for x in &mut it {
+        for (a, y) in acc.iter_mut().zip(x) {
+            *a = a.wrapping_add(*y);
+        }
+    }
+    it.remainder()
+        .iter()
+        .chain(&acc)
+        .fold(0u64, |s, y| s.wrapping_add(*y))
+}
+
+/// Measures [`Bandwidth`]: the buffers are written first (so every page is mapped), then
+/// `BW_RUNS + 1` sums and copies, the first of each discarded. About 3 s on the 2-core machine.
+pub fn measure_bandwidth() -> Bandwidth {
+    let n = BW_BYTES / 8;
+    let mut src = vec![0u64; n];
+    let mut dst = vec![0u64; n];
+    src.par_chunks_mut(BW_CHUNK).enumerate().for_each(|(i, c)| {
+        c.iter_mut()
+            .enumerate()
+            .for_each(|(j, x)| *x = (i ^ j) as u64 | 1)
+    });
+    dst.par_chunks_mut(BW_CHUNK).for_each(|c| c.fill(1));
+    let mut reads = Vec::new();
+    let mut copies = Vec::new();
+    for run in 0..=BW_RUNS {
+        let t = Instant::now();
+        let s = src
+            .par_chunks(BW_CHUNK)
+            .map(sum_chunk)
+            .reduce(|| 0, u64::wrapping_add);
+        std::hint::black_box(s);
+        let read = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        dst.par_chunks_mut(BW_CHUNK)
+            .zip(src.par_chunks(BW_CHUNK))
+            .for_each(|(d, s)| d.copy_from_slice(s));
+        std::hint::black_box(&dst);
+        let copy = t.elapsed().as_secs_f64();
+        if run > 0 {
+            reads.push(BW_BYTES as f64 / read / 1e9);
+            copies.push(BW_BYTES as f64 / copy / 1e9);
+        }
+    }
+    Bandwidth {
+        read_gbps: median(reads),
+        copy_gbps: median(copies),
+        bytes: BW_BYTES,
+        runs: BW_RUNS,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// flashattn bench --decode
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Serialize, Debug)]
+struct Machine {
+    kind: &'static str,
+    isa: String,
+    threads: usize,
+    /// `null` with --no-bandwidth.
+    bandwidth: Option<Bandwidth>,
+    /// What "bandwidth_fraction" divides by.
+    bandwidth_used: Option<&'static str>,
+}
+
+#[derive(Serialize, Debug)]
+struct Measured {
+    kind: &'static str,
+    #[serde(rename = "impl")]
+    implementation: &'static str,
+    pass: &'static str,
+    dtype: &'static str,
+    batch: usize,
+    heads: usize,
+    heads_kv: usize,
+    head_dim: usize,
+    seqlen_q: usize,
+    cache_len: usize,
+    page_size: Option<usize>,
+    /// `null`: automatic.
+    num_splits: Option<usize>,
+    causal: bool,
+    threads: usize,
+    median_ms: f64,
+    min_ms: f64,
+    reps: usize,
+    /// Bytes of k and v one call reads: batch · cache_len · heads_kv · head_dim · 2 · element size.
+    kv_bytes: f64,
+    gbps: f64,
+    /// gbps over the machine line's read bandwidth; `null` with --no-bandwidth.
+    bandwidth_fraction: Option<f64>,
+    peak_extra_bytes: u64,
+    /// Largest |out - f64 reference| over a few sampled rows (contiguous caches only).
+    max_abs_err: Option<f64>,
+}
+
+const TABLE_HEADER: &str =
+    "dtype   cache_len  seqlen_q    median ms   KV GB/s  % of read bw  max abs err";
+
+fn table_row(m: &Measured) -> String {
+    format!(
+        "{:<6} {:>10} {:>9} {:>12.3} {:>9.2} {:>13} {:>12}",
+        m.dtype,
+        m.cache_len,
+        m.seqlen_q,
+        m.median_ms,
+        m.gbps,
+        m.bandwidth_fraction
+            .map_or("n/a".into(), |f| format!("{:.1}%", 100.0 * f)),
+        m.max_abs_err.map_or("n/a".into(), |e| format!("{e:.2e}")),
+    )
+}
+
+/// `flashattn bench --decode`.
+pub fn bench(args: &BenchArgs) -> Result<()> {
+    bench::validate_common(args)?;
+    let sqs = bench::seqlens(args);
+    if sqs.contains(&0) || args.cache_len.contains(&0) {
+        return fail("--seqlen and --cache-len values must be at least 1");
+    }
+    if let Some((&sq, &cap)) = sqs
+        .iter()
+        .flat_map(|s| args.cache_len.iter().map(move |c| (s, c)))
+        .find(|(s, c)| s > c)
+    {
+        return fail(format!(
+            "--seqlen {sq} is longer than --cache-len {cap}: each step appends seqlen tokens to the cache"
+        ));
+    }
+    if args.page_size == Some(0) {
+        return fail("--page-size must be at least 1");
+    }
+    if args.num_splits == Some(0) {
+        return fail("--num-splits must be at least 1 (leave it out for automatic)");
+    }
+    with_threads(args.threads, || bench_in_pool(args, &sqs))?
+}
+
+fn bench_in_pool(args: &BenchArgs, sqs: &[usize]) -> Result<()> {
+    let dtypes: Vec<DType> = match args.dtype {
+        Some(d) => vec![d.dtype()],
+        None => vec![DtypeArg::F32.dtype(), DtypeArg::Bf16.dtype()],
+    };
+    let (batch, heads, heads_kv, d) = (args.batch, args.heads(), args.heads_kv(), args.head_dim());
+    let threads = rayon::current_num_threads();
+    let cases = dtypes.len() * args.cache_len.len() * sqs.len();
+    let pb = bench::progress(cases as u64);
+    let bandwidth = if args.no_bandwidth {
+        None
+    } else {
+        pb.set_message("measuring the memory bandwidth (1 GiB read and copy)");
+        Some(measure_bandwidth())
+    };
+    let machine = Machine {
+        kind: "machine",
+        isa: flashattn::simd::active()?.to_string(),
+        threads,
+        bandwidth,
+        bandwidth_used: bandwidth.map(|_| "read_gbps"),
+    };
+    if args.json {
+        bench::emit(&pb, bench::to_json(&machine)?);
+    } else {
+        let bw = match bandwidth {
+            Some(b) => format!(
+                "memory bandwidth: read {:.1} GB/s, copy {:.1} GB/s (1 GiB buffers, median of {} runs, all threads); \
+                 % of read bw against the read rate",
+                b.read_gbps, b.copy_gbps, b.runs
+            ),
+            None => "memory bandwidth not measured (--no-bandwidth)".into(),
+        };
+        bench::emit(
+            &pb,
+            format!("machine: ISA {}, {threads} threads; {bw}", machine.isa),
+        );
+        bench::emit(
+            &pb,
+            format!(
+                "flashattn bench --decode: batch {batch}, heads {heads} (kv {heads_kv}), head_dim {d}, {}{}, \
+                 {threads} threads; each step appends seqlen_q tokens and attends the whole cache; \
+                 median of timed repeats after one warm-up",
+                if args.causal { "causal" } else { "non-causal" },
+                args.page_size
+                    .map_or(String::new(), |p| format!(", paged ({p} tokens per page)"))
+            ),
+        );
+        bench::emit(&pb, TABLE_HEADER.into());
+    }
+    for &dtype in &dtypes {
+        for (ci, &cap) in args.cache_len.iter().enumerate() {
+            for &sq in sqs {
+                pb.set_message(format!("{dtype} cache {cap} seqlen_q {sq}"));
+                let m = bench_one(
+                    args,
+                    dtype,
+                    cap,
+                    sq,
+                    args.seed.wrapping_add(ci as u64),
+                    bandwidth,
+                )?;
+                bench::emit(
+                    &pb,
+                    if args.json {
+                        bench::to_json(&m)?
+                    } else {
+                        table_row(&m)
+                    },
+                );
+                pb.inc(1);
+            }
+        }
+    }
+    pb.finish_and_clear();
+    Ok(())
+}
+
+fn bench_one(
+    args: &BenchArgs,
+    dtype: DType,
+    cap: usize,
+    sq: usize,
+    seed: u64,
+    bandwidth: Option<Bandwidth>,
+) -> Result<Measured> {
+    let (batch, heads, heads_kv, d) = (args.batch, args.heads(), args.heads_kv(), args.head_dim());
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let numel = |dims: &[usize]| -> Result<usize> {
+        dims.iter()
+            .try_fold(1usize, |a, &x| a.checked_mul(x))
+            .ok_or_else(|| CliError(format!("shape {dims:?} overflows")))
+    };
+    // Paged: cap.div_ceil(ps) pages per sequence, handed out in shuffled order.
+    let (pages, page_rows, table, max_blocks) = match args.page_size {
+        None => (batch, cap, Vec::new(), 1),
+        Some(ps) => {
+            let max_blocks = cap.div_ceil(ps);
+            let n = batch * max_blocks;
+            let mut table: Vec<i32> = (0..n as i32).collect();
+            table.shuffle(&mut rng);
+            (n, ps, table, max_blocks)
+        }
+    };
+    let cache_shape = [pages, page_rows, heads_kv, d];
+    let q_shape = [batch, sq, heads, d];
+    let new_shape = [batch, sq, heads_kv, d];
+    let qb = bench::random_buffer(&mut rng, numel(&q_shape)?, dtype);
+    let kn = bench::random_buffer(&mut rng, numel(&new_shape)?, dtype);
+    let vn = bench::random_buffer(&mut rng, numel(&new_shape)?, dtype);
+    let mut kc = bench::random_buffer(&mut rng, numel(&cache_shape)?, dtype);
+    let mut vc = bench::random_buffer(&mut rng, numel(&cache_shape)?, dtype);
+    let lens = vec![(cap - sq) as i32; batch];
+    let attn = AttnOptions::default().causal(args.causal);
+    let mut opts = KvCacheOptions::default()
+        .attn(attn.clone())
+        .new_kv(view(&kn, &new_shape), view(&vn, &new_shape));
+    opts.num_splits = args.num_splits;
+    if args.page_size.is_some() {
+        opts = opts.block_table(BlockTable::new(&table, batch, max_blocks));
+    }
+    let q = view(&qb, &q_shape);
+    let timing = {
+        let mut k = TensorMut::contiguous(slice_mut(&mut kc), &cache_shape);
+        let mut v = TensorMut::contiguous(slice_mut(&mut vc), &cache_shape);
+        bench::measure(args.min_time, || {
+            flash_attn_with_kvcache(&q, &mut k, &mut v, &lens, &opts)
+        })?
+    };
+    // Accuracy: a few rows against the f64 reference, reading the cache (appended to by the
+    // calls) as plain k/v `[batch, cap, heads_kv, d]`.
+    let max_abs_err = if args.page_size.is_none() {
+        let (kv, vv) = (view(&kc, &cache_shape), view(&vc, &cache_shape));
+        let out = timing.first.out.to_f64_vec();
+        let mut worst = 0f64;
+        for h in [0, heads / 2, heads - 1] {
+            let (b, i) = (batch - 1, sq - 1);
+            let (want, _) = reference::attention_row(&q, &kv, &vv, &attn, b, h, i)?;
+            let at = ((b * sq + i) * heads + h) * d;
+            for (x, w) in out[at..at + d].iter().zip(&want) {
+                let e = (x - w).abs();
+                worst = if e.is_nan() { f64::NAN } else { worst.max(e) };
+            }
+        }
+        Some(worst)
+    } else {
+        None
+    };
+    let elem = match dtype {
+        DType::F32 => 4.0,
+        _ => 2.0,
+    };
+    let kv_bytes = (batch * cap * heads_kv * d) as f64 * 2.0 * elem;
+    let gbps = kv_bytes / timing.median_s / 1e9;
+    Ok(Measured {
+        kind: "measurement",
+        implementation: "flashattn",
+        pass: "decode",
+        dtype: dtype.name(),
+        batch,
+        heads,
+        heads_kv,
+        head_dim: d,
+        seqlen_q: sq,
+        cache_len: cap,
+        page_size: args.page_size,
+        num_splits: args.num_splits,
+        causal: args.causal,
+        threads: rayon::current_num_threads(),
+        median_ms: timing.median_s * 1e3,
+        min_ms: timing.min_s * 1e3,
+        reps: timing.reps,
+        kv_bytes,
+        gbps,
+        bandwidth_fraction: bandwidth.map(|b| gbps / b.read_gbps),
+        peak_extra_bytes: timing.peak_extra as u64,
+        max_abs_err,
+    })
+}

@@ -1,0 +1,1183 @@
+//! Decoding on the CPU: append to the KV cache, split-KV attention, and the merge of partials.
+//!
+//! Work items are (sequence b, query block, key split). A query block holds `m_rows` query
+//! positions of *every* head, so each item streams its keys once for all heads: per key tile it
+//! copies (widens to f32) the rows of all kv heads, in key order, into a contiguous tile. In a
+//! contiguous cache those rows are adjacent (`heads_kv · d` elements per key), so the item reads
+//! memory sequentially, which is what lets a decode step run at the machine's copy bandwidth;
+//! reading one kv head at a time instead would touch one `d`-row per 4 KiB page (f32, 8 kv heads,
+//! d = 128). A paged cache is read the same way, page run by page run (a tile never crosses a page).
+//!
+//! Per kv head, the query rows of its group (`heads / heads_kv` heads × `m_rows` positions) are
+//! the lanes of the score tile `st[c][r]`, as in the forward; the online softmax steps are the
+//! forward's kernels ([`Kernels::max_get_scale`], [`Kernels::online_softmax`]). The two products
+//! are shaped for a few rows and long keys:
+//! - scores `S = Q·Kᵀ`: [`scores`], dot products along `d` (a few query rows against one key row,
+//!   horizontal sums), since lanes-as-rows would waste 12 of 16 lanes at 4 rows per group;
+//! - `acc_o += P·V`: [`Kernels::gemm`] with the rows as M and `d` in lanes (`acc_o[r][x]`), so each
+//!   v element is loaded once per 4 rows.
+//!
+//! Each split ends with a normalised partial `(out, lse)` per row; [`merge_row`] combines a row's
+//! splits (`lse = log Σ exp(lse_s)`, `out = Σ exp(lse_s - lse) · out_s`). With one split the merge
+//! is the identity, bit for bit.
+
+use super::forward::ScoreMod;
+use super::simd::{pad_lanes, Isa, Kernels, LANES};
+use super::softmax::finalize;
+use crate::blocks::Mask;
+use crate::decode::{DecodeParams, SliceMut};
+use crate::tensor::{Buffer, DType, Element, Tensor, TensorRef};
+use crate::{data, AttnOutput};
+use half::bf16;
+use rayon::prelude::*;
+
+/// Most query rows (positions × heads) one item holds: its f32 q and acc_o are
+/// `2 · ROWS_CAP · d · 4` bytes (128 KiB at d = 128), in L2 beside the k/v tiles. 32 heads ×
+/// 4 positions fit, so speculative decoding of a few tokens still reads the cache once.
+const ROWS_CAP: usize = 128;
+/// Keys per tile: the online softmax's step. 32 keys of 8 kv heads at d = 128 are 128 KiB of
+/// bf16 k and v (256 KiB f32), fetched one tile ahead into L2 (1 MiB on Zen 4).
+const TILE_KEYS: usize = 32;
+/// A split should hold at least this many keys: an item costs a q load, a merge and its partial
+/// buffers, worth ~tens of µs; 512 keys of 8 kv heads at d = 128 are 2-4 MiB of k/v, 70-150 µs at
+/// 27 GB/s.
+pub(crate) const MIN_SPLIT_KEYS: usize = 512;
+/// Items per thread the automatic split count aims for: more than one, so that dynamic scheduling
+/// evens out sequences of different lengths.
+const ITEMS_PER_THREAD: usize = 4;
+/// Upper bound on the automatic split count.
+const MAX_SPLITS: usize = 128;
+
+/// The number of key splits when the caller names none: enough items (`items` = sequences ×
+/// query blocks, times the splits) to give each of `threads` threads [`ITEMS_PER_THREAD`], but no
+/// split shorter than [`MIN_SPLIT_KEYS`] of the longest sequence's `max_keys`. One thread: 1.
+/// E.g. B = 1, 32k keys, 2 threads: 8 splits of 4096 keys; B = 64: 1 split.
+pub(crate) fn choose_splits(items: usize, max_keys: usize, threads: usize) -> usize {
+    if threads <= 1 || items == 0 {
+        return 1;
+    }
+    let want = (ITEMS_PER_THREAD * threads).div_ceil(items);
+    let by_len = (max_keys / MIN_SPLIT_KEYS).max(1);
+    want.min(by_len).clamp(1, MAX_SPLITS)
+}
+
+/// Appends (rotates), then attends. The dtypes of the caches were validated to be q's.
+pub(crate) fn run(
+    dp: &DecodeParams,
+    q: &TensorRef,
+    new_kv: Option<&(TensorRef, TensorRef)>,
+    k_cache: &mut SliceMut,
+    v_cache: &mut SliceMut,
+) -> AttnOutput {
+    fn typed<T: Element>(
+        dp: &DecodeParams,
+        q: &TensorRef,
+        new_kv: Option<&(TensorRef, TensorRef)>,
+        k: &mut [T],
+        v: &mut [T],
+    ) -> AttnOutput {
+        if let Some((kn, vn)) = new_kv {
+            append(dp, data::<T>(kn), data::<T>(vn), k, v);
+        }
+        let (out, lse) = attend(dp, data::<T>(q), k, v);
+        AttnOutput {
+            out: Tensor::new_unchecked(T::wrap_vec(out), dp.p.out_shape.clone()),
+            lse: Tensor::new_unchecked(Buffer::F32(lse), dp.p.lse_shape.clone()),
+        }
+    }
+    match (k_cache, v_cache) {
+        (SliceMut::F32(k), SliceMut::F32(v)) => typed::<f32>(dp, q, new_kv, k, v),
+        (SliceMut::F16(k), SliceMut::F16(v)) => typed(dp, q, new_kv, k, v),
+        (SliceMut::BF16(k), SliceMut::BF16(v)) => typed(dp, q, new_kv, k, v),
+        _ => unreachable!("cache dtypes validated against q"),
+    }
+}
+
+/// Writes the new keys (rotated when the call has a rotary embedding, in f32, rounded once to the
+/// cache's dtype) and values at positions `cache_seqlens[b]..` of each sequence. Sequential: it
+/// moves `batch · seqlen_new · heads_kv · d` elements, a few KiB per decode step, and two batch
+/// rows sharing a cache row or page then overwrite each other in batch order, never concurrently.
+fn append<T: Element>(dp: &DecodeParams, kn: &[T], vn: &[T], k: &mut [T], v: &mut [T]) {
+    let Some(nk) = &dp.new_kv else { return };
+    let (p, cache) = (&dp.p, &dp.cache);
+    let d = p.head_dim;
+    let mut row = vec![0f32; d];
+    for (b, &len) in dp.cache_seqlens.iter().enumerate() {
+        for t in 0..nk.seqlen_new {
+            let (k0, v0) = cache.key_offsets(b, len + t);
+            for hk in 0..p.heads_kv {
+                let src = b * nk.k_batch_stride + t * nk.k.row_stride + hk * nk.k.head_stride;
+                let dst = k0 + hk * cache.k.head_stride;
+                match &dp.rotary {
+                    Some(rot) => {
+                        T::widen(&kn[src..src + d], &mut row);
+                        rot.rotate(&mut row, b, t);
+                        T::narrow(&row, &mut k[dst..dst + d]);
+                    }
+                    None => k[dst..dst + d].copy_from_slice(&kn[src..src + d]),
+                }
+                let src = b * nk.v_batch_stride + t * nk.v.row_stride + hk * nk.v.head_stride;
+                let dst = v0 + hk * cache.v.head_stride;
+                v[dst..dst + d].copy_from_slice(&vn[src..src + d]);
+            }
+        }
+    }
+}
+
+/// One work item: sequence `b`, query positions `i0..i1` (all heads), keys `n_lo..n_hi`.
+#[derive(Clone, Copy, Debug)]
+struct Item {
+    b: usize,
+    i0: usize,
+    i1: usize,
+    n_lo: usize,
+    n_hi: usize,
+}
+
+/// An item's normalised result: row `h · m_rows + (i - i0)` of `out` (`d` values each) and `lse`.
+struct Partial {
+    out: Vec<f32>,
+    lse: Vec<f32>,
+}
+
+/// Attention of every sequence's queries over its first `seqlen_k` cache keys. Returns `out`
+/// (q's dtype, `[batch, seqlen_q, heads, d]`) and `lse` (`[batch, heads, seqlen_q]`).
+fn attend<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T]) -> (Vec<T>, Vec<f32>) {
+    let p = &dp.p;
+    let d = p.head_dim;
+    let m_rows = (ROWS_CAP / p.heads).max(1);
+    // Query blocks: (b, i0, i1) and the keys their rows see (the union: both ends of a row's
+    // window grow with i, see `crate::blocks`).
+    let mut blocks = Vec::new();
+    for (b, s) in p.seqs.iter().enumerate() {
+        let mask = Mask::new(s.seqlen_q, s.seqlen_k, p.window_left, p.window_right);
+        for i0 in (0..s.seqlen_q).step_by(m_rows) {
+            let i1 = (i0 + m_rows).min(s.seqlen_q);
+            let (lo, hi) = (mask.key_range(i0).0, mask.key_range(i1 - 1).1);
+            blocks.push((b, i0, i1, lo, hi.max(lo)));
+        }
+    }
+    let max_keys = blocks.iter().map(|x| x.4 - x.3).max().unwrap_or(0);
+    let splits = dp
+        .num_splits
+        .unwrap_or_else(|| choose_splits(blocks.len(), max_keys, rayon::current_num_threads()));
+    let items: Vec<Item> = blocks
+        .iter()
+        .flat_map(|&(b, i0, i1, lo, hi)| {
+            let chunk = (hi - lo).div_ceil(splits);
+            (0..splits).map(move |s| Item {
+                b,
+                i0,
+                i1,
+                n_lo: (lo + s * chunk).min(hi),
+                n_hi: (lo + (s + 1) * chunk).min(hi),
+            })
+        })
+        .collect();
+    let partials: Vec<Partial> = items
+        .par_iter()
+        .with_max_len(1)
+        .map(|it| run_item(dp, q, k, v, *it))
+        .collect();
+
+    // Poisoned: every element is written by the merge below (tests check for NaN).
+    let mut out = vec![T::from_f32(f32::NAN); p.out_len()];
+    let mut lse = vec![f32::NAN; p.lse_len()];
+    let mut parts = vec![0f32; splits * d];
+    let mut part_lse = vec![0f32; splits];
+    let mut row = vec![0f32; d];
+    for (block, item_parts) in blocks.iter().zip(partials.chunks(splits)) {
+        let &(b, i0, i1, _, _) = block;
+        let m = i1 - i0;
+        for h in 0..p.heads {
+            for il in 0..m {
+                let r = h * m + il;
+                for (s, part) in item_parts.iter().enumerate() {
+                    parts[s * d..(s + 1) * d].copy_from_slice(&part.out[r * d..(r + 1) * d]);
+                    part_lse[s] = part.lse[r];
+                }
+                let row_lse = merge_row(&part_lse, &parts, d, &mut row);
+                let o = p.out_offset(b, i0 + il, h);
+                T::narrow(&row, &mut out[o..o + d]);
+                lse[p.lse_offset(b, h, i0 + il)] = row_lse;
+            }
+        }
+    }
+    (out, lse)
+}
+
+/// Merges one row's partials: `lse[s]` and `parts[s · d..(s + 1) · d]` -> `dst` (d values), and
+/// returns the merged LSE. Splits with lse -inf (no visible key) are skipped, so whatever their
+/// out holds cannot leak in; all -inf gives 0 and -inf. One finite split is copied exactly.
+pub(crate) fn merge_row(lse: &[f32], parts: &[f32], d: usize, dst: &mut [f32]) -> f32 {
+    let max = lse.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+    dst[..d].fill(0.0);
+    if max == f32::NEG_INFINITY {
+        return f32::NEG_INFINITY;
+    }
+    let sum: f32 = lse.iter().map(|&x| (x - max).exp()).sum();
+    let inv = 1.0 / sum;
+    for (s, &l) in lse.iter().enumerate() {
+        if l == f32::NEG_INFINITY {
+            continue;
+        }
+        let w = (l - max).exp() * inv;
+        for (o, &x) in dst[..d].iter_mut().zip(&parts[s * d..(s + 1) * d]) {
+            *o += w * x;
+        }
+    }
+    max + sum.ln()
+}
+
+/// The split-KV loop of one item over its keys, for all heads. See the module docs.
+fn run_item<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T], it: Item) -> Partial {
+    let (p, cache) = (&dp.p, &dp.cache);
+    let kern: &Kernels = p.kernels;
+    let Item {
+        b,
+        i0,
+        i1,
+        n_lo,
+        n_hi,
+    } = it;
+    let seq = p.seqs[b];
+    let (d, dpad) = (p.head_dim, pad_lanes(p.head_dim));
+    let (heads_kv, group) = (p.heads_kv, p.heads / p.heads_kv);
+    let m_rows = i1 - i0;
+    // Rows of one kv head's group: r = (h - hk · group) · m_rows + (i - i0); lanes padded to np.
+    let rows = group * m_rows;
+    let np = pad_lanes(rows);
+    let mask = Mask::new(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
+
+    // q in f32, rotated, rows of `dpad` (padding 0); row (h, i) at (h · m_rows + i - i0) · dpad,
+    // which is also (hk · rows + r) · dpad.
+    let mut qf = vec![0f32; p.heads * m_rows * dpad];
+    let masked = p.window_left.is_some() || p.window_right.is_some();
+    for h in 0..p.heads {
+        for i in i0..i1 {
+            let src = seq.q_base + i * p.q.row_stride + h * p.q.head_stride;
+            let dst = &mut qf[(h * m_rows + i - i0) * dpad..][..d];
+            T::widen(&q[src..src + d], dst);
+            if let Some(rot) = &dp.rotary {
+                // flash-attn's rule: with a causal or windowed mask query i sits at position
+                // cache_seqlens[b] + i; without one, every query sits at cache_seqlens[b].
+                rot.rotate(dst, b, if masked { i } else { 0 });
+            }
+        }
+    }
+    // bf16 with `vdpbf16ps`: q also as bf16 pairs (exact for bf16 inputs; a rotated q is rounded
+    // to bf16 here, as flash-attn rounds it to the input dtype), rows of dpad / 2 pairs.
+    let qb: Option<Vec<u32>> = (T::DTYPE == DType::BF16 && kern.has_bf16_dot()).then(|| {
+        qf.chunks_exact(2)
+            .map(|x| {
+                bf16::from_f32(x[0]).to_bits() as u32
+                    | (bf16::from_f32(x[1]).to_bits() as u32) << 16
+            })
+            .collect()
+    });
+    let mut acc = vec![0f32; p.heads * m_rows * dpad];
+    let mut row_max = vec![f32::NEG_INFINITY; heads_kv * np];
+    let mut row_sum = vec![0f32; heads_kv * np];
+    let (mut alpha, mut m_sub) = (vec![0f32; np], vec![0f32; np]);
+    let mut st = vec![0f32; TILE_KEYS * np];
+    let mods: Vec<ScoreMod> = (0..p.heads).map(|h| ScoreMod::new(p, b, h)).collect();
+    // The tile after n0: keys n0..n1, cut at the split's end and at page boundaries.
+    let next_tile = |n0: usize| n_hi.min(n0 + TILE_KEYS).min(cache.page_end(n0));
+
+    let mut n0 = n_lo;
+    while n0 < n_hi {
+        let n1 = next_tile(n0);
+        let cols = n1 - n0;
+        // Rows n0..n1 are consecutive within one page.
+        let (kb, vb) = cache.key_offsets(b, n0);
+        let k_rows = |hk: usize| KeyRows {
+            base: kb + hk * cache.k.head_stride,
+            row_stride: cache.k.row_stride,
+            cols,
+            d,
+        };
+        let v_rows = |hk: usize| KeyRows {
+            base: vb + hk * cache.v.head_stride,
+            row_stride: cache.v.row_stride,
+            cols,
+            d,
+        };
+        // The next tile is fetched while this one computes: a few cache lines per key of the
+        // score products (see `Ahead`).
+        let span = (n1 < n_hi).then(|| {
+            let e = next_tile(n1);
+            let (pk, pv) = cache.key_offsets(b, n1);
+            (
+                tile_span(pk, e - n1, cache.k, heads_kv, d),
+                tile_span(pv, e - n1, cache.v, heads_kv, d),
+            )
+        });
+        let (ks, vs) = span.unwrap_or((None, None));
+        let mut ahead = Ahead::new((k, ks), (v, vs), heads_kv * cols);
+        let masked = mask.needs_mask(i0, i1, n0, n1);
+        let apply = mods[0].needs_apply(masked);
+        for hk in 0..heads_kv {
+            let st = &mut st[..cols * np];
+            let q = QRows {
+                f32: &qf[hk * rows * dpad..(hk + 1) * rows * dpad],
+                bf16_pairs: qb
+                    .as_ref()
+                    .map(|qb| &qb[hk * rows * dpad / 2..(hk + 1) * rows * dpad / 2]),
+                rows,
+                dpad,
+            };
+            scores(kern.isa, q, k, k_rows(hk), st, np, &mut ahead);
+            let scale = if apply {
+                for hl in 0..group {
+                    mods[hk * group + hl].apply(
+                        &mut st[hl * m_rows..],
+                        np,
+                        (i0, m_rows),
+                        (n0, cols),
+                        &mask,
+                        masked,
+                        None,
+                    );
+                }
+                1.0
+            } else {
+                mods[0].scale_log2
+            };
+            let (rm, rs) = (
+                &mut row_max[hk * np..(hk + 1) * np],
+                &mut row_sum[hk * np..(hk + 1) * np],
+            );
+            kern.max_get_scale(st, cols, np, scale, rm, &mut alpha, &mut m_sub);
+            kern.online_softmax(st, cols, np, &m_sub, rs, &alpha);
+            let acc_hk = &mut acc[hk * rows * dpad..(hk + 1) * rows * dpad];
+            // alpha is exactly 1 where a row's maximum did not move (as in the forward).
+            if alpha[..rows].iter().any(|&a| a != 1.0) {
+                for (acc_row, &a) in acc_hk.chunks_exact_mut(dpad).zip(&alpha) {
+                    acc_row.iter_mut().for_each(|x| *x *= a);
+                }
+            }
+            pv_acc(kern.isa, st, np, rows, v, v_rows(hk), acc_hk, dpad);
+        }
+        n0 = n1;
+    }
+
+    let mut out = vec![0f32; p.heads * m_rows * d];
+    let mut lse = vec![0f32; p.heads * m_rows];
+    for hk in 0..heads_kv {
+        for r in 0..rows {
+            let row = hk * rows + r;
+            let dst = &mut out[row * d..(row + 1) * d];
+            dst.copy_from_slice(&acc[row * dpad..row * dpad + d]);
+            lse[row] = finalize(dst, row_max[hk * np + r], row_sum[hk * np + r], 1.0);
+        }
+    }
+    Partial { out, lse }
+}
+
+/// Where the rows of one kv head lie in a cache: key c's `d` values start at
+/// `base + c · row_stride`, for `c < cols`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct KeyRows {
+    pub base: usize,
+    pub row_stride: usize,
+    pub cols: usize,
+    pub d: usize,
+}
+
+impl KeyRows {
+    /// Panics unless every row lies inside `len` elements (once per call, so the kernels can
+    /// read without checks).
+    fn check(&self, len: usize) {
+        if self.cols == 0 {
+            return;
+        }
+        let end = (self.cols - 1)
+            .checked_mul(self.row_stride)
+            .and_then(|x| x.checked_add(self.base))
+            .and_then(|x| x.checked_add(self.d));
+        assert!(
+            end.is_some_and(|e| e <= len),
+            "decode: key rows out of bounds"
+        );
+    }
+}
+
+/// The element range `start..end` holding `keys` consecutive keys' rows of all kv heads from
+/// element `start`, when those rows are (nearly) dense in memory, as in a contiguous or paged
+/// cache: `None` when the span is over twice the data (e.g. a head-major layout), where
+/// prefetching it would fetch mostly other data.
+fn tile_span(
+    start: usize,
+    keys: usize,
+    l: crate::params::RowLayout,
+    heads_kv: usize,
+    d: usize,
+) -> Option<(usize, usize)> {
+    let end = start + (keys - 1) * l.row_stride + (heads_kv - 1) * l.head_stride + d;
+    (end - start <= 2 * keys * heads_kv * d).then_some((start, end))
+}
+
+/// Software prefetch of the next tile, spread evenly over the current one.
+///
+/// Hardware prefetchers follow demand reads, so without this a tile's keys are fetched only when
+/// the products reach them and the core waits for memory between bursts of arithmetic: the
+/// single-thread f32 step at 32k keys took 46 ms without, 37 ms with the next tile's lines asked
+/// for in bursts of ~500 per kv head (the extra requests block loads once the miss buffers fill),
+/// and 25 ms with a few lines asked for per key, so that memory and arithmetic overlap (a busy
+/// machine; relative figures). Two tiles ahead measured worse (2 threads, bf16 10.5-12 ms
+/// against 7.4-10.5 ms over six interleaved rounds). `prefetcht1` (into L2): a tile is
+/// 128-256 KiB, more than the 32 KiB L1.
+pub(crate) struct Ahead {
+    /// Byte addresses still to ask for, `[next, end)`, in k and in v; never dereferenced.
+    k: (usize, usize),
+    v: (usize, usize),
+    lines_per_step: usize,
+}
+
+impl Ahead {
+    #[cfg(test)]
+    pub fn none() -> Self {
+        Ahead {
+            k: (0, 0),
+            v: (0, 0),
+            lines_per_step: 0,
+        }
+    }
+
+    /// The element spans of k and v (if any), asked for over `steps` calls of [`Ahead::step`].
+    fn new<T>(
+        (k, ks): (&[T], Option<(usize, usize)>),
+        (v, vs): (&[T], Option<(usize, usize)>),
+        steps: usize,
+    ) -> Self {
+        let bytes = |buf: &[T], span: Option<(usize, usize)>| {
+            span.map_or((0, 0), |(a, b)| {
+                let base = buf.as_ptr() as usize;
+                let size = std::mem::size_of::<T>();
+                (base + a * size, base + b * size)
+            })
+        };
+        let (k, v) = (bytes(k, ks), bytes(v, vs));
+        let lines = (k.1 - k.0).max(v.1 - v.0).div_ceil(CACHE_LINE);
+        Ahead {
+            k,
+            v,
+            lines_per_step: lines.div_ceil(steps.max(1)),
+        }
+    }
+
+    /// Asks for the next few lines of k and of v.
+    #[inline(always)]
+    pub fn step(&mut self) {
+        for _ in 0..self.lines_per_step {
+            for (next, end) in [&mut self.k, &mut self.v] {
+                if *next < *end {
+                    prefetch_line(*next);
+                    *next += CACHE_LINE;
+                }
+            }
+        }
+    }
+}
+
+/// Asks for the cache line at byte address `addr` (x86-64; a no-op elsewhere). A prefetch
+/// cannot fault and reads nothing the program observes.
+#[inline(always)]
+fn prefetch_line(addr: usize) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch is a hint; the address is never dereferenced.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        _mm_prefetch::<_MM_HINT_T1>(addr as *const i8);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = addr;
+}
+
+const CACHE_LINE: usize = 64;
+
+/// The query rows of one kv group: `rows` rows of `dpad` f32 ([`LANES`]-padded with zeros), and
+/// the same as bf16 pairs (`dpad / 2` u32 per row) when the bf16 dot product is to be used.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct QRows<'a> {
+    pub f32: &'a [f32],
+    pub bf16_pairs: Option<&'a [u32]>,
+    pub rows: usize,
+    pub dpad: usize,
+}
+
+/// Scores of a few query rows against keys read in place from the cache, transposed:
+/// `st[c · np + r] = Σ_x q[r][x] · k[c][x]` for `r < rows`, `c < kr.cols`, with `k[c]` the row
+/// of `src` that `kr` names, widened to f32 as it is loaded (or, for bf16 with `q.bf16_pairs` on
+/// a CPU with AVX512_BF16, multiplied as bf16 pairs by `vdpbf16ps`); lanes `rows..np` are set
+/// to 0.
+pub(crate) fn scores<T: Element>(
+    isa: Isa,
+    q: QRows,
+    src: &[T],
+    kr: KeyRows,
+    st: &mut [f32],
+    np: usize,
+    ahead: &mut Ahead,
+) {
+    let QRows { rows, dpad, .. } = q;
+    kr.check(src.len());
+    assert!(
+        dpad.is_multiple_of(LANES)
+            && kr.d <= dpad
+            && rows <= np
+            && q.f32.len() >= rows * dpad
+            && q.bf16_pairs.is_none_or(|b| b.len() >= rows * dpad / 2)
+            && st.len() >= kr.cols * np,
+        "decode scores: operands too short"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        if let (Some(pairs), Some(k)) = (q.bf16_pairs, bf16::unwrap(T::wrap(src))) {
+            if isa.has_bf16_dot() {
+                // SAFETY: AVX-512F and AVX512_BF16 present (checked); bounds checked above.
+                return unsafe {
+                    scores_avx512_bf16(q.f32, pairs, rows, dpad, k, kr, st, np, ahead)
+                };
+            }
+        }
+        // SAFETY: a kernel table of Isa::Avx512 exists only on a CPU with AVX-512F
+        // (`Kernels::for_isa`); bounds checked above.
+        return unsafe { scores_avx512(q.f32, rows, dpad, src, kr, st, np, ahead) };
+    }
+    let _ = isa;
+    let q = q.f32;
+    let mut krow = vec![0f32; dpad];
+    for c in 0..kr.cols {
+        ahead.step();
+        let at = kr.base + c * kr.row_stride;
+        widen_row(&src[at..at + kr.d], &mut krow[..kr.d]);
+        for r in 0..rows {
+            let qr = &q[r * dpad..(r + 1) * dpad];
+            // 16 lane sums added pairwise: the AVX-512 kernel's order, roughly.
+            let mut lanes = [0f32; LANES];
+            for (qc, kc) in qr.chunks_exact(LANES).zip(krow.chunks_exact(LANES)) {
+                for l in 0..LANES {
+                    lanes[l] += qc[l] * kc[l];
+                }
+            }
+            let mut n = LANES;
+            while n > 1 {
+                n /= 2;
+                for l in 0..n {
+                    lanes[l] += lanes[l + n];
+                }
+            }
+            st[c * np + r] = lanes[0];
+        }
+        st[c * np + rows..(c + 1) * np].fill(0.0);
+    }
+}
+
+/// `acc[r · dpad + x] += Σ_c st[c · np + r] · v[c][x]` for `r < rows`, `x < vr.d`, with `v[c]`
+/// the row of `src` that `vr` names, widened to f32 as it is loaded.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn pv_acc<T: Element>(
+    isa: Isa,
+    st: &[f32],
+    np: usize,
+    rows: usize,
+    src: &[T],
+    vr: KeyRows,
+    acc: &mut [f32],
+    dpad: usize,
+) {
+    vr.check(src.len());
+    assert!(
+        vr.d <= dpad && rows <= np && st.len() >= vr.cols * np && acc.len() >= rows * dpad,
+        "decode P·V: operands too short"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        // SAFETY: as in `scores`.
+        return unsafe { pv_avx512(st, np, rows, src, vr, acc, dpad) };
+    }
+    let _ = isa;
+    let mut vrow = vec![0f32; vr.d];
+    for c in 0..vr.cols {
+        let at = vr.base + c * vr.row_stride;
+        widen_row(&src[at..at + vr.d], &mut vrow);
+        for r in 0..rows {
+            let p = st[c * np + r];
+            for (a, &x) in acc[r * dpad..r * dpad + vr.d].iter_mut().zip(&vrow) {
+                *a += p * x;
+            }
+        }
+    }
+}
+
+/// One row to f32, portable: bf16 by a shift (exact; `half`'s slice conversion also quietens
+/// NaNs and measured ~4× slower than the whole decode step's budget), f16 and f32 as `half`
+/// and `copy_from_slice` do it.
+#[inline]
+fn widen_row<T: Element>(src: &[T], dst: &mut [f32]) {
+    match bf16::unwrap(T::wrap(src)) {
+        Some(b) => {
+            for (o, x) in dst.iter_mut().zip(b) {
+                *o = f32::from_bits((x.to_bits() as u32) << 16);
+            }
+        }
+        None => T::widen(src, dst),
+    }
+}
+
+/// 16 elements at `p` as f32: a load (f32), `vcvtph2ps` (f16), or zero-extension and a shift
+/// into the high half (bf16, exact).
+///
+/// # Safety
+/// AVX-512F present; 16 elements readable at `p`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn load16<T: Element>(p: *const T) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    unsafe {
+        match T::DTYPE {
+            DType::F32 => _mm512_loadu_ps(p.cast::<f32>()),
+            DType::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())),
+            DType::BF16 => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+                _mm256_loadu_si256(p.cast()),
+            ))),
+        }
+    }
+}
+
+/// [`scores`] in AVX-512, register-blocked: 4 keys × 4 query rows = 16 zmm accumulators, + 4
+/// zmm of q and 1 of k per 16 dims (21 of 32 registers). Per 16 dims: 8 loads for 16 FMAs, so
+/// the loop is bound by the FMA unit (one 512-bit FMA per cycle on Zen 4), not by loads; the
+/// first version (one key × 4 rows, q re-read per key) issued 5 loads per 4 FMAs and took twice
+/// as long as the P·V product of the same size. Then one horizontal sum per score ([`reduce4`]
+/// for 4 rows at once); the `d % 16` tail of a row element by element.
+///
+/// # Safety
+/// AVX-512F present; operands as checked by [`scores`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn scores_avx512<T: Element>(
+    q: &[f32],
+    rows: usize,
+    dpad: usize,
+    src: &[T],
+    kr: KeyRows,
+    st: &mut [f32],
+    np: usize,
+    ahead: &mut Ahead,
+) {
+    // SAFETY (all calls): the caller's contract; every block below stays inside rows × cols.
+    unsafe {
+        let mut c0 = 0;
+        while c0 < kr.cols {
+            let kb = (kr.cols - c0).min(4);
+            for _ in 0..kb {
+                ahead.step();
+            }
+            let mut r0 = 0;
+            while r0 < rows {
+                let rb = (rows - r0).min(4);
+                let at = (q, r0, dpad, src, kr, c0, &mut *st, np);
+                match (kb, rb) {
+                    (4, 4) => scores_tile::<4, 4, T>(at),
+                    (4, 3) => scores_tile::<4, 3, T>(at),
+                    (4, 2) => scores_tile::<4, 2, T>(at),
+                    (4, _) => scores_tile::<4, 1, T>(at),
+                    (3, 4) => scores_tile::<3, 4, T>(at),
+                    (3, 3) => scores_tile::<3, 3, T>(at),
+                    (3, 2) => scores_tile::<3, 2, T>(at),
+                    (3, _) => scores_tile::<3, 1, T>(at),
+                    (2, 4) => scores_tile::<2, 4, T>(at),
+                    (2, 3) => scores_tile::<2, 3, T>(at),
+                    (2, 2) => scores_tile::<2, 2, T>(at),
+                    (2, _) => scores_tile::<2, 1, T>(at),
+                    (_, 4) => scores_tile::<1, 4, T>(at),
+                    (_, 3) => scores_tile::<1, 3, T>(at),
+                    (_, 2) => scores_tile::<1, 2, T>(at),
+                    (_, _) => scores_tile::<1, 1, T>(at),
+                }
+                r0 += rb;
+            }
+            for c in c0..c0 + kb {
+                for z in rows..np {
+                    *st.as_mut_ptr().add(c * np + z) = 0.0;
+                }
+            }
+            c0 += kb;
+        }
+    }
+}
+
+/// Operands of one [`scores_tile`]: q, its first row, dpad, the cache, its rows, the first key,
+/// st, np.
+#[cfg(target_arch = "x86_64")]
+type ScoresAt<'a, T> = (
+    &'a [f32],
+    usize,
+    usize,
+    &'a [T],
+    KeyRows,
+    usize,
+    &'a mut [f32],
+    usize,
+);
+
+/// Keys `c0..c0 + K` × rows `r0..r0 + R` of [`scores_avx512`].
+///
+/// # Safety
+/// As [`scores_avx512`]; `c0 + K <= cols`, `r0 + R <= rows`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn scores_tile<const K: usize, const R: usize, T: Element>(at: ScoresAt<T>) {
+    use std::arch::x86_64::*;
+    let (q, r0, dpad, src, kr, c0, st, np) = at;
+    let full = kr.d / LANES * LANES;
+    // SAFETY: the caller's contract.
+    unsafe {
+        let qp = q.as_ptr().add(r0 * dpad);
+        let kp: [*const T; K] =
+            std::array::from_fn(|j| src.as_ptr().add(kr.base + (c0 + j) * kr.row_stride));
+        let mut acc = [[_mm512_setzero_ps(); R]; K];
+        for x in (0..full).step_by(LANES) {
+            let qv: [__m512; R] = std::array::from_fn(|i| _mm512_loadu_ps(qp.add(i * dpad + x)));
+            for (j, aj) in acc.iter_mut().enumerate() {
+                let kv = load16(kp[j].add(x));
+                for (a, qi) in aj.iter_mut().zip(&qv) {
+                    *a = _mm512_fmadd_ps(*qi, kv, *a);
+                }
+            }
+        }
+        for (j, aj) in acc.iter().enumerate() {
+            let mut sums = [0f32; 4];
+            if R == 4 {
+                _mm_storeu_ps(sums.as_mut_ptr(), reduce4([aj[0], aj[1], aj[2], aj[3]]));
+            } else {
+                for (s, a) in sums.iter_mut().zip(aj) {
+                    *s = _mm512_reduce_add_ps(*a);
+                }
+            }
+            let out = st.as_mut_ptr().add((c0 + j) * np + r0);
+            for (i, s) in sums.iter_mut().take(R).enumerate() {
+                for x in full..kr.d {
+                    *s += *qp.add(i * dpad + x) * (*kp[j].add(x)).to_f32();
+                }
+                *out.add(i) = *s;
+            }
+        }
+    }
+}
+
+/// [`scores_avx512`] for bf16 with `vdpbf16ps`: each k row is read as it lies, 32 bf16 (16 pairs)
+/// per load, against q as bf16 pairs; one instruction does 32 multiply-adds where the widening
+/// path needs a load, two conversion instructions and two FMAs. Same 4 keys × 4 rows blocking;
+/// a remaining 16 dims (d % 32 >= 16) go through the f32 path, the last d % 16 element by element.
+///
+/// # Safety
+/// AVX-512F and AVX512_BF16 present; operands as checked by [`scores`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn scores_avx512_bf16(
+    q: &[f32],
+    qb: &[u32],
+    rows: usize,
+    dpad: usize,
+    src: &[bf16],
+    kr: KeyRows,
+    st: &mut [f32],
+    np: usize,
+    ahead: &mut Ahead,
+) {
+    // SAFETY (all calls): the caller's contract; every block below stays inside rows × cols.
+    unsafe {
+        let mut c0 = 0;
+        while c0 < kr.cols {
+            let kb = (kr.cols - c0).min(4);
+            for _ in 0..kb {
+                ahead.step();
+            }
+            let mut r0 = 0;
+            while r0 < rows {
+                let rb = (rows - r0).min(4);
+                let at = (q, r0, dpad, src, kr, c0, &mut *st, np);
+                match (kb, rb) {
+                    (4, 4) => scores_tile_bf16::<4, 4>(at, qb),
+                    (4, 3) => scores_tile_bf16::<4, 3>(at, qb),
+                    (4, 2) => scores_tile_bf16::<4, 2>(at, qb),
+                    (4, _) => scores_tile_bf16::<4, 1>(at, qb),
+                    (3, 4) => scores_tile_bf16::<3, 4>(at, qb),
+                    (3, 3) => scores_tile_bf16::<3, 3>(at, qb),
+                    (3, 2) => scores_tile_bf16::<3, 2>(at, qb),
+                    (3, _) => scores_tile_bf16::<3, 1>(at, qb),
+                    (2, 4) => scores_tile_bf16::<2, 4>(at, qb),
+                    (2, 3) => scores_tile_bf16::<2, 3>(at, qb),
+                    (2, 2) => scores_tile_bf16::<2, 2>(at, qb),
+                    (2, _) => scores_tile_bf16::<2, 1>(at, qb),
+                    (_, 4) => scores_tile_bf16::<1, 4>(at, qb),
+                    (_, 3) => scores_tile_bf16::<1, 3>(at, qb),
+                    (_, 2) => scores_tile_bf16::<1, 2>(at, qb),
+                    (_, _) => scores_tile_bf16::<1, 1>(at, qb),
+                }
+                r0 += rb;
+            }
+            for c in c0..c0 + kb {
+                for z in rows..np {
+                    *st.as_mut_ptr().add(c * np + z) = 0.0;
+                }
+            }
+            c0 += kb;
+        }
+    }
+}
+
+/// Keys `c0..c0 + K` × rows `r0..r0 + R` of [`scores_avx512_bf16`].
+///
+/// # Safety
+/// As [`scores_avx512_bf16`]; `c0 + K <= cols`, `r0 + R <= rows`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+#[inline]
+unsafe fn scores_tile_bf16<const K: usize, const R: usize>(at: ScoresAt<bf16>, qb: &[u32]) {
+    use std::arch::x86_64::{
+        __m512, __m512bh, __m512i, _mm512_dpbf16_ps, _mm512_fmadd_ps, _mm512_loadu_ps,
+        _mm512_loadu_si512, _mm512_reduce_add_ps, _mm512_setzero_ps, _mm_storeu_ps,
+    };
+    let (q, r0, dpad, src, kr, c0, st, np) = at;
+    let (full32, full16) = (kr.d / 32 * 32, kr.d / LANES * LANES);
+    // SAFETY: the caller's contract; q pairs of row r cover dims 0..dpad, k rows 0..d.
+    unsafe {
+        let qp = q.as_ptr().add(r0 * dpad);
+        let qbp = qb.as_ptr().add(r0 * dpad / 2);
+        let kp: [*const bf16; K] =
+            std::array::from_fn(|j| src.as_ptr().add(kr.base + (c0 + j) * kr.row_stride));
+        let mut acc = [[_mm512_setzero_ps(); R]; K];
+        for x in (0..full32).step_by(32) {
+            let qv: [__m512bh; R] = std::array::from_fn(|i| {
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                    qbp.add(i * dpad / 2 + x / 2).cast(),
+                ))
+            });
+            for (j, aj) in acc.iter_mut().enumerate() {
+                let kv = std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                    kp[j].add(x).cast(),
+                ));
+                for (a, qi) in aj.iter_mut().zip(&qv) {
+                    *a = _mm512_dpbf16_ps(*a, *qi, kv);
+                }
+            }
+        }
+        if full16 > full32 {
+            let x = full32;
+            let qv: [__m512; R] = std::array::from_fn(|i| _mm512_loadu_ps(qp.add(i * dpad + x)));
+            for (j, aj) in acc.iter_mut().enumerate() {
+                let kv = load16(kp[j].add(x));
+                for (a, qi) in aj.iter_mut().zip(&qv) {
+                    *a = _mm512_fmadd_ps(*qi, kv, *a);
+                }
+            }
+        }
+        for (j, aj) in acc.iter().enumerate() {
+            let mut sums = [0f32; 4];
+            if R == 4 {
+                _mm_storeu_ps(sums.as_mut_ptr(), reduce4([aj[0], aj[1], aj[2], aj[3]]));
+            } else {
+                for (s, a) in sums.iter_mut().zip(aj) {
+                    *s = _mm512_reduce_add_ps(*a);
+                }
+            }
+            let out = st.as_mut_ptr().add((c0 + j) * np + r0);
+            for (i, s) in sums.iter_mut().take(R).enumerate() {
+                for x in full16..kr.d {
+                    *s += *qp.add(i * dpad + x) * (*kp[j].add(x)).to_f32();
+                }
+                *out.add(i) = *s;
+            }
+        }
+    }
+}
+
+/// The horizontal sums of 4 vectors, `[Σ a[0], Σ a[1], Σ a[2], Σ a[3]]`: halves added, then
+/// three `hadd`s and a final fold, ~19 instructions where four separate reductions take ~36.
+///
+/// # Safety
+/// AVX-512F present.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn reduce4(a: [std::arch::x86_64::__m512; 4]) -> std::arch::x86_64::__m128 {
+    use std::arch::x86_64::*;
+    let half = |x: __m512| {
+        _mm256_add_ps(
+            _mm512_castps512_ps256(x),
+            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(x))),
+        )
+    };
+    let (b0, b1, b2, b3) = (half(a[0]), half(a[1]), half(a[2]), half(a[3]));
+    // [b0 01, b0 23, b1 01, b1 23 | b0 45, b0 67, b1 45, b1 67], likewise for b2, b3, then
+    // [Σ b0 0..4, Σ b1 0..4, Σ b2 0..4, Σ b3 0..4 | the same of lanes 4..8].
+    let h = _mm256_hadd_ps(_mm256_hadd_ps(b0, b1), _mm256_hadd_ps(b2, b3));
+    _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h))
+}
+
+/// [`pv_acc`] in AVX-512: tiles of up to 4 rows × 4 vectors (64 dims) held in 16 zmm
+/// accumulators over all keys, + 4 zmm of v per key and a broadcast of p: 21 of 32 registers
+/// (the budget of `simd::x86_avx512::gemm`). Per key: 4 loads (widened), 4 broadcasts, 16 FMAs.
+/// The `d % 16` tail element by element.
+///
+/// # Safety
+/// AVX-512F present; operands as checked by [`pv_acc`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn pv_avx512<T: Element>(
+    st: &[f32],
+    np: usize,
+    rows: usize,
+    src: &[T],
+    vr: KeyRows,
+    acc: &mut [f32],
+    dpad: usize,
+) {
+    let nv = vr.d / LANES;
+    let mut r0 = 0;
+    // SAFETY: the caller's contract; every tile below stays inside rows × d.
+    unsafe {
+        while r0 < rows {
+            let rb = (rows - r0).min(4);
+            let mut x0 = 0;
+            while x0 < nv {
+                let xv = (nv - x0).min(4);
+                match (rb, xv) {
+                    (4, 4) => pv_tile::<4, 4, T>(st, np, r0, src, vr, x0, acc, dpad),
+                    (4, 3) => pv_tile::<4, 3, T>(st, np, r0, src, vr, x0, acc, dpad),
+                    (4, 2) => pv_tile::<4, 2, T>(st, np, r0, src, vr, x0, acc, dpad),
+                    (4, _) => pv_tile::<4, 1, T>(st, np, r0, src, vr, x0, acc, dpad),
+                    (3, 4) => pv_tile::<3, 4, T>(st, np, r0, src, vr, x0, acc, dpad),
+                    (3, 3) => pv_tile::<3, 3, T>(st, np, r0, src, vr, x0, acc, dpad),
+                    (3, 2) => pv_tile::<3, 2, T>(st, np, r0, src, vr, x0, acc, dpad),
+                    (3, _) => pv_tile::<3, 1, T>(st, np, r0, src, vr, x0, acc, dpad),
+                    (2, 4) => pv_tile::<2, 4, T>(st, np, r0, src, vr, x0, acc, dpad),
+                    (2, 3) => pv_tile::<2, 3, T>(st, np, r0, src, vr, x0, acc, dpad),
+                    (2, 2) => pv_tile::<2, 2, T>(st, np, r0, src, vr, x0, acc, dpad),
+                    (2, _) => pv_tile::<2, 1, T>(st, np, r0, src, vr, x0, acc, dpad),
+                    (_, 4) => pv_tile::<1, 4, T>(st, np, r0, src, vr, x0, acc, dpad),
+                    (_, 3) => pv_tile::<1, 3, T>(st, np, r0, src, vr, x0, acc, dpad),
+                    (_, 2) => pv_tile::<1, 2, T>(st, np, r0, src, vr, x0, acc, dpad),
+                    (_, _) => pv_tile::<1, 1, T>(st, np, r0, src, vr, x0, acc, dpad),
+                }
+                x0 += xv;
+            }
+            // The tail dims d - d % 16..d.
+            for c in 0..vr.cols {
+                let row = src.as_ptr().add(vr.base + c * vr.row_stride);
+                for r in r0..r0 + rb {
+                    let p = *st.as_ptr().add(c * np + r);
+                    for x in nv * LANES..vr.d {
+                        *acc.as_mut_ptr().add(r * dpad + x) += p * (*row.add(x)).to_f32();
+                    }
+                }
+            }
+            r0 += rb;
+        }
+    }
+}
+
+/// Rows `r0..r0 + R`, vectors `x0..x0 + V` (dims `16·x0..16·(x0 + V)`) of [`pv_avx512`].
+///
+/// # Safety
+/// As [`pv_avx512`]; `r0 + R <= rows`, `16 · (x0 + V) <= d`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn pv_tile<const R: usize, const V: usize, T: Element>(
+    st: &[f32],
+    np: usize,
+    r0: usize,
+    src: &[T],
+    vr: KeyRows,
+    x0: usize,
+    acc: &mut [f32],
+    dpad: usize,
+) {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    unsafe {
+        let mut a = [[_mm512_setzero_ps(); V]; R];
+        let sp = st.as_ptr().add(r0);
+        for c in 0..vr.cols {
+            let row = src.as_ptr().add(vr.base + c * vr.row_stride + x0 * LANES);
+            let mut vv = [_mm512_setzero_ps(); V];
+            for (j, x) in vv.iter_mut().enumerate() {
+                *x = load16(row.add(j * LANES));
+            }
+            let pc = sp.add(c * np);
+            for (i, ai) in a.iter_mut().enumerate() {
+                let p = _mm512_set1_ps(*pc.add(i));
+                for (x, vx) in ai.iter_mut().zip(&vv) {
+                    *x = _mm512_fmadd_ps(p, *vx, *x);
+                }
+            }
+        }
+        let ap = acc.as_mut_ptr();
+        for (i, ai) in a.iter().enumerate() {
+            for (j, x) in ai.iter().enumerate() {
+                let at = ap.add((r0 + i) * dpad + (x0 + j) * LANES);
+                _mm512_storeu_ps(at, _mm512_add_ps(_mm512_loadu_ps(at), *x));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lcg(seed: &mut u64) -> f32 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    /// Every ISA's scores and P·V kernels agree with f64 sums over edge sizes, in every dtype,
+    /// reading rows in place at a stride (with NaN between rows, which must not be read).
+    #[test]
+    fn kernels_match_f64_on_every_isa() {
+        use half::f16;
+        let mut seed = 1u64;
+        for isa in crate::simd::available() {
+            for &(rows, cols, d) in &[
+                (1, 1, 1),
+                (4, 3, 16),
+                (5, 17, 40),
+                (13, 32, 128),
+                (32, 2, 256),
+                (7, 5, 59),
+            ] {
+                let (dpad, np) = (pad_lanes(d), pad_lanes(rows));
+                let stride = d + 3;
+                let mut q = vec![0f32; rows * dpad];
+                for r in 0..rows {
+                    (0..d).for_each(|x| q[r * dpad + x] = lcg(&mut seed));
+                }
+                let mut kv = vec![f32::NAN; 2 + cols * stride];
+                for c in 0..cols {
+                    (0..d).for_each(|x| kv[2 + c * stride + x] = lcg(&mut seed));
+                }
+                let p: Vec<f32> = (0..cols * np).map(|_| lcg(&mut seed).abs()).collect();
+                let kr = KeyRows {
+                    base: 2,
+                    row_stride: stride,
+                    cols,
+                    d,
+                };
+                fn check<T: Element>(
+                    isa: Isa,
+                    (q, rows, dpad, np): (&[f32], usize, usize, usize),
+                    kv: &[f32],
+                    kr: KeyRows,
+                    p: &[f32],
+                ) {
+                    let src: Vec<T> = kv.iter().map(|&x| T::from_f32(x)).collect();
+                    let val = |c: usize, x: usize| src[kr.base + c * kr.row_stride + x].to_f64();
+                    let pairs: Vec<u32> = q
+                        .chunks_exact(2)
+                        .map(|x| {
+                            bf16::from_f32(x[0]).to_bits() as u32
+                                | (bf16::from_f32(x[1]).to_bits() as u32) << 16
+                        })
+                        .collect();
+                    // bf16: q rounded to bf16 for the dot-product path; the tolerance covers it.
+                    let bf = T::DTYPE == DType::BF16;
+                    let qr = QRows {
+                        f32: q,
+                        bf16_pairs: bf.then_some(&pairs[..]),
+                        rows,
+                        dpad,
+                    };
+                    let mut st = vec![f32::NAN; kr.cols * np];
+                    scores(isa, qr, &src, kr, &mut st, np, &mut Ahead::none());
+                    let mut acc = vec![0.5f32; rows * dpad];
+                    pv_acc(isa, p, np, rows, &src, kr, &mut acc, dpad);
+                    let what = format!(
+                        "{isa:?} {} rows {rows} cols {} d {}",
+                        T::DTYPE,
+                        kr.cols,
+                        kr.d
+                    );
+                    for c in 0..kr.cols {
+                        for r in 0..np {
+                            let want: f64 = if r < rows {
+                                (0..kr.d).map(|x| q[r * dpad + x] as f64 * val(c, x)).sum()
+                            } else {
+                                0.0
+                            };
+                            let got = st[c * np + r] as f64;
+                            let tol = if bf {
+                                1e-2 * (kr.d as f64).sqrt()
+                            } else {
+                                1e-5
+                            };
+                            assert!(
+                                (got - want).abs() <= tol * (1.0 + want.abs()),
+                                "{what}: st[{c}][{r}] = {got}, want {want}"
+                            );
+                        }
+                    }
+                    for r in 0..rows {
+                        for x in 0..kr.d {
+                            let want: f64 = 0.5
+                                + (0..kr.cols)
+                                    .map(|c| p[c * np + r] as f64 * val(c, x))
+                                    .sum::<f64>();
+                            let got = acc[r * dpad + x] as f64;
+                            assert!(
+                                (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                                "{what}: acc[{r}][{x}] = {got}, want {want}"
+                            );
+                        }
+                    }
+                }
+                let ops = (&q[..], rows, dpad, np);
+                check::<f32>(isa, ops, &kv, kr, &p);
+                check::<f16>(isa, ops, &kv, kr, &p);
+                check::<bf16>(isa, ops, &kv, kr, &p);
+            }
+        }
+    }
+
+    #[test]
+    fn merge_row_rules() {
+        let d = 2;
+        let mut dst = vec![f32::NAN; d];
+        // All -inf: 0 and -inf, NaN in a skipped partial does not leak.
+        let l = merge_row(&[f32::NEG_INFINITY; 2], &[f32::NAN; 4], d, &mut dst);
+        assert_eq!((l, dst.clone()), (f32::NEG_INFINITY, vec![0.0, 0.0]));
+        // One finite split is copied exactly.
+        let l = merge_row(
+            &[f32::NEG_INFINITY, 0.3],
+            &[f32::NAN, f32::NAN, 0.7, -1.1],
+            d,
+            &mut dst,
+        );
+        assert_eq!((l, dst.clone()), (0.3, vec![0.7, -1.1]));
+        // Two equal halves: lse + ln 2, the mean of the outs.
+        let l = merge_row(&[1.0, 1.0], &[1.0, 2.0, 3.0, 4.0], d, &mut dst);
+        assert!((l - (1.0 + 2f32.ln())).abs() < 1e-6);
+        assert!((dst[0] - 2.0).abs() < 1e-6 && (dst[1] - 3.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn split_count_rule() {
+        assert_eq!(choose_splits(1, 32768, 2), 8);
+        assert_eq!(choose_splits(64, 32768, 2), 1);
+        assert_eq!(choose_splits(1, 100, 2), 1);
+        assert_eq!(choose_splits(1, 32768, 1), 1);
+        assert_eq!(choose_splits(1, 1 << 20, 64), 128);
+    }
+}

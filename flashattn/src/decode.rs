@@ -1,0 +1,821 @@
+//! Decoding with a KV cache: flash-attn's `flash_attn_with_kvcache` on the CPU, and the exact merge
+//! of partial attention results through their LSEs.
+//!
+//! A serving engine keeps the keys and values of every token generated so far in a cache and, per
+//! step, attends one (or a few) new query tokens against all of it. That is bound by memory
+//! bandwidth: at B = 1, 32 query heads over 8 kv heads, d = 128 and 32k cached tokens, one step
+//! reads 128 MiB of bf16 k/v for 0.27 GFLOP (2 FLOP per byte), so the kernel's job is to stream the
+//! cache once at the machine's copy rate (~27-31 GB/s on the 2-core Zen 4 of shared/FACTS.md), not
+//! to maximise FLOP/s. Three things follow (see [`crate::cpu::decode`]):
+//!
+//! - the query heads of a kv group are one query block, so each k/v row is read once, not once
+//!   per query head (4× less traffic at 32/8 heads);
+//! - one query block cannot keep all cores busy, so the key range is split (flash-decoding): each
+//!   split yields a partial `(out, lse)` and [`merge_attn_partials`]'s rule combines them exactly;
+//! - the cache is read in place, from contiguous rows or from pages (`block_table`).
+//!
+//! ```
+//! use flashattn::{flash_attn_with_kvcache, AttnOptions, KvCacheOptions, TensorMut, TensorRef};
+//! let (batch, cap, heads, heads_kv, d) = (1, 64, 8, 2, 16);
+//! let mut k_cache = vec![0.0f32; batch * cap * heads_kv * d];
+//! let mut v_cache = vec![0.0f32; batch * cap * heads_kv * d];
+//! let q = vec![0.1f32; batch * heads * d]; // one new query token
+//! let (k_new, v_new) = (vec![0.2f32; batch * heads_kv * d], vec![0.3f32; batch * heads_kv * d]);
+//! let cache_seqlens = [10]; // tokens already cached
+//! let opts = KvCacheOptions::default()
+//!     .attn(AttnOptions::default().causal(true))
+//!     .new_kv(
+//!         TensorRef::contiguous(&k_new, &[batch, 1, heads_kv, d]),
+//!         TensorRef::contiguous(&v_new, &[batch, 1, heads_kv, d]),
+//!     );
+//! let shape = [batch, cap, heads_kv, d];
+//! let res = flash_attn_with_kvcache(
+//!     &TensorRef::contiguous(&q, &[batch, 1, heads, d]),
+//!     &mut TensorMut::contiguous(&mut k_cache[..], &shape),
+//!     &mut TensorMut::contiguous(&mut v_cache[..], &shape),
+//!     &cache_seqlens,
+//!     &opts,
+//! )?;
+//! assert_eq!(res.out.shape(), &[batch, 1, heads, d]);
+//! assert_eq!(k_cache[10 * heads_kv * d], 0.2); // the new key was appended at position 10
+//! # Ok::<(), flashattn::Error>(())
+//! ```
+//!
+//! This module owns the public types and all validation (everything is checked before the cache is
+//! written: a rejected call leaves it bit-identical); the kernels are in `cpu::decode`.
+//!
+//! Semantics are flash-attn's, with one difference noted at [`Rotary`]: batch row b attends cache
+//! positions `0..cache_seqlens[b] + seqlen_new` (after appending the new keys at
+//! `cache_seqlens[b]`), and causal/window masks and ALiBi are aligned to the bottom-right corner of
+//! that length, as in [`crate::flash_attn`] (query i sits at position
+//! `cache_seqlens[b] + seqlen_new - seqlen_q + i`).
+
+use crate::cpu::simd::Isa;
+use crate::error::{ErrorKind, Result, TensorName};
+use crate::params::{self, AttnOptions, Params, RowLayout, Seq, MAX_HEAD_DIM};
+use crate::tensor::{contiguous_strides, DType, Slice, TensorRef};
+use crate::{AttnOutput, Element};
+use half::{bf16, f16};
+
+/// A mutable borrowed buffer of one of the element types (the caches that a call appends to).
+#[derive(Debug)]
+pub enum SliceMut<'a> {
+    F32(&'a mut [f32]),
+    F16(&'a mut [f16]),
+    BF16(&'a mut [bf16]),
+}
+
+impl<'a> From<&'a mut [f32]> for SliceMut<'a> {
+    fn from(d: &'a mut [f32]) -> Self {
+        SliceMut::F32(d)
+    }
+}
+impl<'a> From<&'a mut [f16]> for SliceMut<'a> {
+    fn from(d: &'a mut [f16]) -> Self {
+        SliceMut::F16(d)
+    }
+}
+impl<'a> From<&'a mut [bf16]> for SliceMut<'a> {
+    fn from(d: &'a mut [bf16]) -> Self {
+        SliceMut::BF16(d)
+    }
+}
+
+impl SliceMut<'_> {
+    /// A shared view of the same elements.
+    pub fn as_slice(&self) -> Slice<'_> {
+        match self {
+            SliceMut::F32(d) => Slice::F32(d),
+            SliceMut::F16(d) => Slice::F16(d),
+            SliceMut::BF16(d) => Slice::BF16(d),
+        }
+    }
+    pub fn dtype(&self) -> DType {
+        self.as_slice().dtype()
+    }
+}
+
+/// A strided, mutable view of a caller's buffer (strides in elements, last dimension contiguous):
+/// how `k_cache` and `v_cache` are passed, since a call with new keys writes them in place.
+#[derive(Debug)]
+pub struct TensorMut<'a> {
+    data: SliceMut<'a>,
+    shape: Vec<usize>,
+    strides: Vec<usize>,
+}
+
+impl<'a> TensorMut<'a> {
+    /// A view with explicit strides (checked when passed to a call).
+    pub fn new(data: impl Into<SliceMut<'a>>, shape: &[usize], strides: &[usize]) -> Self {
+        TensorMut {
+            data: data.into(),
+            shape: shape.to_vec(),
+            strides: strides.to_vec(),
+        }
+    }
+    /// A contiguous row-major view.
+    pub fn contiguous(data: impl Into<SliceMut<'a>>, shape: &[usize]) -> Self {
+        Self::new(data, shape, &contiguous_strides(shape))
+    }
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    pub fn strides(&self) -> &[usize] {
+        &self.strides
+    }
+    pub fn dtype(&self) -> DType {
+        self.data.dtype()
+    }
+    /// A read-only view of the same tensor.
+    pub fn view(&self) -> TensorRef<'_> {
+        TensorRef::from_slice(self.data.as_slice(), &self.shape, &self.strides)
+    }
+}
+
+/// The page table of a paged cache: `data` is `[batch, max_blocks_per_seq]` row-major; key `j` of
+/// sequence b lives in page `data[b][j / page_size]`, row `j % page_size`. Only the entries a call
+/// uses (the pages covering `cache_seqlens[b] + seqlen_new` keys) are read and checked.
+#[derive(Clone, Copy, Debug)]
+pub struct BlockTable<'a> {
+    pub data: &'a [i32],
+    pub batch: usize,
+    pub max_blocks_per_seq: usize,
+}
+
+impl<'a> BlockTable<'a> {
+    pub fn new(data: &'a [i32], batch: usize, max_blocks_per_seq: usize) -> Self {
+        BlockTable {
+            data,
+            batch,
+            max_blocks_per_seq,
+        }
+    }
+}
+
+/// Rotary position embedding of q and the appended keys: `cos`, `sin` `[seqlen_ro, rotary_dim / 2]`
+/// (any float dtype), applied to the first `rotary_dim` dimensions of each head. `interleaved`:
+/// pairs `(2i, 2i + 1)` rotate by angle i (GPT-J); otherwise pairs `(i, i + rotary_dim / 2)`
+/// (GPT-NeoX), as flash-attn's `rotary_interleaved`.
+///
+/// As in flash-attn: new key t of sequence b is rotated at position `cache_seqlens[b] + t`; query i
+/// at `cache_seqlens[b] + i` when the call is causal or windowed, and at `cache_seqlens[b]` (every
+/// query) when it is neither. The rotated q stays in f32 inside the kernel; the rotated keys are
+/// rounded to the cache's dtype when stored.
+#[derive(Clone, Debug)]
+pub struct Rotary<'a> {
+    pub cos: TensorRef<'a>,
+    pub sin: TensorRef<'a>,
+    pub interleaved: bool,
+}
+
+/// Options of [`flash_attn_with_kvcache`] beyond q, the caches and `cache_seqlens`.
+#[derive(Clone, Debug, Default)]
+pub struct KvCacheOptions<'a> {
+    /// Scale, causal, window, softcap, ALiBi and ISA as in [`crate::flash_attn`]; dropout must be 0.
+    pub attn: AttnOptions<'a>,
+    /// New keys and values `[batch, seqlen_new, heads_kv, head_dim]` (q's dtype), written into the
+    /// caches at positions `cache_seqlens[b]..` before attending.
+    pub new_kv: Option<(TensorRef<'a>, TensorRef<'a>)>,
+    /// Cache row of each batch row (`batch` entries, in `0..batch_cache`); default: row b. Not
+    /// with `block_table`.
+    pub cache_batch_idx: Option<&'a [i32]>,
+    /// Paged caches: `k_cache`/`v_cache` are `[num_blocks, page_size, heads_kv, head_dim]`.
+    pub block_table: Option<BlockTable<'a>>,
+    pub rotary: Option<Rotary<'a>>,
+    /// Number of key splits (flash-decoding); `None`: chosen from the shape and the rayon pool's
+    /// thread count (see `cpu::decode::choose_splits`). Results agree across split counts up to
+    /// rounding; a fixed count gives bit-identical results on any number of threads.
+    pub num_splits: Option<usize>,
+}
+
+impl<'a> KvCacheOptions<'a> {
+    pub fn attn(mut self, attn: AttnOptions<'a>) -> Self {
+        self.attn = attn;
+        self
+    }
+    pub fn new_kv(mut self, k_new: TensorRef<'a>, v_new: TensorRef<'a>) -> Self {
+        self.new_kv = Some((k_new, v_new));
+        self
+    }
+    pub fn cache_batch_idx(mut self, idx: &'a [i32]) -> Self {
+        self.cache_batch_idx = Some(idx);
+        self
+    }
+    pub fn block_table(mut self, table: BlockTable<'a>) -> Self {
+        self.block_table = Some(table);
+        self
+    }
+    pub fn rotary(mut self, cos: TensorRef<'a>, sin: TensorRef<'a>, interleaved: bool) -> Self {
+        self.rotary = Some(Rotary {
+            cos,
+            sin,
+            interleaved,
+        });
+        self
+    }
+    pub fn num_splits(mut self, n: usize) -> Self {
+        self.num_splits = Some(n);
+        self
+    }
+    /// Forces the CPU kernels of one instruction set (tests, benchmarks).
+    pub fn isa(mut self, isa: Isa) -> Self {
+        self.attn.isa = Some(isa);
+        self
+    }
+}
+
+/// Where key `j`, kv head `hk` of sequence b lives in a cache: page
+/// `pages[b * max_blocks + j / page_size]`, at element
+/// `page * page_stride + (j % page_size) * row.row_stride + hk * row.head_stride`. A contiguous
+/// cache is the special case of one page per sequence (`page_size = seqlen_cache`, the page being
+/// the sequence's cache row).
+#[derive(Clone, Debug)]
+pub(crate) struct CacheLayout {
+    pub page_size: usize,
+    pub max_blocks: usize,
+    /// Page index per (sequence, block); entries past a sequence's last used block are 0.
+    pub pages: Vec<usize>,
+    pub k_page_stride: usize,
+    pub v_page_stride: usize,
+    pub k: RowLayout,
+    pub v: RowLayout,
+}
+
+impl CacheLayout {
+    /// Element offsets of (sequence b, key j, kv head 0) in k_cache and v_cache.
+    #[inline]
+    pub fn key_offsets(&self, b: usize, j: usize) -> (usize, usize) {
+        let page = self.pages[b * self.max_blocks + j / self.page_size];
+        let row = j % self.page_size;
+        (
+            page * self.k_page_stride + row * self.k.row_stride,
+            page * self.v_page_stride + row * self.v.row_stride,
+        )
+    }
+    /// The end (exclusive) of the run of keys from `j` that share j's page.
+    #[inline]
+    pub fn page_end(&self, j: usize) -> usize {
+        (j / self.page_size + 1) * self.page_size
+    }
+}
+
+/// New keys and values: element offset of (b, 0, 0, 0) per sequence, and row/head strides.
+#[derive(Clone, Debug)]
+pub(crate) struct NewKv {
+    pub seqlen_new: usize,
+    pub k_batch_stride: usize,
+    pub v_batch_stride: usize,
+    pub k: RowLayout,
+    pub v: RowLayout,
+}
+
+/// cos and sin of the positions a call uses, f32: for sequence b, `rows[b]` holds positions
+/// `cache_seqlens[b]..cache_seqlens[b] + n_pos`, each `half` cos values then `half` sin values.
+#[derive(Clone, Debug)]
+pub(crate) struct RotaryParams {
+    pub half: usize,
+    pub interleaved: bool,
+    pub n_pos: usize,
+    pub table: Vec<f32>,
+}
+
+impl RotaryParams {
+    /// (cos, sin) of sequence b's position `cache_seqlens[b] + t`.
+    #[inline]
+    pub fn at(&self, b: usize, t: usize) -> (&[f32], &[f32]) {
+        let at = (b * self.n_pos + t) * 2 * self.half;
+        let row = &self.table[at..at + 2 * self.half];
+        row.split_at(self.half)
+    }
+
+    /// Rotates the first `2 · half` elements of `x` (one head row, f32) in place.
+    #[inline]
+    pub fn rotate(&self, x: &mut [f32], b: usize, t: usize) {
+        let (cos, sin) = self.at(b, t);
+        let half = self.half;
+        for (i, (&c, &s)) in cos.iter().zip(sin).enumerate() {
+            let (i0, i1) = if self.interleaved {
+                (2 * i, 2 * i + 1)
+            } else {
+                (i, i + half)
+            };
+            let (x0, x1) = (x[i0], x[i1]);
+            x[i0] = x0 * c - x1 * s;
+            x[i1] = x0 * s + x1 * c;
+        }
+    }
+}
+
+/// A validated decode call: the whole contract between the API and the kernels.
+#[derive(Clone, Debug)]
+pub(crate) struct DecodeParams {
+    /// q's layout, heads, options, masks and output offsets; `seqs[b].seqlen_k` is the number of
+    /// keys sequence b attends (`cache_seqlens[b] + seqlen_new`); its k/v fields are unused.
+    pub p: Params,
+    pub cache: CacheLayout,
+    pub cache_seqlens: Vec<usize>,
+    pub new_kv: Option<NewKv>,
+    pub rotary: Option<RotaryParams>,
+    pub num_splits: Option<usize>,
+}
+
+/// Decoding attention with a KV cache, as flash-attn's `flash_attn_with_kvcache`.
+///
+/// - q `[batch, seqlen_q, heads, head_dim]` (seqlen_q small, often 1);
+/// - `k_cache`, `v_cache` `[batch_cache, seqlen_cache, heads_kv, head_dim]`, or with
+///   `opts.block_table` paged `[num_blocks, page_size, heads_kv, head_dim]` (any page size); q's
+///   dtype, last dimension contiguous, other strides free;
+/// - `cache_seqlens[b]` (`batch` entries, >= 0): tokens already in sequence b's cache.
+///
+/// With `opts.new_kv`, the new keys/values are first written at positions
+/// `cache_seqlens[b]..cache_seqlens[b] + seqlen_new` (rotated, with `opts.rotary`); then each
+/// sequence attends its first `cache_seqlens[b] + seqlen_new` keys with the masks, softcap, ALiBi
+/// and GQA of [`crate::flash_attn`]. `cache_seqlens` itself is not updated (as in flash-attn).
+/// Every input is validated before anything is written: on error the caches are untouched.
+///
+/// Returns `out` (q's dtype and shape) and `lse` (`[batch, heads, seqlen_q]`, f32, natural log).
+/// Runs on the current rayon pool; the key range is split over the threads (`opts.num_splits`).
+pub fn flash_attn_with_kvcache(
+    q: &TensorRef,
+    k_cache: &mut TensorMut,
+    v_cache: &mut TensorMut,
+    cache_seqlens: &[i32],
+    opts: &KvCacheOptions,
+) -> Result<AttnOutput> {
+    let dp = validate(q, &k_cache.view(), &v_cache.view(), cache_seqlens, opts)?;
+    // Every check passed: from here on nothing fails, and the caches may be written.
+    Ok(crate::cpu::decode::run(
+        &dp,
+        q,
+        opts.new_kv.as_ref(),
+        &mut k_cache.data,
+        &mut v_cache.data,
+    ))
+}
+
+/// A non-negative `i32` entry, or the error naming it.
+fn index_entry(tensor: TensorName, index: usize, value: i32, bound: usize) -> Result<usize> {
+    if value < 0 || value as usize >= bound {
+        return Err(ErrorKind::IndexOutOfRange {
+            tensor,
+            index,
+            value: value as i64,
+            bound,
+        }
+        .into());
+    }
+    Ok(value as usize)
+}
+
+fn row_layout(t: &TensorRef) -> RowLayout {
+    params::layout_of(t)
+}
+
+fn validate(
+    q: &TensorRef,
+    k_cache: &TensorRef,
+    v_cache: &TensorRef,
+    cache_seqlens: &[i32],
+    opts: &KvCacheOptions,
+) -> Result<DecodeParams> {
+    const Q_LAYOUT: &str = "[batch, seqlen_q, heads, head_dim]";
+    let paged = opts.block_table.is_some();
+    let cache_layout = if paged {
+        "[num_blocks, page_size, heads_kv, head_dim]"
+    } else {
+        "[batch_cache, seqlen_cache, heads_kv, head_dim]"
+    };
+    params::check_view("q", q, 4, Q_LAYOUT)?;
+    params::check_view("k_cache", k_cache, 4, cache_layout)?;
+    params::check_view("v_cache", v_cache, 4, cache_layout)?;
+    params::check_dtype("k_cache", k_cache, q.dtype())?;
+    params::check_dtype("v_cache", v_cache, q.dtype())?;
+    let (batch, seqlen_q, heads, head_dim) =
+        (q.shape()[0], q.shape()[1], q.shape()[2], q.shape()[3]);
+    if head_dim == 0 || head_dim > MAX_HEAD_DIM {
+        return Err(ErrorKind::HeadDim {
+            tensor: "q",
+            head_dim,
+        }
+        .into());
+    }
+    let cs = k_cache.shape();
+    let (n_pages, page_rows, heads_kv) = (cs[0], cs[1], cs[2]);
+    params::check_shape(
+        "k_cache",
+        k_cache,
+        &[n_pages, page_rows, heads_kv, head_dim],
+    )?;
+    params::check_shape("v_cache", v_cache, cs)?;
+    if heads == 0 || heads_kv == 0 || heads % heads_kv != 0 {
+        return Err(ErrorKind::HeadsNotMultiple { heads, heads_kv }.into());
+    }
+    let o = params::check_options(&opts.attn, head_dim)?;
+    if opts.attn.dropout_p != 0.0 {
+        return Err(ErrorKind::DropoutInDecode {
+            p: opts.attn.dropout_p,
+        }
+        .into());
+    }
+    let alibi = params::check_alibi(&opts.attn, batch, heads)?;
+    let out_shape = vec![batch, seqlen_q, heads, head_dim];
+    params::checked_product("out", &out_shape, 4)?;
+    params::checked_product("lse", &[batch, heads, seqlen_q], 4)?;
+
+    if cache_seqlens.len() != batch {
+        return Err(ErrorKind::IndexLength {
+            tensor: "cache_seqlens",
+            expected: batch,
+            got: cache_seqlens.len(),
+            what: "one per batch row of q",
+        }
+        .into());
+    }
+    for (index, &value) in cache_seqlens.iter().enumerate() {
+        if value < 0 {
+            return Err(ErrorKind::IndexOutOfRange {
+                tensor: "cache_seqlens",
+                index,
+                value: value as i64,
+                bound: i32::MAX as usize,
+            }
+            .into());
+        }
+    }
+    let lens: Vec<usize> = cache_seqlens.iter().map(|&x| x as usize).collect();
+
+    // New keys and values.
+    let new_kv = match &opts.new_kv {
+        None => None,
+        Some((kn, vn)) => {
+            const NEW_LAYOUT: &str = "[batch, seqlen_new, heads_kv, head_dim]";
+            params::check_view("k_new", kn, 4, NEW_LAYOUT)?;
+            params::check_view("v_new", vn, 4, NEW_LAYOUT)?;
+            params::check_dtype("k_new", kn, q.dtype())?;
+            params::check_dtype("v_new", vn, q.dtype())?;
+            let seqlen_new = kn.shape()[1];
+            params::check_shape("k_new", kn, &[batch, seqlen_new, heads_kv, head_dim])?;
+            params::check_shape("v_new", vn, kn.shape())?;
+            Some(NewKv {
+                seqlen_new,
+                k_batch_stride: kn.strides()[0],
+                v_batch_stride: vn.strides()[0],
+                k: row_layout(kn),
+                v: row_layout(vn),
+            })
+        }
+    };
+    let seqlen_new = new_kv.as_ref().map_or(0, |n| n.seqlen_new);
+
+    // Where each sequence's keys live, and that the appended ones fit.
+    let (page_size, max_blocks, pages) = match (&opts.block_table, opts.cache_batch_idx) {
+        (Some(_), Some(_)) => return Err(ErrorKind::PagedWithBatchIdx.into()),
+        (Some(bt), None) => {
+            if bt.batch != batch {
+                return Err(ErrorKind::IndexLength {
+                    tensor: "block_table",
+                    expected: batch,
+                    got: bt.batch,
+                    what: "rows: one per batch row of q",
+                }
+                .into());
+            }
+            let expected = batch.saturating_mul(bt.max_blocks_per_seq);
+            if bt.data.len() != expected {
+                return Err(ErrorKind::IndexLength {
+                    tensor: "block_table",
+                    expected,
+                    got: bt.data.len(),
+                    what: "batch · max_blocks_per_seq, row-major",
+                }
+                .into());
+            }
+            let capacity = bt.max_blocks_per_seq.saturating_mul(page_rows);
+            let mut pages = vec![0usize; expected];
+            for (b, &len) in lens.iter().enumerate() {
+                check_fits(b, len, seqlen_new, capacity)?;
+                let used = (len + seqlen_new).div_ceil(page_rows.max(1));
+                for blk in 0..used {
+                    let index = b * bt.max_blocks_per_seq + blk;
+                    pages[index] = index_entry("block_table", index, bt.data[index], n_pages)?;
+                }
+            }
+            (page_rows, bt.max_blocks_per_seq, pages)
+        }
+        (None, idx) => {
+            let pages = match idx {
+                Some(idx) => {
+                    if idx.len() != batch {
+                        return Err(ErrorKind::IndexLength {
+                            tensor: "cache_batch_idx",
+                            expected: batch,
+                            got: idx.len(),
+                            what: "one per batch row of q",
+                        }
+                        .into());
+                    }
+                    idx.iter()
+                        .enumerate()
+                        .map(|(i, &x)| index_entry("cache_batch_idx", i, x, n_pages))
+                        .collect::<Result<Vec<_>>>()?
+                }
+                None => {
+                    if n_pages != batch {
+                        return Err(ErrorKind::Shape {
+                            tensor: "k_cache",
+                            expected: vec![batch, page_rows, heads_kv, head_dim],
+                            got: cs.to_vec(),
+                        }
+                        .into());
+                    }
+                    (0..batch).collect()
+                }
+            };
+            for (b, &len) in lens.iter().enumerate() {
+                check_fits(b, len, seqlen_new, page_rows)?;
+            }
+            (page_rows, 1, pages)
+        }
+    };
+
+    // Rotary embedding.
+    let rotary = match &opts.rotary {
+        None => None,
+        Some(r) => {
+            if new_kv.is_none() {
+                return Err(ErrorKind::RotaryWithoutNewKv.into());
+            }
+            params::check_view("rotary_cos", &r.cos, 2, "[seqlen_ro, rotary_dim / 2]")?;
+            params::check_view("rotary_sin", &r.sin, 2, "[seqlen_ro, rotary_dim / 2]")?;
+            params::check_shape("rotary_sin", &r.sin, r.cos.shape())?;
+            let (seqlen_ro, half) = (r.cos.shape()[0], r.cos.shape()[1]);
+            if half == 0 || 2 * half > head_dim {
+                return Err(ErrorKind::RotaryDim {
+                    rotary_dim: 2 * half,
+                    head_dim,
+                }
+                .into());
+            }
+            let n_pos = seqlen_q.max(seqlen_new);
+            for (b, &len) in lens.iter().enumerate() {
+                let needed = len + n_pos;
+                if needed > seqlen_ro {
+                    return Err(ErrorKind::RotaryPositions {
+                        batch: b,
+                        needed,
+                        seqlen_ro,
+                    }
+                    .into());
+                }
+            }
+            params::checked_product("rotary_cos", &[batch, n_pos, 2 * half], 4)?;
+            // Only the rows this call uses are read (a table may cover 100k+ positions).
+            let (cst, sst) = (r.cos.strides(), r.sin.strides());
+            let mut table = Vec::with_capacity(batch * n_pos * 2 * half);
+            for &len in &lens {
+                for t in 0..n_pos {
+                    let pos = len + t;
+                    table.extend((0..half).map(|i| element(&r.cos, pos * cst[0] + i)));
+                    table.extend((0..half).map(|i| element(&r.sin, pos * sst[0] + i)));
+                }
+            }
+            Some(RotaryParams {
+                half,
+                interleaved: r.interleaved,
+                n_pos,
+                table,
+            })
+        }
+    };
+
+    if opts.num_splits == Some(0) {
+        return Err(ErrorKind::NumSplits { num_splits: 0 }.into());
+    }
+
+    let q_layout = row_layout(q);
+    let seqs = lens
+        .iter()
+        .enumerate()
+        .map(|(b, &len)| Seq {
+            seqlen_q,
+            seqlen_k: len + seqlen_new,
+            q_base: b * q.strides()[0],
+            k_base: 0,
+            v_base: 0,
+            out_row0: b * seqlen_q,
+            lse_base: b * heads * seqlen_q,
+            k_row0: 0,
+        })
+        .collect();
+    let p = Params {
+        dtype: q.dtype(),
+        heads,
+        heads_kv,
+        head_dim,
+        seqs,
+        q: q_layout,
+        k: row_layout(k_cache),
+        v: row_layout(v_cache),
+        total_q: batch * seqlen_q,
+        lse_head_stride: seqlen_q,
+        out_shape,
+        lse_shape: vec![batch, heads, seqlen_q],
+        k_shape: cs.to_vec(),
+        total_k: 0,
+        softmax_scale: o.softmax_scale,
+        softcap: o.softcap,
+        window_left: o.window_left,
+        window_right: o.window_right,
+        alibi,
+        dropout: None,
+        packed: false,
+        kernels: o.kernels,
+    };
+    Ok(DecodeParams {
+        cache: CacheLayout {
+            page_size,
+            max_blocks,
+            pages,
+            k_page_stride: k_cache.strides()[0],
+            v_page_stride: v_cache.strides()[0],
+            k: row_layout(k_cache),
+            v: row_layout(v_cache),
+        },
+        p,
+        cache_seqlens: lens,
+        new_kv,
+        rotary,
+        num_splits: opts.num_splits,
+    })
+}
+
+/// `cache_seqlen + seqlen_new <= capacity`, or the overflow error.
+fn check_fits(batch: usize, cache_seqlen: usize, seqlen_new: usize, capacity: usize) -> Result<()> {
+    let needed = cache_seqlen.saturating_add(seqlen_new);
+    if needed > capacity {
+        return Err(ErrorKind::CacheOverflow {
+            batch,
+            cache_seqlen,
+            seqlen_new,
+            needed,
+            capacity,
+        }
+        .into());
+    }
+    Ok(())
+}
+
+/// Element `at` of a validated tensor's buffer, widened to f32.
+fn element(t: &TensorRef, at: usize) -> f32 {
+    match t.data() {
+        Slice::F32(d) => d[at],
+        Slice::F16(d) => d[at].to_f32(),
+        Slice::BF16(d) => d[at].to_f32(),
+    }
+}
+
+/// Merges partial attention results computed over disjoint key sets of the same queries into the
+/// result over all of them, exactly (up to rounding):
+/// `lse = log Σ_s exp(lse_s)`, `out = Σ_s exp(lse_s − lse) · out_s`.
+///
+/// `outs[s]` and `lses[s]` are what a forward call returns for key set s: out
+/// `[batch, seqlen_q, heads, head_dim]` with lse `[batch, heads, seqlen_q]`, or the packed
+/// `[total_q, heads, head_dim]` with `[heads, total_q]`; every out of one shape and float dtype
+/// (f32 keeps the partials exact; the result has their dtype), lse f32, any strides. A partial
+/// whose row saw no key (lse -inf) contributes nothing; a row no partial saw is 0 with lse -inf.
+/// This is the merge of split-KV decoding, and of attention sharded by keys across machines.
+pub fn merge_attn_partials(outs: &[TensorRef], lses: &[TensorRef]) -> Result<AttnOutput> {
+    if outs.is_empty() {
+        return Err(ErrorKind::NoPartials.into());
+    }
+    if outs.len() != lses.len() {
+        return Err(ErrorKind::PartialsCount {
+            outs: outs.len(),
+            lses: lses.len(),
+        }
+        .into());
+    }
+    let rank = outs[0].shape().len();
+    let (layout, lse_layout) = match rank {
+        3 => ("[total_q, heads, head_dim]", "[heads, total_q]"),
+        _ => (
+            "[batch, seqlen_q, heads, head_dim]",
+            "[batch, heads, seqlen_q]",
+        ),
+    };
+    let rank = if rank == 3 { 3 } else { 4 };
+    let shape = outs[0].shape().to_vec();
+    params::check_view("out_partials", &outs[0], rank, layout)?;
+    let lse_shape: Vec<usize> = if rank == 3 {
+        vec![shape[1], shape[0]]
+    } else {
+        vec![shape[0], shape[2], shape[1]]
+    };
+    let dtype = outs[0].dtype();
+    for (part, (o, l)) in outs.iter().zip(lses).enumerate() {
+        params::check_view("out_partials", o, rank, layout)?;
+        params::check_view("lse_partials", l, rank - 1, lse_layout)?;
+        for (tensor, t, expected, expected_dtype) in [
+            ("out_partials", o, &shape, dtype),
+            ("lse_partials", l, &lse_shape, DType::F32),
+        ] {
+            if t.shape() != expected.as_slice() || t.dtype() != expected_dtype {
+                return Err(ErrorKind::PartialMismatch {
+                    part,
+                    tensor,
+                    expected: expected.clone(),
+                    got: t.shape().to_vec(),
+                    expected_dtype,
+                    got_dtype: t.dtype(),
+                }
+                .into());
+            }
+        }
+    }
+    params::checked_product("out", &shape, 4)?;
+    // Gather every partial LSE as [part][row], row = (b, h, i) or (h, t) in lse order, and check it.
+    let rows: usize = lse_shape.iter().product();
+    let mut lse_all = Vec::with_capacity(outs.len() * rows);
+    for (part, l) in lses.iter().enumerate() {
+        let data = l.typed::<f32>().expect("dtype checked above");
+        let st = l.strides();
+        let start = lse_all.len();
+        if rank == 3 {
+            for h in 0..lse_shape[0] {
+                lse_all.extend((0..lse_shape[1]).map(|t| data[h * st[0] + t * st[1]]));
+            }
+        } else {
+            for b in 0..lse_shape[0] {
+                for h in 0..lse_shape[1] {
+                    lse_all
+                        .extend((0..lse_shape[2]).map(|i| data[b * st[0] + h * st[1] + i * st[2]]));
+                }
+            }
+        }
+        if let Some((index, &value)) = lse_all[start..]
+            .iter()
+            .enumerate()
+            .find(|(_, x)| x.is_nan() || **x == f32::INFINITY)
+        {
+            return Err(ErrorKind::PartialLse { part, index, value }.into());
+        }
+    }
+    let out = crate::tensor::with_dtype!(dtype, T => merge_typed::<T>(outs, &lse_all, &shape));
+    Ok(out)
+}
+
+fn merge_typed<T: Element>(outs: &[TensorRef], lse_all: &[f32], shape: &[usize]) -> AttnOutput {
+    let d = shape[shape.len() - 1];
+    let heads = shape[shape.len() - 2];
+    let packed = shape.len() == 3;
+    // Token rows of out: (b, i) flattened; lse row index of (token, h).
+    let (batch, sq) = if packed {
+        (1, shape[0])
+    } else {
+        (shape[0], shape[1])
+    };
+    let rows = batch * sq * heads;
+    let n = outs.len();
+    let mut out = vec![T::default(); rows * d];
+    let mut lse = vec![0f32; rows];
+    let mut parts = vec![0f32; n * d];
+    let mut part_lse = vec![0f32; n];
+    let mut row = vec![0f32; d];
+    for b in 0..batch {
+        for i in 0..sq {
+            for h in 0..heads {
+                let lse_row = if packed {
+                    h * sq + i
+                } else {
+                    (b * heads + h) * sq + i
+                };
+                for (s, o) in outs.iter().enumerate() {
+                    let st = o.strides();
+                    let at = if packed {
+                        i * st[0] + h * st[1]
+                    } else {
+                        b * st[0] + i * st[1] + h * st[2]
+                    };
+                    let data = o.typed::<T>().expect("dtype checked");
+                    T::widen(&data[at..at + d], &mut parts[s * d..(s + 1) * d]);
+                    part_lse[s] = lse_all[s * rows + lse_row];
+                }
+                lse[lse_row] = crate::cpu::decode::merge_row(&part_lse, &parts, d, &mut row);
+                let token = b * sq + i;
+                T::narrow(
+                    &row,
+                    &mut out[(token * heads + h) * d..(token * heads + h + 1) * d],
+                );
+            }
+        }
+    }
+    let lse_shape = if packed {
+        vec![heads, sq]
+    } else {
+        vec![batch, heads, sq]
+    };
+    AttnOutput {
+        out: crate::Tensor::new_unchecked(T::wrap_vec(out), shape.to_vec()),
+        lse: crate::Tensor::new_unchecked(crate::Buffer::F32(lse), lse_shape),
+    }
+}

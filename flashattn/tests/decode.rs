@@ -1,0 +1,1550 @@
+//! Decoding with a KV cache (`flash_attn_with_kvcache`) and the merge of partials.
+//!
+//! Each case builds a cache (contiguous, behind `cache_batch_idx`, with gaps between rows and
+//! heads, or paged with a shuffled block table), runs one call, then checks:
+//! - the cache afterwards: the appended keys equal the test's own f64 rotation of `k_new`
+//!   (rounded to the dtype, within rounding), `v_new` is copied exactly, every other element is
+//!   bit-identical to before (slots past a sequence's length hold NaN, so reading one would show);
+//! - out and lse against `flashattn::reference` (f64) on the equivalent plain attention: per
+//!   sequence, q rotated by the test at flash-attn's positions (`cache_seqlens[b] + i` when causal
+//!   or windowed, `cache_seqlens[b]` otherwise) and the keys it should see
+//!   (cache prefix + appended rows), with `common::check_bound`'s derived bound (2× the naive
+//!   error in the same precision plus a rounding floor; NaN never passes).
+//!
+//! Then: several split counts and page sizes agree, bad input of every kind is a typed error that
+//! leaves the caches bit-identical, and `merge_attn_partials` reproduces attention over shards.
+
+mod common;
+
+use common::*;
+use flashattn::decode::SliceMut;
+use flashattn::naive::DotOrder;
+use flashattn::reference::Reference;
+use flashattn::simd::Isa;
+use flashattn::{
+    flash_attn, flash_attn_with_kvcache, merge_attn_partials, naive, reference, AttnOptions,
+    AttnOutput, BlockTable, Buffer, DType, Error, ErrorKind, KvCacheOptions, Tensor, TensorMut,
+    TensorRef,
+};
+use rand::seq::SliceRandom;
+use rand::Rng;
+
+// ---------------------------------------------------------------------------------------------
+// A decode case
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Store {
+    /// `[batch, cap, heads_kv, d]`, contiguous.
+    Contiguous,
+    /// `[batch + 2, cap, heads_kv, d]` behind a shuffled `cache_batch_idx`.
+    BatchIdx,
+    /// Contiguous shape, with gaps (NaN) between heads, rows and batch rows.
+    Gaps,
+    /// `[num_blocks, page_size, heads_kv, d]` with a shuffled block table; unused entries -1.
+    Paged(usize),
+}
+
+#[derive(Clone, Debug)]
+struct DCase {
+    dtype: DType,
+    seqlen_q: usize,
+    heads: usize,
+    heads_kv: usize,
+    d: usize,
+    /// Capacity per sequence (seqlen_cache, or pages · page_size rounded up).
+    cap: usize,
+    /// cache_seqlens, one per batch row.
+    lens: Vec<usize>,
+    /// seqlen_new; `None`: no new keys.
+    new: Option<usize>,
+    causal: bool,
+    window: (i64, i64),
+    softcap: Option<f32>,
+    alibi: bool,
+    /// (rotary_dim, interleaved).
+    rotary: Option<(usize, bool)>,
+    store: Store,
+    splits: Option<usize>,
+    isa: Option<Isa>,
+    dist: Dist,
+    seed: u64,
+}
+
+impl Default for DCase {
+    fn default() -> Self {
+        DCase {
+            dtype: DType::F32,
+            seqlen_q: 1,
+            heads: 4,
+            heads_kv: 2,
+            d: 16,
+            cap: 80,
+            lens: vec![50],
+            new: Some(1),
+            causal: true,
+            window: (-1, -1),
+            softcap: None,
+            alibi: false,
+            rotary: None,
+            store: Store::Contiguous,
+            splits: None,
+            isa: None,
+            dist: Dist::Uniform,
+            seed: 0,
+        }
+    }
+}
+
+impl DCase {
+    fn batch(&self) -> usize {
+        self.lens.len()
+    }
+    fn seqlen_new(&self) -> usize {
+        self.new.unwrap_or(0)
+    }
+    fn seqlen_k(&self, b: usize) -> usize {
+        self.lens[b] + self.seqlen_new()
+    }
+}
+
+/// Physical placement of the caches: element offset of (b, j, hk, 0) per the store.
+struct CacheMap {
+    shape: Vec<usize>,
+    strides: Vec<usize>,
+    len: usize,
+    /// Page (or cache row) of (b, block).
+    table: Vec<i32>,
+    max_blocks: usize,
+    page_size: usize,
+    batch_idx: Option<Vec<i32>>,
+}
+
+impl CacheMap {
+    fn offset(&self, b: usize, j: usize, hk: usize) -> usize {
+        let page = self.table[b * self.max_blocks + j / self.page_size] as usize;
+        page * self.strides[0] + (j % self.page_size) * self.strides[1] + hk * self.strides[2]
+    }
+}
+
+fn cache_map(c: &DCase, rng: &mut rand_chacha::ChaCha8Rng) -> CacheMap {
+    let (batch, hkv, d, cap) = (c.batch(), c.heads_kv, c.d, c.cap);
+    match c.store {
+        Store::Contiguous | Store::Gaps | Store::BatchIdx => {
+            let rows = batch + if c.store == Store::BatchIdx { 2 } else { 0 };
+            let shape = vec![rows, cap, hkv, d];
+            let strides = if c.store == Store::Gaps {
+                let head = d + 3;
+                let row = hkv * head + 5;
+                vec![cap * row + 7, row, head, 1]
+            } else {
+                flashattn::tensor::contiguous_strides(&shape)
+            };
+            let mut perm: Vec<i32> = (0..rows as i32).collect();
+            if c.store == Store::BatchIdx {
+                perm.shuffle(rng);
+            }
+            let table = perm[..batch].to_vec();
+            CacheMap {
+                len: rows * strides[0] + 11,
+                shape,
+                strides,
+                batch_idx: (c.store == Store::BatchIdx).then(|| table.clone()),
+                table,
+                max_blocks: 1,
+                page_size: cap,
+            }
+        }
+        Store::Paged(ps) => {
+            let max_blocks = cap.div_ceil(ps);
+            let n_blocks = batch * max_blocks + 3;
+            let mut pages: Vec<i32> = (0..n_blocks as i32).collect();
+            pages.shuffle(rng);
+            let mut table = vec![-1; batch * max_blocks];
+            let mut next = 0;
+            for b in 0..batch {
+                // Only the blocks the call uses get pages; the rest stay -1 (never read).
+                for blk in 0..c.seqlen_k(b).div_ceil(ps) {
+                    table[b * max_blocks + blk] = pages[next];
+                    next += 1;
+                }
+            }
+            let shape = vec![n_blocks, ps, hkv, d];
+            let strides = flashattn::tensor::contiguous_strides(&shape);
+            CacheMap {
+                len: n_blocks * strides[0],
+                shape,
+                strides,
+                table,
+                max_blocks,
+                page_size: ps,
+                batch_idx: None,
+            }
+        }
+    }
+}
+
+/// cos/sin tables `[seqlen_ro, rot / 2]` (f32) of the usual θ_i = 10000^(-2i/rot).
+fn rotary_tables(rot: usize, seqlen_ro: usize) -> (Vec<f32>, Vec<f32>) {
+    let half = rot / 2;
+    let mut cos = Vec::with_capacity(seqlen_ro * half);
+    let mut sin = Vec::with_capacity(seqlen_ro * half);
+    for pos in 0..seqlen_ro {
+        for i in 0..half {
+            let theta = 10000f64.powf(-2.0 * i as f64 / rot as f64);
+            cos.push((pos as f64 * theta).cos() as f32);
+            sin.push((pos as f64 * theta).sin() as f32);
+        }
+    }
+    (cos, sin)
+}
+
+/// The test's own rotary embedding, in f64: rotates `x` (one head row) at table row `pos`.
+fn rotate_f64(x: &mut [f64], cos: &[f32], sin: &[f32], half: usize, pos: usize, inter: bool) {
+    for i in 0..half {
+        let (c, s) = (cos[pos * half + i] as f64, sin[pos * half + i] as f64);
+        let (a, b) = if inter {
+            (2 * i, 2 * i + 1)
+        } else {
+            (i, i + half)
+        };
+        let (x0, x1) = (x[a], x[b]);
+        x[a] = x0 * c - x1 * s;
+        x[b] = x0 * s + x1 * c;
+    }
+}
+
+fn slice_mut(b: &mut Buffer) -> SliceMut<'_> {
+    match b {
+        Buffer::F32(d) => SliceMut::F32(d),
+        Buffer::F16(d) => SliceMut::F16(d),
+        Buffer::BF16(d) => SliceMut::BF16(d),
+    }
+}
+
+/// A contiguous view of a whole buffer.
+fn view_of<'a>(buf: &'a Buffer, shape: &[usize]) -> TensorRef<'a> {
+    TensorRef::from_slice(
+        buf.as_slice(),
+        shape,
+        &flashattn::tensor::contiguous_strides(shape),
+    )
+}
+
+fn buf_f64(b: &Buffer) -> Vec<f64> {
+    Tensor::from_buffer(b.clone(), &[b.as_slice().len()])
+        .unwrap()
+        .to_f64_vec()
+}
+
+fn buf_bits(b: &Buffer) -> Vec<u32> {
+    bits(&Tensor::from_buffer(b.clone(), &[b.as_slice().len()]).unwrap())
+}
+
+/// Everything a case needs to call the library, built once.
+struct Built {
+    qb: Buffer,
+    k_cache: Buffer,
+    v_cache: Buffer,
+    k_new: Option<(Vec<f64>, Buffer)>,
+    v_new: Option<(Vec<f64>, Buffer)>,
+    map: CacheMap,
+    alibi: Vec<f32>,
+    cos_sin: Option<(Vec<f32>, Vec<f32>)>,
+    seqlen_ro: usize,
+}
+
+fn build(c: &DCase) -> Built {
+    let mut rng = rng(c.seed);
+    let (batch, sq, h, hkv, d) = (c.batch(), c.seqlen_q, c.heads, c.heads_kv, c.d);
+    // The layout draws from its own generator, so every store holds the same logical values.
+    let map = cache_map(c, &mut common::rng(c.seed ^ 0x5eed_5eed));
+    // Dist::Huge: q, k entries U(-1, 1)·s give scaled scores (default scale) of std s²/3.
+    let scale_qk = match c.dist {
+        Dist::Huge(target) => (3.0 * target).sqrt(),
+        _ => 1.0,
+    };
+    let mut q = values(&mut rng, batch * sq * h * d, c.dist);
+    q.iter_mut().for_each(|x| *x *= scale_qk);
+    // Caches: NaN everywhere (gaps, unused slots and pages), random where a sequence has tokens.
+    let mut kc = vec![f64::NAN; map.len];
+    let mut vc = vec![f64::NAN; map.len];
+    for b in 0..batch {
+        for j in 0..c.lens[b] {
+            for hk in 0..hkv {
+                let o = map.offset(b, j, hk);
+                for x in 0..d {
+                    kc[o + x] = sample(&mut rng, c.dist) * scale_qk;
+                    vc[o + x] = sample(&mut rng, Dist::Uniform);
+                }
+            }
+        }
+    }
+    let new = |rng: &mut rand_chacha::ChaCha8Rng, s: f64, dist: Dist| {
+        c.new.map(|n| {
+            let mut vals = values(rng, batch * n * hkv * d, dist);
+            vals.iter_mut().for_each(|x| *x *= s);
+            let buf = to_buffer(&vals, c.dtype);
+            (vals, buf)
+        })
+    };
+    let k_new = new(&mut rng, scale_qk, c.dist);
+    let v_new = new(&mut rng, 1.0, Dist::Uniform);
+    let alibi = (0..batch * h)
+        .map(|_| rng.gen_range(0.01f32..0.5))
+        .collect();
+    let seqlen_ro = c.cap + sq + 3;
+    Built {
+        qb: to_buffer(&q, c.dtype),
+        k_cache: to_buffer(&kc, c.dtype),
+        v_cache: to_buffer(&vc, c.dtype),
+        k_new,
+        v_new,
+        map,
+        alibi,
+        cos_sin: c.rotary.map(|(rot, _)| rotary_tables(rot, seqlen_ro)),
+        seqlen_ro,
+    }
+}
+
+impl Built {
+    fn attn_opts(&self, c: &DCase) -> AttnOptions<'_> {
+        let mut o = AttnOptions::default()
+            .causal(c.causal)
+            .window(c.window.0, c.window.1);
+        o.softcap = c.softcap;
+        if c.alibi {
+            o = o.alibi_slopes(TensorRef::contiguous(&self.alibi, &[c.batch(), c.heads]));
+        }
+        o
+    }
+
+    fn opts(&self, c: &DCase) -> KvCacheOptions<'_> {
+        let (batch, hkv, d) = (c.batch(), c.heads_kv, c.d);
+        let mut o = KvCacheOptions::default().attn(self.attn_opts(c));
+        if let (Some((_, kb)), Some((_, vb))) = (&self.k_new, &self.v_new) {
+            let shape = [batch, c.seqlen_new(), hkv, d];
+            o = o.new_kv(
+                TensorRef::from_slice(
+                    kb.as_slice(),
+                    &shape,
+                    &flashattn::tensor::contiguous_strides(&shape),
+                ),
+                TensorRef::from_slice(
+                    vb.as_slice(),
+                    &shape,
+                    &flashattn::tensor::contiguous_strides(&shape),
+                ),
+            );
+        }
+        if let Some(idx) = &self.map.batch_idx {
+            o = o.cache_batch_idx(idx);
+        }
+        if let Store::Paged(_) = c.store {
+            o = o.block_table(BlockTable::new(&self.map.table, batch, self.map.max_blocks));
+        }
+        if let (Some((cos, sin)), Some((rot, inter))) = (&self.cos_sin, c.rotary) {
+            let shape = [self.seqlen_ro, rot / 2];
+            o = o.rotary(
+                TensorRef::contiguous(cos, &shape),
+                TensorRef::contiguous(sin, &shape),
+                inter,
+            );
+        }
+        if let Some(n) = c.splits {
+            o = o.num_splits(n);
+        }
+        if let Some(isa) = c.isa {
+            o = o.isa(isa);
+        }
+        o
+    }
+
+    fn q_view(&self, c: &DCase) -> TensorRef<'_> {
+        let shape = [c.batch(), c.seqlen_q, c.heads, c.d];
+        TensorRef::from_slice(
+            self.qb.as_slice(),
+            &shape,
+            &flashattn::tensor::contiguous_strides(&shape),
+        )
+    }
+
+    /// One call on copies of the caches; returns the result and the caches afterwards.
+    fn call(&self, c: &DCase) -> (flashattn::Result<AttnOutput>, Buffer, Buffer) {
+        let (mut kc, mut vc) = (self.k_cache.clone(), self.v_cache.clone());
+        let res = {
+            let mut k = TensorMut::new(slice_mut(&mut kc), &self.map.shape, &self.map.strides);
+            let mut v = TensorMut::new(slice_mut(&mut vc), &self.map.shape, &self.map.strides);
+            let lens: Vec<i32> = c.lens.iter().map(|&x| x as i32).collect();
+            flash_attn_with_kvcache(&self.q_view(c), &mut k, &mut v, &lens, &self.opts(c))
+        };
+        (res, kc, vc)
+    }
+}
+
+/// Runs a case and checks the caches and the result; returns the result.
+fn check_case(c: &DCase) -> AttnOutput {
+    let bl = build(c);
+    let (res, kc_after, vc_after) = bl.call(c);
+    let flash = res.unwrap_or_else(|e| panic!("{c:?}: {e}"));
+    let (batch, sq, h, hkv, d) = (c.batch(), c.seqlen_q, c.heads, c.heads_kv, c.d);
+    let eps = c.dtype.epsilon();
+
+    // The caches afterwards.
+    let (k_before, v_before) = (buf_bits(&bl.k_cache), buf_bits(&bl.v_cache));
+    let (k_bits, v_bits) = (buf_bits(&kc_after), buf_bits(&vc_after));
+    let (k_after, v_after) = (buf_f64(&kc_after), buf_f64(&vc_after));
+    let mut written = vec![false; bl.map.len];
+    let half = c.rotary.map_or(0, |r| r.0 / 2);
+    let (k_new, v_new) = match (&bl.k_new, &bl.v_new) {
+        (Some(k), Some(v)) => (buf_f64(&k.1), buf_f64(&v.1)),
+        _ => (Vec::new(), Vec::new()),
+    };
+    for b in 0..batch {
+        for t in 0..c.seqlen_new() {
+            let pos = c.lens[b] + t;
+            for hk in 0..hkv {
+                let o = bl.map.offset(b, pos, hk);
+                let src = ((b * c.seqlen_new() + t) * hkv + hk) * d;
+                // k_new as stored (rounded to the dtype), rotated here in f64.
+                let orig = k_new[src..src + d].to_vec();
+                let mut want = orig.clone();
+                if let (Some((cos, sin)), Some((_, inter))) = (&bl.cos_sin, c.rotary) {
+                    rotate_f64(&mut want, cos, sin, half, pos, inter);
+                }
+                for x in 0..d {
+                    written[o + x] = true;
+                    let pair = if half == 0 || x >= 2 * half {
+                        orig[x].abs()
+                    } else {
+                        orig.iter().take(2 * half).fold(0f64, |m, y| m.max(y.abs()))
+                    };
+                    let tol = 4.0 * eps * pair * 2.0;
+                    assert!(
+                        (k_after[o + x] - want[x]).abs() <= tol,
+                        "{c:?}: k_cache (b {b}, pos {pos}, hk {hk}, {x}) = {}, want {} (tol {tol:e})",
+                        k_after[o + x],
+                        want[x]
+                    );
+                    assert_eq!(
+                        v_after[o + x],
+                        v_new[src + x],
+                        "{c:?}: v_cache (b {b}, pos {pos})"
+                    );
+                }
+            }
+        }
+    }
+    for i in 0..bl.map.len {
+        if !written[i] {
+            assert_eq!(k_bits[i], k_before[i], "{c:?}: k_cache[{i}] changed");
+            assert_eq!(v_bits[i], v_before[i], "{c:?}: v_cache[{i}] changed");
+        }
+    }
+
+    // The equivalent plain attention, per sequence.
+    let half = c.rotary.map_or(0, |r| r.0 / 2);
+    let mut ref_out = vec![0f64; batch * sq * h * d];
+    let mut ref_lse = vec![0f64; batch * h * sq];
+    let mut naive_out = [
+        vec![0f64; batch * sq * h * d],
+        vec![0f64; batch * sq * h * d],
+    ];
+    let mut naive_lse = [vec![0f64; batch * h * sq], vec![0f64; batch * h * sq]];
+    let mut v_max = 0f64;
+    let mut max_keys = 0;
+    let q_stored = buf_f64(&bl.qb);
+    for b in 0..batch {
+        let sk = c.seqlen_k(b);
+        max_keys = max_keys.max(sk);
+        let mut qb = q_stored[b * sq * h * d..(b + 1) * sq * h * d].to_vec();
+        if let (Some((cos, sin)), Some((_, inter))) = (&bl.cos_sin, c.rotary) {
+            for i in 0..sq {
+                for hh in 0..h {
+                    let o = (i * h + hh) * d;
+                    // flash-attn's rule: query i at cache_seqlens[b] + i under a causal or
+                    // windowed mask, every query at cache_seqlens[b] without one.
+                    let masked = c.causal || c.window != (-1, -1);
+                    let pos = c.lens[b] + if masked { i } else { 0 };
+                    rotate_f64(&mut qb[o..o + d], cos, sin, half, pos, inter);
+                }
+            }
+        }
+        let mut kb = Vec::with_capacity(sk * hkv * d);
+        let mut vb = Vec::with_capacity(sk * hkv * d);
+        for j in 0..sk {
+            for hk in 0..hkv {
+                let o = bl.map.offset(b, j, hk);
+                kb.extend_from_slice(&k_after[o..o + d]);
+                vb.extend_from_slice(&v_after[o..o + d]);
+            }
+        }
+        v_max = vb.iter().fold(v_max, |m, x| m.max(x.abs()));
+        let (qs, ks) = ([1, sq, h, d], [1, sk, hkv, d]);
+        let slopes = &bl.alibi[b * h..(b + 1) * h];
+        let mut o = AttnOptions::default()
+            .causal(c.causal)
+            .window(c.window.0, c.window.1);
+        o.softcap = c.softcap;
+        if c.alibi {
+            o = o.alibi_slopes(TensorRef::contiguous(slopes, &[h]));
+        }
+        // The oracle sees exact values (f32 holds every f16/bf16 value; the rotated q is rounded
+        // to f32 only, 2^-24 relative); naive sees q rounded to the dtype, as a framework would.
+        let (q32, k32, v32): (Vec<f32>, Vec<f32>, Vec<f32>) = (
+            qb.iter().map(|&x| x as f32).collect(),
+            kb.iter().map(|&x| x as f32).collect(),
+            vb.iter().map(|&x| x as f32).collect(),
+        );
+        let r = reference::attention(
+            &TensorRef::contiguous(&q32, &qs),
+            &TensorRef::contiguous(&k32, &ks),
+            &TensorRef::contiguous(&v32, &ks),
+            &o,
+        )
+        .unwrap_or_else(|e| panic!("{c:?}: reference: {e}"));
+        let (qn, kn, vn) = (
+            to_buffer(&qb, c.dtype),
+            to_buffer(&kb, c.dtype),
+            to_buffer(&vb, c.dtype),
+        );
+
+        for (n, order) in [DotOrder::Lanes8, DotOrder::Sequential]
+            .into_iter()
+            .enumerate()
+        {
+            let nv = naive::attention_with_order(
+                &view_of(&qn, &qs),
+                &view_of(&kn, &ks),
+                &view_of(&vn, &ks),
+                &o,
+                order,
+            )
+            .unwrap();
+            naive_out[n][b * sq * h * d..(b + 1) * sq * h * d]
+                .copy_from_slice(&nv.out.to_f64_vec());
+            naive_lse[n][b * h * sq..(b + 1) * h * sq].copy_from_slice(&nv.lse.to_f64_vec());
+        }
+        ref_out[b * sq * h * d..(b + 1) * sq * h * d].copy_from_slice(&r.out);
+        ref_lse[b * h * sq..(b + 1) * h * sq].copy_from_slice(&r.lse);
+    }
+    let out_shape = vec![batch, sq, h, d];
+    let lse_shape = vec![batch, h, sq];
+    let r = Reference {
+        out: ref_out,
+        lse: ref_lse,
+        out_shape: out_shape.clone(),
+        lse_shape: lse_shape.clone(),
+    };
+    let naives: Vec<AttnOutput> = (0..2)
+        .map(|n| AttnOutput {
+            out: Tensor::from_buffer(to_buffer(&naive_out[n], c.dtype), &out_shape).unwrap(),
+            lse: Tensor::from_buffer(
+                Buffer::F32(naive_lse[n].iter().map(|&x| x as f32).collect()),
+                &lse_shape,
+            )
+            .unwrap(),
+        })
+        .collect();
+    check_bound(
+        &format!("{c:?}"),
+        c.dtype,
+        &flash,
+        &naives,
+        &r,
+        v_max,
+        max_keys,
+    );
+    flash
+}
+
+// ---------------------------------------------------------------------------------------------
+// Coverage
+// ---------------------------------------------------------------------------------------------
+
+/// Every dtype × masks, softcap, ALiBi, GQA ratios, seqlen_q 1 and > 1, appends or none.
+#[test]
+fn options_against_reference() {
+    let masks: [(bool, (i64, i64)); 6] = [
+        (false, (-1, -1)),
+        (true, (-1, -1)),
+        (false, (17, -1)),
+        (true, (40, -1)),
+        (false, (5, 2)),
+        (false, (0, 0)),
+    ];
+    let heads = [(1, 1), (4, 1), (6, 2), (8, 8), (32, 8)];
+    let mut n = 0;
+    for dtype in DTYPES {
+        for (mi, &(causal, window)) in masks.iter().enumerate() {
+            for (hi, &(h, hkv)) in heads.iter().enumerate() {
+                n += 1;
+                let c = DCase {
+                    dtype,
+                    seqlen_q: [1, 1, 3, 2, 4][(mi + hi) % 5],
+                    heads: h,
+                    heads_kv: hkv,
+                    d: [16, 40, 64, 59, 128][(mi + 2 * hi) % 5],
+                    cap: 240,
+                    lens: [vec![203], vec![63, 113], vec![1, 0, 150]][(mi + hi) % 3].clone(),
+                    new: [Some(4), None, Some(1), Some(2)][(mi + hi) % 4],
+                    causal,
+                    window,
+                    softcap: [None, Some(30.0), Some(2.5)][(n) % 3],
+                    alibi: n % 2 == 0,
+                    seed: n as u64,
+                    ..DCase::default()
+                };
+                let c = DCase {
+                    seqlen_q: if c.new.is_some() {
+                        c.seqlen_q.min(c.seqlen_new())
+                    } else {
+                        c.seqlen_q
+                    },
+                    ..c
+                };
+                check_case(&c);
+            }
+        }
+    }
+}
+
+/// Odd head dims and cache lengths, rows with an empty cache, seqlen_q > seqlen_new, large scores.
+#[test]
+fn awkward_shapes() {
+    let mut seed = 100;
+    for dtype in DTYPES {
+        for &(d, lens, new, sq) in &[
+            (40usize, &[1usize, 63][..], Some(1usize), 1usize),
+            (59, &[113, 0, 203], Some(3), 3),
+            (111, &[203], None, 2),
+            (1, &[0, 0], Some(2), 1),
+            (256, &[63], Some(1), 1),
+            (59, &[0], None, 1),    // no key at all: out 0, lse -inf
+            (40, &[5], Some(2), 6), // seqlen_q > seqlen_new: first queries see only the cache
+        ] {
+            for dist in [Dist::Normal, Dist::Huge(300.0)] {
+                seed += 1;
+                check_case(&DCase {
+                    dtype,
+                    d,
+                    lens: lens.to_vec(),
+                    new,
+                    seqlen_q: sq,
+                    cap: 210,
+                    heads: 6,
+                    heads_kv: 3,
+                    dist,
+                    seed,
+                    ..DCase::default()
+                });
+            }
+        }
+    }
+}
+
+/// Rotary: interleaved and not, rotary_dim < d, GQA, every dtype; k_new at positions
+/// cache_seqlens[b] + i, q there too when causal and at cache_seqlens[b] when not (flash-attn).
+#[test]
+fn rotary_against_own_rotation() {
+    let mut seed = 200;
+    for dtype in DTYPES {
+        for &(d, rot) in &[(64usize, 64usize), (64, 32), (40, 16), (59, 58), (128, 2)] {
+            for inter in [false, true] {
+                for causal in [true, false] {
+                    seed += 1;
+                    check_case(&DCase {
+                        dtype,
+                        d,
+                        rotary: Some((rot, inter)),
+                        causal,
+                        lens: vec![37, 0, 90],
+                        new: Some(2),
+                        seqlen_q: 2,
+                        heads: 8,
+                        heads_kv: 2,
+                        cap: 100,
+                        seed,
+                        ..DCase::default()
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// Paged caches of several page sizes, shuffled pages: each against the reference, and close to
+/// the contiguous result (tiles are cut at page boundaries, so the online softmax rescales at
+/// other points; the results agree within rounding).
+#[test]
+fn paged_matches_contiguous() {
+    let mut seed = 300;
+    for dtype in DTYPES {
+        for rotary in [None, Some((32, false))] {
+            seed += 1;
+            let base = DCase {
+                dtype,
+                d: 64,
+                heads: 8,
+                heads_kv: 2,
+                lens: vec![203, 1, 0, 77],
+                new: Some(3),
+                seqlen_q: 3,
+                cap: 256,
+                alibi: true,
+                softcap: Some(20.0),
+                rotary,
+                splits: Some(1),
+                seed,
+                ..DCase::default()
+            };
+            let contiguous = check_case(&base);
+            for ps in [1, 3, 16, 256] {
+                let paged = check_case(&DCase {
+                    store: Store::Paged(ps),
+                    ..base.clone()
+                });
+                close(&contiguous, &paged, dtype, &format!("{dtype} page {ps}"));
+            }
+        }
+    }
+}
+
+/// Caches behind cache_batch_idx and with gaps between heads/rows/batches (gaps hold NaN).
+#[test]
+fn batch_idx_and_strided_caches() {
+    let mut seed = 400;
+    for dtype in DTYPES {
+        for store in [Store::BatchIdx, Store::Gaps] {
+            seed += 1;
+            check_case(&DCase {
+                dtype,
+                store,
+                lens: vec![30, 0, 61],
+                new: Some(2),
+                seqlen_q: 2,
+                d: 40,
+                heads: 6,
+                heads_kv: 2,
+                cap: 64,
+                rotary: Some((40, true)),
+                seed,
+                ..DCase::default()
+            });
+        }
+    }
+}
+
+/// Max |a - b| within rounding: 8 units of the dtype's roundoff of the larger magnitude, and
+/// lse within 1e-4 (f32 accumulations in a different order).
+fn close(a: &AttnOutput, b: &AttnOutput, dtype: DType, what: &str) {
+    let (ao, bo) = (a.out.to_f64_vec(), b.out.to_f64_vec());
+    let scale = ao.iter().fold(0f64, |m, x| m.max(x.abs())).max(1e-30);
+    let tol = 8.0 * dtype.epsilon().max(DType::F32.epsilon() * 64.0) * scale;
+    for (i, (x, y)) in ao.iter().zip(&bo).enumerate() {
+        assert!(
+            (x - y).abs() <= tol,
+            "{what}: out[{i}] {x} vs {y} (tol {tol:e})"
+        );
+    }
+    for (i, (x, y)) in a
+        .lse
+        .to_f64_vec()
+        .iter()
+        .zip(b.lse.to_f64_vec())
+        .enumerate()
+    {
+        assert!(
+            x == &y || (x - y).abs() <= 1e-4 * (1.0 + x.abs()),
+            "{what}: lse[{i}] {x} vs {y}"
+        );
+    }
+}
+
+/// Split counts 1, 2, 3, 7 and automatic: each against the reference, and within rounding of each
+/// other; with one split the merge is exact, so automatic on one thread equals 1 split bit for bit.
+#[test]
+fn split_counts_agree() {
+    let mut seed = 500;
+    for dtype in DTYPES {
+        for (causal, window) in [(false, (-1, -1)), (true, (-1, -1)), (true, (100, -1))] {
+            seed += 1;
+            let base = DCase {
+                dtype,
+                d: 128,
+                heads: 32,
+                heads_kv: 8,
+                lens: vec![1500, 3, 700],
+                new: Some(1),
+                cap: 1600,
+                causal,
+                window,
+                seed,
+                ..DCase::default()
+            };
+            let one = check_case(&DCase {
+                splits: Some(1),
+                ..base.clone()
+            });
+            for n in [2, 3, 7, 64] {
+                let r = check_case(&DCase {
+                    splits: Some(n),
+                    ..base.clone()
+                });
+                close(&one, &r, dtype, &format!("{dtype} splits {n}"));
+            }
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(1)
+                .build()
+                .unwrap();
+            let auto_one_thread = pool.install(|| check_case(&base));
+            assert_bit_identical(&one, &auto_one_thread, "auto split count on one thread");
+        }
+    }
+}
+
+/// The portable scalar kernels (the twin of the AVX-512 ones) on the same cases.
+#[test]
+fn every_isa() {
+    let mut seed = 600;
+    for isa in flashattn::simd::available() {
+        for dtype in DTYPES {
+            seed += 1;
+            check_case(&DCase {
+                dtype,
+                isa: Some(isa),
+                d: 59,
+                heads: 12,
+                heads_kv: 3,
+                lens: vec![203, 64],
+                new: Some(2),
+                seqlen_q: 2,
+                cap: 210,
+                alibi: true,
+                softcap: Some(5.0),
+                splits: Some(3),
+                store: Store::Paged(16),
+                seed,
+                ..DCase::default()
+            });
+        }
+    }
+}
+
+/// A fixed split count gives bit-identical results on 1 and 2 threads.
+#[test]
+fn thread_count_does_not_change_results() {
+    let c = DCase {
+        d: 64,
+        heads: 8,
+        heads_kv: 2,
+        lens: vec![900, 400],
+        cap: 1000,
+        splits: Some(4),
+        seed: 700,
+        ..DCase::default()
+    };
+    let bl = build(&c);
+    let runs: Vec<AttnOutput> = [1, 2]
+        .iter()
+        .map(|&t| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(t)
+                .build()
+                .unwrap();
+            pool.install(|| bl.call(&c).0.unwrap())
+        })
+        .collect();
+    assert_bit_identical(&runs[0], &runs[1], "1 vs 2 threads");
+}
+
+/// The issue's decode shape, smaller cache: q [1, 1, 32, 128], kv heads 8, 4096 cached tokens.
+#[test]
+fn issue_shape_small_cache() {
+    for dtype in [DType::F32, DType::BF16] {
+        check_case(&DCase {
+            dtype,
+            d: 128,
+            heads: 32,
+            heads_kv: 8,
+            lens: vec![4095],
+            new: Some(1),
+            cap: 4096,
+            seed: 800,
+            ..DCase::default()
+        });
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad input: typed errors, caches untouched
+// ---------------------------------------------------------------------------------------------
+
+/// The pieces of a call, each replaceable by a bad one.
+struct Call<'a> {
+    q: TensorRef<'a>,
+    lens: Vec<i32>,
+    opts: KvCacheOptions<'a>,
+    k_shape: Vec<usize>,
+    k_strides: Vec<usize>,
+    v_shape: Vec<usize>,
+    /// Use an f16 v_cache instead of the case's dtype.
+    v_f16: bool,
+}
+
+/// Runs a bad call on copies of the caches: it must return an error (not panic), and leave both
+/// caches bit-identical.
+fn expect_err(bl: &Built, call: Call) -> Error {
+    let (mut kc, mut vc) = (bl.k_cache.clone(), bl.v_cache.clone());
+    let mut vc16 = Buffer::F16(vec![half::f16::ZERO; bl.map.len]);
+    let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let mut k = TensorMut::new(slice_mut(&mut kc), &call.k_shape, &call.k_strides);
+        let vbuf = if call.v_f16 { &mut vc16 } else { &mut vc };
+        let v_strides = flashattn::tensor::contiguous_strides(&call.v_shape);
+        let mut v = TensorMut::new(slice_mut(vbuf), &call.v_shape, &v_strides);
+        flash_attn_with_kvcache(&call.q, &mut k, &mut v, &call.lens, &call.opts)
+    }));
+    let err = match res {
+        Ok(Err(e)) => e,
+        Ok(Ok(_)) => panic!("accepted an invalid input"),
+        Err(_) => panic!("panicked instead of returning an error"),
+    };
+    assert_eq!(
+        buf_bits(&kc),
+        buf_bits(&bl.k_cache),
+        "k_cache changed by a rejected call"
+    );
+    assert_eq!(
+        buf_bits(&vc),
+        buf_bits(&bl.v_cache),
+        "v_cache changed by a rejected call"
+    );
+    err
+}
+
+#[test]
+fn bad_input_is_a_typed_error_and_writes_nothing() {
+    // A valid paged case with new keys and rotary; each check below breaks one thing.
+    let c = DCase {
+        lens: vec![10, 20],
+        new: Some(2),
+        seqlen_q: 2,
+        cap: 32,
+        rotary: Some((8, false)),
+        store: Store::Paged(8),
+        ..DCase::default()
+    };
+    let bl = build(&c);
+    assert!(bl.call(&c).0.is_ok(), "the base case is valid");
+    let base = || Call {
+        q: bl.q_view(&c),
+        lens: vec![10, 20],
+        opts: bl.opts(&c),
+        k_shape: bl.map.shape.clone(),
+        k_strides: bl.map.strides.clone(),
+        v_shape: bl.map.shape.clone(),
+        v_f16: false,
+    };
+    let kind = |call: Call| expect_err(&bl, call).kind().clone();
+
+    // Appending past the pages a sequence owns: 20 + 2 > 2 blocks · 8? No: max_blocks = 4 (32 /
+    // 8), so 31 + 2 = 33 > 32 overflows.
+    let e = expect_err(
+        &bl,
+        Call {
+            lens: vec![10, 31],
+            ..base()
+        },
+    );
+    assert_eq!(
+        e.kind(),
+        &ErrorKind::CacheOverflow {
+            batch: 1,
+            cache_seqlen: 31,
+            seqlen_new: 2,
+            needed: 33,
+            capacity: 32
+        }
+    );
+    assert!(e.to_string().contains("nothing was written"), "{e}");
+    assert_eq!(
+        kind(Call {
+            lens: vec![-1, 20],
+            ..base()
+        }),
+        ErrorKind::IndexOutOfRange {
+            tensor: "cache_seqlens",
+            index: 0,
+            value: -1,
+            bound: i32::MAX as usize
+        }
+    );
+    assert!(matches!(
+        kind(Call {
+            lens: vec![10],
+            ..base()
+        }),
+        ErrorKind::IndexLength {
+            tensor: "cache_seqlens",
+            expected: 2,
+            got: 1,
+            ..
+        }
+    ));
+    // Block table: an out-of-range and a negative entry among the used ones; wrong size.
+    let mut table = bl.map.table.clone();
+    table[1] = 1000;
+    let n_blocks = bl.map.shape[0];
+    assert_eq!(
+        kind(Call {
+            opts: bl.opts(&c).block_table(BlockTable::new(&table, 2, 4)),
+            ..base()
+        }),
+        ErrorKind::IndexOutOfRange {
+            tensor: "block_table",
+            index: 1,
+            value: 1000,
+            bound: n_blocks
+        }
+    );
+    let mut table = bl.map.table.clone();
+    table[4] = -5;
+    assert!(matches!(
+        kind(Call {
+            opts: bl.opts(&c).block_table(BlockTable::new(&table, 2, 4)),
+            ..base()
+        }),
+        ErrorKind::IndexOutOfRange {
+            tensor: "block_table",
+            index: 4,
+            value: -5,
+            ..
+        }
+    ));
+    assert!(matches!(
+        kind(Call {
+            opts: bl
+                .opts(&c)
+                .block_table(BlockTable::new(&bl.map.table[..7], 2, 4)),
+            ..base()
+        }),
+        ErrorKind::IndexLength {
+            tensor: "block_table",
+            expected: 8,
+            got: 7,
+            ..
+        }
+    ));
+    let idx = [0, 1];
+    assert_eq!(
+        kind(Call {
+            opts: bl.opts(&c).cache_batch_idx(&idx),
+            ..base()
+        }),
+        ErrorKind::PagedWithBatchIdx
+    );
+    // New keys: shape, dtype.
+    let (kb, vb) = (&bl.k_new.as_ref().unwrap().1, &bl.v_new.as_ref().unwrap().1);
+    let bad_shape = [2, 2, 2, 15];
+
+    let e = kind(Call {
+        opts: bl.opts(&c).new_kv(
+            TensorRef::from_slice(kb.as_slice(), &bad_shape, &[64, 32, 16, 1]),
+            view_of(vb, &[2, 2, 2, 16]),
+        ),
+        ..base()
+    });
+    assert!(
+        matches!(
+            e,
+            ErrorKind::Shape {
+                tensor: "k_new",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let v16 = vec![half::f16::ONE; 128];
+    let e = kind(Call {
+        opts: bl.opts(&c).new_kv(
+            view_of(kb, &[2, 2, 2, 16]),
+            TensorRef::contiguous(&v16, &[2, 2, 2, 16]),
+        ),
+        ..base()
+    });
+    assert!(
+        matches!(
+            e,
+            ErrorKind::DType {
+                tensor: "v_new",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    // Caches: dtype and shape.
+    let e = kind(Call {
+        v_f16: true,
+        ..base()
+    });
+    assert!(
+        matches!(
+            e,
+            ErrorKind::DType {
+                tensor: "v_cache",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let mut vs = bl.map.shape.clone();
+    vs[0] -= 1;
+    let e = kind(Call {
+        v_shape: vs,
+        ..base()
+    });
+    assert!(
+        matches!(
+            e,
+            ErrorKind::Shape {
+                tensor: "v_cache",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    // k_cache strides that reach past the buffer.
+    let mut ks = bl.map.strides.clone();
+    ks[0] += 1;
+    let e = kind(Call {
+        k_strides: ks,
+        ..base()
+    });
+    assert!(
+        matches!(
+            e,
+            ErrorKind::OutOfBounds {
+                tensor: "k_cache",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    // Rotary: without new keys, too wide, too few positions.
+    let mut o = bl.opts(&c);
+    o.new_kv = None;
+    assert_eq!(
+        kind(Call { opts: o, ..base() }),
+        ErrorKind::RotaryWithoutNewKv
+    );
+    let wide = vec![0.5f32; 64 * 9];
+    let e = kind(Call {
+        opts: bl.opts(&c).rotary(
+            TensorRef::contiguous(&wide, &[64, 9]),
+            TensorRef::contiguous(&wide, &[64, 9]),
+            false,
+        ),
+        ..base()
+    });
+    assert_eq!(
+        e,
+        ErrorKind::RotaryDim {
+            rotary_dim: 18,
+            head_dim: 16
+        }
+    );
+    let short = vec![0.5f32; 21 * 4];
+    let e = kind(Call {
+        opts: bl.opts(&c).rotary(
+            TensorRef::contiguous(&short, &[21, 4]),
+            TensorRef::contiguous(&short, &[21, 4]),
+            false,
+        ),
+        ..base()
+    });
+    assert_eq!(
+        e,
+        ErrorKind::RotaryPositions {
+            batch: 1,
+            needed: 22,
+            seqlen_ro: 21
+        }
+    );
+    let e = kind(Call {
+        opts: bl.opts(&c).rotary(
+            TensorRef::contiguous(&short, &[21, 4]),
+            TensorRef::contiguous(&short[..20 * 4], &[20, 4]),
+            false,
+        ),
+        ..base()
+    });
+    assert!(
+        matches!(
+            e,
+            ErrorKind::Shape {
+                tensor: "rotary_sin",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    // Options.
+    assert_eq!(
+        kind(Call {
+            opts: bl.opts(&c).num_splits(0),
+            ..base()
+        }),
+        ErrorKind::NumSplits { num_splits: 0 }
+    );
+    let mut o = bl.opts(&c);
+    o.attn = o.attn.dropout(0.1, 1);
+    assert_eq!(
+        kind(Call { opts: o, ..base() }),
+        ErrorKind::DropoutInDecode { p: 0.1 }
+    );
+    let mut o = bl.opts(&c);
+    o.attn = o.attn.window(-3, 0);
+    assert_eq!(
+        kind(Call { opts: o, ..base() }),
+        ErrorKind::Window { left: -3, right: 0 }
+    );
+    let bad_slopes = [0.1f32; 3];
+    let mut o = bl.opts(&c);
+    o.attn = o
+        .attn
+        .alibi_slopes(TensorRef::contiguous(&bad_slopes, &[3]));
+    assert!(matches!(
+        kind(Call { opts: o, ..base() }),
+        ErrorKind::AlibiShape { .. }
+    ));
+    // q: heads not a multiple of heads_kv, head_dim mismatch.
+    let q3 = vec![0.5f32; 2 * 2 * 3 * 16];
+    let e = kind(Call {
+        q: TensorRef::contiguous(&q3, &[2, 2, 3, 16]),
+        ..base()
+    });
+    assert_eq!(
+        e,
+        ErrorKind::HeadsNotMultiple {
+            heads: 3,
+            heads_kv: 2
+        }
+    );
+    let q8 = vec![0.5f32; 2 * 2 * 4 * 8];
+    let e = kind(Call {
+        q: TensorRef::contiguous(&q8, &[2, 2, 4, 8]),
+        ..base()
+    });
+    assert!(
+        matches!(
+            e,
+            ErrorKind::Shape {
+                tensor: "k_cache",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+
+    // Contiguous cache: cache_batch_idx out of range and of the wrong length; batch mismatch.
+    let c2 = DCase {
+        lens: vec![3, 4],
+        cap: 8,
+        store: Store::BatchIdx,
+        ..DCase::default()
+    };
+    let bl2 = build(&c2);
+    let base2 = || Call {
+        q: bl2.q_view(&c2),
+        lens: vec![3, 4],
+        opts: bl2.opts(&c2),
+        k_shape: bl2.map.shape.clone(),
+        k_strides: bl2.map.strides.clone(),
+        v_shape: bl2.map.shape.clone(),
+        v_f16: false,
+    };
+    let idx = [0, 4];
+    assert_eq!(
+        expect_err(
+            &bl2,
+            Call {
+                opts: bl2.opts(&c2).cache_batch_idx(&idx),
+                ..base2()
+            }
+        )
+        .kind(),
+        &ErrorKind::IndexOutOfRange {
+            tensor: "cache_batch_idx",
+            index: 1,
+            value: 4,
+            bound: 4
+        }
+    );
+    let idx = [0];
+    assert!(matches!(
+        expect_err(
+            &bl2,
+            Call {
+                opts: bl2.opts(&c2).cache_batch_idx(&idx),
+                ..base2()
+            }
+        )
+        .kind(),
+        ErrorKind::IndexLength {
+            tensor: "cache_batch_idx",
+            ..
+        }
+    ));
+    let mut o = bl2.opts(&c2);
+    o.cache_batch_idx = None; // 4 cache rows for a batch of 2, and no map
+    assert!(matches!(
+        expect_err(&bl2, Call { opts: o, ..base2() }).kind(),
+        ErrorKind::Shape {
+            tensor: "k_cache",
+            ..
+        }
+    ));
+    let e = expect_err(
+        &bl2,
+        Call {
+            lens: vec![3, 8],
+            ..base2()
+        },
+    );
+    assert_eq!(
+        e.kind(),
+        &ErrorKind::CacheOverflow {
+            batch: 1,
+            cache_seqlen: 8,
+            seqlen_new: 1,
+            needed: 9,
+            capacity: 8
+        }
+    );
+}
+
+/// Every message names the offending tensor or option.
+#[test]
+fn messages_name_the_problem() {
+    let cases: Vec<(ErrorKind, &str)> = vec![
+        (
+            ErrorKind::IndexOutOfRange {
+                tensor: "block_table",
+                index: 3,
+                value: 99,
+                bound: 8,
+            },
+            "block_table",
+        ),
+        (ErrorKind::RotaryWithoutNewKv, "k_new"),
+        (ErrorKind::PagedWithBatchIdx, "cache_batch_idx"),
+        (ErrorKind::NumSplits { num_splits: 0 }, "num_splits"),
+        (ErrorKind::DropoutInDecode { p: 0.5 }, "dropout"),
+        (
+            ErrorKind::RotaryDim {
+                rotary_dim: 18,
+                head_dim: 16,
+            },
+            "rotary_dim 18",
+        ),
+    ];
+    for (k, needle) in cases {
+        let msg = Error::from(k).to_string();
+        assert!(msg.contains(needle), "{msg:?} does not name {needle}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// merge_attn_partials
+// ---------------------------------------------------------------------------------------------
+
+/// Attention over keys sharded in 3 (one shard empty: lse -inf), each shard a plain `flash_attn`,
+/// merged: equals attention over all keys within rounding and
+/// passes the reference bound. Batched and packed layouts.
+#[test]
+fn merge_reproduces_attention_over_shards() {
+    let mut rng = rng(900);
+    let (b, sq, h, hkv, d) = (2, 5, 4, 2, 24);
+    let shards = [0usize, 70, 130];
+    let sk: usize = shards.iter().sum();
+    let q: Vec<f32> = (0..b * sq * h * d)
+        .map(|_| rng.gen_range(-1.0..1.0))
+        .collect();
+    let k: Vec<f32> = (0..b * sk * hkv * d)
+        .map(|_| rng.gen_range(-1.0..1.0))
+        .collect();
+    let v: Vec<f32> = (0..b * sk * hkv * d)
+        .map(|_| rng.gen_range(-1.0..1.0))
+        .collect();
+    let qs = [b, sq, h, d];
+    let qv = TensorRef::contiguous(&q, &qs);
+    let opts = AttnOptions::default();
+    let full_k = TensorRef::contiguous(&k, &[b, sk, hkv, d]);
+    let full_v = TensorRef::contiguous(&v, &[b, sk, hkv, d]);
+    let full = flash_attn(&qv, &full_k, &full_v, &opts).unwrap();
+    let mut parts = Vec::new();
+    let mut start = 0;
+    for &n in &shards {
+        // A view of keys start..start + n of every batch row: same strides, offset start.
+        let strides = [sk * hkv * d, hkv * d, d, 1];
+        let (ks, vs) = (&k[start * hkv * d..], &v[start * hkv * d..]);
+        let kv = TensorRef::new(ks, &[b, n, hkv, d], &strides);
+        let vv = TensorRef::new(vs, &[b, n, hkv, d], &strides);
+        parts.push(flash_attn(&qv, &kv, &vv, &opts).unwrap());
+        start += n;
+    }
+    let outs: Vec<TensorRef> = parts.iter().map(|p| p.out.view()).collect();
+    let lses: Vec<TensorRef> = parts.iter().map(|p| p.lse.view()).collect();
+    let merged = merge_attn_partials(&outs, &lses).unwrap();
+    close(&full, &merged, DType::F32, "merged shards vs full");
+    let r = reference::attention(&qv, &full_k, &full_v, &opts).unwrap();
+    let nv = naive::attention(&qv, &full_k, &full_v, &opts).unwrap();
+    check_bound("merged shards", DType::F32, &merged, &[nv], &r, 1.0, sk);
+    // One partial: returned as is.
+    let one = merge_attn_partials(&[full.out.view()], &[full.lse.view()]).unwrap();
+    assert_bit_identical(&full, &one, "merge of one partial");
+
+    // Packed layout: out [total, h, d], lse [h, total].
+    let total = b * sq;
+    let packed: Vec<(Vec<f32>, Vec<f32>)> = parts
+        .iter()
+        .map(|p| {
+            let o = p.out.to_f32_vec();
+            let l = p.lse.to_f32_vec();
+            let mut lp = vec![0f32; h * total];
+            for bb in 0..b {
+                for hh in 0..h {
+                    for i in 0..sq {
+                        lp[hh * total + bb * sq + i] = l[(bb * h + hh) * sq + i];
+                    }
+                }
+            }
+            (o, lp)
+        })
+        .collect();
+    let outs: Vec<TensorRef> = packed
+        .iter()
+        .map(|(o, _)| TensorRef::contiguous(o, &[total, h, d]))
+        .collect();
+    let lses: Vec<TensorRef> = packed
+        .iter()
+        .map(|(_, l)| TensorRef::contiguous(l, &[h, total]))
+        .collect();
+    let mp = merge_attn_partials(&outs, &lses).unwrap();
+    assert_eq!(mp.out.shape(), &[total, h, d]);
+    assert_eq!(mp.lse.shape(), &[h, total]);
+    assert_eq!(
+        bits(&mp.out),
+        bits(&merged.out),
+        "packed and batched merges agree"
+    );
+}
+
+#[test]
+fn merge_rejects_bad_partials() {
+    let out = vec![0.5f32; 2 * 3 * 4];
+    let lse = vec![0.1f32; 3 * 2];
+    let o = TensorRef::contiguous(&out, &[1, 2, 3, 4]);
+    let l = TensorRef::contiguous(&lse, &[1, 3, 2]);
+    let err = |outs: &[TensorRef], lses: &[TensorRef]| {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            merge_attn_partials(outs, lses)
+        }))
+        .expect("no panic")
+        .expect_err("rejected")
+        .kind()
+        .clone()
+    };
+    assert_eq!(err(&[], &[]), ErrorKind::NoPartials);
+    assert_eq!(
+        err(std::slice::from_ref(&o), &[]),
+        ErrorKind::PartialsCount { outs: 1, lses: 0 }
+    );
+    let o2 = TensorRef::contiguous(&out, &[1, 2, 4, 3]);
+    assert!(matches!(
+        err(&[o.clone(), o2], &[l.clone(), l.clone()]),
+        ErrorKind::PartialMismatch {
+            part: 1,
+            tensor: "out_partials",
+            ..
+        }
+    ));
+    let l2 = TensorRef::contiguous(&lse, &[1, 2, 3]);
+    assert!(matches!(
+        err(std::slice::from_ref(&o), &[l2]),
+        ErrorKind::PartialMismatch {
+            part: 0,
+            tensor: "lse_partials",
+            ..
+        }
+    ));
+    let mut bad = lse.clone();
+    bad[4] = f32::NAN;
+    let lb = TensorRef::contiguous(&bad, &[1, 3, 2]);
+    assert!(matches!(
+        err(&[o.clone(), o.clone()], &[l.clone(), lb]),
+        ErrorKind::PartialLse {
+            part: 1,
+            index: 4,
+            ..
+        }
+    ));
+    let mut bad = lse.clone();
+    bad[0] = f32::INFINITY;
+    let lb = TensorRef::contiguous(&bad, &[1, 3, 2]);
+    assert!(matches!(
+        err(std::slice::from_ref(&o), &[lb]),
+        ErrorKind::PartialLse {
+            part: 0,
+            index: 0,
+            ..
+        }
+    ));
+    let o16 = vec![half::f16::ONE; 24];
+    assert!(matches!(
+        err(
+            &[o.clone(), TensorRef::contiguous(&o16, &[1, 2, 3, 4])],
+            &[l.clone(), l.clone()]
+        ),
+        ErrorKind::PartialMismatch { part: 1, .. }
+    ));
+    let short = &out[..20];
+    assert!(matches!(
+        err(
+            &[TensorRef::contiguous(short, &[1, 2, 3, 4])],
+            std::slice::from_ref(&l)
+        ),
+        ErrorKind::OutOfBounds {
+            tensor: "out_partials",
+            ..
+        }
+    ));
+}
+
+/// A split that saw no key (lse -inf) contributes nothing, even if its out holds garbage.
+#[test]
+fn merge_ignores_empty_partials() {
+    let a = vec![0.25f32, -0.5];
+    let junk = vec![f32::NAN, 1e30];
+    let (la, lj) = (vec![0.7f32], vec![f32::NEG_INFINITY]);
+    let m = merge_attn_partials(
+        &[
+            TensorRef::contiguous(&junk, &[1, 1, 1, 2]),
+            TensorRef::contiguous(&a, &[1, 1, 1, 2]),
+        ],
+        &[
+            TensorRef::contiguous(&lj, &[1, 1, 1]),
+            TensorRef::contiguous(&la, &[1, 1, 1]),
+        ],
+    )
+    .unwrap();
+    assert_eq!(m.out.to_f32_vec(), a);
+    assert_eq!(m.lse.to_f32_vec(), la);
+    let none = merge_attn_partials(
+        &[TensorRef::contiguous(&junk, &[1, 1, 1, 2])],
+        &[TensorRef::contiguous(&lj, &[1, 1, 1])],
+    )
+    .unwrap();
+    assert_eq!(none.out.to_f32_vec(), vec![0.0, 0.0]);
+    assert_eq!(none.lse.to_f32_vec(), vec![f32::NEG_INFINITY]);
+}
