@@ -8,7 +8,7 @@
 use crate::cpu::simd::{self, Isa, Kernels};
 use crate::dropout::Dropout;
 use crate::error::{CuSeqlensProblem, ErrorKind, Result, TensorName};
-use crate::tensor::{DType, TensorRef};
+use crate::tensor::{DType, TensorRef, ViewDesc};
 
 /// log2(e), folded into the softmax scale so the kernels can use exp2.
 pub const LOG2_E: f32 = std::f32::consts::LOG2_E;
@@ -184,9 +184,9 @@ impl Params {
 
 /// Checks rank, stride count, contiguity of the last dimension and that every element the view
 /// addresses lies inside its buffer.
-pub(crate) fn check_view(
+pub(crate) fn check_view<V: ViewDesc + ?Sized>(
     name: TensorName,
-    t: &TensorRef,
+    t: &V,
     rank: usize,
     layout: &'static str,
 ) -> Result<()> {
@@ -229,20 +229,24 @@ pub(crate) fn check_view(
     let needed = max_index
         .and_then(|m| m.checked_add(1))
         .unwrap_or(u128::MAX);
-    if needed > t.data().len() as u128 {
+    if needed > t.buffer_len() as u128 {
         return Err(ErrorKind::OutOfBounds {
             tensor: name,
             shape: t.shape().to_vec(),
             strides: t.strides().to_vec(),
             needed,
-            len: t.data().len(),
+            len: t.buffer_len(),
         }
         .into());
     }
     Ok(())
 }
 
-pub(crate) fn check_dtype(name: TensorName, t: &TensorRef, expected: DType) -> Result<()> {
+pub(crate) fn check_dtype<V: ViewDesc + ?Sized>(
+    name: TensorName,
+    t: &V,
+    expected: DType,
+) -> Result<()> {
     if t.dtype() != expected {
         return Err(ErrorKind::DType {
             tensor: name,
@@ -254,7 +258,11 @@ pub(crate) fn check_dtype(name: TensorName, t: &TensorRef, expected: DType) -> R
     Ok(())
 }
 
-pub(crate) fn check_shape(name: TensorName, t: &TensorRef, expected: &[usize]) -> Result<()> {
+pub(crate) fn check_shape<V: ViewDesc + ?Sized>(
+    name: TensorName,
+    t: &V,
+    expected: &[usize],
+) -> Result<()> {
     if t.shape() != expected {
         return Err(ErrorKind::Shape {
             tensor: name,
@@ -295,10 +303,10 @@ fn check_sizes(
 }
 
 /// Shared checks of q, k, v whatever the layout; returns (heads, heads_kv, head_dim).
-fn check_qkv(
-    q: &TensorRef,
-    k: &TensorRef,
-    v: &TensorRef,
+fn check_qkv<V: ViewDesc + ?Sized>(
+    q: &V,
+    k: &V,
+    v: &V,
     rank: usize,
     layout: &'static str,
 ) -> Result<(usize, usize, usize)> {
@@ -331,7 +339,7 @@ fn check_qkv(
     Ok((heads, heads_kv, head_dim))
 }
 
-fn layout_of(t: &TensorRef) -> RowLayout {
+fn layout_of<V: ViewDesc + ?Sized>(t: &V) -> RowLayout {
     let n = t.strides().len();
     RowLayout {
         row_stride: t.strides()[n - 3],
@@ -426,10 +434,10 @@ fn check_alibi(opts: &AttnOptions, batch: usize, heads: usize) -> Result<Option<
 }
 
 /// Validates a batched call: q `[batch, seqlen_q, heads, d]`, k/v `[batch, seqlen_k, heads_kv, d]`.
-pub(crate) fn batched(
-    q: &TensorRef,
-    k: &TensorRef,
-    v: &TensorRef,
+pub(crate) fn batched<V: ViewDesc + ?Sized>(
+    q: &V,
+    k: &V,
+    v: &V,
     opts: &AttnOptions,
 ) -> Result<Params> {
     const LAYOUT: &str = "[batch, seqlen, heads, head_dim]";
@@ -519,10 +527,10 @@ fn check_cu_seqlens(name: TensorName, cu: &[i32], entries: usize, total: usize) 
 
 /// Validates a packed call: q `[total_q, heads, d]`, k/v `[total_k, heads_kv, d]`, and the
 /// cumulative sequence lengths (batch + 1 entries each).
-pub(crate) fn varlen(
-    q: &TensorRef,
-    k: &TensorRef,
-    v: &TensorRef,
+pub(crate) fn varlen<V: ViewDesc + ?Sized>(
+    q: &V,
+    k: &V,
+    v: &V,
     cu_seqlens_q: &[i32],
     cu_seqlens_k: &[i32],
     opts: &AttnOptions,

@@ -207,6 +207,31 @@ impl Slice<'_> {
     }
 }
 
+/// What validation needs to know about a view, wherever its buffer lives (host memory, or a CUDA
+/// device for [`crate::cuda`]): [`crate::params`] checks any implementor the same way.
+pub(crate) trait ViewDesc {
+    fn dtype(&self) -> DType;
+    fn shape(&self) -> &[usize];
+    fn strides(&self) -> &[usize];
+    /// Elements in the underlying buffer.
+    fn buffer_len(&self) -> usize;
+}
+
+impl ViewDesc for TensorRef<'_> {
+    fn dtype(&self) -> DType {
+        TensorRef::dtype(self)
+    }
+    fn shape(&self) -> &[usize] {
+        TensorRef::shape(self)
+    }
+    fn strides(&self) -> &[usize] {
+        TensorRef::strides(self)
+    }
+    fn buffer_len(&self) -> usize {
+        self.data.len()
+    }
+}
+
 /// A strided view of a caller's buffer. Strides are in elements.
 #[derive(Clone, Debug)]
 pub struct TensorRef<'a> {
