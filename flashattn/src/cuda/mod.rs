@@ -520,101 +520,22 @@ fn forward(
     check_launchable(dev, p, &key, [q, k, v])?;
     let (function, _) = dev.function(&key)?;
     let s = &dev.stream;
-
-    // Packed rows after the last sequence get out = 0 and lse = -inf, as on the CPU: they are
-    // launched as one more sequence that sees no key (the kernel's fully-masked-row rule).
-    let used = p.seqs.last().map_or(0, |s| s.out_row0 + s.seqlen_q);
-    let tail = (p.packed && used < p.total_q).then(|| crate::params::Seq {
-        seqlen_q: p.total_q - used,
-        seqlen_k: 0,
-        q_base: used * p.q.row_stride,
-        k_base: 0,
-        v_base: 0,
-        out_row0: used,
-        lse_base: used,
-        k_row0: 0,
-    });
-    let seqs: Vec<_> = p.seqs.iter().copied().chain(tail).collect();
-    let max_q = seqs.iter().map(|s| s.seqlen_q).max().unwrap_or(0);
-    let max_k = seqs.iter().map(|s| s.seqlen_k).max().unwrap_or(0);
-    let table: Vec<i64> = seqs
-        .iter()
-        .flat_map(|s| {
-            [
-                s.seqlen_q, s.seqlen_k, s.q_base, s.k_base, s.v_base, s.out_row0, s.lse_base,
-            ]
-        })
-        .map(|x| x as i64)
-        .collect();
-    debug_assert_eq!(table.len(), SEQ_FIELDS * seqs.len());
-    let table = dev.htod(&table)?;
-    // One (unread) row of slopes for the tail sequence.
-    let mut slopes = p.alibi.clone().unwrap_or_default();
-    slopes.resize(seqs.len() * p.heads.max(1), 0.0);
-    let slopes = dev.htod(&slopes)?;
-    // A window side wider than any distance in the batch sees the same keys as an unbounded one;
-    // clamping keeps the kernels' 32-bit arithmetic exact (MAX_SEQLEN).
-    let side = |w: Option<usize>| w.map_or(-1, |w| w.min(max_q + max_k) as i32);
-    let (left, right) = (side(p.window_left), side(p.window_right));
-
+    let plan = Plan::new(dev, p, &key)?;
     let mut lse = alloc_poisoned::<f32>(s, p.lse_len())?;
-    let tiles = key.tiles();
-    let cfg = LaunchConfig {
-        grid_dim: (
-            max_q.div_ceil(tiles.block_m).max(1) as u32,
-            p.heads as u32,
-            seqs.len().max(1) as u32,
-        ),
-        block_dim: (key.threads() as u32, 1, 1),
-        shared_mem_bytes: key.smem_bytes() as u32,
-    };
     let out = match (&q.buf, &k.buf, &v.buf) {
         (DeviceBuffer::F32(qb), DeviceBuffer::F32(kb), DeviceBuffer::F32(vb)) => {
             let mut out = alloc_poisoned::<f32>(s, p.out_len())?;
-            launch(
-                dev,
-                &function,
-                cfg,
-                p,
-                (qb, kb, vb),
-                &mut out,
-                &mut lse,
-                &table,
-                &slopes,
-                (left, right),
-            )?;
+            plan.launch(dev, &function, p, (qb, kb, vb), &mut out, &mut lse)?;
             DeviceBuffer::F32(out)
         }
         (DeviceBuffer::F16(qb), DeviceBuffer::F16(kb), DeviceBuffer::F16(vb)) => {
             let mut out = alloc_poisoned::<f16>(s, p.out_len())?;
-            launch(
-                dev,
-                &function,
-                cfg,
-                p,
-                (qb, kb, vb),
-                &mut out,
-                &mut lse,
-                &table,
-                &slopes,
-                (left, right),
-            )?;
+            plan.launch(dev, &function, p, (qb, kb, vb), &mut out, &mut lse)?;
             DeviceBuffer::F16(out)
         }
         (DeviceBuffer::BF16(qb), DeviceBuffer::BF16(kb), DeviceBuffer::BF16(vb)) => {
             let mut out = alloc_poisoned::<bf16>(s, p.out_len())?;
-            launch(
-                dev,
-                &function,
-                cfg,
-                p,
-                (qb, kb, vb),
-                &mut out,
-                &mut lse,
-                &table,
-                &slopes,
-                (left, right),
-            )?;
+            plan.launch(dev, &function, p, (qb, kb, vb), &mut out, &mut lse)?;
             DeviceBuffer::BF16(out)
         }
         _ => unreachable!("params checked that q, k and v share one dtype"),
@@ -623,6 +544,147 @@ fn forward(
         out: CudaTensor::contiguous(out, &p.out_shape),
         lse: CudaTensor::contiguous(DeviceBuffer::F32(lse), &p.lse_shape),
     })
+}
+
+/// Everything one launch needs besides the tensors.
+struct Plan {
+    cfg: LaunchConfig,
+    /// The per-sequence table (packed calls only; batched calls pass null and batch strides).
+    table: Option<CudaSlice<i64>>,
+    /// ALiBi slopes, `batch · heads` (plus a row for the tail sequence), when ALiBi is on.
+    slopes: Option<CudaSlice<f32>>,
+    /// Window sides, -1 unbounded, clamped to seqlen_q + seqlen_k.
+    window: (i32, i32),
+    /// Batched calls: seqlen_q, seqlen_k and the batch strides of q, k, v.
+    batch_seqlens: (i32, i32),
+    batch_strides: [i64; 3],
+    empty: bool,
+}
+
+impl Plan {
+    fn new(dev: &CudaDevice, p: &Params, key: &KernelKey) -> Result<Plan> {
+        // Packed rows after the last sequence get out = 0 and lse = -inf, as on the CPU: they are
+        // launched as one more sequence that sees no key (the kernels' fully-masked-row rule).
+        let used = p.seqs.last().map_or(0, |s| s.out_row0 + s.seqlen_q);
+        let tail = (p.packed && used < p.total_q).then(|| crate::params::Seq {
+            seqlen_q: p.total_q - used,
+            seqlen_k: 0,
+            q_base: used * p.q.row_stride,
+            k_base: 0,
+            v_base: 0,
+            out_row0: used,
+            lse_base: used,
+            k_row0: 0,
+        });
+        let seqs: Vec<_> = p.seqs.iter().copied().chain(tail).collect();
+        let max_q = seqs.iter().map(|s| s.seqlen_q).max().unwrap_or(0);
+        let max_k = seqs.iter().map(|s| s.seqlen_k).max().unwrap_or(0);
+        let table = if p.packed {
+            let table: Vec<i64> = seqs
+                .iter()
+                .flat_map(|s| {
+                    [
+                        s.seqlen_q, s.seqlen_k, s.q_base, s.k_base, s.v_base, s.out_row0,
+                        s.lse_base,
+                    ]
+                })
+                .map(|x| x as i64)
+                .collect();
+            debug_assert_eq!(table.len(), SEQ_FIELDS * seqs.len());
+            Some(dev.htod(&table)?)
+        } else {
+            None
+        };
+        let slopes = match &p.alibi {
+            Some(a) => {
+                let mut a = a.clone();
+                a.resize(seqs.len() * p.heads, 0.0); // the tail sequence's row, never used
+                Some(dev.htod(&a)?)
+            }
+            None => None,
+        };
+        // A window side wider than any distance in the batch sees the same keys as an unbounded
+        // one; clamping keeps the kernels' 32-bit arithmetic exact (MAX_SEQLEN).
+        let side = |w: Option<usize>| w.map_or(-1, |w| w.min(max_q + max_k) as i32);
+        let stride = |f: fn(&crate::params::Seq) -> usize| p.seqs.get(1).map_or(0, f) as i64;
+        Ok(Plan {
+            cfg: LaunchConfig {
+                grid_dim: (
+                    max_q.div_ceil(key.tiles().block_m).max(1) as u32,
+                    p.heads as u32,
+                    seqs.len().max(1) as u32,
+                ),
+                block_dim: (key.threads() as u32, 1, 1),
+                shared_mem_bytes: key.smem_bytes() as u32,
+            },
+            table,
+            slopes,
+            window: (side(p.window_left), side(p.window_right)),
+            batch_seqlens: (max_q as i32, max_k as i32),
+            batch_strides: [
+                stride(|s| s.q_base),
+                stride(|s| s.k_base),
+                stride(|s| s.v_base),
+            ],
+            // No query row, or no sequence: nothing to compute.
+            empty: p.out_len() == 0 || seqs.is_empty(),
+        })
+    }
+
+    fn launch<T>(
+        &self,
+        dev: &CudaDevice,
+        function: &CudaFunction,
+        p: &Params,
+        (q, k, v): (&CudaSlice<T>, &CudaSlice<T>, &CudaSlice<T>),
+        out: &mut CudaSlice<T>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        if self.empty {
+            return Ok(());
+        }
+        let (heads, heads_kv, head_dim) = (p.heads as i32, p.heads_kv as i32, p.head_dim as i32);
+        let strides = [
+            p.q.row_stride as i64,
+            p.q.head_stride as i64,
+            p.k.row_stride as i64,
+            p.k.head_stride as i64,
+            p.v.row_stride as i64,
+            p.v.head_stride as i64,
+            p.lse_head_stride as i64,
+        ];
+        let softcap = p.softcap.unwrap_or(1.0);
+        let null: u64 = 0;
+        let mut b = dev.stream.launch_builder(function);
+        b.arg(q).arg(k).arg(v).arg(out).arg(lse);
+        match &self.table {
+            Some(t) => b.arg(t),
+            None => b.arg(&null),
+        };
+        match &self.slopes {
+            Some(t) => b.arg(t),
+            None => b.arg(&null),
+        };
+        b.arg(&heads).arg(&heads_kv).arg(&head_dim);
+        for s in &strides {
+            b.arg(s);
+        }
+        b.arg(&p.softmax_scale).arg(&softcap);
+        b.arg(&self.window.0).arg(&self.window.1);
+        b.arg(&self.batch_seqlens.0).arg(&self.batch_seqlens.1);
+        for s in &self.batch_strides {
+            b.arg(s);
+        }
+        // SAFETY: the argument list matches `flash_fwd` in fwd.cu / fwd_f32.cu: pointers to T, T,
+        // T, T, f32, i64 (or null: batched), f32 (or null: no ALiBi, then never read); i32 x3;
+        // i64 x7; f32 x2; i32 x4; i64 x3 (a null pointer is pushed as a 64-bit zero). Params
+        // validated every view, so each element the kernels address (bases and row/head strides
+        // over the sequence table or the batch strides) lies inside q, k and v; out and lse hold
+        // out_len / lse_len elements, the table 7 per launched sequence, the slopes one row per
+        // launched sequence.
+        unsafe { b.launch(self.cfg) }.map_err(driver_err("cuLaunchKernel"))?;
+        Ok(())
+    }
 }
 
 /// A new buffer filled with all-ones bytes (NaN in f32, f16 and bf16), as the CPU path poisons its
@@ -636,60 +698,11 @@ fn alloc_poisoned<T: cudarc::driver::DeviceRepr>(
     // float type for which every bit pattern is a valid value.
     let mut buf = unsafe { s.alloc::<T>(len.max(1)) }.map_err(driver_err("cuMemAllocAsync"))?;
     let bytes = len.max(1) * std::mem::size_of::<T>();
-    let (ptr, _record) = buf.device_ptr_mut(s);
+    let (ptr, record) = buf.device_ptr_mut(s);
     // SAFETY: `ptr` addresses `bytes` bytes owned by `buf`, alive for the call; the memset is
     // queued on the same stream as every later use of `buf`.
     unsafe { cudarc::driver::result::memset_d8_async(ptr, 0xFF, bytes, s.cu_stream()) }
         .map_err(driver_err("cuMemsetD8Async"))?;
-    drop(_record);
+    drop(record);
     Ok(buf)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn launch<T>(
-    dev: &CudaDevice,
-    function: &CudaFunction,
-    cfg: LaunchConfig,
-    p: &Params,
-    (q, k, v): (&CudaSlice<T>, &CudaSlice<T>, &CudaSlice<T>),
-    out: &mut CudaSlice<T>,
-    lse: &mut CudaSlice<f32>,
-    table: &CudaSlice<i64>,
-    slopes: &CudaSlice<f32>,
-    (left, right): (i32, i32),
-) -> Result<()> {
-    if p.out_len() == 0 {
-        return Ok(()); // no query row, no head or no sequence: nothing to compute
-    }
-    let (heads, heads_kv, head_dim) = (p.heads as i32, p.heads_kv as i32, p.head_dim as i32);
-    let strides = [
-        p.q.row_stride as i64,
-        p.q.head_stride as i64,
-        p.k.row_stride as i64,
-        p.k.head_stride as i64,
-        p.v.row_stride as i64,
-        p.v.head_stride as i64,
-        p.lse_head_stride as i64,
-    ];
-    let softcap = p.softcap.unwrap_or(1.0);
-    let mut b = dev.stream.launch_builder(function);
-    b.arg(q)
-        .arg(k)
-        .arg(v)
-        .arg(out)
-        .arg(lse)
-        .arg(table)
-        .arg(slopes);
-    b.arg(&heads).arg(&heads_kv).arg(&head_dim);
-    for s in &strides {
-        b.arg(s);
-    }
-    b.arg(&p.softmax_scale).arg(&softcap).arg(&left).arg(&right);
-    // SAFETY: the argument list matches `flash_fwd`'s signature in fwd.cu / fwd_f32.cu (pointers
-    // to T, T, T, T, f32, i64, f32; i32 ×3; i64 ×7; f32 ×2; i32 ×2). Params validated every view:
-    // each element the kernel addresses (bases + row/head strides over the sequence table) lies
-    // inside q, k, v; out and lse have out_len / lse_len elements, the table 7 per sequence, the
-    // slopes batch·heads (or 1, unread without ALiBi).
-    unsafe { b.launch(cfg) }.map_err(driver_err("cuLaunchKernel"))?;
-    Ok(())
 }

@@ -14,8 +14,38 @@ typedef long long i64;
 #define FA_LOG2E 1.4426950408889634f
 #define FA_LN2 0.6931471805599453f
 
-// Entries per sequence in the `seqs` table (see cuda/launch.rs: SEQ_FIELDS).
+// Entries per sequence in the `seqs` table (cuda/mod.rs: SEQ_FIELDS).
 #define SEQ_FIELDS 7
+
+// Where sequence b's rows live. Packed (varlen) calls pass a table of SEQ_FIELDS i64 per sequence:
+// seqlen_q, seqlen_k, element offsets of q/k/v row 0, head 0, out row of query 0, lse index of
+// (head 0, query 0). Batched calls pass no table (nothing to upload per call): every sequence has
+// the same lengths and sits a batch stride further on.
+struct SeqInfo {
+    int seqlen_q, seqlen_k;
+    i64 q_base, k_base, v_base, out_row0, lse_base;
+    __device__ __forceinline__ SeqInfo(const i64* seqs, int b, int heads, int seqlen_q_, int seqlen_k_,
+                                       i64 q_batch_stride, i64 k_batch_stride, i64 v_batch_stride) {
+        if (seqs != nullptr) {
+            const i64* s = seqs + SEQ_FIELDS * b;
+            seqlen_q = (int)s[0];
+            seqlen_k = (int)s[1];
+            q_base = s[2];
+            k_base = s[3];
+            v_base = s[4];
+            out_row0 = s[5];
+            lse_base = s[6];
+        } else {
+            seqlen_q = seqlen_q_;
+            seqlen_k = seqlen_k_;
+            q_base = b * q_batch_stride;
+            k_base = b * k_batch_stride;
+            v_base = b * v_batch_stride;
+            out_row0 = (i64)b * seqlen_q_;
+            lse_base = (i64)b * heads * seqlen_q_;
+        }
+    }
+};
 
 __device__ __forceinline__ float fa_exp2(float x) {
     // ex2.approx: relative error ~2^-22; exactly +0 for -inf (a masked score).

@@ -25,7 +25,8 @@ flash_fwd(const float* __restrict__ q, const float* __restrict__ k, const float*
           const float* __restrict__ alibi_slopes, int heads, int heads_kv, int head_dim,
           i64 q_row_stride, i64 q_head_stride, i64 k_row_stride, i64 k_head_stride,
           i64 v_row_stride, i64 v_head_stride, i64 lse_head_stride, float softmax_scale,
-          float softcap, int window_left, int window_right) {
+          float softcap, int window_left, int window_right, int batch_seqlen_q,
+          int batch_seqlen_k, i64 q_batch_stride, i64 k_batch_stride, i64 v_batch_stride) {
     extern __shared__ float smem_f[];
     float* q_tile = smem_f;                      // [BLOCK_M][PITCH]
     float* k_tile = q_tile + BLOCK_M * PITCH;    // [BLOCK_N][PITCH]
@@ -33,16 +34,17 @@ flash_fwd(const float* __restrict__ q, const float* __restrict__ k, const float*
     float* p_tile = v_tile + BLOCK_N * HEAD_DIM; // [BLOCK_M][P_PITCH]
 
     const int m_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-    const i64* seq = seqs + SEQ_FIELDS * b;
-    const int seqlen_q = (int)seq[0], seqlen_k = (int)seq[1];
+    const SeqInfo seq(seqs, b, heads, batch_seqlen_q, batch_seqlen_k, q_batch_stride,
+                      k_batch_stride, v_batch_stride);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
     const int m0 = m_block * BLOCK_M;
     if (m0 >= seqlen_q) return;
     const int m_end = min(m0 + BLOCK_M, seqlen_q);
     const int hk = h / (heads / heads_kv);
-    const float* q_g = q + seq[2] + (i64)h * q_head_stride;
-    const float* k_g = k + seq[3] + (i64)hk * k_head_stride;
-    const float* v_g = v + seq[4] + (i64)hk * v_head_stride;
-    const i64 out_row0 = seq[5], lse_base = seq[6];
+    const float* q_g = q + seq.q_base + (i64)h * q_head_stride;
+    const float* k_g = k + seq.k_base + (i64)hk * k_head_stride;
+    const float* v_g = v + seq.v_base + (i64)hk * v_head_stride;
+    const i64 out_row0 = seq.out_row0, lse_base = seq.lse_base;
 
     Mask mask{seqlen_k, seqlen_k - seqlen_q, window_left, window_right};
     ScoreMod mods;
