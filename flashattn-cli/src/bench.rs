@@ -92,6 +92,10 @@ pub struct BenchArgs {
     /// Skip measuring the CPU's peak FMA / bf16-dot rate (about 1.5 s) and the "% of peak" column.
     #[arg(long)]
     pub no_peak: bool,
+    /// Where to run flashattn: the CPU, or NVIDIA GPU 0 (forward only; timed with CUDA events;
+    /// no naive baseline there; compare with PyTorch by bench/compare_torch_cuda.py).
+    #[arg(long, value_enum, default_value_t = crate::cuda::Device::Cpu)]
+    pub device: crate::cuda::Device,
 }
 
 /// The fields every JSON line shares.
@@ -166,6 +170,23 @@ struct Skipped {
 
 pub fn bench(args: &BenchArgs) -> Result<()> {
     let cases = validate(args)?;
+    if args.device == crate::cuda::Device::Cuda {
+        if args.backward {
+            return fail("--backward: the CUDA backend has no backward pass yet");
+        }
+        return crate::cuda::bench(&crate::cuda::BenchConfig {
+            batch: args.batch,
+            heads: args.heads,
+            heads_kv: args.heads_kv.unwrap_or(args.heads),
+            seqlens: cases,
+            head_dim: args.head_dim,
+            dtype: args.dtype.dtype(),
+            causal: args.causal,
+            min_time: args.min_time,
+            seed: args.seed,
+            json: args.json,
+        });
+    }
     with_threads(args.threads, || bench_in_pool(args, &cases))?
 }
 

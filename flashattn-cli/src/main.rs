@@ -4,6 +4,7 @@
 
 mod alloc;
 mod bench;
+mod cuda;
 mod error;
 mod peak;
 mod plot;

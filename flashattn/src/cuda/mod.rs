@@ -27,6 +27,9 @@ mod key;
 mod nvrtc;
 mod probe;
 
+/// The cudarc this backend is built on (0.19, CUDA 13.0 API), for streams, events and slices of
+/// matching types.
+pub use cudarc;
 pub use key::{Arch, KernelKey, Tiles, HEAD_DIM_STEP};
 pub use nvrtc::{compile, version as nvrtc_version, CompiledKernel};
 
@@ -430,6 +433,17 @@ pub fn flash_attn_varlen(
 ) -> Result<CudaAttnOutput> {
     let p = params::varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, opts)?;
     forward(dev, &p, q, k, v)
+}
+
+/// The kernel variant a batched [`flash_attn`] call with these arguments runs (validated as the
+/// call would be); with [`CudaDevice::prepare`], lets a caller compile it ahead of time.
+pub fn kernel_key(
+    q: &CudaTensor,
+    k: &CudaTensor,
+    v: &CudaTensor,
+    opts: &AttnOptions,
+) -> Result<KernelKey> {
+    Ok(key_for(&params::batched(q, k, v, opts)?))
 }
 
 /// The kernel variant that serves validated `p` (strides decide the vector-load path).
