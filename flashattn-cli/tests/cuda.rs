@@ -5,10 +5,14 @@
 use safetensors::tensor::{Dtype, TensorView};
 use std::process::{Command, Output};
 
-const BIN: &str = env!("CARGO_BIN_EXE_flashattn");
+/// The binary under test: cargo's build, or `FLASHATTN_BIN` (bench/gpu/run.sh points it at the
+/// binary carried to a GPU machine, where cargo's build path does not exist).
+fn bin() -> String {
+    std::env::var("FLASHATTN_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_flashattn").into())
+}
 
 fn flashattn(args: &[&str]) -> Output {
-    Command::new(BIN)
+    Command::new(bin())
         .args(args)
         .output()
         .expect("run flashattn")
@@ -70,7 +74,7 @@ fn run_on_cuda_matches_cpu_or_fails_cleanly() {
         ]
     };
     let to_str = |v: &[String]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-    let o = Command::new(BIN)
+    let o = Command::new(bin())
         .args(to_str(&args(&gpu, "cuda")))
         .output()
         .unwrap();
@@ -80,7 +84,7 @@ fn run_on_cuda_matches_cpu_or_fails_cleanly() {
         eprintln!("no GPU: {}", String::from_utf8_lossy(&o.stderr).trim());
         return;
     }
-    let o = Command::new(BIN)
+    let o = Command::new(bin())
         .args(to_str(&args(&cpu, "cpu")))
         .output()
         .unwrap();
