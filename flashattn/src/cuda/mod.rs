@@ -52,7 +52,7 @@ pub const MAX_SEQLEN: usize = 1 << 29;
 /// grid.y (heads) and grid.z (batch) are limited to 65535 by CUDA.
 const MAX_GRID_YZ: usize = 65_535;
 /// Entries per sequence of the table the kernels read (common.cuh: SEQ_FIELDS).
-const SEQ_FIELDS: usize = 7;
+pub const SEQ_FIELDS: usize = 7;
 
 fn driver_err(call: &'static str) -> impl Fn(DriverError) -> crate::Error {
     move |e| {
@@ -534,22 +534,22 @@ fn forward(
     check_launchable(dev, p, &key, [q, k, v])?;
     let (function, _) = dev.function(&key)?;
     let s = &dev.stream;
-    let plan = Plan::new(dev, p, &key)?;
+    let plan = Plan::new(dev, LaunchDescription::new(p))?;
     let mut lse = alloc_poisoned::<f32>(s, p.lse_len())?;
     let out = match (&q.buf, &k.buf, &v.buf) {
         (DeviceBuffer::F32(qb), DeviceBuffer::F32(kb), DeviceBuffer::F32(vb)) => {
             let mut out = alloc_poisoned::<f32>(s, p.out_len())?;
-            plan.launch(dev, &function, p, (qb, kb, vb), &mut out, &mut lse)?;
+            plan.launch(dev, &function, (qb, kb, vb), &mut out, &mut lse)?;
             DeviceBuffer::F32(out)
         }
         (DeviceBuffer::F16(qb), DeviceBuffer::F16(kb), DeviceBuffer::F16(vb)) => {
             let mut out = alloc_poisoned::<f16>(s, p.out_len())?;
-            plan.launch(dev, &function, p, (qb, kb, vb), &mut out, &mut lse)?;
+            plan.launch(dev, &function, (qb, kb, vb), &mut out, &mut lse)?;
             DeviceBuffer::F16(out)
         }
         (DeviceBuffer::BF16(qb), DeviceBuffer::BF16(kb), DeviceBuffer::BF16(vb)) => {
             let mut out = alloc_poisoned::<bf16>(s, p.out_len())?;
-            plan.launch(dev, &function, p, (qb, kb, vb), &mut out, &mut lse)?;
+            plan.launch(dev, &function, (qb, kb, vb), &mut out, &mut lse)?;
             DeviceBuffer::BF16(out)
         }
         _ => unreachable!("params checked that q, k and v share one dtype"),
@@ -560,23 +560,42 @@ fn forward(
     })
 }
 
-/// Everything one launch needs besides the tensors.
-struct Plan {
-    cfg: LaunchConfig,
-    /// The per-sequence table (packed calls only; batched calls pass null and batch strides).
-    table: Option<CudaSlice<i64>>,
-    /// ALiBi slopes, `batch · heads` (plus a row for the tail sequence), when ALiBi is on.
-    slopes: Option<CudaSlice<f32>>,
+/// Everything a forward launch passes besides the tensors, computed on the host from validated
+/// parameters: what the GPU path uploads and launches, and what the host emulation of the kernels
+/// (tests/cuda_emulated.rs) runs, so both exercise the same argument logic.
+#[derive(Clone, Debug)]
+#[doc(hidden)]
+pub struct LaunchDescription {
+    pub key: KernelKey,
+    pub grid: (u32, u32, u32),
+    pub threads: u32,
+    pub smem_bytes: u32,
+    /// The per-sequence table (packed calls only; batched calls pass null and batch strides):
+    /// SEQ_FIELDS i64 per launched sequence, the last one possibly the tail of packed rows.
+    pub table: Option<Vec<i64>>,
+    /// ALiBi slopes, one row of `heads` per launched sequence, when ALiBi is on.
+    pub slopes: Option<Vec<f32>>,
+    pub heads: i32,
+    pub heads_kv: i32,
+    pub head_dim: i32,
+    /// q row, q head, k row, k head, v row, v head strides, lse head stride.
+    pub strides: [i64; 7],
+    pub softmax_scale: f32,
+    pub softcap: f32,
     /// Window sides, -1 unbounded, clamped to seqlen_q + seqlen_k.
-    window: (i32, i32),
+    pub window: (i32, i32),
     /// Batched calls: seqlen_q, seqlen_k and the batch strides of q, k, v.
-    batch_seqlens: (i32, i32),
-    batch_strides: [i64; 3],
-    empty: bool,
+    pub batch_seqlens: (i32, i32),
+    pub batch_strides: [i64; 3],
+    pub out_len: usize,
+    pub lse_len: usize,
+    pub out_shape: Vec<usize>,
+    pub lse_shape: Vec<usize>,
 }
 
-impl Plan {
-    fn new(dev: &CudaDevice, p: &Params, key: &KernelKey) -> Result<Plan> {
+impl LaunchDescription {
+    fn new(p: &Params) -> LaunchDescription {
+        let key = key_for(p);
         // Packed rows after the last sequence get out = 0 and lse = -inf, as on the CPU: they are
         // launched as one more sequence that sees no key (the kernels' fully-masked-row rule).
         let used = p.seqs.last().map_or(0, |s| s.out_row0 + s.seqlen_q);
@@ -593,9 +612,8 @@ impl Plan {
         let seqs: Vec<_> = p.seqs.iter().copied().chain(tail).collect();
         let max_q = seqs.iter().map(|s| s.seqlen_q).max().unwrap_or(0);
         let max_k = seqs.iter().map(|s| s.seqlen_k).max().unwrap_or(0);
-        let table = if p.packed {
-            let table: Vec<i64> = seqs
-                .iter()
+        let table = p.packed.then(|| {
+            seqs.iter()
                 .flat_map(|s| {
                     [
                         s.seqlen_q, s.seqlen_k, s.q_base, s.k_base, s.v_base, s.out_row0,
@@ -603,36 +621,41 @@ impl Plan {
                     ]
                 })
                 .map(|x| x as i64)
-                .collect();
-            debug_assert_eq!(table.len(), SEQ_FIELDS * seqs.len());
-            Some(dev.htod(&table)?)
-        } else {
-            None
-        };
-        let slopes = match &p.alibi {
-            Some(a) => {
-                let mut a = a.clone();
-                a.resize(seqs.len() * p.heads, 0.0); // the tail sequence's row, never used
-                Some(dev.htod(&a)?)
-            }
-            None => None,
-        };
+                .collect::<Vec<i64>>()
+        });
+        let slopes = p.alibi.as_ref().map(|a| {
+            let mut a = a.clone();
+            a.resize(seqs.len() * p.heads, 0.0); // the tail sequence's row, never used
+            a
+        });
         // A window side wider than any distance in the batch sees the same keys as an unbounded
         // one; clamping keeps the kernels' 32-bit arithmetic exact (MAX_SEQLEN).
         let side = |w: Option<usize>| w.map_or(-1, |w| w.min(max_q + max_k) as i32);
         let stride = |f: fn(&crate::params::Seq) -> usize| p.seqs.get(1).map_or(0, f) as i64;
-        Ok(Plan {
-            cfg: LaunchConfig {
-                grid_dim: (
-                    max_q.div_ceil(key.tiles().block_m).max(1) as u32,
-                    p.heads as u32,
-                    seqs.len().max(1) as u32,
-                ),
-                block_dim: (key.threads() as u32, 1, 1),
-                shared_mem_bytes: key.smem_bytes() as u32,
-            },
+        LaunchDescription {
+            grid: (
+                max_q.div_ceil(key.tiles().block_m) as u32,
+                p.heads as u32,
+                seqs.len() as u32,
+            ),
+            threads: key.threads() as u32,
+            smem_bytes: key.smem_bytes() as u32,
             table,
             slopes,
+            heads: p.heads as i32,
+            heads_kv: p.heads_kv as i32,
+            head_dim: p.head_dim as i32,
+            strides: [
+                p.q.row_stride as i64,
+                p.q.head_stride as i64,
+                p.k.row_stride as i64,
+                p.k.head_stride as i64,
+                p.v.row_stride as i64,
+                p.v.head_stride as i64,
+                p.lse_head_stride as i64,
+            ],
+            softmax_scale: p.softmax_scale,
+            softcap: p.softcap.unwrap_or(1.0),
             window: (side(p.window_left), side(p.window_right)),
             batch_seqlens: (max_q as i32, max_k as i32),
             batch_strides: [
@@ -640,34 +663,63 @@ impl Plan {
                 stride(|s| s.k_base),
                 stride(|s| s.v_base),
             ],
-            // No query row, or no sequence: nothing to compute.
-            empty: p.out_len() == 0 || seqs.is_empty(),
-        })
+            out_len: p.out_len(),
+            lse_len: p.lse_len(),
+            out_shape: p.out_shape.clone(),
+            lse_shape: p.lse_shape.clone(),
+            key,
+        }
+    }
+
+    /// Nothing to launch: no query row, or no sequence.
+    pub fn is_empty(&self) -> bool {
+        self.out_len == 0 || self.grid.0 == 0 || self.grid.2 == 0
+    }
+}
+
+/// The launch a batched forward with these host views and options would make (validated as the
+/// call would be). For the host emulation test of the kernels.
+#[doc(hidden)]
+pub fn launch_description(
+    q: &TensorRef,
+    k: &TensorRef,
+    v: &TensorRef,
+    cu_seqlens: Option<(&[i32], &[i32])>,
+    opts: &AttnOptions,
+) -> Result<LaunchDescription> {
+    let p = match cu_seqlens {
+        Some((cq, ck)) => params::varlen(q, k, v, cq, ck, opts)?,
+        None => params::batched(q, k, v, opts)?,
+    };
+    Ok(LaunchDescription::new(&p))
+}
+
+/// A [`LaunchDescription`] with its table and slopes on the device.
+struct Plan {
+    d: LaunchDescription,
+    table: Option<CudaSlice<i64>>,
+    slopes: Option<CudaSlice<f32>>,
+}
+
+impl Plan {
+    fn new(dev: &CudaDevice, d: LaunchDescription) -> Result<Plan> {
+        let table = d.table.as_deref().map(|t| dev.htod(t)).transpose()?;
+        let slopes = d.slopes.as_deref().map(|t| dev.htod(t)).transpose()?;
+        Ok(Plan { d, table, slopes })
     }
 
     fn launch<T>(
         &self,
         dev: &CudaDevice,
         function: &CudaFunction,
-        p: &Params,
         (q, k, v): (&CudaSlice<T>, &CudaSlice<T>, &CudaSlice<T>),
         out: &mut CudaSlice<T>,
         lse: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        if self.empty {
+        let d = &self.d;
+        if d.is_empty() {
             return Ok(());
         }
-        let (heads, heads_kv, head_dim) = (p.heads as i32, p.heads_kv as i32, p.head_dim as i32);
-        let strides = [
-            p.q.row_stride as i64,
-            p.q.head_stride as i64,
-            p.k.row_stride as i64,
-            p.k.head_stride as i64,
-            p.v.row_stride as i64,
-            p.v.head_stride as i64,
-            p.lse_head_stride as i64,
-        ];
-        let softcap = p.softcap.unwrap_or(1.0);
         let null: u64 = 0;
         let mut b = dev.stream.launch_builder(function);
         b.arg(q).arg(k).arg(v).arg(out).arg(lse);
@@ -679,16 +731,21 @@ impl Plan {
             Some(t) => b.arg(t),
             None => b.arg(&null),
         };
-        b.arg(&heads).arg(&heads_kv).arg(&head_dim);
-        for s in &strides {
+        b.arg(&d.heads).arg(&d.heads_kv).arg(&d.head_dim);
+        for s in &d.strides {
             b.arg(s);
         }
-        b.arg(&p.softmax_scale).arg(&softcap);
-        b.arg(&self.window.0).arg(&self.window.1);
-        b.arg(&self.batch_seqlens.0).arg(&self.batch_seqlens.1);
-        for s in &self.batch_strides {
+        b.arg(&d.softmax_scale).arg(&d.softcap);
+        b.arg(&d.window.0).arg(&d.window.1);
+        b.arg(&d.batch_seqlens.0).arg(&d.batch_seqlens.1);
+        for s in &d.batch_strides {
             b.arg(s);
         }
+        let cfg = LaunchConfig {
+            grid_dim: d.grid,
+            block_dim: (d.threads, 1, 1),
+            shared_mem_bytes: d.smem_bytes,
+        };
         // SAFETY: the argument list matches `flash_fwd` in fwd.cu / fwd_f32.cu: pointers to T, T,
         // T, T, f32, i64 (or null: batched), f32 (or null: no ALiBi, then never read); i32 x3;
         // i64 x7; f32 x2; i32 x4; i64 x3 (a null pointer is pushed as a 64-bit zero). Params
@@ -696,7 +753,7 @@ impl Plan {
         // over the sequence table or the batch strides) lies inside q, k and v; out and lse hold
         // out_len / lse_len elements, the table 7 per launched sequence, the slopes one row per
         // launched sequence.
-        unsafe { b.launch(self.cfg) }.map_err(driver_err("cuLaunchKernel"))?;
+        unsafe { b.launch(cfg) }.map_err(driver_err("cuLaunchKernel"))?;
         Ok(())
     }
 }

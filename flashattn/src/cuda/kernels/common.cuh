@@ -10,6 +10,11 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
 
+#ifdef FA_HOST_EMULATION
+// The CPU twin of the CUDA primitives (tests/cuda_emulated.rs); NVRTC never sees this branch.
+#include "host_emulation.h"
+#endif
+
 #define FA_INF __int_as_float(0x7f800000)
 #define FA_LOG2E 1.4426950408889634f
 #define FA_LN2 0.6931471805599453f
@@ -47,12 +52,16 @@ struct SeqInfo {
     }
 };
 
+#ifndef FA_HOST_EMULATION
+#define FA_DYNAMIC_SMEM(T, name) extern __shared__ __align__(128) T name[]
+
 __device__ __forceinline__ float fa_exp2(float x) {
     // ex2.approx: relative error ~2^-22; exactly +0 for -inf (a masked score).
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
+#endif
 
 // The visibility rule of blocks.rs: query row i sees key j iff lo(i) <= j < hi(i), with
 // offset = seqlen_k - seqlen_q (bottom-right alignment) and -1 meaning an unbounded side.

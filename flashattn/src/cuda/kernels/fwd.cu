@@ -17,6 +17,7 @@
 //   elements, multiple of 64), BLOCK_M, BLOCK_N, NUM_WARPS, IS_MASKED (causal or window),
 //   HAS_SOFTCAP, HAS_ALIBI, VEC_LOAD (head_dim and every row/head stride a multiple of 8 elements
 //   and 16-byte-aligned bases: tiles move by cp.async 16 bytes at a time; else element by element).
+#define FA_TENSOR_CORE_KERNEL
 #include "common.cuh"
 
 #if defined(FA_BF16)
@@ -32,6 +33,7 @@ static_assert(SMEM_ROW % 64 == 0 && SMEM_ROW >= HEAD_DIM, "SMEM_ROW: whole swizz
 static_assert(BLOCK_M == 16 * NUM_WARPS, "each warp owns 16 query rows");
 static_assert(BLOCK_N % 16 == 0, "key blocks are whole mma k-steps");
 
+#ifndef FA_HOST_EMULATION
 // Two floats rounded to one packed pair: `lo` at the lower address.
 __device__ __forceinline__ u32 pack2(float lo, float hi) {
     u32 r;
@@ -85,6 +87,7 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     return (u32)__cvta_generic_to_shared(p);
 }
+#endif  // FA_HOST_EMULATION
 
 // Element offset of (row, col) in a swizzled tile: the 16-byte chunk index is XORed with row % 8
 // inside each group of 8 chunks (SMEM_ROW is a multiple of 64 elements, so groups are whole).
@@ -126,7 +129,7 @@ flash_fwd(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __res
           i64 v_row_stride, i64 v_head_stride, i64 lse_head_stride, float softmax_scale,
           float softcap, int window_left, int window_right, int batch_seqlen_q,
           int batch_seqlen_k, i64 q_batch_stride, i64 k_batch_stride, i64 v_batch_stride) {
-    extern __shared__ __align__(128) u16 smem[];
+    FA_DYNAMIC_SMEM(u16, smem);
     u16* q_tile = smem;
     u16* k_tiles = q_tile + BLOCK_M * SMEM_ROW;      // 2 buffers
     u16* v_tiles = k_tiles + 2 * BLOCK_N * SMEM_ROW; // 2 buffers

@@ -27,7 +27,7 @@ flash_fwd(const float* __restrict__ q, const float* __restrict__ k, const float*
           i64 v_row_stride, i64 v_head_stride, i64 lse_head_stride, float softmax_scale,
           float softcap, int window_left, int window_right, int batch_seqlen_q,
           int batch_seqlen_k, i64 q_batch_stride, i64 k_batch_stride, i64 v_batch_stride) {
-    extern __shared__ float smem_f[];
+    FA_DYNAMIC_SMEM(float, smem_f);
     float* q_tile = smem_f;                      // [BLOCK_M][PITCH]
     float* k_tile = q_tile + BLOCK_M * PITCH;    // [BLOCK_N][PITCH]
     float* v_tile = k_tile + BLOCK_N * PITCH;    // [BLOCK_N][HEAD_DIM]
