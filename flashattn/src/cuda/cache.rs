@@ -62,7 +62,29 @@ pub(crate) fn store(path: &Path, cubin: &[u8]) {
 
 #[cfg(test)]
 mod tests {
-    use super::fnv1a;
+    use super::{fnv1a, load, path, store};
+    use crate::cuda::{Arch, KernelKey};
+
+    #[test]
+    fn store_then_load_round_trips_and_keys_differ() {
+        let dir = std::env::temp_dir().join(format!("flashattn-cache-test-{}", std::process::id()));
+        let file = dir.join("x.cubin");
+        store(&file, b"cubin bytes");
+        assert_eq!(load(&file).as_deref(), Some(&b"cubin bytes"[..]));
+        assert_eq!(load(&dir.join("missing.cubin")), None);
+        let _ = std::fs::remove_dir_all(&dir);
+
+        // Different variants, architectures and NVRTC versions never share a file.
+        let keys = KernelKey::all();
+        if let (Some(a), Some(b)) = (
+            path(&keys[0], Arch::SM80, (13, 0)),
+            path(&keys[1], Arch::SM80, (13, 0)),
+        ) {
+            assert_ne!(a, b);
+            assert_ne!(Some(a.clone()), path(&keys[0], Arch::SM90, (13, 0)));
+            assert_ne!(Some(a), path(&keys[0], Arch::SM80, (13, 1)));
+        }
+    }
 
     #[test]
     fn hash_is_stable_and_separates_parts() {
