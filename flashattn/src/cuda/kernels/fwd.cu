@@ -134,7 +134,10 @@ flash_fwd(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __res
     u16* k_tiles = q_tile + BLOCK_M * SMEM_ROW;      // 2 buffers
     u16* v_tiles = k_tiles + 2 * BLOCK_N * SMEM_ROW; // 2 buffers
 
-    const int m_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    // Masked (causal) query blocks get more keys the later they come: launch those first, so the
+    // longest CTAs do not start last and leave SMs idle at the end (as FlashAttention-2 does).
+    const int m_block = IS_MASKED ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z;
     const SeqInfo seq(seqs, b, heads, batch_seqlen_q, batch_seqlen_k, q_batch_stride,
                       k_batch_stride, v_batch_stride);
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;

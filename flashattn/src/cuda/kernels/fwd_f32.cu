@@ -33,7 +33,10 @@ flash_fwd(const float* __restrict__ q, const float* __restrict__ k, const float*
     float* v_tile = k_tile + BLOCK_N * PITCH;    // [BLOCK_N][HEAD_DIM]
     float* p_tile = v_tile + BLOCK_N * HEAD_DIM; // [BLOCK_M][P_PITCH]
 
-    const int m_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    // Masked (causal) query blocks get more keys the later they come: launch those first, so the
+    // longest CTAs do not start last and leave SMs idle at the end (as FlashAttention-2 does).
+    const int m_block = IS_MASKED ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z;
     const SeqInfo seq(seqs, b, heads, batch_seqlen_q, batch_seqlen_k, q_batch_stride,
                       k_batch_stride, v_batch_stride);
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;

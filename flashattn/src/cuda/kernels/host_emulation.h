@@ -40,7 +40,7 @@ struct Block {
         for (int w = 0; w < threads / 32; ++w) warps.emplace_back(new Warp);
     }
 };
-inline thread_local Dim3 thread_idx, block_idx;
+inline thread_local Dim3 thread_idx, block_idx, grid_dim;
 inline thread_local Block* block = nullptr;
 inline Warp& warp() { return *block->warps[thread_idx.x / 32]; }
 inline int lane() { return thread_idx.x % 32; }
@@ -55,6 +55,7 @@ void launch(Dim3 grid, int threads, size_t smem_bytes, F kernel) {
     for (int t = 0; t < threads; ++t)
         ts.emplace_back([&, t] {
             thread_idx = {unsigned(t), 0, 0};
+            grid_dim = grid;
             block = &b;
             for (unsigned z = 0; z < grid.z; ++z)
                 for (unsigned y = 0; y < grid.y; ++y)
@@ -88,6 +89,7 @@ inline uint16_t float_to_half(float x) { _Float16 v = _Float16(x); uint16_t h; s
 
 #define threadIdx (emu::thread_idx)
 #define blockIdx (emu::block_idx)
+#define gridDim (emu::grid_dim)
 inline float __int_as_float(int i) { return emu::bits_to_float(uint32_t(i)); }
 inline void __syncthreads() { emu::block->bar.arrive_and_wait(); }
 inline void __syncwarp() { emu::warp().bar.arrive_and_wait(); }
