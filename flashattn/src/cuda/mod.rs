@@ -193,7 +193,17 @@ impl CudaDevice {
         Ok(CudaTensor::contiguous(buf, shape))
     }
 
-    fn htod<T: cudarc::driver::DeviceRepr>(&self, v: &[T]) -> Result<CudaSlice<T>> {
+    fn htod<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        v: &[T],
+    ) -> Result<CudaSlice<T>> {
+        if v.is_empty() {
+            // The driver rejects zero-byte allocations; an empty tensor gets one unread element.
+            return self
+                .stream
+                .alloc_zeros(1)
+                .map_err(driver_err("cuMemAllocAsync"));
+        }
         self.stream
             .clone_htod(v)
             .map_err(driver_err("cuMemcpyHtoDAsync"))
