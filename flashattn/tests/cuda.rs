@@ -11,7 +11,7 @@ mod common;
 use common::grid::grid;
 use common::*;
 use flashattn::cuda::{self, CudaDevice, CudaTensor, DeviceBuffer};
-use flashattn::{naive, reference, AttnOptions, AttnOutput, Buffer, DType, ErrorKind, TensorRef};
+use flashattn::{AttnOptions, AttnOutput, Buffer, DType, ErrorKind, TensorRef};
 
 /// The GPU, or `None` after printing why there is none.
 fn device() -> Option<CudaDevice> {
@@ -113,87 +113,28 @@ fn grid_bf16() {
 /// Packed sequences (empty ones, keys without queries and the reverse, rows after the last
 /// sequence) against the reference; the rows after the last sequence are out 0, lse -inf.
 #[test]
-#[allow(clippy::type_complexity)]
 fn varlen_matches_reference() {
     let Some(dev) = device() else { return };
-    let configs: [(&[usize], &[usize], usize, bool, (i64, i64)); 4] = [
-        (&[5, 0, 130, 64, 1], &[7, 9, 0, 65, 200], 3, false, (-1, -1)),
-        (&[113, 203, 0], &[203, 113, 0], 10, true, (-1, -1)),
-        (&[1, 63, 64, 65], &[1, 63, 64, 65], 0, false, (9, 4)),
-        (&[0, 0], &[0, 4], 4, false, (-1, -1)),
-    ];
-    let (h, hkv, d) = (4, 2, 64);
-    let mut seed = 7000;
     for dtype in DTYPES {
-        for &(lq, lk, extra_q, causal, window) in &configs {
-            seed += 1;
-            let mut g = rng(seed);
-            let (tq, tk) = (lq.iter().sum::<usize>() + extra_q, lk.iter().sum::<usize>());
-            let cu = |l: &[usize]| {
-                std::iter::once(0)
-                    .chain(l.iter().scan(0, |acc, &x| {
-                        *acc += x as i32;
-                        Some(*acc)
-                    }))
-                    .collect::<Vec<i32>>()
-            };
-            let (cq, ck) = (cu(lq), cu(lk));
-            let qv = values(&mut g, tq * h * d, Dist::Normal);
-            let kv = values(&mut g, tk * hkv * d, Dist::Normal);
-            let vv = values(&mut g, tk * hkv * d, Dist::Uniform);
-            let (qb, kb, vb) = (
-                to_buffer(&qv, dtype),
-                to_buffer(&kv, dtype),
-                to_buffer(&vv, dtype),
-            );
-            let q = TensorRef::from_slice(qb.as_slice(), &[tq, h, d], &[h * d, d, 1]);
-            let k = TensorRef::from_slice(kb.as_slice(), &[tk, hkv, d], &[hkv * d, d, 1]);
-            let v = TensorRef::from_slice(vb.as_slice(), &[tk, hkv, d], &[hkv * d, d, 1]);
-            let opts = AttnOptions::default()
-                .causal(causal)
-                .window(window.0, window.1);
-            let what = format!(
-                "{dtype} cuda varlen q {lq:?}+{extra_q} k {lk:?} causal={causal} window={window:?}"
-            );
-            let nv = naive::attention_varlen(&q, &k, &v, &cq, &ck, &opts).unwrap();
-            let mut r = reference::attention_varlen(&q, &k, &v, &cq, &ck, &opts).unwrap();
-            let used = cq[lq.len()] as usize;
-            for hh in 0..h {
-                r.lse[hh * tq + used..(hh + 1) * tq].fill(f64::NEG_INFINITY);
-            }
+        for case in varlen_cases(dtype, 4, 2, 64) {
+            let inputs = case.build();
+            let (q, k, v) = inputs.views();
             let (dq, dk, dv) = (
                 dev.upload(&q).unwrap(),
                 dev.upload(&k).unwrap(),
                 dev.upload(&v).unwrap(),
             );
-            let res = cuda::flash_attn_varlen(&dev, &dq, &dk, &dv, &cq, &ck, &opts)
-                .unwrap_or_else(|e| panic!("{what}: {e}"));
-            let flash = to_host(&dev, res);
-            let v_max = vv.iter().fold(0f64, |m, x| m.max(x.abs()));
-            let max_keys = lk.iter().copied().max().unwrap_or(0);
-            check_bound(
-                &what,
-                dtype,
-                &flash,
-                std::slice::from_ref(&nv),
-                &r,
-                v_max,
-                max_keys,
-            );
-            let out = flash.out.to_f64_vec();
-            assert!(
-                out[used * h * d..].iter().all(|&x| x == 0.0),
-                "{what}: tail out"
-            );
-            let lse = flash.lse.to_f64_vec();
-            for hh in 0..h {
-                assert!(
-                    lse[hh * tq + used..(hh + 1) * tq]
-                        .iter()
-                        .all(|&x| x == f64::NEG_INFINITY),
-                    "{what}: tail lse"
-                );
-            }
+            let res = cuda::flash_attn_varlen(
+                &dev,
+                &dq,
+                &dk,
+                &dv,
+                &inputs.cu_q,
+                &inputs.cu_k,
+                &inputs.opts(),
+            )
+            .unwrap_or_else(|e| panic!("{case:?}: {e}"));
+            inputs.check(&to_host(&dev, res), "cuda");
         }
     }
 }

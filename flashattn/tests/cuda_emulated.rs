@@ -15,9 +15,7 @@ mod common;
 use common::grid::grid;
 use common::*;
 use flashattn::cuda::{launch_description, KernelKey, LaunchDescription};
-use flashattn::{
-    naive, reference, AttnOptions, AttnOutput, Buffer, DType, Slice, Tensor, TensorRef,
-};
+use flashattn::{AttnOutput, Buffer, DType, Slice, Tensor, TensorRef};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -272,47 +270,17 @@ fn grid_f32() {
 /// Packed sequences, including empty ones and rows after the last sequence (launched as a tail
 /// sequence that sees no key: out 0, lse -inf).
 #[test]
-#[allow(clippy::type_complexity)]
 fn varlen() {
     if !have_compiler() {
         return;
     }
     let mut builds = Builds(HashMap::new());
-    let configs: [(&[usize], &[usize], usize, bool, (i64, i64)); 3] = [
-        (&[5, 0, 70, 1], &[7, 9, 0, 65], 3, false, (-1, -1)),
-        (&[33, 20], &[20, 33], 2, true, (-1, -1)),
-        (&[1, 17, 64], &[1, 17, 64], 0, false, (9, 4)),
-    ];
-    let (h, hkv, d) = (2, 1, 40);
     for dtype in [DType::BF16, DType::F16, DType::F32] {
-        for (n, &(lq, lk, extra_q, causal, window)) in configs.iter().enumerate() {
-            let mut g = rng(500 + n as u64);
-            let (tq, tk) = (lq.iter().sum::<usize>() + extra_q, lk.iter().sum::<usize>());
-            let cu = |l: &[usize]| {
-                std::iter::once(0)
-                    .chain(l.iter().scan(0, |acc, &x| {
-                        *acc += x as i32;
-                        Some(*acc)
-                    }))
-                    .collect::<Vec<i32>>()
-            };
-            let (cq, ck) = (cu(lq), cu(lk));
-            let qv = values(&mut g, tq * h * d, Dist::Normal);
-            let kv = values(&mut g, tk * hkv * d, Dist::Normal);
-            let vv = values(&mut g, tk * hkv * d, Dist::Uniform);
-            let (qb, kb, vb) = (
-                to_buffer(&qv, dtype),
-                to_buffer(&kv, dtype),
-                to_buffer(&vv, dtype),
-            );
-            let q = TensorRef::from_slice(qb.as_slice(), &[tq, h, d], &[h * d, d, 1]);
-            let k = TensorRef::from_slice(kb.as_slice(), &[tk, hkv, d], &[hkv * d, d, 1]);
-            let v = TensorRef::from_slice(vb.as_slice(), &[tk, hkv, d], &[hkv * d, d, 1]);
-            let opts = AttnOptions::default()
-                .causal(causal)
-                .window(window.0, window.1);
-            let what = format!("{dtype} emulated varlen q {lq:?}+{extra_q} k {lk:?} causal={causal} window={window:?}");
-            let desc = launch_description(&q, &k, &v, Some((&cq, &ck)), &opts).unwrap();
+        for (n, case) in varlen_cases(dtype, 2, 1, 40).into_iter().enumerate() {
+            let inputs = case.build();
+            let (q, k, v) = inputs.views();
+            let cu = Some((&inputs.cu_q[..], &inputs.cu_k[..]));
+            let desc = launch_description(&q, &k, &v, cu, &inputs.opts()).unwrap();
             let flash = run(
                 &mut builds,
                 &desc,
@@ -321,28 +289,7 @@ fn varlen() {
                 &v,
                 &format!("varlen_{dtype}_{n}"),
             );
-            let nv = naive::attention_varlen(&q, &k, &v, &cq, &ck, &opts).unwrap();
-            let mut r = reference::attention_varlen(&q, &k, &v, &cq, &ck, &opts).unwrap();
-            let used = cq[lq.len()] as usize;
-            for hh in 0..h {
-                r.lse[hh * tq + used..(hh + 1) * tq].fill(f64::NEG_INFINITY);
-            }
-            let v_max = vv.iter().fold(0f64, |m, x| m.max(x.abs()));
-            let max_keys = lk.iter().copied().max().unwrap_or(0);
-            check_bound(
-                &what,
-                dtype,
-                &flash,
-                std::slice::from_ref(&nv),
-                &r,
-                v_max,
-                max_keys,
-            );
-            let out = flash.out.to_f64_vec();
-            assert!(
-                out[used * h * d..].iter().all(|&x| x == 0.0),
-                "{what}: tail out"
-            );
+            inputs.check(&flash, "emulated");
         }
     }
 }

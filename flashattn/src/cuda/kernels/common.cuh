@@ -99,3 +99,75 @@ struct ScoreMod {
         return s;
     }
 };
+
+// The parameters of both forward kernels (cuda/mod.rs pushes them in this order).
+#define FLASH_FWD_PARAMS(T)                                                                       \
+    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,                    \
+        T *__restrict__ out, float *__restrict__ lse, const i64 *__restrict__ seqs,               \
+        const float *__restrict__ alibi_slopes, int heads, int heads_kv, int head_dim,            \
+        i64 q_row_stride, i64 q_head_stride, i64 k_row_stride, i64 k_head_stride,                 \
+        i64 v_row_stride, i64 v_head_stride, i64 lse_head_stride, float softmax_scale,            \
+        float softcap, int window_left, int window_right, int batch_seqlen_q, int batch_seqlen_k, \
+        i64 q_batch_stride, i64 k_batch_stride, i64 v_batch_stride
+
+#define FLASH_FWD_ARGS                                                                            \
+    q, k, v, out, lse, seqs, alibi_slopes, heads, heads_kv, head_dim, q_row_stride, q_head_stride, \
+        k_row_stride, k_head_stride, v_row_stride, v_head_stride, lse_head_stride, softmax_scale, \
+        softcap, window_left, window_right, batch_seqlen_q, batch_seqlen_k, q_batch_stride,       \
+        k_batch_stride, v_batch_stride
+
+// What one CTA works on: its (sequence, head, query block), where that head's rows live, the
+// mask, the score modifiers and the key blocks it visits (blocks.rs: n_block_range).
+template <typename T>
+struct CtaWork {
+    int h, m0, m_end, seqlen_q, seqlen_k;
+    const T *q_g, *k_g, *v_g;  // row 0 of this head (kv head for k and v)
+    i64 out_row0, lse_base;
+    Mask mask;
+    ScoreMod mods;
+    int n_block_min, n_block_max;
+
+    // Whether key block [n0, n0 + bn) needs the per-element mask: the end of the keys cuts it, or
+    // (causal, window) some row of m0..m_end does not see all of it.
+    __device__ __forceinline__ bool needs_mask(int n0, int bn) const {
+        return n0 + bn > seqlen_k ||
+               (IS_MASKED && !(mask.lo(m_end - 1) <= n0 && mask.hi(m0) >= n0 + bn));
+    }
+};
+
+// Fills `w` for this CTA; false when its query block lies past the sequence (nothing to do).
+template <typename T, int BM, int BN>
+__device__ __forceinline__ bool cta_work(CtaWork<T>& w, FLASH_FWD_PARAMS(T)) {
+    // Masked (causal) query blocks get more keys the later they come: launch those first, so the
+    // longest CTAs do not start last and leave SMs idle at the end (as FlashAttention-2 does).
+    const int m_block = IS_MASKED ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
+    const int b = blockIdx.z;
+    w.h = blockIdx.y;
+    const SeqInfo seq(seqs, b, heads, batch_seqlen_q, batch_seqlen_k, q_batch_stride,
+                      k_batch_stride, v_batch_stride);
+    w.seqlen_q = seq.seqlen_q;
+    w.seqlen_k = seq.seqlen_k;
+    w.m0 = m_block * BM;
+    if (w.m0 >= w.seqlen_q) return false;
+    w.m_end = min(w.m0 + BM, w.seqlen_q);
+    const int hk = w.h / (heads / heads_kv);
+    w.q_g = q + seq.q_base + (i64)w.h * q_head_stride;
+    w.k_g = k + seq.k_base + (i64)hk * k_head_stride;
+    w.v_g = v + seq.v_base + (i64)hk * v_head_stride;
+    w.out_row0 = seq.out_row0;
+    w.lse_base = seq.lse_base;
+    w.mask = Mask{w.seqlen_k, w.seqlen_k - w.seqlen_q, window_left, window_right};
+    w.mods.scale_log2 = softmax_scale * FA_LOG2E;
+    w.mods.cap_in = softmax_scale / softcap;
+    w.mods.cap_out = softcap * FA_LOG2E;
+    w.mods.alibi_log2 = HAS_ALIBI ? alibi_slopes[b * heads + w.h] * FA_LOG2E : 0.f;
+    w.mods.offset = w.mask.offset;
+    w.n_block_min = w.n_block_max = 0;
+    const int lo = w.mask.lo(w.m0), hi = w.mask.hi(w.m_end - 1);
+    if (hi > lo) {
+        w.n_block_min = lo / BN;
+        w.n_block_max = (hi + BN - 1) / BN;
+    }
+    return true;
+}
+

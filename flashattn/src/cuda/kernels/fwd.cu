@@ -122,51 +122,22 @@ __device__ __forceinline__ void load_tile(u16* tile, const u16* src, i64 row_str
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
-flash_fwd(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-          u16* __restrict__ out, float* __restrict__ lse, const i64* __restrict__ seqs,
-          const float* __restrict__ alibi_slopes, int heads, int heads_kv, int head_dim,
-          i64 q_row_stride, i64 q_head_stride, i64 k_row_stride, i64 k_head_stride,
-          i64 v_row_stride, i64 v_head_stride, i64 lse_head_stride, float softmax_scale,
-          float softcap, int window_left, int window_right, int batch_seqlen_q,
-          int batch_seqlen_k, i64 q_batch_stride, i64 k_batch_stride, i64 v_batch_stride) {
+flash_fwd(FLASH_FWD_PARAMS(u16)) {
     FA_DYNAMIC_SMEM(u16, smem);
     u16* q_tile = smem;
     u16* k_tiles = q_tile + BLOCK_M * SMEM_ROW;      // 2 buffers
     u16* v_tiles = k_tiles + 2 * BLOCK_N * SMEM_ROW; // 2 buffers
 
-    // Masked (causal) query blocks get more keys the later they come: launch those first, so the
-    // longest CTAs do not start last and leave SMs idle at the end (as FlashAttention-2 does).
-    const int m_block = IS_MASKED ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const SeqInfo seq(seqs, b, heads, batch_seqlen_q, batch_seqlen_k, q_batch_stride,
-                      k_batch_stride, v_batch_stride);
-    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
-    const int m0 = m_block * BLOCK_M;
-    if (m0 >= seqlen_q) return;
-    const int m_end = min(m0 + BLOCK_M, seqlen_q);
-    const int hk = h / (heads / heads_kv);
-    const u16* q_g = q + seq.q_base + (i64)h * q_head_stride;
-    const u16* k_g = k + seq.k_base + (i64)hk * k_head_stride;
-    const u16* v_g = v + seq.v_base + (i64)hk * v_head_stride;
-    const i64 out_row0 = seq.out_row0, lse_base = seq.lse_base;
-
-    Mask mask{seqlen_k, seqlen_k - seqlen_q, window_left, window_right};
-    ScoreMod mods;
-    mods.scale_log2 = softmax_scale * FA_LOG2E;
-    mods.cap_in = softmax_scale / softcap;
-    mods.cap_out = softcap * FA_LOG2E;
-    mods.alibi_log2 = HAS_ALIBI ? alibi_slopes[b * heads + h] * FA_LOG2E : 0.f;
-    mods.offset = mask.offset;
-
-    // The key blocks this CTA visits (blocks.rs: n_block_range).
-    int n_block_min = 0, n_block_max = 0;
-    {
-        int lo = mask.lo(m0), hi = mask.hi(m_end - 1);
-        if (hi > lo) {
-            n_block_min = (int)(lo / BLOCK_N);
-            n_block_max = (int)((hi + BLOCK_N - 1) / BLOCK_N);
-        }
-    }
+    CtaWork<u16> w;
+    if (!cta_work<u16, BLOCK_M, BLOCK_N>(w, FLASH_FWD_ARGS)) return;
+    const int h = w.h, m0 = w.m0, m_end = w.m_end, seqlen_q = w.seqlen_q, seqlen_k = w.seqlen_k;
+    const u16* q_g = w.q_g;
+    const u16* k_g = w.k_g;
+    const u16* v_g = w.v_g;
+    const i64 out_row0 = w.out_row0, lse_base = w.lse_base;
+    const Mask& mask = w.mask;
+    const ScoreMod& mods = w.mods;
+    const int n_block_min = w.n_block_min, n_block_max = w.n_block_max;
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;  // mma fragment row group and column pair
@@ -228,8 +199,7 @@ flash_fwd(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __res
 
         // Scores to the log2 domain; the per-element mask only where this block needs it.
         const int n0 = n_block * BLOCK_N;
-        const bool need_mask = n0 + BLOCK_N > seqlen_k ||
-                               (IS_MASKED && !(mask.lo(m_end - 1) <= n0 && mask.hi(m0) >= n0 + BLOCK_N));
+        const bool need_mask = w.needs_mask(n0, BLOCK_N);
 #pragma unroll
         for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
 #pragma unroll
