@@ -112,6 +112,10 @@ pub struct BenchArgs {
     /// --decode: skip measuring the memory bandwidth (about 3 s) and the "% of bandwidth" column.
     #[arg(long)]
     pub no_bandwidth: bool,
+    /// Where to run flashattn: the CPU, or NVIDIA GPU 0 (forward only; timed with CUDA events;
+    /// no naive baseline there; compare with PyTorch by bench/compare_torch_cuda.py).
+    #[arg(long, value_enum, default_value_t = crate::cuda::Device::Cpu)]
+    pub device: crate::cuda::Device,
 }
 
 impl BenchArgs {
@@ -202,9 +206,29 @@ struct Skipped {
 
 pub fn bench(args: &BenchArgs) -> Result<()> {
     if args.decode {
+        if args.device == crate::cuda::Device::Cuda {
+            return fail("--decode --device cuda: decoding runs on the CPU only so far");
+        }
         return crate::decode::bench(args);
     }
     let cases = validate(args)?;
+    if args.device == crate::cuda::Device::Cuda {
+        if args.backward {
+            return fail("--backward: the CUDA backend has no backward pass yet");
+        }
+        return crate::cuda::bench(&crate::cuda::BenchConfig {
+            batch: args.batch,
+            heads: args.heads(),
+            heads_kv: args.heads_kv(),
+            seqlens: cases,
+            head_dim: args.head_dim(),
+            dtype: args.dtype.unwrap_or(DtypeArg::F32).dtype(),
+            causal: args.causal,
+            min_time: args.min_time,
+            seed: args.seed,
+            json: args.json,
+        });
+    }
     with_threads(args.threads, || bench_in_pool(args, &cases))?
 }
 

@@ -4,6 +4,7 @@
 
 mod alloc;
 mod bench;
+mod cuda;
 mod decode;
 mod error;
 mod peak;

@@ -1,5 +1,6 @@
 //! `flashattn run IN OUT`: attention on the tensors of a safetensors file.
 
+use crate::cuda::Device;
 use crate::error::{CliError, Result};
 use crate::st_io;
 use crate::threads::with_threads;
@@ -50,10 +51,19 @@ pub struct RunArgs {
     /// KV-cache files: number of key splits (default: chosen from the shape and thread count).
     #[arg(long)]
     pub num_splits: Option<usize>,
+    /// Where to compute: the CPU, or NVIDIA GPU 0 (forward only; kernels compiled by NVRTC at first
+    /// use).
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    pub device: Device,
 }
 
 pub fn run(args: &RunArgs) -> Result<()> {
     if crate::decode::is_kvcache_file(&args.input) {
+        if args.device == Device::Cuda {
+            return Err(CliError(
+                "KV-cache decoding runs on the CPU only so far; run it with --device cpu".into(),
+            ));
+        }
         return crate::decode::run(args);
     }
     let inputs = st_io::load(&args.input)?;
@@ -108,6 +118,20 @@ fn compute(inputs: &st_io::Inputs, args: &RunArgs) -> Result<(AttnOutput, Option
     };
     let (q, k, v) = (inputs.q.view(), inputs.k.view(), inputs.v.view());
     let dout = inputs.dout.as_ref().map(|t| t.view());
+    if args.device == Device::Cuda {
+        if dout.is_some() {
+            return Err(CliError(
+                "the input holds `dout`, but the CUDA backend has no backward pass yet; \
+                 run it with --device cpu"
+                    .into(),
+            ));
+        }
+        let cu = inputs
+            .cu_seqlens
+            .as_ref()
+            .map(|(cq, ck)| (cq.as_slice(), ck.as_slice()));
+        return Ok((crate::cuda::forward(&q, &k, &v, cu, &opts)?, None));
+    }
     match &inputs.cu_seqlens {
         Some((cq, ck)) => {
             let res = flashattn::flash_attn_varlen(&q, &k, &v, cq, ck, &opts)?;

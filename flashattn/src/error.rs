@@ -211,6 +211,38 @@ pub enum ErrorKind {
         index: usize,
         value: f32,
     },
+    /// No usable NVIDIA GPU: the driver library is missing, or it reports no device.
+    #[error("no CUDA device: {reason}")]
+    CudaUnavailable { reason: String },
+    /// NVRTC (the run-time CUDA compiler) could not be found or loaded.
+    #[error(
+        "NVRTC (libnvrtc) not found: searched {searched:?}; install it (e.g. `pip install \
+         nvidia-cuda-nvrtc==13.0.88`) or point FLASHATTN_NVRTC at libnvrtc.so"
+    )]
+    NvrtcUnavailable { searched: Vec<String> },
+    /// A CUDA driver call failed.
+    #[error("CUDA driver call `{call}` failed: {message}")]
+    CudaDriver { call: &'static str, message: String },
+    /// NVRTC rejected a kernel; `log` is its compile log.
+    #[error("NVRTC could not compile kernel `{kernel}` for {arch}:\n{log}")]
+    KernelCompile {
+        kernel: String,
+        arch: String,
+        log: String,
+    },
+    /// An option the CUDA backend does not implement (the CPU path does).
+    #[error("{feature} is not supported by the CUDA backend{detail}")]
+    CudaUnsupported {
+        feature: &'static str,
+        detail: String,
+    },
+    /// A size beyond what one kernel launch can address.
+    #[error("{what} = {value} exceeds the CUDA backend's limit of {limit}")]
+    CudaLimit {
+        what: &'static str,
+        value: u64,
+        limit: u64,
+    },
 }
 
 /// The error flashattn returns for every rejected input.

@@ -31,6 +31,8 @@
 
 pub mod blocks;
 pub(crate) mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod decode;
 pub mod dropout;
 pub mod error;

@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""flashattn's CUDA forward against PyTorch's scaled_dot_product_attention (flash backend) on the
+same GPU, in one run: interleaved rounds, CUDA-event timing, medians, one FLOP model.
+
+Shapes follow issue 5's targets: bf16, batch x seqlen = 16k tokens, hidden 2048 (heads = 2048 / d),
+d = 64 and 128, seqlen 512 .. 16k, causal and not. FLOPs: 4 * batch * heads * d * (visible
+query-key pairs), the pairs halved (s(s+1)/2) for causal, as flashattn::flops::forward.
+
+Needs: a CUDA GPU, PyTorch with CUDA, and a release build of the `flashattn` binary (built
+elsewhere: `cargo build --release -p flashattn-cli`, copied next to this script or named by
+--binary). flashattn finds NVRTC by itself (PyTorch's wheel ships one); FLASHATTN_NVRTC overrides.
+
+    python3 bench/compare_torch_cuda.py --binary gpu-run/flashattn [--quick] [--out results.json]
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+def pairs(s, causal):
+    return s * (s + 1) // 2 if causal else s * s
+
+
+def torch_ms(b, h, s, d, causal, dtype, min_time):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dt = {"bf16": torch.bfloat16, "f16": torch.float16}[dtype]
+    g = torch.Generator(device="cuda").manual_seed(s * 31 + d)
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dt, generator=g) for _ in range(3))
+    times = []
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        for _ in range(5):
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        torch.cuda.synchronize()
+        t0 = time.time()
+        while len(times) < 10 or (time.time() - t0 < min_time and len(times) < 5000):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def flash(binary, b, h, s, d, causal, dtype, min_time):
+    cmd = [binary, "bench", "--device", "cuda", "--dtype", dtype, "--batch", str(b),
+           "--heads", str(h), "--head-dim", str(d), "--seqlen", str(s), "--json",
+           "--min-time", str(min_time)] + (["--causal"] if causal else [])
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"flashattn failed: {' '.join(cmd)}\n{r.stderr}")
+    lines = [json.loads(l) for l in r.stdout.splitlines() if l.strip()]
+    machine = next(l for l in lines if l["kind"] == "machine")
+    m = next(l for l in lines if l["kind"] == "measurement")
+    return machine, m
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--binary", default=os.path.join(os.path.dirname(__file__), "flashattn"))
+    ap.add_argument("--quick", action="store_true", help="seqlen 512, 4096 and 16384 only, d=128")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "f16"])
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per shape")
+    ap.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--out", help="write the results as JSON here")
+    args = ap.parse_args()
+
+    import torch
+    seqlens = [512, 4096, 16384] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
+    dims = [128] if args.quick else [64, 128]
+    rows, machine = [], None
+    for d in dims:
+        h = args.hidden // d
+        for causal in (False, True):
+            for s in seqlens:
+                b = max(1, args.tokens // s)
+                flops = 4.0 * b * h * d * pairs(s, causal)
+                t_ms, f_ms, fm = [], [], None
+                for _ in range(args.rounds):
+                    t_ms.append(torch_ms(b, h, s, d, causal, args.dtype, args.min_time))
+                    machine, fm_round = flash(args.binary, b, h, s, d, causal, args.dtype, args.min_time)
+                    fm = fm or fm_round  # the first round's kernel origin (compile or disk)
+                    f_ms.append(fm_round["median_ms"])
+                t, f = statistics.median(t_ms), statistics.median(f_ms)
+                row = dict(dtype=args.dtype, batch=b, heads=h, seqlen=s, head_dim=d, causal=causal,
+                           torch_ms=t, flashattn_ms=f, torch_tflops=flops / t / 1e9,
+                           flashattn_tflops=flops / f / 1e9, speedup=t / f,
+                           flashattn_max_abs_err=fm["max_abs_err"], kernel=fm["kernel"],
+                           first_use=fm["kernel_origin"], first_use_ms=fm["prepare_ms"],
+                           torch_round_ms=t_ms, flashattn_round_ms=f_ms)
+                rows.append(row)
+                print(f"d={d:3} causal={causal!s:5} s={s:5} b={b:2} h={h:2}: torch {t:8.3f} ms "
+                      f"{row['torch_tflops']:6.1f} TF/s | flashattn {f:8.3f} ms "
+                      f"{row['flashattn_tflops']:6.1f} TF/s | x{row['speedup']:.2f} | "
+                      f"err {fm['max_abs_err']:.1e} | {fm['kernel_origin']} {fm['prepare_ms']:.0f} ms",
+                      flush=True)
+    speedups = [r["speedup"] for r in rows]
+    geo = statistics.geometric_mean(speedups)
+    print(f"device {machine['device']} ({machine['arch']}), torch {torch.__version__}; "
+          f"flashattn/torch speed geomean x{geo:.2f}, min x{min(speedups):.2f}, max x{max(speedups):.2f}")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                           machine=machine, torch=torch.__version__, rows=rows,
+                           geomean_speedup=geo), fh, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Builds what a GPU session carries to the device machine (which has no Rust toolchain) into
+# gpu-run/ (git-ignored): the release `flashattn` binary and the CUDA test binaries, stripped so
+# the folder stays far below the 64 MiB carry limit. Then, on the device machine:
+#
+#   bash bench/gpu/run.sh          # GPU tests, then flashattn vs PyTorch SDPA (flash backend)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+rm -rf gpu-run && mkdir -p gpu-run
+cargo build --release -p flashattn-cli
+cp target/release/flashattn gpu-run/
+# Test executables of the library's and the CLI's CUDA tests (no debug info: smaller to carry).
+CARGO_PROFILE_DEV_DEBUG=0 cargo test --workspace --test cuda --no-run --message-format=json \
+    | python3 -c '
+import json, shutil, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda":
+        dest = "gpu-run/cuda_tests_" + m["package_id"].split("#")[0].rstrip("/").split("/")[-1]
+        shutil.copy(m["executable"], dest)
+        print("copied", dest)
+'
+strip gpu-run/* 2>/dev/null || true
+du -sh gpu-run

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# On the device machine (after bench/gpu/prepare.sh here, carrying gpu-run/): the CUDA tests (the
+# forward grid against the f64 reference, varlen, errors; the CLI's --device cuda tests), then
+# bench/compare_torch_cuda.py. Logs and JSON go to $OUT (or gpu-run/out).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${OUT:-gpu-run/out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
+export FLASHATTN_CACHE_DIR=${FLASHATTN_CACHE_DIR:-/tmp/flashattn-cache}
+export FLASHATTN_BIN=$PWD/gpu-run/flashattn
+for t in gpu-run/cuda_tests_*; do
+    echo "== $t"
+    "$t" --test-threads 1 --nocapture 2>&1 | tee "$out/$(basename "$t").log" | grep -E "^test |test result|panicked|CUDA device|skipping" 
+done
+python3 bench/compare_torch_cuda.py --binary gpu-run/flashattn --out "$out/compare_cuda.json" "$@" 2>&1 \
+    | tee "$out/compare_cuda.log"

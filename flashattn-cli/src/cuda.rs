@@ -1,0 +1,275 @@
+//! `--device cuda` for `run` and `bench`: the same work on the GPU through `flashattn::cuda`
+//! (device 0). Without a GPU these print the library's typed error (no driver, no device, no
+//! NVRTC) and exit non-zero.
+
+use crate::error::Result;
+use flashattn::cuda::{self, CudaDevice, KernelOrigin};
+use flashattn::{AttnOptions, AttnOutput, Buffer, DType, TensorRef};
+use half::{bf16, f16};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+use std::time::Instant;
+
+/// Where `run` and `bench` compute.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Device {
+    /// The CPU kernels (SIMD, all cores).
+    #[default]
+    Cpu,
+    /// NVIDIA GPU 0, kernels compiled by NVRTC at first use.
+    Cuda,
+}
+
+/// Forward attention on GPU 0 of host views: upload, compute, download. `cu_seqlens` selects the
+/// packed layout.
+pub fn forward(
+    q: &TensorRef,
+    k: &TensorRef,
+    v: &TensorRef,
+    cu_seqlens: Option<(&[i32], &[i32])>,
+    opts: &AttnOptions,
+) -> Result<AttnOutput> {
+    let dev = CudaDevice::new(0)?;
+    let (dq, dk, dv) = (dev.upload(q)?, dev.upload(k)?, dev.upload(v)?);
+    let res = match cu_seqlens {
+        Some((cq, ck)) => cuda::flash_attn_varlen(&dev, &dq, &dk, &dv, cq, ck, opts)?,
+        None => cuda::flash_attn(&dev, &dq, &dk, &dv, opts)?,
+    };
+    Ok(AttnOutput {
+        out: res.out.to_host(&dev)?,
+        lse: res.lse.to_host(&dev)?,
+    })
+}
+
+/// The shape of a GPU benchmark.
+pub struct BenchConfig {
+    pub batch: usize,
+    pub heads: usize,
+    pub heads_kv: usize,
+    pub seqlens: Vec<(usize, usize)>,
+    pub head_dim: usize,
+    pub dtype: DType,
+    pub causal: bool,
+    pub min_time: f64,
+    pub seed: u64,
+    pub json: bool,
+}
+
+#[derive(Serialize)]
+struct Machine {
+    kind: &'static str,
+    device: String,
+    arch: String,
+    sm_count: usize,
+    nvrtc: String,
+}
+
+#[derive(Serialize)]
+struct Measured {
+    kind: &'static str,
+    #[serde(rename = "impl")]
+    implementation: &'static str,
+    dtype: &'static str,
+    batch: usize,
+    heads: usize,
+    heads_kv: usize,
+    seqlen_q: usize,
+    seqlen_k: usize,
+    head_dim: usize,
+    causal: bool,
+    pass: &'static str,
+    kernel: String,
+    /// How the kernel was obtained at its first use in this process, and how long that took
+    /// (an NVRTC compile, or a cubin from the disk cache).
+    kernel_origin: &'static str,
+    prepare_ms: f64,
+    median_ms: f64,
+    min_ms: f64,
+    reps: usize,
+    flops: f64,
+    tflops: f64,
+    /// Largest |out - f64 reference| over `err_rows` sampled rows.
+    max_abs_err: f64,
+    err_rows: usize,
+}
+
+/// Rows sampled for the error check.
+const ERR_ROWS: usize = 16;
+
+/// Times the forward on GPU 0 with CUDA events around each call (allocation of out/lse and the
+/// launch included), after a warm-up, until `min_time` seconds and at least 10 calls; reports the
+/// median. FLOPs by `flashattn::flops::forward`.
+pub fn bench(cfg: &BenchConfig) -> Result<()> {
+    let dev = CudaDevice::new(0)?;
+    let nvrtc = cuda::nvrtc_version()?;
+    let machine = Machine {
+        kind: "machine",
+        device: dev.name().to_string(),
+        arch: dev.arch().target(),
+        sm_count: dev.sm_count(),
+        nvrtc: format!("{}.{}", nvrtc.0, nvrtc.1),
+    };
+    if cfg.json {
+        println!("{}", serde_json::to_string(&machine).expect("serialisable"));
+    } else {
+        println!(
+            "device: {} ({}, {} SMs), NVRTC {}; {} batch {} heads {}/{} head_dim {}{}",
+            machine.device,
+            machine.arch,
+            machine.sm_count,
+            machine.nvrtc,
+            cfg.dtype,
+            cfg.batch,
+            cfg.heads,
+            cfg.heads_kv,
+            cfg.head_dim,
+            if cfg.causal { " causal" } else { "" }
+        );
+        println!(
+            "{:>8} {:>8} {:>10} {:>11} {:>9} {:>6} {:>9}  kernel",
+            "seqlen_q", "seqlen_k", "median_ms", "TFLOP/s", "first_use", "ms", "max_err"
+        );
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
+    for &(sq, sk) in &cfg.seqlens {
+        let m = measure(&dev, cfg, sq, sk, &mut rng)?;
+        if cfg.json {
+            println!("{}", serde_json::to_string(&m).expect("serialisable"));
+        } else {
+            println!(
+                "{:>8} {:>8} {:>10.4} {:>11.1} {:>9} {:>6.0} {:>9.2e}  {}",
+                sq,
+                sk,
+                m.median_ms,
+                m.tflops,
+                m.kernel_origin,
+                m.prepare_ms,
+                m.max_abs_err,
+                m.kernel
+            );
+        }
+    }
+    Ok(())
+}
+
+fn random_buffer(rng: &mut ChaCha8Rng, n: usize, dtype: DType) -> Buffer {
+    let vals = (0..n).map(|_| rng.gen_range(-1.0f32..1.0));
+    match dtype {
+        DType::F32 => Buffer::F32(vals.collect()),
+        DType::F16 => Buffer::F16(vals.map(f16::from_f32).collect()),
+        DType::BF16 => Buffer::BF16(vals.map(bf16::from_f32).collect()),
+    }
+}
+
+fn view<'a>(buf: &'a Buffer, shape: &[usize]) -> TensorRef<'a> {
+    TensorRef::from_slice(
+        buf.as_slice(),
+        shape,
+        &flashattn::tensor::contiguous_strides(shape),
+    )
+}
+
+fn measure(
+    dev: &CudaDevice,
+    cfg: &BenchConfig,
+    sq: usize,
+    sk: usize,
+    rng: &mut ChaCha8Rng,
+) -> Result<Measured> {
+    let (b, h, hkv, d) = (cfg.batch, cfg.heads, cfg.heads_kv, cfg.head_dim);
+    let qs = [b, sq, h, d];
+    let ks = [b, sk, hkv, d];
+    let hq = random_buffer(rng, qs.iter().product(), cfg.dtype);
+    let hk = random_buffer(rng, ks.iter().product(), cfg.dtype);
+    let hv = random_buffer(rng, ks.iter().product(), cfg.dtype);
+    let (q, k, v) = (view(&hq, &qs), view(&hk, &ks), view(&hv, &ks));
+    let opts = AttnOptions::default().causal(cfg.causal);
+    let (dq, dk, dv) = (dev.upload(&q)?, dev.upload(&k)?, dev.upload(&v)?);
+
+    // First use: the kernel is compiled by NVRTC or loaded from the disk cache.
+    let key = cuda::kernel_key(&dq, &dk, &dv, &opts)?;
+    let prepared = dev.prepare(&key)?;
+
+    let run = || cuda::flash_attn(dev, &dq, &dk, &dv, &opts);
+    for _ in 0..3 {
+        run()?;
+    }
+    dev.synchronize()?;
+    let timing = |e| {
+        flashattn::Error::from(flashattn::ErrorKind::CudaDriver {
+            call: "cuEventRecord / cuEventElapsedTime",
+            message: format!("{e:?}"),
+        })
+    };
+    let mut times_ms = Vec::new();
+    let start_all = Instant::now();
+    while times_ms.len() < 10
+        || (start_all.elapsed().as_secs_f64() < cfg.min_time && times_ms.len() < 10_000)
+    {
+        let flags = Some(cudarc_event_flags());
+        let start = dev.stream().record_event(flags).map_err(timing)?;
+        let res = run()?;
+        let end = dev.stream().record_event(flags).map_err(timing)?;
+        end.synchronize().map_err(timing)?;
+        times_ms.push(start.elapsed_ms(&end).map_err(timing)? as f64);
+        drop(res);
+    }
+    times_ms.sort_by(f64::total_cmp);
+    let median_ms = times_ms[times_ms.len() / 2];
+    let flops = flashattn::flops::forward(b, h, sq, sk, d, cfg.causal, (-1, -1));
+
+    // Error of sampled rows against the f64 reference.
+    let res = run()?;
+    let out = res.out.to_host(dev)?.to_f64_vec();
+    let n = ERR_ROWS.min(b * h * sq);
+    let mut max_abs_err = 0f64;
+    for r in 0..n {
+        let bh = r % (b * h);
+        let i = if n > 1 { r * (sq - 1) / (n - 1) } else { 0 };
+        let (bb, hh) = (bh / h, bh % h);
+        let (want, _) = flashattn::reference::attention_row(&q, &k, &v, &opts, bb, hh, i)?;
+        let base = ((bb * sq + i) * h + hh) * d;
+        for (x, w) in out[base..base + d].iter().zip(&want) {
+            let e = (x - w).abs();
+            // NaN is reported as the error, not skipped by max().
+            max_abs_err = if e.is_nan() {
+                f64::NAN
+            } else {
+                max_abs_err.max(e)
+            };
+        }
+    }
+    Ok(Measured {
+        kind: "measurement",
+        implementation: "flashattn-cuda",
+        dtype: cfg.dtype.name(),
+        batch: b,
+        heads: h,
+        heads_kv: hkv,
+        seqlen_q: sq,
+        seqlen_k: sk,
+        head_dim: d,
+        causal: cfg.causal,
+        pass: "forward",
+        kernel: key.name(),
+        kernel_origin: match prepared.origin {
+            KernelOrigin::Memory => "memory",
+            KernelOrigin::Disk => "disk",
+            KernelOrigin::Compiled => "compiled",
+        },
+        prepare_ms: prepared.time.as_secs_f64() * 1e3,
+        median_ms,
+        min_ms: times_ms[0],
+        reps: times_ms.len(),
+        flops,
+        tflops: flops / (median_ms * 1e-3) / 1e12,
+        max_abs_err,
+        err_rows: n,
+    })
+}
+
+/// Events that record timing (cudarc's default disables it).
+fn cudarc_event_flags() -> cuda::cudarc::driver::sys::CUevent_flags {
+    cuda::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT
+}

@@ -1,0 +1,153 @@
+//! `--device cuda` end to end. With a GPU: `run` on the GPU agrees with `run` on the CPU, and
+//! `bench` reports finite times and small errors. Without one (CI): both exit non-zero with one
+//! `error:` line naming what is missing, never a panic, and `run` leaves no output file.
+
+use safetensors::tensor::{Dtype, TensorView};
+use std::process::{Command, Output};
+
+/// The binary under test: cargo's build, or `FLASHATTN_BIN` (bench/gpu/run.sh points it at the
+/// binary carried to a GPU machine, where cargo's build path does not exist).
+fn bin() -> String {
+    std::env::var("FLASHATTN_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_flashattn").into())
+}
+
+fn flashattn(args: &[&str]) -> Output {
+    Command::new(bin())
+        .args(args)
+        .output()
+        .expect("run flashattn")
+}
+
+/// A clean failure: exit code non-zero, one line on stderr starting `error:`, about CUDA.
+fn assert_clean_failure(o: &Output, what: &str) {
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{what}: should have failed");
+    assert!(!stderr.contains("panicked"), "{what}: panicked: {stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "{what}: expected one line, got {stderr:?}");
+    assert!(lines[0].starts_with("error: "), "{what}: {stderr}");
+    assert!(
+        lines[0].contains("CUDA") || lines[0].contains("NVRTC"),
+        "{what}: the error should name CUDA or NVRTC: {stderr}"
+    );
+}
+
+fn f32_tensor(name: &str, shape: &[usize], seed: u32) -> (String, Vec<u8>, Vec<usize>) {
+    let n: usize = shape.iter().product();
+    let bytes = (0..n)
+        .flat_map(|i| {
+            (((i as u32).wrapping_mul(2654435761) ^ seed) as f32 / u32::MAX as f32 - 0.5)
+                .to_le_bytes()
+        })
+        .collect();
+    (name.to_string(), bytes, shape.to_vec())
+}
+
+#[test]
+fn run_on_cuda_matches_cpu_or_fails_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("in.safetensors");
+    let tensors = [
+        f32_tensor("q", &[2, 37, 4, 40], 1),
+        f32_tensor("k", &[2, 53, 2, 40], 2),
+        f32_tensor("v", &[2, 53, 2, 40], 3),
+    ];
+    let views: Vec<(String, TensorView)> = tensors
+        .iter()
+        .map(|(n, b, s)| {
+            (
+                n.clone(),
+                TensorView::new(Dtype::F32, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, &None, &input).unwrap();
+    let (gpu, cpu) = (dir.path().join("gpu.st"), dir.path().join("cpu.st"));
+    let args = |out: &std::path::Path, device: &'static str| {
+        vec![
+            "run".to_string(),
+            input.display().to_string(),
+            out.display().to_string(),
+            "--causal".into(),
+            "--device".into(),
+            device.into(),
+        ]
+    };
+    let to_str = |v: &[String]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let o = Command::new(bin())
+        .args(to_str(&args(&gpu, "cuda")))
+        .output()
+        .unwrap();
+    if !o.status.success() {
+        assert_clean_failure(&o, "run --device cuda");
+        assert!(!gpu.exists(), "a failed run wrote its output");
+        eprintln!("no GPU: {}", String::from_utf8_lossy(&o.stderr).trim());
+        return;
+    }
+    let o = Command::new(bin())
+        .args(to_str(&args(&cpu, "cpu")))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (gb, cb) = (std::fs::read(&gpu).unwrap(), std::fs::read(&cpu).unwrap());
+    let (g, c) = (
+        safetensors::SafeTensors::deserialize(&gb).unwrap(),
+        safetensors::SafeTensors::deserialize(&cb).unwrap(),
+    );
+    for name in ["out", "lse"] {
+        let floats = |st: &safetensors::SafeTensors| -> Vec<f32> {
+            st.tensor(name)
+                .unwrap()
+                .data()
+                .chunks(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect()
+        };
+        let (a, b) = (floats(&g), floats(&c));
+        assert_eq!(a.len(), b.len(), "{name}");
+        for (x, y) in a.iter().zip(&b) {
+            assert!(
+                x == y || (x - y).abs() <= 1e-5 * (1.0 + y.abs()),
+                "{name}: gpu {x} vs cpu {y}"
+            );
+        }
+    }
+}
+
+#[test]
+fn bench_on_cuda_reports_or_fails_cleanly() {
+    let o = flashattn(&[
+        "bench",
+        "--device",
+        "cuda",
+        "--seqlen",
+        "256,1000",
+        "--heads",
+        "4",
+        "--dtype",
+        "bf16",
+        "--causal",
+        "--min-time",
+        "0",
+        "--json",
+    ]);
+    if !o.status.success() {
+        assert_clean_failure(&o, "bench --device cuda");
+        return;
+    }
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let rows: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|v: &serde_json::Value| v["kind"] == "measurement")
+        .collect();
+    assert_eq!(rows.len(), 2, "{stdout}");
+    for r in rows {
+        let (ms, err) = (r["median_ms"].as_f64().unwrap(), r["max_abs_err"].as_f64());
+        assert!(ms > 0.0 && ms.is_finite(), "{r}");
+        assert!(
+            err.is_some_and(|e| e < 2e-2),
+            "bf16 error too large or NaN: {r}"
+        );
+    }
+}

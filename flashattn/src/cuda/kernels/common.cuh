@@ -1,0 +1,173 @@
+// Shared pieces of flashattn's CUDA kernels: element conversions, the online-softmax helpers and
+// the masking rule. Compiled by NVRTC with no CUDA headers: half types are carried as raw 16-bit
+// words and converted with PTX `cvt`, so nothing depends on cuda_fp16.h / cuda_bf16.h.
+//
+// Vocabulary as in the Rust code: block_m/block_n, m_block/n_block, row_max, row_sum, acc_o, lse,
+// scale_log2. Scores are moved to the log2 domain (times log2(e)) so every exponential is ex2.
+#pragma once
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+
+#ifdef FA_HOST_EMULATION
+// The CPU twin of the CUDA primitives (tests/cuda_emulated.rs); NVRTC never sees this branch.
+#include "host_emulation.h"
+#endif
+
+#define FA_INF __int_as_float(0x7f800000)
+#define FA_LOG2E 1.4426950408889634f
+#define FA_LN2 0.6931471805599453f
+
+// Entries per sequence in the `seqs` table (cuda/mod.rs: SEQ_FIELDS).
+#define SEQ_FIELDS 7
+
+// Where sequence b's rows live. Packed (varlen) calls pass a table of SEQ_FIELDS i64 per sequence:
+// seqlen_q, seqlen_k, element offsets of q/k/v row 0, head 0, out row of query 0, lse index of
+// (head 0, query 0). Batched calls pass no table (nothing to upload per call): every sequence has
+// the same lengths and sits a batch stride further on.
+struct SeqInfo {
+    int seqlen_q, seqlen_k;
+    i64 q_base, k_base, v_base, out_row0, lse_base;
+    __device__ __forceinline__ SeqInfo(const i64* seqs, int b, int heads, int seqlen_q_, int seqlen_k_,
+                                       i64 q_batch_stride, i64 k_batch_stride, i64 v_batch_stride) {
+        if (seqs != nullptr) {
+            const i64* s = seqs + SEQ_FIELDS * b;
+            seqlen_q = (int)s[0];
+            seqlen_k = (int)s[1];
+            q_base = s[2];
+            k_base = s[3];
+            v_base = s[4];
+            out_row0 = s[5];
+            lse_base = s[6];
+        } else {
+            seqlen_q = seqlen_q_;
+            seqlen_k = seqlen_k_;
+            q_base = b * q_batch_stride;
+            k_base = b * k_batch_stride;
+            v_base = b * v_batch_stride;
+            out_row0 = (i64)b * seqlen_q_;
+            lse_base = (i64)b * heads * seqlen_q_;
+        }
+    }
+};
+
+#ifndef FA_HOST_EMULATION
+#define FA_DYNAMIC_SMEM(T, name) extern __shared__ __align__(128) T name[]
+
+__device__ __forceinline__ float fa_exp2(float x) {
+    // ex2.approx: relative error ~2^-22; exactly +0 for -inf (a masked score).
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+#endif
+
+// The visibility rule of blocks.rs: query row i sees key j iff lo(i) <= j < hi(i), with
+// offset = seqlen_k - seqlen_q (bottom-right alignment) and -1 meaning an unbounded side.
+// 32-bit arithmetic is exact: the launcher caps sequence lengths at 2^29 and clamps window sides to
+// seqlen_q + seqlen_k (a wider side sees the same keys), so no sum here exceeds 2^31.
+struct Mask {
+    int seqlen_k, offset;
+    int left, right;
+    __device__ __forceinline__ int lo(int i) const {
+        if (left < 0) return 0;
+        return min(max(i + offset - left, 0), seqlen_k);
+    }
+    __device__ __forceinline__ int hi(int i) const {
+        if (right < 0) return seqlen_k;
+        return min(max(i + offset + right + 1, 0), seqlen_k);
+    }
+};
+
+// Scale, softcap and ALiBi of one raw dot product `x` (row i, key j), in the log2 domain. The
+// same order as the CPU path: scale, then softcap, then the ALiBi bias.
+struct ScoreMod {
+    float scale_log2;        // softmax_scale * log2(e) (no softcap)
+    float cap_in, cap_out;   // softmax_scale / softcap, softcap * log2(e)
+    float alibi_log2;        // slope * log2(e)
+    int offset;
+    __device__ __forceinline__ float apply(float x, int i, int j) const {
+#if HAS_SOFTCAP
+        float s = cap_out * tanhf(x * cap_in);
+#else
+        float s = x * scale_log2;
+#endif
+#if HAS_ALIBI
+        s -= alibi_log2 * (float)abs(i + offset - j);
+#endif
+        return s;
+    }
+};
+
+// The parameters of both forward kernels (cuda/mod.rs pushes them in this order).
+#define FLASH_FWD_PARAMS(T)                                                                       \
+    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,                    \
+        T *__restrict__ out, float *__restrict__ lse, const i64 *__restrict__ seqs,               \
+        const float *__restrict__ alibi_slopes, int heads, int heads_kv, int head_dim,            \
+        i64 q_row_stride, i64 q_head_stride, i64 k_row_stride, i64 k_head_stride,                 \
+        i64 v_row_stride, i64 v_head_stride, i64 lse_head_stride, float softmax_scale,            \
+        float softcap, int window_left, int window_right, int batch_seqlen_q, int batch_seqlen_k, \
+        i64 q_batch_stride, i64 k_batch_stride, i64 v_batch_stride
+
+#define FLASH_FWD_ARGS                                                                            \
+    q, k, v, out, lse, seqs, alibi_slopes, heads, heads_kv, head_dim, q_row_stride, q_head_stride, \
+        k_row_stride, k_head_stride, v_row_stride, v_head_stride, lse_head_stride, softmax_scale, \
+        softcap, window_left, window_right, batch_seqlen_q, batch_seqlen_k, q_batch_stride,       \
+        k_batch_stride, v_batch_stride
+
+// What one CTA works on: its (sequence, head, query block), where that head's rows live, the
+// mask, the score modifiers and the key blocks it visits (blocks.rs: n_block_range).
+template <typename T>
+struct CtaWork {
+    int h, m0, m_end, seqlen_q, seqlen_k;
+    const T *q_g, *k_g, *v_g;  // row 0 of this head (kv head for k and v)
+    i64 out_row0, lse_base;
+    Mask mask;
+    ScoreMod mods;
+    int n_block_min, n_block_max;
+
+    // Whether key block [n0, n0 + bn) needs the per-element mask: the end of the keys cuts it, or
+    // (causal, window) some row of m0..m_end does not see all of it.
+    __device__ __forceinline__ bool needs_mask(int n0, int bn) const {
+        return n0 + bn > seqlen_k ||
+               (IS_MASKED && !(mask.lo(m_end - 1) <= n0 && mask.hi(m0) >= n0 + bn));
+    }
+};
+
+// Fills `w` for this CTA; false when its query block lies past the sequence (nothing to do).
+template <typename T, int BM, int BN>
+__device__ __forceinline__ bool cta_work(CtaWork<T>& w, FLASH_FWD_PARAMS(T)) {
+    // Masked (causal) query blocks get more keys the later they come: launch those first, so the
+    // longest CTAs do not start last and leave SMs idle at the end (as FlashAttention-2 does).
+    const int m_block = IS_MASKED ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
+    const int b = blockIdx.z;
+    w.h = blockIdx.y;
+    const SeqInfo seq(seqs, b, heads, batch_seqlen_q, batch_seqlen_k, q_batch_stride,
+                      k_batch_stride, v_batch_stride);
+    w.seqlen_q = seq.seqlen_q;
+    w.seqlen_k = seq.seqlen_k;
+    w.m0 = m_block * BM;
+    if (w.m0 >= w.seqlen_q) return false;
+    w.m_end = min(w.m0 + BM, w.seqlen_q);
+    const int hk = w.h / (heads / heads_kv);
+    w.q_g = q + seq.q_base + (i64)w.h * q_head_stride;
+    w.k_g = k + seq.k_base + (i64)hk * k_head_stride;
+    w.v_g = v + seq.v_base + (i64)hk * v_head_stride;
+    w.out_row0 = seq.out_row0;
+    w.lse_base = seq.lse_base;
+    w.mask = Mask{w.seqlen_k, w.seqlen_k - w.seqlen_q, window_left, window_right};
+    w.mods.scale_log2 = softmax_scale * FA_LOG2E;
+    w.mods.cap_in = softmax_scale / softcap;
+    w.mods.cap_out = softcap * FA_LOG2E;
+    w.mods.alibi_log2 = HAS_ALIBI ? alibi_slopes[b * heads + w.h] * FA_LOG2E : 0.f;
+    w.mods.offset = w.mask.offset;
+    w.n_block_min = w.n_block_max = 0;
+    const int lo = w.mask.lo(w.m0), hi = w.mask.hi(w.m_end - 1);
+    if (hi > lo) {
+        w.n_block_min = lo / BN;
+        w.n_block_max = (hi + BN - 1) / BN;
+    }
+    return true;
+}
+

@@ -1,0 +1,296 @@
+// FlashAttention-2 forward for f16 / bf16 on sm_80 and newer, accumulation in f32.
+//
+// One CTA computes BLOCK_M query rows of one (sequence, head); each of its NUM_WARPS warps owns 16
+// rows. For every key block the CTA can see (the key range comes from the mask rule, so blocks a
+// causal or windowed CTA cannot see are never loaded):
+//   S = Q·Kᵀ     tensor cores, mma.sync m16n8k16, operands from shared memory by ldmatrix;
+//   mask/mods    scale, softcap, ALiBi, mask (the per-element mask only on blocks it cuts);
+//   softmax      online, in registers: row_max / row_sum per row, acc_o rescaled by alpha;
+//   acc_o += P·V P stays in registers (the S accumulators re-packed as the A operand), V read with
+//                ldmatrix.trans.
+// K and V tiles are double-buffered with cp.async: block n+1 loads while block n computes. Shared
+// memory rows are swizzled (16-byte chunk index XOR row % 8) so ldmatrix reads 8 distinct banks.
+// The output is divided by row_sum once at the end; lse = (row_max + log2(row_sum)) · ln 2.
+//
+// Defines (set from the Rust KernelKey, cuda/key.rs):
+//   FA_BF16 (else f16), HEAD_DIM (padded head_dim, multiple of 32), SMEM_ROW (row pitch in
+//   elements, multiple of 64), BLOCK_M, BLOCK_N, NUM_WARPS, IS_MASKED (causal or window),
+//   HAS_SOFTCAP, HAS_ALIBI, VEC_LOAD (head_dim and every row/head stride a multiple of 8 elements
+//   and 16-byte-aligned bases: tiles move by cp.async 16 bytes at a time; else element by element).
+#define FA_TENSOR_CORE_KERNEL
+#include "common.cuh"
+
+#if defined(FA_BF16)
+#define MMA_TYPE "bf16"
+#else
+#define MMA_TYPE "f16"
+#endif
+
+#define NUM_THREADS (NUM_WARPS * 32)
+
+static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "HEAD_DIM: a multiple of 32, at most 256");
+static_assert(SMEM_ROW % 64 == 0 && SMEM_ROW >= HEAD_DIM, "SMEM_ROW: whole swizzle groups");
+static_assert(BLOCK_M == 16 * NUM_WARPS, "each warp owns 16 query rows");
+static_assert(BLOCK_N % 16 == 0, "key blocks are whole mma k-steps");
+
+#ifndef FA_HOST_EMULATION
+// Two floats rounded to one packed pair: `lo` at the lower address.
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 r;
+#if defined(FA_BF16)
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+
+__device__ __forceinline__ u16 from_f32(float x) {
+    u16 r;
+#if defined(FA_BF16)
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+#else
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
+#endif
+    return r;
+}
+
+__device__ __forceinline__ void mma16816(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void ldsm_x4(u32 r[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(u32 r[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
+    // src_bytes 0 reads nothing and zero-fills the 16 bytes (rows past the sequence, columns past
+    // head_dim).
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+#endif  // FA_HOST_EMULATION
+
+// Element offset of (row, col) in a swizzled tile: the 16-byte chunk index is XORed with row % 8
+// inside each group of 8 chunks (SMEM_ROW is a multiple of 64 elements, so groups are whole).
+__device__ __forceinline__ int swz(int row, int col) {
+    int chunk = col >> 3;
+    chunk = (chunk & ~7) | ((chunk ^ row) & 7);
+    return row * SMEM_ROW + (chunk << 3) + (col & 7);
+}
+
+// Loads `rows` rows (row r from src + (row0 + r) * row_stride) of HEAD_DIM columns into a
+// swizzled tile; rows at or past `row_end` and columns at or past `head_dim` become 0.
+template <int ROWS>
+__device__ __forceinline__ void load_tile(u16* tile, const u16* src, i64 row_stride, int row0,
+                                          int row_end, int head_dim) {
+#if VEC_LOAD
+    constexpr int CHUNKS = ROWS * (HEAD_DIM / 8);
+#pragma unroll
+    for (int c = threadIdx.x; c < CHUNKS; c += NUM_THREADS) {
+        int r = c / (HEAD_DIM / 8), col = (c % (HEAD_DIM / 8)) * 8;
+        bool ok = row0 + r < row_end && col < head_dim;
+        const u16* g = ok ? src + (i64)(row0 + r) * row_stride + col : src;
+        cp_async16(smem_addr(tile + swz(r, col)), g, ok ? 16 : 0);
+    }
+#else
+    constexpr int ELEMS = ROWS * HEAD_DIM;
+    for (int e = threadIdx.x; e < ELEMS; e += NUM_THREADS) {
+        int r = e / HEAD_DIM, col = e % HEAD_DIM;
+        bool ok = row0 + r < row_end && col < head_dim;
+        tile[swz(r, col)] = ok ? src[(i64)(row0 + r) * row_stride + col] : (u16)0;
+    }
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
+flash_fwd(FLASH_FWD_PARAMS(u16)) {
+    FA_DYNAMIC_SMEM(u16, smem);
+    u16* q_tile = smem;
+    u16* k_tiles = q_tile + BLOCK_M * SMEM_ROW;      // 2 buffers
+    u16* v_tiles = k_tiles + 2 * BLOCK_N * SMEM_ROW; // 2 buffers
+
+    CtaWork<u16> w;
+    if (!cta_work<u16, BLOCK_M, BLOCK_N>(w, FLASH_FWD_ARGS)) return;
+    const int h = w.h, m0 = w.m0, m_end = w.m_end, seqlen_q = w.seqlen_q, seqlen_k = w.seqlen_k;
+    const u16* q_g = w.q_g;
+    const u16* k_g = w.k_g;
+    const u16* v_g = w.v_g;
+    const i64 out_row0 = w.out_row0, lse_base = w.lse_base;
+    const Mask& mask = w.mask;
+    const ScoreMod& mods = w.mods;
+    const int n_block_min = w.n_block_min, n_block_max = w.n_block_max;
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;  // mma fragment row group and column pair
+
+    load_tile<BLOCK_M>(q_tile, q_g, q_row_stride, m0, seqlen_q, head_dim);
+    cp_async_commit();
+    if (n_block_min < n_block_max) {
+        load_tile<BLOCK_N>(k_tiles, k_g, k_row_stride, n_block_min * BLOCK_N, seqlen_k, head_dim);
+        load_tile<BLOCK_N>(v_tiles, v_g, v_row_stride, n_block_min * BLOCK_N, seqlen_k, head_dim);
+    }
+    cp_async_commit();
+
+    float acc_o[HEAD_DIM / 8][4];
+#pragma unroll
+    for (int i = 0; i < HEAD_DIM / 8; ++i)
+        acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
+    // This thread's two rows: warp * 16 + g and + 8.
+    float row_max[2] = {-FA_INF, -FA_INF}, row_sum[2] = {0.f, 0.f};
+    const int row_i[2] = {m0 + warp * 16 + g, m0 + warp * 16 + g + 8};
+    // The keys each of the two rows sees, lo..hi (the mask of blocks.rs, once per row).
+    const int row_lo[2] = {mask.lo(row_i[0]), mask.lo(row_i[1])};
+    const int row_hi[2] = {mask.hi(row_i[0]), mask.hi(row_i[1])};
+
+    for (int n_block = n_block_min; n_block < n_block_max; ++n_block) {
+        const int buf = (n_block - n_block_min) & 1;
+        u16* k_tile = k_tiles + buf * BLOCK_N * SMEM_ROW;
+        u16* v_tile = v_tiles + buf * BLOCK_N * SMEM_ROW;
+        if (n_block + 1 < n_block_max) {
+            // The other buffer was released by the __syncthreads ending the previous iteration.
+            load_tile<BLOCK_N>(k_tiles + (buf ^ 1) * BLOCK_N * SMEM_ROW, k_g, k_row_stride,
+                               (n_block + 1) * BLOCK_N, seqlen_k, head_dim);
+            load_tile<BLOCK_N>(v_tiles + (buf ^ 1) * BLOCK_N * SMEM_ROW, v_g, v_row_stride,
+                               (n_block + 1) * BLOCK_N, seqlen_k, head_dim);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+
+        // S = Q·Kᵀ for this warp's 16 rows × BLOCK_N keys.
+        float s[BLOCK_N / 8][4];
+#pragma unroll
+        for (int i = 0; i < BLOCK_N / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+            u32 a[4];
+            ldsm_x4(a, smem_addr(q_tile + swz(warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                              kk * 16 + (lane >> 4) * 8)));
+#pragma unroll
+            for (int np = 0; np < BLOCK_N / 16; ++np) {
+                u32 bk[4];
+                ldsm_x4(bk, smem_addr(k_tile + swz(np * 16 + (lane & 7) + (lane >> 4) * 8,
+                                                   kk * 16 + ((lane >> 3) & 1) * 8)));
+                mma16816(s[2 * np], a, bk[0], bk[1]);
+                mma16816(s[2 * np + 1], a, bk[2], bk[3]);
+            }
+        }
+
+        // Scores to the log2 domain; the per-element mask only where this block needs it.
+        const int n0 = n_block * BLOCK_N;
+        const bool need_mask = w.needs_mask(n0, BLOCK_N);
+#pragma unroll
+        for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                s[nt][e] = mods.apply(s[nt][e], row_i[e >> 1], n0 + nt * 8 + 2 * t + (e & 1));
+        }
+        if (need_mask) {
+#pragma unroll
+            for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int j = n0 + nt * 8 + 2 * t + (e & 1);
+                    if (j < row_lo[e >> 1] || j >= row_hi[e >> 1]) s[nt][e] = -FA_INF;
+                }
+            }
+        }
+
+        // Online softmax: max_get_scale, then probabilities and row_sum, then rescale_o.
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = row_max[r];
+#pragma unroll
+            for (int nt = 0; nt < BLOCK_N / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            // A row that has seen only masked keys keeps max -inf; subtract 0 then (not -inf - -inf).
+            const float m_use = mx == -FA_INF ? 0.f : mx;
+            const float alpha = fa_exp2(row_max[r] - m_use);
+            row_max[r] = mx;
+            float sum = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
+                s[nt][2 * r] = fa_exp2(s[nt][2 * r] - m_use);
+                s[nt][2 * r + 1] = fa_exp2(s[nt][2 * r + 1] - m_use);
+                sum += s[nt][2 * r] + s[nt][2 * r + 1];
+            }
+            // row_sum stays a per-thread partial (a quarter of the row); summed across the quad at
+            // the end, which is exact since the rescaling is linear.
+            row_sum[r] = row_sum[r] * alpha + sum;
+#pragma unroll
+            for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
+                acc_o[dt][2 * r] *= alpha;
+                acc_o[dt][2 * r + 1] *= alpha;
+            }
+        }
+
+        // acc_o += P·V: the accumulators of key tiles 2j, 2j+1 form the A fragment of k-step j.
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 16; ++j) {
+            u32 a[4];
+            a[0] = pack2(s[2 * j][0], s[2 * j][1]);
+            a[1] = pack2(s[2 * j][2], s[2 * j][3]);
+            a[2] = pack2(s[2 * j + 1][0], s[2 * j + 1][1]);
+            a[3] = pack2(s[2 * j + 1][2], s[2 * j + 1][3]);
+#pragma unroll
+            for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
+                u32 bv[4];
+                ldsm_x4_trans(bv, smem_addr(v_tile + swz(j * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                         dp * 16 + (lane >> 4) * 8)));
+                mma16816(acc_o[2 * dp], a, bv[0], bv[1]);
+                mma16816(acc_o[2 * dp + 1], a, bv[2], bv[3]);
+            }
+        }
+        __syncthreads();
+    }
+    cp_async_wait<0>();  // a CTA that saw no key block still has its q tile in flight
+
+    // finalize: divide by row_sum once; fully masked rows (row_sum 0) give 0 and lse -inf.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float sum = row_sum[r];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const float inv = sum == 0.f ? 0.f : 1.f / sum;
+        const int i = row_i[r];
+        if (i >= seqlen_q) continue;
+        u16* o = out + ((out_row0 + i) * heads + h) * (i64)head_dim;
+#pragma unroll
+        for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
+            const int col = dt * 8 + 2 * t;
+            const float x0 = acc_o[dt][2 * r] * inv, x1 = acc_o[dt][2 * r + 1] * inv;
+#if VEC_LOAD
+            // head_dim is even, so a pair is either wholly inside the row or wholly past it.
+            if (col < head_dim) *reinterpret_cast<u32*>(o + col) = pack2(x0, x1);
+#else
+            if (col < head_dim) o[col] = from_f32(x0);
+            if (col + 1 < head_dim) o[col + 1] = from_f32(x1);
+#endif
+        }
+        if (t == 0)
+            lse[lse_base + (i64)h * lse_head_stride + i] =
+                sum == 0.f ? -FA_INF : (row_max[r] + log2f(sum)) * FA_LN2;
+    }
+}

@@ -1,0 +1,184 @@
+// Host emulation of the CUDA primitives the kernels use, so the kernel sources themselves can run
+// on a CPU (built with g++ -DFA_HOST_EMULATION; see flashattn/tests/cuda_emulated.rs). Each CUDA
+// thread of a block is a std::thread; warp-collective instructions (ldmatrix, mma.sync, shfl) meet
+// at a per-warp barrier, exchange operands through per-warp slots, and meet again; __syncthreads
+// is a block barrier. Fragment layouts follow the PTX ISA (mma.m16n8k16 with f16/bf16 inputs and
+// f32 accumulators; ldmatrix .x4 and .x4.trans of 8x8 b16 matrices). This checks the kernels'
+// indexing, masking, pipelining and online softmax on any machine; what it cannot check is the
+// hardware's own behaviour (timing, races the emulation's barriers would hide).
+#pragma once
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+#include <algorithm>
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+#define __launch_bounds__(...)
+#define __align__(n) alignas(n)
+
+namespace emu {
+struct Dim3 { unsigned x = 0, y = 0, z = 0; };
+struct Warp {
+    std::barrier<> bar{32};
+    uint32_t u[32][6];
+    float f[32];
+};
+struct Block {
+    std::barrier<> bar;
+    std::vector<std::unique_ptr<Warp>> warps;
+    std::vector<unsigned char> smem;
+    Block(int threads, size_t smem_bytes) : bar(threads), smem(smem_bytes + 16) {
+        for (int w = 0; w < threads / 32; ++w) warps.emplace_back(new Warp);
+    }
+};
+inline thread_local Dim3 thread_idx, block_idx, grid_dim;
+inline thread_local Block* block = nullptr;
+inline Warp& warp() { return *block->warps[thread_idx.x / 32]; }
+inline int lane() { return thread_idx.x % 32; }
+inline unsigned char* smem_base() { return block->smem.data(); }
+
+// Runs `kernel` over the grid, one block after another, each block's threads in parallel (the
+// same OS threads for every block: creating hundreds of threads per block dominated the run time).
+template <typename F>
+void launch(Dim3 grid, int threads, size_t smem_bytes, F kernel) {
+    Block b(threads, smem_bytes);
+    std::vector<std::thread> ts;
+    for (int t = 0; t < threads; ++t)
+        ts.emplace_back([&, t] {
+            thread_idx = {unsigned(t), 0, 0};
+            grid_dim = grid;
+            block = &b;
+            for (unsigned z = 0; z < grid.z; ++z)
+                for (unsigned y = 0; y < grid.y; ++y)
+                    for (unsigned x = 0; x < grid.x; ++x) {
+                        // Uninitialised shared memory reads as garbage on a GPU: poison it here.
+                        if (t == 0) std::memset(b.smem.data(), 0xAB, b.smem.size());
+                        b.bar.arrive_and_wait();
+                        block_idx = {x, y, z};
+                        kernel();
+                        b.bar.arrive_and_wait();  // every thread has left the block
+                    }
+        });
+    for (auto& t : ts) t.join();
+}
+
+inline float bits_to_float(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
+inline uint32_t float_to_bits(float f) { uint32_t b; std::memcpy(&b, &f, 4); return b; }
+#if defined(FA_BF16)
+inline float half_to_float(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
+inline uint16_t float_to_half(float x) {
+    uint32_t b = float_to_bits(x);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return uint16_t((b >> 16) | 0x40);  // NaN stays NaN
+    b += 0x7fffu + ((b >> 16) & 1u);                                        // nearest even
+    return uint16_t(b >> 16);
+}
+#else
+inline float half_to_float(uint16_t h) { _Float16 v; std::memcpy(&v, &h, 2); return float(v); }
+inline uint16_t float_to_half(float x) { _Float16 v = _Float16(x); uint16_t h; std::memcpy(&h, &v, 2); return h; }
+#endif
+}  // namespace emu
+
+#define threadIdx (emu::thread_idx)
+#define blockIdx (emu::block_idx)
+#define gridDim (emu::grid_dim)
+inline float __int_as_float(int i) { return emu::bits_to_float(uint32_t(i)); }
+inline void __syncthreads() { emu::block->bar.arrive_and_wait(); }
+inline void __syncwarp() { emu::warp().bar.arrive_and_wait(); }
+inline float __shfl_xor_sync(unsigned, float v, int mask) {
+    emu::Warp& w = emu::warp();
+    int l = emu::lane();
+    w.f[l] = v;
+    w.bar.arrive_and_wait();
+    float r = w.f[l ^ mask];
+    w.bar.arrive_and_wait();
+    return r;
+}
+using std::max;
+using std::min;
+#define FA_DYNAMIC_SMEM(T, name) T* name = reinterpret_cast<T*>(emu::smem_base())
+
+// --- the kernels' primitives -------------------------------------------------------------------
+inline float fa_exp2(float x) { return std::exp2(x); }
+#ifdef FA_TENSOR_CORE_KERNEL
+inline uint32_t pack2(float lo, float hi) {
+    return uint32_t(emu::float_to_half(lo)) | (uint32_t(emu::float_to_half(hi)) << 16);
+}
+inline uint16_t from_f32(float x) { return emu::float_to_half(x); }
+inline uint32_t smem_addr(const void* p) {
+    return uint32_t(static_cast<const unsigned char*>(p) - emu::smem_base());
+}
+inline uint16_t smem_u16(uint32_t addr) {
+    uint16_t v;
+    std::memcpy(&v, emu::smem_base() + addr, 2);
+    return v;
+}
+// ldmatrix .x4: lanes 8i..8i+7 give the row addresses of matrix i; lane l receives, in register i,
+// row l/4, columns 2(l%4) and 2(l%4)+1 of matrix i (trans: rows 2(l%4), 2(l%4)+1 of column l/4).
+inline void ldsm_common(uint32_t r[4], uint32_t addr, bool trans) {
+    emu::Warp& w = emu::warp();
+    int l = emu::lane();
+    w.u[l][0] = addr;
+    w.bar.arrive_and_wait();
+    for (int i = 0; i < 4; ++i) {
+        uint16_t lo, hi;
+        if (!trans) {
+            uint32_t row = w.u[8 * i + l / 4][0];
+            lo = smem_u16(row + 4 * (l % 4));
+            hi = smem_u16(row + 4 * (l % 4) + 2);
+        } else {
+            lo = smem_u16(w.u[8 * i + 2 * (l % 4)][0] + 2 * (l / 4));
+            hi = smem_u16(w.u[8 * i + 2 * (l % 4) + 1][0] + 2 * (l / 4));
+        }
+        r[i] = uint32_t(lo) | (uint32_t(hi) << 16);
+    }
+    w.bar.arrive_and_wait();
+}
+inline void ldsm_x4(uint32_t r[4], uint32_t addr) { ldsm_common(r, addr, false); }
+inline void ldsm_x4_trans(uint32_t r[4], uint32_t addr) { ldsm_common(r, addr, true); }
+// mma.m16n8k16.row.col, f32 += f16/bf16 x f16/bf16. Lane l (g = l/4, t = l%4) holds A as
+// a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..); B as b0 (k 2t..2t+1, n g),
+// b1 (k 2t+8.., n g); C as c0 c1 (g, 2t..2t+1), c2 c3 (g+8, 2t..2t+1).
+inline void mma16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    emu::Warp& w = emu::warp();
+    int l = emu::lane();
+    for (int i = 0; i < 4; ++i) w.u[l][i] = a[i];
+    w.u[l][4] = b0;
+    w.u[l][5] = b1;
+    w.bar.arrive_and_wait();
+    auto half = [](uint32_t reg, int hi) { return emu::half_to_float(uint16_t(hi ? reg >> 16 : reg)); };
+    auto A = [&](int row, int k) {
+        int g = row % 8, t = (k % 8) / 2, reg = (row >= 8) + 2 * (k >= 8);
+        return half(w.u[4 * g + t][reg], k % 2);
+    };
+    auto B = [&](int k, int n) {
+        int t = (k % 8) / 2;
+        return half(w.u[4 * n + t][4 + (k >= 8)], k % 2);
+    };
+    int g = l / 4, t = l % 4;
+    float d[4];
+    for (int e = 0; e < 4; ++e) {
+        int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
+        float acc = c[e];
+        for (int k = 0; k < 16; ++k) acc += A(row, k) * B(k, col);
+        d[e] = acc;
+    }
+    w.bar.arrive_and_wait();
+    for (int e = 0; e < 4; ++e) c[e] = d[e];
+}
+inline void cp_async16(uint32_t dst, const void* src, int src_bytes) {
+    std::memset(emu::smem_base() + dst, 0, 16);
+    if (src_bytes > 0) std::memcpy(emu::smem_base() + dst, src, src_bytes);
+}
+inline void cp_async_commit() {}
+template <int N>
+inline void cp_async_wait() {}
+#endif

@@ -1,0 +1,206 @@
+//! The typed kernel key: one struct with named fields decides which source a kernel comes from, the
+//! defines it is compiled with, its launch shape, its readable name and its cache identity.
+//! Specialisation is by compile-time defines, so a variant pays only for the features it uses.
+
+use crate::tensor::DType;
+
+/// The forward kernel sources, embedded in the library (compiled by NVRTC at first use).
+pub(crate) const COMMON_CUH: &str = include_str!("kernels/common.cuh");
+pub(crate) const FWD_CU: &str = include_str!("kernels/fwd.cu");
+pub(crate) const FWD_F32_CU: &str = include_str!("kernels/fwd_f32.cu");
+
+/// Granularity of the padded head dimension: the tensor-core kernel walks head_dim in k-steps of
+/// 16 and n-tiles of 16, and 32 keeps the number of variants at 8 per dtype.
+pub const HEAD_DIM_STEP: usize = 32;
+
+/// One compiled variant of the forward kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct KernelKey {
+    pub dtype: DType,
+    /// head_dim rounded up to a multiple of [`HEAD_DIM_STEP`] (the kernel zero-fills the rest).
+    pub head_dim: usize,
+    /// Causal or sliding window: some key blocks need the per-element mask and some are skipped.
+    pub masked: bool,
+    pub softcap: bool,
+    pub alibi: bool,
+    /// f16/bf16 only: head_dim and every row/head/batch stride a multiple of 8 elements, so tiles
+    /// move 16 bytes at a time by cp.async (otherwise element by element).
+    pub vec_load: bool,
+}
+
+/// Tile shape of a variant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tiles {
+    pub block_m: usize,
+    pub block_n: usize,
+    pub num_warps: usize,
+}
+
+impl KernelKey {
+    /// head_dim rounded up to the kernels' granularity.
+    pub fn padded_head_dim(head_dim: usize) -> usize {
+        head_dim.div_ceil(HEAD_DIM_STEP) * HEAD_DIM_STEP
+    }
+
+    /// Tile sizes, chosen so that acc_o (head_dim / 2 f32 registers per thread on the tensor-core
+    /// path) plus the scores (block_n / 2) stay within 255 registers without spills; checked for
+    /// every variant by the compile test.
+    pub fn tiles(&self) -> Tiles {
+        match (self.dtype, self.head_dim) {
+            (DType::F32, _) => Tiles {
+                block_m: 16,
+                block_n: 32,
+                num_warps: 4,
+            },
+            (_, d) if d <= 128 => Tiles {
+                block_m: 128,
+                block_n: 64,
+                num_warps: 8,
+            },
+            // At head_dim 256 with softcap, tanhf's temporaries on top of 128 acc_o registers
+            // spilled 4 bytes on sm_80 with 32-key blocks (the compile test caught it).
+            (_, d) if d > 224 && self.softcap => Tiles {
+                block_m: 64,
+                block_n: 16,
+                num_warps: 4,
+            },
+            _ => Tiles {
+                block_m: 64,
+                block_n: 32,
+                num_warps: 4,
+            },
+        }
+    }
+
+    /// Row pitch of the f16/bf16 shared-memory tiles, in elements: a whole number of 8-chunk
+    /// swizzle groups.
+    fn smem_row(&self) -> usize {
+        self.head_dim.div_ceil(64) * 64
+    }
+
+    /// Dynamic shared memory of one CTA, bytes.
+    pub fn smem_bytes(&self) -> usize {
+        let t = self.tiles();
+        match self.dtype {
+            // q [16][d+1], k [32][d+1], v [32][d], p [16][33]
+            DType::F32 => {
+                4 * (t.block_m * (self.head_dim + 1)
+                    + t.block_n * (self.head_dim + 1)
+                    + t.block_n * self.head_dim
+                    + t.block_m * (t.block_n + 1))
+            }
+            // q [block_m], k and v double-buffered [2][block_n]
+            _ => 2 * (t.block_m + 4 * t.block_n) * self.smem_row(),
+        }
+    }
+
+    pub fn threads(&self) -> usize {
+        self.tiles().num_warps * 32
+    }
+
+    /// The kernel's source file name and text.
+    pub(crate) fn source(&self) -> (&'static str, &'static str) {
+        match self.dtype {
+            DType::F32 => ("fwd_f32.cu", FWD_F32_CU),
+            _ => ("fwd.cu", FWD_CU),
+        }
+    }
+
+    /// The `-D` defines of this variant.
+    pub fn defines(&self) -> Vec<(&'static str, String)> {
+        let flag = |b: bool| (b as u8).to_string();
+        let mut d = vec![
+            ("HEAD_DIM", self.head_dim.to_string()),
+            ("IS_MASKED", flag(self.masked)),
+            ("HAS_SOFTCAP", flag(self.softcap)),
+            ("HAS_ALIBI", flag(self.alibi)),
+        ];
+        if self.dtype != DType::F32 {
+            let t = self.tiles();
+            d.push(if self.dtype == DType::BF16 {
+                ("FA_BF16", "1".into())
+            } else {
+                ("FA_F16", "1".into())
+            });
+            d.push(("SMEM_ROW", self.smem_row().to_string()));
+            d.push(("BLOCK_M", t.block_m.to_string()));
+            d.push(("BLOCK_N", t.block_n.to_string()));
+            d.push(("NUM_WARPS", t.num_warps.to_string()));
+            d.push(("VEC_LOAD", flag(self.vec_load)));
+        }
+        d
+    }
+
+    /// A readable name, e.g. `fwd_bf16_d128_m128n64w8_causal_vec`.
+    pub fn name(&self) -> String {
+        let t = self.tiles();
+        let mut s = format!(
+            "fwd_{}_d{}_m{}n{}w{}",
+            self.dtype, self.head_dim, t.block_m, t.block_n, t.num_warps
+        );
+        for (on, tag) in [
+            (self.masked, "_masked"),
+            (self.softcap, "_softcap"),
+            (self.alibi, "_alibi"),
+            (self.vec_load && self.dtype != DType::F32, "_vec"),
+        ] {
+            if on {
+                s.push_str(tag);
+            }
+        }
+        s
+    }
+
+    /// Every variant the library can launch (what the CI compile test builds).
+    pub fn all() -> Vec<KernelKey> {
+        let mut keys = Vec::new();
+        for dtype in [DType::F16, DType::BF16, DType::F32] {
+            for head_dim in (HEAD_DIM_STEP..=crate::MAX_HEAD_DIM).step_by(HEAD_DIM_STEP) {
+                for bits in 0..16u32 {
+                    let vec_load = bits & 8 != 0;
+                    if dtype == DType::F32 && vec_load {
+                        continue; // the f32 kernel has no vector path
+                    }
+                    keys.push(KernelKey {
+                        dtype,
+                        head_dim,
+                        masked: bits & 1 != 0,
+                        softcap: bits & 2 != 0,
+                        alibi: bits & 4 != 0,
+                        vec_load,
+                    });
+                }
+            }
+        }
+        keys
+    }
+}
+
+/// A GPU architecture NVRTC compiles for: compute capability `major.minor`, with the `a`
+/// (architecture-specific) suffix on 9.0 so Hopper-only instructions are available.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Arch {
+    pub major: u32,
+    pub minor: u32,
+}
+
+impl Arch {
+    pub const SM80: Arch = Arch { major: 8, minor: 0 };
+    pub const SM90: Arch = Arch { major: 9, minor: 0 };
+
+    /// NVRTC's `--gpu-architecture` value.
+    pub fn target(&self) -> String {
+        let suffix = if (self.major, self.minor) == (9, 0) {
+            "a"
+        } else {
+            ""
+        };
+        format!("sm_{}{}{}", self.major, self.minor, suffix)
+    }
+}
+
+impl std::fmt::Display for Arch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.target())
+    }
+}

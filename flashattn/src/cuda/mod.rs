@@ -1,0 +1,789 @@
+//! The NVIDIA CUDA backend: the same attention calls as the CPU path, on tensors in GPU memory.
+//!
+//! Nothing CUDA is needed to build or test the crate: cudarc loads libcuda and libnvrtc at run
+//! time ([`probe`] checks that they exist before cudarc is called, since cudarc panics otherwise),
+//! and the kernels are CUDA C++ sources embedded in the library (`kernels/*.cu`), compiled by
+//! NVRTC for the device's architecture at first use. Each variant is named by a typed
+//! [`KernelKey`]; compiled cubins are cached in memory (per device) and on disk (keyed by a hash of
+//! the sources, the key, the architecture and NVRTC's version).
+//!
+//! Semantics are the CPU path's: same validation ([`crate::params`]), same masks, scores, LSE,
+//! fully-masked-row rule. What the CUDA backend does not do yet: the backward pass, dropout, and
+//! the decoding calls; they return [`ErrorKind::CudaUnsupported`].
+//!
+//! ```no_run
+//! use flashattn::{cuda, AttnOptions, TensorRef};
+//! let dev = cuda::CudaDevice::new(0)?; // a typed error (no panic) when there is no GPU
+//! let host = vec![half::bf16::from_f32(0.5); 1 * 128 * 8 * 64];
+//! let shape = [1, 128, 8, 64];
+//! let q = dev.upload(&TensorRef::contiguous(&host, &shape))?;
+//! let res = cuda::flash_attn(&dev, &q, &q, &q, &AttnOptions::default().causal(true))?;
+//! let out = res.out.to_host(&dev)?; // a flashattn::Tensor
+//! # Ok::<(), flashattn::Error>(())
+//! ```
+
+mod cache;
+mod key;
+mod nvrtc;
+mod probe;
+
+/// The cudarc this backend is built on (0.19, CUDA 13.0 API), for streams, events and slices of
+/// matching types.
+pub use cudarc;
+pub use key::{Arch, KernelKey, Tiles, HEAD_DIM_STEP};
+pub use nvrtc::{compile, version as nvrtc_version, CompiledKernel};
+
+use crate::error::{ErrorKind, Result};
+use crate::params::{self, AttnOptions, Params};
+use crate::tensor::{Buffer, DType, Slice, Tensor, TensorRef, ViewDesc};
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, DriverError, LaunchConfig,
+    PushKernelArg,
+};
+use half::{bf16, f16};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Longest sequence the kernels accept: their in-sequence index arithmetic is 32-bit, and with
+/// sides clamped to seqlen_q + seqlen_k no intermediate exceeds 2^31.
+pub const MAX_SEQLEN: usize = 1 << 29;
+/// grid.y (heads) and grid.z (batch) are limited to 65535 by CUDA.
+const MAX_GRID_YZ: usize = 65_535;
+/// Entries per sequence of the table the kernels read (common.cuh: SEQ_FIELDS).
+pub const SEQ_FIELDS: usize = 7;
+
+fn driver_err(call: &'static str) -> impl Fn(DriverError) -> crate::Error {
+    move |e| {
+        ErrorKind::CudaDriver {
+            call,
+            message: e.to_string(),
+        }
+        .into()
+    }
+}
+
+/// Where a kernel came from when it was first needed on this device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KernelOrigin {
+    /// Already loaded on this device.
+    Memory,
+    /// A cubin from the disk cache.
+    Disk,
+    /// Compiled by NVRTC now (and written to the disk cache when one is available).
+    Compiled,
+}
+
+/// How [`CudaDevice::prepare`] got a kernel, and how long it took.
+#[derive(Clone, Copy, Debug)]
+pub struct Prepared {
+    pub origin: KernelOrigin,
+    pub time: Duration,
+}
+
+/// One GPU (a CUDA context) and the stream flashattn launches on.
+#[derive(Clone)]
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    arch: Arch,
+    name: String,
+    sm_count: usize,
+    smem_optin: usize,
+    kernels: Arc<Mutex<HashMap<KernelKey, CudaFunction>>>,
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("ordinal", &self.ctx.ordinal())
+            .field("name", &self.name)
+            .field("arch", &self.arch)
+            .finish()
+    }
+}
+
+impl CudaDevice {
+    /// Opens GPU `ordinal` with a new stream. Without a driver, without a device, or with a bad
+    /// ordinal this returns [`ErrorKind::CudaUnavailable`] / [`ErrorKind::CudaDriver`]; it never
+    /// panics and prints nothing.
+    pub fn new(ordinal: usize) -> Result<CudaDevice> {
+        probe::driver()?;
+        let ctx = CudaContext::new(ordinal).map_err(|e| {
+            let message = e.to_string();
+            if message.contains("NO_DEVICE") || message.contains("INVALID_DEVICE") {
+                crate::Error::from(ErrorKind::CudaUnavailable {
+                    reason: format!("device {ordinal}: {message}"),
+                })
+            } else {
+                ErrorKind::CudaDriver {
+                    call: "cuInit / cuDevicePrimaryCtxRetain",
+                    message,
+                }
+                .into()
+            }
+        })?;
+        let stream = ctx.new_stream().map_err(driver_err("cuStreamCreate"))?;
+        Self::from_parts(ctx, stream)
+    }
+
+    /// flashattn on a stream the caller owns (e.g. another library's), in that stream's context.
+    pub fn with_stream(stream: Arc<CudaStream>) -> Result<CudaDevice> {
+        Self::from_parts(stream.context().clone(), stream)
+    }
+
+    fn from_parts(ctx: Arc<CudaContext>, stream: Arc<CudaStream>) -> Result<CudaDevice> {
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(driver_err("cuDeviceGetAttribute"))?;
+        let attr = |a| {
+            ctx.attribute(a)
+                .map(|v| v.max(0) as usize)
+                .map_err(driver_err("cuDeviceGetAttribute"))
+        };
+        Ok(CudaDevice {
+            arch: Arch {
+                major: major as u32,
+                minor: minor as u32,
+            },
+            name: ctx.name().map_err(driver_err("cuDeviceGetName"))?,
+            sm_count: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
+            smem_optin: attr(
+                CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )?,
+            ctx,
+            stream,
+            kernels: Arc::new(Mutex::new(HashMap::new())),
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    pub fn arch(&self) -> Arch {
+        self.arch
+    }
+    pub fn sm_count(&self) -> usize {
+        self.sm_count
+    }
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Waits for everything queued on the stream.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(driver_err("cuStreamSynchronize"))
+    }
+
+    /// Copies a host view to the GPU as a contiguous tensor of the same shape and dtype.
+    pub fn upload(&self, t: &TensorRef) -> Result<CudaTensor> {
+        params::check_view("tensor", t, t.shape().len(), "any")?;
+        let (shape, strides) = (t.shape(), t.strides());
+        let buf = match t.data() {
+            Slice::F32(d) => DeviceBuffer::F32(self.htod(&gather(d, shape, strides))?),
+            Slice::F16(d) => DeviceBuffer::F16(self.htod(&gather(d, shape, strides))?),
+            Slice::BF16(d) => DeviceBuffer::BF16(self.htod(&gather(d, shape, strides))?),
+        };
+        Ok(CudaTensor::contiguous(buf, shape))
+    }
+
+    fn htod<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        v: &[T],
+    ) -> Result<CudaSlice<T>> {
+        if v.is_empty() {
+            // The driver rejects zero-byte allocations; an empty tensor gets one unread element.
+            return self
+                .stream
+                .alloc_zeros(1)
+                .map_err(driver_err("cuMemAllocAsync"));
+        }
+        self.stream
+            .clone_htod(v)
+            .map_err(driver_err("cuMemcpyHtoDAsync"))
+    }
+
+    /// Makes the kernel of `key` ready on this device: from memory, the disk cache, or NVRTC.
+    pub fn prepare(&self, key: &KernelKey) -> Result<Prepared> {
+        self.function(key).map(|(_, p)| p)
+    }
+
+    fn function(&self, key: &KernelKey) -> Result<(CudaFunction, Prepared)> {
+        let start = Instant::now();
+        let mut kernels = self.kernels.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = kernels.get(key) {
+            let p = Prepared {
+                origin: KernelOrigin::Memory,
+                time: start.elapsed(),
+            };
+            return Ok((f.clone(), p));
+        }
+        let nvrtc_version = nvrtc::version()?;
+        let path = cache::path(key, self.arch, nvrtc_version);
+        let cached = path.as_deref().and_then(cache::load);
+        let (function, origin) = match cached.and_then(|c| self.load(key, c).ok()) {
+            Some(f) => (f, KernelOrigin::Disk),
+            None => {
+                let compiled = nvrtc::compile(key, self.arch)?;
+                if let Some(p) = &path {
+                    cache::store(p, &compiled.cubin);
+                }
+                (self.load(key, compiled.cubin)?, KernelOrigin::Compiled)
+            }
+        };
+        kernels.insert(*key, function.clone());
+        let p = Prepared {
+            origin,
+            time: start.elapsed(),
+        };
+        Ok((function, p))
+    }
+
+    fn load(&self, key: &KernelKey, cubin: Vec<u8>) -> Result<CudaFunction> {
+        let module = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+            .map_err(driver_err("cuModuleLoadData"))?;
+        let f = module
+            .load_function("flash_fwd")
+            .map_err(driver_err("cuModuleGetFunction"))?;
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            key.smem_bytes() as i32,
+        )
+        .map_err(driver_err("cuFuncSetAttribute"))?;
+        Ok(f)
+    }
+}
+
+/// A GPU buffer of one element type.
+#[derive(Clone, Debug)]
+pub enum DeviceBuffer {
+    F32(CudaSlice<f32>),
+    F16(CudaSlice<f16>),
+    BF16(CudaSlice<bf16>),
+}
+
+impl DeviceBuffer {
+    pub fn dtype(&self) -> DType {
+        match self {
+            DeviceBuffer::F32(_) => DType::F32,
+            DeviceBuffer::F16(_) => DType::F16,
+            DeviceBuffer::BF16(_) => DType::BF16,
+        }
+    }
+    pub fn len(&self) -> usize {
+        match self {
+            DeviceBuffer::F32(s) => s.len(),
+            DeviceBuffer::F16(s) => s.len(),
+            DeviceBuffer::BF16(s) => s.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    fn context(&self) -> &Arc<CudaContext> {
+        match self {
+            DeviceBuffer::F32(s) => s.context(),
+            DeviceBuffer::F16(s) => s.context(),
+            DeviceBuffer::BF16(s) => s.context(),
+        }
+    }
+}
+
+/// A tensor in GPU memory: a buffer, a shape and element strides (last dimension contiguous), as
+/// [`TensorRef`] on the host. Shapes and strides are checked when a call uses the tensor.
+#[derive(Clone, Debug)]
+pub struct CudaTensor {
+    buf: DeviceBuffer,
+    shape: Vec<usize>,
+    strides: Vec<usize>,
+}
+
+impl CudaTensor {
+    /// A view of `buf` with explicit strides (validated by the call that uses it).
+    pub fn from_buffer(buf: DeviceBuffer, shape: &[usize], strides: &[usize]) -> CudaTensor {
+        CudaTensor {
+            buf,
+            shape: shape.to_vec(),
+            strides: strides.to_vec(),
+        }
+    }
+    /// A row-major contiguous view of `buf`.
+    pub fn contiguous(buf: DeviceBuffer, shape: &[usize]) -> CudaTensor {
+        let mut strides = vec![1; shape.len()];
+        for i in (0..shape.len().saturating_sub(1)).rev() {
+            strides[i] = strides[i + 1] * shape[i + 1];
+        }
+        CudaTensor::from_buffer(buf, shape, &strides)
+    }
+    pub fn dtype(&self) -> DType {
+        self.buf.dtype()
+    }
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    pub fn strides(&self) -> &[usize] {
+        &self.strides
+    }
+    pub fn buffer(&self) -> &DeviceBuffer {
+        &self.buf
+    }
+    pub fn into_buffer(self) -> DeviceBuffer {
+        self.buf
+    }
+
+    /// Copies the tensor to the host (waits for the stream), as a contiguous [`Tensor`].
+    pub fn to_host(&self, dev: &CudaDevice) -> Result<Tensor> {
+        params::check_view("tensor", self, self.shape.len(), "any")?;
+        let dtoh = driver_err("cuMemcpyDtoH");
+        let (shape, strides) = (&self.shape[..], &self.strides[..]);
+        let buf = match &self.buf {
+            DeviceBuffer::F32(s) => Buffer::F32(gather(
+                &dev.stream.clone_dtoh(s).map_err(dtoh)?,
+                shape,
+                strides,
+            )),
+            DeviceBuffer::F16(s) => Buffer::F16(gather(
+                &dev.stream.clone_dtoh(s).map_err(dtoh)?,
+                shape,
+                strides,
+            )),
+            DeviceBuffer::BF16(s) => Buffer::BF16(gather(
+                &dev.stream.clone_dtoh(s).map_err(dtoh)?,
+                shape,
+                strides,
+            )),
+        };
+        dev.synchronize()?;
+        Ok(Tensor::from_buffer(buf, shape).expect("gather yields the product of the shape"))
+    }
+}
+
+/// The elements of a validated view, row-major (a plain copy when the view is contiguous).
+fn gather<T: Copy>(data: &[T], shape: &[usize], strides: &[usize]) -> Vec<T> {
+    let n: usize = shape.iter().product();
+    if n == 0 {
+        return Vec::new();
+    }
+    if strides == crate::tensor::contiguous_strides(shape) {
+        return data[..n].to_vec();
+    }
+    let mut out = Vec::with_capacity(n);
+    let mut idx = vec![0usize; shape.len()];
+    loop {
+        let offset: usize = idx.iter().zip(strides).map(|(i, s)| i * s).sum();
+        out.push(data[offset]);
+        let mut d = shape.len();
+        loop {
+            if d == 0 {
+                return out;
+            }
+            d -= 1;
+            idx[d] += 1;
+            if idx[d] < shape[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+}
+
+impl ViewDesc for CudaTensor {
+    fn dtype(&self) -> DType {
+        self.buf.dtype()
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn strides(&self) -> &[usize] {
+        &self.strides
+    }
+    fn buffer_len(&self) -> usize {
+        self.buf.len()
+    }
+}
+
+/// What a CUDA forward call returns, on the device: `out` (q's dtype, contiguous) and `lse` (f32),
+/// shaped as the CPU path's [`crate::AttnOutput`].
+#[derive(Clone, Debug)]
+pub struct CudaAttnOutput {
+    pub out: CudaTensor,
+    pub lse: CudaTensor,
+}
+
+/// [`crate::flash_attn`] on the GPU: q `[batch, seqlen_q, heads, head_dim]`, k and v
+/// `[batch, seqlen_k, heads_kv, head_dim]`, queued on `dev`'s stream (returns without waiting).
+pub fn flash_attn(
+    dev: &CudaDevice,
+    q: &CudaTensor,
+    k: &CudaTensor,
+    v: &CudaTensor,
+    opts: &AttnOptions,
+) -> Result<CudaAttnOutput> {
+    let p = params::batched(q, k, v, opts)?;
+    forward(dev, &p, q, k, v)
+}
+
+/// [`crate::flash_attn_varlen`] on the GPU (packed layout; `cu_seqlens_*` on the host).
+pub fn flash_attn_varlen(
+    dev: &CudaDevice,
+    q: &CudaTensor,
+    k: &CudaTensor,
+    v: &CudaTensor,
+    cu_seqlens_q: &[i32],
+    cu_seqlens_k: &[i32],
+    opts: &AttnOptions,
+) -> Result<CudaAttnOutput> {
+    let p = params::varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, opts)?;
+    forward(dev, &p, q, k, v)
+}
+
+/// The kernel variant a batched [`flash_attn`] call with these arguments runs (validated as the
+/// call would be); with [`CudaDevice::prepare`], lets a caller compile it ahead of time.
+pub fn kernel_key(
+    q: &CudaTensor,
+    k: &CudaTensor,
+    v: &CudaTensor,
+    opts: &AttnOptions,
+) -> Result<KernelKey> {
+    Ok(key_for(&params::batched(q, k, v, opts)?))
+}
+
+/// The kernel variant that serves validated `p` (strides decide the vector-load path).
+fn key_for(p: &Params) -> KernelKey {
+    let aligned = |x: usize| x.is_multiple_of(8);
+    let layouts_aligned = [p.q, p.k, p.v]
+        .iter()
+        .all(|l| aligned(l.row_stride) && aligned(l.head_stride));
+    let bases_aligned = p
+        .seqs
+        .iter()
+        .all(|s| aligned(s.q_base) && aligned(s.k_base) && aligned(s.v_base));
+    KernelKey {
+        dtype: p.dtype,
+        head_dim: KernelKey::padded_head_dim(p.head_dim),
+        masked: p.window_left.is_some() || p.window_right.is_some(),
+        softcap: p.softcap.is_some(),
+        alibi: p.alibi.is_some(),
+        vec_load: p.dtype != DType::F32 && aligned(p.head_dim) && layouts_aligned && bases_aligned,
+    }
+}
+
+/// Checks what the kernels cannot do or address, before anything is allocated or queued.
+fn check_launchable(
+    dev: &CudaDevice,
+    p: &Params,
+    key: &KernelKey,
+    tensors: [&CudaTensor; 3],
+) -> Result<()> {
+    for t in tensors {
+        if !Arc::ptr_eq(t.buf.context(), &dev.ctx) {
+            return Err(ErrorKind::CudaUnsupported {
+                feature: "a tensor from another CUDA context",
+                detail: format!(" (the call runs on {})", dev.name),
+            }
+            .into());
+        }
+    }
+    if p.dropout.is_some() {
+        return Err(ErrorKind::CudaUnsupported {
+            feature: "dropout",
+            detail: " (use the CPU path for training with dropout)".into(),
+        }
+        .into());
+    }
+    if p.dtype != DType::F32 && dev.arch.major < 8 {
+        return Err(ErrorKind::CudaUnsupported {
+            feature: "f16/bf16",
+            detail: format!(
+                " on {} (compute capability {}.{}; the tensor-core kernels need 8.0 or newer)",
+                dev.name, dev.arch.major, dev.arch.minor
+            ),
+        }
+        .into());
+    }
+    let limit = |what, value: usize, limit: usize| {
+        if value > limit {
+            Err(crate::Error::from(ErrorKind::CudaLimit {
+                what,
+                value: value as u64,
+                limit: limit as u64,
+            }))
+        } else {
+            Ok(())
+        }
+    };
+    limit("batch", p.seqs.len() + p.packed as usize, MAX_GRID_YZ)?;
+    limit("heads", p.heads, MAX_GRID_YZ)?;
+    for s in &p.seqs {
+        limit("seqlen_q", s.seqlen_q, MAX_SEQLEN)?;
+        limit("seqlen_k", s.seqlen_k, MAX_SEQLEN)?;
+    }
+    limit(
+        "shared memory per block (bytes)",
+        key.smem_bytes(),
+        dev.smem_optin,
+    )
+}
+
+fn forward(
+    dev: &CudaDevice,
+    p: &Params,
+    q: &CudaTensor,
+    k: &CudaTensor,
+    v: &CudaTensor,
+) -> Result<CudaAttnOutput> {
+    let key = key_for(p);
+    check_launchable(dev, p, &key, [q, k, v])?;
+    let (function, _) = dev.function(&key)?;
+    let s = &dev.stream;
+    let plan = Plan::new(dev, LaunchDescription::new(p))?;
+    let mut lse = alloc_poisoned::<f32>(s, p.lse_len())?;
+    let out = match (&q.buf, &k.buf, &v.buf) {
+        (DeviceBuffer::F32(qb), DeviceBuffer::F32(kb), DeviceBuffer::F32(vb)) => {
+            let mut out = alloc_poisoned::<f32>(s, p.out_len())?;
+            plan.launch(dev, &function, (qb, kb, vb), &mut out, &mut lse)?;
+            DeviceBuffer::F32(out)
+        }
+        (DeviceBuffer::F16(qb), DeviceBuffer::F16(kb), DeviceBuffer::F16(vb)) => {
+            let mut out = alloc_poisoned::<f16>(s, p.out_len())?;
+            plan.launch(dev, &function, (qb, kb, vb), &mut out, &mut lse)?;
+            DeviceBuffer::F16(out)
+        }
+        (DeviceBuffer::BF16(qb), DeviceBuffer::BF16(kb), DeviceBuffer::BF16(vb)) => {
+            let mut out = alloc_poisoned::<bf16>(s, p.out_len())?;
+            plan.launch(dev, &function, (qb, kb, vb), &mut out, &mut lse)?;
+            DeviceBuffer::BF16(out)
+        }
+        _ => unreachable!("params checked that q, k and v share one dtype"),
+    };
+    Ok(CudaAttnOutput {
+        out: CudaTensor::contiguous(out, &p.out_shape),
+        lse: CudaTensor::contiguous(DeviceBuffer::F32(lse), &p.lse_shape),
+    })
+}
+
+/// Everything a forward launch passes besides the tensors, computed on the host from validated
+/// parameters: what the GPU path uploads and launches, and what the host emulation of the kernels
+/// (tests/cuda_emulated.rs) runs, so both exercise the same argument logic.
+#[derive(Clone, Debug)]
+#[doc(hidden)]
+pub struct LaunchDescription {
+    pub key: KernelKey,
+    pub grid: (u32, u32, u32),
+    pub threads: u32,
+    pub smem_bytes: u32,
+    /// The per-sequence table (packed calls only; batched calls pass null and batch strides):
+    /// SEQ_FIELDS i64 per launched sequence, the last one possibly the tail of packed rows.
+    pub table: Option<Vec<i64>>,
+    /// ALiBi slopes, one row of `heads` per launched sequence, when ALiBi is on.
+    pub slopes: Option<Vec<f32>>,
+    pub heads: i32,
+    pub heads_kv: i32,
+    pub head_dim: i32,
+    /// q row, q head, k row, k head, v row, v head strides, lse head stride.
+    pub strides: [i64; 7],
+    pub softmax_scale: f32,
+    pub softcap: f32,
+    /// Window sides, -1 unbounded, clamped to seqlen_q + seqlen_k.
+    pub window: (i32, i32),
+    /// Batched calls: seqlen_q, seqlen_k and the batch strides of q, k, v.
+    pub batch_seqlens: (i32, i32),
+    pub batch_strides: [i64; 3],
+    pub out_len: usize,
+    pub lse_len: usize,
+    pub out_shape: Vec<usize>,
+    pub lse_shape: Vec<usize>,
+}
+
+impl LaunchDescription {
+    fn new(p: &Params) -> LaunchDescription {
+        let key = key_for(p);
+        // Packed rows after the last sequence get out = 0 and lse = -inf, as on the CPU: they are
+        // launched as one more sequence that sees no key (the kernels' fully-masked-row rule).
+        let used = p.seqs.last().map_or(0, |s| s.out_row0 + s.seqlen_q);
+        let tail = (p.packed && used < p.total_q).then(|| crate::params::Seq {
+            seqlen_q: p.total_q - used,
+            seqlen_k: 0,
+            q_base: used * p.q.row_stride,
+            k_base: 0,
+            v_base: 0,
+            out_row0: used,
+            lse_base: used,
+            k_row0: 0,
+        });
+        let seqs: Vec<_> = p.seqs.iter().copied().chain(tail).collect();
+        let max_q = seqs.iter().map(|s| s.seqlen_q).max().unwrap_or(0);
+        let max_k = seqs.iter().map(|s| s.seqlen_k).max().unwrap_or(0);
+        let table = p.packed.then(|| {
+            seqs.iter()
+                .flat_map(|s| {
+                    [
+                        s.seqlen_q, s.seqlen_k, s.q_base, s.k_base, s.v_base, s.out_row0,
+                        s.lse_base,
+                    ]
+                })
+                .map(|x| x as i64)
+                .collect::<Vec<i64>>()
+        });
+        let slopes = p.alibi.as_ref().map(|a| {
+            let mut a = a.clone();
+            a.resize(seqs.len() * p.heads, 0.0); // the tail sequence's row, never used
+            a
+        });
+        // A window side wider than any distance in the batch sees the same keys as an unbounded
+        // one; clamping keeps the kernels' 32-bit arithmetic exact (MAX_SEQLEN).
+        let side = |w: Option<usize>| w.map_or(-1, |w| w.min(max_q + max_k) as i32);
+        let stride = |f: fn(&crate::params::Seq) -> usize| p.seqs.get(1).map_or(0, f) as i64;
+        LaunchDescription {
+            grid: (
+                max_q.div_ceil(key.tiles().block_m) as u32,
+                p.heads as u32,
+                seqs.len() as u32,
+            ),
+            threads: key.threads() as u32,
+            smem_bytes: key.smem_bytes() as u32,
+            table,
+            slopes,
+            heads: p.heads as i32,
+            heads_kv: p.heads_kv as i32,
+            head_dim: p.head_dim as i32,
+            strides: [
+                p.q.row_stride as i64,
+                p.q.head_stride as i64,
+                p.k.row_stride as i64,
+                p.k.head_stride as i64,
+                p.v.row_stride as i64,
+                p.v.head_stride as i64,
+                p.lse_head_stride as i64,
+            ],
+            softmax_scale: p.softmax_scale,
+            softcap: p.softcap.unwrap_or(1.0),
+            window: (side(p.window_left), side(p.window_right)),
+            batch_seqlens: (max_q as i32, max_k as i32),
+            batch_strides: [
+                stride(|s| s.q_base),
+                stride(|s| s.k_base),
+                stride(|s| s.v_base),
+            ],
+            out_len: p.out_len(),
+            lse_len: p.lse_len(),
+            out_shape: p.out_shape.clone(),
+            lse_shape: p.lse_shape.clone(),
+            key,
+        }
+    }
+
+    /// Nothing to launch: no query row, or no sequence.
+    pub fn is_empty(&self) -> bool {
+        self.out_len == 0 || self.grid.0 == 0 || self.grid.2 == 0
+    }
+}
+
+/// The launch a batched forward with these host views and options would make (validated as the
+/// call would be). For the host emulation test of the kernels.
+#[doc(hidden)]
+pub fn launch_description(
+    q: &TensorRef,
+    k: &TensorRef,
+    v: &TensorRef,
+    cu_seqlens: Option<(&[i32], &[i32])>,
+    opts: &AttnOptions,
+) -> Result<LaunchDescription> {
+    let p = match cu_seqlens {
+        Some((cq, ck)) => params::varlen(q, k, v, cq, ck, opts)?,
+        None => params::batched(q, k, v, opts)?,
+    };
+    Ok(LaunchDescription::new(&p))
+}
+
+/// A [`LaunchDescription`] with its table and slopes on the device.
+struct Plan {
+    d: LaunchDescription,
+    table: Option<CudaSlice<i64>>,
+    slopes: Option<CudaSlice<f32>>,
+}
+
+impl Plan {
+    fn new(dev: &CudaDevice, d: LaunchDescription) -> Result<Plan> {
+        let table = d.table.as_deref().map(|t| dev.htod(t)).transpose()?;
+        let slopes = d.slopes.as_deref().map(|t| dev.htod(t)).transpose()?;
+        Ok(Plan { d, table, slopes })
+    }
+
+    fn launch<T>(
+        &self,
+        dev: &CudaDevice,
+        function: &CudaFunction,
+        (q, k, v): (&CudaSlice<T>, &CudaSlice<T>, &CudaSlice<T>),
+        out: &mut CudaSlice<T>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let d = &self.d;
+        if d.is_empty() {
+            return Ok(());
+        }
+        let null: u64 = 0;
+        let mut b = dev.stream.launch_builder(function);
+        b.arg(q).arg(k).arg(v).arg(out).arg(lse);
+        match &self.table {
+            Some(t) => b.arg(t),
+            None => b.arg(&null),
+        };
+        match &self.slopes {
+            Some(t) => b.arg(t),
+            None => b.arg(&null),
+        };
+        b.arg(&d.heads).arg(&d.heads_kv).arg(&d.head_dim);
+        for s in &d.strides {
+            b.arg(s);
+        }
+        b.arg(&d.softmax_scale).arg(&d.softcap);
+        b.arg(&d.window.0).arg(&d.window.1);
+        b.arg(&d.batch_seqlens.0).arg(&d.batch_seqlens.1);
+        for s in &d.batch_strides {
+            b.arg(s);
+        }
+        let cfg = LaunchConfig {
+            grid_dim: d.grid,
+            block_dim: (d.threads, 1, 1),
+            shared_mem_bytes: d.smem_bytes,
+        };
+        // SAFETY: the argument list matches `flash_fwd` in fwd.cu / fwd_f32.cu: pointers to T, T,
+        // T, T, f32, i64 (or null: batched), f32 (or null: no ALiBi, then never read); i32 x3;
+        // i64 x7; f32 x2; i32 x4; i64 x3 (a null pointer is pushed as a 64-bit zero). Params
+        // validated every view, so each element the kernels address (bases and row/head strides
+        // over the sequence table or the batch strides) lies inside q, k and v; out and lse hold
+        // out_len / lse_len elements, the table 7 per launched sequence, the slopes one row per
+        // launched sequence.
+        unsafe { b.launch(cfg) }.map_err(driver_err("cuLaunchKernel"))?;
+        Ok(())
+    }
+}
+
+/// A new buffer filled with all-ones bytes (NaN in f32, f16 and bf16), as the CPU path poisons its
+/// outputs: the kernels write every element, and one they missed would read as NaN, not as a
+/// plausible stale value. (The memset moves O(N·d) bytes against the kernel's O(N²·d) work.)
+fn alloc_poisoned<T: cudarc::driver::DeviceRepr>(
+    s: &Arc<CudaStream>,
+    len: usize,
+) -> Result<CudaSlice<T>> {
+    // SAFETY: the memory is filled by the memset below before anything reads it; T is a plain
+    // float type for which every bit pattern is a valid value.
+    let mut buf = unsafe { s.alloc::<T>(len.max(1)) }.map_err(driver_err("cuMemAllocAsync"))?;
+    let bytes = len.max(1) * std::mem::size_of::<T>();
+    let (ptr, record) = buf.device_ptr_mut(s);
+    // SAFETY: `ptr` addresses `bytes` bytes owned by `buf`, alive for the call; the memset is
+    // queued on the same stream as every later use of `buf`.
+    unsafe { cudarc::driver::result::memset_d8_async(ptr, 0xFF, bytes, s.cu_stream()) }
+        .map_err(driver_err("cuMemsetD8Async"))?;
+    drop(record);
+    Ok(buf)
+}

@@ -1,0 +1,166 @@
+//! The CUDA backend against the f64 reference, on the same cases as the CPU forward tests (the
+//! covering grid of `common::grid` in f32, f16 and bf16, plus varlen), with the same error bound:
+//! within 2x the naive algorithm's error in the same precision, plus a small floor.
+//!
+//! Without a GPU these tests print why they skip and pass; what can be checked without one is:
+//! opening a device fails with a typed error, never a panic.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use common::grid::grid;
+use common::*;
+use flashattn::cuda::{self, CudaDevice, CudaTensor, DeviceBuffer};
+use flashattn::{AttnOptions, AttnOutput, Buffer, DType, ErrorKind, TensorRef};
+
+/// The GPU, or `None` after printing why there is none.
+fn device() -> Option<CudaDevice> {
+    match CudaDevice::new(0) {
+        Ok(d) => {
+            eprintln!("CUDA device: {} ({})", d.name(), d.arch());
+            Some(d)
+        }
+        Err(e) => {
+            eprintln!("skipping the GPU tests: {e}");
+            None
+        }
+    }
+}
+
+#[test]
+fn opening_a_device_never_panics() {
+    match CudaDevice::new(0) {
+        Ok(d) => eprintln!("device 0: {} {}", d.name(), d.arch()),
+        Err(e) => assert!(
+            matches!(
+                e.kind(),
+                ErrorKind::CudaUnavailable { .. } | ErrorKind::CudaDriver { .. }
+            ),
+            "unexpected error kind: {e}"
+        ),
+    }
+    // An ordinal past the last device is an error too, whatever the machine has.
+    assert!(CudaDevice::new(1 << 20).is_err());
+}
+
+/// Uploads a whole host buffer.
+fn upload_buffer(dev: &CudaDevice, b: &Buffer) -> DeviceBuffer {
+    let len = b.as_slice().len();
+    let view = TensorRef::from_slice(b.as_slice(), &[len], &[1]);
+    dev.upload(&view).expect("upload").into_buffer()
+}
+
+/// The device tensor of a test placement: the buffer uploaded as is, with the placement's strides
+/// (so strided, packed and broadcast layouts reach the kernels), or a contiguous copy when the
+/// placement starts at an offset (device tensors have none).
+fn place(dev: &CudaDevice, bufs: &[Buffer], p: &Placement) -> CudaTensor {
+    if p.offset == 0 {
+        CudaTensor::from_buffer(upload_buffer(dev, &bufs[p.buf]), &p.shape, &p.strides)
+    } else {
+        dev.upload(&view(bufs, p)).expect("upload")
+    }
+}
+
+fn to_host(dev: &CudaDevice, r: cuda::CudaAttnOutput) -> AttnOutput {
+    AttnOutput {
+        out: r.out.to_host(dev).expect("download out"),
+        lse: r.lse.to_host(dev).expect("download lse"),
+    }
+}
+
+fn run_grid(dtype: DType) {
+    let Some(dev) = device() else { return };
+    for case in grid(dtype) {
+        let inputs = case.build();
+        let naive = [inputs.naive(), inputs.naive_sequential()];
+        let r = inputs.reference();
+        let v_max = inputs.v_values().iter().fold(0f64, |m, x| m.max(x.abs()));
+        let (q, k, v) = (
+            place(&dev, &inputs.bufs, &inputs.q),
+            place(&dev, &inputs.bufs, &inputs.k),
+            place(&dev, &inputs.bufs, &inputs.v),
+        );
+        let res = cuda::flash_attn(&dev, &q, &k, &v, &inputs.opts())
+            .unwrap_or_else(|e| panic!("{case}: cuda::flash_attn: {e}"));
+        let flash = to_host(&dev, res);
+        check_bound(
+            &format!("{case} cuda"),
+            dtype,
+            &flash,
+            &naive,
+            &r,
+            v_max,
+            case.seqlen_k,
+        );
+    }
+}
+
+#[test]
+fn grid_f32() {
+    run_grid(DType::F32);
+}
+
+#[test]
+fn grid_f16() {
+    run_grid(DType::F16);
+}
+
+#[test]
+fn grid_bf16() {
+    run_grid(DType::BF16);
+}
+
+/// Packed sequences (empty ones, keys without queries and the reverse, rows after the last
+/// sequence) against the reference; the rows after the last sequence are out 0, lse -inf.
+#[test]
+fn varlen_matches_reference() {
+    let Some(dev) = device() else { return };
+    for dtype in DTYPES {
+        for case in varlen_cases(dtype, 4, 2, 64) {
+            let inputs = case.build();
+            let (q, k, v) = inputs.views();
+            let (dq, dk, dv) = (
+                dev.upload(&q).unwrap(),
+                dev.upload(&k).unwrap(),
+                dev.upload(&v).unwrap(),
+            );
+            let res = cuda::flash_attn_varlen(
+                &dev,
+                &dq,
+                &dk,
+                &dv,
+                &inputs.cu_q,
+                &inputs.cu_k,
+                &inputs.opts(),
+            )
+            .unwrap_or_else(|e| panic!("{case:?}: {e}"));
+            inputs.check(&to_host(&dev, res), "cuda");
+        }
+    }
+}
+
+/// Bad input is rejected before anything runs, with the CPU path's typed errors; dropout is
+/// reported as unsupported rather than silently ignored.
+#[test]
+fn bad_input_is_a_typed_error() {
+    let Some(dev) = device() else { return };
+    let host = vec![half::bf16::from_f32(0.25); 2 * 16 * 4 * 64];
+    let t = dev
+        .upload(&TensorRef::contiguous(&host, &[2, 16, 4, 64]))
+        .unwrap();
+    let k3 = dev
+        .upload(&TensorRef::contiguous(
+            &host[..16 * 3 * 64],
+            &[1, 16, 3, 64],
+        ))
+        .unwrap();
+    let e = cuda::flash_attn(&dev, &t, &k3, &k3, &AttnOptions::default()).unwrap_err();
+    assert!(matches!(e.kind(), ErrorKind::Shape { .. }), "{e}");
+    let e =
+        cuda::flash_attn(&dev, &t, &t, &t, &AttnOptions::default().dropout(0.1, 1)).unwrap_err();
+    assert!(matches!(e.kind(), ErrorKind::CudaUnsupported { .. }), "{e}");
+    let short =
+        CudaTensor::from_buffer(t.buffer().clone(), &[2, 17, 4, 64], &[17 * 256, 256, 64, 1]);
+    let e = cuda::flash_attn(&dev, &short, &t, &t, &AttnOptions::default()).unwrap_err();
+    assert!(matches!(e.kind(), ErrorKind::OutOfBounds { .. }), "{e}");
+}

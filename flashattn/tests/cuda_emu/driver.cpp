@@ -1,0 +1,67 @@
+// Runs one flashattn CUDA kernel variant on the CPU through host_emulation.h.
+// Built by tests/cuda_emulated.rs: g++ -std=c++20 -DFA_HOST_EMULATION -D<variant defines>
+//   -DFA_KERNEL='"<path to fwd.cu or fwd_f32.cu>"' -I<kernels dir> driver.cpp
+// Usage: driver DIR. DIR holds params.txt (the launch, in the order read below) and q.bin, k.bin,
+// v.bin (raw elements), table.bin and slopes.bin when used; out.bin and lse.bin are written there.
+#include FA_KERNEL
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <string>
+
+#ifdef FA_TENSOR_CORE_KERNEL
+typedef u16 elem_t;
+#else
+typedef float elem_t;
+#endif
+
+template <typename T>
+static std::vector<T> read(const std::string& path) {
+    std::ifstream f(path, std::ios::binary);
+    std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    std::vector<T> v(bytes.size() / sizeof(T) + 1);
+    std::memcpy(v.data(), bytes.data(), bytes.size());
+    return v;
+}
+
+template <typename T>
+static void write(const std::string& path, const std::vector<T>& v) {
+    std::ofstream f(path, std::ios::binary);
+    f.write(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
+}
+
+int main(int argc, char** argv) {
+    if (argc != 2) return 2;
+    std::string dir = argv[1];
+    std::ifstream pf(dir + "/params.txt");
+    long long gx, gy, gz, threads, smem, has_table, has_slopes, heads, heads_kv, head_dim;
+    long long st[7], window_left, window_right, bsq, bsk, bs[3], out_len, lse_len;
+    float scale, softcap;
+    pf >> gx >> gy >> gz >> threads >> smem >> has_table >> has_slopes >> heads >> heads_kv >>
+        head_dim;
+    for (auto& x : st) pf >> x;
+    pf >> scale >> softcap >> window_left >> window_right >> bsq >> bsk;
+    for (auto& x : bs) pf >> x;
+    pf >> out_len >> lse_len;
+    if (!pf) return 3;
+    auto q = read<elem_t>(dir + "/q.bin");
+    auto k = read<elem_t>(dir + "/k.bin");
+    auto v = read<elem_t>(dir + "/v.bin");
+    std::vector<i64> table = has_table ? read<i64>(dir + "/table.bin") : std::vector<i64>();
+    std::vector<float> slopes = has_slopes ? read<float>(dir + "/slopes.bin") : std::vector<float>();
+    // Poisoned like the library's outputs: all-ones bytes are NaN.
+    std::vector<elem_t> out(out_len);
+    std::vector<float> lse(lse_len);
+    std::memset(out.data(), 0xFF, out.size() * sizeof(elem_t));
+    std::memset(lse.data(), 0xFF, lse.size() * sizeof(float));
+    emu::launch({unsigned(gx), unsigned(gy), unsigned(gz)}, int(threads), size_t(smem), [&] {
+        flash_fwd(q.data(), k.data(), v.data(), out.data(), lse.data(),
+                  has_table ? table.data() : nullptr, has_slopes ? slopes.data() : nullptr,
+                  int(heads), int(heads_kv), int(head_dim), st[0], st[1], st[2], st[3], st[4],
+                  st[5], st[6], scale, softcap, int(window_left), int(window_right), int(bsq),
+                  int(bsk), bs[0], bs[1], bs[2]);
+    });
+    write(dir + "/out.bin", out);
+    write(dir + "/lse.bin", lse);
+    return 0;
+}
