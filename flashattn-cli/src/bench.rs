@@ -329,7 +329,7 @@ pub fn random_buffer(rng: &mut ChaCha8Rng, n: usize, dtype: DType) -> Buffer {
     }
 }
 
-fn view<'a>(buf: &'a Buffer, shape: &[usize]) -> TensorRef<'a> {
+pub fn view<'a>(buf: &'a Buffer, shape: &[usize]) -> TensorRef<'a> {
     TensorRef::from_slice(
         buf.as_slice(),
         shape,

@@ -2,11 +2,11 @@
 //! (device 0). Without a GPU these print the library's typed error (no driver, no device, no
 //! NVRTC) and exit non-zero.
 
+use crate::bench::{random_buffer, view};
 use crate::error::Result;
 use flashattn::cuda::{self, CudaDevice, KernelOrigin};
-use flashattn::{AttnOptions, AttnOutput, Buffer, DType, TensorRef};
-use half::{bf16, f16};
-use rand::{Rng, SeedableRng};
+use flashattn::{AttnOptions, AttnOutput, DType, TensorRef};
+use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 use std::time::Instant;
@@ -151,23 +151,6 @@ pub fn bench(cfg: &BenchConfig) -> Result<()> {
         }
     }
     Ok(())
-}
-
-fn random_buffer(rng: &mut ChaCha8Rng, n: usize, dtype: DType) -> Buffer {
-    let vals = (0..n).map(|_| rng.gen_range(-1.0f32..1.0));
-    match dtype {
-        DType::F32 => Buffer::F32(vals.collect()),
-        DType::F16 => Buffer::F16(vals.map(f16::from_f32).collect()),
-        DType::BF16 => Buffer::BF16(vals.map(bf16::from_f32).collect()),
-    }
-}
-
-fn view<'a>(buf: &'a Buffer, shape: &[usize]) -> TensorRef<'a> {
-    TensorRef::from_slice(
-        buf.as_slice(),
-        shape,
-        &flashattn::tensor::contiguous_strides(shape),
-    )
 }
 
 fn measure(

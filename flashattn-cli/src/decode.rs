@@ -2,7 +2,7 @@
 //! `k_cache`/`v_cache`, and `flashattn bench --decode` (time, GB/s of k/v read, and the fraction
 //! of this machine's memory bandwidth, measured in the same run).
 
-use crate::bench::{self, BenchArgs, DtypeArg};
+use crate::bench::{self, view, BenchArgs, DtypeArg};
 use crate::error::{fail, CliError, Result};
 use crate::run::{self, RunArgs};
 use crate::st_io::{self, Loaded};
@@ -10,7 +10,7 @@ use crate::threads::with_threads;
 use flashattn::decode::SliceMut;
 use flashattn::{
     flash_attn_with_kvcache, reference, AttnOptions, BlockTable, Buffer, DType, KvCacheOptions,
-    TensorMut, TensorRef,
+    TensorMut,
 };
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -214,15 +214,6 @@ pub fn run(args: &RunArgs) -> Result<()> {
             ("v_cache", &v_cache.buf, &v_shape),
         ])
     })
-}
-
-/// A contiguous view of a whole buffer.
-fn view<'a>(b: &'a Buffer, shape: &[usize]) -> TensorRef<'a> {
-    TensorRef::from_slice(
-        b.as_slice(),
-        shape,
-        &flashattn::tensor::contiguous_strides(shape),
-    )
 }
 
 fn slice_mut(b: &mut Buffer) -> SliceMut<'_> {
