@@ -195,13 +195,7 @@ fn run(
         ),
     };
     let _ = std::fs::remove_dir_all(&dir);
-    if d.is_empty() {
-        // Nothing launched: the library returns its poisoned (empty) buffers.
-        return AttnOutput {
-            out: Tensor::from_buffer(out, &d.out_shape).unwrap_or_else(|| panic!("empty out")),
-            lse: Tensor::from_vec(lse, &d.lse_shape).unwrap(),
-        };
-    }
+    // An empty description launched nothing and wrote no file: its shapes hold no element.
     AttnOutput {
         out: Tensor::from_buffer(out, &d.out_shape).expect("out length"),
         lse: Tensor::from_vec(lse, &d.lse_shape).expect("lse length"),

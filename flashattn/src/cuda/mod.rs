@@ -317,11 +317,7 @@ impl CudaTensor {
     }
     /// A row-major contiguous view of `buf`.
     pub fn contiguous(buf: DeviceBuffer, shape: &[usize]) -> CudaTensor {
-        let mut strides = vec![1; shape.len()];
-        for i in (0..shape.len().saturating_sub(1)).rev() {
-            strides[i] = strides[i + 1] * shape[i + 1];
-        }
-        CudaTensor::from_buffer(buf, shape, &strides)
+        CudaTensor::from_buffer(buf, shape, &crate::tensor::contiguous_strides(shape))
     }
     pub fn dtype(&self) -> DType {
         self.buf.dtype()
@@ -540,11 +536,11 @@ fn forward(
     k: &CudaTensor,
     v: &CudaTensor,
 ) -> Result<CudaAttnOutput> {
-    let key = key_for(p);
-    check_launchable(dev, p, &key, [q, k, v])?;
-    let (function, _) = dev.function(&key)?;
+    let desc = LaunchDescription::new(p);
+    check_launchable(dev, p, &desc.key, [q, k, v])?;
+    let (function, _) = dev.function(&desc.key)?;
     let s = &dev.stream;
-    let plan = Plan::new(dev, LaunchDescription::new(p))?;
+    let plan = Plan::new(dev, desc)?;
     let mut lse = alloc_poisoned::<f32>(s, p.lse_len())?;
     let out = match (&q.buf, &k.buf, &v.buf) {
         (DeviceBuffer::F32(qb), DeviceBuffer::F32(kb), DeviceBuffer::F32(vb)) => {
