@@ -1,21 +1,25 @@
 //! Decoding on the CPU: append to the KV cache, split-KV attention, and the merge of partials.
 //!
 //! Work items are (sequence b, query block, key split). A query block holds `m_rows` query
-//! positions of *every* head, so each item streams its keys once for all heads: per key tile it
-//! copies (widens to f32) the rows of all kv heads, in key order, into a contiguous tile. In a
-//! contiguous cache those rows are adjacent (`heads_kv · d` elements per key), so the item reads
-//! memory sequentially, which is what lets a decode step run at the machine's copy bandwidth;
-//! reading one kv head at a time instead would touch one `d`-row per 4 KiB page (f32, 8 kv heads,
-//! d = 128). A paged cache is read the same way, page run by page run (a tile never crosses a page).
+//! positions of *every* head, so each item streams its keys once for all heads, reading the
+//! cache in place, tile by tile ([`TILE_KEYS`] keys of all kv heads). In a contiguous cache a
+//! tile's rows are adjacent (`heads_kv · d` elements per key), so the item reads one dense span
+//! per tile and asks for the next tile's span ahead of use ([`Ahead`]); reading one kv head at a
+//! time over the whole range would instead touch one `d`-row per 4 KiB page (f32, 8 kv heads,
+//! d = 128). A paged cache is read the same way (a tile never crosses a page).
 //!
-//! Per kv head, the query rows of its group (`heads / heads_kv` heads × `m_rows` positions) are
-//! the lanes of the score tile `st[c][r]`, as in the forward; the online softmax steps are the
-//! forward's kernels ([`Kernels::max_get_scale`], [`Kernels::online_softmax`]). The two products
-//! are shaped for a few rows and long keys:
-//! - scores `S = Q·Kᵀ`: [`scores`], dot products along `d` (a few query rows against one key row,
-//!   horizontal sums), since lanes-as-rows would waste 12 of 16 lanes at 4 rows per group;
-//! - `acc_o += P·V`: [`Kernels::gemm`] with the rows as M and `d` in lanes (`acc_o[r][x]`), so each
-//!   v element is loaded once per 4 rows.
+//! Every query row of the item (all heads) is a lane of one score tile `st[c][r]`, rows of kv
+//! head `hk` at lanes `hk · rows..`, so one online-softmax step (the forward's kernels,
+//! [`Kernels::max_get_scale`], [`Kernels::online_softmax`]) covers all heads: 32 heads of one
+//! token fill two 16-lane vectors, where a step per kv head would use 4 of 16 lanes. The two
+//! products run per kv head and are shaped for a few rows against many keys:
+//! - scores `S = Q·Kᵀ`: [`scores`], dot products along `d` (4 query rows × 4 keys in registers),
+//!   then one transposing reduction per 16 scores;
+//! - `acc_o += P·V`: [`pv_acc`], rows × `d` accumulators in registers over the tile's keys, so
+//!   each v element is loaded once per 4 rows.
+//!
+//! bf16 on a CPU with AVX512_BF16 multiplies bf16 pairs with `vdpbf16ps` in both products (q·k
+//! exact; P rounded to bf16 for P·V, as the forward and flash-attn do).
 //!
 //! Each split ends with a normalised partial `(out, lse)` per row; [`merge_row`] combines a row's
 //! splits (`lse = log Σ exp(lse_s)`, `out = Σ exp(lse_s - lse) · out_s`). With one split the merge
@@ -35,9 +39,12 @@ use rayon::prelude::*;
 /// `2 · ROWS_CAP · d · 4` bytes (128 KiB at d = 128), in L2 beside the k/v tiles. 32 heads ×
 /// 4 positions fit, so speculative decoding of a few tokens still reads the cache once.
 const ROWS_CAP: usize = 128;
-/// Keys per tile: the online softmax's step. 32 keys of 8 kv heads at d = 128 are 128 KiB of
-/// bf16 k and v (256 KiB f32), fetched one tile ahead into L2 (1 MiB on Zen 4).
-const TILE_KEYS: usize = 32;
+/// Keys per tile: the online softmax's step. 16 keys of 8 kv heads at d = 128 are 64 KiB of
+/// bf16 k and v (128 KiB f32), fetched one tile ahead into L2 (1 MiB on Zen 4). 16 measured
+/// best of 8-128 keys and 1-4 tiles ahead (2 threads, 32k keys, three interleaved rounds: 16
+/// keys one tile ahead 10.1-13.1 ms f32 and 5.6-6.3 ms bf16, 32 keys 12.0-12.8 and 6.5-6.9, 64
+/// keys 13.1-20.7 and 6.2-10.3; a busy machine, so relative figures).
+const TILE_KEYS: usize = 16;
 /// A split should hold at least this many keys: an item costs a q load, a merge and its partial
 /// buffers, worth ~tens of µs; 512 keys of 8 kv heads at d = 128 are 2-4 MiB of k/v, 70-150 µs at
 /// 27 GB/s.
@@ -244,14 +251,16 @@ fn run_item<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T], it: Item) 
     let (d, dpad) = (p.head_dim, pad_lanes(p.head_dim));
     let (heads_kv, group) = (p.heads_kv, p.heads / p.heads_kv);
     let m_rows = i1 - i0;
-    // Rows of one kv head's group: r = (h - hk · group) · m_rows + (i - i0); lanes padded to np.
+    // Row (h, i) of the item is h · m_rows + (i - i0): the rows of kv head hk are
+    // hk · rows..(hk + 1) · rows. Every row of the item is a lane of the score tile (np lanes
+    // per key), so one softmax step covers all heads.
     let rows = group * m_rows;
-    let np = pad_lanes(rows);
+    let all_rows = heads_kv * rows;
+    let np = pad_lanes(all_rows);
     let mask = Mask::new(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
 
-    // q in f32, rotated, rows of `dpad` (padding 0); row (h, i) at (h · m_rows + i - i0) · dpad,
-    // which is also (hk · rows + r) · dpad.
-    let mut qf = vec![0f32; p.heads * m_rows * dpad];
+    // q in f32, rotated, rows of `dpad` (padding 0).
+    let mut qf = vec![0f32; all_rows * dpad];
     let masked = p.window_left.is_some() || p.window_right.is_some();
     for h in 0..p.heads {
         for i in i0..i1 {
@@ -275,11 +284,15 @@ fn run_item<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T], it: Item) 
             })
             .collect()
     });
-    let mut acc = vec![0f32; p.heads * m_rows * dpad];
-    let mut row_max = vec![f32::NEG_INFINITY; heads_kv * np];
-    let mut row_sum = vec![0f32; heads_kv * np];
+    let mut acc = vec![0f32; all_rows * dpad];
+    let mut row_max = vec![f32::NEG_INFINITY; np];
+    let mut row_sum = vec![0f32; np];
     let (mut alpha, mut m_sub) = (vec![0f32; np], vec![0f32; np]);
+    // Lanes all_rows..np are never written by the products; zero here, they stay finite through
+    // the softmax and are never read back.
     let mut st = vec![0f32; TILE_KEYS * np];
+    // bf16 with `vdpbf16ps`: P as bf16 pairs of keys for the P·V product.
+    let mut pp: Option<Vec<u32>> = qb.is_some().then(|| vec![0u32; TILE_KEYS.div_ceil(2) * np]);
     let mods: Vec<ScoreMod> = (0..p.heads).map(|h| ScoreMod::new(p, b, h)).collect();
     // The tile after n0: keys n0..n1, cut at the split's end and at page boundaries.
     let next_tile = |n0: usize| n_hi.min(n0 + TILE_KEYS).min(cache.page_end(n0));
@@ -302,8 +315,8 @@ fn run_item<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T], it: Item) 
             cols,
             d,
         };
-        // The next tile is fetched while this one computes: a few cache lines per key of the
-        // score products (see `Ahead`).
+        // The next tile is fetched while this one computes: a few cache lines per key of both
+        // products (see `Ahead`).
         let span = (n1 < n_hi).then(|| {
             let e = next_tile(n1);
             let (pk, pv) = cache.key_offsets(b, n1);
@@ -313,11 +326,11 @@ fn run_item<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T], it: Item) 
             )
         });
         let (ks, vs) = span.unwrap_or((None, None));
-        let mut ahead = Ahead::new((k, ks), (v, vs), heads_kv * cols);
+        let mut ahead = Ahead::new((k, ks), (v, vs), 2 * heads_kv * cols);
         let masked = mask.needs_mask(i0, i1, n0, n1);
         let apply = mods[0].needs_apply(masked);
+        let st = &mut st[..cols * np];
         for hk in 0..heads_kv {
-            let st = &mut st[..cols * np];
             let q = QRows {
                 f32: &qf[hk * rows * dpad..(hk + 1) * rows * dpad],
                 bf16_pairs: qb
@@ -326,11 +339,19 @@ fn run_item<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T], it: Item) 
                 rows,
                 dpad,
             };
-            scores(kern.isa, q, k, k_rows(hk), st, np, &mut ahead);
-            let scale = if apply {
+            scores(
+                kern.isa,
+                q,
+                k,
+                k_rows(hk),
+                &mut st[hk * rows..],
+                np,
+                &mut ahead,
+            );
+            if apply {
                 for hl in 0..group {
                     mods[hk * group + hl].apply(
-                        &mut st[hl * m_rows..],
+                        &mut st[hk * rows + hl * m_rows..],
                         np,
                         (i0, m_rows),
                         (n0, cols),
@@ -339,37 +360,39 @@ fn run_item<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T], it: Item) 
                         None,
                     );
                 }
-                1.0
-            } else {
-                mods[0].scale_log2
-            };
-            let (rm, rs) = (
-                &mut row_max[hk * np..(hk + 1) * np],
-                &mut row_sum[hk * np..(hk + 1) * np],
-            );
-            kern.max_get_scale(st, cols, np, scale, rm, &mut alpha, &mut m_sub);
-            kern.online_softmax(st, cols, np, &m_sub, rs, &alpha);
-            let acc_hk = &mut acc[hk * rows * dpad..(hk + 1) * rows * dpad];
-            // alpha is exactly 1 where a row's maximum did not move (as in the forward).
-            if alpha[..rows].iter().any(|&a| a != 1.0) {
-                for (acc_row, &a) in acc_hk.chunks_exact_mut(dpad).zip(&alpha) {
-                    acc_row.iter_mut().for_each(|x| *x *= a);
-                }
             }
-            pv_acc(kern.isa, st, np, rows, v, v_rows(hk), acc_hk, dpad);
+        }
+        let scale = if apply { 1.0 } else { mods[0].scale_log2 };
+        kern.max_get_scale(st, cols, np, scale, &mut row_max, &mut alpha, &mut m_sub);
+        kern.online_softmax(st, cols, np, &m_sub, &mut row_sum, &alpha);
+        // alpha is exactly 1 where a row's maximum did not move (as in the forward).
+        for (acc_row, &a) in acc.chunks_exact_mut(dpad).zip(&alpha) {
+            if a != 1.0 {
+                acc_row.iter_mut().for_each(|x| *x *= a);
+            }
+        }
+        if let Some(pp) = pp.as_mut() {
+            kern.pack_pairs_bf16(st, cols, np, pp);
+        }
+        for hk in 0..heads_kv {
+            let acc_hk = &mut acc[hk * rows * dpad..(hk + 1) * rows * dpad];
+            let pr = PRows {
+                f32: &st[hk * rows..],
+                bf16_pairs: pp.as_ref().map(|pp| &pp[hk * rows..]),
+                rows,
+                np,
+            };
+            pv_acc(kern.isa, pr, v, v_rows(hk), acc_hk, dpad, &mut ahead);
         }
         n0 = n1;
     }
 
-    let mut out = vec![0f32; p.heads * m_rows * d];
-    let mut lse = vec![0f32; p.heads * m_rows];
-    for hk in 0..heads_kv {
-        for r in 0..rows {
-            let row = hk * rows + r;
-            let dst = &mut out[row * d..(row + 1) * d];
-            dst.copy_from_slice(&acc[row * dpad..row * dpad + d]);
-            lse[row] = finalize(dst, row_max[hk * np + r], row_sum[hk * np + r], 1.0);
-        }
+    let mut out = vec![0f32; all_rows * d];
+    let mut lse = vec![0f32; all_rows];
+    for row in 0..all_rows {
+        let dst = &mut out[row * d..(row + 1) * d];
+        dst.copy_from_slice(&acc[row * dpad..row * dpad + d]);
+        lse[row] = finalize(dst, row_max[row], row_sum[row], 1.0);
     }
     Partial { out, lse }
 }
@@ -424,9 +447,11 @@ fn tile_span(
 /// single-thread f32 step at 32k keys took 46 ms without, 37 ms with the next tile's lines asked
 /// for in bursts of ~500 per kv head (the extra requests block loads once the miss buffers fill),
 /// and 25 ms with a few lines asked for per key, so that memory and arithmetic overlap (a busy
-/// machine; relative figures). Two tiles ahead measured worse (2 threads, bf16 10.5-12 ms
-/// against 7.4-10.5 ms over six interleaved rounds). `prefetcht1` (into L2): a tile is
-/// 128-256 KiB, more than the 32 KiB L1.
+/// machine; relative figures). Both products step it, so requests keep going out during P·V.
+/// Two tiles ahead measured no better (see [`TILE_KEYS`]). Every line is asked for: every
+/// second (leaving the other to the adjacent-line prefetcher) measured 12.8-16.1 ms against
+/// 11.4-12.9 ms (f32, 2 threads). `prefetcht1` (into L2): a tile is 64-128 KiB, more than the
+/// 32 KiB L1.
 pub(crate) struct Ahead {
     /// Byte addresses still to ask for, `[next, end)`, in k and in v; never dereferenced.
     k: (usize, usize),
@@ -466,16 +491,20 @@ impl Ahead {
         }
     }
 
-    /// Asks for the next few lines of k and of v.
+    /// Asks for the lines of k and of v that `steps` steps are due.
     #[inline(always)]
-    pub fn step(&mut self) {
-        for _ in 0..self.lines_per_step {
-            for (next, end) in [&mut self.k, &mut self.v] {
-                if *next < *end {
-                    prefetch_line(*next);
-                    *next += CACHE_LINE;
-                }
+    pub fn step(&mut self, steps: usize) {
+        let bytes = steps * self.lines_per_step * CACHE_LINE;
+        for span in [&mut self.k, &mut self.v] {
+            // Locals, written back once: the loop must not go through `self` per line (the
+            // first version did, and took a fifth of the score product's time).
+            let (mut next, end) = *span;
+            let stop = end.min(next + bytes);
+            while next < stop {
+                prefetch_line(next);
+                next += CACHE_LINE;
             }
+            span.0 = next;
         }
     }
 }
@@ -509,8 +538,8 @@ pub(crate) struct QRows<'a> {
 /// Scores of a few query rows against keys read in place from the cache, transposed:
 /// `st[c · np + r] = Σ_x q[r][x] · k[c][x]` for `r < rows`, `c < kr.cols`, with `k[c]` the row
 /// of `src` that `kr` names, widened to f32 as it is loaded (or, for bf16 with `q.bf16_pairs` on
-/// a CPU with AVX512_BF16, multiplied as bf16 pairs by `vdpbf16ps`); lanes `rows..np` are set
-/// to 0.
+/// a CPU with AVX512_BF16, multiplied as bf16 pairs by `vdpbf16ps`). Lanes `rows..np` are not
+/// written: `st` may be a window into a wider tile whose other lanes belong to other kv heads.
 pub(crate) fn scores<T: Element>(
     isa: Isa,
     q: QRows,
@@ -528,7 +557,7 @@ pub(crate) fn scores<T: Element>(
             && rows <= np
             && q.f32.len() >= rows * dpad
             && q.bf16_pairs.is_none_or(|b| b.len() >= rows * dpad / 2)
-            && st.len() >= kr.cols * np,
+            && (kr.cols == 0 || st.len() >= (kr.cols - 1) * np + rows),
         "decode scores: operands too short"
     );
     #[cfg(target_arch = "x86_64")]
@@ -549,7 +578,7 @@ pub(crate) fn scores<T: Element>(
     let q = q.f32;
     let mut krow = vec![0f32; dpad];
     for c in 0..kr.cols {
-        ahead.step();
+        ahead.step(1);
         let at = kr.base + c * kr.row_stride;
         widen_row(&src[at..at + kr.d], &mut krow[..kr.d]);
         for r in 0..rows {
@@ -570,36 +599,62 @@ pub(crate) fn scores<T: Element>(
             }
             st[c * np + r] = lanes[0];
         }
-        st[c * np + rows..(c + 1) * np].fill(0.0);
     }
 }
 
-/// `acc[r · dpad + x] += Σ_c st[c · np + r] · v[c][x]` for `r < rows`, `x < vr.d`, with `v[c]`
-/// the row of `src` that `vr` names, widened to f32 as it is loaded.
-#[allow(clippy::too_many_arguments)]
+/// Probabilities of a few query rows for [`pv_acc`]: `f32[c · np + r]` for row `r < rows` and key
+/// `c` (a window into a wider tile), and, when the bf16 dot product is to be used, the same as
+/// bf16 pairs of keys: `bf16_pairs[cp · np + r]` = (key 2cp, key 2cp + 1) of row r, as
+/// [`Kernels::pack_pairs_bf16`] writes them.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PRows<'a> {
+    pub f32: &'a [f32],
+    pub bf16_pairs: Option<&'a [u32]>,
+    pub rows: usize,
+    pub np: usize,
+}
+
+/// `acc[r · dpad + x] += Σ_c p[c][r] · v[c][x]` for `r < rows`, `x < vr.d`, with `v[c]` the row
+/// of `src` that `vr` names, widened to f32 as it is loaded (or, for bf16 with `p.bf16_pairs` on
+/// a CPU with AVX512_BF16, two keys at a time by `vdpbf16ps` against p rounded to bf16, as the
+/// forward does). Steps `ahead` once per key.
 pub(crate) fn pv_acc<T: Element>(
     isa: Isa,
-    st: &[f32],
-    np: usize,
-    rows: usize,
+    p: PRows,
     src: &[T],
     vr: KeyRows,
     acc: &mut [f32],
     dpad: usize,
+    ahead: &mut Ahead,
 ) {
+    let PRows { rows, np, .. } = p;
     vr.check(src.len());
+    let cols = vr.cols;
     assert!(
-        vr.d <= dpad && rows <= np && st.len() >= vr.cols * np && acc.len() >= rows * dpad,
+        vr.d <= dpad
+            && rows <= np
+            && (cols == 0 || p.f32.len() >= (cols - 1) * np + rows)
+            && p.bf16_pairs
+                .is_none_or(|b| cols < 2 || b.len() >= (cols / 2 - 1) * np + rows)
+            && acc.len() >= rows * dpad,
         "decode P·V: operands too short"
     );
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 {
+        if let (Some(pairs), Some(v)) = (p.bf16_pairs, bf16::unwrap(T::wrap(src))) {
+            if isa.has_bf16_dot() {
+                // SAFETY: AVX-512F and AVX512_BF16 present (checked); bounds checked above.
+                return unsafe { pv_avx512_bf16(p, pairs, v, vr, acc, dpad, ahead) };
+            }
+        }
         // SAFETY: as in `scores`.
-        return unsafe { pv_avx512(st, np, rows, src, vr, acc, dpad) };
+        return unsafe { pv_avx512(p.f32, np, rows, src, vr, acc, dpad, 0, Some(ahead)) };
     }
     let _ = isa;
+    let st = p.f32;
     let mut vrow = vec![0f32; vr.d];
-    for c in 0..vr.cols {
+    for c in 0..cols {
+        ahead.step(1);
         let at = vr.base + c * vr.row_stride;
         widen_row(&src[at..at + vr.d], &mut vrow);
         for r in 0..rows {
@@ -648,6 +703,53 @@ unsafe fn load16<T: Element>(p: *const T) -> std::arch::x86_64::__m512 {
     }
 }
 
+/// Writes a `K` keys × `R` rows block of scores: `out[j · np + i]` = the lane sum of `acc[j][i]`
+/// plus `q[i][x] · k[j][x]` over the tail dims `from..d`, element by element (q row i at
+/// `qp + i · dpad`, k row j at `kp[j]`). A full 4 × 4 block is reduced by [`reduce16`], 4 keys of
+/// one row by [`reduce4`]. A macro, not a function: the accumulators must stay in registers, and
+/// a `#[target_feature]` function cannot be forced inline (the first version, a function, was
+/// not inlined and took 12% of the decode step, the accumulators passed through memory).
+/// Expands inside an `unsafe` block of an AVX-512F function with `K`, `R` in scope.
+#[cfg(target_arch = "x86_64")]
+macro_rules! store_scores {
+    ($acc:expr, ($qp:expr, $dpad:expr), $kp:expr, ($from:expr, $d:expr), ($out:expr, $np:expr)) => {{
+        use std::arch::x86_64::*;
+        let (acc, qp, dpad, kp, from, d, out, np) = (&$acc, $qp, $dpad, &$kp, $from, $d, $out, $np);
+        let flat = acc.as_flattened();
+        // sums[j][i]: key j, row i (row-major, so lane 4j + i of reduce16's result).
+        let mut sums = [[0f32; 4]; 4];
+        if K == 4 && R == 4 {
+            _mm512_storeu_ps(sums.as_mut_ptr().cast(), reduce16(flat));
+        } else if K == 4 && R == 1 {
+            let mut s = [0f32; 4];
+            _mm_storeu_ps(
+                s.as_mut_ptr(),
+                reduce4([flat[0], flat[1], flat[2], flat[3]]),
+            );
+            (0..4).for_each(|j| sums[j][0] = s[j]);
+        } else if R == 4 {
+            for (j, aj) in flat.chunks_exact(4).enumerate() {
+                _mm_storeu_ps(sums[j].as_mut_ptr(), reduce4([aj[0], aj[1], aj[2], aj[3]]));
+            }
+        } else {
+            for (j, aj) in acc.iter().enumerate() {
+                for (s, a) in sums[j].iter_mut().zip(aj) {
+                    *s = _mm512_reduce_add_ps(*a);
+                }
+            }
+        }
+        for (j, (sj, kj)) in sums.iter().zip(kp.iter()).enumerate() {
+            for (i, &s) in sj.iter().take(R).enumerate() {
+                let mut s = s;
+                for x in from..d {
+                    s += *qp.add(i * dpad + x) * (*kj.add(x)).to_f32();
+                }
+                *out.add(j * np + i) = s;
+            }
+        }
+    }};
+}
+
 /// [`scores`] in AVX-512, register-blocked: 4 keys × 4 query rows = 16 zmm accumulators, + 4
 /// zmm of q and 1 of k per 16 dims (21 of 32 registers). Per 16 dims: 8 loads for 16 FMAs, so
 /// the loop is bound by the FMA unit (one 512-bit FMA per cycle on Zen 4), not by loads; the
@@ -675,9 +777,7 @@ unsafe fn scores_avx512<T: Element>(
         let mut c0 = 0;
         while c0 < kr.cols {
             let kb = (kr.cols - c0).min(4);
-            for _ in 0..kb {
-                ahead.step();
-            }
+            ahead.step(kb);
             let mut r0 = 0;
             while r0 < rows {
                 let rb = (rows - r0).min(4);
@@ -701,11 +801,6 @@ unsafe fn scores_avx512<T: Element>(
                     (_, _) => scores_tile::<1, 1, T>(at),
                 }
                 r0 += rb;
-            }
-            for c in c0..c0 + kb {
-                for z in rows..np {
-                    *st.as_mut_ptr().add(c * np + z) = 0.0;
-                }
             }
             c0 += kb;
         }
@@ -752,23 +847,8 @@ unsafe fn scores_tile<const K: usize, const R: usize, T: Element>(at: ScoresAt<T
                 }
             }
         }
-        for (j, aj) in acc.iter().enumerate() {
-            let mut sums = [0f32; 4];
-            if R == 4 {
-                _mm_storeu_ps(sums.as_mut_ptr(), reduce4([aj[0], aj[1], aj[2], aj[3]]));
-            } else {
-                for (s, a) in sums.iter_mut().zip(aj) {
-                    *s = _mm512_reduce_add_ps(*a);
-                }
-            }
-            let out = st.as_mut_ptr().add((c0 + j) * np + r0);
-            for (i, s) in sums.iter_mut().take(R).enumerate() {
-                for x in full..kr.d {
-                    *s += *qp.add(i * dpad + x) * (*kp[j].add(x)).to_f32();
-                }
-                *out.add(i) = *s;
-            }
-        }
+        let out = st.as_mut_ptr().add(c0 * np + r0);
+        store_scores!(acc, (qp, dpad), kp, (full, kr.d), (out, np));
     }
 }
 
@@ -798,9 +878,7 @@ unsafe fn scores_avx512_bf16(
         let mut c0 = 0;
         while c0 < kr.cols {
             let kb = (kr.cols - c0).min(4);
-            for _ in 0..kb {
-                ahead.step();
-            }
+            ahead.step(kb);
             let mut r0 = 0;
             while r0 < rows {
                 let rb = (rows - r0).min(4);
@@ -825,11 +903,6 @@ unsafe fn scores_avx512_bf16(
                 }
                 r0 += rb;
             }
-            for c in c0..c0 + kb {
-                for z in rows..np {
-                    *st.as_mut_ptr().add(c * np + z) = 0.0;
-                }
-            }
             c0 += kb;
         }
     }
@@ -845,7 +918,7 @@ unsafe fn scores_avx512_bf16(
 unsafe fn scores_tile_bf16<const K: usize, const R: usize>(at: ScoresAt<bf16>, qb: &[u32]) {
     use std::arch::x86_64::{
         __m512, __m512bh, __m512i, _mm512_dpbf16_ps, _mm512_fmadd_ps, _mm512_loadu_ps,
-        _mm512_loadu_si512, _mm512_reduce_add_ps, _mm512_setzero_ps, _mm_storeu_ps,
+        _mm512_loadu_si512, _mm512_setzero_ps,
     };
     let (q, r0, dpad, src, kr, c0, st, np) = at;
     let (full32, full16) = (kr.d / 32 * 32, kr.d / LANES * LANES);
@@ -881,24 +954,49 @@ unsafe fn scores_tile_bf16<const K: usize, const R: usize>(at: ScoresAt<bf16>, q
                 }
             }
         }
-        for (j, aj) in acc.iter().enumerate() {
-            let mut sums = [0f32; 4];
-            if R == 4 {
-                _mm_storeu_ps(sums.as_mut_ptr(), reduce4([aj[0], aj[1], aj[2], aj[3]]));
-            } else {
-                for (s, a) in sums.iter_mut().zip(aj) {
-                    *s = _mm512_reduce_add_ps(*a);
-                }
-            }
-            let out = st.as_mut_ptr().add((c0 + j) * np + r0);
-            for (i, s) in sums.iter_mut().take(R).enumerate() {
-                for x in full16..kr.d {
-                    *s += *qp.add(i * dpad + x) * (*kp[j].add(x)).to_f32();
-                }
-                *out.add(i) = *s;
-            }
-        }
+        let out = st.as_mut_ptr().add(c0 * np + r0);
+        store_scores!(acc, (qp, dpad), kp, (full16, kr.d), (out, np));
     }
+}
+
+/// The lane sums of 16 vectors `a[4j + i]`, as lane `4j + i` of one vector: 256-bit halves
+/// added pairwise (two keys at a time), then 128-bit quarters, then two in-lane rounds, 45
+/// instructions where 16 separate reductions take ~140.
+///
+/// # Safety
+/// AVX-512F present; `a.len() == 16`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn reduce16(a: &[std::arch::x86_64::__m512]) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    debug_assert_eq!(a.len(), 16);
+    // [x.q0 + x.q2, x.q1 + x.q3, y.q0 + y.q2, y.q1 + y.q3] (q: 128-bit quarters).
+    let halves = |x: __m512, y: __m512| {
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b01_00_01_00>(x, y),
+            _mm512_shuffle_f32x4::<0b11_10_11_10>(x, y),
+        )
+    };
+    // t = [A0, A1, B0, B1], u = [C0, C1, D0, D1] -> [A0 + A1, B0 + B1, C0 + C1, D0 + D1].
+    let quarters = |t: __m512, u: __m512| {
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(t, u),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(t, u),
+        )
+    };
+    // Per 128-bit lane: [x0 + x1, x2 + x3, y0 + y1, y2 + y3].
+    let pairs = |x: __m512, y: __m512| {
+        _mm512_add_ps(
+            _mm512_shuffle_ps::<0b10_00_10_00>(x, y),
+            _mm512_shuffle_ps::<0b11_01_11_01>(x, y),
+        )
+    };
+    // w[i]: quarter j holds 4 partial sums of a[4j + i].
+    let w: [__m512; 4] =
+        std::array::from_fn(|i| quarters(halves(a[i], a[4 + i]), halves(a[8 + i], a[12 + i])));
+    // Quarter j, lane i: Σ a[4j + i].
+    pairs(pairs(w[0], w[1]), pairs(w[2], w[3]))
 }
 
 /// The horizontal sums of 4 vectors, `[Σ a[0], Σ a[1], Σ a[2], Σ a[3]]`: halves added, then
@@ -924,15 +1022,17 @@ unsafe fn reduce4(a: [std::arch::x86_64::__m512; 4]) -> std::arch::x86_64::__m12
     _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h))
 }
 
-/// [`pv_acc`] in AVX-512: tiles of up to 4 rows × 4 vectors (64 dims) held in 16 zmm
-/// accumulators over all keys, + 4 zmm of v per key and a broadcast of p: 21 of 32 registers
-/// (the budget of `simd::x86_avx512::gemm`). Per key: 4 loads (widened), 4 broadcasts, 16 FMAs.
-/// The `d % 16` tail element by element.
+/// [`pv_acc`] in AVX-512 from the 16-dim vector `x_start` on: tiles of up to 4 rows × 4 vectors
+/// (64 dims) held in 16 zmm accumulators over all keys, + 4 zmm of v per key and a broadcast of
+/// p: 21 of 32 registers (the budget of `simd::x86_avx512::gemm`). Per key: 4 loads (widened),
+/// 4 broadcasts, 16 FMAs. The `d % 16` tail element by element. `ahead` (if given) is stepped
+/// once per key, in the first tile.
 ///
 /// # Safety
 /// AVX-512F present; operands as checked by [`pv_acc`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn pv_avx512<T: Element>(
     st: &[f32],
     np: usize,
@@ -941,6 +1041,8 @@ unsafe fn pv_avx512<T: Element>(
     vr: KeyRows,
     acc: &mut [f32],
     dpad: usize,
+    x_start: usize,
+    mut ahead: Option<&mut Ahead>,
 ) {
     let nv = vr.d / LANES;
     let mut r0 = 0;
@@ -948,31 +1050,35 @@ unsafe fn pv_avx512<T: Element>(
     unsafe {
         while r0 < rows {
             let rb = (rows - r0).min(4);
-            let mut x0 = 0;
+            let mut x0 = x_start;
             while x0 < nv {
                 let xv = (nv - x0).min(4);
+                let at = (st, np, r0, src, vr, x0, &mut *acc, dpad, ahead.take());
                 match (rb, xv) {
-                    (4, 4) => pv_tile::<4, 4, T>(st, np, r0, src, vr, x0, acc, dpad),
-                    (4, 3) => pv_tile::<4, 3, T>(st, np, r0, src, vr, x0, acc, dpad),
-                    (4, 2) => pv_tile::<4, 2, T>(st, np, r0, src, vr, x0, acc, dpad),
-                    (4, _) => pv_tile::<4, 1, T>(st, np, r0, src, vr, x0, acc, dpad),
-                    (3, 4) => pv_tile::<3, 4, T>(st, np, r0, src, vr, x0, acc, dpad),
-                    (3, 3) => pv_tile::<3, 3, T>(st, np, r0, src, vr, x0, acc, dpad),
-                    (3, 2) => pv_tile::<3, 2, T>(st, np, r0, src, vr, x0, acc, dpad),
-                    (3, _) => pv_tile::<3, 1, T>(st, np, r0, src, vr, x0, acc, dpad),
-                    (2, 4) => pv_tile::<2, 4, T>(st, np, r0, src, vr, x0, acc, dpad),
-                    (2, 3) => pv_tile::<2, 3, T>(st, np, r0, src, vr, x0, acc, dpad),
-                    (2, 2) => pv_tile::<2, 2, T>(st, np, r0, src, vr, x0, acc, dpad),
-                    (2, _) => pv_tile::<2, 1, T>(st, np, r0, src, vr, x0, acc, dpad),
-                    (_, 4) => pv_tile::<1, 4, T>(st, np, r0, src, vr, x0, acc, dpad),
-                    (_, 3) => pv_tile::<1, 3, T>(st, np, r0, src, vr, x0, acc, dpad),
-                    (_, 2) => pv_tile::<1, 2, T>(st, np, r0, src, vr, x0, acc, dpad),
-                    (_, _) => pv_tile::<1, 1, T>(st, np, r0, src, vr, x0, acc, dpad),
+                    (4, 4) => pv_tile::<4, 4, T>(at),
+                    (4, 3) => pv_tile::<4, 3, T>(at),
+                    (4, 2) => pv_tile::<4, 2, T>(at),
+                    (4, _) => pv_tile::<4, 1, T>(at),
+                    (3, 4) => pv_tile::<3, 4, T>(at),
+                    (3, 3) => pv_tile::<3, 3, T>(at),
+                    (3, 2) => pv_tile::<3, 2, T>(at),
+                    (3, _) => pv_tile::<3, 1, T>(at),
+                    (2, 4) => pv_tile::<2, 4, T>(at),
+                    (2, 3) => pv_tile::<2, 3, T>(at),
+                    (2, 2) => pv_tile::<2, 2, T>(at),
+                    (2, _) => pv_tile::<2, 1, T>(at),
+                    (_, 4) => pv_tile::<1, 4, T>(at),
+                    (_, 3) => pv_tile::<1, 3, T>(at),
+                    (_, 2) => pv_tile::<1, 2, T>(at),
+                    (_, _) => pv_tile::<1, 1, T>(at),
                 }
                 x0 += xv;
             }
             // The tail dims d - d % 16..d.
             for c in 0..vr.cols {
+                if let Some(a) = ahead.as_deref_mut() {
+                    a.step(1); // no tile above (d < 16)
+                }
                 let row = src.as_ptr().add(vr.base + c * vr.row_stride);
                 for r in r0..r0 + rb {
                     let p = *st.as_ptr().add(c * np + r);
@@ -981,10 +1087,26 @@ unsafe fn pv_avx512<T: Element>(
                     }
                 }
             }
+            ahead = None;
             r0 += rb;
         }
     }
 }
+
+/// Operands of one [`pv_tile`]: st, np, its first row, the cache, its rows, the first vector,
+/// acc, dpad, and the prefetcher to step (first tile only).
+#[cfg(target_arch = "x86_64")]
+type PvAt<'a, T> = (
+    &'a [f32],
+    usize,
+    usize,
+    &'a [T],
+    KeyRows,
+    usize,
+    &'a mut [f32],
+    usize,
+    Option<&'a mut Ahead>,
+);
 
 /// Rows `r0..r0 + R`, vectors `x0..x0 + V` (dims `16·x0..16·(x0 + V)`) of [`pv_avx512`].
 ///
@@ -993,23 +1115,17 @@ unsafe fn pv_avx512<T: Element>(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
-#[allow(clippy::too_many_arguments)]
-unsafe fn pv_tile<const R: usize, const V: usize, T: Element>(
-    st: &[f32],
-    np: usize,
-    r0: usize,
-    src: &[T],
-    vr: KeyRows,
-    x0: usize,
-    acc: &mut [f32],
-    dpad: usize,
-) {
+unsafe fn pv_tile<const R: usize, const V: usize, T: Element>(at: PvAt<T>) {
     use std::arch::x86_64::*;
+    let (st, np, r0, src, vr, x0, acc, dpad, mut ahead) = at;
     // SAFETY: the caller's contract.
     unsafe {
         let mut a = [[_mm512_setzero_ps(); V]; R];
         let sp = st.as_ptr().add(r0);
         for c in 0..vr.cols {
+            if let Some(ah) = ahead.as_deref_mut() {
+                ah.step(1);
+            }
             let row = src.as_ptr().add(vr.base + c * vr.row_stride + x0 * LANES);
             let mut vv = [_mm512_setzero_ps(); V];
             for (j, x) in vv.iter_mut().enumerate() {
@@ -1028,6 +1144,151 @@ unsafe fn pv_tile<const R: usize, const V: usize, T: Element>(
             for (j, x) in ai.iter().enumerate() {
                 let at = ap.add((r0 + i) * dpad + (x0 + j) * LANES);
                 _mm512_storeu_ps(at, _mm512_add_ps(_mm512_loadu_ps(at), *x));
+            }
+        }
+    }
+}
+
+/// [`pv_acc`] for bf16 with `vdpbf16ps`: the dims in whole 32-dim chunks take keys two at a
+/// time, their v rows interleaved in registers (`vpunpck{l,h}wd`: lane t of 128-bit lane L pairs
+/// dim 8L + t of both keys, the high unpack dim 8L + 4 + t) against p as bf16 pairs, so one
+/// instruction does 32 multiply-adds where the widening path needs two conversions and two FMAs
+/// per 16; the accumulators stay in that permuted order over all keys and are put back in dim
+/// order once per tile. An odd last key and the dims after the last whole chunk go through the
+/// f32 path.
+///
+/// # Safety
+/// AVX-512F and AVX512_BF16 present; operands as checked by [`pv_acc`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn pv_avx512_bf16(
+    p: PRows,
+    pairs: &[u32],
+    src: &[bf16],
+    vr: KeyRows,
+    acc: &mut [f32],
+    dpad: usize,
+    ahead: &mut Ahead,
+) {
+    let PRows { rows, np, .. } = p;
+    let chunks = vr.d / 32;
+    if chunks == 0 {
+        // SAFETY: the caller's contract.
+        return unsafe { pv_avx512(p.f32, np, rows, src, vr, acc, dpad, 0, Some(ahead)) };
+    }
+    let mut first = Some(ahead);
+    // SAFETY: the caller's contract; every tile below stays inside rows × d.
+    unsafe {
+        let mut r0 = 0;
+        while r0 < rows {
+            let rb = (rows - r0).min(4);
+            let mut x0 = 0;
+            while x0 < chunks {
+                let xv = (chunks - x0).min(2);
+                let at = (pairs, np, r0, src, vr, x0, &mut *acc, dpad, first.take());
+                match (rb, xv) {
+                    (4, 2) => pv_tile_bf16::<4, 2>(at),
+                    (4, _) => pv_tile_bf16::<4, 1>(at),
+                    (3, 2) => pv_tile_bf16::<3, 2>(at),
+                    (3, _) => pv_tile_bf16::<3, 1>(at),
+                    (2, 2) => pv_tile_bf16::<2, 2>(at),
+                    (2, _) => pv_tile_bf16::<2, 1>(at),
+                    (_, 2) => pv_tile_bf16::<1, 2>(at),
+                    (_, _) => pv_tile_bf16::<1, 1>(at),
+                }
+                x0 += xv;
+            }
+            r0 += rb;
+        }
+        // An odd last key, dims 0..32 · chunks, in f32.
+        if vr.cols % 2 == 1 {
+            use std::arch::x86_64::*;
+            let c = vr.cols - 1;
+            let row = src.as_ptr().add(vr.base + c * vr.row_stride);
+            for r in 0..rows {
+                let pv = _mm512_set1_ps(*p.f32.as_ptr().add(c * np + r));
+                let ar = acc.as_mut_ptr().add(r * dpad);
+                for x in (0..32 * chunks).step_by(LANES) {
+                    let y = _mm512_fmadd_ps(pv, load16(row.add(x)), _mm512_loadu_ps(ar.add(x)));
+                    _mm512_storeu_ps(ar.add(x), y);
+                }
+            }
+        }
+        // Dims 32 · chunks..d.
+        if 32 * chunks < vr.d {
+            pv_avx512(p.f32, np, rows, src, vr, acc, dpad, 2 * chunks, None);
+        }
+    }
+}
+
+/// Operands of one [`pv_tile_bf16`]: the p pairs, np, the first row, the cache, its rows, the
+/// first 32-dim chunk, acc, dpad, and the prefetcher to step (first tile only).
+#[cfg(target_arch = "x86_64")]
+type PvBf16At<'a> = (
+    &'a [u32],
+    usize,
+    usize,
+    &'a [bf16],
+    KeyRows,
+    usize,
+    &'a mut [f32],
+    usize,
+    Option<&'a mut Ahead>,
+);
+
+/// Rows `r0..r0 + R`, chunks `x0..x0 + V` (dims `32·x0..32·(x0 + V)`) of [`pv_avx512_bf16`],
+/// keys `0..cols - cols % 2`: 4 × 2 × 2 = 16 zmm accumulators, 4 of interleaved v, a broadcast
+/// p pair. Per key pair: 4 loads, 4 unpacks, 4 broadcasts, 16 `vdpbf16ps`.
+///
+/// # Safety
+/// As [`pv_avx512_bf16`]; `r0 + R <= rows`, `32 · (x0 + V) <= d`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+#[inline]
+unsafe fn pv_tile_bf16<const R: usize, const V: usize>(at: PvBf16At) {
+    use std::arch::x86_64::*;
+    let (pairs, np, r0, src, vr, x0, acc, dpad, mut ahead) = at;
+    let bh = |x: __m512i| std::mem::transmute::<__m512i, __m512bh>(x);
+    // SAFETY: the caller's contract.
+    unsafe {
+        let mut lo = [[_mm512_setzero_ps(); V]; R];
+        let mut hi = [[_mm512_setzero_ps(); V]; R];
+        let pp = pairs.as_ptr().add(r0);
+        for cp in 0..vr.cols / 2 {
+            if let Some(ah) = ahead.as_deref_mut() {
+                ah.step(2);
+            }
+            let row0 = src.as_ptr().add(vr.base + 2 * cp * vr.row_stride + x0 * 32);
+            let row1 = row0.add(vr.row_stride);
+            let mut vl = [_mm512_setzero_si512(); V];
+            let mut vh = [_mm512_setzero_si512(); V];
+            for j in 0..V {
+                let a = _mm512_loadu_si512(row0.add(j * 32).cast());
+                let b = _mm512_loadu_si512(row1.add(j * 32).cast());
+                vl[j] = _mm512_unpacklo_epi16(a, b);
+                vh[j] = _mm512_unpackhi_epi16(a, b);
+            }
+            let pc = pp.add(cp * np);
+            for i in 0..R {
+                let p = bh(_mm512_set1_epi32(*pc.add(i) as i32));
+                for j in 0..V {
+                    lo[i][j] = _mm512_dpbf16_ps(lo[i][j], p, bh(vl[j]));
+                    hi[i][j] = _mm512_dpbf16_ps(hi[i][j], p, bh(vh[j]));
+                }
+            }
+        }
+        // Lane 4L + t of lo is dim 8L + t, of hi dim 8L + 4 + t: back to dim order.
+        let first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+        let second =
+            _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+        let ap = acc.as_mut_ptr();
+        for i in 0..R {
+            for j in 0..V {
+                let at = ap.add((r0 + i) * dpad + (x0 + j) * 32);
+                let d0 = _mm512_permutex2var_ps(lo[i][j], first, hi[i][j]);
+                let d1 = _mm512_permutex2var_ps(lo[i][j], second, hi[i][j]);
+                _mm512_storeu_ps(at, _mm512_add_ps(_mm512_loadu_ps(at), d0));
+                _mm512_storeu_ps(at.add(16), _mm512_add_ps(_mm512_loadu_ps(at.add(16)), d1));
             }
         }
     }
@@ -1058,6 +1319,9 @@ mod tests {
                 (13, 32, 128),
                 (32, 2, 256),
                 (7, 5, 59),
+                (1, 9, 64),
+                (4, 33, 128),
+                (8, 6, 96),
             ] {
                 let (dpad, np) = (pad_lanes(d), pad_lanes(rows));
                 let stride = d + 3;
@@ -1102,8 +1366,31 @@ mod tests {
                     };
                     let mut st = vec![f32::NAN; kr.cols * np];
                     scores(isa, qr, &src, kr, &mut st, np, &mut Ahead::none());
+                    // bf16 on a CPU with the bf16 dot product: p as bf16 pairs, as the decode
+                    // loop passes them; the f64 sums below round p the same way.
+                    let dot = bf && isa.has_bf16_dot();
+                    let mut pairs = vec![0u32; kr.cols.div_ceil(2) * np];
+                    crate::cpu::simd::Kernels::for_isa(isa)
+                        .unwrap()
+                        .pack_pairs_bf16(p, kr.cols, np, &mut pairs);
+                    let pr = PRows {
+                        f32: p,
+                        bf16_pairs: dot.then_some(&pairs[..]),
+                        rows,
+                        np,
+                    };
                     let mut acc = vec![0.5f32; rows * dpad];
-                    pv_acc(isa, p, np, rows, &src, kr, &mut acc, dpad);
+                    pv_acc(isa, pr, &src, kr, &mut acc, dpad, &mut Ahead::none());
+                    // p as the kernel multiplies it: rounded to bf16 on the pair path, except
+                    // an odd last key, which takes the f32 path.
+                    let p_used = |c: usize, r: usize| {
+                        let x = p[c * np + r];
+                        if dot && kr.d >= 32 && (c + 1 < kr.cols || kr.cols.is_multiple_of(2)) {
+                            bf16::from_f32(x).to_f64()
+                        } else {
+                            x as f64
+                        }
+                    };
                     let what = format!(
                         "{isa:?} {} rows {rows} cols {} d {}",
                         T::DTYPE,
@@ -1112,12 +1399,14 @@ mod tests {
                     );
                     for c in 0..kr.cols {
                         for r in 0..np {
-                            let want: f64 = if r < rows {
-                                (0..kr.d).map(|x| q[r * dpad + x] as f64 * val(c, x)).sum()
-                            } else {
-                                0.0
-                            };
                             let got = st[c * np + r] as f64;
+                            if r >= rows {
+                                // Lanes past `rows` belong to other kv heads: untouched.
+                                assert!(got.is_nan(), "{what}: st[{c}][{r}] written");
+                                continue;
+                            }
+                            let want: f64 =
+                                (0..kr.d).map(|x| q[r * dpad + x] as f64 * val(c, x)).sum();
                             let tol = if bf {
                                 1e-2 * (kr.d as f64).sqrt()
                             } else {
@@ -1133,7 +1422,15 @@ mod tests {
                         for x in 0..kr.d {
                             let want: f64 = 0.5
                                 + (0..kr.cols)
-                                    .map(|c| p[c * np + r] as f64 * val(c, x))
+                                    .map(|c| {
+                                        // dims past the last whole 32 take the f32 path
+                                        let pc = if x < kr.d / 32 * 32 {
+                                            p_used(c, r)
+                                        } else {
+                                            p[c * np + r] as f64
+                                        };
+                                        pc * val(c, x)
+                                    })
                                     .sum::<f64>();
                             let got = acc[r * dpad + x] as f64;
                             assert!(
