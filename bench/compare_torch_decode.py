@@ -22,9 +22,11 @@ one row copy.
 
 GB/s: the bytes of k and v one step must read, 2 * cache_len * heads_kv * head_dim * element
 size (the same figure for every implementation; the repeated variant reads 4x that), over the
-median time. The machine's memory bandwidth is measured once at the start by flashattn
-(`bench --decode` machine line: the median read rate of summing a 1 GiB buffer on all threads,
-and the copy rate), and the fractions are against the read rate.
+median time. The machine's memory bandwidth is measured in every round, by the flashattn run
+itself just before its timing (`bench --decode` machine line: the median read rate of summing a
+1 GiB buffer on all threads, and the copy rate), because on a shared host it drifts by a third
+within minutes. "% read bw" is the median over rounds of each round's KV GB/s over that round's
+read rate.
 
 Output: a table and a JSON file (default bench/results/decode_<date>.json).
 """
@@ -99,11 +101,8 @@ def main() -> None:
         "--heads", str(args.heads), "--heads-kv", str(args.heads_kv),
         "--head-dim", str(args.head_dim), "--threads", str(args.threads),
     ]
-    log("measuring the memory bandwidth (flashattn bench --decode, 1 GiB read and copy)")
-    machine = flashattn_json(binary, ["bench", "--decode", "--json", "--cache-len", "16", "--dtype", "f32",
-                                      "--min-time", "0", *common])[0]
-    bw = machine["bandwidth"]
-    log(f"read {bw['read_gbps']:.1f} GB/s, copy {bw['copy_gbps']:.1f} GB/s")
+    machine = None
+    read_gbps: list[float] = []
 
     tdt = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
     elem = {"f32": 4, "bf16": 2, "f16": 2}
@@ -118,18 +117,22 @@ def main() -> None:
             k_rep = k.repeat_interleave(rep, dim=1).contiguous()
             v_rep = v.repeat_interleave(rep, dim=1).contiguous()
             samples = {"flashattn": [], "torch_sdpa_gqa": [], "torch_sdpa_repeated_kv": []}
+            round_bw: list[float] = []
             with torch.inference_mode():
                 for r in range(args.rounds):
                     lines = flashattn_json(binary, [
-                        "bench", "--decode", "--json", "--no-bandwidth", "--dtype", dtype,
+                        "bench", "--decode", "--json", "--dtype", dtype,
                         "--cache-len", str(cap), "--min-time", str(args.min_time), *common])
+                    machine = lines[0]
+                    round_bw.append(lines[0]["bandwidth"]["read_gbps"])
                     samples["flashattn"].append(lines[1]["median_ms"] / 1e3)
                     samples["torch_sdpa_gqa"].append(time_torch(
                         lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), args.min_time))
                     samples["torch_sdpa_repeated_kv"].append(time_torch(
                         lambda: F.scaled_dot_product_attention(q, k_rep, v_rep), args.min_time))
-                    log(f"{dtype} cache {cap} round {r + 1}/{args.rounds}: "
+                    log(f"{dtype} cache {cap} round {r + 1}/{args.rounds}: read {round_bw[-1]:.1f} GB/s, "
                         + ", ".join(f"{n} {s[-1] * 1e3:.2f} ms" for n, s in samples.items()))
+            read_gbps += round_bw
             kv_bytes = 2.0 * cap * args.heads_kv * args.head_dim * elem[dtype]
             for name, s in samples.items():
                 med = statistics.median(s)
@@ -139,11 +142,13 @@ def main() -> None:
                     "threads": args.threads, "median_ms": med * 1e3,
                     "samples_ms": [x * 1e3 for x in s], "kv_bytes": kv_bytes,
                     "gbps": kv_bytes / med / 1e9,
-                    "read_bandwidth_fraction": kv_bytes / med / 1e9 / bw["read_gbps"],
+                    "read_gbps_rounds": round_bw,
+                    "read_bandwidth_fraction": statistics.median(
+                        kv_bytes / t / 1e9 / b for t, b in zip(s, round_bw)),
                 })
 
-    print(f"memory bandwidth: read {bw['read_gbps']:.1f} GB/s, copy {bw['copy_gbps']:.1f} GB/s "
-          f"(1 GiB, median of {bw['runs']} runs, {args.threads} threads)")
+    print(f"memory bandwidth: read {min(read_gbps):.1f}-{max(read_gbps):.1f} GB/s over the rounds "
+          f"(median {statistics.median(read_gbps):.1f}; 1 GiB, {args.threads} threads)")
     print(f"{'dtype':<6}{'cache':>7}  {'impl':<24}{'median ms':>10}{'KV GB/s':>9}{'% read bw':>10}{'torch/flash':>12}")
     for r in results:
         flash = next(x for x in results if x["impl"] == "flashattn" and x["dtype"] == r["dtype"]
@@ -157,7 +162,8 @@ def main() -> None:
         "format": "flashattn-decode-compare/1",
         "created": _dt.datetime.now().isoformat(timespec="seconds"),
         "argv": sys.argv,
-        "machine": {**machine, "torch_version": torch.__version__, "loadavg_end": os.getloadavg()},
+        "machine": {**machine, "read_gbps_rounds": read_gbps, "torch_version": torch.__version__,
+                    "loadavg_end": os.getloadavg()},
         "settings": {"rounds": args.rounds, "min_time": args.min_time},
         "results": results,
     }, indent=1))

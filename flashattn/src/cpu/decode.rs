@@ -45,6 +45,8 @@ const ROWS_CAP: usize = 128;
 /// keys one tile ahead 10.1-13.1 ms f32 and 5.6-6.3 ms bf16, 32 keys 12.0-12.8 and 6.5-6.9, 64
 /// keys 13.1-20.7 and 6.2-10.3; a busy machine, so relative figures).
 const TILE_KEYS: usize = 16;
+/// The largest padded head dimension (stack rows of the portable kernels).
+const MAX_D: usize = 256;
 /// A split should hold at least this many keys: an item costs a q load, a merge and its partial
 /// buffers, worth ~tens of µs; 512 keys of 8 kv heads at d = 128 are 2-4 MiB of k/v, 70-150 µs at
 /// 27 GB/s.
@@ -574,9 +576,50 @@ pub(crate) fn scores<T: Element>(
         // (`Kernels::for_isa`); bounds checked above.
         return unsafe { scores_avx512(q.f32, rows, dpad, src, kr, st, np, ahead) };
     }
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 {
+        // SAFETY: a kernel table of Isa::Avx2 exists only on a CPU with AVX2 and FMA.
+        return unsafe { scores_avx2(q.f32, rows, dpad, src, kr, st, np, ahead) };
+    }
     let _ = isa;
-    let q = q.f32;
-    let mut krow = vec![0f32; dpad];
+    scores_portable(q.f32, rows, dpad, src, kr, st, np, ahead);
+}
+
+/// [`scores_portable`] compiled for AVX2 (8-lane vectors from the same loops).
+///
+/// # Safety
+/// AVX2 and FMA present.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn scores_avx2<T: Element>(
+    q: &[f32],
+    rows: usize,
+    dpad: usize,
+    src: &[T],
+    kr: KeyRows,
+    st: &mut [f32],
+    np: usize,
+    ahead: &mut Ahead,
+) {
+    scores_portable(q, rows, dpad, src, kr, st, np, ahead);
+}
+
+/// [`scores`] without intrinsics: one key row widened to f32, then 16 lane sums per query row.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn scores_portable<T: Element>(
+    q: &[f32],
+    rows: usize,
+    dpad: usize,
+    src: &[T],
+    kr: KeyRows,
+    st: &mut [f32],
+    np: usize,
+    ahead: &mut Ahead,
+) {
+    let mut krow = [0f32; MAX_D];
+    let krow = &mut krow[..dpad];
     for c in 0..kr.cols {
         ahead.step(1);
         let at = kr.base + c * kr.row_stride;
@@ -650,16 +693,57 @@ pub(crate) fn pv_acc<T: Element>(
         // SAFETY: as in `scores`.
         return unsafe { pv_avx512(p.f32, np, rows, src, vr, acc, dpad, 0, Some(ahead)) };
     }
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 {
+        // SAFETY: a kernel table of Isa::Avx2 exists only on a CPU with AVX2 and FMA.
+        return unsafe { pv_avx2(p.f32, np, rows, src, vr, acc, dpad, ahead) };
+    }
     let _ = isa;
-    let st = p.f32;
-    let mut vrow = vec![0f32; vr.d];
-    for c in 0..cols {
+    pv_portable(p.f32, np, rows, src, vr, acc, dpad, ahead);
+}
+
+/// [`pv_portable`] compiled for AVX2.
+///
+/// # Safety
+/// AVX2 and FMA present.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn pv_avx2<T: Element>(
+    st: &[f32],
+    np: usize,
+    rows: usize,
+    src: &[T],
+    vr: KeyRows,
+    acc: &mut [f32],
+    dpad: usize,
+    ahead: &mut Ahead,
+) {
+    pv_portable(st, np, rows, src, vr, acc, dpad, ahead);
+}
+
+/// [`pv_acc`] without intrinsics: one v row widened to f32, then an axpy per query row.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn pv_portable<T: Element>(
+    st: &[f32],
+    np: usize,
+    rows: usize,
+    src: &[T],
+    vr: KeyRows,
+    acc: &mut [f32],
+    dpad: usize,
+    ahead: &mut Ahead,
+) {
+    let mut vrow = [0f32; MAX_D];
+    let vrow = &mut vrow[..vr.d];
+    for c in 0..vr.cols {
         ahead.step(1);
         let at = vr.base + c * vr.row_stride;
-        widen_row(&src[at..at + vr.d], &mut vrow);
+        widen_row(&src[at..at + vr.d], vrow);
         for r in 0..rows {
             let p = st[c * np + r];
-            for (a, &x) in acc[r * dpad..r * dpad + vr.d].iter_mut().zip(&vrow) {
+            for (a, &x) in acc[r * dpad..r * dpad + vr.d].iter_mut().zip(vrow.iter()) {
                 *a += p * x;
             }
         }
