@@ -1,0 +1,127 @@
+//! How fast one core reads memory in order, with and without software prefetch, and with some
+//! arithmetic per cache line: the yardstick behind the decode kernel's prefetch choices
+//! (docs/PERFORMANCE.md, "Decoding with a KV cache"). x86-64 with AVX-512F only.
+//!
+//!     rustc -C opt-level=3 bench/prefetch_probe.rs -o /tmp/prefetch_probe && /tmp/prefetch_probe
+//!
+//! Each line: the median of 5 passes over a 1 GiB buffer, GB/s (1e9 bytes/s).
+//! - `sum`: 4 × 64-byte loads per step, summed (the hardware prefetcher alone);
+//! - `sum_pf T1|T0 <bytes>`: the same with a prefetch of the 4 lines `<bytes>` ahead;
+//! - `work <n> nopf|pf16k`: `8n` FMAs per 256 bytes on top of the sum, without and with a
+//!   `prefetcht1` 16 KiB ahead.
+
+use std::arch::x86_64::*;
+use std::time::Instant;
+const N: usize = 1 << 28; // 256 Mi u32 = 1 GiB
+/// # Safety
+/// AVX-512F present; `b.len()` a multiple of 64.
+#[target_feature(enable = "avx512f")]
+unsafe fn sum(b: &[u32]) -> u32 {
+    let mut a = [_mm512_setzero_si512(); 4];
+    let p = b.as_ptr();
+    let mut i = 0;
+    while i < b.len() {
+        for j in 0..4 {
+            a[j] = _mm512_add_epi32(a[j], _mm512_loadu_si512(p.add(i + 16 * j).cast()));
+        }
+        i += 64;
+    }
+    let s = _mm512_add_epi32(_mm512_add_epi32(a[0], a[1]), _mm512_add_epi32(a[2], a[3]));
+    _mm512_reduce_add_epi32(s) as u32
+}
+/// `sum` with a prefetch (hint `H`) of the 4 lines `dist` bytes ahead.
+///
+/// # Safety
+/// As [`sum`].
+#[target_feature(enable = "avx512f")]
+unsafe fn sum_pf<const H: i32>(b: &[u32], dist: usize) -> u32 {
+    let mut a = [_mm512_setzero_si512(); 4];
+    let p = b.as_ptr();
+    let mut i = 0;
+    while i < b.len() {
+        _mm_prefetch::<H>((p as *const i8).wrapping_add(i * 4 + dist));
+        _mm_prefetch::<H>((p as *const i8).wrapping_add(i * 4 + dist + 64));
+        _mm_prefetch::<H>((p as *const i8).wrapping_add(i * 4 + dist + 128));
+        _mm_prefetch::<H>((p as *const i8).wrapping_add(i * 4 + dist + 192));
+        for j in 0..4 {
+            a[j] = _mm512_add_epi32(a[j], _mm512_loadu_si512(p.add(i + 16 * j).cast()));
+        }
+        i += 64;
+    }
+    let s = _mm512_add_epi32(_mm512_add_epi32(a[0], a[1]), _mm512_add_epi32(a[2], a[3]));
+    _mm512_reduce_add_epi32(s) as u32
+}
+/// `sum` plus `work` rounds of 8 independent FMAs per 256 bytes, optionally with a `prefetcht1`
+/// `dist` bytes ahead (0: none).
+///
+/// # Safety
+/// As [`sum`].
+#[target_feature(enable = "avx512f")]
+unsafe fn sum_work(b: &[u32], work: usize, dist: usize) -> f32 {
+    let mut a = [_mm512_setzero_ps(); 8];
+    let x = _mm512_set1_ps(1.0001);
+    let p = b.as_ptr();
+    let mut i = 0;
+    while i < b.len() {
+        if dist > 0 {
+            for l in 0..4 {
+                _mm_prefetch::<_MM_HINT_T1>((p as *const i8).wrapping_add(i * 4 + dist + 64 * l));
+            }
+        }
+        for j in 0..4 {
+            a[j] = _mm512_add_ps(
+                a[j],
+                _mm512_castsi512_ps(_mm512_loadu_si512(p.add(i + 16 * j).cast())),
+            );
+        }
+        for _ in 0..work {
+            for j in 0..8 {
+                a[j] = _mm512_fmadd_ps(a[j], x, x);
+            }
+        }
+        i += 64;
+    }
+    let mut s = 0.0;
+    for j in 0..8 {
+        s += _mm512_reduce_add_ps(a[j]);
+    }
+    s
+}
+fn main() {
+    if !is_x86_feature_detected!("avx512f") {
+        eprintln!("prefetch_probe: needs AVX-512F");
+        std::process::exit(2);
+    }
+    let b: Vec<u32> = (0..N as u32).collect();
+    let gb = (N * 4) as f64 / 1e9;
+    let t = |name: &str, f: &dyn Fn() -> f64| {
+        let mut v: Vec<f64> = (0..5)
+            .map(|_| {
+                let s = Instant::now();
+                std::hint::black_box(f());
+                gb / s.elapsed().as_secs_f64()
+            })
+            .collect();
+        v.sort_by(f64::total_cmp);
+        println!("{name:<28} {:.1} GB/s", v[2]);
+    };
+    // SAFETY: AVX-512F is present (checked above); every kernel reads only `b`'s elements (its
+    // length is a multiple of 64), and a prefetch past the end is a hint that cannot fault.
+    unsafe {
+        t("sum", &|| sum(&b) as f64);
+        for d in [1024usize, 4096, 16384, 65536] {
+            t(&format!("sum_pf T1 {d}"), &|| {
+                sum_pf::<_MM_HINT_T1>(&b, d) as f64
+            });
+            t(&format!("sum_pf T0 {d}"), &|| {
+                sum_pf::<_MM_HINT_T0>(&b, d) as f64
+            });
+        }
+        for w in [0usize, 2, 4, 8] {
+            t(&format!("work {w} nopf"), &|| sum_work(&b, w, 0) as f64);
+            t(&format!("work {w} pf16k"), &|| {
+                sum_work(&b, w, 16384) as f64
+            });
+        }
+    }
+}
