@@ -787,6 +787,44 @@ unsafe fn load16<T: Element>(p: *const T) -> std::arch::x86_64::__m512 {
     }
 }
 
+/// Calls `$body` with `A`, `B` bound as constants to `$a`, `$b` (each 1-4; 4 for anything
+/// larger, 1 for anything smaller): the dispatch from a runtime block shape to a kernel
+/// instantiated for it.
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_tile {
+    ($a:expr, $b:expr, |$A:ident, $B:ident| $body:expr) => {{
+        macro_rules! with_b {
+            ($av:literal) => {{
+                const $A: usize = $av;
+                match $b {
+                    4.. => {
+                        const $B: usize = 4;
+                        $body
+                    }
+                    3 => {
+                        const $B: usize = 3;
+                        $body
+                    }
+                    2 => {
+                        const $B: usize = 2;
+                        $body
+                    }
+                    _ => {
+                        const $B: usize = 1;
+                        $body
+                    }
+                }
+            }};
+        }
+        match $a {
+            4.. => with_b!(4),
+            3 => with_b!(3),
+            2 => with_b!(2),
+            _ => with_b!(1),
+        }
+    }};
+}
+
 /// Writes a `K` keys × `R` rows block of scores: `out[j · np + i]` = the lane sum of `acc[j][i]`
 /// plus `q[i][x] · k[j][x]` over the tail dims `from..d`, element by element (q row i at
 /// `qp + i · dpad`, k row j at `kp[j]`). A full 4 × 4 block is reduced by [`reduce16`], 4 keys of
@@ -866,24 +904,7 @@ unsafe fn scores_avx512<T: Element>(
             while r0 < rows {
                 let rb = (rows - r0).min(4);
                 let at = (q, r0, dpad, src, kr, c0, &mut *st, np);
-                match (kb, rb) {
-                    (4, 4) => scores_tile::<4, 4, T>(at),
-                    (4, 3) => scores_tile::<4, 3, T>(at),
-                    (4, 2) => scores_tile::<4, 2, T>(at),
-                    (4, _) => scores_tile::<4, 1, T>(at),
-                    (3, 4) => scores_tile::<3, 4, T>(at),
-                    (3, 3) => scores_tile::<3, 3, T>(at),
-                    (3, 2) => scores_tile::<3, 2, T>(at),
-                    (3, _) => scores_tile::<3, 1, T>(at),
-                    (2, 4) => scores_tile::<2, 4, T>(at),
-                    (2, 3) => scores_tile::<2, 3, T>(at),
-                    (2, 2) => scores_tile::<2, 2, T>(at),
-                    (2, _) => scores_tile::<2, 1, T>(at),
-                    (_, 4) => scores_tile::<1, 4, T>(at),
-                    (_, 3) => scores_tile::<1, 3, T>(at),
-                    (_, 2) => scores_tile::<1, 2, T>(at),
-                    (_, _) => scores_tile::<1, 1, T>(at),
-                }
+                by_tile!(kb, rb, |A, B| scores_tile::<A, B, T>(at));
                 r0 += rb;
             }
             c0 += kb;
@@ -967,24 +988,7 @@ unsafe fn scores_avx512_bf16(
             while r0 < rows {
                 let rb = (rows - r0).min(4);
                 let at = (q, r0, dpad, src, kr, c0, &mut *st, np);
-                match (kb, rb) {
-                    (4, 4) => scores_tile_bf16::<4, 4>(at, qb),
-                    (4, 3) => scores_tile_bf16::<4, 3>(at, qb),
-                    (4, 2) => scores_tile_bf16::<4, 2>(at, qb),
-                    (4, _) => scores_tile_bf16::<4, 1>(at, qb),
-                    (3, 4) => scores_tile_bf16::<3, 4>(at, qb),
-                    (3, 3) => scores_tile_bf16::<3, 3>(at, qb),
-                    (3, 2) => scores_tile_bf16::<3, 2>(at, qb),
-                    (3, _) => scores_tile_bf16::<3, 1>(at, qb),
-                    (2, 4) => scores_tile_bf16::<2, 4>(at, qb),
-                    (2, 3) => scores_tile_bf16::<2, 3>(at, qb),
-                    (2, 2) => scores_tile_bf16::<2, 2>(at, qb),
-                    (2, _) => scores_tile_bf16::<2, 1>(at, qb),
-                    (_, 4) => scores_tile_bf16::<1, 4>(at, qb),
-                    (_, 3) => scores_tile_bf16::<1, 3>(at, qb),
-                    (_, 2) => scores_tile_bf16::<1, 2>(at, qb),
-                    (_, _) => scores_tile_bf16::<1, 1>(at, qb),
-                }
+                by_tile!(kb, rb, |A, B| scores_tile_bf16::<A, B>(at, qb));
                 r0 += rb;
             }
             c0 += kb;
@@ -1138,24 +1142,7 @@ unsafe fn pv_avx512<T: Element>(
             while x0 < nv {
                 let xv = (nv - x0).min(4);
                 let at = (st, np, r0, src, vr, x0, &mut *acc, dpad, ahead.take());
-                match (rb, xv) {
-                    (4, 4) => pv_tile::<4, 4, T>(at),
-                    (4, 3) => pv_tile::<4, 3, T>(at),
-                    (4, 2) => pv_tile::<4, 2, T>(at),
-                    (4, _) => pv_tile::<4, 1, T>(at),
-                    (3, 4) => pv_tile::<3, 4, T>(at),
-                    (3, 3) => pv_tile::<3, 3, T>(at),
-                    (3, 2) => pv_tile::<3, 2, T>(at),
-                    (3, _) => pv_tile::<3, 1, T>(at),
-                    (2, 4) => pv_tile::<2, 4, T>(at),
-                    (2, 3) => pv_tile::<2, 3, T>(at),
-                    (2, 2) => pv_tile::<2, 2, T>(at),
-                    (2, _) => pv_tile::<2, 1, T>(at),
-                    (_, 4) => pv_tile::<1, 4, T>(at),
-                    (_, 3) => pv_tile::<1, 3, T>(at),
-                    (_, 2) => pv_tile::<1, 2, T>(at),
-                    (_, _) => pv_tile::<1, 1, T>(at),
-                }
+                by_tile!(rb, xv, |A, B| pv_tile::<A, B, T>(at));
                 x0 += xv;
             }
             // The tail dims d - d % 16..d.
@@ -1177,11 +1164,12 @@ unsafe fn pv_avx512<T: Element>(
     }
 }
 
-/// Operands of one [`pv_tile`]: st, np, its first row, the cache, its rows, the first vector,
-/// acc, dpad, and the prefetcher to step (first tile only).
+/// Operands of one [`pv_tile`] (`P = f32`) or [`pv_tile_bf16`] (`P = u32`, p as bf16 pairs,
+/// `T = bf16`): p, np, the first row, the cache, its rows, the first vector or chunk, acc,
+/// dpad, and the prefetcher to step (first tile only).
 #[cfg(target_arch = "x86_64")]
-type PvAt<'a, T> = (
-    &'a [f32],
+type PvAt<'a, P, T> = (
+    &'a [P],
     usize,
     usize,
     &'a [T],
@@ -1199,7 +1187,7 @@ type PvAt<'a, T> = (
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn pv_tile<const R: usize, const V: usize, T: Element>(at: PvAt<T>) {
+unsafe fn pv_tile<const R: usize, const V: usize, T: Element>(at: PvAt<f32, T>) {
     use std::arch::x86_64::*;
     let (st, np, r0, src, vr, x0, acc, dpad, mut ahead) = at;
     // SAFETY: the caller's contract.
@@ -1305,21 +1293,6 @@ unsafe fn pv_avx512_bf16(
     }
 }
 
-/// Operands of one [`pv_tile_bf16`]: the p pairs, np, the first row, the cache, its rows, the
-/// first 32-dim chunk, acc, dpad, and the prefetcher to step (first tile only).
-#[cfg(target_arch = "x86_64")]
-type PvBf16At<'a> = (
-    &'a [u32],
-    usize,
-    usize,
-    &'a [bf16],
-    KeyRows,
-    usize,
-    &'a mut [f32],
-    usize,
-    Option<&'a mut Ahead>,
-);
-
 /// Rows `r0..r0 + R`, chunks `x0..x0 + V` (dims `32·x0..32·(x0 + V)`) of [`pv_avx512_bf16`],
 /// keys `0..cols - cols % 2`: 4 × 2 × 2 = 16 zmm accumulators, 4 of interleaved v, a broadcast
 /// p pair. Per key pair: 4 loads, 4 unpacks, 4 broadcasts, 16 `vdpbf16ps`.
@@ -1329,7 +1302,7 @@ type PvBf16At<'a> = (
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
 #[inline]
-unsafe fn pv_tile_bf16<const R: usize, const V: usize>(at: PvBf16At) {
+unsafe fn pv_tile_bf16<const R: usize, const V: usize>(at: PvAt<u32, bf16>) {
     use std::arch::x86_64::*;
     let (pairs, np, r0, src, vr, x0, acc, dpad, mut ahead) = at;
     let bh = |x: __m512i| std::mem::transmute::<__m512i, __m512bh>(x);
