@@ -585,10 +585,13 @@ pub(crate) fn scores<T: Element>(
     scores_portable(q.f32, rows, dpad, src, kr, st, np, ahead);
 }
 
-/// [`scores_portable`] compiled for AVX2 (8-lane vectors from the same loops).
+/// [`scores`] in AVX2: f32 and bf16 in register tiles of 2 keys × 4 rows (8 ymm accumulators,
+/// 4 of q, 1 of k: 13 of 16 registers), one `hadd` reduction per 4 scores; f16 (whose widening
+/// needs F16C, which the AVX2 kernel table does not require) through [`scores_portable`]
+/// compiled for AVX2.
 ///
 /// # Safety
-/// AVX2 and FMA present.
+/// AVX2 and FMA present; operands as checked by [`scores`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
@@ -602,7 +605,123 @@ unsafe fn scores_avx2<T: Element>(
     np: usize,
     ahead: &mut Ahead,
 ) {
-    scores_portable(q, rows, dpad, src, kr, st, np, ahead);
+    if T::DTYPE == DType::F16 {
+        return scores_portable(q, rows, dpad, src, kr, st, np, ahead);
+    }
+    // SAFETY (all calls): the caller's contract; every block below stays inside rows × cols.
+    unsafe {
+        let mut c0 = 0;
+        while c0 < kr.cols {
+            let kb = (kr.cols - c0).min(2);
+            ahead.step(kb);
+            let mut r0 = 0;
+            while r0 < rows {
+                let rb = (rows - r0).min(4);
+                let at = (q, r0, dpad, src, kr, c0, &mut *st, np);
+                match (kb, rb) {
+                    (2, 4) => scores_tile_avx2::<2, 4, T>(at),
+                    (2, 3) => scores_tile_avx2::<2, 3, T>(at),
+                    (2, 2) => scores_tile_avx2::<2, 2, T>(at),
+                    (2, _) => scores_tile_avx2::<2, 1, T>(at),
+                    (_, 4) => scores_tile_avx2::<1, 4, T>(at),
+                    (_, 3) => scores_tile_avx2::<1, 3, T>(at),
+                    (_, 2) => scores_tile_avx2::<1, 2, T>(at),
+                    (_, _) => scores_tile_avx2::<1, 1, T>(at),
+                }
+                r0 += rb;
+            }
+            c0 += kb;
+        }
+    }
+}
+
+/// 8 elements at `p` as f32: a load (f32) or zero-extension and a shift into the high half
+/// (bf16, exact); f16 element by element (not used on the hot path).
+///
+/// # Safety
+/// AVX2 present; 8 elements readable at `p`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn load8<T: Element>(p: *const T) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    unsafe {
+        match T::DTYPE {
+            DType::F32 => _mm256_loadu_ps(p.cast::<f32>()),
+            DType::BF16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
+                _mm_loadu_si128(p.cast()),
+            ))),
+            DType::F16 => {
+                let w: [f32; 8] = std::array::from_fn(|i| (*p.add(i)).to_f32());
+                _mm256_loadu_ps(w.as_ptr())
+            }
+        }
+    }
+}
+
+/// The horizontal sums of 4 ymm vectors, `[Σ a[0], Σ a[1], Σ a[2], Σ a[3]]`.
+///
+/// # Safety
+/// AVX2 present.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn reduce4_avx2(a: [std::arch::x86_64::__m256; 4]) -> std::arch::x86_64::__m128 {
+    use std::arch::x86_64::*;
+    // Per 128-bit half: [Σ a0, Σ a1, Σ a2, Σ a3] of that half's 4 lanes.
+    let h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h))
+}
+
+/// Keys `c0..c0 + K` × rows `r0..r0 + R` of [`scores_avx2`].
+///
+/// # Safety
+/// As [`scores_avx2`]; `c0 + K <= cols`, `r0 + R <= rows`, `R <= 4`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn scores_tile_avx2<const K: usize, const R: usize, T: Element>(at: ScoresAt<T>) {
+    use std::arch::x86_64::*;
+    let (q, r0, dpad, src, kr, c0, st, np) = at;
+    let full = kr.d / 8 * 8;
+    // SAFETY: the caller's contract.
+    unsafe {
+        let qp = q.as_ptr().add(r0 * dpad);
+        let kp: [*const T; K] =
+            std::array::from_fn(|j| src.as_ptr().add(kr.base + (c0 + j) * kr.row_stride));
+        let mut acc = [[_mm256_setzero_ps(); R]; K];
+        for x in (0..full).step_by(8) {
+            let qv: [__m256; R] = std::array::from_fn(|i| _mm256_loadu_ps(qp.add(i * dpad + x)));
+            for (aj, kj) in acc.iter_mut().zip(&kp) {
+                let kv = load8(kj.add(x));
+                for (a, qi) in aj.iter_mut().zip(&qv) {
+                    *a = _mm256_fmadd_ps(*qi, kv, *a);
+                }
+            }
+        }
+        for (j, (aj, kj)) in acc.iter().zip(&kp).enumerate() {
+            let mut sums = [0f32; 4];
+            if R == 4 {
+                let a4: [__m256; 4] = std::array::from_fn(|i| aj[i]);
+                _mm_storeu_ps(sums.as_mut_ptr(), reduce4_avx2(a4));
+            } else {
+                for (sm, a) in sums.iter_mut().zip(aj) {
+                    let h = _mm_add_ps(_mm256_castps256_ps128(*a), _mm256_extractf128_ps::<1>(*a));
+                    let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+                    *sm = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+                }
+            }
+            let out = st.as_mut_ptr().add((c0 + j) * np + r0);
+            for (i, &sm) in sums.iter().take(R).enumerate() {
+                let mut sm = sm;
+                for x in full..kr.d {
+                    sm += *qp.add(i * dpad + x) * (*kj.add(x)).to_f32();
+                }
+                *out.add(i) = sm;
+            }
+        }
+    }
 }
 
 /// [`scores`] without intrinsics: one key row widened to f32, then 16 lane sums per query row.
@@ -702,10 +821,13 @@ pub(crate) fn pv_acc<T: Element>(
     pv_portable(p.f32, np, rows, src, vr, acc, dpad, ahead);
 }
 
-/// [`pv_portable`] compiled for AVX2.
+/// [`pv_acc`] in AVX2: f32 and bf16 in register tiles of 4 rows × 3 vectors (24 dims; 12 ymm
+/// accumulators + 3 of v + a broadcast p: all 16 registers) over all keys; f16 through
+/// [`pv_portable`] compiled for AVX2 (as in [`scores_avx2`]). The `d % 8` tail element by
+/// element.
 ///
 /// # Safety
-/// AVX2 and FMA present.
+/// AVX2 and FMA present; operands as checked by [`pv_acc`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
@@ -719,7 +841,91 @@ unsafe fn pv_avx2<T: Element>(
     dpad: usize,
     ahead: &mut Ahead,
 ) {
-    pv_portable(st, np, rows, src, vr, acc, dpad, ahead);
+    if T::DTYPE == DType::F16 {
+        return pv_portable(st, np, rows, src, vr, acc, dpad, ahead);
+    }
+    let nv = vr.d / 8;
+    let mut first = Some(ahead);
+    // SAFETY: the caller's contract; every tile below stays inside rows × d.
+    unsafe {
+        let mut r0 = 0;
+        while r0 < rows {
+            let rb = (rows - r0).min(4);
+            let mut x0 = 0;
+            while x0 < nv {
+                let xv = (nv - x0).min(3);
+                let at = (st, np, r0, src, vr, x0, &mut *acc, dpad, first.take());
+                match (rb, xv) {
+                    (4, 3) => pv_tile_avx2::<4, 3, T>(at),
+                    (4, 2) => pv_tile_avx2::<4, 2, T>(at),
+                    (4, _) => pv_tile_avx2::<4, 1, T>(at),
+                    (3, 3) => pv_tile_avx2::<3, 3, T>(at),
+                    (3, 2) => pv_tile_avx2::<3, 2, T>(at),
+                    (3, _) => pv_tile_avx2::<3, 1, T>(at),
+                    (2, 3) => pv_tile_avx2::<2, 3, T>(at),
+                    (2, 2) => pv_tile_avx2::<2, 2, T>(at),
+                    (2, _) => pv_tile_avx2::<2, 1, T>(at),
+                    (_, 3) => pv_tile_avx2::<1, 3, T>(at),
+                    (_, 2) => pv_tile_avx2::<1, 2, T>(at),
+                    (_, _) => pv_tile_avx2::<1, 1, T>(at),
+                }
+                x0 += xv;
+            }
+            // The tail dims d - d % 8..d (and every key's step when there was no tile: d < 8).
+            for c in 0..vr.cols {
+                if let Some(a) = first.as_deref_mut() {
+                    a.step(1);
+                }
+                let row = src.as_ptr().add(vr.base + c * vr.row_stride);
+                for r in r0..r0 + rb {
+                    let p = *st.as_ptr().add(c * np + r);
+                    for x in nv * 8..vr.d {
+                        *acc.as_mut_ptr().add(r * dpad + x) += p * (*row.add(x)).to_f32();
+                    }
+                }
+            }
+            first = None;
+            r0 += rb;
+        }
+    }
+}
+
+/// Rows `r0..r0 + R`, vectors `x0..x0 + V` (dims `8·x0..8·(x0 + V)`) of [`pv_avx2`].
+///
+/// # Safety
+/// As [`pv_avx2`]; `r0 + R <= rows`, `8 · (x0 + V) <= d`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn pv_tile_avx2<const R: usize, const V: usize, T: Element>(at: PvAt<f32, T>) {
+    use std::arch::x86_64::*;
+    let (st, np, r0, src, vr, x0, acc, dpad, mut ahead) = at;
+    // SAFETY: the caller's contract.
+    unsafe {
+        let mut a = [[_mm256_setzero_ps(); V]; R];
+        let sp = st.as_ptr().add(r0);
+        for c in 0..vr.cols {
+            if let Some(ah) = ahead.as_deref_mut() {
+                ah.step(1);
+            }
+            let row = src.as_ptr().add(vr.base + c * vr.row_stride + x0 * 8);
+            let vv: [__m256; V] = std::array::from_fn(|j| load8(row.add(j * 8)));
+            let pc = sp.add(c * np);
+            for (i, ai) in a.iter_mut().enumerate() {
+                let p = _mm256_broadcast_ss(&*pc.add(i));
+                for (x, vx) in ai.iter_mut().zip(&vv) {
+                    *x = _mm256_fmadd_ps(p, *vx, *x);
+                }
+            }
+        }
+        let ap = acc.as_mut_ptr();
+        for (i, ai) in a.iter().enumerate() {
+            for (j, x) in ai.iter().enumerate() {
+                let at = ap.add((r0 + i) * dpad + (x0 + j) * 8);
+                _mm256_storeu_ps(at, _mm256_add_ps(_mm256_loadu_ps(at), *x));
+            }
+        }
+    }
 }
 
 /// [`pv_acc`] without intrinsics: one v row widened to f32, then an axpy per query row.
