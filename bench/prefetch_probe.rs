@@ -8,7 +8,9 @@
 //! - `sum`: 4 × 64-byte loads per step, summed (the hardware prefetcher alone);
 //! - `sum_pf T1|T0 <bytes>`: the same with a prefetch of the 4 lines `<bytes>` ahead;
 //! - `work <n> nopf|pf16k`: `8n` FMAs per 256 bytes on top of the sum, without and with a
-//!   `prefetcht1` 16 KiB ahead.
+//!   `prefetcht1` 16 KiB ahead;
+//! - `two streams, switch every <bytes>, work <n>`: two 512 MiB halves read in turns of
+//!   `<bytes>` each (as k and v are), with `8n` FMAs per 256 bytes.
 
 use std::arch::x86_64::*;
 use std::time::Instant;
@@ -87,6 +89,36 @@ unsafe fn sum_work(b: &[u32], work: usize, dist: usize) -> f32 {
     }
     s
 }
+/// Two buffers read in turns of `chunk` elements, with `work` rounds of 8 FMAs per 256 bytes.
+///
+/// # Safety
+/// AVX-512F present; `a.len() == b.len()`, a multiple of `chunk`, itself a multiple of 64.
+#[target_feature(enable = "avx512f")]
+unsafe fn two_streams(a: &[u32], b: &[u32], chunk: usize, work: usize) -> f32 {
+    let mut acc = [_mm512_setzero_ps(); 8];
+    let x = _mm512_set1_ps(1.0001);
+    let mut i = 0;
+    while i < a.len() {
+        for p in [a.as_ptr(), b.as_ptr()] {
+            let mut j = i;
+            while j < i + chunk {
+                for l in 0..4 {
+                    let v = _mm512_loadu_si512(p.add(j + 16 * l).cast());
+                    acc[l] = _mm512_add_ps(acc[l], _mm512_castsi512_ps(v));
+                }
+                for _ in 0..work {
+                    for a in acc.iter_mut() {
+                        *a = _mm512_fmadd_ps(*a, x, x);
+                    }
+                }
+                j += 64;
+            }
+        }
+        i += chunk;
+    }
+    acc.iter().map(|a| _mm512_reduce_add_ps(*a)).sum()
+}
+
 fn main() {
     if !is_x86_feature_detected!("avx512f") {
         eprintln!("prefetch_probe: needs AVX-512F");
@@ -103,7 +135,7 @@ fn main() {
             })
             .collect();
         v.sort_by(f64::total_cmp);
-        println!("{name:<28} {:.1} GB/s", v[2]);
+        println!("{name:<44} {:.1} GB/s", v[2]);
     };
     // SAFETY: AVX-512F is present (checked above); every kernel reads only `b`'s elements (its
     // length is a multiple of 64), and a prefetch past the end is a hint that cannot fault.
@@ -122,6 +154,15 @@ fn main() {
             t(&format!("work {w} pf16k"), &|| {
                 sum_work(&b, w, 16384) as f64
             });
+        }
+        let (lo, hi) = b.split_at(N / 2);
+        for chunk in [64usize, 1024, 16384, 262144] {
+            for w in [0usize, 2, 4] {
+                t(
+                    &format!("two streams, switch every {} B, work {w}", chunk * 4),
+                    &|| two_streams(lo, hi, chunk, w) as f64,
+                );
+            }
         }
     }
 }
