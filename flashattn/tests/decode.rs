@@ -108,6 +108,14 @@ impl DCase {
     }
 }
 
+/// Asserts that an error kind matches a pattern, printing the kind when it does not.
+macro_rules! assert_kind {
+    ($kind:expr, $pat:pat) => {{
+        let e = $kind;
+        assert!(matches!(e, $pat), "{e:?}");
+    }};
+}
+
 /// Physical placement of the caches: element offset of (b, j, hk, 0) per the store.
 struct CacheMap {
     shape: Vec<usize>,
@@ -1047,88 +1055,68 @@ fn bad_input_is_a_typed_error_and_writes_nothing() {
     let (kb, vb) = (&bl.k_new.as_ref().unwrap().1, &bl.v_new.as_ref().unwrap().1);
     let bad_shape = [2, 2, 2, 15];
 
-    let e = kind(Call {
-        opts: bl.opts(&c).new_kv(
-            TensorRef::from_slice(kb.as_slice(), &bad_shape, &[64, 32, 16, 1]),
-            view_of(vb, &[2, 2, 2, 16]),
-        ),
-        ..base()
-    });
-    assert!(
-        matches!(
-            e,
-            ErrorKind::Shape {
-                tensor: "k_new",
-                ..
-            }
-        ),
-        "{e:?}"
+    assert_kind!(
+        kind(Call {
+            opts: bl.opts(&c).new_kv(
+                TensorRef::from_slice(kb.as_slice(), &bad_shape, &[64, 32, 16, 1]),
+                view_of(vb, &[2, 2, 2, 16]),
+            ),
+            ..base()
+        }),
+        ErrorKind::Shape {
+            tensor: "k_new",
+            ..
+        }
     );
     let v16 = vec![half::f16::ONE; 128];
-    let e = kind(Call {
-        opts: bl.opts(&c).new_kv(
-            view_of(kb, &[2, 2, 2, 16]),
-            TensorRef::contiguous(&v16, &[2, 2, 2, 16]),
-        ),
-        ..base()
-    });
-    assert!(
-        matches!(
-            e,
-            ErrorKind::DType {
-                tensor: "v_new",
-                ..
-            }
-        ),
-        "{e:?}"
+    assert_kind!(
+        kind(Call {
+            opts: bl.opts(&c).new_kv(
+                view_of(kb, &[2, 2, 2, 16]),
+                TensorRef::contiguous(&v16, &[2, 2, 2, 16]),
+            ),
+            ..base()
+        }),
+        ErrorKind::DType {
+            tensor: "v_new",
+            ..
+        }
     );
     // Caches: dtype and shape.
-    let e = kind(Call {
-        v_f16: true,
-        ..base()
-    });
-    assert!(
-        matches!(
-            e,
-            ErrorKind::DType {
-                tensor: "v_cache",
-                ..
-            }
-        ),
-        "{e:?}"
+    assert_kind!(
+        kind(Call {
+            v_f16: true,
+            ..base()
+        }),
+        ErrorKind::DType {
+            tensor: "v_cache",
+            ..
+        }
     );
     let mut vs = bl.map.shape.clone();
     vs[0] -= 1;
-    let e = kind(Call {
-        v_shape: vs,
-        ..base()
-    });
-    assert!(
-        matches!(
-            e,
-            ErrorKind::Shape {
-                tensor: "v_cache",
-                ..
-            }
-        ),
-        "{e:?}"
+    assert_kind!(
+        kind(Call {
+            v_shape: vs,
+            ..base()
+        }),
+        ErrorKind::Shape {
+            tensor: "v_cache",
+            ..
+        }
     );
     // k_cache strides that reach past the buffer.
     let mut ks = bl.map.strides.clone();
     ks[0] += 1;
-    let e = kind(Call {
-        k_strides: ks,
-        ..base()
-    });
-    assert!(
-        matches!(
-            e,
-            ErrorKind::OutOfBounds {
-                tensor: "k_cache",
-                ..
-            }
-        ),
-        "{e:?}"
+    assert_kind!(
+        kind(Call {
+            k_strides: ks,
+            ..base()
+        }),
+        ErrorKind::OutOfBounds {
+            tensor: "k_cache",
+            ..
+        }
     );
     // Rotary: without new keys, too wide, too few positions.
     let mut o = bl.opts(&c);
@@ -1170,23 +1158,19 @@ fn bad_input_is_a_typed_error_and_writes_nothing() {
             seqlen_ro: 21
         }
     );
-    let e = kind(Call {
-        opts: bl.opts(&c).rotary(
-            TensorRef::contiguous(&short, &[21, 4]),
-            TensorRef::contiguous(&short[..20 * 4], &[20, 4]),
-            false,
-        ),
-        ..base()
-    });
-    assert!(
-        matches!(
-            e,
-            ErrorKind::Shape {
-                tensor: "rotary_sin",
-                ..
-            }
-        ),
-        "{e:?}"
+    assert_kind!(
+        kind(Call {
+            opts: bl.opts(&c).rotary(
+                TensorRef::contiguous(&short, &[21, 4]),
+                TensorRef::contiguous(&short[..20 * 4], &[20, 4]),
+                false,
+            ),
+            ..base()
+        }),
+        ErrorKind::Shape {
+            tensor: "rotary_sin",
+            ..
+        }
     );
     // Options.
     assert_eq!(
@@ -1231,19 +1215,15 @@ fn bad_input_is_a_typed_error_and_writes_nothing() {
         }
     );
     let q8 = vec![0.5f32; 2 * 2 * 4 * 8];
-    let e = kind(Call {
-        q: TensorRef::contiguous(&q8, &[2, 2, 4, 8]),
-        ..base()
-    });
-    assert!(
-        matches!(
-            e,
-            ErrorKind::Shape {
-                tensor: "k_cache",
-                ..
-            }
-        ),
-        "{e:?}"
+    assert_kind!(
+        kind(Call {
+            q: TensorRef::contiguous(&q8, &[2, 2, 4, 8]),
+            ..base()
+        }),
+        ErrorKind::Shape {
+            tensor: "k_cache",
+            ..
+        }
     );
 
     // Contiguous cache: cache_batch_idx out of range and of the wrong length; batch mismatch.
