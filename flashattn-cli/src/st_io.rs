@@ -270,19 +270,9 @@ pub fn serialize(res: &AttnOutput, grads: Option<&AttnGrads>) -> Result<Vec<u8>>
     if let Some(g) = grads {
         named.extend([("dq", &g.dq), ("dk", &g.dk), ("dv", &g.dv)]);
     }
-    let encoded: Vec<(&str, Dtype, &[usize], Vec<u8>)> = named
+    let named: Vec<(&str, &Buffer, &[usize])> = named
         .iter()
-        .map(|(name, t)| {
-            let (dtype, bytes) = buffer_bytes(t.buffer());
-            (*name, dtype, t.shape(), bytes)
-        })
+        .map(|(name, t)| (*name, t.buffer(), t.shape()))
         .collect();
-    let mut tensors = Vec::with_capacity(encoded.len());
-    for (name, dtype, shape, bytes) in &encoded {
-        let view = TensorView::new(*dtype, shape.to_vec(), bytes)
-            .map_err(|e| CliError(format!("cannot encode output tensor `{name}`: {e:?}")))?;
-        tensors.push((*name, view));
-    }
-    safetensors::serialize(tensors, &None)
-        .map_err(|e| CliError(format!("cannot encode the output: {e:?}")))
+    serialize_named(&named)
 }
