@@ -17,7 +17,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 use safetensors::tensor::TensorView;
-use safetensors::{Dtype, SafeTensors};
+use safetensors::Dtype;
 use serde::Serialize;
 use std::path::Path;
 use std::time::Instant;
@@ -98,32 +98,9 @@ fn decode_i32(
 /// attends, and writes `out`, `lse` and the updated `k_cache`, `v_cache` to OUT.
 pub fn run(args: &RunArgs) -> Result<()> {
     let shown = args.input.display();
-    let bytes =
-        std::fs::read(&args.input).map_err(|e| CliError(format!("cannot read {shown}: {e}")))?;
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| {
-        CliError(format!(
-            "{shown} is not a valid safetensors file: {}",
-            st_io::describe(&e)
-        ))
-    })?;
-    let mut names: Vec<&String> = st.names();
-    names.sort();
-    if let Some(bad) = names.iter().find(|n| !ACCEPTED.contains(&n.as_str())) {
-        return fail(format!(
-            "{shown}: unexpected tensor `{bad}` in a KV-cache file; accepted names: {}",
-            ACCEPTED.join(", ")
-        ));
-    }
-    let get = |name: &str| -> Result<Option<TensorView>> {
-        match st.tensor(name) {
-            Ok(t) => Ok(Some(t)),
-            Err(safetensors::SafeTensorError::TensorNotFound(_)) => Ok(None),
-            Err(e) => fail(format!(
-                "{shown}: cannot read tensor `{name}`: {}",
-                st_io::describe(&e)
-            )),
-        }
-    };
+    let bytes = st_io::read(&args.input)?;
+    let st = st_io::parse(&bytes, &shown, &ACCEPTED, " in a KV-cache file")?;
+    let get = |name: &str| st_io::tensor(&st, name, &shown);
     let float = |name: &str| -> Result<Option<Loaded>> {
         get(name)?
             .map(|t| st_io::decode_float(name, &t))

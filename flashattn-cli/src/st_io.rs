@@ -120,31 +120,9 @@ fn decode_i32(name: &str, t: &TensorView) -> Result<Vec<i32>> {
 /// the tensor and the expected layout in its errors.
 pub fn load(path: &Path) -> Result<Inputs> {
     let shown = path.display();
-    let bytes = std::fs::read(path).map_err(|e| CliError(format!("cannot read {shown}: {e}")))?;
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| {
-        CliError(format!(
-            "{shown} is not a valid safetensors file: {}",
-            describe(&e)
-        ))
-    })?;
-    let mut names: Vec<&String> = st.names();
-    names.sort();
-    if let Some(bad) = names.iter().find(|n| !ACCEPTED.contains(&n.as_str())) {
-        return fail(format!(
-            "{shown}: unexpected tensor `{bad}`; accepted names: {}",
-            ACCEPTED.join(", ")
-        ));
-    }
-    let get = |name: &str| -> Result<Option<TensorView>> {
-        match st.tensor(name) {
-            Ok(t) => Ok(Some(t)),
-            Err(safetensors::SafeTensorError::TensorNotFound(_)) => Ok(None),
-            Err(e) => fail(format!(
-                "{shown}: cannot read tensor `{name}`: {}",
-                describe(&e)
-            )),
-        }
-    };
+    let bytes = read(path)?;
+    let st = parse(&bytes, &shown, &ACCEPTED, "")?;
+    let get = |name: &str| tensor(&st, name, &shown);
     let required = |name: &str| -> Result<Loaded> {
         match get(name)? {
             Some(t) => decode_float(name, &t),
@@ -212,6 +190,52 @@ pub fn load(path: &Path) -> Result<Inputs> {
 }
 
 /// A readable sentence for a safetensors error (its own Display is its Debug form).
+/// The bytes of the file at `path`.
+pub fn read(path: &Path) -> Result<Vec<u8>> {
+    std::fs::read(path).map_err(|e| CliError(format!("cannot read {}: {e}", path.display())))
+}
+
+/// `bytes` as a safetensors file (`shown` names it in errors) whose tensors are all named in
+/// `accepted`; `what` qualifies the file in the unexpected-name error (e.g. " in a KV-cache file").
+pub fn parse<'a>(
+    bytes: &'a [u8],
+    shown: &dyn std::fmt::Display,
+    accepted: &[&str],
+    what: &str,
+) -> Result<SafeTensors<'a>> {
+    let st = SafeTensors::deserialize(bytes).map_err(|e| {
+        CliError(format!(
+            "{shown} is not a valid safetensors file: {}",
+            describe(&e)
+        ))
+    })?;
+    let mut names: Vec<&String> = st.names();
+    names.sort();
+    if let Some(bad) = names.iter().find(|n| !accepted.contains(&n.as_str())) {
+        return fail(format!(
+            "{shown}: unexpected tensor `{bad}`{what}; accepted names: {}",
+            accepted.join(", ")
+        ));
+    }
+    Ok(st)
+}
+
+/// The tensor `name` of `st`, `None` when the file has none of that name.
+pub fn tensor<'a>(
+    st: &'a SafeTensors,
+    name: &str,
+    shown: &dyn std::fmt::Display,
+) -> Result<Option<TensorView<'a>>> {
+    match st.tensor(name) {
+        Ok(t) => Ok(Some(t)),
+        Err(safetensors::SafeTensorError::TensorNotFound(_)) => Ok(None),
+        Err(e) => fail(format!(
+            "{shown}: cannot read tensor `{name}`: {}",
+            describe(&e)
+        )),
+    }
+}
+
 pub fn describe(e: &safetensors::SafeTensorError) -> String {
     use safetensors::SafeTensorError as E;
     match e {
