@@ -10,7 +10,9 @@
 //! - `work <n> nopf|pf16k`: `8n` FMAs per 256 bytes on top of the sum, without and with a
 //!   `prefetcht1` 16 KiB ahead;
 //! - `two streams, switch every <bytes>, work <n>`: two 512 MiB halves read in turns of
-//!   `<bytes>` each (as k and v are), with `8n` FMAs per 256 bytes.
+//!   `<bytes>` each (as k and v are), with `8n` FMAs per 256 bytes;
+//! - `decode order, sub-blocks of <n> keys, pf <bool>`: the two halves read as an f32 decode
+//!   kernel reads k and v (see `decode_order`), with and without software prefetch.
 
 use std::arch::x86_64::*;
 use std::time::Instant;
@@ -119,6 +121,50 @@ unsafe fn two_streams(a: &[u32], b: &[u32], chunk: usize, work: usize) -> f32 {
     acc.iter().map(|a| _mm512_reduce_add_ps(*a)).sum()
 }
 
+/// The decode kernel's read pattern over an f32 cache of 8 kv heads × 128 dims (4 KiB per key):
+/// `k` and `v` in tiles of 16 keys, k's tile then v's, each tile read in sub-blocks of `sub`
+/// keys, and within a sub-block one kv head (512 bytes) at a time, key by key. `sub = 16` is the
+/// kernel's order (one head over the whole tile), `sub = 1` memory order. With `pf`, the next
+/// tile's lines are asked for (`prefetcht1`) one head row per row read, as the kernel spreads them.
+///
+/// # Safety
+/// AVX-512F present; `k.len() == v.len()`, a multiple of 16 keys (16 × 1024 elements).
+#[target_feature(enable = "avx512f")]
+unsafe fn decode_order(k: &[u32], v: &[u32], sub: usize, pf: bool) -> f32 {
+    const ROW: usize = 1024; // elements per key: 8 heads × 128
+    const TILE: usize = 16;
+    let mut acc = [_mm512_setzero_ps(); 8];
+    let keys = k.len() / ROW;
+    let mut t0 = 0;
+    while t0 < keys {
+        for p in [k.as_ptr(), v.as_ptr()] {
+            // The next tile's 16 × 4 KiB, 8 lines per head row read (128 rows per tile).
+            let mut next = (p as *const i8).wrapping_add((t0 + TILE) * ROW * 4);
+            let mut s0 = t0;
+            while s0 < t0 + TILE {
+                for h in 0..8 {
+                    for t in s0..s0 + sub {
+                        if pf {
+                            for l in 0..8 {
+                                _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(64 * l));
+                            }
+                            next = next.wrapping_add(512);
+                        }
+                        let r = p.add(t * ROW + h * 128);
+                        for l in 0..8 {
+                            let x = _mm512_castsi512_ps(_mm512_loadu_si512(r.add(16 * l).cast()));
+                            acc[l] = _mm512_add_ps(acc[l], x);
+                        }
+                    }
+                }
+                s0 += sub;
+            }
+        }
+        t0 += TILE;
+    }
+    acc.iter().map(|a| _mm512_reduce_add_ps(*a)).sum()
+}
+
 fn main() {
     if !is_x86_feature_detected!("avx512f") {
         eprintln!("prefetch_probe: needs AVX-512F");
@@ -161,6 +207,14 @@ fn main() {
                 t(
                     &format!("two streams, switch every {} B, work {w}", chunk * 4),
                     &|| two_streams(lo, hi, chunk, w) as f64,
+                );
+            }
+        }
+        for sub in [16usize, 4, 1] {
+            for pf in [true, false] {
+                t(
+                    &format!("decode order, sub-blocks of {sub} keys, pf {pf}"),
+                    &|| decode_order(lo, hi, sub, pf) as f64,
                 );
             }
         }
