@@ -252,11 +252,6 @@ impl CacheLayout {
             page * self.v_page_stride + row * self.v.row_stride,
         )
     }
-    /// The end (exclusive) of the run of keys from `j` that share j's page.
-    #[inline]
-    pub fn page_end(&self, j: usize) -> usize {
-        (j / self.page_size + 1) * self.page_size
-    }
 }
 
 /// New keys and values: element offset of (b, 0, 0, 0) per sequence, and row/head strides.

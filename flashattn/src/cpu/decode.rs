@@ -6,7 +6,10 @@
 //! tile's rows are adjacent (`heads_kv · d` elements per key), so the item reads one dense span
 //! per tile and asks for the next tile's span ahead of use ([`Ahead`]); reading one kv head at a
 //! time over the whole range would instead touch one `d`-row per 4 KiB page (f32, 8 kv heads,
-//! d = 128). A paged cache is read the same way (a tile never crosses a page).
+//! d = 128). A tile of a paged cache spans as many pages as its keys lie on: the products
+//! follow each key's row offset ([`KeyRows`]), and the prefetch asks for one span per page. (Tiles
+//! cut at page boundaries ran 1-key tiles at page size 1, 2.5-3.5× slower; see
+//! docs/PERFORMANCE.md.)
 //!
 //! Every query row of the item (all heads) is a lane of one score tile `st[c][r]`, rows of kv
 //! head `hk` at lanes `hk · rows..`, so one online-softmax step (the forward's kernels,
@@ -296,39 +299,46 @@ fn run_item<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T], it: Item) 
     // bf16 with `vdpbf16ps`: P as bf16 pairs of keys for the P·V product.
     let mut pp: Option<Vec<u32>> = qb.is_some().then(|| vec![0u32; TILE_KEYS.div_ceil(2) * np]);
     let mods: Vec<ScoreMod> = (0..p.heads).map(|h| ScoreMod::new(p, b, h)).collect();
-    // The tile after n0: keys n0..n1, cut at the split's end and at page boundaries.
-    let next_tile = |n0: usize| n_hi.min(n0 + TILE_KEYS).min(cache.page_end(n0));
+    // The tile after n0: keys n0..n1, cut at the split's end; the rows' offsets (kv head 0) in
+    // k and v, which may lie on several pages.
+    let tile = |n0: usize, kt: &mut [usize; TILE_KEYS], vt: &mut [usize; TILE_KEYS]| {
+        let n1 = n_hi.min(n0 + TILE_KEYS);
+        for (c, (ko, vo)) in kt.iter_mut().zip(vt.iter_mut()).take(n1 - n0).enumerate() {
+            (*ko, *vo) = cache.key_offsets(b, n0 + c);
+        }
+        n1
+    };
+    let (mut kt, mut vt) = ([0usize; TILE_KEYS], [0usize; TILE_KEYS]);
+    let (mut kt_next, mut vt_next) = ([0usize; TILE_KEYS], [0usize; TILE_KEYS]);
 
     let mut n0 = n_lo;
+    let mut n1 = tile(n0, &mut kt, &mut vt);
     while n0 < n_hi {
-        let n1 = next_tile(n0);
         let cols = n1 - n0;
-        // Rows n0..n1 are consecutive within one page.
-        let (kb, vb) = cache.key_offsets(b, n0);
+        let (ks, vs) = (&kt[..cols], &vt[..cols]);
         let k_rows = |hk: usize| KeyRows {
-            base: kb + hk * cache.k.head_stride,
-            row_stride: cache.k.row_stride,
-            cols,
+            keys: ks,
+            head: hk * cache.k.head_stride,
             d,
         };
         let v_rows = |hk: usize| KeyRows {
-            base: vb + hk * cache.v.head_stride,
-            row_stride: cache.v.row_stride,
-            cols,
+            keys: vs,
+            head: hk * cache.v.head_stride,
             d,
         };
         // The next tile is fetched while this one computes: a few cache lines per key of both
         // products (see `Ahead`).
-        let span = (n1 < n_hi).then(|| {
-            let e = next_tile(n1);
-            let (pk, pv) = cache.key_offsets(b, n1);
-            (
-                tile_span(pk, e - n1, cache.k, heads_kv, d),
-                tile_span(pv, e - n1, cache.v, heads_kv, d),
-            )
-        });
-        let (ks, vs) = span.unwrap_or((None, None));
-        let mut ahead = Ahead::new((k, ks), (v, vs), 2 * heads_kv * cols);
+        let n2 = if n1 < n_hi {
+            tile(n1, &mut kt_next, &mut vt_next)
+        } else {
+            n1
+        };
+        let runs = |keys: &[usize], l| Runs::of_tile(keys, l, heads_kv, d);
+        let mut ahead = Ahead::new(
+            (k, runs(&kt_next[..n2 - n1], cache.k)),
+            (v, runs(&vt_next[..n2 - n1], cache.v)),
+            2 * heads_kv * cols,
+        );
         let masked = mask.needs_mask(i0, i1, n0, n1);
         let apply = mods[0].needs_apply(masked);
         let st = &mut st[..cols * np];
@@ -386,7 +396,8 @@ fn run_item<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T], it: Item) 
             };
             pv_acc(kern.isa, pr, v, v_rows(hk), acc_hk, dpad, &mut ahead);
         }
-        n0 = n1;
+        (n0, n1) = (n1, n2);
+        (kt, vt) = (kt_next, vt_next);
     }
 
     let mut out = vec![0f32; all_rows * d];
@@ -399,47 +410,71 @@ fn run_item<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T], it: Item) 
     Partial { out, lse }
 }
 
-/// Where the rows of one kv head lie in a cache: key c's `d` values start at
-/// `base + c · row_stride`, for `c < cols`.
+/// Where the rows of one kv head lie in a cache: key c's `d` values start at element
+/// `keys[c] + head`, for `c < cols()`. `keys` holds the tile's row offsets (kv head 0), so a
+/// tile may span pages of a paged cache.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct KeyRows {
-    pub base: usize,
-    pub row_stride: usize,
-    pub cols: usize,
+pub(crate) struct KeyRows<'a> {
+    pub keys: &'a [usize],
+    pub head: usize,
     pub d: usize,
 }
 
-impl KeyRows {
+impl KeyRows<'_> {
+    /// The number of keys.
+    #[inline(always)]
+    pub fn cols(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// The element offset of key `c`'s row.
+    #[inline(always)]
+    pub fn at(&self, c: usize) -> usize {
+        self.keys[c] + self.head
+    }
+
     /// Panics unless every row lies inside `len` elements (once per call, so the kernels can
     /// read without checks).
     fn check(&self, len: usize) {
-        if self.cols == 0 {
-            return;
-        }
-        let end = (self.cols - 1)
-            .checked_mul(self.row_stride)
-            .and_then(|x| x.checked_add(self.base))
-            .and_then(|x| x.checked_add(self.d));
-        assert!(
-            end.is_some_and(|e| e <= len),
-            "decode: key rows out of bounds"
-        );
+        let inside = self.keys.iter().all(|&k| {
+            k.checked_add(self.head)
+                .and_then(|x| x.checked_add(self.d))
+                .is_some_and(|e| e <= len)
+        });
+        assert!(inside, "decode: key rows out of bounds");
     }
 }
 
-/// The element range `start..end` holding `keys` consecutive keys' rows of all kv heads from
-/// element `start`, when those rows are (nearly) dense in memory, as in a contiguous or paged
-/// cache: `None` when the span is over twice the data (e.g. a head-major layout), where
-/// prefetching it would fetch mostly other data.
-fn tile_span(
-    start: usize,
-    keys: usize,
-    l: crate::params::RowLayout,
-    heads_kv: usize,
-    d: usize,
-) -> Option<(usize, usize)> {
-    let end = start + (keys - 1) * l.row_stride + (heads_kv - 1) * l.head_stride + d;
-    (end - start <= 2 * keys * heads_kv * d).then_some((start, end))
+/// Up to [`TILE_KEYS`] element ranges `[start, end)` of a cache, in order.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Runs {
+    r: [(usize, usize); TILE_KEYS],
+    n: usize,
+}
+
+impl Runs {
+    /// The ranges holding the rows of all kv heads of the keys with row offsets `keys` (kv head
+    /// 0; at most [`TILE_KEYS`]), keys whose ranges touch merged into one run: one run for a tile
+    /// of a contiguous cache, one per page of a paged one. None when a key's rows of all heads
+    /// span over twice their data (e.g. a head-major layout), where prefetching them would fetch
+    /// mostly other data.
+    fn of_tile(keys: &[usize], l: crate::params::RowLayout, heads_kv: usize, d: usize) -> Runs {
+        let mut runs = Runs::default();
+        let span = (heads_kv - 1) * l.head_stride + d;
+        if span > 2 * heads_kv * d {
+            return runs;
+        }
+        for &k in keys {
+            match runs.r[..runs.n].last_mut() {
+                Some(r) if k >= r.0 && k <= r.1 => r.1 = r.1.max(k + span),
+                _ => {
+                    runs.r[runs.n] = (k, k + span);
+                    runs.n += 1;
+                }
+            }
+        }
+        runs
+    }
 }
 
 /// Software prefetch of the next tile, spread evenly over the current one.
@@ -455,41 +490,79 @@ fn tile_span(
 /// 11.4-12.9 ms (f32, 2 threads). `prefetcht1` (into L2): a tile is 64-128 KiB, more than the
 /// 32 KiB L1.
 pub(crate) struct Ahead {
-    /// Byte addresses still to ask for, `[next, end)`, in k and in v; never dereferenced.
-    k: (usize, usize),
-    v: (usize, usize),
+    /// Byte addresses still to ask for in k and in v: runs `[i..n)`, the first from `next`;
+    /// never dereferenced.
+    k: Stream,
+    v: Stream,
     lines_per_step: usize,
+}
+
+#[derive(Default)]
+struct Stream {
+    runs: Runs,
+    i: usize,
+    next: usize,
+}
+
+impl Stream {
+    /// Byte addresses of the element runs `runs` of `buf`.
+    fn new<T>(buf: &[T], runs: Runs) -> (Stream, usize) {
+        let (base, size) = (buf.as_ptr() as usize, std::mem::size_of::<T>());
+        let mut s = Stream {
+            runs,
+            ..Stream::default()
+        };
+        let mut bytes = 0;
+        for r in &mut s.runs.r[..runs.n] {
+            *r = (base + r.0 * size, base + r.1 * size);
+            bytes += r.1 - r.0;
+        }
+        s.next = s.runs.r[0].0;
+        (s, bytes)
+    }
+
+    /// Asks for up to `bytes` more bytes.
+    #[inline(always)]
+    fn step(&mut self, mut bytes: usize) {
+        // Locals, written back once: the loop must not go through `self` per line (the first
+        // version did, and took a fifth of the score product's time).
+        let (mut i, mut next) = (self.i, self.next);
+        while bytes > 0 && i < self.runs.n {
+            let end = self.runs.r[i].1;
+            let stop = end.min(next + bytes);
+            bytes -= stop - next;
+            while next < stop {
+                prefetch_line(next);
+                next += CACHE_LINE;
+            }
+            if next >= end {
+                i += 1;
+                if i < self.runs.n {
+                    next = self.runs.r[i].0;
+                }
+            }
+        }
+        (self.i, self.next) = (i, next);
+    }
 }
 
 impl Ahead {
     #[cfg(test)]
     pub fn none() -> Self {
         Ahead {
-            k: (0, 0),
-            v: (0, 0),
+            k: Stream::default(),
+            v: Stream::default(),
             lines_per_step: 0,
         }
     }
 
-    /// The element spans of k and v (if any), asked for over `steps` calls of [`Ahead::step`].
-    fn new<T>(
-        (k, ks): (&[T], Option<(usize, usize)>),
-        (v, vs): (&[T], Option<(usize, usize)>),
-        steps: usize,
-    ) -> Self {
-        let bytes = |buf: &[T], span: Option<(usize, usize)>| {
-            span.map_or((0, 0), |(a, b)| {
-                let base = buf.as_ptr() as usize;
-                let size = std::mem::size_of::<T>();
-                (base + a * size, base + b * size)
-            })
-        };
-        let (k, v) = (bytes(k, ks), bytes(v, vs));
-        let lines = (k.1 - k.0).max(v.1 - v.0).div_ceil(CACHE_LINE);
+    /// The element runs of k and v, asked for over `steps` calls of [`Ahead::step`].
+    fn new<T>((k, kr): (&[T], Runs), (v, vr): (&[T], Runs), steps: usize) -> Self {
+        let ((k, kb), (v, vb)) = (Stream::new(k, kr), Stream::new(v, vr));
         Ahead {
             k,
             v,
-            lines_per_step: lines.div_ceil(steps.max(1)),
+            lines_per_step: kb.max(vb).div_ceil(CACHE_LINE).div_ceil(steps.max(1)),
         }
     }
 
@@ -497,17 +570,8 @@ impl Ahead {
     #[inline(always)]
     pub fn step(&mut self, steps: usize) {
         let bytes = steps * self.lines_per_step * CACHE_LINE;
-        for span in [&mut self.k, &mut self.v] {
-            // Locals, written back once: the loop must not go through `self` per line (the
-            // first version did, and took a fifth of the score product's time).
-            let (mut next, end) = *span;
-            let stop = end.min(next + bytes);
-            while next < stop {
-                prefetch_line(next);
-                next += CACHE_LINE;
-            }
-            span.0 = next;
-        }
+        self.k.step(bytes);
+        self.v.step(bytes);
     }
 }
 
@@ -538,7 +602,7 @@ pub(crate) struct QRows<'a> {
 }
 
 /// Scores of a few query rows against keys read in place from the cache, transposed:
-/// `st[c · np + r] = Σ_x q[r][x] · k[c][x]` for `r < rows`, `c < kr.cols`, with `k[c]` the row
+/// `st[c · np + r] = Σ_x q[r][x] · k[c][x]` for `r < rows`, `c < kr.cols()`, with `k[c]` the row
 /// of `src` that `kr` names, widened to f32 as it is loaded (or, for bf16 with `q.bf16_pairs` on
 /// a CPU with AVX512_BF16, multiplied as bf16 pairs by `vdpbf16ps`). Lanes `rows..np` are not
 /// written: `st` may be a window into a wider tile whose other lanes belong to other kv heads.
@@ -559,7 +623,7 @@ pub(crate) fn scores<T: Element>(
             && rows <= np
             && q.f32.len() >= rows * dpad
             && q.bf16_pairs.is_none_or(|b| b.len() >= rows * dpad / 2)
-            && (kr.cols == 0 || st.len() >= (kr.cols - 1) * np + rows),
+            && (kr.cols() == 0 || st.len() >= (kr.cols() - 1) * np + rows),
         "decode scores: operands too short"
     );
     #[cfg(target_arch = "x86_64")]
@@ -611,8 +675,8 @@ unsafe fn scores_avx2<T: Element>(
     // SAFETY (all calls): the caller's contract; every block below stays inside rows × cols.
     unsafe {
         let mut c0 = 0;
-        while c0 < kr.cols {
-            let kb = (kr.cols - c0).min(2);
+        while c0 < kr.cols() {
+            let kb = (kr.cols() - c0).min(2);
             ahead.step(kb);
             let mut r0 = 0;
             while r0 < rows {
@@ -688,8 +752,7 @@ unsafe fn scores_tile_avx2<const K: usize, const R: usize, T: Element>(at: Score
     // SAFETY: the caller's contract.
     unsafe {
         let qp = q.as_ptr().add(r0 * dpad);
-        let kp: [*const T; K] =
-            std::array::from_fn(|j| src.as_ptr().add(kr.base + (c0 + j) * kr.row_stride));
+        let kp: [*const T; K] = std::array::from_fn(|j| src.as_ptr().add(kr.at(c0 + j)));
         let mut acc = [[_mm256_setzero_ps(); R]; K];
         for x in (0..full).step_by(8) {
             let qv: [__m256; R] = std::array::from_fn(|i| _mm256_loadu_ps(qp.add(i * dpad + x)));
@@ -739,9 +802,9 @@ fn scores_portable<T: Element>(
 ) {
     let mut krow = [0f32; MAX_D];
     let krow = &mut krow[..dpad];
-    for c in 0..kr.cols {
+    for c in 0..kr.cols() {
         ahead.step(1);
-        let at = kr.base + c * kr.row_stride;
+        let at = kr.at(c);
         widen_row(&src[at..at + kr.d], &mut krow[..kr.d]);
         for r in 0..rows {
             let qr = &q[r * dpad..(r + 1) * dpad];
@@ -791,7 +854,7 @@ pub(crate) fn pv_acc<T: Element>(
 ) {
     let PRows { rows, np, .. } = p;
     vr.check(src.len());
-    let cols = vr.cols;
+    let cols = vr.cols();
     assert!(
         vr.d <= dpad
             && rows <= np
@@ -872,11 +935,11 @@ unsafe fn pv_avx2<T: Element>(
                 x0 += xv;
             }
             // The tail dims d - d % 8..d (and every key's step when there was no tile: d < 8).
-            for c in 0..vr.cols {
+            for c in 0..vr.cols() {
                 if let Some(a) = first.as_deref_mut() {
                     a.step(1);
                 }
-                let row = src.as_ptr().add(vr.base + c * vr.row_stride);
+                let row = src.as_ptr().add(vr.at(c));
                 for r in r0..r0 + rb {
                     let p = *st.as_ptr().add(c * np + r);
                     for x in nv * 8..vr.d {
@@ -904,11 +967,11 @@ unsafe fn pv_tile_avx2<const R: usize, const V: usize, T: Element>(at: PvAt<f32,
     unsafe {
         let mut a = [[_mm256_setzero_ps(); V]; R];
         let sp = st.as_ptr().add(r0);
-        for c in 0..vr.cols {
+        for c in 0..vr.cols() {
             if let Some(ah) = ahead.as_deref_mut() {
                 ah.step(1);
             }
-            let row = src.as_ptr().add(vr.base + c * vr.row_stride + x0 * 8);
+            let row = src.as_ptr().add(vr.at(c) + x0 * 8);
             let vv: [__m256; V] = std::array::from_fn(|j| load8(row.add(j * 8)));
             let pc = sp.add(c * np);
             for (i, ai) in a.iter_mut().enumerate() {
@@ -943,9 +1006,9 @@ fn pv_portable<T: Element>(
 ) {
     let mut vrow = [0f32; MAX_D];
     let vrow = &mut vrow[..vr.d];
-    for c in 0..vr.cols {
+    for c in 0..vr.cols() {
         ahead.step(1);
-        let at = vr.base + c * vr.row_stride;
+        let at = vr.at(c);
         widen_row(&src[at..at + vr.d], vrow);
         for r in 0..rows {
             let p = st[c * np + r];
@@ -1103,8 +1166,8 @@ unsafe fn scores_avx512<T: Element>(
     // SAFETY (all calls): the caller's contract; every block below stays inside rows × cols.
     unsafe {
         let mut c0 = 0;
-        while c0 < kr.cols {
-            let kb = (kr.cols - c0).min(4);
+        while c0 < kr.cols() {
+            let kb = (kr.cols() - c0).min(4);
             ahead.step(kb);
             let mut r0 = 0;
             while r0 < rows {
@@ -1126,7 +1189,7 @@ type ScoresAt<'a, T> = (
     usize,
     usize,
     &'a [T],
-    KeyRows,
+    KeyRows<'a>,
     usize,
     &'a mut [f32],
     usize,
@@ -1146,8 +1209,7 @@ unsafe fn scores_tile<const K: usize, const R: usize, T: Element>(at: ScoresAt<T
     // SAFETY: the caller's contract.
     unsafe {
         let qp = q.as_ptr().add(r0 * dpad);
-        let kp: [*const T; K] =
-            std::array::from_fn(|j| src.as_ptr().add(kr.base + (c0 + j) * kr.row_stride));
+        let kp: [*const T; K] = std::array::from_fn(|j| src.as_ptr().add(kr.at(c0 + j)));
         let mut acc = [[_mm512_setzero_ps(); R]; K];
         for x in (0..full).step_by(LANES) {
             let qv: [__m512; R] = std::array::from_fn(|i| _mm512_loadu_ps(qp.add(i * dpad + x)));
@@ -1187,8 +1249,8 @@ unsafe fn scores_avx512_bf16(
     // SAFETY (all calls): the caller's contract; every block below stays inside rows × cols.
     unsafe {
         let mut c0 = 0;
-        while c0 < kr.cols {
-            let kb = (kr.cols - c0).min(4);
+        while c0 < kr.cols() {
+            let kb = (kr.cols() - c0).min(4);
             ahead.step(kb);
             let mut r0 = 0;
             while r0 < rows {
@@ -1220,8 +1282,7 @@ unsafe fn scores_tile_bf16<const K: usize, const R: usize>(at: ScoresAt<bf16>, q
     unsafe {
         let qp = q.as_ptr().add(r0 * dpad);
         let qbp = qb.as_ptr().add(r0 * dpad / 2);
-        let kp: [*const bf16; K] =
-            std::array::from_fn(|j| src.as_ptr().add(kr.base + (c0 + j) * kr.row_stride));
+        let kp: [*const bf16; K] = std::array::from_fn(|j| src.as_ptr().add(kr.at(c0 + j)));
         let mut acc = [[_mm512_setzero_ps(); R]; K];
         for x in (0..full32).step_by(32) {
             let qv: [__m512bh; R] = std::array::from_fn(|i| {
@@ -1352,11 +1413,11 @@ unsafe fn pv_avx512<T: Element>(
                 x0 += xv;
             }
             // The tail dims d - d % 16..d.
-            for c in 0..vr.cols {
+            for c in 0..vr.cols() {
                 if let Some(a) = ahead.as_deref_mut() {
                     a.step(1); // no tile above (d < 16)
                 }
-                let row = src.as_ptr().add(vr.base + c * vr.row_stride);
+                let row = src.as_ptr().add(vr.at(c));
                 for r in r0..r0 + rb {
                     let p = *st.as_ptr().add(c * np + r);
                     for x in nv * LANES..vr.d {
@@ -1379,7 +1440,7 @@ type PvAt<'a, P, T> = (
     usize,
     usize,
     &'a [T],
-    KeyRows,
+    KeyRows<'a>,
     usize,
     &'a mut [f32],
     usize,
@@ -1400,11 +1461,11 @@ unsafe fn pv_tile<const R: usize, const V: usize, T: Element>(at: PvAt<f32, T>) 
     unsafe {
         let mut a = [[_mm512_setzero_ps(); V]; R];
         let sp = st.as_ptr().add(r0);
-        for c in 0..vr.cols {
+        for c in 0..vr.cols() {
             if let Some(ah) = ahead.as_deref_mut() {
                 ah.step(1);
             }
-            let row = src.as_ptr().add(vr.base + c * vr.row_stride + x0 * LANES);
+            let row = src.as_ptr().add(vr.at(c) + x0 * LANES);
             let mut vv = [_mm512_setzero_ps(); V];
             for (j, x) in vv.iter_mut().enumerate() {
                 *x = load16(row.add(j * LANES));
@@ -1479,10 +1540,10 @@ unsafe fn pv_avx512_bf16(
             r0 += rb;
         }
         // An odd last key, dims 0..32 · chunks, in f32.
-        if vr.cols % 2 == 1 {
+        if vr.cols() % 2 == 1 {
             use std::arch::x86_64::*;
-            let c = vr.cols - 1;
-            let row = src.as_ptr().add(vr.base + c * vr.row_stride);
+            let c = vr.cols() - 1;
+            let row = src.as_ptr().add(vr.at(c));
             for r in 0..rows {
                 let pv = _mm512_set1_ps(*p.f32.as_ptr().add(c * np + r));
                 let ar = acc.as_mut_ptr().add(r * dpad);
@@ -1517,12 +1578,12 @@ unsafe fn pv_tile_bf16<const R: usize, const V: usize>(at: PvAt<u32, bf16>) {
         let mut lo = [[_mm512_setzero_ps(); V]; R];
         let mut hi = [[_mm512_setzero_ps(); V]; R];
         let pp = pairs.as_ptr().add(r0);
-        for cp in 0..vr.cols / 2 {
+        for cp in 0..vr.cols() / 2 {
             if let Some(ah) = ahead.as_deref_mut() {
                 ah.step(2);
             }
-            let row0 = src.as_ptr().add(vr.base + 2 * cp * vr.row_stride + x0 * 32);
-            let row1 = row0.add(vr.row_stride);
+            let row0 = src.as_ptr().add(vr.at(2 * cp) + x0 * 32);
+            let row1 = src.as_ptr().add(vr.at(2 * cp + 1) + x0 * 32);
             let mut vl = [_mm512_setzero_si512(); V];
             let mut vh = [_mm512_setzero_si512(); V];
             for j in 0..V {
@@ -1597,10 +1658,12 @@ mod tests {
                     (0..d).for_each(|x| kv[2 + c * stride + x] = lcg(&mut seed));
                 }
                 let p: Vec<f32> = (0..cols * np).map(|_| lcg(&mut seed).abs()).collect();
+                // Rows in reverse order, as pages of one key would lie in a shuffled paged
+                // cache: the kernels must follow each key's own offset.
+                let keys: Vec<usize> = (0..cols).map(|c| 2 + (cols - 1 - c) * stride).collect();
                 let kr = KeyRows {
-                    base: 2,
-                    row_stride: stride,
-                    cols,
+                    keys: &keys,
+                    head: 0,
                     d,
                 };
                 fn check<T: Element>(
@@ -1611,7 +1674,7 @@ mod tests {
                     p: &[f32],
                 ) {
                     let src: Vec<T> = kv.iter().map(|&x| T::from_f32(x)).collect();
-                    let val = |c: usize, x: usize| src[kr.base + c * kr.row_stride + x].to_f64();
+                    let val = |c: usize, x: usize| src[kr.at(c) + x].to_f64();
                     let pairs: Vec<u32> = q
                         .chunks_exact(2)
                         .map(|x| {
@@ -1627,15 +1690,15 @@ mod tests {
                         rows,
                         dpad,
                     };
-                    let mut st = vec![f32::NAN; kr.cols * np];
+                    let mut st = vec![f32::NAN; kr.cols() * np];
                     scores(isa, qr, &src, kr, &mut st, np, &mut Ahead::none());
                     // bf16 on a CPU with the bf16 dot product: p as bf16 pairs, as the decode
                     // loop passes them; the f64 sums below round p the same way.
                     let dot = bf && isa.has_bf16_dot();
-                    let mut pairs = vec![0u32; kr.cols.div_ceil(2) * np];
+                    let mut pairs = vec![0u32; kr.cols().div_ceil(2) * np];
                     crate::cpu::simd::Kernels::for_isa(isa)
                         .unwrap()
-                        .pack_pairs_bf16(p, kr.cols, np, &mut pairs);
+                        .pack_pairs_bf16(p, kr.cols(), np, &mut pairs);
                     let pr = PRows {
                         f32: p,
                         bf16_pairs: dot.then_some(&pairs[..]),
@@ -1648,7 +1711,7 @@ mod tests {
                     // an odd last key, which takes the f32 path.
                     let p_used = |c: usize, r: usize| {
                         let x = p[c * np + r];
-                        if dot && kr.d >= 32 && (c + 1 < kr.cols || kr.cols.is_multiple_of(2)) {
+                        if dot && kr.d >= 32 && (c + 1 < kr.cols() || kr.cols().is_multiple_of(2)) {
                             bf16::from_f32(x).to_f64()
                         } else {
                             x as f64
@@ -1657,10 +1720,10 @@ mod tests {
                     let what = format!(
                         "{isa:?} {} rows {rows} cols {} d {}",
                         T::DTYPE,
-                        kr.cols,
+                        kr.cols(),
                         kr.d
                     );
-                    for c in 0..kr.cols {
+                    for c in 0..kr.cols() {
                         for r in 0..np {
                             let got = st[c * np + r] as f64;
                             if r >= rows {
@@ -1684,7 +1747,7 @@ mod tests {
                     for r in 0..rows {
                         for x in 0..kr.d {
                             let want: f64 = 0.5
-                                + (0..kr.cols)
+                                + (0..kr.cols())
                                     .map(|c| {
                                         // dims past the last whole 32 take the f32 path
                                         let pc = if x < kr.d / 32 * 32 {
