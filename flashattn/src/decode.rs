@@ -252,6 +252,23 @@ impl CacheLayout {
             page * self.v_page_stride + row * self.v.row_stride,
         )
     }
+
+    /// [`CacheLayout::key_offsets`] of keys `j0..j0 + k.len()` (`k` and `v` of one length), with
+    /// one division for the run instead of one per key.
+    #[inline]
+    pub fn key_offsets_run(&self, b: usize, j0: usize, k: &mut [usize], v: &mut [usize]) {
+        let (mut blk, mut row) = (j0 / self.page_size, j0 % self.page_size);
+        let mut page = self.pages[b * self.max_blocks + blk];
+        for (ko, vo) in k.iter_mut().zip(v.iter_mut()) {
+            if row == self.page_size {
+                (blk, row) = (blk + 1, 0);
+                page = self.pages[b * self.max_blocks + blk];
+            }
+            *ko = page * self.k_page_stride + row * self.k.row_stride;
+            *vo = page * self.v_page_stride + row * self.v.row_stride;
+            row += 1;
+        }
+    }
 }
 
 /// New keys and values: element offset of (b, 0, 0, 0) per sequence, and row/head strides.

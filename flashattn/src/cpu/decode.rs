@@ -303,9 +303,7 @@ fn run_item<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T], it: Item) 
     // k and v, which may lie on several pages.
     let tile = |n0: usize, kt: &mut [usize; TILE_KEYS], vt: &mut [usize; TILE_KEYS]| {
         let n1 = n_hi.min(n0 + TILE_KEYS);
-        for (c, (ko, vo)) in kt.iter_mut().zip(vt.iter_mut()).take(n1 - n0).enumerate() {
-            (*ko, *vo) = cache.key_offsets(b, n0 + c);
-        }
+        cache.key_offsets_run(b, n0, &mut kt[..n1 - n0], &mut vt[..n1 - n0]);
         n1
     };
     let (mut kt, mut vt) = ([0usize; TILE_KEYS], [0usize; TILE_KEYS]);
