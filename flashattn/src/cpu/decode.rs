@@ -453,7 +453,7 @@ pub(crate) struct Runs {
 impl Runs {
     /// The ranges holding the rows of all kv heads of the keys with row offsets `keys` (kv head
     /// 0; at most [`TILE_KEYS`]), keys whose ranges touch merged into one run: one run for a tile
-    /// of a contiguous cache, one per page of a paged one. None when a key's rows of all heads
+    /// of a contiguous cache, one per page of a paged one. Empty when a key's rows of all heads
     /// span over twice their data (e.g. a head-major layout), where prefetching them would fetch
     /// mostly other data.
     fn of_tile(keys: &[usize], l: crate::params::RowLayout, heads_kv: usize, d: usize) -> Runs {
