@@ -1793,6 +1793,45 @@ mod tests {
         assert!((dst[0] - 2.0).abs() < 1e-6 && (dst[1] - 3.0).abs() < 1e-6);
     }
 
+    /// The prefetch runs of a tile: one for consecutive keys of a contiguous cache, one per page
+    /// of a paged cache (keys on one page merged, pages in any order), none for a layout whose
+    /// heads lie far apart.
+    #[test]
+    fn prefetch_runs_follow_pages() {
+        use crate::params::RowLayout;
+        let (heads_kv, d) = (8, 128);
+        let dense = RowLayout {
+            row_stride: heads_kv * d,
+            head_stride: d,
+        };
+        let runs = |keys: &[usize], l| {
+            let r = Runs::of_tile(keys, l, heads_kv, d);
+            r.r[..r.n].to_vec()
+        };
+        let contiguous: Vec<usize> = (5..21).map(|j| j * 1024).collect();
+        assert_eq!(runs(&contiguous, dense), vec![(5 * 1024, 21 * 1024)]);
+        // Page size 2 (2048 elements per page): pages 7 and 3 whole, the first key of 3's
+        // neighbour 4 (merged with 3), then the first key of page 0.
+        let paged = [
+            7 * 2048,
+            7 * 2048 + 1024,
+            3 * 2048,
+            3 * 2048 + 1024,
+            4 * 2048,
+            0,
+        ];
+        assert_eq!(
+            runs(&paged, dense),
+            vec![(7 * 2048, 8 * 2048), (3 * 2048, 4 * 2048 + 1024), (0, 1024)]
+        );
+        // Head-major [heads_kv, seqlen, d]: one key's heads span 7 × 4096 + 128 elements.
+        let head_major = RowLayout {
+            row_stride: d,
+            head_stride: 4096 * d,
+        };
+        assert!(runs(&contiguous, head_major).is_empty());
+    }
+
     #[test]
     fn split_count_rule() {
         assert_eq!(choose_splits(1, 32768, 2), 8);
