@@ -933,19 +933,7 @@ unsafe fn pv_avx2<T: Element>(
                 x0 += xv;
             }
             // The tail dims d - d % 8..d (and every key's step when there was no tile: d < 8).
-            for c in 0..vr.cols() {
-                if let Some(a) = first.as_deref_mut() {
-                    a.step(1);
-                }
-                let row = src.as_ptr().add(vr.at(c));
-                for r in r0..r0 + rb {
-                    let p = *st.as_ptr().add(c * np + r);
-                    for x in nv * 8..vr.d {
-                        *acc.as_mut_ptr().add(r * dpad + x) += p * (*row.add(x)).to_f32();
-                    }
-                }
-            }
-            first = None;
+            pv_tail(st, np, (r0, rb), src, vr, acc, dpad, nv * 8, first.take());
             r0 += rb;
         }
     }
@@ -984,6 +972,41 @@ unsafe fn pv_tile_avx2<const R: usize, const V: usize, T: Element>(at: PvAt<f32,
             for (j, x) in ai.iter().enumerate() {
                 let at = ap.add((r0 + i) * dpad + (x0 + j) * 8);
                 _mm256_storeu_ps(at, _mm256_add_ps(_mm256_loadu_ps(at), *x));
+            }
+        }
+    }
+}
+
+/// The tail of a P·V row block, element by element: `acc[r][x] += p[c][r] · v[c][x]` for rows
+/// `r0..r0 + rb`, dims `from..d`, every key; `ahead` (if given: no vector tile stepped it) is
+/// stepped once per key. Shared by the AVX2 and AVX-512 products, whose vector widths leave
+/// `d % 8` and `d % 16` dims.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn pv_tail<T: Element>(
+    st: &[f32],
+    np: usize,
+    (r0, rb): (usize, usize),
+    src: &[T],
+    vr: KeyRows,
+    acc: &mut [f32],
+    dpad: usize,
+    from: usize,
+    mut ahead: Option<&mut Ahead>,
+) {
+    if from >= vr.d && ahead.is_none() {
+        return; // d a multiple of the vector width: nothing to add (the usual case)
+    }
+    for c in 0..vr.cols() {
+        if let Some(a) = ahead.as_deref_mut() {
+            a.step(1);
+        }
+        let row = &src[vr.at(c)..vr.at(c) + vr.d];
+        for r in r0..r0 + rb {
+            let p = st[c * np + r];
+            let acc_r = &mut acc[r * dpad..r * dpad + vr.d];
+            for (a, v) in acc_r[from..].iter_mut().zip(&row[from..]) {
+                *a += p * v.to_f32();
             }
         }
     }
@@ -1410,20 +1433,18 @@ unsafe fn pv_avx512<T: Element>(
                 by_tile!(rb, xv, |A, B| pv_tile::<A, B, T>(at));
                 x0 += xv;
             }
-            // The tail dims d - d % 16..d.
-            for c in 0..vr.cols() {
-                if let Some(a) = ahead.as_deref_mut() {
-                    a.step(1); // no tile above (d < 16)
-                }
-                let row = src.as_ptr().add(vr.at(c));
-                for r in r0..r0 + rb {
-                    let p = *st.as_ptr().add(c * np + r);
-                    for x in nv * LANES..vr.d {
-                        *acc.as_mut_ptr().add(r * dpad + x) += p * (*row.add(x)).to_f32();
-                    }
-                }
-            }
-            ahead = None;
+            // The tail dims d - d % 16..d (and every key's step when there was no tile: d < 16).
+            pv_tail(
+                st,
+                np,
+                (r0, rb),
+                src,
+                vr,
+                acc,
+                dpad,
+                nv * LANES,
+                ahead.take(),
+            );
             r0 += rb;
         }
     }
