@@ -17,14 +17,22 @@
 use std::arch::x86_64::*;
 use std::time::Instant;
 const N: usize = 1 << 28; // 256 Mi u32 = 1 GiB
+/// The sum of `b` in 4 × 64-byte loads per step; with `PF`, a prefetch (hint `H`) of the 4 lines
+/// `dist` bytes ahead of each step.
+///
 /// # Safety
 /// AVX-512F present; `b.len()` a multiple of 64.
 #[target_feature(enable = "avx512f")]
-unsafe fn sum(b: &[u32]) -> u32 {
+unsafe fn sum_pf<const H: i32, const PF: bool>(b: &[u32], dist: usize) -> u32 {
     let mut a = [_mm512_setzero_si512(); 4];
     let p = b.as_ptr();
     let mut i = 0;
     while i < b.len() {
+        if PF {
+            for l in 0..4 {
+                _mm_prefetch::<H>((p as *const i8).wrapping_add(i * 4 + dist + 64 * l));
+            }
+        }
         for j in 0..4 {
             a[j] = _mm512_add_epi32(a[j], _mm512_loadu_si512(p.add(i + 16 * j).cast()));
         }
@@ -33,27 +41,14 @@ unsafe fn sum(b: &[u32]) -> u32 {
     let s = _mm512_add_epi32(_mm512_add_epi32(a[0], a[1]), _mm512_add_epi32(a[2], a[3]));
     _mm512_reduce_add_epi32(s) as u32
 }
-/// `sum` with a prefetch (hint `H`) of the 4 lines `dist` bytes ahead.
+/// [`sum_pf`] without prefetch.
 ///
 /// # Safety
-/// As [`sum`].
+/// As [`sum_pf`].
 #[target_feature(enable = "avx512f")]
-unsafe fn sum_pf<const H: i32>(b: &[u32], dist: usize) -> u32 {
-    let mut a = [_mm512_setzero_si512(); 4];
-    let p = b.as_ptr();
-    let mut i = 0;
-    while i < b.len() {
-        _mm_prefetch::<H>((p as *const i8).wrapping_add(i * 4 + dist));
-        _mm_prefetch::<H>((p as *const i8).wrapping_add(i * 4 + dist + 64));
-        _mm_prefetch::<H>((p as *const i8).wrapping_add(i * 4 + dist + 128));
-        _mm_prefetch::<H>((p as *const i8).wrapping_add(i * 4 + dist + 192));
-        for j in 0..4 {
-            a[j] = _mm512_add_epi32(a[j], _mm512_loadu_si512(p.add(i + 16 * j).cast()));
-        }
-        i += 64;
-    }
-    let s = _mm512_add_epi32(_mm512_add_epi32(a[0], a[1]), _mm512_add_epi32(a[2], a[3]));
-    _mm512_reduce_add_epi32(s) as u32
+unsafe fn sum(b: &[u32]) -> u32 {
+    // SAFETY: the caller's contract.
+    unsafe { sum_pf::<_MM_HINT_T0, false>(b, 0) }
 }
 /// `sum` plus `work` rounds of 8 independent FMAs per 256 bytes, optionally with a `prefetcht1`
 /// `dist` bytes ahead (0: none).
@@ -189,10 +184,10 @@ fn main() {
         t("sum", &|| sum(&b) as f64);
         for d in [1024usize, 4096, 16384, 65536] {
             t(&format!("sum_pf T1 {d}"), &|| {
-                sum_pf::<_MM_HINT_T1>(&b, d) as f64
+                sum_pf::<_MM_HINT_T1, true>(&b, d) as f64
             });
             t(&format!("sum_pf T0 {d}"), &|| {
-                sum_pf::<_MM_HINT_T0>(&b, d) as f64
+                sum_pf::<_MM_HINT_T0, true>(&b, d) as f64
             });
         }
         for w in [0usize, 2, 4, 8] {
