@@ -647,6 +647,45 @@ pub(crate) fn scores<T: Element>(
     scores_portable(q.f32, rows, dpad, src, kr, st, np, ahead);
 }
 
+/// Calls `$body` with `A`, `B` bound as constants to `$a`, `$b` (each 1-4; 4 for anything
+/// larger, 1 for anything smaller): the dispatch from a runtime block shape to a kernel
+/// instantiated for it. Callers whose blocks stay smaller (AVX2: 2 keys, 3 vectors; bf16 P·V: 2
+/// chunks) also instantiate shapes they never run.
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_tile {
+    ($a:expr, $b:expr, |$A:ident, $B:ident| $body:expr) => {{
+        macro_rules! with_b {
+            ($av:literal) => {{
+                const $A: usize = $av;
+                match $b {
+                    4.. => {
+                        const $B: usize = 4;
+                        $body
+                    }
+                    3 => {
+                        const $B: usize = 3;
+                        $body
+                    }
+                    2 => {
+                        const $B: usize = 2;
+                        $body
+                    }
+                    _ => {
+                        const $B: usize = 1;
+                        $body
+                    }
+                }
+            }};
+        }
+        match $a {
+            4.. => with_b!(4),
+            3 => with_b!(3),
+            2 => with_b!(2),
+            _ => with_b!(1),
+        }
+    }};
+}
+
 /// [`scores`] in AVX2: f32 and bf16 in register tiles of 2 keys × 4 rows (8 ymm accumulators,
 /// 4 of q, 1 of k: 13 of 16 registers), one `hadd` reduction per 4 scores; f16 (whose widening
 /// needs F16C, which the AVX2 kernel table does not require) through [`scores_portable`]
@@ -680,16 +719,7 @@ unsafe fn scores_avx2<T: Element>(
             while r0 < rows {
                 let rb = (rows - r0).min(4);
                 let at = (q, r0, dpad, src, kr, c0, &mut *st, np);
-                match (kb, rb) {
-                    (2, 4) => scores_tile_avx2::<2, 4, T>(at),
-                    (2, 3) => scores_tile_avx2::<2, 3, T>(at),
-                    (2, 2) => scores_tile_avx2::<2, 2, T>(at),
-                    (2, _) => scores_tile_avx2::<2, 1, T>(at),
-                    (_, 4) => scores_tile_avx2::<1, 4, T>(at),
-                    (_, 3) => scores_tile_avx2::<1, 3, T>(at),
-                    (_, 2) => scores_tile_avx2::<1, 2, T>(at),
-                    (_, _) => scores_tile_avx2::<1, 1, T>(at),
-                }
+                by_tile!(kb, rb, |A, B| scores_tile_avx2::<A, B, T>(at));
                 r0 += rb;
             }
             c0 += kb;
@@ -916,20 +946,7 @@ unsafe fn pv_avx2<T: Element>(
             while x0 < nv {
                 let xv = (nv - x0).min(3);
                 let at = (st, np, r0, src, vr, x0, &mut *acc, dpad, first.take());
-                match (rb, xv) {
-                    (4, 3) => pv_tile_avx2::<4, 3, T>(at),
-                    (4, 2) => pv_tile_avx2::<4, 2, T>(at),
-                    (4, _) => pv_tile_avx2::<4, 1, T>(at),
-                    (3, 3) => pv_tile_avx2::<3, 3, T>(at),
-                    (3, 2) => pv_tile_avx2::<3, 2, T>(at),
-                    (3, _) => pv_tile_avx2::<3, 1, T>(at),
-                    (2, 3) => pv_tile_avx2::<2, 3, T>(at),
-                    (2, 2) => pv_tile_avx2::<2, 2, T>(at),
-                    (2, _) => pv_tile_avx2::<2, 1, T>(at),
-                    (_, 3) => pv_tile_avx2::<1, 3, T>(at),
-                    (_, 2) => pv_tile_avx2::<1, 2, T>(at),
-                    (_, _) => pv_tile_avx2::<1, 1, T>(at),
-                }
+                by_tile!(rb, xv, |A, B| pv_tile_avx2::<A, B, T>(at));
                 x0 += xv;
             }
             // The tail dims d - d % 8..d (and every key's step when there was no tile: d < 8).
@@ -981,6 +998,7 @@ unsafe fn pv_tile_avx2<const R: usize, const V: usize, T: Element>(at: PvAt<f32,
 /// `r0..r0 + rb`, dims `from..d`, every key; `ahead` (if given: no vector tile stepped it) is
 /// stepped once per key. Shared by the AVX2 and AVX-512 products, whose vector widths leave
 /// `d % 8` and `d % 16` dims.
+#[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn pv_tail<T: Element>(
@@ -1075,44 +1093,6 @@ unsafe fn load16<T: Element>(p: *const T) -> std::arch::x86_64::__m512 {
             ))),
         }
     }
-}
-
-/// Calls `$body` with `A`, `B` bound as constants to `$a`, `$b` (each 1-4; 4 for anything
-/// larger, 1 for anything smaller): the dispatch from a runtime block shape to a kernel
-/// instantiated for it.
-#[cfg(target_arch = "x86_64")]
-macro_rules! by_tile {
-    ($a:expr, $b:expr, |$A:ident, $B:ident| $body:expr) => {{
-        macro_rules! with_b {
-            ($av:literal) => {{
-                const $A: usize = $av;
-                match $b {
-                    4.. => {
-                        const $B: usize = 4;
-                        $body
-                    }
-                    3 => {
-                        const $B: usize = 3;
-                        $body
-                    }
-                    2 => {
-                        const $B: usize = 2;
-                        $body
-                    }
-                    _ => {
-                        const $B: usize = 1;
-                        $body
-                    }
-                }
-            }};
-        }
-        match $a {
-            4.. => with_b!(4),
-            3 => with_b!(3),
-            2 => with_b!(2),
-            _ => with_b!(1),
-        }
-    }};
 }
 
 /// Writes a `K` keys × `R` rows block of scores: `out[j · np + i]` = the lane sum of `acc[j][i]`
@@ -1544,16 +1524,7 @@ unsafe fn pv_avx512_bf16(
             while x0 < chunks {
                 let xv = (chunks - x0).min(2);
                 let at = (pairs, np, r0, src, vr, x0, &mut *acc, dpad, first.take());
-                match (rb, xv) {
-                    (4, 2) => pv_tile_bf16::<4, 2>(at),
-                    (4, _) => pv_tile_bf16::<4, 1>(at),
-                    (3, 2) => pv_tile_bf16::<3, 2>(at),
-                    (3, _) => pv_tile_bf16::<3, 1>(at),
-                    (2, 2) => pv_tile_bf16::<2, 2>(at),
-                    (2, _) => pv_tile_bf16::<2, 1>(at),
-                    (_, 2) => pv_tile_bf16::<1, 2>(at),
-                    (_, _) => pv_tile_bf16::<1, 1>(at),
-                }
+                by_tile!(rb, xv, |A, B| pv_tile_bf16::<A, B>(at));
                 x0 += xv;
             }
             r0 += rb;
