@@ -106,6 +106,11 @@ pub struct BenchArgs {
     /// --decode: a paged cache with this page size (tokens per page) and a shuffled block table.
     #[arg(long)]
     pub page_size: Option<usize>,
+    /// --decode: store the cache head-major, `[batch or pages, heads_kv, tokens, d]` (as
+    /// llama.cpp lays out a layer's cache), passed to flashattn as a strided view of the usual
+    /// `[.., tokens, heads_kv, d]`.
+    #[arg(long)]
+    pub head_major: bool,
     /// --decode: number of key splits (default: chosen from the shape and thread count).
     #[arg(long)]
     pub num_splits: Option<usize>,

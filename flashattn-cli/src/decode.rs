@@ -319,6 +319,7 @@ struct Measured {
     seqlen_q: usize,
     cache_len: usize,
     page_size: Option<usize>,
+    head_major: bool,
     /// `null`: automatic.
     num_splits: Option<usize>,
     causal: bool,
@@ -418,12 +419,13 @@ fn bench_in_pool(args: &BenchArgs, sqs: &[usize]) -> Result<()> {
         bench::emit(
             &pb,
             format!(
-                "flashattn bench --decode: batch {batch}, heads {heads} (kv {heads_kv}), head_dim {d}, {}{}, \
+                "flashattn bench --decode: batch {batch}, heads {heads} (kv {heads_kv}), head_dim {d}, {}{}{}, \
                  {threads} threads; each step appends seqlen_q tokens and attends the whole cache; \
                  median of timed repeats after one warm-up",
                 if args.causal { "causal" } else { "non-causal" },
                 args.page_size
-                    .map_or(String::new(), |p| format!(", paged ({p} tokens per page)"))
+                    .map_or(String::new(), |p| format!(", paged ({p} tokens per page)")),
+                if args.head_major { ", head-major cache" } else { "" }
             ),
         );
         bench::emit(&pb, TABLE_HEADER.into());
@@ -483,6 +485,12 @@ fn bench_one(
         }
     };
     let cache_shape = [pages, page_rows, heads_kv, d];
+    // Element strides of the cache: flash-attn's row-major layout, or head-major storage.
+    let cache_strides = if args.head_major {
+        vec![heads_kv * page_rows * d, d, page_rows * d, 1]
+    } else {
+        flashattn::tensor::contiguous_strides(&cache_shape)
+    };
     let q_shape = [batch, sq, heads, d];
     let new_shape = [batch, sq, heads_kv, d];
     let qb = bench::random_buffer(&mut rng, numel(&q_shape)?, dtype);
@@ -501,8 +509,8 @@ fn bench_one(
     }
     let q = view(&qb, &q_shape);
     let timing = {
-        let mut k = TensorMut::contiguous(slice_mut(&mut kc), &cache_shape);
-        let mut v = TensorMut::contiguous(slice_mut(&mut vc), &cache_shape);
+        let mut k = TensorMut::new(slice_mut(&mut kc), &cache_shape, &cache_strides);
+        let mut v = TensorMut::new(slice_mut(&mut vc), &cache_shape, &cache_strides);
         bench::measure(args.min_time, || {
             flash_attn_with_kvcache(&q, &mut k, &mut v, &lens, &opts)
         })?
@@ -510,7 +518,9 @@ fn bench_one(
     // Accuracy: a few rows against the f64 reference, reading the cache (appended to by the
     // calls) as plain k/v `[batch, cap, heads_kv, d]`.
     let max_abs_err = if args.page_size.is_none() {
-        let (kv, vv) = (view(&kc, &cache_shape), view(&vc, &cache_shape));
+        let strided =
+            |b| flashattn::TensorRef::from_slice(Buffer::as_slice(b), &cache_shape, &cache_strides);
+        let (kv, vv) = (strided(&kc), strided(&vc));
         let out = timing.first.out.to_f64_vec();
         let mut worst = 0f64;
         for h in [0, heads / 2, heads - 1] {
@@ -544,6 +554,7 @@ fn bench_one(
         seqlen_q: sq,
         cache_len: cap,
         page_size: args.page_size,
+        head_major: args.head_major,
         num_splits: args.num_splits,
         causal: args.causal,
         threads: rayon::current_num_threads(),

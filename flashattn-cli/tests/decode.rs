@@ -487,6 +487,46 @@ fn bench_decode_measures_bandwidth_and_pages() {
     assert!(m["bandwidth_fraction"].as_f64().unwrap() > 0.0);
 }
 
+/// A head-major cache (`[batch, heads_kv, tokens, d]` storage) is read through its strides: the
+/// sampled rows match the f64 reference read through the same strides, and paged head-major
+/// pages run too.
+#[test]
+fn bench_decode_head_major_cache() {
+    for paged in [false, true] {
+        let mut args = vec![
+            "bench",
+            "--decode",
+            "--json",
+            "--no-bandwidth",
+            "--head-major",
+            "--cache-len",
+            "300",
+            "--heads",
+            "6",
+            "--heads-kv",
+            "3",
+            "--head-dim",
+            "40",
+            "--dtype",
+            "f32",
+            "--min-time",
+            "0.01",
+        ];
+        if paged {
+            args.extend(["--page-size", "7"]);
+        }
+        let lines = json_lines(&args);
+        let m = &lines[1];
+        assert_eq!(m["head_major"], true, "{m}");
+        if paged {
+            assert_eq!(m["page_size"], 7, "{m}");
+        } else {
+            let err = m["max_abs_err"].as_f64().unwrap();
+            assert!(err < 1e-5, "{m}");
+        }
+    }
+}
+
 #[test]
 fn bench_decode_rejects_bad_options() {
     for (args, needle) in [

@@ -308,6 +308,8 @@ fn run_item<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T], it: Item) 
     };
     let (mut kt, mut vt) = ([0usize; TILE_KEYS], [0usize; TILE_KEYS]);
     let (mut kt_next, mut vt_next) = ([0usize; TILE_KEYS], [0usize; TILE_KEYS]);
+    // Refilled in place per tile (its run buffers are a few KiB).
+    let mut ahead = Ahead::none();
 
     let mut n0 = n_lo;
     let mut n1 = tile(n0, &mut kt, &mut vt);
@@ -331,10 +333,10 @@ fn run_item<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T], it: Item) 
         } else {
             n1
         };
-        let runs = |keys: &[usize], l| Runs::of_tile(keys, l, heads_kv, d);
-        let mut ahead = Ahead::new(
-            (k, runs(&kt_next[..n2 - n1], cache.k)),
-            (v, runs(&vt_next[..n2 - n1], cache.v)),
+        ahead.set(
+            (k, &kt_next[..n2 - n1], cache.k),
+            (v, &vt_next[..n2 - n1], cache.v),
+            (heads_kv, d),
             2 * heads_kv * cols,
         );
         let masked = mask.needs_mask(i0, i1, n0, n1);
@@ -443,35 +445,57 @@ impl KeyRows<'_> {
     }
 }
 
-/// Up to [`TILE_KEYS`] element ranges `[start, end)` of a cache, in order.
-#[derive(Clone, Copy, Debug, Default)]
+/// Most prefetch runs of one tile: one per key and kv head of 8 kv heads, enough for every
+/// head-major page of a 16-key tile with up to 8 kv heads (the runs past it are not prefetched).
+const RUNS_CAP: usize = 8 * TILE_KEYS;
+
+/// Up to [`RUNS_CAP`] element ranges `[start, end)` of a cache, in order.
+#[derive(Clone, Copy, Debug)]
 pub(crate) struct Runs {
-    r: [(usize, usize); TILE_KEYS],
+    r: [(usize, usize); RUNS_CAP],
     n: usize,
 }
 
-impl Runs {
-    /// The ranges holding the rows of all kv heads of the keys with row offsets `keys` (kv head
-    /// 0; at most [`TILE_KEYS`]), keys whose ranges touch merged into one run: one run for a tile
-    /// of a contiguous cache, one per page of a paged one. Empty when a key's rows of all heads
-    /// span over twice their data (e.g. a head-major layout), where prefetching them would fetch
-    /// mostly other data.
-    fn of_tile(keys: &[usize], l: crate::params::RowLayout, heads_kv: usize, d: usize) -> Runs {
-        let mut runs = Runs::default();
-        let span = (heads_kv - 1) * l.head_stride + d;
-        if span > 2 * heads_kv * d {
-            return runs;
+impl Default for Runs {
+    fn default() -> Self {
+        Runs {
+            r: [(0, 0); RUNS_CAP],
+            n: 0,
         }
-        for &k in keys {
-            match runs.r[..runs.n].last_mut() {
-                Some(r) if k >= r.0 && k <= r.1 => r.1 = r.1.max(k + span),
-                _ => {
-                    runs.r[runs.n] = (k, k + span);
-                    runs.n += 1;
-                }
+    }
+}
+
+impl Runs {
+    /// Adds `[start, end)`, merged into the last range when it starts inside or right after it;
+    /// dropped when [`RUNS_CAP`] ranges are taken (a prefetch is only a hint).
+    fn push(&mut self, start: usize, end: usize) {
+        match self.r[..self.n].last_mut() {
+            Some(r) if start >= r.0 && start <= r.1 => r.1 = r.1.max(end),
+            _ if self.n < RUNS_CAP => {
+                self.r[self.n] = (start, end);
+                self.n += 1;
+            }
+            _ => {}
+        }
+    }
+
+    /// Sets the ranges to those holding the rows of all kv heads of the keys with row offsets
+    /// `keys` (kv head 0; at most [`TILE_KEYS`]), adjacent ranges merged. Where a key's rows of all heads lie
+    /// together (at most twice their data apart, as in flash-attn's `[.., seqlen, heads_kv, d]`),
+    /// one range per key: one run for a tile of a contiguous cache, one per page of a paged one.
+    /// Otherwise (e.g. head-major `[.., heads_kv, seqlen, d]`) one range per head and key, head by
+    /// head: one run per kv head for a contiguous cache.
+    fn fill(&mut self, keys: &[usize], l: crate::params::RowLayout, heads_kv: usize, d: usize) {
+        self.n = 0;
+        let span = (heads_kv - 1) * l.head_stride + d;
+        if span <= 2 * heads_kv * d {
+            keys.iter().for_each(|&k| self.push(k, k + span));
+        } else {
+            for h in 0..heads_kv {
+                let at = h * l.head_stride;
+                keys.iter().for_each(|&k| self.push(k + at, k + at + d));
             }
         }
-        runs
     }
 }
 
@@ -503,20 +527,24 @@ struct Stream {
 }
 
 impl Stream {
-    /// Byte addresses of the element runs `runs` of `buf`.
-    fn new<T>(buf: &[T], runs: Runs) -> (Stream, usize) {
+    /// Restarts on the byte addresses of the element runs of `keys` (see [`Runs::fill`]) in
+    /// `buf`; returns their bytes.
+    fn set<T>(
+        &mut self,
+        buf: &[T],
+        keys: &[usize],
+        l: crate::params::RowLayout,
+        (heads_kv, d): (usize, usize),
+    ) -> usize {
         let (base, size) = (buf.as_ptr() as usize, std::mem::size_of::<T>());
-        let mut s = Stream {
-            runs,
-            ..Stream::default()
-        };
+        self.runs.fill(keys, l, heads_kv, d);
         let mut bytes = 0;
-        for r in &mut s.runs.r[..runs.n] {
+        for r in &mut self.runs.r[..self.runs.n] {
             *r = (base + r.0 * size, base + r.1 * size);
             bytes += r.1 - r.0;
         }
-        s.next = s.runs.r[0].0;
-        (s, bytes)
+        (self.i, self.next) = (0, self.runs.r[0].0);
+        bytes
     }
 
     /// Asks for up to `bytes` more bytes.
@@ -545,7 +573,7 @@ impl Stream {
 }
 
 impl Ahead {
-    #[cfg(test)]
+    /// Nothing to ask for (until [`Ahead::set`]).
     pub fn none() -> Self {
         Ahead {
             k: Stream::default(),
@@ -554,14 +582,19 @@ impl Ahead {
         }
     }
 
-    /// The element runs of k and v, asked for over `steps` calls of [`Ahead::step`].
-    fn new<T>((k, kr): (&[T], Runs), (v, vr): (&[T], Runs), steps: usize) -> Self {
-        let ((k, kb), (v, vb)) = (Stream::new(k, kr), Stream::new(v, vr));
-        Ahead {
-            k,
-            v,
-            lines_per_step: kb.max(vb).div_ceil(CACHE_LINE).div_ceil(steps.max(1)),
-        }
+    /// Restarts on the rows of all `heads_kv` kv heads of the keys at row offsets `kk` in `k`
+    /// and `vk` in `v`, asked for over `steps` calls of [`Ahead::step`].
+    #[allow(clippy::type_complexity)]
+    fn set<T>(
+        &mut self,
+        (k, kk, kl): (&[T], &[usize], crate::params::RowLayout),
+        (v, vk, vl): (&[T], &[usize], crate::params::RowLayout),
+        shape: (usize, usize),
+        steps: usize,
+    ) {
+        let kb = self.k.set(k, kk, kl, shape);
+        let vb = self.v.set(v, vk, vl, shape);
+        self.lines_per_step = kb.max(vb).div_ceil(CACHE_LINE).div_ceil(steps.max(1));
     }
 
     /// Asks for the lines of k and of v that `steps` steps are due.
@@ -1797,7 +1830,8 @@ mod tests {
             head_stride: d,
         };
         let runs = |keys: &[usize], l| {
-            let r = Runs::of_tile(keys, l, heads_kv, d);
+            let mut r = Runs::default();
+            r.fill(keys, l, heads_kv, d);
             r.r[..r.n].to_vec()
         };
         let contiguous: Vec<usize> = (5..21).map(|j| j * 1024).collect();
@@ -1816,12 +1850,23 @@ mod tests {
             runs(&paged, dense),
             vec![(7 * 2048, 8 * 2048), (3 * 2048, 4 * 2048 + 1024), (0, 1024)]
         );
-        // Head-major [heads_kv, seqlen, d]: one key's heads span 7 × 4096 + 128 elements.
+        // Head-major [heads_kv, seqlen, d]: one key's heads span 7 × 4096 + 128 elements, so
+        // one run per head of the 16 adjacent rows.
         let head_major = RowLayout {
             row_stride: d,
             head_stride: 4096 * d,
         };
-        assert!(runs(&contiguous, head_major).is_empty());
+        let keys: Vec<usize> = (5..21).map(|j| j * d).collect();
+        let want: Vec<_> = (0..heads_kv)
+            .map(|h| (h * 4096 * d + 5 * d, h * 4096 * d + 21 * d))
+            .collect();
+        assert_eq!(runs(&keys, head_major), want);
+        // Head-major pages of 1 key: one run per key and head, up to RUNS_CAP, then dropped.
+        let pages: Vec<usize> = (0..16).rev().map(|j| j * 2 * d).collect();
+        let got = runs(&pages, head_major);
+        assert_eq!(got.len(), RUNS_CAP);
+        assert_eq!(got[0], (15 * 2 * d, 15 * 2 * d + d));
+        assert_eq!(got[16], (4096 * d + 15 * 2 * d, 4096 * d + 15 * 2 * d + d));
     }
 
     #[test]
