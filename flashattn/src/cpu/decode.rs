@@ -436,11 +436,12 @@ impl KeyRows<'_> {
     /// Panics unless every row lies inside `len` elements (once per call, so the kernels can
     /// read without checks).
     fn check(&self, len: usize) {
-        let inside = self.keys.iter().all(|&k| {
-            k.checked_add(self.head)
-                .and_then(|x| x.checked_add(self.d))
-                .is_some_and(|e| e <= len)
-        });
+        // The row furthest in ends furthest in: one bound for all keys.
+        let last = self.keys.iter().copied().max().unwrap_or(0);
+        let inside = last
+            .checked_add(self.head)
+            .and_then(|x| x.checked_add(self.d))
+            .is_some_and(|e| e <= len);
         assert!(inside, "decode: key rows out of bounds");
     }
 }
@@ -1867,6 +1868,22 @@ mod tests {
         assert_eq!(got.len(), RUNS_CAP);
         assert_eq!(got[0], (15 * 2 * d, 15 * 2 * d + d));
         assert_eq!(got[16], (4096 * d + 15 * 2 * d, 4096 * d + 15 * 2 * d + d));
+    }
+
+    /// The kernels' bound check covers every key's row, not only the first or last one.
+    #[test]
+    fn key_rows_check_every_row() {
+        let rows = |keys: &'static [usize]| KeyRows {
+            keys,
+            head: 8,
+            d: 16,
+        };
+        rows(&[40, 0, 16]).check(64);
+        let caught =
+            |keys: &'static [usize]| std::panic::catch_unwind(|| rows(keys).check(64)).is_err();
+        assert!(caught(&[0, 41, 16]));
+        assert!(caught(&[41, 0, 16]));
+        assert!(caught(&[0, 16, usize::MAX - 4]));
     }
 
     #[test]
