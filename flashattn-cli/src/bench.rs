@@ -114,7 +114,8 @@ pub struct BenchArgs {
     /// --decode: number of key splits (default: chosen from the shape and thread count).
     #[arg(long)]
     pub num_splits: Option<usize>,
-    /// --decode: skip measuring the memory bandwidth (about 3 s) and the "% of bandwidth" column.
+    /// --decode: skip measuring the memory bandwidth (about 3 s at the start and ~0.15 s around
+    /// each measurement) and the "% of bandwidth" column.
     #[arg(long)]
     pub no_bandwidth: bool,
     /// Where to run flashattn: the CPU, or NVIDIA GPU 0 (forward only; timed with CUDA events;

@@ -1,6 +1,7 @@
 //! Decoding with a KV cache from the command line: `flashattn run` on a file that holds
 //! `k_cache`/`v_cache`, and `flashattn bench --decode` (time, GB/s of k/v read, and the fraction
-//! of this machine's memory bandwidth, measured in the same run).
+//! of this machine's memory bandwidth, measured in the same run: once at the start, and again
+//! around each measurement).
 
 use crate::bench::{self, view, BenchArgs, DtypeArg};
 use crate::error::{fail, CliError, Result};
@@ -249,28 +250,59 @@ fn sum_chunk(c: &[u64]) -> u64 {
         .fold(0u64, |s, y| s.wrapping_add(*y))
 }
 
-/// Measures [`Bandwidth`]: the buffers are written first (so every page is mapped), then
-/// `BW_RUNS + 1` sums and copies, the first of each discarded. About 3 s on the 2-core machine.
-pub fn measure_bandwidth() -> Bandwidth {
-    let n = BW_BYTES / 8;
-    let mut src = vec![0u64; n];
-    let mut dst = vec![0u64; n];
-    src.par_chunks_mut(BW_CHUNK).enumerate().for_each(|(i, c)| {
-        c.iter_mut()
-            .enumerate()
-            .for_each(|(j, x)| *x = (i ^ j) as u64 | 1)
-    });
-    dst.par_chunks_mut(BW_CHUNK).for_each(|c| c.fill(1));
-    let mut reads = Vec::new();
-    let mut copies = Vec::new();
-    for run in 0..=BW_RUNS {
+/// A 1 GiB buffer (every page written, so mapped) whose summing on all threads measures the
+/// read rate: once at the start ([`measure_bandwidth`]), and again around each measurement
+/// ([`ReadProbe::around`]), since a shared host's rate drifts over seconds.
+pub struct ReadProbe {
+    src: Vec<u64>,
+}
+
+/// Read samples taken just before and just after each decode measurement (each ~35-40 ms).
+const AROUND_RUNS: usize = 2;
+
+impl ReadProbe {
+    pub fn new() -> ReadProbe {
+        let mut src = vec![0u64; BW_BYTES / 8];
+        src.par_chunks_mut(BW_CHUNK).enumerate().for_each(|(i, c)| {
+            c.iter_mut()
+                .enumerate()
+                .for_each(|(j, x)| *x = (i ^ j) as u64 | 1)
+        });
+        ReadProbe { src }
+    }
+
+    /// One timed sum of the buffer: GB/s.
+    fn read_once(&self) -> f64 {
         let t = Instant::now();
-        let s = src
+        let s = self
+            .src
             .par_chunks(BW_CHUNK)
             .map(sum_chunk)
             .reduce(|| 0, u64::wrapping_add);
         std::hint::black_box(s);
-        let read = t.elapsed().as_secs_f64();
+        BW_BYTES as f64 / t.elapsed().as_secs_f64() / 1e9
+    }
+
+    /// Runs `f` between [`AROUND_RUNS`] read samples before and as many after; returns its
+    /// result and the median of the samples.
+    pub fn around<R>(&self, f: impl FnOnce() -> R) -> (R, f64) {
+        let mut reads: Vec<f64> = (0..AROUND_RUNS).map(|_| self.read_once()).collect();
+        let r = f();
+        reads.extend((0..AROUND_RUNS).map(|_| self.read_once()));
+        (r, median(reads))
+    }
+}
+
+/// Measures [`Bandwidth`] with `probe`'s buffer and a second one to copy into: `BW_RUNS + 1`
+/// sums and copies, the first of each discarded. About 3 s on the 2-core machine.
+pub fn measure_bandwidth(probe: &ReadProbe) -> Bandwidth {
+    let src = &probe.src;
+    let mut dst = vec![0u64; src.len()];
+    dst.par_chunks_mut(BW_CHUNK).for_each(|c| c.fill(1));
+    let mut reads = Vec::new();
+    let mut copies = Vec::new();
+    for run in 0..=BW_RUNS {
+        let read_gbps = probe.read_once();
         let t = Instant::now();
         dst.par_chunks_mut(BW_CHUNK)
             .zip(src.par_chunks(BW_CHUNK))
@@ -278,7 +310,7 @@ pub fn measure_bandwidth() -> Bandwidth {
         std::hint::black_box(&dst);
         let copy = t.elapsed().as_secs_f64();
         if run > 0 {
-            reads.push(BW_BYTES as f64 / read / 1e9);
+            reads.push(read_gbps);
             copies.push(BW_BYTES as f64 / copy / 1e9);
         }
     }
@@ -301,7 +333,7 @@ struct Machine {
     threads: usize,
     /// `null` with --no-bandwidth.
     bandwidth: Option<Bandwidth>,
-    /// What "bandwidth_fraction" divides by.
+    /// What each measurement's "bandwidth_fraction" divides by.
     bandwidth_used: Option<&'static str>,
 }
 
@@ -330,7 +362,11 @@ struct Measured {
     /// Bytes of k and v one call reads: batch · cache_len · heads_kv · head_dim · 2 · element size.
     kv_bytes: f64,
     gbps: f64,
-    /// gbps over the machine line's read bandwidth; `null` with --no-bandwidth.
+    /// The read rate measured around this measurement: median of 2 samples just before and 2
+    /// just after it (the machine line's figure is from the start of the run); `null` with
+    /// --no-bandwidth.
+    read_gbps_around: Option<f64>,
+    /// gbps / read_gbps_around; `null` with --no-bandwidth.
     bandwidth_fraction: Option<f64>,
     peak_extra_bytes: u64,
     /// Largest |out - f64 reference| over a few sampled rows (contiguous caches only).
@@ -388,18 +424,17 @@ fn bench_in_pool(args: &BenchArgs, sqs: &[usize]) -> Result<()> {
     let threads = rayon::current_num_threads();
     let cases = dtypes.len() * args.cache_len.len() * sqs.len();
     let pb = bench::progress(cases as u64);
-    let bandwidth = if args.no_bandwidth {
-        None
-    } else {
+    let probe = (!args.no_bandwidth).then(ReadProbe::new);
+    let bandwidth = probe.as_ref().map(|p| {
         pb.set_message("measuring the memory bandwidth (1 GiB read and copy)");
-        Some(measure_bandwidth())
-    };
+        measure_bandwidth(p)
+    });
     let machine = Machine {
         kind: "machine",
         isa: flashattn::simd::active()?.to_string(),
         threads,
         bandwidth,
-        bandwidth_used: bandwidth.map(|_| "read_gbps"),
+        bandwidth_used: bandwidth.map(|_| "read_gbps_around"),
     };
     if args.json {
         bench::emit(&pb, bench::to_json(&machine)?);
@@ -407,7 +442,7 @@ fn bench_in_pool(args: &BenchArgs, sqs: &[usize]) -> Result<()> {
         let bw = match bandwidth {
             Some(b) => format!(
                 "memory bandwidth: read {:.1} GB/s, copy {:.1} GB/s (1 GiB buffers, median of {} runs, all threads); \
-                 % of read bw against the read rate",
+                 % of read bw against the read rate measured again around each row",
                 b.read_gbps, b.copy_gbps, b.runs
             ),
             None => "memory bandwidth not measured (--no-bandwidth)".into(),
@@ -440,7 +475,7 @@ fn bench_in_pool(args: &BenchArgs, sqs: &[usize]) -> Result<()> {
                     cap,
                     sq,
                     args.seed.wrapping_add(ci as u64),
-                    bandwidth,
+                    probe.as_ref(),
                 )?;
                 bench::emit(
                     &pb,
@@ -464,7 +499,7 @@ fn bench_one(
     cap: usize,
     sq: usize,
     seed: u64,
-    bandwidth: Option<Bandwidth>,
+    probe: Option<&ReadProbe>,
 ) -> Result<Measured> {
     let (batch, heads, heads_kv, d) = (args.batch, args.heads(), args.heads_kv(), args.head_dim());
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
@@ -508,12 +543,21 @@ fn bench_one(
         opts = opts.block_table(BlockTable::new(&table, batch, max_blocks));
     }
     let q = view(&qb, &q_shape);
-    let timing = {
+    let (timing, read_gbps_around) = {
         let mut k = TensorMut::new(slice_mut(&mut kc), &cache_shape, &cache_strides);
         let mut v = TensorMut::new(slice_mut(&mut vc), &cache_shape, &cache_strides);
-        bench::measure(args.min_time, || {
-            flash_attn_with_kvcache(&q, &mut k, &mut v, &lens, &opts)
-        })?
+        let mut run = || {
+            bench::measure(args.min_time, || {
+                flash_attn_with_kvcache(&q, &mut k, &mut v, &lens, &opts)
+            })
+        };
+        match probe {
+            Some(p) => {
+                let (t, read) = p.around(run);
+                (t?, Some(read))
+            }
+            None => (run()?, None),
+        }
     };
     // Accuracy: a few rows against the f64 reference, reading the cache (appended to by the
     // calls) as plain k/v `[batch, cap, heads_kv, d]`.
@@ -563,7 +607,8 @@ fn bench_one(
         reps: timing.reps,
         kv_bytes,
         gbps,
-        bandwidth_fraction: bandwidth.map(|b| gbps / b.read_gbps),
+        read_gbps_around,
+        bandwidth_fraction: read_gbps_around.map(|r| gbps / r),
         peak_extra_bytes: timing.peak_extra as u64,
         max_abs_err,
     })

@@ -445,6 +445,7 @@ fn bench_decode_json_lines_have_the_fields() {
         assert!(l["median_ms"].as_f64().unwrap() > 0.0);
         assert!(l["gbps"].as_f64().unwrap() > 0.0);
         assert!(l["bandwidth_fraction"].is_null());
+        assert!(l["read_gbps_around"].is_null());
         let err = l["max_abs_err"].as_f64().unwrap();
         let tol = if dtype == "f32" { 1e-5 } else { 2e-2 };
         assert!(err < tol, "{l}");
@@ -484,7 +485,13 @@ fn bench_decode_measures_bandwidth_and_pages() {
     assert_eq!(m["page_size"], 16);
     assert_eq!(m["num_splits"], 3);
     assert_eq!(m["seqlen_q"], 2);
-    assert!(m["bandwidth_fraction"].as_f64().unwrap() > 0.0);
+    // The fraction divides by the read rate measured around this row.
+    let around = m["read_gbps_around"].as_f64().unwrap();
+    assert!(around > 0.1, "{m}");
+    let want = m["gbps"].as_f64().unwrap() / around;
+    let got = m["bandwidth_fraction"].as_f64().unwrap();
+    assert!((got - want).abs() <= 1e-9 * want, "{m}");
+    assert_eq!(lines[0]["bandwidth_used"], "read_gbps_around");
 }
 
 /// A head-major cache (`[batch, heads_kv, tokens, d]` storage) is read through its strides: the
