@@ -23,9 +23,9 @@ one row copy.
 GB/s: the bytes of k and v one step must read, 2 * cache_len * heads_kv * head_dim * element
 size (the same figure for every implementation; the repeated variant reads 4x that), over the
 median time. The machine's memory bandwidth is measured in every round, by the flashattn run
-itself just before its timing (`bench --decode` machine line: the median read rate of summing a
-1 GiB buffer on all threads, and the copy rate), because on a shared host it drifts by a third
-within minutes. "% read bw" is the median over rounds of each round's KV GB/s over that round's
+itself around its timing (`bench --decode`'s `read_gbps_around`: the median of two sums of a
+1 GiB buffer on all threads just before the timing and two just after), because on a shared
+host it drifts by a third within minutes. "% read bw" is the median over rounds of each round's KV GB/s over that round's
 read rate.
 
 Output: a table and a JSON file (default bench/results/decode_<date>.json).
@@ -124,7 +124,8 @@ def main() -> None:
                         "bench", "--decode", "--json", "--dtype", dtype,
                         "--cache-len", str(cap), "--min-time", str(args.min_time), *common])
                     machine = lines[0]
-                    round_bw.append(lines[0]["bandwidth"]["read_gbps"])
+                    # The read rate sampled just before and after this run's measurement.
+                    round_bw.append(lines[1]["read_gbps_around"])
                     samples["flashattn"].append(lines[1]["median_ms"] / 1e3)
                     samples["torch_sdpa_gqa"].append(time_torch(
                         lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), args.min_time))
