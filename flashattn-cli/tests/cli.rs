@@ -2,66 +2,16 @@
 //! input (non-zero exit, a message naming the tensor, no OUT file, an existing OUT untouched), and
 //! the JSON lines of `bench`.
 
+mod common;
+
+use common::*;
 use flashattn::{reference, AttnOptions, TensorRef};
 use half::{bf16, f16};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use safetensors::{Dtype, SafeTensors};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-
-const BIN: &str = env!("CARGO_BIN_EXE_flashattn");
-
-/// A tensor to write: name, safetensors dtype name, shape, little-endian bytes.
-struct Raw {
-    name: String,
-    dtype: &'static str,
-    shape: Vec<usize>,
-    bytes: Vec<u8>,
-}
-
-fn raw(name: &str, dtype: &'static str, shape: &[usize], bytes: Vec<u8>) -> Raw {
-    Raw {
-        name: name.into(),
-        dtype,
-        shape: shape.to_vec(),
-        bytes,
-    }
-}
-
-fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
-fn i32_bytes(v: &[i32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
-/// Writes a safetensors file by hand. The header is padded to an odd length on purpose, so every
-/// tensor's data starts at an address no f32 or f16 load may assume aligned: the CLI must copy
-/// bytes, not reinterpret them.
-fn write_st(path: &Path, tensors: &[Raw]) {
-    let mut header = serde_json::Map::new();
-    let mut offset = 0;
-    for t in tensors {
-        let end = offset + t.bytes.len();
-        header.insert(
-            t.name.clone(),
-            serde_json::json!({"dtype": t.dtype, "shape": t.shape, "data_offsets": [offset, end]}),
-        );
-        offset = end;
-    }
-    let mut json = serde_json::Value::Object(header).to_string();
-    while json.len() % 4 != 1 {
-        json.push(' ');
-    }
-    let mut file = (json.len() as u64).to_le_bytes().to_vec();
-    file.extend(json.as_bytes());
-    for t in tensors {
-        file.extend(&t.bytes);
-    }
-    std::fs::write(path, file).unwrap();
-}
+use std::process::Output;
 
 fn random(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
     (0..n).map(|_| rng.gen_range(-1.5f32..1.5)).collect()
@@ -95,10 +45,6 @@ fn encode(ty: Ty, v: &[f32]) -> (&'static str, Vec<f32>, Vec<u8>) {
             )
         }
     }
-}
-
-fn flashattn(args: &[&str]) -> Output {
-    Command::new(BIN).args(args).output().unwrap()
 }
 
 fn run_files(input: &Path, output: &Path, extra: &[&str]) -> Output {
@@ -371,17 +317,6 @@ fn good_tensors() -> Vec<Raw> {
     ]
 }
 
-fn replace(mut tensors: Vec<Raw>, t: Raw) -> Vec<Raw> {
-    tensors.retain(|x| x.name != t.name);
-    tensors.push(t);
-    tensors
-}
-
-fn without(mut tensors: Vec<Raw>, name: &str) -> Vec<Raw> {
-    tensors.retain(|x| x.name != name);
-    tensors
-}
-
 fn files_in(dir: &Path) -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
         .unwrap()
@@ -614,11 +549,7 @@ fn success_replaces_an_existing_out_and_leaves_no_temporary() {
     write_st(&input, &good_tensors());
     std::fs::write(&output, b"old").unwrap();
     let res = run_files(&input, &output, &["--causal"]);
-    assert!(
-        res.status.success(),
-        "{}",
-        String::from_utf8_lossy(&res.stderr)
-    );
+    assert_ok(&res);
     let (_, shape, _) = read_out(&output, "out");
     assert_eq!(shape, vec![1, 4, 2, 8]);
     assert_eq!(files_in(dir.path()), vec![input, output]);
@@ -647,11 +578,7 @@ fn bench_json(extra: &[&str]) -> Vec<serde_json::Value> {
 /// Every JSON line of a `bench --json` run, the "machine" line first.
 fn bench_json_all(args: &[&str]) -> Vec<serde_json::Value> {
     let res = flashattn(args);
-    assert!(
-        res.status.success(),
-        "{}",
-        String::from_utf8_lossy(&res.stderr)
-    );
+    assert_ok(&res);
     let stdout = String::from_utf8(res.stdout).unwrap();
     stdout
         .lines()
@@ -774,11 +701,7 @@ fn bench_reports_the_peak_and_the_fraction_of_it() {
         "--threads",
         "1",
     ]);
-    assert!(
-        res.status.success(),
-        "{}",
-        String::from_utf8_lossy(&res.stderr)
-    );
+    assert_ok(&res);
     let stdout = String::from_utf8(res.stdout).unwrap();
     let first = stdout.lines().next().unwrap();
     let isa = flashattn::simd::active().unwrap().to_string();
@@ -884,11 +807,7 @@ fn bench_no_peak_skips_the_measurement() {
 #[test]
 fn peak_prints_positive_rates() {
     let res = flashattn(&["peak", "--json", "--threads", "1", "--secs", "0.02"]);
-    assert!(
-        res.status.success(),
-        "{}",
-        String::from_utf8_lossy(&res.stderr)
-    );
+    assert_ok(&res);
     let v: serde_json::Value = serde_json::from_slice(&res.stdout).unwrap();
     assert_eq!(v["kind"], "peak");
     assert_eq!(v["threads"], 1);
@@ -924,11 +843,7 @@ fn plot_writes_an_svg() {
     let output = dir.path().join("plot.svg");
     std::fs::write(&input, COMPARE_JSON).unwrap();
     let res = flashattn(&["plot", input.to_str().unwrap(), output.to_str().unwrap()]);
-    assert!(
-        res.status.success(),
-        "{}",
-        String::from_utf8_lossy(&res.stderr)
-    );
+    assert_ok(&res);
     let svg = std::fs::read_to_string(&output).unwrap();
     assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
     // Text is SVG text (no font files needed): the title, the panels and the legend are there.
@@ -971,11 +886,7 @@ fn plot_writes_an_svg() {
         "--title",
         "T",
     ]);
-    assert!(
-        res.status.success(),
-        "{}",
-        String::from_utf8_lossy(&res.stderr)
-    );
+    assert_ok(&res);
     let svg = std::fs::read_to_string(&out2).unwrap();
     assert!(svg.contains("flashattn d=64") && svg.contains("naive d=64"));
 }
@@ -1041,11 +952,7 @@ fn dout_writes_gradients_matching_reference() {
         &output,
         &["--causal", "--dropout", "0.2", "--seed", "9"],
     );
-    assert!(
-        res.status.success(),
-        "{}",
-        String::from_utf8_lossy(&res.stderr)
-    );
+    assert_ok(&res);
     let opts = flashattn::AttnOptions::default()
         .causal(true)
         .dropout(0.2, 9);

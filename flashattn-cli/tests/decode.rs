@@ -3,6 +3,9 @@
 //! written back updated), its errors (one line naming the problem, no OUT, an existing OUT left
 //! alone), and `bench --decode --json`.
 
+mod common;
+
+use common::*;
 use flashattn::decode::SliceMut;
 use flashattn::{
     flash_attn_with_kvcache, AttnOptions, BlockTable, KvCacheOptions, TensorMut, TensorRef,
@@ -12,59 +15,6 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use safetensors::{Dtype, SafeTensors};
 use std::path::Path;
-use std::process::{Command, Output};
-
-const BIN: &str = env!("CARGO_BIN_EXE_flashattn");
-
-fn flashattn(args: &[&str]) -> Output {
-    Command::new(BIN).args(args).output().unwrap()
-}
-
-/// A tensor to write: name, safetensors dtype name, shape, little-endian bytes.
-struct Raw {
-    name: &'static str,
-    dtype: &'static str,
-    shape: Vec<usize>,
-    bytes: Vec<u8>,
-}
-
-fn f32_raw(name: &'static str, shape: &[usize], v: &[f32]) -> Raw {
-    Raw {
-        name,
-        dtype: "F32",
-        shape: shape.to_vec(),
-        bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-    }
-}
-
-fn i32_raw(name: &'static str, shape: &[usize], v: &[i32]) -> Raw {
-    Raw {
-        name,
-        dtype: "I32",
-        shape: shape.to_vec(),
-        bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-    }
-}
-
-fn write_st(path: &Path, tensors: &[Raw]) {
-    let mut header = serde_json::Map::new();
-    let mut offset = 0;
-    for t in tensors {
-        let end = offset + t.bytes.len();
-        header.insert(
-            t.name.to_string(),
-            serde_json::json!({"dtype": t.dtype, "shape": t.shape, "data_offsets": [offset, end]}),
-        );
-        offset = end;
-    }
-    let json = serde_json::Value::Object(header).to_string();
-    let mut file = (json.len() as u64).to_le_bytes().to_vec();
-    file.extend(json.as_bytes());
-    for t in tensors {
-        file.extend(&t.bytes);
-    }
-    std::fs::write(path, file).unwrap();
-}
 
 /// An output tensor as raw bits (f32 only here), with its shape.
 fn read_f32(path: &Path, name: &str) -> (Vec<usize>, Vec<u32>) {
@@ -173,11 +123,7 @@ fn run_paged_cache_with_append_and_rotary_matches_the_library() {
         "--num-splits",
         "2",
     ]);
-    assert!(
-        res.status.success(),
-        "{}",
-        String::from_utf8_lossy(&res.stderr)
-    );
+    assert_ok(&res);
 
     // The same call in-process (a fixed split count: the same bits on any thread count).
     let (mut kc, mut vc) = (p.k_cache.clone(), p.v_cache.clone());
@@ -251,11 +197,7 @@ fn run_contiguous_cache_without_new_keys() {
         "--threads",
         "1",
     ]);
-    assert!(
-        res.status.success(),
-        "{}",
-        String::from_utf8_lossy(&res.stderr)
-    );
+    assert_ok(&res);
     let (mut k2, mut v2) = (kc.clone(), vc.clone());
     let want = {
         let shape = [3, 20, HKV, D];
@@ -314,17 +256,6 @@ fn expect_failure(tensors: &[Raw], flags: &[&str], needles: &[&str]) {
             assert!(!output.exists(), "no OUT on failure");
         }
     }
-}
-
-fn replace(mut ts: Vec<Raw>, t: Raw) -> Vec<Raw> {
-    ts.retain(|x| x.name != t.name);
-    ts.push(t);
-    ts
-}
-
-fn without(mut ts: Vec<Raw>, name: &str) -> Vec<Raw> {
-    ts.retain(|x| x.name != name);
-    ts
 }
 
 #[test]
@@ -391,11 +322,7 @@ fn run_errors_name_the_problem() {
 
 fn json_lines(args: &[&str]) -> Vec<serde_json::Value> {
     let res = flashattn(args);
-    assert!(
-        res.status.success(),
-        "{}",
-        String::from_utf8_lossy(&res.stderr)
-    );
+    assert_ok(&res);
     String::from_utf8(res.stdout)
         .unwrap()
         .lines()
