@@ -546,21 +546,21 @@ fn bench_one(
     let (timing, read_gbps_around) = {
         let mut k = TensorMut::new(slice_mut(&mut kc), &cache_shape, &cache_strides);
         let mut v = TensorMut::new(slice_mut(&mut vc), &cache_shape, &cache_strides);
-        let mut run = || {
+        let mut time_steps = || {
             bench::measure(args.min_time, || {
                 flash_attn_with_kvcache(&q, &mut k, &mut v, &lens, &opts)
             })
         };
         match probe {
             Some(p) => {
-                let (t, read) = p.around(run);
+                let (t, read) = p.around(time_steps);
                 (t?, Some(read))
             }
-            None => (run()?, None),
+            None => (time_steps()?, None),
         }
     };
     // Accuracy: a few rows against the f64 reference, reading the cache (appended to by the
-    // calls) as plain k/v `[batch, cap, heads_kv, d]`.
+    // calls) as plain k/v `[batch, cap, heads_kv, d]` through the same strides.
     let max_abs_err = if args.page_size.is_none() {
         let strided =
             |b| flashattn::TensorRef::from_slice(Buffer::as_slice(b), &cache_shape, &cache_strides);

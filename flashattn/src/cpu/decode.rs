@@ -450,8 +450,9 @@ impl KeyRows<'_> {
 /// head-major page of a 16-key tile with up to 8 kv heads (the runs past it are not prefetched).
 const RUNS_CAP: usize = 8 * TILE_KEYS;
 
-/// Up to [`RUNS_CAP`] element ranges `[start, end)` of a cache, in order.
-#[derive(Clone, Copy, Debug)]
+/// Up to [`RUNS_CAP`] element ranges `[start, end)` of a cache, in order. Not `Copy`: 2 KiB,
+/// refilled in place.
+#[derive(Debug)]
 pub(crate) struct Runs {
     r: [(usize, usize); RUNS_CAP],
     n: usize,
@@ -481,11 +482,11 @@ impl Runs {
     }
 
     /// Sets the ranges to those holding the rows of all kv heads of the keys with row offsets
-    /// `keys` (kv head 0; at most [`TILE_KEYS`]), adjacent ranges merged. Where a key's rows of all heads lie
-    /// together (at most twice their data apart, as in flash-attn's `[.., seqlen, heads_kv, d]`),
-    /// one range per key: one run for a tile of a contiguous cache, one per page of a paged one.
-    /// Otherwise (e.g. head-major `[.., heads_kv, seqlen, d]`) one range per head and key, head by
-    /// head: one run per kv head for a contiguous cache.
+    /// `keys` (kv head 0; at most [`TILE_KEYS`]), adjacent ranges merged. Where a key's rows of
+    /// all heads lie together (at most twice their data apart, as in flash-attn's
+    /// `[.., seqlen, heads_kv, d]`), one range per key: one run for a tile of a contiguous cache,
+    /// one per page of a paged one. Otherwise (e.g. head-major `[.., heads_kv, seqlen, d]`) one
+    /// range per head and key, head by head: one run per kv head for a contiguous cache.
     fn fill(&mut self, keys: &[usize], l: crate::params::RowLayout, heads_kv: usize, d: usize) {
         self.n = 0;
         let span = (heads_kv - 1) * l.head_stride + d;
@@ -1820,8 +1821,8 @@ mod tests {
     }
 
     /// The prefetch runs of a tile: one for consecutive keys of a contiguous cache, one per page
-    /// of a paged cache (keys on one page merged, pages in any order), none for a layout whose
-    /// heads lie far apart.
+    /// of a paged cache (keys on one page merged, pages in any order), one per kv head (and page)
+    /// for a head-major layout, capped at RUNS_CAP.
     #[test]
     fn prefetch_runs_follow_pages() {
         use crate::params::RowLayout;
