@@ -866,6 +866,41 @@ fn thread_count_does_not_change_results() {
     assert_bit_identical(&runs[0], &runs[1], "1 vs 2 threads");
 }
 
+/// Shapes whose products run in sub-blocks of 4 or 8 keys (a key's rows of all kv heads over 4
+/// KiB): f32 at d = 256 (4 keys), bf16 and f16 at d = 256 (8 keys, bf16 through its key-pair
+/// path); contiguous and paged caches (pages of 5 and 16 tokens, so sub-blocks straddle pages),
+/// cache lengths that leave partial sub-blocks, masks, several query rows, every ISA.
+#[test]
+fn sub_blocks_of_keys() {
+    let mut seed = 900;
+    for isa in flashattn::simd::available() {
+        for dtype in DTYPES {
+            for store in [Store::Contiguous, Store::Paged(5), Store::Paged(16)] {
+                for (causal, window) in [(false, (-1, -1)), (true, (37, -1))] {
+                    seed += 1;
+                    check_case(&DCase {
+                        dtype,
+                        isa: Some(isa),
+                        d: 256,
+                        heads: 16,
+                        heads_kv: 8,
+                        lens: vec![203, 37],
+                        new: Some(2),
+                        seqlen_q: 2,
+                        cap: 240,
+                        causal,
+                        window,
+                        splits: Some(2),
+                        store,
+                        seed,
+                        ..DCase::default()
+                    });
+                }
+            }
+        }
+    }
+}
+
 /// The issue's decode shape, smaller cache: q [1, 1, 32, 128], kv heads 8, 4096 cached tokens.
 #[test]
 fn issue_shape_small_cache() {

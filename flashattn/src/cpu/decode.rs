@@ -48,8 +48,23 @@ const ROWS_CAP: usize = 128;
 /// keys one tile ahead 10.1-13.1 ms f32 and 5.6-6.3 ms bf16, 32 keys 12.0-12.8 and 6.5-6.9, 64
 /// keys 13.1-20.7 and 6.2-10.3; a busy machine, so relative figures).
 const TILE_KEYS: usize = 16;
+/// The products take a tile in sub-blocks of keys whose rows of all kv heads span at most this
+/// many bytes, each sub-block head by head: 8 keys (32 KiB of k, then of v) for f32 at 8 kv
+/// heads and d = 128, where walking one kv head over all 16 keys of the tile touches 16 pages
+/// at once. Measured (A/B, 2 threads, 32k keys, f32, paired ratios over 60 alternating calls,
+/// 2026-11-23): sub-blocks of 8 keys 0.89-0.92 of the whole-tile time, 4 keys 0.90-0.93, 2
+/// keys 1.03-1.04 (the 4-key register blocks shrink); one thread 0.88. bf16 at 8 kv heads (2
+/// KiB a key) keeps the whole tile: 8-key sub-blocks took 1.10 of its time.
+const SUB_BLOCK_BYTES: usize = 32 << 10;
 /// The largest padded head dimension (stack rows of the portable kernels).
 const MAX_D: usize = 256;
+/// Keys per sub-block of the products (see [`SUB_BLOCK_BYTES`]) when a key's rows of all kv
+/// heads take `key_bytes`: 4, 8 or 16 ([`TILE_KEYS`]), so that a sub-block holds whole 4-key
+/// register blocks and whole bf16 key pairs, and the sub-blocks tile a tile.
+fn sub_block_keys(key_bytes: usize) -> usize {
+    let keys = (SUB_BLOCK_BYTES / key_bytes.max(1)).clamp(4, TILE_KEYS);
+    1 << keys.ilog2()
+}
 /// A split should hold at least this many keys: an item costs a q load, a merge and its partial
 /// buffers, worth ~tens of µs; 512 keys of 8 kv heads at d = 128 are 2-4 MiB of k/v, 70-150 µs at
 /// 27 GB/s.
@@ -310,6 +325,7 @@ fn run_item<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T], it: Item) 
     let (mut kt_next, mut vt_next) = ([0usize; TILE_KEYS], [0usize; TILE_KEYS]);
     // Refilled in place per tile (its run buffers are a few KiB).
     let mut ahead = Ahead::none();
+    let sub = sub_block_keys(heads_kv * d * std::mem::size_of::<T>());
 
     let mut n0 = n_lo;
     let mut n1 = tile(n0, &mut kt, &mut vt);
@@ -342,25 +358,27 @@ fn run_item<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T], it: Item) 
         let masked = mask.needs_mask(i0, i1, n0, n1);
         let apply = mods[0].needs_apply(masked);
         let st = &mut st[..cols * np];
-        for hk in 0..heads_kv {
-            let q = QRows {
-                f32: &qf[hk * rows * dpad..(hk + 1) * rows * dpad],
-                bf16_pairs: qb
-                    .as_ref()
-                    .map(|qb| &qb[hk * rows * dpad / 2..(hk + 1) * rows * dpad / 2]),
-                rows,
-                dpad,
-            };
-            scores(
-                kern.isa,
-                q,
-                k,
-                k_rows(hk),
-                &mut st[hk * rows..],
-                np,
-                &mut ahead,
-            );
-            if apply {
+        for c0 in (0..cols).step_by(sub) {
+            let c1 = cols.min(c0 + sub);
+            for hk in 0..heads_kv {
+                let q = QRows {
+                    f32: &qf[hk * rows * dpad..(hk + 1) * rows * dpad],
+                    bf16_pairs: qb
+                        .as_ref()
+                        .map(|qb| &qb[hk * rows * dpad / 2..(hk + 1) * rows * dpad / 2]),
+                    rows,
+                    dpad,
+                };
+                let kr = KeyRows {
+                    keys: &ks[c0..c1],
+                    ..k_rows(hk)
+                };
+                let st = &mut st[c0 * np + hk * rows..];
+                scores(kern.isa, q, k, kr, st, np, &mut ahead);
+            }
+        }
+        if apply {
+            for hk in 0..heads_kv {
                 for hl in 0..group {
                     mods[hk * group + hl].apply(
                         &mut st[hk * rows + hl * m_rows..],
@@ -386,15 +404,23 @@ fn run_item<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T], it: Item) 
         if let Some(pp) = pp.as_mut() {
             kern.pack_pairs_bf16(st, cols, np, pp);
         }
-        for hk in 0..heads_kv {
-            let acc_hk = &mut acc[hk * rows * dpad..(hk + 1) * rows * dpad];
-            let pr = PRows {
-                f32: &st[hk * rows..],
-                bf16_pairs: pp.as_ref().map(|pp| &pp[hk * rows..]),
-                rows,
-                np,
-            };
-            pv_acc(kern.isa, pr, v, v_rows(hk), acc_hk, dpad, &mut ahead);
+        for c0 in (0..cols).step_by(sub) {
+            let c1 = cols.min(c0 + sub);
+            for hk in 0..heads_kv {
+                let acc_hk = &mut acc[hk * rows * dpad..(hk + 1) * rows * dpad];
+                // c0 is even: a whole number of bf16 key pairs precedes it.
+                let pr = PRows {
+                    f32: &st[c0 * np + hk * rows..],
+                    bf16_pairs: pp.as_ref().map(|pp| &pp[c0 / 2 * np + hk * rows..]),
+                    rows,
+                    np,
+                };
+                let vr = KeyRows {
+                    keys: &vs[c0..c1],
+                    ..v_rows(hk)
+                };
+                pv_acc(kern.isa, pr, v, vr, acc_hk, dpad, &mut ahead);
+            }
         }
         (n0, n1) = (n1, n2);
         (kt, vt) = (kt_next, vt_next);
@@ -1885,6 +1911,21 @@ mod tests {
         assert!(caught(&[0, 41, 16]));
         assert!(caught(&[41, 0, 16]));
         assert!(caught(&[0, 16, usize::MAX - 4]));
+    }
+
+    #[test]
+    fn sub_block_rule() {
+        // f32, 8 kv heads: d = 128 -> 8 keys, d = 256 -> 4; bf16 at d = 128 -> the whole tile.
+        assert_eq!(sub_block_keys(8 * 128 * 4), 8);
+        assert_eq!(sub_block_keys(8 * 256 * 4), 4);
+        assert_eq!(sub_block_keys(8 * 128 * 2), TILE_KEYS);
+        assert_eq!(sub_block_keys(3 * 256 * 4), 8);
+        assert_eq!(sub_block_keys(1), TILE_KEYS);
+        assert_eq!(sub_block_keys(1 << 20), 4);
+        for b in 1..20_000 {
+            let s = sub_block_keys(b);
+            assert!(s.is_power_of_two() && (4..=TILE_KEYS).contains(&s) && TILE_KEYS % s == 0);
+        }
     }
 
     #[test]
