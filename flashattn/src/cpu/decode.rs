@@ -1924,7 +1924,7 @@ mod tests {
         assert_eq!(sub_block_keys(1 << 20), 4);
         for b in 1..20_000 {
             let s = sub_block_keys(b);
-            assert!(s.is_power_of_two() && (4..=TILE_KEYS).contains(&s) && TILE_KEYS % s == 0);
+            assert!(s.is_power_of_two() && (4..=TILE_KEYS).contains(&s) && TILE_KEYS.is_multiple_of(s));
         }
     }
 
