@@ -12,7 +12,10 @@
 //! - `two streams, switch every <bytes>, work <n>`: two 512 MiB halves read in turns of
 //!   `<bytes>` each (as k and v are), with `8n` FMAs per 256 bytes;
 //! - `decode order, sub-blocks of <n> keys, pf <bool>`: the two halves read as an f32 decode
-//!   kernel reads k and v (see `decode_order`), with and without software prefetch.
+//!   kernel reads k and v (see `decode_order`), with and without software prefetch;
+//! - `burst of <n> lines`: how much of a burst of `n` prefetches is still there to read 20 µs
+//!   later (see `burst`): the median time to read the lines after no prefetch, `prefetcht0`,
+//!   `prefetcht1`, and after loading them (the floor).
 
 use std::arch::x86_64::*;
 use std::time::Instant;
@@ -160,6 +163,56 @@ unsafe fn decode_order(k: &[u32], v: &[u32], sub: usize, pf: bool) -> f32 {
     acc.iter().map(|a| _mm512_reduce_add_ps(*a)).sum()
 }
 
+/// Reads `n` elements from `p` in order, 64 bytes per step.
+///
+/// # Safety
+/// AVX-512F present; `p..p + n` readable, `n` a multiple of 16.
+#[target_feature(enable = "avx512f")]
+unsafe fn read_lines(p: *const u32, n: usize) -> u32 {
+    let mut a = _mm512_setzero_si512();
+    for i in (0..n).step_by(16) {
+        a = _mm512_add_epi32(a, _mm512_loadu_si512(p.add(i).cast()));
+    }
+    _mm512_reduce_add_epi32(a) as u32
+}
+
+/// For bursts of `lines` cache lines at random 128 KiB-aligned places of `b` (so that neither
+/// the caches nor the hardware prefetchers hold them): the burst is asked for (mode 1:
+/// `prefetcht0`, 2: `prefetcht1`), loaded (3), or left alone (0), the core spins 20 µs, then
+/// the lines are read and timed. Returns the median read time per mode, ns.
+///
+/// # Safety
+/// AVX-512F present; `b.len() >= 2 · 32768`.
+#[target_feature(enable = "avx512f")]
+unsafe fn burst(b: &[u32], lines: usize) -> [f64; 4] {
+    let mut times: [Vec<f64>; 4] = Default::default();
+    let mut seed = 12345u64;
+    let slots = b.len() / 32768 - 1;
+    for r in 0..1600 {
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let p = b.as_ptr().add((seed >> 33) as usize % slots * 32768);
+        let mode = r % 4;
+        for l in 0..lines {
+            let a = p.add(16 * l);
+            match mode {
+                1 => _mm_prefetch::<_MM_HINT_T0>(a.cast()),
+                2 => _mm_prefetch::<_MM_HINT_T1>(a.cast()),
+                3 => _ = std::hint::black_box(*a),
+                _ => {}
+            }
+        }
+        let s = Instant::now();
+        while s.elapsed().as_secs_f64() < 20e-6 {}
+        let s = Instant::now();
+        std::hint::black_box(read_lines(p, 16 * lines));
+        times[mode].push(s.elapsed().as_secs_f64() * 1e9);
+    }
+    times.map(|mut t| {
+        t.sort_by(f64::total_cmp);
+        t[t.len() / 2]
+    })
+}
+
 fn main() {
     if !is_x86_feature_detected!("avx512f") {
         eprintln!("prefetch_probe: needs AVX-512F");
@@ -204,6 +257,13 @@ fn main() {
                     &|| two_streams(lo, hi, chunk, w) as f64,
                 );
             }
+        }
+        for lines in [8usize, 24, 64, 256, 1024] {
+            let [none, t0, t1, loaded] = burst(&b, lines);
+            println!(
+                "burst of {lines} lines: read after none {none:.0} ns, T0 {t0:.0}, T1 {t1:.0}, \
+                 loaded {loaded:.0}"
+            );
         }
         for sub in [16usize, 4, 1] {
             for pf in [true, false] {
