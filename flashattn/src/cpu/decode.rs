@@ -54,7 +54,12 @@ const TILE_KEYS: usize = 16;
 /// at once. Measured (A/B, 2 threads, 32k keys, f32, paired ratios over 60 alternating calls,
 /// 2026-11-23): sub-blocks of 8 keys 0.89-0.92 of the whole-tile time, 4 keys 0.90-0.93, 2
 /// keys 1.03-1.04 (the 4-key register blocks shrink); one thread 0.88. bf16 at 8 kv heads (2
-/// KiB a key) keeps the whole tile: 8-key sub-blocks took 1.10 of its time.
+/// KiB a key) keeps the whole tile: 8-key sub-blocks took 1.10 of its time. What counts is
+/// P·V's order (whole-tile P·V with 8-key score sub-blocks: 1.065; the reverse: 1.015). With 32
+/// kv heads (16 KiB a key in f32: 4-key sub-blocks) the whole tile took 1.09, 8 keys 1.01.
+/// With 4 query tokens per step (16 rows per kv head, bound by arithmetic) 8-key sub-blocks
+/// took 1.07 of the whole-tile time, so [`run_item`] keeps whole tiles for more than 4 rows per
+/// kv head.
 const SUB_BLOCK_BYTES: usize = 32 << 10;
 /// The largest padded head dimension (stack rows of the portable kernels).
 const MAX_D: usize = 256;
@@ -325,7 +330,15 @@ fn run_item<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T], it: Item) 
     let (mut kt_next, mut vt_next) = ([0usize; TILE_KEYS], [0usize; TILE_KEYS]);
     // Refilled in place per tile (its run buffers are a few KiB).
     let mut ahead = Ahead::none();
-    let sub = sub_block_keys(heads_kv * d * std::mem::size_of::<T>());
+    // Sub-blocks only where one register block holds a kv head's query rows (one token per
+    // step): with more rows the products do several times the arithmetic per byte read, and the
+    // sub-blocks' extra passes over the accumulators cost more than the reads gain (see
+    // SUB_BLOCK_BYTES).
+    let sub = if rows <= 4 {
+        sub_block_keys(heads_kv * d * std::mem::size_of::<T>())
+    } else {
+        TILE_KEYS
+    };
 
     let mut n0 = n_lo;
     let mut n1 = tile(n0, &mut kt, &mut vt);
@@ -1924,7 +1937,9 @@ mod tests {
         assert_eq!(sub_block_keys(1 << 20), 4);
         for b in 1..20_000 {
             let s = sub_block_keys(b);
-            assert!(s.is_power_of_two() && (4..=TILE_KEYS).contains(&s) && TILE_KEYS.is_multiple_of(s));
+            assert!(
+                s.is_power_of_two() && (4..=TILE_KEYS).contains(&s) && TILE_KEYS.is_multiple_of(s)
+            );
         }
     }
 
