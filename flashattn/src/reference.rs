@@ -373,13 +373,7 @@ pub fn attention_row(
 mod tests {
     use super::*;
     use crate::tensor::TensorRef;
-
-    fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
+    use crate::test_util::lcg;
 
     /// The reference backward agrees with central finite differences of the reference forward,
     /// with every option on (GQA, window, softcap, ALiBi, dropout, seqlen_q != seqlen_k).

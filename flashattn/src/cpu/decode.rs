@@ -1685,13 +1685,7 @@ unsafe fn pv_tile_bf16<const R: usize, const V: usize>(at: PvAt<u32, bf16>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
+    use crate::test_util::lcg;
 
     /// Every ISA's scores and P·V kernels agree with f64 sums over edge sizes, in every dtype,
     /// reading rows in place at a stride (with NaN between rows, which must not be read).
