@@ -56,7 +56,8 @@ const TILE_KEYS: usize = 16;
 /// keys 1.03-1.04 (the 4-key register blocks shrink); one thread 0.88. bf16 at 8 kv heads (2
 /// KiB a key) keeps the whole tile: 8-key sub-blocks took 1.10 of its time. What counts is
 /// P·V's order (whole-tile P·V with 8-key score sub-blocks: 1.065; the reverse: 1.015). With 32
-/// kv heads (16 KiB a key in f32: 4-key sub-blocks) the whole tile took 1.09, 8 keys 1.01.
+/// kv heads (16 KiB a key in f32: 4-key sub-blocks) the whole tile took 1.09, 8 keys 1.01; bf16
+/// at 16 kv heads (4 KiB a key: 8-key sub-blocks) the whole tile 1.01-1.05.
 /// With 4 query tokens per step (16 rows per kv head, bound by arithmetic) 8-key sub-blocks
 /// took 1.07 of the whole-tile time, so [`run_item`] keeps whole tiles for more than 4 rows per
 /// kv head.
