@@ -62,8 +62,6 @@ const TILE_KEYS: usize = 16;
 /// took 1.07 of the whole-tile time, so [`run_item`] keeps whole tiles for more than 4 rows per
 /// kv head.
 const SUB_BLOCK_BYTES: usize = 32 << 10;
-/// The largest padded head dimension (stack rows of the portable kernels).
-const MAX_D: usize = 256;
 /// Keys per sub-block of the products (see [`SUB_BLOCK_BYTES`]) when a key's rows of all kv
 /// heads take `key_bytes`: 4, 8 or 16 ([`TILE_KEYS`]), so that a sub-block holds whole 4-key
 /// register blocks and whole bf16 key pairs, and the sub-blocks tile a tile.
@@ -71,6 +69,8 @@ fn sub_block_keys(key_bytes: usize) -> usize {
     let keys = (SUB_BLOCK_BYTES / key_bytes.max(1)).clamp(4, TILE_KEYS);
     1 << keys.ilog2()
 }
+/// The largest padded head dimension (stack rows of the portable kernels).
+const MAX_D: usize = 256;
 /// A split should hold at least this many keys: an item costs a q load, a merge and its partial
 /// buffers, worth ~tens of µs; 512 keys of 8 kv heads at d = 128 are 2-4 MiB of k/v, 70-150 µs at
 /// 27 GB/s.
@@ -341,18 +341,28 @@ fn run_item<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T], it: Item) 
         TILE_KEYS
     };
 
+    // The query rows of kv head hk (the same for every tile).
+    let q_rows = |hk: usize| QRows {
+        f32: &qf[hk * rows * dpad..(hk + 1) * rows * dpad],
+        bf16_pairs: qb
+            .as_ref()
+            .map(|qb| &qb[hk * rows * dpad / 2..(hk + 1) * rows * dpad / 2]),
+        rows,
+        dpad,
+    };
+
     let mut n0 = n_lo;
     let mut n1 = tile(n0, &mut kt, &mut vt);
     while n0 < n_hi {
         let cols = n1 - n0;
-        let (ks, vs) = (&kt[..cols], &vt[..cols]);
-        let k_rows = |hk: usize| KeyRows {
-            keys: ks,
+        // The rows of kv head hk for the tile's keys c0..c1.
+        let k_rows = |hk: usize, c0: usize, c1: usize| KeyRows {
+            keys: &kt[c0..c1],
             head: hk * cache.k.head_stride,
             d,
         };
-        let v_rows = |hk: usize| KeyRows {
-            keys: vs,
+        let v_rows = |hk: usize, c0: usize, c1: usize| KeyRows {
+            keys: &vt[c0..c1],
             head: hk * cache.v.head_stride,
             d,
         };
@@ -375,20 +385,16 @@ fn run_item<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T], it: Item) 
         for c0 in (0..cols).step_by(sub) {
             let c1 = cols.min(c0 + sub);
             for hk in 0..heads_kv {
-                let q = QRows {
-                    f32: &qf[hk * rows * dpad..(hk + 1) * rows * dpad],
-                    bf16_pairs: qb
-                        .as_ref()
-                        .map(|qb| &qb[hk * rows * dpad / 2..(hk + 1) * rows * dpad / 2]),
-                    rows,
-                    dpad,
-                };
-                let kr = KeyRows {
-                    keys: &ks[c0..c1],
-                    ..k_rows(hk)
-                };
                 let st = &mut st[c0 * np + hk * rows..];
-                scores(kern.isa, q, k, kr, st, np, &mut ahead);
+                scores(
+                    kern.isa,
+                    q_rows(hk),
+                    k,
+                    k_rows(hk, c0, c1),
+                    st,
+                    np,
+                    &mut ahead,
+                );
             }
         }
         if apply {
@@ -429,11 +435,15 @@ fn run_item<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T], it: Item) 
                     rows,
                     np,
                 };
-                let vr = KeyRows {
-                    keys: &vs[c0..c1],
-                    ..v_rows(hk)
-                };
-                pv_acc(kern.isa, pr, v, vr, acc_hk, dpad, &mut ahead);
+                pv_acc(
+                    kern.isa,
+                    pr,
+                    v,
+                    v_rows(hk, c0, c1),
+                    acc_hk,
+                    dpad,
+                    &mut ahead,
+                );
             }
         }
         (n0, n1) = (n1, n2);
