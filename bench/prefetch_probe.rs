@@ -163,26 +163,13 @@ unsafe fn decode_order(k: &[u32], v: &[u32], sub: usize, pf: bool) -> f32 {
     acc.iter().map(|a| _mm512_reduce_add_ps(*a)).sum()
 }
 
-/// Reads `n` elements from `p` in order, 64 bytes per step.
-///
-/// # Safety
-/// AVX-512F present; `p..p + n` readable, `n` a multiple of 16.
-#[target_feature(enable = "avx512f")]
-unsafe fn read_lines(p: *const u32, n: usize) -> u32 {
-    let mut a = _mm512_setzero_si512();
-    for i in (0..n).step_by(16) {
-        a = _mm512_add_epi32(a, _mm512_loadu_si512(p.add(i).cast()));
-    }
-    _mm512_reduce_add_epi32(a) as u32
-}
-
 /// For bursts of `lines` cache lines at random 128 KiB-aligned places of `b` (so that neither
 /// the caches nor the hardware prefetchers hold them): the burst is asked for (mode 1:
 /// `prefetcht0`, 2: `prefetcht1`), loaded (3), or left alone (0), the core spins 20 µs, then
 /// the lines are read and timed. Returns the median read time per mode, ns.
 ///
 /// # Safety
-/// AVX-512F present; `b.len() >= 2 · 32768`.
+/// AVX-512F present; `b.len() >= 2 · 32768`; `lines` a multiple of 4, at most 2048.
 #[target_feature(enable = "avx512f")]
 unsafe fn burst(b: &[u32], lines: usize) -> [f64; 4] {
     let mut times: [Vec<f64>; 4] = Default::default();
@@ -190,7 +177,8 @@ unsafe fn burst(b: &[u32], lines: usize) -> [f64; 4] {
     let slots = b.len() / 32768 - 1;
     for r in 0..1600 {
         seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        let p = b.as_ptr().add((seed >> 33) as usize % slots * 32768);
+        let burst = &b[(seed >> 33) as usize % slots * 32768..][..16 * lines];
+        let p = burst.as_ptr();
         let mode = r % 4;
         for l in 0..lines {
             let a = p.add(16 * l);
@@ -204,7 +192,7 @@ unsafe fn burst(b: &[u32], lines: usize) -> [f64; 4] {
         let s = Instant::now();
         while s.elapsed().as_secs_f64() < 20e-6 {}
         let s = Instant::now();
-        std::hint::black_box(read_lines(p, 16 * lines));
+        std::hint::black_box(sum(burst));
         times[mode].push(s.elapsed().as_secs_f64() * 1e9);
     }
     times.map(|mut t| {
