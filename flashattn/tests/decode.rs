@@ -901,6 +901,52 @@ fn sub_blocks_of_keys() {
     }
 }
 
+/// Many query rows per kv head, where AVX-512 takes q transposed for the score product (16 or
+/// more rows: MQA, several tokens per step): 16, 17 (a partial vector of rows), 32 and 96 rows
+/// (6 vectors: a 4- and a 2-vector tile); even and odd head dims (bf16 with an odd d runs the
+/// widening form); contiguous and paged caches; masks that differ from row to row; every ISA.
+#[test]
+fn many_rows_per_kv_head() {
+    let mut seed = 1000;
+    for isa in flashattn::simd::available() {
+        for dtype in DTYPES {
+            for (i, &(heads, heads_kv, sq, d)) in [
+                (32, 1, 1, 128),
+                (16, 2, 2, 64),
+                (17, 1, 1, 111),
+                (32, 1, 3, 40),
+            ]
+            .iter()
+            .enumerate()
+            {
+                seed += 1;
+                check_case(&DCase {
+                    dtype,
+                    isa: Some(isa),
+                    d,
+                    heads,
+                    heads_kv,
+                    lens: vec![203, 61],
+                    new: Some(sq),
+                    seqlen_q: sq,
+                    cap: 240,
+                    causal: i % 2 == 1,
+                    window: if i == 2 { (50, -1) } else { (-1, -1) },
+                    softcap: (i == 3).then_some(20.0),
+                    store: if i % 2 == 0 {
+                        Store::Paged(7)
+                    } else {
+                        Store::Contiguous
+                    },
+                    splits: Some(3),
+                    seed,
+                    ..DCase::default()
+                });
+            }
+        }
+    }
+}
+
 /// The issue's decode shape, smaller cache: q [1, 1, 32, 128], kv heads 8, 4096 cached tokens.
 #[test]
 fn issue_shape_small_cache() {

@@ -310,6 +310,10 @@ fn run_item<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T], it: Item) 
             })
             .collect()
     });
+    // Many rows per kv head (MQA, several tokens per step) on AVX-512: q also transposed, for
+    // the outer-product score kernel (see `bcast_min_rows`).
+    let qt = (kern.isa == Isa::Avx512 && rows >= bcast_min_rows(qb.is_some() && d % 2 == 0))
+        .then(|| QTrans::build(&qf, qb.as_deref(), (heads_kv, rows, d, dpad)));
     let mut acc = vec![0f32; all_rows * dpad];
     let mut row_max = vec![f32::NEG_INFINITY; np];
     let mut row_sum = vec![0f32; np];
@@ -349,6 +353,7 @@ fn run_item<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T], it: Item) 
             .map(|qb| &qb[hk * rows * dpad / 2..(hk + 1) * rows * dpad / 2]),
         rows,
         dpad,
+        t: qt.as_ref().map(|t| t.group(hk)),
     };
 
     let mut n0 = n_lo;
@@ -699,13 +704,116 @@ fn prefetch_line(addr: usize) {
 const CACHE_LINE: usize = 64;
 
 /// The query rows of one kv group: `rows` rows of `dpad` f32 ([`LANES`]-padded with zeros), and
-/// the same as bf16 pairs (`dpad / 2` u32 per row) when the bf16 dot product is to be used.
+/// the same as bf16 pairs (`dpad / 2` u32 per row) when the bf16 dot product is to be used;
+/// `t`, when given, the same rows transposed for [`scores_bcast_avx512`].
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct QRows<'a> {
     pub f32: &'a [f32],
     pub bf16_pairs: Option<&'a [u32]>,
     pub rows: usize,
     pub dpad: usize,
+    pub t: Option<QTrans<'a>>,
+}
+
+/// Query rows transposed, rows along the lanes: element `x · ld + r` is dim `x` of row `r`
+/// (`F32`, `x < d`) or the bf16 pair of dims `2x, 2x + 1` (`Pairs`, `x < d / 2`, d even); `ld`
+/// is `rows` rounded up to [`LANES`], the lanes past `rows` zero.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum QTrans<'a> {
+    F32 { qt: &'a [f32], ld: usize },
+    Pairs { qt: &'a [u32], ld: usize },
+}
+
+/// Fewest query rows per kv head for which the score product takes q transposed
+/// ([`scores_bcast_avx512`]): one 16-lane vector of rows (f32, f16, bf16 widened), two for bf16
+/// pairs. Fewer would leave lanes empty. Measured (A/B in one process, one thread, cache in
+/// L2/L3, 2026-11-23): 16 rows (4 tokens, GQA 4) f32 0.945 of the dot-product kernel's time,
+/// bf16 pairs 1.04; 32 rows (MQA) f32 0.90, bf16 0.94. Tiles of 8 or 16 keys for one or two
+/// vectors of rows (more independent accumulators) were slower: 1.2-1.4.
+fn bcast_min_rows(bf16_pairs: bool) -> usize {
+    if bf16_pairs {
+        2 * LANES
+    } else {
+        LANES
+    }
+}
+
+impl QTrans<'_> {
+    /// Builds the transposed form of `rows` rows of `q` (`dpad` f32 each, kv head by kv head:
+    /// `heads_kv` groups) or of their bf16 pairs `qb` (`dpad / 2` each) when given and `d` is
+    /// even. Returns the buffer of all groups and a group's stride in it.
+    pub fn build(
+        q: &[f32],
+        qb: Option<&[u32]>,
+        (heads_kv, rows, d, dpad): (usize, usize, usize, usize),
+    ) -> QTransBuf {
+        let ld = rows.next_multiple_of(LANES);
+        match qb.filter(|_| d.is_multiple_of(2)) {
+            Some(qb) => {
+                let (n, w) = (d / 2, dpad / 2);
+                let mut t = vec![0u32; heads_kv * n * ld];
+                for g in 0..heads_kv {
+                    for r in 0..rows {
+                        let src = &qb[(g * rows + r) * w..][..n];
+                        for (x, &v) in src.iter().enumerate() {
+                            t[g * n * ld + x * ld + r] = v;
+                        }
+                    }
+                }
+                QTransBuf::Pairs {
+                    t,
+                    ld,
+                    stride: n * ld,
+                }
+            }
+            None => {
+                let mut t = vec![0f32; heads_kv * d * ld];
+                for g in 0..heads_kv {
+                    for r in 0..rows {
+                        let src = &q[(g * rows + r) * dpad..][..d];
+                        for (x, &v) in src.iter().enumerate() {
+                            t[g * d * ld + x * ld + r] = v;
+                        }
+                    }
+                }
+                QTransBuf::F32 {
+                    t,
+                    ld,
+                    stride: d * ld,
+                }
+            }
+        }
+    }
+}
+
+/// The buffer behind [`QTrans`] for all kv groups of an item (`stride` elements a group).
+pub(crate) enum QTransBuf {
+    F32 {
+        t: Vec<f32>,
+        ld: usize,
+        stride: usize,
+    },
+    Pairs {
+        t: Vec<u32>,
+        ld: usize,
+        stride: usize,
+    },
+}
+
+impl QTransBuf {
+    /// Group `g`'s transposed rows.
+    pub fn group(&self, g: usize) -> QTrans<'_> {
+        match self {
+            QTransBuf::F32 { t, ld, stride } => QTrans::F32 {
+                qt: &t[g * stride..(g + 1) * stride],
+                ld: *ld,
+            },
+            QTransBuf::Pairs { t, ld, stride } => QTrans::Pairs {
+                qt: &t[g * stride..(g + 1) * stride],
+                ld: *ld,
+            },
+        }
+    }
 }
 
 /// Scores of a few query rows against keys read in place from the cache, transposed:
@@ -735,6 +843,29 @@ pub(crate) fn scores<T: Element>(
     );
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 {
+        match q.t {
+            Some(QTrans::F32 { qt, ld }) => {
+                assert!(
+                    ld >= rows.next_multiple_of(LANES) && qt.len() >= kr.d * ld,
+                    "decode scores: transposed q too short"
+                );
+                // SAFETY: AVX-512F present (the kernel table's ISA); bounds checked above.
+                return unsafe { scores_bcast_avx512(qt, ld, rows, src, kr, st, np, ahead) };
+            }
+            Some(QTrans::Pairs { qt, ld }) => {
+                if let (Some(k), true) = (bf16::unwrap(T::wrap(src)), isa.has_bf16_dot()) {
+                    assert!(
+                        kr.d.is_multiple_of(2)
+                            && ld >= rows.next_multiple_of(LANES)
+                            && qt.len() >= kr.d / 2 * ld,
+                        "decode scores: transposed q pairs too short"
+                    );
+                    // SAFETY: AVX-512F and AVX512_BF16 present (checked); bounds checked above.
+                    return unsafe { scores_bcast_avx512_bf16(qt, ld, rows, k, kr, st, np, ahead) };
+                }
+            }
+            None => {}
+        }
         if let (Some(pairs), Some(k)) = (q.bf16_pairs, bf16::unwrap(T::wrap(src))) {
             if isa.has_bf16_dot() {
                 // SAFETY: AVX-512F and AVX512_BF16 present (checked); bounds checked above.
@@ -1424,6 +1555,197 @@ unsafe fn scores_tile_bf16<const K: usize, const R: usize>(at: ScoresAt<bf16>, q
     }
 }
 
+/// [`scores`] in AVX-512 for a kv head with many query rows ([`bcast_min_rows`] or more: MQA,
+/// several tokens per step): outer products, no horizontal sums. Each k element is broadcast
+/// against a vector of 16 rows of q transposed (`qt[x · ld + r]`), in register tiles of 4 keys ×
+/// 4 vectors (64 rows): 16 zmm accumulators, 4 of q, one broadcast; per dim 4 loads, 4
+/// broadcasts and 16 FMAs. The dot-product blocks of [`scores_avx512`] spend a 45-instruction
+/// reduction per 16 scores and reload q per 4 keys. Lanes past `rows` are not stored.
+///
+/// # Safety
+/// AVX-512F present; operands as checked by [`scores`] (`qt` holds `kr.d` rows of `ld >=
+/// rows` rounded up to 16 lanes).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn scores_bcast_avx512<T: Element>(
+    qt: &[f32],
+    ld: usize,
+    rows: usize,
+    src: &[T],
+    kr: KeyRows,
+    st: &mut [f32],
+    np: usize,
+    ahead: &mut Ahead,
+) {
+    let nv = rows.div_ceil(LANES);
+    // SAFETY (all calls): the caller's contract; every tile stays inside keys × rows.
+    unsafe {
+        let mut c0 = 0;
+        while c0 < kr.cols() {
+            let kb = (kr.cols() - c0).min(4);
+            ahead.step(kb);
+            let mut v0 = 0;
+            while v0 < nv {
+                let vb = (nv - v0).min(4);
+                let at = (qt, ld, rows, src, kr, (c0, v0), &mut *st, np);
+                by_tile!(kb, vb, |A, B| scores_bcast_tile::<A, B, T>(at));
+                v0 += vb;
+            }
+            c0 += kb;
+        }
+    }
+}
+
+/// Operands of one [`scores_bcast_tile`] (`P = f32`) or [`scores_bcast_tile_bf16`] (`P = u32`):
+/// q transposed, its `ld`, rows, the cache, its rows, (first key, first vector of rows), st, np.
+#[cfg(target_arch = "x86_64")]
+type BcastAt<'a, P, T> = (
+    &'a [P],
+    usize,
+    usize,
+    &'a [T],
+    KeyRows<'a>,
+    (usize, usize),
+    &'a mut [f32],
+    usize,
+);
+
+/// Stores accumulator `a` (rows `16 · v..16 · v + 16` of key `c`) into `st`, lanes past `rows`
+/// masked off.
+///
+/// # Safety
+/// AVX-512F present; `c · np + min(rows, 16 · v + 16) <= st.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn store_rows(
+    a: std::arch::x86_64::__m512,
+    st: &mut [f32],
+    np: usize,
+    c: usize,
+    v: usize,
+    rows: usize,
+) {
+    use std::arch::x86_64::_mm512_mask_storeu_ps;
+    let r = v * LANES;
+    let n = (rows - r).min(LANES);
+    let m = if n == LANES {
+        u16::MAX
+    } else {
+        (1u16 << n) - 1
+    };
+    // SAFETY: the caller's contract; masked-off lanes are not written.
+    unsafe { _mm512_mask_storeu_ps(st.as_mut_ptr().add(c * np + r), m, a) };
+}
+
+/// Keys `c0..c0 + K` × row vectors `v0..v0 + V` of [`scores_bcast_avx512`].
+///
+/// # Safety
+/// As [`scores_bcast_avx512`]; `c0 + K <= cols`, `v0 + V <= rows.div_ceil(16)`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn scores_bcast_tile<const K: usize, const V: usize, T: Element>(at: BcastAt<f32, T>) {
+    use std::arch::x86_64::*;
+    let (qt, ld, rows, src, kr, (c0, v0), st, np) = at;
+    // SAFETY: the caller's contract.
+    unsafe {
+        let kp: [*const T; K] = std::array::from_fn(|i| src.as_ptr().add(kr.at(c0 + i)));
+        let qp = qt.as_ptr().add(v0 * LANES);
+        let mut acc = [[_mm512_setzero_ps(); V]; K];
+        for x in 0..kr.d {
+            let qv: [__m512; V] =
+                std::array::from_fn(|j| _mm512_loadu_ps(qp.add(x * ld + j * LANES)));
+            for (ai, kpi) in acc.iter_mut().zip(&kp) {
+                let kx = _mm512_set1_ps((*kpi.add(x)).to_f32());
+                for (a, qj) in ai.iter_mut().zip(&qv) {
+                    *a = _mm512_fmadd_ps(kx, *qj, *a);
+                }
+            }
+        }
+        for (i, ai) in acc.iter().enumerate() {
+            for (j, a) in ai.iter().enumerate() {
+                store_rows(*a, st, np, c0 + i, v0 + j, rows);
+            }
+        }
+    }
+}
+
+/// [`scores_bcast_avx512`] for bf16 with `vdpbf16ps`: the pair of k dims `2x, 2x + 1`
+/// broadcast as one u32 against the rows' pairs (`qt[x · ld + r]`); d even.
+///
+/// # Safety
+/// AVX-512F and AVX512_BF16 present; operands as checked by [`scores`] (`qt` holds `kr.d / 2`
+/// rows of `ld`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn scores_bcast_avx512_bf16(
+    qt: &[u32],
+    ld: usize,
+    rows: usize,
+    src: &[bf16],
+    kr: KeyRows,
+    st: &mut [f32],
+    np: usize,
+    ahead: &mut Ahead,
+) {
+    let nv = rows.div_ceil(LANES);
+    // SAFETY (all calls): the caller's contract; every tile stays inside keys × rows.
+    unsafe {
+        let mut c0 = 0;
+        while c0 < kr.cols() {
+            let kb = (kr.cols() - c0).min(4);
+            ahead.step(kb);
+            let mut v0 = 0;
+            while v0 < nv {
+                let vb = (nv - v0).min(4);
+                let at = (qt, ld, rows, src, kr, (c0, v0), &mut *st, np);
+                by_tile!(kb, vb, |A, B| scores_bcast_tile_bf16::<A, B>(at));
+                v0 += vb;
+            }
+            c0 += kb;
+        }
+    }
+}
+
+/// Keys `c0..c0 + K` × row vectors `v0..v0 + V` of [`scores_bcast_avx512_bf16`].
+///
+/// # Safety
+/// As [`scores_bcast_avx512_bf16`]; `c0 + K <= cols`, `v0 + V <= rows.div_ceil(16)`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+#[inline]
+unsafe fn scores_bcast_tile_bf16<const K: usize, const V: usize>(at: BcastAt<u32, bf16>) {
+    use std::arch::x86_64::*;
+    let (qt, ld, rows, src, kr, (c0, v0), st, np) = at;
+    let bh = |x: __m512i| std::mem::transmute::<__m512i, __m512bh>(x);
+    // SAFETY: the caller's contract; a k pair is read unaligned (a row may start at an odd
+    // element).
+    unsafe {
+        let kp: [*const half::bf16; K] = std::array::from_fn(|i| src.as_ptr().add(kr.at(c0 + i)));
+        let qp = qt.as_ptr().add(v0 * LANES);
+        let mut acc = [[_mm512_setzero_ps(); V]; K];
+        for x in 0..kr.d / 2 {
+            let qv: [__m512i; V] =
+                std::array::from_fn(|j| _mm512_loadu_si512(qp.add(x * ld + j * LANES).cast()));
+            for (ai, kpi) in acc.iter_mut().zip(&kp) {
+                let pair = kpi.add(2 * x).cast::<i32>().read_unaligned();
+                let kx = bh(_mm512_set1_epi32(pair));
+                for (a, qj) in ai.iter_mut().zip(&qv) {
+                    *a = _mm512_dpbf16_ps(*a, kx, bh(*qj));
+                }
+            }
+        }
+        for (i, ai) in acc.iter().enumerate() {
+            for (j, a) in ai.iter().enumerate() {
+                store_rows(*a, st, np, c0 + i, v0 + j, rows);
+            }
+        }
+    }
+}
+
 /// The lane sums of 16 vectors `a[4j + i]`, as lane `4j + i` of one vector: 256-bit halves
 /// added pairwise (two keys at a time), then 128-bit quarters, then two in-lane rounds, 45
 /// instructions where 16 separate reductions take ~140.
@@ -1739,6 +2061,10 @@ mod tests {
                 (1, 9, 64),
                 (4, 33, 128),
                 (8, 6, 96),
+                (16, 7, 128),
+                (17, 5, 40),
+                (64, 9, 64),
+                (70, 6, 59),
             ] {
                 let (dpad, np) = (pad_lanes(d), pad_lanes(rows));
                 let stride = d + 3;
@@ -1773,85 +2099,95 @@ mod tests {
                         .collect();
                     // bf16: q rounded to bf16 for the dot-product path; the tolerance covers it.
                     let bf = T::DTYPE == DType::BF16;
-                    let qr = QRows {
-                        f32: q,
-                        bf16_pairs: bf.then_some(&pairs[..]),
-                        rows,
-                        dpad,
-                    };
-                    let mut st = vec![f32::NAN; kr.cols() * np];
-                    scores(isa, qr, &src, kr, &mut st, np, &mut Ahead::none());
-                    // bf16 on a CPU with the bf16 dot product: p as bf16 pairs, as the decode
-                    // loop passes them; the f64 sums below round p the same way.
-                    let dot = bf && isa.has_bf16_dot();
-                    let mut pairs = vec![0u32; kr.cols().div_ceil(2) * np];
-                    crate::cpu::simd::Kernels::for_isa(isa)
-                        .unwrap()
-                        .pack_pairs_bf16(p, kr.cols(), np, &mut pairs);
-                    let pr = PRows {
-                        f32: p,
-                        bf16_pairs: dot.then_some(&pairs[..]),
-                        rows,
-                        np,
-                    };
-                    let mut acc = vec![0.5f32; rows * dpad];
-                    pv_acc(isa, pr, &src, kr, &mut acc, dpad, &mut Ahead::none());
-                    // p as the kernel multiplies it: rounded to bf16 on the pair path, except
-                    // an odd last key, which takes the f32 path.
-                    let p_used = |c: usize, r: usize| {
-                        let x = p[c * np + r];
-                        if dot && kr.d >= 32 && (c + 1 < kr.cols() || kr.cols().is_multiple_of(2)) {
-                            bf16::from_f32(x).to_f64()
-                        } else {
-                            x as f64
-                        }
-                    };
-                    let what = format!(
-                        "{isa:?} {} rows {rows} cols {} d {}",
-                        T::DTYPE,
-                        kr.cols(),
-                        kr.d
-                    );
-                    for c in 0..kr.cols() {
-                        for r in 0..np {
-                            let got = st[c * np + r] as f64;
-                            if r >= rows {
-                                // Lanes past `rows` belong to other kv heads: untouched.
-                                assert!(got.is_nan(), "{what}: st[{c}][{r}] written");
-                                continue;
-                            }
-                            let want: f64 =
-                                (0..kr.d).map(|x| q[r * dpad + x] as f64 * val(c, x)).sum();
-                            let tol = if bf {
-                                1e-2 * (kr.d as f64).sqrt()
+                    // Each case also with q transposed (the outer-product kernel on AVX-512;
+                    // other ISAs ignore it).
+                    let qt = QTrans::build(q, bf.then_some(&pairs[..]), (1, rows, kr.d, dpad));
+                    for t in [None, Some(qt.group(0))] {
+                        let qr = QRows {
+                            f32: q,
+                            bf16_pairs: bf.then_some(&pairs[..]),
+                            rows,
+                            dpad,
+                            t,
+                        };
+                        let mut st = vec![f32::NAN; kr.cols() * np];
+                        scores(isa, qr, &src, kr, &mut st, np, &mut Ahead::none());
+                        // bf16 on a CPU with the bf16 dot product: p as bf16 pairs, as the decode
+                        // loop passes them; the f64 sums below round p the same way.
+                        let dot = bf && isa.has_bf16_dot();
+                        let mut pairs = vec![0u32; kr.cols().div_ceil(2) * np];
+                        crate::cpu::simd::Kernels::for_isa(isa)
+                            .unwrap()
+                            .pack_pairs_bf16(p, kr.cols(), np, &mut pairs);
+                        let pr = PRows {
+                            f32: p,
+                            bf16_pairs: dot.then_some(&pairs[..]),
+                            rows,
+                            np,
+                        };
+                        let mut acc = vec![0.5f32; rows * dpad];
+                        pv_acc(isa, pr, &src, kr, &mut acc, dpad, &mut Ahead::none());
+                        // p as the kernel multiplies it: rounded to bf16 on the pair path, except
+                        // an odd last key, which takes the f32 path.
+                        let p_used = |c: usize, r: usize| {
+                            let x = p[c * np + r];
+                            if dot
+                                && kr.d >= 32
+                                && (c + 1 < kr.cols() || kr.cols().is_multiple_of(2))
+                            {
+                                bf16::from_f32(x).to_f64()
                             } else {
-                                1e-5
-                            };
-                            assert!(
-                                (got - want).abs() <= tol * (1.0 + want.abs()),
-                                "{what}: st[{c}][{r}] = {got}, want {want}"
-                            );
+                                x as f64
+                            }
+                        };
+                        let what = format!(
+                            "{isa:?} {} rows {rows} cols {} d {} transposed q {}",
+                            T::DTYPE,
+                            kr.cols(),
+                            kr.d,
+                            t.is_some()
+                        );
+                        for c in 0..kr.cols() {
+                            for r in 0..np {
+                                let got = st[c * np + r] as f64;
+                                if r >= rows {
+                                    // Lanes past `rows` belong to other kv heads: untouched.
+                                    assert!(got.is_nan(), "{what}: st[{c}][{r}] written");
+                                    continue;
+                                }
+                                let want: f64 =
+                                    (0..kr.d).map(|x| q[r * dpad + x] as f64 * val(c, x)).sum();
+                                let tol = if bf {
+                                    1e-2 * (kr.d as f64).sqrt()
+                                } else {
+                                    1e-5
+                                };
+                                assert!(
+                                    (got - want).abs() <= tol * (1.0 + want.abs()),
+                                    "{what}: st[{c}][{r}] = {got}, want {want}"
+                                );
+                            }
                         }
-                    }
-                    for r in 0..rows {
-                        for x in 0..kr.d {
-                            let want: f64 = 0.5
-                                + (0..kr.cols())
-                                    .map(|c| {
-                                        // dims past the last whole 32 take the f32 path
-                                        let pc = if x < kr.d / 32 * 32 {
-                                            p_used(c, r)
-                                        } else {
-                                            p[c * np + r] as f64
-                                        };
-                                        pc * val(c, x)
-                                    })
-                                    .sum::<f64>();
-                            let got = acc[r * dpad + x] as f64;
-                            assert!(
-                                (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
-                                "{what}: acc[{r}][{x}] = {got}, want {want}"
-                            );
+                        for r in 0..rows {
+                            for x in 0..kr.d {
+                                let want: f64 = 0.5
+                                    + (0..kr.cols())
+                                        .map(|c| {
+                                            // dims past the last whole 32 take the f32 path
+                                            let pc = if x < kr.d / 32 * 32 {
+                                                p_used(c, r)
+                                            } else {
+                                                p[c * np + r] as f64
+                                            };
+                                            pc * val(c, x)
+                                        })
+                                        .sum::<f64>();
+                                let got = acc[r * dpad + x] as f64;
+                                assert!(
+                                    (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                                    "{what}: acc[{r}][{x}] = {got}, want {want}"
+                                );
+                            }
                         }
                     }
                 }
