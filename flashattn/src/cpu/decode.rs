@@ -2,7 +2,8 @@
 //!
 //! Work items are (sequence b, query block, key split). A query block holds `m_rows` query
 //! positions of *every* head, so each item streams its keys once for all heads, reading the
-//! cache in place, tile by tile ([`TILE_KEYS`] keys of all kv heads). In a contiguous cache a
+//! cache in place, tile by tile ([`TILE_KEYS`] keys of all kv heads; [`TILE_KEYS_MANY_ROWS`]
+//! when a kv head has more than 4 query rows). In a contiguous cache a
 //! tile's rows are adjacent (`heads_kv · d` elements per key), so the item reads one dense span
 //! per tile and asks for the next tile's span ahead of use ([`Ahead`]); reading one kv head at a
 //! time over the whole range would instead touch one `d`-row per 4 KiB page (f32, 8 kv heads,
@@ -18,6 +19,8 @@
 //! products run per kv head and are shaped for a few rows against many keys:
 //! - scores `S = Q·Kᵀ`: [`scores`], dot products along `d` (4 query rows × 4 keys in registers),
 //!   then one transposing reduction per 16 scores;
+//!   with many query rows per kv head on AVX-512, outer products against q transposed instead
+//!   ([`scores_bcast_avx512`]);
 //! - `acc_o += P·V`: [`pv_acc`], rows × `d` accumulators in registers over the tile's keys, so
 //!   each v element is loaded once per 4 rows.
 //!
@@ -48,6 +51,14 @@ const ROWS_CAP: usize = 128;
 /// keys one tile ahead 10.1-13.1 ms f32 and 5.6-6.3 ms bf16, 32 keys 12.0-12.8 and 6.5-6.9, 64
 /// keys 13.1-20.7 and 6.2-10.3; a busy machine, so relative figures).
 const TILE_KEYS: usize = 16;
+/// Keys per tile for more than 4 query rows per kv head (MQA, several tokens per step), where
+/// the step is bound by arithmetic: longer runs of each register tile over keys (P·V's
+/// accumulators put back, the score kernel's per-call work, the softmax calls once per tile).
+/// Measured (A/B in one process, 2 threads, 32k keys, 2026-11-23), 32 against 16 keys: MQA f32
+/// 0.95, bf16 0.86; 4 tokens f32 0.99, bf16 0.93; 64 keys no better (0.97 / 0.84 / 1.01 / 0.95).
+const TILE_KEYS_MANY_ROWS: usize = 32;
+/// The longest tile of either kind (buffer sizes).
+const TILE_KEYS_MAX: usize = TILE_KEYS_MANY_ROWS;
 /// The products take a tile in sub-blocks of keys whose rows of all kv heads span at most this
 /// many bytes, each sub-block head by head: 8 keys (32 KiB of k, then of v) for f32 at 8 kv
 /// heads and d = 128, where walking one kv head over all 16 keys of the tile touches 16 pages
@@ -320,19 +331,26 @@ fn run_item<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T], it: Item) 
     let (mut alpha, mut m_sub) = (vec![0f32; np], vec![0f32; np]);
     // Lanes all_rows..np are never written by the products; zero here, they stay finite through
     // the softmax and are never read back.
-    let mut st = vec![0f32; TILE_KEYS * np];
+    let mut st = vec![0f32; TILE_KEYS_MAX * np];
     // bf16 with `vdpbf16ps`: P as bf16 pairs of keys for the P·V product.
-    let mut pp: Option<Vec<u32>> = qb.is_some().then(|| vec![0u32; TILE_KEYS.div_ceil(2) * np]);
+    let mut pp: Option<Vec<u32>> = qb
+        .is_some()
+        .then(|| vec![0u32; TILE_KEYS_MAX.div_ceil(2) * np]);
     let mods: Vec<ScoreMod> = (0..p.heads).map(|h| ScoreMod::new(p, b, h)).collect();
     // The tile after n0: keys n0..n1, cut at the split's end; the rows' offsets (kv head 0) in
     // k and v, which may lie on several pages.
-    let tile = |n0: usize, kt: &mut [usize; TILE_KEYS], vt: &mut [usize; TILE_KEYS]| {
-        let n1 = n_hi.min(n0 + TILE_KEYS);
+    let tile_keys = if rows <= 4 {
+        TILE_KEYS
+    } else {
+        TILE_KEYS_MANY_ROWS
+    };
+    let tile = |n0: usize, kt: &mut [usize; TILE_KEYS_MAX], vt: &mut [usize; TILE_KEYS_MAX]| {
+        let n1 = n_hi.min(n0 + tile_keys);
         cache.key_offsets_run(b, n0, &mut kt[..n1 - n0], &mut vt[..n1 - n0]);
         n1
     };
-    let (mut kt, mut vt) = ([0usize; TILE_KEYS], [0usize; TILE_KEYS]);
-    let (mut kt_next, mut vt_next) = ([0usize; TILE_KEYS], [0usize; TILE_KEYS]);
+    let (mut kt, mut vt) = ([0usize; TILE_KEYS_MAX], [0usize; TILE_KEYS_MAX]);
+    let (mut kt_next, mut vt_next) = ([0usize; TILE_KEYS_MAX], [0usize; TILE_KEYS_MAX]);
     // Refilled in place per tile (its run buffers are a few KiB).
     let mut ahead = Ahead::none();
     // Sub-blocks only where one register block holds a kv head's query rows (one token per
@@ -342,7 +360,7 @@ fn run_item<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T], it: Item) 
     let sub = if rows <= 4 {
         sub_block_keys(heads_kv * d * std::mem::size_of::<T>())
     } else {
-        TILE_KEYS
+        tile_keys
     };
 
     // The query rows of kv head hk (the same for every tile).
@@ -526,10 +544,10 @@ impl<'a> KeyRows<'a> {
 }
 
 /// Most prefetch runs of one tile: one per key and kv head of 8 kv heads, enough for every
-/// head-major page of a 16-key tile with up to 8 kv heads (the runs past it are not prefetched).
-const RUNS_CAP: usize = 8 * TILE_KEYS;
+/// head-major page of a tile with up to 8 kv heads (the runs past it are not prefetched).
+const RUNS_CAP: usize = 8 * TILE_KEYS_MAX;
 
-/// Up to [`RUNS_CAP`] element ranges `[start, end)` of a cache, in order. Not `Copy`: 2 KiB,
+/// Up to [`RUNS_CAP`] element ranges `[start, end)` of a cache, in order. Not `Copy`: 4 KiB,
 /// refilled in place.
 #[derive(Debug)]
 pub(crate) struct Runs {
@@ -561,7 +579,7 @@ impl Runs {
     }
 
     /// Sets the ranges to those holding the rows of all kv heads of the keys with row offsets
-    /// `keys` (kv head 0; at most [`TILE_KEYS`]), adjacent ranges merged. Where a key's rows of
+    /// `keys` (kv head 0; at most [`TILE_KEYS_MAX`]), adjacent ranges merged. Where a key's rows of
     /// all heads lie together (at most twice their data apart, as in flash-attn's
     /// `[.., seqlen, heads_kv, d]`), one range per key: one run for a tile of a contiguous cache,
     /// one per page of a paged one. Otherwise (e.g. head-major `[.., heads_kv, seqlen, d]`) one
@@ -2263,12 +2281,14 @@ mod tests {
             .map(|h| (h * 4096 * d + 5 * d, h * 4096 * d + 21 * d))
             .collect();
         assert_eq!(runs(&keys, head_major), want);
-        // Head-major pages of 1 key: one run per key and head, up to RUNS_CAP, then dropped.
-        let pages: Vec<usize> = (0..16).rev().map(|j| j * 2 * d).collect();
+        // Head-major pages of 1 key: one run per key and head, up to RUNS_CAP, then dropped
+        // (40 keys × 8 heads ask for more than the cap).
+        let pages: Vec<usize> = (0..40).rev().map(|j| j * 2 * d).collect();
         let got = runs(&pages, head_major);
+        assert!(40 * heads_kv > RUNS_CAP);
         assert_eq!(got.len(), RUNS_CAP);
-        assert_eq!(got[0], (15 * 2 * d, 15 * 2 * d + d));
-        assert_eq!(got[16], (4096 * d + 15 * 2 * d, 4096 * d + 15 * 2 * d + d));
+        assert_eq!(got[0], (39 * 2 * d, 39 * 2 * d + d));
+        assert_eq!(got[40], (4096 * d + 39 * 2 * d, 4096 * d + 39 * 2 * d + d));
     }
 
     /// The kernels' bound check covers every key's row, not only the first or last one.
