@@ -766,40 +766,34 @@ impl QTrans<'_> {
         (heads_kv, rows, d, dpad): (usize, usize, usize, usize),
     ) -> QTransBuf {
         let ld = rows.next_multiple_of(LANES);
+        // Group g's row r, elements 0..n of its `w`-element row in `src`, to column r of the
+        // group's n × ld block.
+        fn transpose<E: Copy + Default>(
+            src: &[E],
+            (groups, rows, n, w, ld): (usize, usize, usize, usize, usize),
+        ) -> Vec<E> {
+            let mut t = vec![E::default(); groups * n * ld];
+            for g in 0..groups {
+                for r in 0..rows {
+                    let row = &src[(g * rows + r) * w..][..n];
+                    for (x, &v) in row.iter().enumerate() {
+                        t[g * n * ld + x * ld + r] = v;
+                    }
+                }
+            }
+            t
+        }
         match qb.filter(|_| d.is_multiple_of(2)) {
-            Some(qb) => {
-                let (n, w) = (d / 2, dpad / 2);
-                let mut t = vec![0u32; heads_kv * n * ld];
-                for g in 0..heads_kv {
-                    for r in 0..rows {
-                        let src = &qb[(g * rows + r) * w..][..n];
-                        for (x, &v) in src.iter().enumerate() {
-                            t[g * n * ld + x * ld + r] = v;
-                        }
-                    }
-                }
-                QTransBuf::Pairs {
-                    t,
-                    ld,
-                    stride: n * ld,
-                }
-            }
-            None => {
-                let mut t = vec![0f32; heads_kv * d * ld];
-                for g in 0..heads_kv {
-                    for r in 0..rows {
-                        let src = &q[(g * rows + r) * dpad..][..d];
-                        for (x, &v) in src.iter().enumerate() {
-                            t[g * d * ld + x * ld + r] = v;
-                        }
-                    }
-                }
-                QTransBuf::F32 {
-                    t,
-                    ld,
-                    stride: d * ld,
-                }
-            }
+            Some(qb) => QTransBuf::Pairs {
+                t: transpose(qb, (heads_kv, rows, d / 2, dpad / 2, ld)),
+                ld,
+                stride: d / 2 * ld,
+            },
+            None => QTransBuf::F32 {
+                t: transpose(q, (heads_kv, rows, d, dpad, ld)),
+                ld,
+                stride: d * ld,
+            },
         }
     }
 }
@@ -1573,6 +1567,31 @@ unsafe fn scores_tile_bf16<const K: usize, const R: usize>(at: ScoresAt<bf16>, q
     }
 }
 
+/// The block walk of the outer-product score kernels: keys in blocks of up to 4 (stepping
+/// `ahead` once per block), and within each, the `rows.div_ceil(16)` vectors of rows in blocks
+/// of up to 4; `$body` runs per block with its first key, first vector and sizes.
+#[cfg(target_arch = "x86_64")]
+macro_rules! bcast_blocks {
+    (
+        $kr:expr, $rows:expr, $ahead:expr,
+        |$c0:ident, $v0:ident, $kb:ident, $vb:ident| $body:block
+    ) => {{
+        let nv = $rows.div_ceil(LANES);
+        let mut $c0 = 0;
+        while $c0 < $kr.cols() {
+            let $kb = ($kr.cols() - $c0).min(4);
+            $ahead.step($kb);
+            let mut $v0 = 0;
+            while $v0 < nv {
+                let $vb = (nv - $v0).min(4);
+                $body
+                $v0 += $vb;
+            }
+            $c0 += $kb;
+        }
+    }};
+}
+
 /// [`scores`] in AVX-512 for a kv head with many query rows ([`bcast_min_rows`] or more: MQA,
 /// several tokens per step): outer products, no horizontal sums. Each k element is broadcast
 /// against a vector of 16 rows of q transposed (`qt[x · ld + r]`), in register tiles of 4 keys ×
@@ -1596,21 +1615,32 @@ unsafe fn scores_bcast_avx512<T: Element>(
     np: usize,
     ahead: &mut Ahead,
 ) {
-    let nv = rows.div_ceil(LANES);
     // SAFETY (all calls): the caller's contract; every tile stays inside keys × rows.
-    unsafe {
-        let mut c0 = 0;
-        while c0 < kr.cols() {
-            let kb = (kr.cols() - c0).min(4);
-            ahead.step(kb);
-            let mut v0 = 0;
-            while v0 < nv {
-                let vb = (nv - v0).min(4);
-                let at = (qt, ld, rows, src, kr, (c0, v0), &mut *st, np);
-                by_tile!(kb, vb, |A, B| scores_bcast_tile::<A, B, T>(at));
-                v0 += vb;
-            }
-            c0 += kb;
+    bcast_blocks!(kr, rows, ahead, |c0, v0, kb, vb| {
+        let at = (qt, ld, rows, src, kr, (c0, v0), &mut *st, np);
+        by_tile!(kb, vb, |A, B| unsafe { scores_bcast_tile::<A, B, T>(at) });
+    });
+}
+
+/// Stores a tile's accumulators (key `c0 + i`, rows of vector `v0 + j`) into `st` through
+/// [`store_rows`].
+///
+/// # Safety
+/// AVX-512F present; every stored key and vector inside `st` as [`store_rows`] requires.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn store_tile<const K: usize, const V: usize>(
+    acc: &[[std::arch::x86_64::__m512; V]; K],
+    st: &mut [f32],
+    np: usize,
+    (c0, v0): (usize, usize),
+    rows: usize,
+) {
+    for (i, ai) in acc.iter().enumerate() {
+        for (j, a) in ai.iter().enumerate() {
+            // SAFETY: the caller's contract.
+            unsafe { store_rows(*a, st, np, c0 + i, v0 + j, rows) };
         }
     }
 }
@@ -1682,11 +1712,7 @@ unsafe fn scores_bcast_tile<const K: usize, const V: usize, T: Element>(at: Bcas
                 }
             }
         }
-        for (i, ai) in acc.iter().enumerate() {
-            for (j, a) in ai.iter().enumerate() {
-                store_rows(*a, st, np, c0 + i, v0 + j, rows);
-            }
-        }
+        store_tile(&acc, st, np, (c0, v0), rows);
     }
 }
 
@@ -1709,23 +1735,11 @@ unsafe fn scores_bcast_avx512_bf16(
     np: usize,
     ahead: &mut Ahead,
 ) {
-    let nv = rows.div_ceil(LANES);
     // SAFETY (all calls): the caller's contract; every tile stays inside keys × rows.
-    unsafe {
-        let mut c0 = 0;
-        while c0 < kr.cols() {
-            let kb = (kr.cols() - c0).min(4);
-            ahead.step(kb);
-            let mut v0 = 0;
-            while v0 < nv {
-                let vb = (nv - v0).min(4);
-                let at = (qt, ld, rows, src, kr, (c0, v0), &mut *st, np);
-                by_tile!(kb, vb, |A, B| scores_bcast_tile_bf16::<A, B>(at));
-                v0 += vb;
-            }
-            c0 += kb;
-        }
-    }
+    bcast_blocks!(kr, rows, ahead, |c0, v0, kb, vb| {
+        let at = (qt, ld, rows, src, kr, (c0, v0), &mut *st, np);
+        by_tile!(kb, vb, |A, B| unsafe { scores_bcast_tile_bf16::<A, B>(at) });
+    });
 }
 
 /// Keys `c0..c0 + K` × row vectors `v0..v0 + V` of [`scores_bcast_avx512_bf16`].
@@ -1756,11 +1770,7 @@ unsafe fn scores_bcast_tile_bf16<const K: usize, const V: usize>(at: BcastAt<u32
                 }
             }
         }
-        for (i, ai) in acc.iter().enumerate() {
-            for (j, a) in ai.iter().enumerate() {
-                store_rows(*a, st, np, c0 + i, v0 + j, rows);
-            }
-        }
+        store_tile(&acc, st, np, (c0, v0), rows);
     }
 }
 
