@@ -853,30 +853,30 @@ pub(crate) fn scores<T: Element>(
             && (kr.cols() == 0 || st.len() >= (kr.cols() - 1) * np + rows),
         "decode scores: operands too short"
     );
+    if let Some(t) = q.t {
+        let (len, ld, steps) = match t {
+            QTrans::F32 { qt, ld } => (qt.len(), ld, kr.d),
+            QTrans::Pairs { qt, ld } => (qt.len(), ld, kr.d / 2),
+        };
+        assert!(
+            ld >= rows.next_multiple_of(LANES) && len >= steps * ld,
+            "decode scores: transposed q too short"
+        );
+    }
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 {
         match q.t {
             Some(QTrans::F32 { qt, ld }) => {
-                assert!(
-                    ld >= rows.next_multiple_of(LANES) && qt.len() >= kr.d * ld,
-                    "decode scores: transposed q too short"
-                );
                 // SAFETY: AVX-512F present (the kernel table's ISA); bounds checked above.
                 return unsafe { scores_bcast_avx512(qt, ld, rows, src, kr, st, np, ahead) };
             }
-            Some(QTrans::Pairs { qt, ld }) => {
+            Some(QTrans::Pairs { qt, ld }) if kr.d.is_multiple_of(2) => {
                 if let (Some(k), true) = (bf16::unwrap(T::wrap(src)), isa.has_bf16_dot()) {
-                    assert!(
-                        kr.d.is_multiple_of(2)
-                            && ld >= rows.next_multiple_of(LANES)
-                            && qt.len() >= kr.d / 2 * ld,
-                        "decode scores: transposed q pairs too short"
-                    );
                     // SAFETY: AVX-512F and AVX512_BF16 present (checked); bounds checked above.
                     return unsafe { scores_bcast_avx512_bf16(qt, ld, rows, k, kr, st, np, ahead) };
                 }
             }
-            None => {}
+            _ => {}
         }
         if let (Some(pairs), Some(k)) = (q.bf16_pairs, bf16::unwrap(T::wrap(src))) {
             if isa.has_bf16_dot() {
