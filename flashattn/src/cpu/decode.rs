@@ -322,9 +322,8 @@ fn run_item<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T], it: Item) 
             .collect()
     });
     // Many rows per kv head (MQA, several tokens per step) on AVX-512: q also transposed, for
-    // the outer-product score kernel (see `bcast_min_rows`).
-    let qt = (kern.isa == Isa::Avx512 && rows >= bcast_min_rows(qb.is_some() && d % 2 == 0))
-        .then(|| QTrans::build(&qf, qb.as_deref(), (heads_kv, rows, d, dpad)));
+    // the outer-product score kernel.
+    let qt = QTrans::for_item(kern.isa, &qf, qb.as_deref(), (heads_kv, rows, d, dpad));
     let mut acc = vec![0f32; all_rows * dpad];
     let mut row_max = vec![f32::NEG_INFINITY; np];
     let mut row_sum = vec![0f32; np];
@@ -339,10 +338,17 @@ fn run_item<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T], it: Item) 
     let mods: Vec<ScoreMod> = (0..p.heads).map(|h| ScoreMod::new(p, b, h)).collect();
     // The tile after n0: keys n0..n1, cut at the split's end; the rows' offsets (kv head 0) in
     // k and v, which may lie on several pages.
-    let tile_keys = if rows <= 4 {
-        TILE_KEYS
+    // Sub-blocks only where one register block holds a kv head's query rows (one token per
+    // step): with more rows the products do several times the arithmetic per byte read, and the
+    // sub-blocks' extra passes over the accumulators cost more than the reads gain (see
+    // SUB_BLOCK_BYTES); those shapes take longer tiles whole instead.
+    let (tile_keys, sub) = if rows <= 4 {
+        (
+            TILE_KEYS,
+            sub_block_keys(heads_kv * d * std::mem::size_of::<T>()),
+        )
     } else {
-        TILE_KEYS_MANY_ROWS
+        (TILE_KEYS_MANY_ROWS, TILE_KEYS_MANY_ROWS)
     };
     let tile = |n0: usize, kt: &mut [usize; TILE_KEYS_MAX], vt: &mut [usize; TILE_KEYS_MAX]| {
         let n1 = n_hi.min(n0 + tile_keys);
@@ -353,15 +359,6 @@ fn run_item<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T], it: Item) 
     let (mut kt_next, mut vt_next) = ([0usize; TILE_KEYS_MAX], [0usize; TILE_KEYS_MAX]);
     // Refilled in place per tile (its run buffers are a few KiB).
     let mut ahead = Ahead::none();
-    // Sub-blocks only where one register block holds a kv head's query rows (one token per
-    // step): with more rows the products do several times the arithmetic per byte read, and the
-    // sub-blocks' extra passes over the accumulators cost more than the reads gain (see
-    // SUB_BLOCK_BYTES).
-    let sub = if rows <= 4 {
-        sub_block_keys(heads_kv * d * std::mem::size_of::<T>())
-    } else {
-        tile_keys
-    };
 
     // The query rows of kv head hk (the same for every tile).
     let q_rows = |hk: usize| QRows {
@@ -757,6 +754,18 @@ fn bcast_min_rows(bf16_pairs: bool) -> usize {
 }
 
 impl QTrans<'_> {
+    /// q transposed for an item's kv groups when `isa` runs the outer-product score kernel for
+    /// this many rows ([`bcast_min_rows`]), as bf16 pairs where [`QTrans::build`] makes them.
+    pub fn for_item(
+        isa: Isa,
+        q: &[f32],
+        qb: Option<&[u32]>,
+        shape @ (_, rows, d, _): (usize, usize, usize, usize),
+    ) -> Option<QTransBuf> {
+        let pairs = qb.is_some() && d.is_multiple_of(2);
+        (isa == Isa::Avx512 && rows >= bcast_min_rows(pairs)).then(|| Self::build(q, qb, shape))
+    }
+
     /// Builds the transposed form of `rows` rows of `q` (`dpad` f32 each, kv head by kv head:
     /// `heads_kv` groups) or of their bf16 pairs `qb` (`dpad / 2` each) when given and `d` is
     /// even. Returns the buffer of all groups and a group's stride in it.
