@@ -2136,10 +2136,11 @@ mod tests {
                         .collect();
                     // bf16: q rounded to bf16 for the dot-product path; the tolerance covers it.
                     let bf = T::DTYPE == DType::BF16;
-                    // Each case also with q transposed (the outer-product kernel on AVX-512;
-                    // other ISAs ignore it).
-                    let qt = QTrans::build(q, bf.then_some(&pairs[..]), (1, rows, kr.d, dpad));
-                    for t in [None, Some(qt.group(0))] {
+                    // Scores with q as rows, and transposed (f32, and bf16 pairs where the dtype
+                    // has them): the outer-product kernels on AVX-512; other ISAs ignore it.
+                    let qt = QTrans::build(q, None, (1, rows, kr.d, dpad));
+                    let qtp = QTrans::build(q, bf.then_some(&pairs[..]), (1, rows, kr.d, dpad));
+                    for t in [None, Some(qt.group(0)), Some(qtp.group(0))] {
                         let qr = QRows {
                             f32: q,
                             bf16_pairs: bf.then_some(&pairs[..]),
@@ -2149,40 +2150,16 @@ mod tests {
                         };
                         let mut st = vec![f32::NAN; kr.cols() * np];
                         scores(isa, qr, &src, kr, &mut st, np, &mut Ahead::none());
-                        // bf16 on a CPU with the bf16 dot product: p as bf16 pairs, as the decode
-                        // loop passes them; the f64 sums below round p the same way.
-                        let dot = bf && isa.has_bf16_dot();
-                        let mut pairs = vec![0u32; kr.cols().div_ceil(2) * np];
-                        crate::cpu::simd::Kernels::for_isa(isa)
-                            .unwrap()
-                            .pack_pairs_bf16(p, kr.cols(), np, &mut pairs);
-                        let pr = PRows {
-                            f32: p,
-                            bf16_pairs: dot.then_some(&pairs[..]),
-                            rows,
-                            np,
-                        };
-                        let mut acc = vec![0.5f32; rows * dpad];
-                        pv_acc(isa, pr, &src, kr, &mut acc, dpad, &mut Ahead::none());
-                        // p as the kernel multiplies it: rounded to bf16 on the pair path, except
-                        // an odd last key, which takes the f32 path.
-                        let p_used = |c: usize, r: usize| {
-                            let x = p[c * np + r];
-                            if dot
-                                && kr.d >= 32
-                                && (c + 1 < kr.cols() || kr.cols().is_multiple_of(2))
-                            {
-                                bf16::from_f32(x).to_f64()
-                            } else {
-                                x as f64
-                            }
-                        };
                         let what = format!(
-                            "{isa:?} {} rows {rows} cols {} d {} transposed q {}",
+                            "{isa:?} {} rows {rows} cols {} d {} q {}",
                             T::DTYPE,
                             kr.cols(),
                             kr.d,
-                            t.is_some()
+                            match t {
+                                None => "as rows",
+                                Some(QTrans::F32 { .. }) => "transposed, f32",
+                                Some(QTrans::Pairs { .. }) => "transposed, bf16 pairs",
+                            }
                         );
                         for c in 0..kr.cols() {
                             for r in 0..np {
@@ -2205,26 +2182,57 @@ mod tests {
                                 );
                             }
                         }
-                        for r in 0..rows {
-                            for x in 0..kr.d {
-                                let want: f64 = 0.5
-                                    + (0..kr.cols())
-                                        .map(|c| {
-                                            // dims past the last whole 32 take the f32 path
-                                            let pc = if x < kr.d / 32 * 32 {
-                                                p_used(c, r)
-                                            } else {
-                                                p[c * np + r] as f64
-                                            };
-                                            pc * val(c, x)
-                                        })
-                                        .sum::<f64>();
-                                let got = acc[r * dpad + x] as f64;
-                                assert!(
-                                    (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
-                                    "{what}: acc[{r}][{x}] = {got}, want {want}"
-                                );
-                            }
+                    }
+                    // bf16 on a CPU with the bf16 dot product: p as bf16 pairs, as the decode
+                    // loop passes them; the f64 sums below round p the same way.
+                    let dot = bf && isa.has_bf16_dot();
+                    let mut pairs = vec![0u32; kr.cols().div_ceil(2) * np];
+                    crate::cpu::simd::Kernels::for_isa(isa)
+                        .unwrap()
+                        .pack_pairs_bf16(p, kr.cols(), np, &mut pairs);
+                    let pr = PRows {
+                        f32: p,
+                        bf16_pairs: dot.then_some(&pairs[..]),
+                        rows,
+                        np,
+                    };
+                    let mut acc = vec![0.5f32; rows * dpad];
+                    pv_acc(isa, pr, &src, kr, &mut acc, dpad, &mut Ahead::none());
+                    // p as the kernel multiplies it: rounded to bf16 on the pair path, except
+                    // an odd last key, which takes the f32 path.
+                    let p_used = |c: usize, r: usize| {
+                        let x = p[c * np + r];
+                        if dot && kr.d >= 32 && (c + 1 < kr.cols() || kr.cols().is_multiple_of(2)) {
+                            bf16::from_f32(x).to_f64()
+                        } else {
+                            x as f64
+                        }
+                    };
+                    let what = format!(
+                        "{isa:?} {} rows {rows} cols {} d {}",
+                        T::DTYPE,
+                        kr.cols(),
+                        kr.d
+                    );
+                    for r in 0..rows {
+                        for x in 0..kr.d {
+                            let want: f64 = 0.5
+                                + (0..kr.cols())
+                                    .map(|c| {
+                                        // dims past the last whole 32 take the f32 path
+                                        let pc = if x < kr.d / 32 * 32 {
+                                            p_used(c, r)
+                                        } else {
+                                            p[c * np + r] as f64
+                                        };
+                                        pc * val(c, x)
+                                    })
+                                    .sum::<f64>();
+                            let got = acc[r * dpad + x] as f64;
+                            assert!(
+                                (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                                "{what}: acc[{r}][{x}] = {got}, want {want}"
+                            );
                         }
                     }
                 }
