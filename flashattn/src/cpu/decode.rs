@@ -720,7 +720,8 @@ const CACHE_LINE: usize = 64;
 
 /// The query rows of one kv group: `rows` rows of `dpad` f32 ([`LANES`]-padded with zeros), and
 /// the same as bf16 pairs (`dpad / 2` u32 per row) when the bf16 dot product is to be used;
-/// `t`, when given, the same rows transposed for [`scores_bcast_avx512`].
+/// `t`, when given, the same rows transposed for [`scores_bcast_avx512`] or in blocks of 4
+/// rows for [`scores_quad_avx512_bf16`].
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct QRows<'a> {
     pub f32: &'a [f32],
@@ -730,14 +731,26 @@ pub(crate) struct QRows<'a> {
     pub t: Option<QTrans<'a>>,
 }
 
-/// Query rows transposed, rows along the lanes: element `x · ld + r` is dim `x` of row `r`
+/// Query rows in the layout of an AVX-512 score kernel other than plain rows. `F32` and
+/// `Pairs` are transposed, rows along the lanes: element `x · ld + r` is dim `x` of row `r`
 /// (`F32`, `x < d`) or the bf16 pair of dims `2x, 2x + 1` (`Pairs`, `x < d / 2`, d even); `ld`
 /// is `rows` rounded up to [`LANES`], the lanes past `rows` zero.
+///
+/// `Quads`: bf16 pairs in blocks of 4 rows for [`scores_quad_avx512_bf16`] (d a multiple of
+/// 16): element `((b · d / 16 + s) · 2 + h) · 16 + 8u + t` is the pair of dims `16s + 2t,
+/// 16s + 2t + 1` of row `4b + 2h + u`, so one vector holds 8 pairs of each of 2 rows (one per
+/// 256-bit half); rows past `rows` zero.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum QTrans<'a> {
     F32 { qt: &'a [f32], ld: usize },
     Pairs { qt: &'a [u32], ld: usize },
+    Quads { qt: &'a [u32] },
 }
+
+/// Fewest query rows per kv head for which bf16 scores take q in the `Quads` form
+/// ([`scores_quad_avx512_bf16`]): with fewer, most of each vector's 4 rows would be empty (one
+/// row per kv head keeps the dot-product kernel's 4-key reduction).
+const QUAD_MIN_ROWS: usize = 4;
 
 /// Fewest query rows per kv head for which the score product takes q transposed
 /// ([`scores_bcast_avx512`]): one 16-lane vector of rows (f32, f16, bf16 widened), two for bf16
@@ -763,7 +776,34 @@ impl QTrans<'_> {
         shape @ (_, rows, d, _): (usize, usize, usize, usize),
     ) -> Option<QTransBuf> {
         let pairs = qb.is_some() && d.is_multiple_of(2);
-        (isa == Isa::Avx512 && rows >= bcast_min_rows(pairs)).then(|| Self::build(q, qb, shape))
+        if isa != Isa::Avx512 {
+            return None;
+        }
+        if rows >= bcast_min_rows(pairs) {
+            return Some(Self::build(q, qb, shape));
+        }
+        qb.filter(|_| rows >= QUAD_MIN_ROWS && d.is_multiple_of(16))
+            .map(|qb| Self::quads(qb, shape))
+    }
+
+    /// The `Quads` form of `rows` rows of bf16 pairs `qb` (`dpad / 2` each, kv head by kv head:
+    /// `heads_kv` groups); d a multiple of 16.
+    pub fn quads(qb: &[u32], (heads_kv, rows, d, dpad): (usize, usize, usize, usize)) -> QTransBuf {
+        debug_assert!(d.is_multiple_of(16));
+        let (blocks, steps) = (rows.div_ceil(4), d / 16);
+        let stride = blocks * steps * 32;
+        let mut t = vec![0u32; heads_kv * stride];
+        for g in 0..heads_kv {
+            for r in 0..rows {
+                let row = &qb[(g * rows + r) * dpad / 2..][..d / 2];
+                let (b, h, u) = (r / 4, r % 4 / 2, r % 2);
+                for (x, &pair) in row.iter().enumerate() {
+                    let (s, i) = (x / 8, x % 8);
+                    t[g * stride + ((b * steps + s) * 2 + h) * 16 + 8 * u + i] = pair;
+                }
+            }
+        }
+        QTransBuf::Quads { t, stride }
     }
 
     /// Builds the transposed form of `rows` rows of `q` (`dpad` f32 each, kv head by kv head:
@@ -819,6 +859,10 @@ pub(crate) enum QTransBuf {
         ld: usize,
         stride: usize,
     },
+    Quads {
+        t: Vec<u32>,
+        stride: usize,
+    },
 }
 
 impl QTransBuf {
@@ -832,6 +876,9 @@ impl QTransBuf {
             QTransBuf::Pairs { t, ld, stride } => QTrans::Pairs {
                 qt: &t[g * stride..(g + 1) * stride],
                 ld: *ld,
+            },
+            QTransBuf::Quads { t, stride } => QTrans::Quads {
+                qt: &t[g * stride..(g + 1) * stride],
             },
         }
     }
@@ -863,14 +910,13 @@ pub(crate) fn scores<T: Element>(
         "decode scores: operands too short"
     );
     if let Some(t) = q.t {
-        let (len, ld, steps) = match t {
-            QTrans::F32 { qt, ld } => (qt.len(), ld, kr.d),
-            QTrans::Pairs { qt, ld } => (qt.len(), ld, kr.d / 2),
+        let lanes = rows.next_multiple_of(LANES);
+        let fits = match t {
+            QTrans::F32 { qt, ld } => ld >= lanes && qt.len() >= kr.d * ld,
+            QTrans::Pairs { qt, ld } => ld >= lanes && qt.len() >= kr.d / 2 * ld,
+            QTrans::Quads { qt } => qt.len() >= rows.div_ceil(4) * (kr.d / 16) * 32,
         };
-        assert!(
-            ld >= rows.next_multiple_of(LANES) && len >= steps * ld,
-            "decode scores: transposed q too short"
-        );
+        assert!(fits, "decode scores: transposed q too short");
     }
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 {
@@ -883,6 +929,12 @@ pub(crate) fn scores<T: Element>(
                 if let (Some(k), true) = (bf16::unwrap(T::wrap(src)), isa.has_bf16_dot()) {
                     // SAFETY: AVX-512F and AVX512_BF16 present (checked); bounds checked above.
                     return unsafe { scores_bcast_avx512_bf16(qt, ld, rows, k, kr, st, np, ahead) };
+                }
+            }
+            Some(QTrans::Quads { qt }) if kr.d.is_multiple_of(16) => {
+                if let (Some(k), true) = (bf16::unwrap(T::wrap(src)), isa.has_bf16_dot()) {
+                    // SAFETY: AVX-512F and AVX512_BF16 present (checked); bounds checked above.
+                    return unsafe { scores_quad_avx512_bf16(qt, rows, k, kr, st, np, ahead) };
                 }
             }
             _ => {}
@@ -1783,6 +1835,137 @@ unsafe fn scores_bcast_tile_bf16<const K: usize, const V: usize>(at: BcastAt<u32
     }
 }
 
+/// Keys per register block of [`scores_quad_avx512_bf16`]: 16 accumulators, two vectors of q
+/// and the broadcasts of k.
+const QUAD_KEYS: usize = 8;
+
+/// [`scores`] for bf16 with `vdpbf16ps` and a few query rows per kv head (GQA with
+/// [`QUAD_MIN_ROWS`] rows or more, fewer than [`bcast_min_rows`]): q in the `Quads` form
+/// ([`QTrans::quads`]), a vector holding 8 pairs of each of two rows; 16 dims of a k row (32
+/// bytes) are broadcast to both 256-bit halves and multiply two such vectors (4 rows), so a
+/// key's two accumulators hold its 4 scores as 8 partial sums each. 4 keys' accumulators then
+/// reduce to their 16 scores with 21 instructions and one permute, where the dot-product blocks
+/// of [`scores_avx512_bf16`] need 45 per 16 (scratch timing of the inner loops alone, data in
+/// L1, 2026-11-23: both at ~1.05 cycles per `vdpbf16ps`; a 128-bit broadcast per
+/// `vdpbf16ps` instead takes 1.4-1.65). d a multiple of 16. Against the dot-product kernel (A/B
+/// in one process, the variants alternating call by call, both orders, bf16, 2026-11-23): the
+/// issue's decode shape (GQA 4, 32k keys, two threads) 0.96-0.99 in six runs; 4 tokens a step
+/// (16 rows) and GQA 8 (8 rows) 0.94-0.96 when it runs second in each pair, 0.99 when first;
+/// with the cache in L2/L3 (one thread) 0.98-1.02.
+///
+/// # Safety
+/// AVX-512F and AVX512_BF16 present; operands as checked by [`scores`] (`qt` holds
+/// `rows.div_ceil(4) · d / 16 · 32` pairs).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn scores_quad_avx512_bf16(
+    qt: &[u32],
+    rows: usize,
+    src: &[bf16],
+    kr: KeyRows,
+    st: &mut [f32],
+    np: usize,
+    ahead: &mut Ahead,
+) {
+    let mut c0 = 0;
+    while c0 < kr.cols() {
+        let kb = (kr.cols() - c0).min(QUAD_KEYS);
+        ahead.step(kb);
+        for b in 0..rows.div_ceil(4) {
+            // SAFETY: the caller's contract; keys c0..c0 + kb and rows 4b..min(4b + 4, rows)
+            // lie inside kr and st.
+            unsafe { scores_quad_tile(qt, (rows, b), src, kr, (c0, kb), st, np) };
+        }
+        c0 += kb;
+    }
+}
+
+/// Keys `c0..c0 + kb` (`kb <= QUAD_KEYS`) × rows `4b..4b + 4` of [`scores_quad_avx512_bf16`].
+/// Keys past `kb` repeat the last one and are not stored; rows past `rows` are not stored.
+///
+/// # Safety
+/// As [`scores_quad_avx512_bf16`]; `c0 + kb <= cols`, `4b < rows`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+#[inline]
+unsafe fn scores_quad_tile(
+    qt: &[u32],
+    (rows, b): (usize, usize),
+    src: &[bf16],
+    kr: KeyRows,
+    (c0, kb): (usize, usize),
+    st: &mut [f32],
+    np: usize,
+) {
+    use std::arch::x86_64::*;
+    let steps = kr.d / 16;
+    let bh = |x: __m512i| std::mem::transmute::<__m512i, __m512bh>(x);
+    // SAFETY: the caller's contract; each k read is 16 dims inside a row of d.
+    unsafe {
+        let kp: [*const half::bf16; QUAD_KEYS] =
+            std::array::from_fn(|j| src.as_ptr().add(kr.at(c0 + j.min(kb - 1))));
+        let qp = qt.as_ptr().add(b * steps * 32);
+        let mut acc = [[_mm512_setzero_ps(); 2]; QUAD_KEYS];
+        for s in 0..steps {
+            let q0 = bh(_mm512_loadu_si512(qp.add(s * 32).cast()));
+            let q1 = bh(_mm512_loadu_si512(qp.add(s * 32 + 16).cast()));
+            for (a, kpj) in acc.iter_mut().zip(&kp) {
+                let kv = bh(_mm512_broadcast_i64x4(_mm256_loadu_si256(
+                    kpj.add(16 * s).cast(),
+                )));
+                a[0] = _mm512_dpbf16_ps(a[0], q0, kv);
+                a[1] = _mm512_dpbf16_ps(a[1], q1, kv);
+            }
+        }
+        let n = (rows - 4 * b).min(4);
+        // Per key: 128-bit lane i = 4 partial sums of row 4b + i.
+        let by_row = |a: &[__m512; 2]| {
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(a[0], a[1]),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(a[0], a[1]),
+            )
+        };
+        for (g, a) in acc.chunks_exact(4).enumerate() {
+            let s = quad_scores([by_row(&a[0]), by_row(&a[1]), by_row(&a[2]), by_row(&a[3])]);
+            let at = st.as_mut_ptr().add((c0 + 4 * g) * np + 4 * b);
+            let mut x = [[0f32; 4]; 4];
+            _mm512_storeu_ps(x.as_mut_ptr().cast(), s);
+            for (j, xj) in x.iter().enumerate().take(kb.saturating_sub(4 * g)) {
+                if n == 4 {
+                    _mm_storeu_ps(at.add(j * np), _mm_loadu_ps(xj.as_ptr()));
+                } else {
+                    (0..n).for_each(|i| *at.add(j * np + i) = xj[i]);
+                }
+            }
+        }
+    }
+}
+
+/// The scores of 4 keys' quad accumulators (lane `i` of `a[j]`: 4 partial sums of row `i`,
+/// key `j`), as lane `j`, element `i` of one vector: two in-lane transposing rounds (6
+/// shuffles, 3 adds), then one permute from rows × keys to keys × rows.
+///
+/// # Safety
+/// AVX-512F present.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn quad_scores(a: [std::arch::x86_64::__m512; 4]) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    // Per lane: [x0 + x2, y0 + y2, x1 + x3, y1 + y3].
+    let mix =
+        |x: __m512, y: __m512| _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+    let (s01, s23) = (mix(a[0], a[1]), mix(a[2], a[3]));
+    let pd = _mm512_castps_pd;
+    // Per lane: [Σ a0, Σ a1, Σ a2, Σ a3] (row i's score of keys 0..4 in lane i).
+    let s = _mm512_add_ps(
+        _mm512_castpd_ps(_mm512_unpacklo_pd(pd(s01), pd(s23))),
+        _mm512_castpd_ps(_mm512_unpackhi_pd(pd(s01), pd(s23))),
+    );
+    let keys_by_rows = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_permutexvar_ps(keys_by_rows, s)
+}
+
 /// The lane sums of 16 vectors `a[4j + i]`, as lane `4j + i` of one vector: 256-bit halves
 /// added pairwise (two keys at a time), then 128-bit quarters, then two in-lane rounds, 45
 /// instructions where 16 separate reductions take ~140.
@@ -2097,6 +2280,8 @@ mod tests {
                 (7, 5, 59),
                 (1, 9, 64),
                 (4, 33, 128),
+                (3, 11, 8),
+                (12, 19, 256),
                 (8, 6, 96),
                 (16, 7, 128),
                 (17, 5, 40),
@@ -2140,7 +2325,11 @@ mod tests {
                     // has them): the outer-product kernels on AVX-512; other ISAs ignore it.
                     let qt = QTrans::build(q, None, (1, rows, kr.d, dpad));
                     let qtp = QTrans::build(q, bf.then_some(&pairs[..]), (1, rows, kr.d, dpad));
-                    for t in [None, Some(qt.group(0)), Some(qtp.group(0))] {
+                    // and in 4-row blocks of bf16 pairs (d a multiple of 8).
+                    let qtq = (bf && kr.d.is_multiple_of(16))
+                        .then(|| QTrans::quads(&pairs, (1, rows, kr.d, dpad)));
+                    let quads = qtq.as_ref().map(|b| b.group(0));
+                    for t in [None, Some(qt.group(0)), Some(qtp.group(0)), quads] {
                         let qr = QRows {
                             f32: q,
                             bf16_pairs: bf.then_some(&pairs[..]),
@@ -2159,6 +2348,7 @@ mod tests {
                                 None => "as rows",
                                 Some(QTrans::F32 { .. }) => "transposed, f32",
                                 Some(QTrans::Pairs { .. }) => "transposed, bf16 pairs",
+                                Some(QTrans::Quads { .. }) => "bf16 pairs in blocks of 4 rows",
                             }
                         );
                         for c in 0..kr.cols() {
