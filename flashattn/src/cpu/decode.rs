@@ -999,6 +999,31 @@ macro_rules! by_tile {
     }};
 }
 
+/// The block walk of the score kernels: keys in blocks of up to `$keys` (stepping `ahead` once
+/// per block), and within each, `$units` (query rows, or vectors of rows) in blocks of up to 4;
+/// `$body` runs per block with its first key, first unit and the two sizes.
+#[cfg(target_arch = "x86_64")]
+macro_rules! score_blocks {
+    (
+        ($kr:expr, $keys:expr), $units:expr, $ahead:expr,
+        |$c0:ident, $u0:ident, $kb:ident, $ub:ident| $body:block
+    ) => {{
+        let units = $units;
+        let mut $c0 = 0;
+        while $c0 < $kr.cols() {
+            let $kb = ($kr.cols() - $c0).min($keys);
+            $ahead.step($kb);
+            let mut $u0 = 0;
+            while $u0 < units {
+                let $ub = (units - $u0).min(4);
+                $body
+                $u0 += $ub;
+            }
+            $c0 += $kb;
+        }
+    }};
+}
+
 /// [`scores`] in AVX2: f32 and bf16 in register tiles of 2 keys × 4 rows (8 ymm accumulators,
 /// 4 of q, 1 of k: 13 of 16 registers), one `hadd` reduction per 4 scores; f16 (whose widening
 /// needs F16C, which the AVX2 kernel table does not require) through [`scores_portable`]
@@ -1022,22 +1047,11 @@ unsafe fn scores_avx2<T: Element>(
     if T::DTYPE == DType::F16 {
         return scores_portable(q, rows, dpad, src, kr, st, np, ahead);
     }
-    // SAFETY (all calls): the caller's contract; every block below stays inside rows × cols.
-    unsafe {
-        let mut c0 = 0;
-        while c0 < kr.cols() {
-            let kb = (kr.cols() - c0).min(2);
-            ahead.step(kb);
-            let mut r0 = 0;
-            while r0 < rows {
-                let rb = (rows - r0).min(4);
-                let at = (q, r0, dpad, src, kr, c0, &mut *st, np);
-                by_tile!(kb, rb, |A, B| scores_tile_avx2::<A, B, T>(at));
-                r0 += rb;
-            }
-            c0 += kb;
-        }
-    }
+    // SAFETY (all calls): the caller's contract; every block stays inside rows × cols.
+    score_blocks!((kr, 2), rows, ahead, |c0, r0, kb, rb| {
+        let at = (q, r0, dpad, src, kr, c0, &mut *st, np);
+        by_tile!(kb, rb, |A, B| unsafe { scores_tile_avx2::<A, B, T>(at) });
+    });
 }
 
 /// 8 elements at `p` as f32: a load (f32) or zero-extension and a shift into the high half
@@ -1477,22 +1491,11 @@ unsafe fn scores_avx512<T: Element>(
     np: usize,
     ahead: &mut Ahead,
 ) {
-    // SAFETY (all calls): the caller's contract; every block below stays inside rows × cols.
-    unsafe {
-        let mut c0 = 0;
-        while c0 < kr.cols() {
-            let kb = (kr.cols() - c0).min(4);
-            ahead.step(kb);
-            let mut r0 = 0;
-            while r0 < rows {
-                let rb = (rows - r0).min(4);
-                let at = (q, r0, dpad, src, kr, c0, &mut *st, np);
-                by_tile!(kb, rb, |A, B| scores_tile::<A, B, T>(at));
-                r0 += rb;
-            }
-            c0 += kb;
-        }
-    }
+    // SAFETY (all calls): the caller's contract; every block stays inside rows × cols.
+    score_blocks!((kr, 4), rows, ahead, |c0, r0, kb, rb| {
+        let at = (q, r0, dpad, src, kr, c0, &mut *st, np);
+        by_tile!(kb, rb, |A, B| unsafe { scores_tile::<A, B, T>(at) });
+    });
 }
 
 /// Operands of one [`scores_tile`]: q, its first row, dpad, the cache, its rows, the first key,
@@ -1560,22 +1563,11 @@ unsafe fn scores_avx512_bf16(
     np: usize,
     ahead: &mut Ahead,
 ) {
-    // SAFETY (all calls): the caller's contract; every block below stays inside rows × cols.
-    unsafe {
-        let mut c0 = 0;
-        while c0 < kr.cols() {
-            let kb = (kr.cols() - c0).min(4);
-            ahead.step(kb);
-            let mut r0 = 0;
-            while r0 < rows {
-                let rb = (rows - r0).min(4);
-                let at = (q, r0, dpad, src, kr, c0, &mut *st, np);
-                by_tile!(kb, rb, |A, B| scores_tile_bf16::<A, B>(at, qb));
-                r0 += rb;
-            }
-            c0 += kb;
-        }
-    }
+    // SAFETY (all calls): the caller's contract; every block stays inside rows × cols.
+    score_blocks!((kr, 4), rows, ahead, |c0, r0, kb, rb| {
+        let at = (q, r0, dpad, src, kr, c0, &mut *st, np);
+        by_tile!(kb, rb, |A, B| unsafe { scores_tile_bf16::<A, B>(at, qb) });
+    });
 }
 
 /// Keys `c0..c0 + K` × rows `r0..r0 + R` of [`scores_avx512_bf16`].
@@ -1628,31 +1620,6 @@ unsafe fn scores_tile_bf16<const K: usize, const R: usize>(at: ScoresAt<bf16>, q
     }
 }
 
-/// The block walk of the outer-product score kernels: keys in blocks of up to 4 (stepping
-/// `ahead` once per block), and within each, the `rows.div_ceil(16)` vectors of rows in blocks
-/// of up to 4; `$body` runs per block with its first key, first vector and sizes.
-#[cfg(target_arch = "x86_64")]
-macro_rules! bcast_blocks {
-    (
-        $kr:expr, $rows:expr, $ahead:expr,
-        |$c0:ident, $v0:ident, $kb:ident, $vb:ident| $body:block
-    ) => {{
-        let nv = $rows.div_ceil(LANES);
-        let mut $c0 = 0;
-        while $c0 < $kr.cols() {
-            let $kb = ($kr.cols() - $c0).min(4);
-            $ahead.step($kb);
-            let mut $v0 = 0;
-            while $v0 < nv {
-                let $vb = (nv - $v0).min(4);
-                $body
-                $v0 += $vb;
-            }
-            $c0 += $kb;
-        }
-    }};
-}
-
 /// [`scores`] in AVX-512 for a kv head with many query rows ([`bcast_min_rows`] or more: MQA,
 /// several tokens per step): outer products, no horizontal sums. Each k element is broadcast
 /// against a vector of 16 rows of q transposed (`qt[x · ld + r]`), in register tiles of 4 keys ×
@@ -1677,7 +1644,7 @@ unsafe fn scores_bcast_avx512<T: Element>(
     ahead: &mut Ahead,
 ) {
     // SAFETY (all calls): the caller's contract; every tile stays inside keys × rows.
-    bcast_blocks!(kr, rows, ahead, |c0, v0, kb, vb| {
+    score_blocks!((kr, 4), rows.div_ceil(LANES), ahead, |c0, v0, kb, vb| {
         let at = (qt, ld, rows, src, kr, (c0, v0), &mut *st, np);
         by_tile!(kb, vb, |A, B| unsafe { scores_bcast_tile::<A, B, T>(at) });
     });
@@ -1797,7 +1764,7 @@ unsafe fn scores_bcast_avx512_bf16(
     ahead: &mut Ahead,
 ) {
     // SAFETY (all calls): the caller's contract; every tile stays inside keys × rows.
-    bcast_blocks!(kr, rows, ahead, |c0, v0, kb, vb| {
+    score_blocks!((kr, 4), rows.div_ceil(LANES), ahead, |c0, v0, kb, vb| {
         let at = (qt, ld, rows, src, kr, (c0, v0), &mut *st, np);
         by_tile!(kb, vb, |A, B| unsafe { scores_bcast_tile_bf16::<A, B>(at) });
     });
