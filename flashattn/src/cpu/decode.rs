@@ -1804,6 +1804,7 @@ unsafe fn scores_bcast_tile_bf16<const K: usize, const V: usize>(at: BcastAt<u32
 
 /// Keys per register block of [`scores_quad_avx512_bf16`]: 16 accumulators, two vectors of q
 /// and the broadcasts of k.
+#[cfg(target_arch = "x86_64")]
 const QUAD_KEYS: usize = 8;
 
 /// [`scores`] for bf16 with `vdpbf16ps` and a few query rows per kv head (GQA with
