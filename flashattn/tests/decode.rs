@@ -1609,3 +1609,39 @@ fn merge_ignores_empty_partials() {
     assert_eq!(none.out.to_f32_vec(), vec![0.0, 0.0]);
     assert_eq!(none.lse.to_f32_vec(), vec![f32::NEG_INFINITY]);
 }
+
+/// More query rows than one work item holds (128 rows: positions × heads), so a sequence's
+/// queries are cut into blocks of unequal size (32 heads × 5 positions: blocks of 4 and 1
+/// positions; 48 heads × 7: 2, 2, 2 and 1), each with its own key range under a causal or
+/// windowed mask, merged over several splits; every ISA and dtype.
+#[test]
+fn query_blocks_of_unequal_size() {
+    let mut seed = 2000;
+    for isa in flashattn::simd::available() {
+        for dtype in DTYPES {
+            for (i, &(heads, heads_kv, sq, d)) in
+                [(32, 8, 5, 64), (48, 6, 7, 40)].iter().enumerate()
+            {
+                for splits in [None, Some(3)] {
+                    seed += 1;
+                    check_case(&DCase {
+                        dtype,
+                        isa: Some(isa),
+                        d,
+                        heads,
+                        heads_kv,
+                        lens: vec![150, 61],
+                        new: Some(sq),
+                        seqlen_q: sq,
+                        cap: 200,
+                        causal: i == 0,
+                        window: if i == 1 { (30, 0) } else { (-1, -1) },
+                        splits,
+                        seed,
+                        ..DCase::default()
+                    });
+                }
+            }
+        }
+    }
+}
