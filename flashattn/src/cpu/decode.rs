@@ -178,12 +178,6 @@ struct Item {
     n_hi: usize,
 }
 
-/// An item's normalised result: row `h · m_rows + (i - i0)` of `out` (`d` values each) and `lse`.
-struct Partial {
-    out: Vec<f32>,
-    lse: Vec<f32>,
-}
-
 /// Attention of every sequence's queries over its first `seqlen_k` cache keys. Returns `out`
 /// (q's dtype, `[batch, seqlen_q, heads, d]`) and `lse` (`[batch, heads, seqlen_q]`).
 fn attend<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T]) -> (Vec<T>, Vec<f32>) {
@@ -218,11 +212,23 @@ fn attend<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T]) -> (Vec<T>, 
             })
         })
         .collect();
-    let partials: Vec<Partial> = items
+    // Each item's normalised result: row `h · m + (i - i0)` of its `out` chunk (`d` values each)
+    // and of its `lse` chunk, `m = i1 - i0`. One buffer for all items, not one per item: results
+    // allocated by the workers and held until the merge grew their heaps by ~16 KiB an item, the
+    // allocator gave that memory back after each call, and the next call page-faulted it in
+    // again (68 faults a call at 64 sequences × 512 keys, none now). Two binaries alternated,
+    // bf16, 2026-11-23: 64 sequences × 128 keys 3.39-3.66 -> 2.68-2.94 ms on one thread,
+    // 1.49-1.73 -> 1.39-1.45 on two; × 512 keys ~4.96 -> ~4.73 (medians of six runs, two
+    // threads); one sequence of 32k keys unchanged.
+    let rows = p.heads * blocks.iter().map(|x| x.2 - x.1).max().unwrap_or(0);
+    let mut part_out = vec![0f32; items.len() * rows * d];
+    let mut part_lse_all = vec![0f32; items.len() * rows];
+    items
         .par_iter()
+        .zip(part_out.par_chunks_mut((rows * d).max(1)))
+        .zip(part_lse_all.par_chunks_mut(rows.max(1)))
         .with_max_len(1)
-        .map(|it| run_item(dp, q, k, v, *it))
-        .collect();
+        .for_each(|((it, out), lse)| run_item(dp, q, k, v, *it, (out, lse)));
 
     // Poisoned: every element is written by the merge below (tests check for NaN).
     let mut out = vec![T::from_f32(f32::NAN); p.out_len()];
@@ -230,15 +236,16 @@ fn attend<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T]) -> (Vec<T>, 
     let mut parts = vec![0f32; splits * d];
     let mut part_lse = vec![0f32; splits];
     let mut row = vec![0f32; d];
-    for (block, item_parts) in blocks.iter().zip(partials.chunks(splits)) {
-        let &(b, i0, i1, _, _) = block;
+    for (x, &(b, i0, i1, _, _)) in blocks.iter().enumerate() {
         let m = i1 - i0;
         for h in 0..p.heads {
             for il in 0..m {
                 let r = h * m + il;
-                for (s, part) in item_parts.iter().enumerate() {
-                    parts[s * d..(s + 1) * d].copy_from_slice(&part.out[r * d..(r + 1) * d]);
-                    part_lse[s] = part.lse[r];
+                for s in 0..splits {
+                    let item = x * splits + s;
+                    let src = &part_out[(item * rows + r) * d..][..d];
+                    parts[s * d..(s + 1) * d].copy_from_slice(src);
+                    part_lse[s] = part_lse_all[item * rows + r];
                 }
                 let row_lse = merge_row(&part_lse, &parts, d, &mut row);
                 let o = p.out_offset(b, i0 + il, h);
@@ -273,8 +280,16 @@ pub(crate) fn merge_row(lse: &[f32], parts: &[f32], d: usize, dst: &mut [f32]) -
     max + sum.ln()
 }
 
-/// The split-KV loop of one item over its keys, for all heads. See the module docs.
-fn run_item<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T], it: Item) -> Partial {
+/// The split-KV loop of one item over its keys, for all heads, writing the item's normalised
+/// rows into `out` (`d` values each) and their LSEs into `lse`. See the module docs.
+fn run_item<T: Element>(
+    dp: &DecodeParams,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    it: Item,
+    (out, lse): (&mut [f32], &mut [f32]),
+) {
     let (p, cache) = (&dp.p, &dp.cache);
     let kern: &Kernels = p.kernels;
     let Item {
@@ -468,14 +483,11 @@ fn run_item<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T], it: Item) 
         (kt, vt) = (kt_next, vt_next);
     }
 
-    let mut out = vec![0f32; all_rows * d];
-    let mut lse = vec![0f32; all_rows];
     for row in 0..all_rows {
         let dst = &mut out[row * d..(row + 1) * d];
         dst.copy_from_slice(&acc[row * dpad..row * dpad + d]);
         lse[row] = finalize(dst, row_max[row], row_sum[row], 1.0);
     }
-    Partial { out, lse }
 }
 
 /// Where the rows of one kv head lie in a cache: key c's `d` values start at element
