@@ -809,9 +809,9 @@ impl QTrans<'_> {
             for r in 0..rows {
                 let row = &qb[(g * rows + r) * dpad / 2..][..d / 2];
                 let (b, h, u) = (r / 4, r % 4 / 2, r % 2);
-                for (x, &pair) in row.iter().enumerate() {
-                    let (s, i) = (x / 8, x % 8);
-                    t[g * stride + ((b * steps + s) * 2 + h) * 16 + 8 * u + i] = pair;
+                for (s, eight) in row.chunks_exact(8).enumerate() {
+                    let at = g * stride + ((b * steps + s) * 2 + h) * 16 + 8 * u;
+                    t[at..at + 8].copy_from_slice(eight);
                 }
             }
         }
