@@ -97,6 +97,29 @@ impl Default for DCase {
 }
 
 impl DCase {
+    /// A case of `sq` new tokens per sequence (appended, then attended) on one ISA: `shape` is
+    /// (heads, heads_kv, sq, d), `cache` the cache_seqlens and the capacity.
+    fn steps(
+        (dtype, isa): (DType, Isa),
+        (heads, heads_kv, sq, d): (usize, usize, usize, usize),
+        (lens, cap): (&[usize], usize),
+        seed: u64,
+    ) -> Self {
+        DCase {
+            dtype,
+            isa: Some(isa),
+            d,
+            heads,
+            heads_kv,
+            lens: lens.to_vec(),
+            new: Some(sq),
+            seqlen_q: sq,
+            cap,
+            seed,
+            ..DCase::default()
+        }
+    }
+
     fn batch(&self) -> usize {
         self.lens.len()
     }
@@ -910,7 +933,7 @@ fn many_rows_per_kv_head() {
     let mut seed = 1000;
     for isa in flashattn::simd::available() {
         for dtype in DTYPES {
-            for (i, &(heads, heads_kv, sq, d)) in [
+            for (i, &shape) in [
                 (32, 1, 1, 128),
                 (16, 2, 2, 64),
                 (17, 1, 1, 111),
@@ -921,15 +944,6 @@ fn many_rows_per_kv_head() {
             {
                 seed += 1;
                 check_case(&DCase {
-                    dtype,
-                    isa: Some(isa),
-                    d,
-                    heads,
-                    heads_kv,
-                    lens: vec![203, 61],
-                    new: Some(sq),
-                    seqlen_q: sq,
-                    cap: 240,
                     causal: i % 2 == 1,
                     window: if i == 2 { (50, -1) } else { (-1, -1) },
                     softcap: (i == 3).then_some(20.0),
@@ -939,8 +953,7 @@ fn many_rows_per_kv_head() {
                         Store::Contiguous
                     },
                     splits: Some(3),
-                    seed,
-                    ..DCase::default()
+                    ..DCase::steps((dtype, isa), shape, (&[203, 61], 240), seed)
                 });
             }
         }
@@ -1619,26 +1632,14 @@ fn query_blocks_of_unequal_size() {
     let mut seed = 2000;
     for isa in flashattn::simd::available() {
         for dtype in DTYPES {
-            for (i, &(heads, heads_kv, sq, d)) in
-                [(32, 8, 5, 64), (48, 6, 7, 40)].iter().enumerate()
-            {
+            for (i, &shape) in [(32, 8, 5, 64), (48, 6, 7, 40)].iter().enumerate() {
                 for splits in [None, Some(3)] {
                     seed += 1;
                     check_case(&DCase {
-                        dtype,
-                        isa: Some(isa),
-                        d,
-                        heads,
-                        heads_kv,
-                        lens: vec![150, 61],
-                        new: Some(sq),
-                        seqlen_q: sq,
-                        cap: 200,
                         causal: i == 0,
                         window: if i == 1 { (30, 0) } else { (-1, -1) },
                         splits,
-                        seed,
-                        ..DCase::default()
+                        ..DCase::steps((dtype, isa), shape, (&[150, 61], 200), seed)
                     });
                 }
             }
