@@ -98,7 +98,7 @@ impl Default for DCase {
 
 impl DCase {
     /// A case of `sq` new tokens per sequence (appended, then attended) on one ISA: `shape` is
-    /// (heads, heads_kv, sq, d), `cache` the cache_seqlens and the capacity.
+    /// (heads, heads_kv, sq, d); `lens` the cache_seqlens, `cap` the cache's capacity.
     fn steps(
         (dtype, isa): (DType, Isa),
         (heads, heads_kv, sq, d): (usize, usize, usize, usize),

@@ -779,8 +779,10 @@ fn bcast_min_rows(bf16_pairs: bool) -> usize {
 }
 
 impl QTrans<'_> {
-    /// q transposed for an item's kv groups when `isa` runs the outer-product score kernel for
-    /// this many rows ([`bcast_min_rows`]), as bf16 pairs where [`QTrans::build`] makes them.
+    /// q in the form `isa`'s score kernel takes for this many rows per kv group, for all of an
+    /// item's groups: transposed for the outer-product kernel from [`bcast_min_rows`] on (as
+    /// bf16 pairs where [`QTrans::build`] makes them), in 4-row blocks of bf16 pairs for
+    /// [`scores_quad_avx512_bf16`] from [`QUAD_MIN_ROWS`] on; `None` for plain rows.
     pub fn for_item(
         isa: Isa,
         q: &[f32],
@@ -878,7 +880,7 @@ pub(crate) enum QTransBuf {
 }
 
 impl QTransBuf {
-    /// Group `g`'s transposed rows.
+    /// Group `g`'s rows in the buffer's form.
     pub fn group(&self, g: usize) -> QTrans<'_> {
         match self {
             QTransBuf::F32 { t, ld, stride } => QTrans::F32 {
@@ -2307,7 +2309,7 @@ mod tests {
                     // has them): the outer-product kernels on AVX-512; other ISAs ignore it.
                     let qt = QTrans::build(q, None, (1, rows, kr.d, dpad));
                     let qtp = QTrans::build(q, bf.then_some(&pairs[..]), (1, rows, kr.d, dpad));
-                    // and in 4-row blocks of bf16 pairs (d a multiple of 8).
+                    // and in 4-row blocks of bf16 pairs (d a multiple of 16).
                     let qtq = (bf && kr.d.is_multiple_of(16))
                         .then(|| QTrans::quads(&pairs, (1, rows, kr.d, dpad)));
                     let quads = qtq.as_ref().map(|b| b.group(0));
