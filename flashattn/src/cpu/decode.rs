@@ -36,7 +36,7 @@ use super::simd::{pad_lanes, Isa, Kernels, LANES};
 use super::softmax::finalize;
 use crate::blocks::Mask;
 use crate::decode::{DecodeParams, SliceMut};
-use crate::tensor::{Buffer, DType, Element, Tensor, TensorRef};
+use crate::tensor::{Buffer, DType, Element, Slice, Tensor, TensorRef};
 use crate::{data, AttnOutput};
 use half::bf16;
 use rayon::prelude::*;
@@ -212,8 +212,8 @@ fn attend<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T]) -> (Vec<T>, 
             })
         })
         .collect();
-    // Each item's normalised result: row `h · m + (i - i0)` of its `out` chunk (`d` values each)
-    // and of its `lse` chunk, `m = i1 - i0`. One buffer for all items, not one per item: results
+    // Each item's rows and LSEs (see `ItemOut`) go to buffers shared by all items, not one per
+    // item: results
     // allocated by the workers and held until the merge grew their heaps by ~16 KiB an item, the
     // allocator gave that memory back after each call, and the next call page-faulted it in
     // again (68 faults a call at 64 sequences × 512 keys, none now). Two binaries alternated,
@@ -221,18 +221,61 @@ fn attend<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T]) -> (Vec<T>, 
     // 1.49-1.73 -> 1.39-1.45 on two; × 512 keys ~4.96 -> ~4.73 (medians of six runs, two
     // threads); one sequence of 32k keys unchanged.
     let rows = p.heads * blocks.iter().map(|x| x.2 - x.1).max().unwrap_or(0);
-    let mut part_out = vec![0f32; items.len() * rows * d];
     let mut part_lse_all = vec![0f32; items.len() * rows];
-    items
-        .par_iter()
-        .zip(part_out.par_chunks_mut((rows * d).max(1)))
-        .zip(part_lse_all.par_chunks_mut(rows.max(1)))
-        .with_max_len(1)
-        .for_each(|((it, out), lse)| run_item(dp, q, k, v, *it, (out, lse)));
-
-    // Poisoned: every element is written by the merge below (tests check for NaN).
+    // Poisoned: every element is written by the items or the merge below (tests check for NaN).
     let mut out = vec![T::from_f32(f32::NAN); p.out_len()];
     let mut lse = vec![f32::NAN; p.lse_len()];
+    let work = |x: usize, dst: ItemOut<T>| {
+        run_item(dp, q, k, v, (items[x], items.get(x + 1).copied()), dst)
+    };
+    // One split (batches of sequences): item x is query block x, whose rows of `out` follow
+    // those of block x - 1, so each item writes its final rows itself and nothing is merged
+    // (the merge of one split copies it exactly, so the result is the same). The serial merge
+    // and the f32 partials' round trip took 8-15% of a 64 × 128-key step (A/B in one process,
+    // alternating, both orders, 2026-11-23: bf16 0.92 on one thread and 0.83-0.87 on two, f32
+    // 0.84-0.85 on two; 64 × 512 keys 0.96-0.975; 16 × 512 keys with 4 tokens 0.90-0.91).
+    let direct = splits == 1 && {
+        let mut at = 0;
+        blocks.iter().all(|&(b, i0, i1, _, _)| {
+            let ok = p.out_offset(b, i0, 0) == at;
+            at += (i1 - i0) * p.heads * d;
+            ok
+        }) && at == out.len()
+    };
+    if direct {
+        let mut rest = &mut out[..];
+        let chunks: Vec<&mut [T]> = blocks
+            .iter()
+            .map(|&(_, i0, i1, _, _)| {
+                let (c, r) = std::mem::take(&mut rest).split_at_mut((i1 - i0) * p.heads * d);
+                rest = r;
+                c
+            })
+            .collect();
+        chunks
+            .into_par_iter()
+            .zip(part_lse_all.par_chunks_mut(rows.max(1)))
+            .enumerate()
+            .with_max_len(1)
+            .for_each(|(x, (out, lse))| work(x, ItemOut::Rows { out, lse }));
+        for (x, &(b, i0, i1, _, _)) in blocks.iter().enumerate() {
+            let m = i1 - i0;
+            for h in 0..p.heads {
+                for il in 0..m {
+                    lse[p.lse_offset(b, h, i0 + il)] = part_lse_all[x * rows + h * m + il];
+                }
+            }
+        }
+        return (out, lse);
+    }
+    let mut part_out = vec![0f32; items.len() * rows * d];
+    part_out
+        .par_chunks_mut((rows * d).max(1))
+        .zip(part_lse_all.par_chunks_mut(rows.max(1)))
+        .enumerate()
+        .with_max_len(1)
+        .for_each(|(x, (out, lse))| work(x, ItemOut::Parts { out, lse }));
+
     let mut parts = vec![0f32; splits * d];
     let mut part_lse = vec![0f32; splits];
     let mut row = vec![0f32; d];
@@ -280,6 +323,24 @@ pub(crate) fn merge_row(lse: &[f32], parts: &[f32], d: usize, dst: &mut [f32]) -
     max + sum.ln()
 }
 
+/// Where an item puts its rows: row `h · m + il` of query block `i0..i0 + m` (`m` positions of
+/// every head) is query position `i0 + il` of head `h`; its LSE goes to `lse[h · m + il]` in
+/// both forms.
+enum ItemOut<'a, T> {
+    /// A split's partial result: the row, normalised, in f32 at `out[(h · m + il) · d..]`, to be
+    /// merged through the LSEs.
+    Parts {
+        out: &'a mut [f32],
+        lse: &'a mut [f32],
+    },
+    /// The final result (the only split): the row rounded to `T` at `out[(il · heads + h) · d..]`,
+    /// the block's rows of the call's output.
+    Rows {
+        out: &'a mut [T],
+        lse: &'a mut [f32],
+    },
+}
+
 /// The split-KV loop of one item over its keys, for all heads, writing the item's normalised
 /// rows into `out` (`d` values each) and their LSEs into `lse`. See the module docs.
 fn run_item<T: Element>(
@@ -287,8 +348,8 @@ fn run_item<T: Element>(
     q: &[T],
     k: &[T],
     v: &[T],
-    it: Item,
-    (out, lse): (&mut [f32], &mut [f32]),
+    (it, next): (Item, Option<Item>),
+    mut dst: ItemOut<T>,
 ) {
     let (p, cache) = (&dp.p, &dp.cache);
     let kern: &Kernels = p.kernels;
@@ -329,12 +390,32 @@ fn run_item<T: Element>(
     // bf16 with `vdpbf16ps`: q also as bf16 pairs (exact for bf16 inputs; a rotated q is rounded
     // to bf16 here, as flash-attn rounds it to the input dtype), rows of dpad / 2 pairs.
     let qb: Option<Vec<u32>> = (T::DTYPE == DType::BF16 && kern.has_bf16_dot()).then(|| {
-        qf.chunks_exact(2)
-            .map(|x| {
-                bf16::from_f32(x[0]).to_bits() as u32
-                    | (bf16::from_f32(x[1]).to_bits() as u32) << 16
-            })
-            .collect()
+        let pair = |a: bf16, b: bf16| a.to_bits() as u32 | (b.to_bits() as u32) << 16;
+        match T::wrap(q) {
+            // Unrotated bf16 q: its own bits, as rounding its f32 widening would give back
+            // (~7% of a 64 × 128-key bf16 step when rounded element by element).
+            Slice::BF16(qs) if dp.rotary.is_none() => {
+                let mut qb = vec![0u32; all_rows * dpad / 2];
+                for h in 0..p.heads {
+                    for i in i0..i1 {
+                        let src = &qs[seq.q_base + i * p.q.row_stride + h * p.q.head_stride..][..d];
+                        let dst = &mut qb[(h * m_rows + i - i0) * dpad / 2..][..d.div_ceil(2)];
+                        let pairs = src.chunks_exact(2);
+                        if let [last] = pairs.remainder() {
+                            dst[d / 2] = pair(*last, bf16::ZERO);
+                        }
+                        for (o, x) in dst.iter_mut().zip(pairs) {
+                            *o = pair(x[0], x[1]);
+                        }
+                    }
+                }
+                qb
+            }
+            _ => qf
+                .chunks_exact(2)
+                .map(|x| pair(bf16::from_f32(x[0]), bf16::from_f32(x[1])))
+                .collect(),
+        }
     });
     // Many rows per kv head (MQA, several tokens per step) on AVX-512: q also transposed, for
     // the outer-product score kernel.
@@ -401,14 +482,23 @@ fn run_item<T: Element>(
             |hk: usize, c0: usize, c1: usize| vt_rows.sub(c0, c1, hk * cache.v.head_stride);
         // The next tile is fetched while this one computes: a few cache lines per key of both
         // products (see `Ahead`).
-        let n2 = if n1 < n_hi {
-            tile(n1, &mut kt_next, &mut vt_next)
+        // After the last tile: the first tile of the next item, which this thread most often
+        // takes next (rayon hands out consecutive items); 64 sequences × 128 keys bf16 0.92-0.93
+        // on one thread, 0.93-0.94 on two, × 512 keys 0.96-0.98, f32 0.94; one 32k-key
+        // sequence unchanged (A/B in one process, alternating, both orders, 2026-11-23).
+        let (n2, pf) = if n1 < n_hi {
+            let n2 = tile(n1, &mut kt_next, &mut vt_next);
+            (n2, n2 - n1)
+        } else if let Some(nx) = next {
+            let m = (nx.n_hi - nx.n_lo).min(TILE_KEYS);
+            cache.key_offsets_run(nx.b, nx.n_lo, &mut kt_next[..m], &mut vt_next[..m]);
+            (n1, m)
         } else {
-            n1
+            (n1, 0)
         };
         ahead.set(
-            (k, &kt_next[..n2 - n1], cache.k),
-            (v, &vt_next[..n2 - n1], cache.v),
+            (k, &kt_next[..pf], cache.k),
+            (v, &vt_next[..pf], cache.v),
             (heads_kv, d),
             2 * heads_kv * cols,
         );
@@ -484,9 +574,19 @@ fn run_item<T: Element>(
     }
 
     for row in 0..all_rows {
-        let dst = &mut out[row * d..(row + 1) * d];
-        dst.copy_from_slice(&acc[row * dpad..row * dpad + d]);
-        lse[row] = finalize(dst, row_max[row], row_sum[row], 1.0);
+        let acc_row = &mut acc[row * dpad..row * dpad + d];
+        let row_lse = finalize(acc_row, row_max[row], row_sum[row], 1.0);
+        match &mut dst {
+            ItemOut::Parts { out, lse } => {
+                out[row * d..(row + 1) * d].copy_from_slice(acc_row);
+                lse[row] = row_lse;
+            }
+            ItemOut::Rows { out, lse } => {
+                let (h, il) = (row / m_rows, row % m_rows);
+                T::narrow(acc_row, &mut out[(il * p.heads + h) * d..][..d]);
+                lse[row] = row_lse;
+            }
+        }
     }
 }
 
