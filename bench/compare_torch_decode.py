@@ -5,9 +5,12 @@ Usage (torch comes from bench/.venv, which `bench/compare_torch.py` sets up):
 
     bench/.venv/bin/python bench/compare_torch_decode.py                  # issue 6's shape
     bench/.venv/bin/python bench/compare_torch_decode.py --cache-len 4096,32768 --rounds 3
+    bench/.venv/bin/python bench/compare_torch_decode.py --batch 64 --cache-len 512,2048   # serving
 
 The shape (issue 6): batch 1, one new query token, 32 query heads over 8 kv heads, head_dim 128,
-a cache of 32768 tokens, f32 and bf16, 2 threads.
+a cache of 32768 tokens, f32 and bf16, 2 threads. `--batch B` decodes B sequences of the same
+length at once (every sequence's cache full to `cache_len`, so torch's dense batch is the same
+problem).
 
 How it measures. For each dtype, `--rounds` rounds alternate one flashattn run and one torch run
 (both see the same machine conditions); each run is a warm-up call and timed repeats until
@@ -15,12 +18,12 @@ How it measures. For each dtype, `--rounds` rounds alternate one flashattn run a
 rounds. flashattn runs as a separate process (`flashattn bench --decode --json --no-bandwidth`):
 one step appends the new token to the cache (`cache_seqlens = cache_len - 1`) and attends all
 `cache_len` keys. torch runs here, `torch.set_num_threads(--threads)`, on its layout: q
-[1, 32, 1, 128], k/v [1, 8, cache_len, 128] with `enable_gqa=True`, and (a second variant) k/v
+[B, 32, 1, 128], k/v [B, 8, cache_len, 128] with `enable_gqa=True`, and (a second variant) k/v
 repeated to 32 heads beforehand, outside the timing, as code without GQA support does. Neither
 appends inside torch's timing (its cache is a ready tensor), which favours torch by the cost of
 one row copy.
 
-GB/s: the bytes of k and v one step must read, 2 * cache_len * heads_kv * head_dim * element
+GB/s: the bytes of k and v one step must read, 2 * B * cache_len * heads_kv * head_dim * element
 size (the same figure for every implementation; the repeated variant reads 4x that), over the
 median time. The machine's memory bandwidth is measured in every round, by the flashattn run
 itself around its timing (`bench --decode`'s `read_gbps_around`: the median of two sums of a
@@ -76,6 +79,7 @@ def main() -> None:
     ap.add_argument("--binary", default=str(ROOT / "target" / "release" / "flashattn"))
     ap.add_argument("--no-build", action="store_true", help="do not run cargo build --release")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--min-time", type=float, default=0.5)
     ap.add_argument("--cache-len", default="32768")
@@ -98,7 +102,7 @@ def main() -> None:
         sys.exit(f"error: {binary} does not exist")
 
     common = [
-        "--heads", str(args.heads), "--heads-kv", str(args.heads_kv),
+        "--batch", str(args.batch), "--heads", str(args.heads), "--heads-kv", str(args.heads_kv),
         "--head-dim", str(args.head_dim), "--threads", str(args.threads),
     ]
     machine = None
@@ -110,9 +114,9 @@ def main() -> None:
     for dtype in args.dtype.split(","):
         for cap in [int(x) for x in args.cache_len.split(",")]:
             g = torch.Generator().manual_seed(0)
-            q = torch.rand(1, args.heads, 1, args.head_dim, generator=g, dtype=torch.float32).to(tdt[dtype]) * 2 - 1
-            k = torch.rand(1, args.heads_kv, cap, args.head_dim, generator=g).to(tdt[dtype]) * 2 - 1
-            v = torch.rand(1, args.heads_kv, cap, args.head_dim, generator=g).to(tdt[dtype]) * 2 - 1
+            q = torch.rand(args.batch, args.heads, 1, args.head_dim, generator=g, dtype=torch.float32).to(tdt[dtype]) * 2 - 1
+            k = torch.rand(args.batch, args.heads_kv, cap, args.head_dim, generator=g).to(tdt[dtype]) * 2 - 1
+            v = torch.rand(args.batch, args.heads_kv, cap, args.head_dim, generator=g).to(tdt[dtype]) * 2 - 1
             rep = args.heads // args.heads_kv
             k_rep = k.repeat_interleave(rep, dim=1).contiguous()
             v_rep = v.repeat_interleave(rep, dim=1).contiguous()
@@ -134,11 +138,11 @@ def main() -> None:
                     log(f"{dtype} cache {cap} round {r + 1}/{args.rounds}: read {round_bw[-1]:.1f} GB/s, "
                         + ", ".join(f"{n} {s[-1] * 1e3:.2f} ms" for n, s in samples.items()))
             read_gbps += round_bw
-            kv_bytes = 2.0 * cap * args.heads_kv * args.head_dim * elem[dtype]
+            kv_bytes = 2.0 * args.batch * cap * args.heads_kv * args.head_dim * elem[dtype]
             for name, s in samples.items():
                 med = statistics.median(s)
                 results.append({
-                    "impl": name, "dtype": dtype, "cache_len": cap, "batch": 1, "seqlen_q": 1,
+                    "impl": name, "dtype": dtype, "cache_len": cap, "batch": args.batch, "seqlen_q": 1,
                     "heads": args.heads, "heads_kv": args.heads_kv, "head_dim": args.head_dim,
                     "threads": args.threads, "median_ms": med * 1e3,
                     "samples_ms": [x * 1e3 for x in s], "kv_bytes": kv_bytes,
@@ -150,6 +154,7 @@ def main() -> None:
 
     print(f"memory bandwidth: read {min(read_gbps):.1f}-{max(read_gbps):.1f} GB/s over the rounds "
           f"(median {statistics.median(read_gbps):.1f}; 1 GiB, {args.threads} threads)")
+    print(f"batch {args.batch}, heads {args.heads} (kv {args.heads_kv}), head_dim {args.head_dim}, one new token")
     print(f"{'dtype':<6}{'cache':>7}  {'impl':<24}{'median ms':>10}{'KV GB/s':>9}{'% read bw':>10}{'torch/flash':>12}")
     for r in results:
         flash = next(x for x in results if x["impl"] == "flashattn" and x["dtype"] == r["dtype"]
