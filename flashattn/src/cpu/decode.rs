@@ -2137,13 +2137,34 @@ unsafe fn pv_avx512<T: Element>(
     let mut r0 = 0;
     // SAFETY: the caller's contract; every tile below stays inside rows × d.
     unsafe {
+        // Row blocks of up to 6 (`pv_row_block`; 6 × 4 vectors: 24 accumulators, each key's 4
+        // loads of v feeding 24 FMAs). 4 tokens a step at GQA 4 (16 rows), f32, one thread,
+        // 1024 keys: 0.955-0.964 of the time with blocks of 4; 2 tokens at GQA 8: 0.97; MQA
+        // 0.98-0.99 (A/B in one process, both orders, 2026-11-24).
+        let mut blk = 0;
         while r0 < rows {
-            let rb = (rows - r0).min(4);
+            let rb = pv_row_block(rows, blk);
+            blk += 1;
             let mut x0 = x_start;
             while x0 < nv {
                 let xv = (nv - x0).min(4);
-                let at = (st, np, r0, src, vr, x0, &mut *acc, dpad, ahead.take());
-                by_tile!(rb, xv, |A, B| pv_tile::<A, B, T>(at));
+                match (rb, xv) {
+                    (6, 4) => {
+                        pv_tile::<6, 4, T>((st, np, r0, src, vr, x0, &mut *acc, dpad, ahead.take()))
+                    }
+                    (5, 4) => {
+                        pv_tile::<5, 4, T>((st, np, r0, src, vr, x0, &mut *acc, dpad, ahead.take()))
+                    }
+                    _ => {
+                        let mut r = r0;
+                        while r < r0 + rb {
+                            let h = (r0 + rb - r).min(4);
+                            let at = (st, np, r, src, vr, x0, &mut *acc, dpad, ahead.take());
+                            by_tile!(h, xv, |A, B| pv_tile::<A, B, T>(at));
+                            r += h;
+                        }
+                    }
+                }
                 x0 += xv;
             }
             // The tail dims d - d % 16..d (and every key's step when there was no tile: d < 16).
@@ -2161,6 +2182,18 @@ unsafe fn pv_avx512<T: Element>(
             r0 += rb;
         }
     }
+}
+
+/// Rows of the `blk`-th register block of the P·V products over `rows` rows: all of them up to
+/// 4, else balanced blocks of up to 6 (16 rows as 6, 5, 5; 32 as 6, 6, 5, 5, 5, 5), which the
+/// callers run as 5- and 6-row tiles where the dims allow.
+#[cfg(target_arch = "x86_64")]
+fn pv_row_block(rows: usize, blk: usize) -> usize {
+    if rows <= 4 {
+        return rows;
+    }
+    let nb = rows.div_ceil(6);
+    rows / nb + usize::from(blk < rows % nb)
 }
 
 /// Operands of one [`pv_tile`] (`P = f32`) or [`pv_tile_bf16`] (`P = u32`, p as bf16 pairs,
@@ -2250,19 +2283,14 @@ unsafe fn pv_avx512_bf16(
     let mut first = Some(ahead);
     // SAFETY: the caller's contract; every tile below stays inside rows × d.
     unsafe {
-        // More than 4 rows: balanced blocks of up to 6 (e.g. 16 rows as 6, 5, 5), so that each
-        // key pair's loads and unpacks of v feed up to 24 `vdpbf16ps` instead of 16: 4 tokens a
-        // step at GQA 4 (16 rows), bf16, one thread, 1024 keys: 0.95 of the time with blocks of
-        // 4 (A/B in one process, both orders, 2026-11-24); MQA (32 rows) unchanged.
-        let nb = rows.div_ceil(6);
+        // Row blocks of up to 6 (`pv_row_block`): each key pair's loads and unpacks of v feed
+        // up to 24 `vdpbf16ps` instead of 16. 4 tokens a step at GQA 4 (16 rows), bf16, one
+        // thread, 1024 keys: 0.95 of the time with blocks of 4 (A/B in one process, both
+        // orders, 2026-11-24); MQA (32 rows) unchanged.
         let mut r0 = 0;
         let mut blk = 0;
         while r0 < rows {
-            let rb = if rows > 4 {
-                rows / nb + usize::from(blk < rows % nb)
-            } else {
-                rows
-            };
+            let rb = pv_row_block(rows, blk);
             let mut x0 = 0;
             while x0 < chunks {
                 let xv = (chunks - x0).min(2);
