@@ -29,7 +29,7 @@ use std::time::Instant;
 
 /// Tensor names of a KV-cache input file; anything else is rejected (a typo must not silently
 /// change the computation).
-pub const ACCEPTED: [&str; 11] = [
+pub const ACCEPTED: [&str; 12] = [
     "q",
     "k_cache",
     "v_cache",
@@ -38,6 +38,7 @@ pub const ACCEPTED: [&str; 11] = [
     "v_new",
     "block_table",
     "cache_batch_idx",
+    "cache_leftpad",
     "rotary_cos",
     "rotary_sin",
     "alibi_slopes",
@@ -143,6 +144,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let batch_idx = get("cache_batch_idx")?
         .map(|t| decode_i32("cache_batch_idx", &t, 1, "[batch]"))
         .transpose()?;
+    let leftpad = get("cache_leftpad")?
+        .map(|t| decode_i32("cache_leftpad", &t, 1, "[batch]"))
+        .transpose()?;
 
     let mut opts = KvCacheOptions::default().attn(AttnOptions {
         softmax_scale: args.scale,
@@ -176,6 +180,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
     }
     if let Some((_, idx)) = &batch_idx {
         opts = opts.cache_batch_idx(idx);
+    }
+    if let Some((_, lp)) = &leftpad {
+        opts = opts.cache_leftpad(lp);
     }
 
     run::write_atomically(&args.output, || {

@@ -14,10 +14,13 @@ pub struct RunArgs {
     /// (F32, [heads] or [batch, heads]) and cu_seqlens_q + cu_seqlens_k (I32; selects the packed
     /// layout q [total_q, heads, d], k/v [total_k, heads_kv, d]; otherwise q is
     /// [batch, seqlen_q, heads, d], k/v [batch, seqlen_k, heads_kv, d]), and optionally dout
-    /// (q's shape and dtype), which runs the backward pass too.
+    /// (q's shape and dtype), which runs the backward pass too. A file holding k_cache decodes
+    /// instead: q, k_cache, v_cache, cache_seqlens (I32) and optionally k_new, v_new,
+    /// block_table, cache_batch_idx, cache_leftpad (I32), rotary_cos, rotary_sin, alibi_slopes.
     pub input: PathBuf,
     /// Output file: gets `out` (q's dtype and shape) and `lse` (F32), and `dq`, `dk`, `dv` (the
-    /// shapes and dtype of q, k, v) when the input holds `dout`. Written only on success,
+    /// shapes and dtype of q, k, v) when the input holds `dout`, or the updated `k_cache` and
+    /// `v_cache` when it holds k_cache. Written only on success,
     /// through a temporary file renamed into place; an existing file is untouched on failure.
     pub output: PathBuf,
     /// Causal mask aligned to the bottom-right corner (same as --window-right 0).

@@ -178,6 +178,7 @@ fn run_contiguous_cache_without_new_keys() {
     let (q, kc, vc) = (r(3 * H * D), r(3 * 20 * HKV * D), r(3 * 20 * HKV * D));
     let lens = [20, 0, 7];
     let idx = [2, 0, 1];
+    let leftpad = [5, 0, 2];
     let dir = tempfile::tempdir().unwrap();
     let (input, output) = (dir.path().join("in.st"), dir.path().join("out.st"));
     write_st(
@@ -188,6 +189,7 @@ fn run_contiguous_cache_without_new_keys() {
             f32_raw("v_cache", &[3, 20, HKV, D], &vc),
             i32_raw("cache_seqlens", &[3], &lens),
             i32_raw("cache_batch_idx", &[3], &idx),
+            i32_raw("cache_leftpad", &[3], &leftpad),
         ],
     );
     let res = flashattn(&[
@@ -205,6 +207,7 @@ fn run_contiguous_cache_without_new_keys() {
         let mut v = TensorMut::contiguous(SliceMut::F32(&mut v2), &shape);
         let opts = KvCacheOptions::default()
             .cache_batch_idx(&idx)
+            .cache_leftpad(&leftpad)
             .num_splits(1);
         flash_attn_with_kvcache(
             &TensorRef::contiguous(&q, &[3, 1, H, D]),

@@ -181,6 +181,14 @@ pub struct KvCacheOptions<'a> {
     pub cache_batch_idx: Option<&'a [i32]>,
     /// Paged caches: `k_cache`/`v_cache` are `[num_blocks, page_size, heads_kv, head_dim]`.
     pub block_table: Option<BlockTable<'a>>,
+    /// Left padding, flash-attn's `cache_leftpad`: sequence b's keys start at position
+    /// `cache_leftpad[b]` (`batch` entries, `0..=cache_seqlens[b]`); keys before it are never
+    /// read. The masks and ALiBi count positions from that start (bottom-right alignment over the
+    /// `cache_seqlens[b] + seqlen_new - cache_leftpad[b]` keys left), which is the same as hiding
+    /// the padded keys; appends still go to `cache_seqlens[b]..`, and rotary still rotates at
+    /// cache positions, as in flash-attn. Default: 0. Works with paged caches too (flash-attn
+    /// 2.x rejects that combination).
+    pub cache_leftpad: Option<&'a [i32]>,
     pub rotary: Option<Rotary<'a>>,
     /// Number of key splits (flash-decoding); `None`: chosen from the shape and the rayon pool's
     /// thread count (see `cpu::decode::choose_splits`). Results agree across split counts up to
@@ -203,6 +211,10 @@ impl<'a> KvCacheOptions<'a> {
     }
     pub fn block_table(mut self, table: BlockTable<'a>) -> Self {
         self.block_table = Some(table);
+        self
+    }
+    pub fn cache_leftpad(mut self, leftpad: &'a [i32]) -> Self {
+        self.cache_leftpad = Some(leftpad);
         self
     }
     pub fn rotary(mut self, cos: TensorRef<'a>, sin: TensorRef<'a>, interleaved: bool) -> Self {
@@ -326,6 +338,8 @@ pub(crate) struct DecodeParams {
     pub p: Params,
     pub cache: CacheLayout,
     pub cache_seqlens: Vec<usize>,
+    /// First key position each sequence attends (`cache_leftpad`; 0 without it).
+    pub leftpad: Vec<usize>,
     pub new_kv: Option<NewKv>,
     pub rotary: Option<RotaryParams>,
     pub num_splits: Option<usize>,
@@ -341,8 +355,9 @@ pub(crate) struct DecodeParams {
 ///
 /// With `opts.new_kv`, the new keys/values are first written at positions
 /// `cache_seqlens[b]..cache_seqlens[b] + seqlen_new` (rotated, with `opts.rotary`); then each
-/// sequence attends its first `cache_seqlens[b] + seqlen_new` keys with the masks, softcap, ALiBi
-/// and GQA of [`crate::flash_attn`]. `cache_seqlens` itself is not updated (as in flash-attn).
+/// sequence attends its first `cache_seqlens[b] + seqlen_new` keys (from `cache_leftpad[b]` on,
+/// with `opts.cache_leftpad`) with the masks, softcap, ALiBi and GQA of [`crate::flash_attn`].
+/// `cache_seqlens` itself is not updated (as in flash-attn).
 /// Every input is validated before anything is written: on error the caches are untouched.
 ///
 /// Returns `out` (q's dtype and shape) and `lse` (`[batch, heads, seqlen_q]`, f32, natural log).
@@ -455,6 +470,25 @@ fn validate(
         }
     }
     let lens: Vec<usize> = cache_seqlens.iter().map(|&x| x as usize).collect();
+    let leftpad = match opts.cache_leftpad {
+        None => vec![0; batch],
+        Some(lp) => {
+            if lp.len() != batch {
+                return Err(ErrorKind::IndexLength {
+                    tensor: "cache_leftpad",
+                    expected: batch,
+                    got: lp.len(),
+                    what: "one per batch row of q",
+                }
+                .into());
+            }
+            lp.iter()
+                .zip(&lens)
+                .enumerate()
+                .map(|(b, (&x, &len))| index_entry("cache_leftpad", b, x, len + 1))
+                .collect::<Result<Vec<_>>>()?
+        }
+    };
 
     // New keys and values.
     let new_kv = match &opts.new_kv {
@@ -655,6 +689,7 @@ fn validate(
         },
         p,
         cache_seqlens: lens,
+        leftpad,
         new_kv,
         rotary,
         num_splits: opts.num_splits,

@@ -8,7 +8,7 @@
 //! - out and lse against `flashattn::reference` (f64) on the equivalent plain attention: per
 //!   sequence, q rotated by the test at flash-attn's positions (`cache_seqlens[b] + i` when causal
 //!   or windowed, `cache_seqlens[b]` otherwise) and the keys it should see
-//!   (cache prefix + appended rows), with `common::check_bound`'s derived bound (2× the naive
+//!   (cache prefix + appended rows, from `cache_leftpad[b]` on when given), with `common::check_bound`'s derived bound (2× the naive
 //!   error in the same precision plus a rounding floor; NaN never passes).
 //!
 //! Then: several split counts and page sizes agree, bad input of every kind is a typed error that
@@ -56,6 +56,8 @@ struct DCase {
     cap: usize,
     /// cache_seqlens, one per batch row.
     lens: Vec<usize>,
+    /// cache_leftpad, one per batch row; `None`: not passed.
+    leftpad: Option<Vec<usize>>,
     /// seqlen_new; `None`: no new keys.
     new: Option<usize>,
     causal: bool,
@@ -81,6 +83,7 @@ impl Default for DCase {
             d: 16,
             cap: 80,
             lens: vec![50],
+            leftpad: None,
             new: Some(1),
             causal: true,
             window: (-1, -1),
@@ -128,6 +131,10 @@ impl DCase {
     }
     fn seqlen_k(&self, b: usize) -> usize {
         self.lens[b] + self.seqlen_new()
+    }
+    /// The first key sequence b attends.
+    fn first_key(&self, b: usize) -> usize {
+        self.leftpad.as_ref().map_or(0, |lp| lp[b])
     }
 }
 
@@ -283,6 +290,7 @@ struct Built {
     alibi: Vec<f32>,
     cos_sin: Option<(Vec<f32>, Vec<f32>)>,
     seqlen_ro: usize,
+    leftpad: Option<Vec<i32>>,
 }
 
 fn build(c: &DCase) -> Built {
@@ -335,6 +343,10 @@ fn build(c: &DCase) -> Built {
         alibi,
         cos_sin: c.rotary.map(|(rot, _)| rotary_tables(rot, seqlen_ro)),
         seqlen_ro,
+        leftpad: c
+            .leftpad
+            .as_ref()
+            .map(|lp| lp.iter().map(|&x| x as i32).collect()),
     }
 }
 
@@ -373,6 +385,9 @@ impl Built {
         }
         if let Store::Paged(_) = c.store {
             o = o.block_table(BlockTable::new(&self.map.table, batch, self.map.max_blocks));
+        }
+        if let Some(lp) = &self.leftpad {
+            o = o.cache_leftpad(lp);
         }
         if let (Some((cos, sin)), Some((rot, inter))) = (&self.cos_sin, c.rotary) {
             let shape = [self.seqlen_ro, rot / 2];
@@ -486,7 +501,9 @@ fn check_case(c: &DCase) -> AttnOutput {
     let mut max_keys = 0;
     let q_stored = buf_f64(&bl.qb);
     for b in 0..batch {
-        let sk = c.seqlen_k(b);
+        // cache_leftpad: the keys before c.first_key(b) do not exist for the oracle, which
+        // aligns its masks to the sk keys that remain.
+        let (lp, sk) = (c.first_key(b), c.seqlen_k(b) - c.first_key(b));
         max_keys = max_keys.max(sk);
         let mut qb = q_stored[b * sq * h * d..(b + 1) * sq * h * d].to_vec();
         if let (Some((cos, sin)), Some((_, inter))) = (&bl.cos_sin, c.rotary) {
@@ -503,7 +520,7 @@ fn check_case(c: &DCase) -> AttnOutput {
         }
         let mut kb = Vec::with_capacity(sk * hkv * d);
         let mut vb = Vec::with_capacity(sk * hkv * d);
-        for j in 0..sk {
+        for j in lp..lp + sk {
             for hk in 0..hkv {
                 let o = bl.map.offset(b, j, hk);
                 kb.extend_from_slice(&k_after[o..o + d]);
@@ -636,6 +653,59 @@ fn options_against_reference() {
                 };
                 check_case(&c);
             }
+        }
+    }
+}
+
+/// `cache_leftpad` (flash-attn's): keys before `cache_leftpad[b]` are hidden and the masks and
+/// ALiBi count from there; against the oracle over the remaining keys in every dtype, with the
+/// masks, ALiBi, softcap, rotary, GQA, contiguous, mapped and paged caches, 1 and 3 splits, and
+/// pads of 0, inside the cache, at its end (only the appended keys remain) and, with nothing
+/// appended, over the whole cache (no key: out 0, lse -inf).
+#[test]
+fn leftpad_hides_the_first_keys() {
+    let masks: [(bool, (i64, i64)); 4] = [
+        (false, (-1, -1)),
+        (true, (-1, -1)),
+        (false, (17, -1)),
+        (false, (5, 2)),
+    ];
+    let stores = [
+        Store::Contiguous,
+        Store::Paged(7),
+        Store::BatchIdx,
+        Store::Gaps,
+    ];
+    let mut n = 0;
+    for dtype in DTYPES {
+        for (mi, &(causal, window)) in masks.iter().enumerate() {
+            n += 1;
+            let new = [Some(2), None, Some(3), Some(1)][mi];
+            let c = DCase {
+                dtype,
+                seqlen_q: new.unwrap_or(2),
+                heads: 8,
+                heads_kv: 2,
+                d: [16, 40, 64, 59][mi],
+                cap: 96,
+                lens: vec![63, 40, 1, 0, 31],
+                leftpad: Some(if new.is_some() {
+                    vec![0, 13, 1, 0, 30]
+                } else {
+                    vec![0, 13, 1, 0, 31]
+                }),
+                new,
+                causal,
+                window,
+                softcap: [None, Some(5.0)][n % 2],
+                alibi: n % 2 == 1,
+                rotary: (mi == 2).then_some((8, n % 2 == 0)),
+                store: stores[(mi + n) % 4],
+                splits: [Some(1), Some(3), None][n % 3],
+                seed: 700 + n as u64,
+                ..DCase::default()
+            };
+            check_case(&c);
         }
     }
 }
@@ -1369,6 +1439,42 @@ fn bad_input_is_a_typed_error_and_writes_nothing() {
             ..
         }
     ));
+    // cache_leftpad past its sequence's cache, negative, of the wrong length.
+    for (lp, want) in [
+        (
+            &[0, 5][..],
+            ErrorKind::IndexOutOfRange {
+                tensor: "cache_leftpad",
+                index: 1,
+                value: 5,
+                bound: 5,
+            },
+        ),
+        (
+            &[-1, 0][..],
+            ErrorKind::IndexOutOfRange {
+                tensor: "cache_leftpad",
+                index: 0,
+                value: -1,
+                bound: 4,
+            },
+        ),
+        (
+            &[0][..],
+            ErrorKind::IndexLength {
+                tensor: "cache_leftpad",
+                expected: 2,
+                got: 1,
+                what: "one per batch row of q",
+            },
+        ),
+    ] {
+        let call = Call {
+            opts: bl2.opts(&c2).cache_leftpad(lp),
+            ..base2()
+        };
+        assert_eq!(expect_err(&bl2, call).kind(), &want, "cache_leftpad {lp:?}");
+    }
     let mut o = bl2.opts(&c2);
     o.cache_batch_idx = None; // 4 cache rows for a batch of 2, and no map
     assert!(matches!(

@@ -191,7 +191,12 @@ fn attend<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T]) -> (Vec<T>, 
         let mask = Mask::new(s.seqlen_q, s.seqlen_k, p.window_left, p.window_right);
         for i0 in (0..s.seqlen_q).step_by(m_rows) {
             let i1 = (i0 + m_rows).min(s.seqlen_q);
-            let (lo, hi) = (mask.key_range(i0).0, mask.key_range(i1 - 1).1);
+            // Keys before `cache_leftpad[b]` are hidden: the masks count from there, which only
+            // removes keys (their bounds are relative to the last key), so the range starts later.
+            let (lo, hi) = (
+                mask.key_range(i0).0.max(dp.leftpad[b]),
+                mask.key_range(i1 - 1).1,
+            );
             blocks.push((b, i0, i1, lo, hi.max(lo)));
         }
     }
