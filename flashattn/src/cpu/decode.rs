@@ -82,10 +82,15 @@ fn sub_block_keys(key_bytes: usize) -> usize {
 }
 /// The largest padded head dimension (stack rows of the portable kernels).
 const MAX_D: usize = 256;
-/// A split should hold at least this many keys: an item costs a q load, a merge and its partial
-/// buffers, worth ~tens of µs; 512 keys of 8 kv heads at d = 128 are 2-4 MiB of k/v, 70-150 µs at
-/// 27 GB/s.
+/// Splits beyond one per thread should hold at least this many keys: an item costs a q load, a
+/// merge and its partial buffers; 512 keys of 8 kv heads at d = 128 are 2-4 MiB of k/v, 70-150
+/// µs at 27 GB/s.
 pub(crate) const MIN_SPLIT_KEYS: usize = 512;
+/// Shortest split worth taking so that every thread has an item (see [`choose_splits`]).
+/// Measured, B = 1, 2 threads, 32/8 heads, d = 128, `flashattn bench --decode --num-splits`
+/// (2026-11-24): 2 splits against 1 at 128, 192, 256, 512 keys take 0.82, 0.71, 0.66, 0.64 of
+/// the time in bf16 and 0.68, 0.61, 0.61, 0.54 in f32; 4 splits at 512 keys 0.74 (bf16).
+const EVEN_SPLIT_KEYS: usize = 64;
 /// Items per thread the automatic split count aims for: more than one, so that dynamic scheduling
 /// evens out sequences of different lengths.
 const ITEMS_PER_THREAD: usize = 4;
@@ -94,15 +99,17 @@ const MAX_SPLITS: usize = 128;
 
 /// The number of key splits when the caller names none: enough items (`items` = sequences ×
 /// query blocks, times the splits) to give each of `threads` threads [`ITEMS_PER_THREAD`], but no
-/// split shorter than [`MIN_SPLIT_KEYS`] of the longest sequence's `max_keys`. One thread: 1.
-/// E.g. B = 1, 32k keys, 2 threads: 8 splits of 4096 keys; B = 64: 1 split.
+/// split shorter than [`MIN_SPLIT_KEYS`] of the longest sequence's `max_keys`; and in any case
+/// enough for one item per thread while splits keep [`EVEN_SPLIT_KEYS`]. One thread: 1.
+/// E.g. B = 1, 2 threads: 32k keys 8 splits of 4096; 1024 keys 2; 128 keys 2; B = 64: 1 split.
 pub(crate) fn choose_splits(items: usize, max_keys: usize, threads: usize) -> usize {
     if threads <= 1 || items == 0 {
         return 1;
     }
     let want = (ITEMS_PER_THREAD * threads).div_ceil(items);
     let by_len = (max_keys / MIN_SPLIT_KEYS).max(1);
-    want.min(by_len).clamp(1, MAX_SPLITS)
+    let even = threads.div_ceil(items).min(max_keys / EVEN_SPLIT_KEYS);
+    want.min(by_len).max(even).clamp(1, MAX_SPLITS)
 }
 
 /// Appends (rotates), then attends. The dtypes of the caches were validated to be q's.
@@ -2680,6 +2687,12 @@ mod tests {
         assert_eq!(choose_splits(1, 32768, 2), 8);
         assert_eq!(choose_splits(64, 32768, 2), 1);
         assert_eq!(choose_splits(1, 100, 2), 1);
+        assert_eq!(choose_splits(1, 128, 2), 2);
+        assert_eq!(choose_splits(1, 511, 2), 2);
+        assert_eq!(choose_splits(1, 1024, 2), 2);
+        assert_eq!(choose_splits(1, 512, 8), 8);
+        assert_eq!(choose_splits(3, 512, 8), 3);
+        assert_eq!(choose_splits(2, 4096, 2), 4);
         assert_eq!(choose_splits(1, 32768, 1), 1);
         assert_eq!(choose_splits(1, 1 << 20, 64), 128);
     }
