@@ -17,37 +17,54 @@ const MR: usize = 4;
 const NV: usize = 4;
 const W: usize = 16;
 
-#[target_feature(enable = "avx512f")]
-pub(crate) unsafe fn gemm(g: &Gemm<f32>, c: &mut [f32], c_rs: usize) {
-    let cp = c.as_mut_ptr();
-    let mut j = 0;
-    while j + NV * W <= g.n {
-        rows::<NV>(g, cp, c_rs, j);
-        j += NV * W;
-    }
-    match (g.n - j) / W {
-        3 => rows::<3>(g, cp, c_rs, j),
-        2 => rows::<2>(g, cp, c_rs, j),
-        1 => rows::<1>(g, cp, c_rs, j),
-        _ => {}
-    }
+/// Defines `$name::<V>`, the row walk of a driver over lanes `j..j + 16·V` of C: `$tile::<MR, V>`
+/// for each whole block of MR rows, then one `$tile` for the rest. The drivers differ only in
+/// their tile (and its element type and target features).
+macro_rules! row_walk {
+    ($name:ident, $tile:ident, $elem:ty, $features:literal) => {
+        #[target_feature(enable = $features)]
+        #[inline]
+        unsafe fn $name<const V: usize>(g: &Gemm<$elem>, cp: *mut f32, c_rs: usize, j: usize) {
+            let mut i = 0;
+            while i + MR <= g.m {
+                $tile::<MR, V>(g, cp, c_rs, i, j);
+                i += MR;
+            }
+            match g.m - i {
+                3 => $tile::<3, V>(g, cp, c_rs, i, j),
+                2 => $tile::<2, V>(g, cp, c_rs, i, j),
+                1 => $tile::<1, V>(g, cp, c_rs, i, j),
+                _ => {}
+            }
+        }
+    };
+}
+
+/// The lane walk of a driver: `$rows::<NV>` for each whole block of NV vectors, then one
+/// `$rows` for the remaining whole vectors (the callers' n is a multiple of 16).
+macro_rules! lane_walk {
+    ($g:ident, $c:ident, $c_rs:ident, $rows:ident) => {{
+        let cp = $c.as_mut_ptr();
+        let mut j = 0;
+        while j + NV * W <= $g.n {
+            $rows::<NV>($g, cp, $c_rs, j);
+            j += NV * W;
+        }
+        match ($g.n - j) / W {
+            3 => $rows::<3>($g, cp, $c_rs, j),
+            2 => $rows::<2>($g, cp, $c_rs, j),
+            1 => $rows::<1>($g, cp, $c_rs, j),
+            _ => {}
+        }
+    }};
 }
 
 #[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn rows<const V: usize>(g: &Gemm<f32>, cp: *mut f32, c_rs: usize, j: usize) {
-    let mut i = 0;
-    while i + MR <= g.m {
-        tile::<MR, V>(g, cp, c_rs, i, j);
-        i += MR;
-    }
-    match g.m - i {
-        3 => tile::<3, V>(g, cp, c_rs, i, j),
-        2 => tile::<2, V>(g, cp, c_rs, i, j),
-        1 => tile::<1, V>(g, cp, c_rs, i, j),
-        _ => {}
-    }
+pub(crate) unsafe fn gemm(g: &Gemm<f32>, c: &mut [f32], c_rs: usize) {
+    lane_walk!(g, c, c_rs, rows)
 }
+
+row_walk!(rows, tile, f32, "avx512f");
 
 /// Rows `i..i + R`, lanes `j..j + 16·V` of C.
 #[target_feature(enable = "avx512f")]
@@ -131,21 +148,7 @@ pub(crate) unsafe fn gemm_scores(g: &Gemm<f32>, c: &mut [f32], c_rs: usize) {
     }
 }
 
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn scores_rows<const V: usize>(g: &Gemm<f32>, cp: *mut f32, c_rs: usize, j: usize) {
-    let mut i = 0;
-    while i + MR <= g.m {
-        scores_tile::<MR, V>(g, cp, c_rs, i, j);
-        i += MR;
-    }
-    match g.m - i {
-        3 => scores_tile::<3, V>(g, cp, c_rs, i, j),
-        2 => scores_tile::<2, V>(g, cp, c_rs, i, j),
-        1 => scores_tile::<1, V>(g, cp, c_rs, i, j),
-        _ => {}
-    }
-}
+row_walk!(scores_rows, scores_tile, f32, "avx512f");
 
 #[target_feature(enable = "avx512f")]
 #[inline]
@@ -198,35 +201,10 @@ unsafe fn scores_tile<const R: usize, const V: usize>(
 
 #[target_feature(enable = "avx512f,avx512bf16")]
 pub(crate) unsafe fn gemm_bf16(g: &Gemm<u32>, c: &mut [f32], c_rs: usize) {
-    let cp = c.as_mut_ptr();
-    let mut j = 0;
-    while j + NV * W <= g.n {
-        rows_bf16::<NV>(g, cp, c_rs, j);
-        j += NV * W;
-    }
-    match (g.n - j) / W {
-        3 => rows_bf16::<3>(g, cp, c_rs, j),
-        2 => rows_bf16::<2>(g, cp, c_rs, j),
-        1 => rows_bf16::<1>(g, cp, c_rs, j),
-        _ => {}
-    }
+    lane_walk!(g, c, c_rs, rows_bf16)
 }
 
-#[target_feature(enable = "avx512f,avx512bf16")]
-#[inline]
-unsafe fn rows_bf16<const V: usize>(g: &Gemm<u32>, cp: *mut f32, c_rs: usize, j: usize) {
-    let mut i = 0;
-    while i + MR <= g.m {
-        tile_bf16::<MR, V>(g, cp, c_rs, i, j);
-        i += MR;
-    }
-    match g.m - i {
-        3 => tile_bf16::<3, V>(g, cp, c_rs, i, j),
-        2 => tile_bf16::<2, V>(g, cp, c_rs, i, j),
-        1 => tile_bf16::<1, V>(g, cp, c_rs, i, j),
-        _ => {}
-    }
-}
+row_walk!(rows_bf16, tile_bf16, u32, "avx512f,avx512bf16");
 
 /// As [`tile`], one bf16 pair per lane and k step: `vdpbf16ps` adds both products of the pair.
 #[target_feature(enable = "avx512f,avx512bf16")]
