@@ -20,16 +20,17 @@
 //! - scores `S = Q·Kᵀ`: [`scores`], dot products along `d` (4 query rows × 4 keys in registers),
 //!   then one transposing reduction per 16 scores;
 //!   with many query rows per kv head on AVX-512, outer products against q transposed instead
-//!   ([`scores_bcast_avx512`]);
+//!   ([`scores_bcast_avx512`]), and in bf16 with 4-31 rows q in blocks of 4 rows
+//!   ([`scores_quad_avx512_bf16`]);
 //! - `acc_o += P·V`: [`pv_acc`], rows × `d` accumulators in registers over the tile's keys, so
-//!   each v element is loaded once per 4 rows.
+//!   each v element is loaded once per 4 rows (up to 6 with more than 4 rows per kv head).
 //!
 //! bf16 on a CPU with AVX512_BF16 multiplies bf16 pairs with `vdpbf16ps` in both products (q·k
 //! exact; P rounded to bf16 for P·V, as the forward and flash-attn do).
 //!
 //! Each split ends with a normalised partial `(out, lse)` per row; [`merge_row`] combines a row's
 //! splits (`lse = log Σ exp(lse_s)`, `out = Σ exp(lse_s - lse) · out_s`). With one split the merge
-//! is the identity, bit for bit.
+//! is the identity, bit for bit, so then each item writes its rows of the output itself.
 
 use super::forward::ScoreMod;
 use super::simd::{pad_lanes, Isa, Kernels, LANES};
@@ -354,7 +355,8 @@ enum ItemOut<'a, T> {
 }
 
 /// The split-KV loop of one item over its keys, for all heads, writing the item's normalised
-/// rows into `out` (`d` values each) and their LSEs into `lse`. See the module docs.
+/// rows and their LSEs into `dst` (see [`ItemOut`]); `next`, the item after it, has its first
+/// tile prefetched during this item's last. See the module docs.
 fn run_item<T: Element>(
     dp: &DecodeParams,
     q: &[T],
