@@ -6,7 +6,7 @@
 //! bandwidth: at B = 1, 32 query heads over 8 kv heads, d = 128 and 32k cached tokens, one step
 //! reads 128 MiB of bf16 k/v for 0.27 GFLOP (2 FLOP per byte), so the kernel's job is to stream the
 //! cache once at the machine's copy rate (~27-31 GB/s on the 2-core Zen 4 of shared/FACTS.md), not
-//! to maximise FLOP/s. Three things follow (see [`crate::cpu::decode`]):
+//! to maximise FLOP/s. Three things follow (see `crate::cpu::decode`):
 //!
 //! - the query heads of a kv group are one query block, so each k/v row is read once, not once
 //!   per query head (4× less traffic at 32/8 heads);

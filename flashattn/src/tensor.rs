@@ -2,7 +2,7 @@
 //!
 //! A [`TensorRef`] borrows a caller's buffer with a shape and element strides; the last dimension must
 //! be contiguous (stride 1), the others may be anything, so views into larger buffers work without a
-//! copy. Nothing here validates: [`crate::params`] checks every view once, at the boundary, and the
+//! copy. Nothing here validates: `crate::params` checks every view once, at the boundary, and the
 //! kernels trust what it accepted. Owned [`Tensor`]s (what the library returns) are always contiguous,
 //! row-major.
 

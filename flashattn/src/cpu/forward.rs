@@ -27,7 +27,7 @@ use std::sync::Mutex;
 pub(crate) struct Scratch {
     /// q transposed: `qt[x * np + r]` (f32 products).
     qt: Vec<f32>,
-    /// q as bf16 pairs: `qp[xp * np + r]` = (q[r][2xp], q[r][2xp + 1]) (bf16 dot products).
+    /// q as bf16 pairs: `qp[xp * np + r]` = `(q[r][2xp], q[r][2xp + 1])` (bf16 dot products).
     qp: Vec<u32>,
     /// A tile of k rows: f32 `[cols][d]`, or bf16 pairs `[cols][d2]` with `d2 = d.div_ceil(2)`.
     k: Vec<f32>,
@@ -193,7 +193,7 @@ fn bf16_bits(row: &[bf16], x: usize) -> u16 {
     row.get(x).map_or(0, |v| v.to_bits())
 }
 
-/// Copies `rows` bf16 head rows as pairs: `dst[r * d2 + xp]` = (row[2xp], row[2xp + 1]).
+/// Copies `rows` bf16 head rows as pairs: `dst[r * d2 + xp]` = `(row[2xp], row[2xp + 1])`.
 fn load_pairs(
     src: &[bf16],
     base: usize,
@@ -246,8 +246,8 @@ fn load_pairs_t(
 }
 
 /// V of every (sequence, kv head, key block) as bf16 pairs of keys, for the P·V product of the
-/// bf16 path: block `(b, hk, n_block)` is `[d][block_n / 2]`, element `(x, cp)` = (v[2cp][x],
-/// v[2cp + 1][x]) of the block's keys (0 past its last key). Built once per call (one pass over v,
+/// bf16 path: block `(b, hk, n_block)` is `[d][block_n / 2]`, element `(x, cp)` =
+/// `(v[2cp][x], v[2cp + 1][x])` of the block's keys (0 past its last key). Built once per call (one pass over v,
 /// the size of v in memory) because every query block of the head reads it.
 pub(crate) struct PackedV {
     data: Vec<u32>,

@@ -1,13 +1,13 @@
 //! The NVIDIA CUDA backend: the same attention calls as the CPU path, on tensors in GPU memory.
 //!
 //! Nothing CUDA is needed to build or test the crate: cudarc loads libcuda and libnvrtc at run
-//! time ([`probe`] checks that they exist before cudarc is called, since cudarc panics otherwise),
+//! time (`probe` checks that they exist before cudarc is called, since cudarc panics otherwise),
 //! and the kernels are CUDA C++ sources embedded in the library (`kernels/*.cu`), compiled by
 //! NVRTC for the device's architecture at first use. Each variant is named by a typed
 //! [`KernelKey`]; compiled cubins are cached in memory (per device) and on disk (keyed by a hash of
 //! the sources, the key, the architecture and NVRTC's version).
 //!
-//! Semantics are the CPU path's: same validation ([`crate::params`]), same masks, scores, LSE,
+//! Semantics are the CPU path's: same validation (`crate::params`), same masks, scores, LSE,
 //! fully-masked-row rule. What the CUDA backend does not do yet: the backward pass, dropout, and
 //! the decoding calls; they return [`ErrorKind::CudaUnsupported`].
 //!
