@@ -394,6 +394,20 @@ fn index_entry(tensor: TensorName, index: usize, value: i32, bound: usize) -> Re
     Ok(value as usize)
 }
 
+/// An index array with one entry per batch row of q, or the error naming it.
+fn one_per_row(tensor: TensorName, entries: &[i32], batch: usize) -> Result<()> {
+    if entries.len() != batch {
+        return Err(ErrorKind::IndexLength {
+            tensor,
+            expected: batch,
+            got: entries.len(),
+            what: "one per batch row of q",
+        }
+        .into());
+    }
+    Ok(())
+}
+
 fn row_layout(t: &TensorRef) -> RowLayout {
     params::layout_of(t)
 }
@@ -449,15 +463,7 @@ fn validate(
     params::checked_product("out", &out_shape, 4)?;
     params::checked_product("lse", &[batch, heads, seqlen_q], 4)?;
 
-    if cache_seqlens.len() != batch {
-        return Err(ErrorKind::IndexLength {
-            tensor: "cache_seqlens",
-            expected: batch,
-            got: cache_seqlens.len(),
-            what: "one per batch row of q",
-        }
-        .into());
-    }
+    one_per_row("cache_seqlens", cache_seqlens, batch)?;
     for (index, &value) in cache_seqlens.iter().enumerate() {
         if value < 0 {
             return Err(ErrorKind::IndexOutOfRange {
@@ -473,15 +479,7 @@ fn validate(
     let leftpad = match opts.cache_leftpad {
         None => vec![0; batch],
         Some(lp) => {
-            if lp.len() != batch {
-                return Err(ErrorKind::IndexLength {
-                    tensor: "cache_leftpad",
-                    expected: batch,
-                    got: lp.len(),
-                    what: "one per batch row of q",
-                }
-                .into());
-            }
+            one_per_row("cache_leftpad", lp, batch)?;
             lp.iter()
                 .zip(&lens)
                 .enumerate()
@@ -551,15 +549,7 @@ fn validate(
         (None, idx) => {
             let pages = match idx {
                 Some(idx) => {
-                    if idx.len() != batch {
-                        return Err(ErrorKind::IndexLength {
-                            tensor: "cache_batch_idx",
-                            expected: batch,
-                            got: idx.len(),
-                            what: "one per batch row of q",
-                        }
-                        .into());
-                    }
+                    one_per_row("cache_batch_idx", idx, batch)?;
                     idx.iter()
                         .enumerate()
                         .map(|(i, &x)| index_entry("cache_batch_idx", i, x, n_pages))
