@@ -610,17 +610,20 @@ fn check_case(c: &DCase) -> AttnOutput {
 // Coverage
 // ---------------------------------------------------------------------------------------------
 
+/// The masks the option grids run: (causal, window).
+const MASKS: [(bool, (i64, i64)); 6] = [
+    (false, (-1, -1)),
+    (true, (-1, -1)),
+    (false, (17, -1)),
+    (true, (40, -1)),
+    (false, (5, 2)),
+    (false, (0, 0)),
+];
+
 /// Every dtype × masks, softcap, ALiBi, GQA ratios, seqlen_q 1 and > 1, appends or none.
 #[test]
 fn options_against_reference() {
-    let masks: [(bool, (i64, i64)); 6] = [
-        (false, (-1, -1)),
-        (true, (-1, -1)),
-        (false, (17, -1)),
-        (true, (40, -1)),
-        (false, (5, 2)),
-        (false, (0, 0)),
-    ];
+    let masks = MASKS;
     let heads = [(1, 1), (4, 1), (6, 2), (8, 8), (32, 8)];
     let mut n = 0;
     for dtype in DTYPES {
@@ -664,12 +667,7 @@ fn options_against_reference() {
 /// appended, over the whole cache (no key: out 0, lse -inf).
 #[test]
 fn leftpad_hides_the_first_keys() {
-    let masks: [(bool, (i64, i64)); 4] = [
-        (false, (-1, -1)),
-        (true, (-1, -1)),
-        (false, (17, -1)),
-        (false, (5, 2)),
-    ];
+    let masks = [MASKS[0], MASKS[1], MASKS[2], MASKS[4]];
     let stores = [
         Store::Contiguous,
         Store::Paged(7),
