@@ -29,7 +29,7 @@ use std::time::Instant;
 
 /// Tensor names of a KV-cache input file; anything else is rejected (a typo must not silently
 /// change the computation).
-pub const ACCEPTED: [&str; 12] = [
+pub const ACCEPTED: [&str; 13] = [
     "q",
     "k_cache",
     "v_cache",
@@ -39,6 +39,7 @@ pub const ACCEPTED: [&str; 12] = [
     "block_table",
     "cache_batch_idx",
     "cache_leftpad",
+    "cu_seqlens_q",
     "rotary_cos",
     "rotary_sin",
     "alibi_slopes",
@@ -147,6 +148,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let leftpad = get("cache_leftpad")?
         .map(|t| decode_i32("cache_leftpad", &t, 1, "[batch]"))
         .transpose()?;
+    let cu_q = get("cu_seqlens_q")?
+        .map(|t| decode_i32("cu_seqlens_q", &t, 1, "[batch + 1]"))
+        .transpose()?;
 
     let mut opts = KvCacheOptions::default().attn(AttnOptions {
         softmax_scale: args.scale,
@@ -183,6 +187,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
     }
     if let Some((_, lp)) = &leftpad {
         opts = opts.cache_leftpad(lp);
+    }
+    if let Some((_, cu)) = &cu_q {
+        opts = opts.cu_seqlens_q(cu);
     }
 
     run::write_atomically(&args.output, || {

@@ -16,7 +16,8 @@ pub struct RunArgs {
     /// [batch, seqlen_q, heads, d], k/v [batch, seqlen_k, heads_kv, d]), and optionally dout
     /// (q's shape and dtype), which runs the backward pass too. A file holding k_cache decodes
     /// instead: q, k_cache, v_cache, cache_seqlens (I32) and optionally k_new, v_new,
-    /// block_table, cache_batch_idx, cache_leftpad (I32), rotary_cos, rotary_sin, alibi_slopes.
+    /// block_table, cache_batch_idx, cache_leftpad, cu_seqlens_q (I32; packs q as
+    /// [total_q, heads, d]), rotary_cos, rotary_sin, alibi_slopes.
     pub input: PathBuf,
     /// Output file: gets `out` (q's dtype and shape) and `lse` (F32), and `dq`, `dk`, `dv` (the
     /// shapes and dtype of q, k, v) when the input holds `dout`, or the updated `k_cache` and

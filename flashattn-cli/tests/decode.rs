@@ -232,6 +232,64 @@ fn run_contiguous_cache_without_new_keys() {
     );
 }
 
+#[test]
+fn run_packed_queries() {
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    let mut r = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect() };
+    // Three sequences with 2, 0 and 3 queries, and one packed row after them.
+    let (q, kc, vc) = (r(6 * H * D), r(3 * 20 * HKV * D), r(3 * 20 * HKV * D));
+    let lens = [20, 7, 12];
+    let cu = [0, 2, 2, 5];
+    let dir = tempfile::tempdir().unwrap();
+    let (input, output) = (dir.path().join("in.st"), dir.path().join("out.st"));
+    write_st(
+        &input,
+        &[
+            f32_raw("q", &[6, H, D], &q),
+            f32_raw("k_cache", &[3, 20, HKV, D], &kc),
+            f32_raw("v_cache", &[3, 20, HKV, D], &vc),
+            i32_raw("cache_seqlens", &[3], &lens),
+            i32_raw("cu_seqlens_q", &[4], &cu),
+        ],
+    );
+    let res = flashattn(&[
+        "run",
+        input.to_str().unwrap(),
+        output.to_str().unwrap(),
+        "--causal",
+        "--threads",
+        "1",
+    ]);
+    assert_ok(&res);
+    let (mut k2, mut v2) = (kc.clone(), vc.clone());
+    let want = {
+        let shape = [3, 20, HKV, D];
+        let mut k = TensorMut::contiguous(SliceMut::F32(&mut k2), &shape);
+        let mut v = TensorMut::contiguous(SliceMut::F32(&mut v2), &shape);
+        let opts = KvCacheOptions::default()
+            .attn(AttnOptions::default().causal(true))
+            .cu_seqlens_q(&cu)
+            .num_splits(1);
+        flash_attn_with_kvcache(
+            &TensorRef::contiguous(&q, &[6, H, D]),
+            &mut k,
+            &mut v,
+            &lens,
+            &opts,
+        )
+        .unwrap()
+    };
+    let (shape, out) = read_f32(&output, "out");
+    assert_eq!(shape, vec![6, H, D]);
+    assert_eq!(out, bits(&want.out.to_f32_vec()));
+    let (shape, lse) = read_f32(&output, "lse");
+    assert_eq!(shape, vec![H, 6]);
+    assert_eq!(lse, bits(&want.lse.to_f32_vec()));
+    // The row after the last sequence: 0, lse -inf.
+    assert!(out[5 * H * D..].iter().all(|&x| x == 0));
+    assert!((0..H).all(|h| f32::from_bits(lse[h * 6 + 5]) == f32::NEG_INFINITY));
+}
+
 /// A failing run: exit 1, one line on stderr naming every needle, no OUT (and an existing OUT
 /// byte-for-byte as it was).
 fn expect_failure(tensors: &[Raw], flags: &[&str], needles: &[&str]) {

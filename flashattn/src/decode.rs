@@ -181,6 +181,15 @@ pub struct KvCacheOptions<'a> {
     pub cache_batch_idx: Option<&'a [i32]>,
     /// Paged caches: `k_cache`/`v_cache` are `[num_blocks, page_size, heads_kv, head_dim]`.
     pub block_table: Option<BlockTable<'a>>,
+    /// Packed queries of different lengths per sequence (flash-attn's `flash_attn_varlen_func`
+    /// over a KV cache, as serving engines run chunked prefill and decoding in one batch): q is
+    /// `[total_q, heads, head_dim]` and sequence b's queries are rows
+    /// `cu_seqlens_q[b]..cu_seqlens_q[b + 1]` (`batch + 1` entries from 0, non-decreasing); out is
+    /// `[total_q, heads, head_dim]` and lse `[heads, total_q]`, rows after the last sequence 0 and
+    /// -inf. Each sequence attends its `cache_seqlens[b]` cached keys, masks aligned to the
+    /// bottom-right as usual; new keys cannot be appended in the same call (write them into the
+    /// cache first).
+    pub cu_seqlens_q: Option<&'a [i32]>,
     /// Left padding, flash-attn's `cache_leftpad`: sequence b's keys start at position
     /// `cache_leftpad[b]` (`batch` entries, `0..=cache_seqlens[b]`); keys before it are never
     /// read. The masks and ALiBi count positions from that start (bottom-right alignment over the
@@ -211,6 +220,10 @@ impl<'a> KvCacheOptions<'a> {
     }
     pub fn block_table(mut self, table: BlockTable<'a>) -> Self {
         self.block_table = Some(table);
+        self
+    }
+    pub fn cu_seqlens_q(mut self, cu_seqlens_q: &'a [i32]) -> Self {
+        self.cu_seqlens_q = Some(cu_seqlens_q);
         self
     }
     pub fn cache_leftpad(mut self, leftpad: &'a [i32]) -> Self {
@@ -347,7 +360,8 @@ pub(crate) struct DecodeParams {
 
 /// Decoding attention with a KV cache, as flash-attn's `flash_attn_with_kvcache`.
 ///
-/// - q `[batch, seqlen_q, heads, head_dim]` (seqlen_q small, often 1);
+/// - q `[batch, seqlen_q, heads, head_dim]` (seqlen_q small, often 1), or packed
+///   `[total_q, heads, head_dim]` with `opts.cu_seqlens_q` (queries of different lengths);
 /// - `k_cache`, `v_cache` `[batch_cache, seqlen_cache, heads_kv, head_dim]`, or with
 ///   `opts.block_table` paged `[num_blocks, page_size, heads_kv, head_dim]` (any page size); q's
 ///   dtype, last dimension contiguous, other strides free;
@@ -360,7 +374,8 @@ pub(crate) struct DecodeParams {
 /// `cache_seqlens` itself is not updated (as in flash-attn).
 /// Every input is validated before anything is written: on error the caches are untouched.
 ///
-/// Returns `out` (q's dtype and shape) and `lse` (`[batch, heads, seqlen_q]`, f32, natural log).
+/// Returns `out` (q's dtype and shape) and `lse` (`[batch, heads, seqlen_q]`, packed
+/// `[heads, total_q]`; f32, natural log).
 /// Runs on the current rayon pool; the key range is split over the threads (`opts.num_splits`).
 pub fn flash_attn_with_kvcache(
     q: &TensorRef,
@@ -426,13 +441,35 @@ fn validate(
     } else {
         "[batch_cache, seqlen_cache, heads_kv, head_dim]"
     };
-    params::check_view("q", q, 4, Q_LAYOUT)?;
+    // Queries per sequence: `[batch, seqlen_q, ..]`, or packed with cu_seqlens_q.
+    let (batch, q_starts, q_lens) = match opts.cu_seqlens_q {
+        None => {
+            params::check_view("q", q, 4, Q_LAYOUT)?;
+            let (batch, sq) = (q.shape()[0], q.shape()[1]);
+            (batch, (0..batch).map(|b| b * sq).collect(), vec![sq; batch])
+        }
+        Some(cu) => {
+            params::check_view("q", q, 3, "[total_q, heads, head_dim]")?;
+            params::check_cu_seqlens("cu_seqlens_q", cu, cu.len().max(1), q.shape()[0])?;
+            let starts: Vec<usize> = cu.iter().map(|&x| x as usize).collect();
+            let lens = starts.windows(2).map(|w| w[1] - w[0]).collect();
+            (cu.len() - 1, starts, lens)
+        }
+    };
+    let packed = opts.cu_seqlens_q.is_some();
+    let n = q.shape().len();
+    let (heads, head_dim) = (q.shape()[n - 2], q.shape()[n - 1]);
+    // Rows of out: every query position (packed: also rows after the last sequence).
+    let total_q = if packed {
+        q.shape()[0]
+    } else {
+        batch * q_lens.first().copied().unwrap_or(0)
+    };
+    let seqlen_q = q_lens.iter().copied().max().unwrap_or(0);
     params::check_view("k_cache", k_cache, 4, cache_layout)?;
     params::check_view("v_cache", v_cache, 4, cache_layout)?;
     params::check_dtype("k_cache", k_cache, q.dtype())?;
     params::check_dtype("v_cache", v_cache, q.dtype())?;
-    let (batch, seqlen_q, heads, head_dim) =
-        (q.shape()[0], q.shape()[1], q.shape()[2], q.shape()[3]);
     if head_dim == 0 || head_dim > MAX_HEAD_DIM {
         return Err(ErrorKind::HeadDim {
             tensor: "q",
@@ -459,9 +496,16 @@ fn validate(
         .into());
     }
     let alibi = params::check_alibi(&opts.attn, batch, heads)?;
-    let out_shape = vec![batch, seqlen_q, heads, head_dim];
+    let (out_shape, lse_shape) = if packed {
+        (vec![total_q, heads, head_dim], vec![heads, total_q])
+    } else {
+        (
+            vec![batch, seqlen_q, heads, head_dim],
+            vec![batch, heads, seqlen_q],
+        )
+    };
     params::checked_product("out", &out_shape, 4)?;
-    params::checked_product("lse", &[batch, heads, seqlen_q], 4)?;
+    params::checked_product("lse", &lse_shape, 4)?;
 
     one_per_row("cache_seqlens", cache_seqlens, batch)?;
     for (index, &value) in cache_seqlens.iter().enumerate() {
@@ -491,6 +535,7 @@ fn validate(
     // New keys and values.
     let new_kv = match &opts.new_kv {
         None => None,
+        Some(_) if packed => return Err(ErrorKind::AppendWithPackedQ.into()),
         Some((kn, vn)) => {
             const NEW_LAYOUT: &str = "[batch, seqlen_new, heads_kv, head_dim]";
             params::check_view("k_new", kn, 4, NEW_LAYOUT)?;
@@ -633,13 +678,22 @@ fn validate(
         .iter()
         .enumerate()
         .map(|(b, &len)| Seq {
-            seqlen_q,
+            seqlen_q: q_lens[b],
             seqlen_k: len + seqlen_new,
-            q_base: b * q.strides()[0],
+            q_base: if packed {
+                q_starts[b] * q.strides()[0]
+            } else {
+                b * q.strides()[0]
+            },
             k_base: 0,
             v_base: 0,
-            out_row0: b * seqlen_q,
-            lse_base: b * heads * seqlen_q,
+            out_row0: q_starts[b],
+            // Packed lse is [heads, total_q]; batched [batch, heads, seqlen_q].
+            lse_base: if packed {
+                q_starts[b]
+            } else {
+                b * heads * seqlen_q
+            },
             k_row0: 0,
         })
         .collect();
@@ -652,10 +706,10 @@ fn validate(
         q: q_layout,
         k: row_layout(k_cache),
         v: row_layout(v_cache),
-        total_q: batch * seqlen_q,
-        lse_head_stride: seqlen_q,
+        total_q,
+        lse_head_stride: if packed { total_q } else { seqlen_q },
         out_shape,
-        lse_shape: vec![batch, heads, seqlen_q],
+        lse_shape,
         k_shape: cs.to_vec(),
         total_k: 0,
         softmax_scale: o.softmax_scale,
@@ -664,7 +718,7 @@ fn validate(
         window_right: o.window_right,
         alibi,
         dropout: None,
-        packed: false,
+        packed,
         kernels: o.kernels,
     };
     Ok(DecodeParams {

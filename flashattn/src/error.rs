@@ -183,6 +183,11 @@ pub enum ErrorKind {
          positions cache_seqlens[b] + i"
     )]
     RotaryWithoutNewKv,
+    #[error(
+        "appending new keys (k_new, v_new) is not available with cu_seqlens_q: write them into \
+         the cache first and count them in cache_seqlens"
+    )]
+    AppendWithPackedQ,
     #[error("dropout is not available when decoding with a KV cache (dropout_p = {p}); use 0")]
     DropoutInDecode { p: f32 },
     #[error("num_splits = {num_splits} is invalid: it must be at least 1 (unset: automatic)")]

@@ -500,7 +500,12 @@ pub(crate) fn batched<V: ViewDesc + ?Sized>(
     })
 }
 
-fn check_cu_seqlens(name: TensorName, cu: &[i32], entries: usize, total: usize) -> Result<()> {
+pub(crate) fn check_cu_seqlens(
+    name: TensorName,
+    cu: &[i32],
+    entries: usize,
+    total: usize,
+) -> Result<()> {
     let err = |problem| {
         Err(ErrorKind::CuSeqlens {
             tensor: name,

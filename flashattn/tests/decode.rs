@@ -708,6 +708,146 @@ fn leftpad_hides_the_first_keys() {
     }
 }
 
+/// `cu_seqlens_q` (packed queries of different lengths per sequence, as chunked prefill mixed
+/// with decoding): every sequence's rows equal, bit for bit, a call with that sequence alone (same
+/// cache, split count and options; such calls are checked against the oracle above), rows after
+/// the last sequence are 0 with lse -inf, and f32 rows match the f64 oracle. Every dtype, masks,
+/// ALiBi, GQA, left pads, contiguous, mapped and paged caches, 1 and 3 splits, a sequence with no
+/// query and one with no key.
+#[test]
+fn packed_queries_match_per_sequence_calls() {
+    let q_lens = [3usize, 0, 1, 6, 2, 4];
+    let total = q_lens.iter().sum::<usize>() + 2;
+    let mut cu = vec![0i32];
+    for &l in &q_lens {
+        cu.push(cu.last().unwrap() + l as i32);
+    }
+    let mut n = 0;
+    for dtype in DTYPES {
+        for (mi, &(causal, window)) in [MASKS[1], MASKS[0], MASKS[4], MASKS[3]].iter().enumerate() {
+            n += 1;
+            let c = DCase {
+                dtype,
+                heads: 6,
+                heads_kv: 2,
+                d: [16, 40, 64, 59][mi],
+                cap: 72,
+                lens: vec![20, 9, 0, 50, 6, 33],
+                leftpad: (mi == 2).then(|| vec![0, 4, 0, 17, 6, 1]),
+                new: None,
+                causal,
+                window,
+                alibi: n % 2 == 0,
+                store: [
+                    Store::Contiguous,
+                    Store::Paged(8),
+                    Store::BatchIdx,
+                    Store::Gaps,
+                ][mi],
+                splits: Some([1, 3][n % 2]),
+                seed: 900 + n as u64,
+                ..DCase::default()
+            };
+            let bl = build(&c);
+            let (h, d) = (c.heads, c.d);
+            let mut rng = common::rng(c.seed ^ 0xc0ffee);
+            let qv = values(&mut rng, total * h * d, Dist::Normal);
+            let qb = to_buffer(&qv, dtype);
+            let lens: Vec<i32> = c.lens.iter().map(|&x| x as i32).collect();
+            let call = |q: TensorRef, lens: &[i32], opts: &KvCacheOptions| {
+                let (mut kc, mut vc) = (bl.k_cache.clone(), bl.v_cache.clone());
+                let mut k = TensorMut::new(slice_mut(&mut kc), &bl.map.shape, &bl.map.strides);
+                let mut v = TensorMut::new(slice_mut(&mut vc), &bl.map.shape, &bl.map.strides);
+                flash_attn_with_kvcache(&q, &mut k, &mut v, lens, opts)
+                    .unwrap_or_else(|e| panic!("{c:?}: {e}"))
+            };
+            let packed = call(
+                view_of(&qb, &[total, h, d]),
+                &lens,
+                &bl.opts(&c).cu_seqlens_q(&cu),
+            );
+            assert_eq!(packed.out.shape(), &[total, h, d]);
+            assert_eq!(packed.lse.shape(), &[h, total]);
+            let (out, lse) = (packed.out.to_f64_vec(), packed.lse.to_f64_vec());
+            for r in cu[q_lens.len()] as usize..total {
+                assert!(out[r * h * d..(r + 1) * h * d].iter().all(|&x| x == 0.0));
+                assert!((0..h).all(|hh| lse[hh * total + r] == f64::NEG_INFINITY));
+            }
+            for (b, &sq) in q_lens.iter().enumerate().filter(|x| *x.1 > 0) {
+                let r0 = cu[b] as usize;
+                let qs = to_buffer(&qv[r0 * h * d..(r0 + sq) * h * d], dtype);
+                // The same sequence alone: its cache row or its row of the block table.
+                let table = &bl.map.table[b * bl.map.max_blocks..(b + 1) * bl.map.max_blocks];
+                let row = [table[0]];
+                let slopes = &bl.alibi[b * h..(b + 1) * h];
+                let mut attn = bl.attn_opts(&c);
+                if c.alibi {
+                    attn = attn.alibi_slopes(TensorRef::contiguous(slopes, &[1, h]));
+                }
+                let mut o = KvCacheOptions::default()
+                    .attn(attn)
+                    .num_splits(c.splits.unwrap());
+                o = match c.store {
+                    Store::Paged(_) => o.block_table(BlockTable::new(table, 1, bl.map.max_blocks)),
+                    _ => o.cache_batch_idx(&row),
+                };
+                let lp = c.leftpad.as_ref().map(|lp| [lp[b] as i32]);
+                if let Some(lp) = &lp {
+                    o = o.cache_leftpad(lp);
+                }
+                let alone = call(view_of(&qs, &[1, sq, h, d]), &lens[b..b + 1], &o);
+                let (ao, al) = (alone.out.to_f64_vec(), alone.lse.to_f64_vec());
+                let what = format!("{c:?}: sequence {b}");
+                assert_eq!(
+                    buf_bits(packed.out.buffer())[r0 * h * d..(r0 + sq) * h * d],
+                    buf_bits(alone.out.buffer())[..],
+                    "{what}: out"
+                );
+                for hh in 0..h {
+                    for i in 0..sq {
+                        let (x, y) = (lse[hh * total + r0 + i], al[hh * sq + i]);
+                        assert!(x.to_bits() == y.to_bits(), "{what}: lse {x} against {y}");
+                    }
+                }
+                if dtype == DType::F32 {
+                    // The oracle on the keys this sequence sees.
+                    let (lp, sk) = (c.first_key(b), c.seqlen_k(b) - c.first_key(b));
+                    let (mut kb, mut vb) = (Vec::new(), Vec::new());
+                    let (kc, vc) = (buf_f64(&bl.k_cache), buf_f64(&bl.v_cache));
+                    for j in lp..lp + sk {
+                        for hk in 0..c.heads_kv {
+                            let o = bl.map.offset(b, j, hk);
+                            kb.extend(kc[o..o + d].iter().map(|&x| x as f32));
+                            vb.extend(vc[o..o + d].iter().map(|&x| x as f32));
+                        }
+                    }
+                    let q32: Vec<f32> = qv[r0 * h * d..(r0 + sq) * h * d]
+                        .iter()
+                        .map(|&x| x as f32)
+                        .collect();
+                    let mut ro = AttnOptions::default()
+                        .causal(c.causal)
+                        .window(c.window.0, c.window.1);
+                    if c.alibi {
+                        ro = ro.alibi_slopes(TensorRef::contiguous(slopes, &[h]));
+                    }
+                    let ks = [1, sk, c.heads_kv, d];
+                    let r = reference::attention(
+                        &TensorRef::contiguous(&q32, &[1, sq, h, d]),
+                        &TensorRef::contiguous(&kb, &ks),
+                        &TensorRef::contiguous(&vb, &ks),
+                        &ro,
+                    )
+                    .unwrap();
+                    for (x, y) in ao.iter().zip(&r.out) {
+                        assert!((x - y).abs() <= 1e-5, "{what}: out {x} against {y}");
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Odd head dims and cache lengths, rows with an empty cache, seqlen_q > seqlen_new, large scores.
 #[test]
 fn awkward_shapes() {
@@ -1473,6 +1613,51 @@ fn bad_input_is_a_typed_error_and_writes_nothing() {
         };
         assert_eq!(expect_err(&bl2, call).kind(), &want, "cache_leftpad {lp:?}");
     }
+    // Packed queries (cu_seqlens_q): q [total_q, heads, d] with 3 rows for the batch of 2.
+    let q3 = to_buffer(&vec![0.25; 3 * c2.heads * c2.d], c2.dtype);
+    let q3v = || view_of(&q3, &[3, c2.heads, c2.d]);
+    let no_new = || {
+        let mut o = bl2.opts(&c2);
+        o.new_kv = None;
+        o
+    };
+    let packed_err = |q: TensorRef, cu: &[i32], opts: KvCacheOptions| {
+        let opts = opts.cu_seqlens_q(cu);
+        expect_err(&bl2, Call { q, opts, ..base2() }).kind().clone()
+    };
+    assert_kind!(
+        packed_err(q3v(), &[0, 2, 1], no_new()),
+        ErrorKind::CuSeqlens {
+            tensor: "cu_seqlens_q",
+            ..
+        }
+    );
+    assert_kind!(
+        packed_err(q3v(), &[0, 2, 4], no_new()),
+        ErrorKind::CuSeqlens {
+            tensor: "cu_seqlens_q",
+            ..
+        }
+    );
+    assert_kind!(
+        packed_err(q3v(), &[0, 1, 2, 3], no_new()),
+        ErrorKind::IndexLength {
+            tensor: "cache_seqlens",
+            ..
+        }
+    );
+    assert_kind!(
+        packed_err(bl2.q_view(&c2), &[0, 1, 2], no_new()),
+        ErrorKind::Rank {
+            tensor: "q",
+            expected: 3,
+            ..
+        }
+    );
+    assert_kind!(
+        packed_err(q3v(), &[0, 1, 3], bl2.opts(&c2)),
+        ErrorKind::AppendWithPackedQ
+    );
     let mut o = bl2.opts(&c2);
     o.cache_batch_idx = None; // 4 cache rows for a batch of 2, and no map
     assert!(matches!(

@@ -247,16 +247,24 @@ fn attend<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T]) -> (Vec<T>, 
     // and the f32 partials' round trip took 8-15% of a 64 × 128-key step (A/B in one process,
     // alternating, both orders, 2026-11-23: bf16 0.92 on one thread and 0.83-0.87 on two, f32
     // 0.84-0.85 on two; 64 × 512 keys 0.96-0.975; 16 × 512 keys with 4 tokens 0.90-0.91).
+    // Packed queries (cu_seqlens_q) may leave rows after the last sequence: 0, lse -inf.
+    let covered: usize = p.seqs.iter().map(|s| s.seqlen_q).sum();
+    for r in covered..p.total_q {
+        out[r * p.heads * d..(r + 1) * p.heads * d].fill(T::from_f32(0.0));
+        for h in 0..p.heads {
+            lse[h * p.lse_head_stride + r] = f32::NEG_INFINITY;
+        }
+    }
     let direct = splits == 1 && {
         let mut at = 0;
         blocks.iter().all(|&(b, i0, i1, _, _)| {
             let ok = p.out_offset(b, i0, 0) == at;
             at += (i1 - i0) * p.heads * d;
             ok
-        }) && at == out.len()
+        }) && at == covered * p.heads * d
     };
     if direct {
-        let mut rest = &mut out[..];
+        let mut rest = &mut out[..covered * p.heads * d];
         let chunks: Vec<&mut [T]> = blocks
             .iter()
             .map(|&(_, i0, i1, _, _)| {
