@@ -41,14 +41,40 @@
 //! # Ok::<(), flashattn::Error>(())
 //! ```
 //!
+//! Packed queries of different lengths per sequence (chunked prefill next to decoding), against
+//! keys already in the cache:
+//!
+//! ```
+//! use flashattn::{flash_attn_with_kvcache, KvCacheOptions, TensorMut, TensorRef};
+//! let (cap, heads, heads_kv, d) = (32, 4, 2, 8);
+//! let mut k_cache = vec![0.5f32; 2 * cap * heads_kv * d];
+//! let mut v_cache = vec![1.0f32; 2 * cap * heads_kv * d];
+//! // Sequence 0: a 3-token chunk of its prompt; sequence 1: one decoding step.
+//! let cu_seqlens_q = [0, 3, 4];
+//! let q = vec![0.1f32; 4 * heads * d];
+//! let cache_seqlens = [12, 30]; // keys per sequence, the new tokens' included
+//! let shape = [2, cap, heads_kv, d];
+//! let res = flash_attn_with_kvcache(
+//!     &TensorRef::contiguous(&q, &[4, heads, d]),
+//!     &mut TensorMut::contiguous(&mut k_cache[..], &shape),
+//!     &mut TensorMut::contiguous(&mut v_cache[..], &shape),
+//!     &cache_seqlens,
+//!     &KvCacheOptions::default().cu_seqlens_q(&cu_seqlens_q),
+//! )?;
+//! assert_eq!(res.out.shape(), &[4, heads, d]);
+//! assert_eq!(res.lse.shape(), &[heads, 4]);
+//! assert!(res.out.to_f32_vec().iter().all(|&x| (x - 1.0).abs() < 1e-6)); // v is all 1
+//! # Ok::<(), flashattn::Error>(())
+//! ```
+//!
 //! This module owns the public types and all validation (everything is checked before the cache is
 //! written: a rejected call leaves it bit-identical); the kernels are in `cpu::decode`.
 //!
 //! Semantics are flash-attn's, with one difference noted at [`Rotary`]: batch row b attends cache
 //! positions `0..cache_seqlens[b] + seqlen_new` (after appending the new keys at
-//! `cache_seqlens[b]`), and causal/window masks and ALiBi are aligned to the bottom-right corner of
-//! that length, as in [`crate::flash_attn`] (query i sits at position
-//! `cache_seqlens[b] + seqlen_new - seqlen_q + i`).
+//! `cache_seqlens[b]`; from `cache_leftpad[b]` on when given), and causal/window masks and ALiBi
+//! are aligned to the bottom-right corner of that length, as in [`crate::flash_attn`] (query i
+//! sits at position `cache_seqlens[b] + seqlen_new - seqlen_q + i`).
 
 use crate::cpu::simd::Isa;
 use crate::error::{ErrorKind, Result, TensorName};
