@@ -139,18 +139,16 @@ pub fn run(args: &RunArgs) -> Result<()> {
             ));
         }
     }
-    let block_table = get("block_table")?
-        .map(|t| decode_i32("block_table", &t, 2, "[batch, max_blocks_per_seq]"))
-        .transpose()?;
-    let batch_idx = get("cache_batch_idx")?
-        .map(|t| decode_i32("cache_batch_idx", &t, 1, "[batch]"))
-        .transpose()?;
-    let leftpad = get("cache_leftpad")?
-        .map(|t| decode_i32("cache_leftpad", &t, 1, "[batch]"))
-        .transpose()?;
-    let cu_q = get("cu_seqlens_q")?
-        .map(|t| decode_i32("cu_seqlens_q", &t, 1, "[batch + 1]"))
-        .transpose()?;
+    // The optional I32 tensors: (shape, values).
+    let index = |name: &str, rank: usize, layout: &str| -> Result<Option<(Vec<usize>, Vec<i32>)>> {
+        get(name)?
+            .map(|t| decode_i32(name, &t, rank, layout))
+            .transpose()
+    };
+    let block_table = index("block_table", 2, "[batch, max_blocks_per_seq]")?;
+    let batch_idx = index("cache_batch_idx", 1, "[batch]")?;
+    let leftpad = index("cache_leftpad", 1, "[batch]")?;
+    let cu_q = index("cu_seqlens_q", 1, "[batch + 1]")?;
 
     let mut opts = KvCacheOptions::default().attn(AttnOptions {
         softmax_scale: args.scale,

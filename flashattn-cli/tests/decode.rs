@@ -171,6 +171,53 @@ fn run_paged_cache_with_append_and_rotary_matches_the_library() {
     assert_eq!(v_after, bits(&vc), "v_cache");
 }
 
+/// What `flashattn run` wrote (out, lse and k_cache, as bits) and what the library computes on
+/// the same inputs: q and contiguous caches `[3, 20, HKV, D]` (in `tensors` too), `lens`, `opts`
+/// (the library side uses one split, as the file's single-threaded run does).
+struct RunAndLibrary {
+    out: Vec<u32>,
+    lse: Vec<u32>,
+    k_cache: Vec<u32>,
+    want: flashattn::AttnOutput,
+}
+
+fn run_and_library(
+    tensors: &[Raw],
+    flags: &[&str],
+    (q, q_shape): (&[f32], &[usize]),
+    (kc, vc): (&[f32], &[f32]),
+    lens: &[i32],
+    opts: KvCacheOptions,
+) -> RunAndLibrary {
+    let dir = tempfile::tempdir().unwrap();
+    let (input, output) = (dir.path().join("in.st"), dir.path().join("out.st"));
+    write_st(&input, tensors);
+    let mut args = vec!["run", input.to_str().unwrap(), output.to_str().unwrap()];
+    args.extend_from_slice(flags);
+    args.extend_from_slice(&["--threads", "1"]);
+    assert_ok(&flashattn(&args));
+    let (mut k2, mut v2) = (kc.to_vec(), vc.to_vec());
+    let shape = [3, 20, HKV, D];
+    let want = flash_attn_with_kvcache(
+        &TensorRef::contiguous(q, q_shape),
+        &mut TensorMut::contiguous(SliceMut::F32(&mut k2), &shape),
+        &mut TensorMut::contiguous(SliceMut::F32(&mut v2), &shape),
+        lens,
+        &opts.num_splits(1),
+    )
+    .unwrap();
+    let (out_shape, out) = read_f32(&output, "out");
+    assert_eq!(out_shape, want.out.shape());
+    let (lse_shape, lse) = read_f32(&output, "lse");
+    assert_eq!(lse_shape, want.lse.shape());
+    RunAndLibrary {
+        out,
+        lse,
+        k_cache: read_f32(&output, "k_cache").1,
+        want,
+    }
+}
+
 #[test]
 fn run_contiguous_cache_without_new_keys() {
     let mut rng = ChaCha8Rng::seed_from_u64(9);
@@ -179,10 +226,7 @@ fn run_contiguous_cache_without_new_keys() {
     let lens = [20, 0, 7];
     let idx = [2, 0, 1];
     let leftpad = [5, 0, 2];
-    let dir = tempfile::tempdir().unwrap();
-    let (input, output) = (dir.path().join("in.st"), dir.path().join("out.st"));
-    write_st(
-        &input,
+    let got = run_and_library(
         &[
             f32_raw("q", &[3, 1, H, D], &q),
             f32_raw("k_cache", &[3, 20, HKV, D], &kc),
@@ -191,45 +235,21 @@ fn run_contiguous_cache_without_new_keys() {
             i32_raw("cache_batch_idx", &[3], &idx),
             i32_raw("cache_leftpad", &[3], &leftpad),
         ],
-    );
-    let res = flashattn(&[
-        "run",
-        input.to_str().unwrap(),
-        output.to_str().unwrap(),
-        "--threads",
-        "1",
-    ]);
-    assert_ok(&res);
-    let (mut k2, mut v2) = (kc.clone(), vc.clone());
-    let want = {
-        let shape = [3, 20, HKV, D];
-        let mut k = TensorMut::contiguous(SliceMut::F32(&mut k2), &shape);
-        let mut v = TensorMut::contiguous(SliceMut::F32(&mut v2), &shape);
-        let opts = KvCacheOptions::default()
+        &[],
+        (&q, &[3, 1, H, D]),
+        (&kc, &vc),
+        &lens,
+        KvCacheOptions::default()
             .cache_batch_idx(&idx)
-            .cache_leftpad(&leftpad)
-            .num_splits(1);
-        flash_attn_with_kvcache(
-            &TensorRef::contiguous(&q, &[3, 1, H, D]),
-            &mut k,
-            &mut v,
-            &lens,
-            &opts,
-        )
-        .unwrap()
-    };
-    assert_eq!(read_f32(&output, "out").1, bits(&want.out.to_f32_vec()));
-    let lse = read_f32(&output, "lse").1;
-    assert_eq!(lse, bits(&want.lse.to_f32_vec()));
+            .cache_leftpad(&leftpad),
+    );
+    assert_eq!(got.out, bits(&got.want.out.to_f32_vec()));
+    assert_eq!(got.lse, bits(&got.want.lse.to_f32_vec()));
     // Sequence 1 has an empty cache: its rows are 0 with lse -inf.
-    assert!(lse[H..2 * H]
+    assert!(got.lse[H..2 * H]
         .iter()
         .all(|&x| f32::from_bits(x) == f32::NEG_INFINITY));
-    assert_eq!(
-        read_f32(&output, "k_cache").1,
-        bits(&kc),
-        "nothing appended"
-    );
+    assert_eq!(got.k_cache, bits(&kc), "nothing appended");
 }
 
 #[test]
@@ -240,10 +260,7 @@ fn run_packed_queries() {
     let (q, kc, vc) = (r(6 * H * D), r(3 * 20 * HKV * D), r(3 * 20 * HKV * D));
     let lens = [20, 7, 12];
     let cu = [0, 2, 2, 5];
-    let dir = tempfile::tempdir().unwrap();
-    let (input, output) = (dir.path().join("in.st"), dir.path().join("out.st"));
-    write_st(
-        &input,
+    let got = run_and_library(
         &[
             f32_raw("q", &[6, H, D], &q),
             f32_raw("k_cache", &[3, 20, HKV, D], &kc),
@@ -251,43 +268,21 @@ fn run_packed_queries() {
             i32_raw("cache_seqlens", &[3], &lens),
             i32_raw("cu_seqlens_q", &[4], &cu),
         ],
-    );
-    let res = flashattn(&[
-        "run",
-        input.to_str().unwrap(),
-        output.to_str().unwrap(),
-        "--causal",
-        "--threads",
-        "1",
-    ]);
-    assert_ok(&res);
-    let (mut k2, mut v2) = (kc.clone(), vc.clone());
-    let want = {
-        let shape = [3, 20, HKV, D];
-        let mut k = TensorMut::contiguous(SliceMut::F32(&mut k2), &shape);
-        let mut v = TensorMut::contiguous(SliceMut::F32(&mut v2), &shape);
-        let opts = KvCacheOptions::default()
+        &["--causal"],
+        (&q, &[6, H, D]),
+        (&kc, &vc),
+        &lens,
+        KvCacheOptions::default()
             .attn(AttnOptions::default().causal(true))
-            .cu_seqlens_q(&cu)
-            .num_splits(1);
-        flash_attn_with_kvcache(
-            &TensorRef::contiguous(&q, &[6, H, D]),
-            &mut k,
-            &mut v,
-            &lens,
-            &opts,
-        )
-        .unwrap()
-    };
-    let (shape, out) = read_f32(&output, "out");
-    assert_eq!(shape, vec![6, H, D]);
-    assert_eq!(out, bits(&want.out.to_f32_vec()));
-    let (shape, lse) = read_f32(&output, "lse");
-    assert_eq!(shape, vec![H, 6]);
-    assert_eq!(lse, bits(&want.lse.to_f32_vec()));
+            .cu_seqlens_q(&cu),
+    );
+    assert_eq!(got.want.out.shape(), &[6, H, D]);
+    assert_eq!(got.want.lse.shape(), &[H, 6]);
+    assert_eq!(got.out, bits(&got.want.out.to_f32_vec()));
+    assert_eq!(got.lse, bits(&got.want.lse.to_f32_vec()));
     // The row after the last sequence: 0, lse -inf.
-    assert!(out[5 * H * D..].iter().all(|&x| x == 0));
-    assert!((0..H).all(|h| f32::from_bits(lse[h * 6 + 5]) == f32::NEG_INFINITY));
+    assert!(got.out[5 * H * D..].iter().all(|&x| x == 0));
+    assert!((0..H).all(|h| f32::from_bits(got.lse[h * 6 + 5]) == f32::NEG_INFINITY));
 }
 
 /// A failing run: exit 1, one line on stderr naming every needle, no OUT (and an existing OUT
