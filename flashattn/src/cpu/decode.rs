@@ -225,11 +225,10 @@ fn attend<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T]) -> (Vec<T>, 
             })
         })
         .collect();
-    // Each item's rows and LSEs (see `ItemOut`) go to buffers shared by all items, not one per
-    // item: results
-    // allocated by the workers and held until the merge grew their heaps by ~16 KiB an item, the
-    // allocator gave that memory back after each call, and the next call page-faulted it in
-    // again (68 faults a call at 64 sequences × 512 keys, none now). Two binaries alternated,
+    // Each item's rows (see `ItemOut`) and LSEs go to buffers shared by all items, not one per
+    // item: results allocated by the workers and held until the merge grew their heaps by ~16 KiB
+    // an item, the allocator gave that memory back after each call, and the next call
+    // page-faulted it in again (68 faults a call at 64 sequences × 512 keys, none now). Two binaries alternated,
     // bf16, 2026-11-23: 64 sequences × 128 keys 3.39-3.66 -> 2.68-2.94 ms on one thread,
     // 1.49-1.73 -> 1.39-1.45 on two; × 512 keys ~4.96 -> ~4.73 (medians of six runs, two
     // threads); one sequence of 32k keys unchanged.
@@ -238,16 +237,18 @@ fn attend<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T]) -> (Vec<T>, 
     // Poisoned: every element is written by the items or the merge below (tests check for NaN).
     let mut out = vec![T::from_f32(f32::NAN); p.out_len()];
     let mut lse = vec![f32::NAN; p.lse_len()];
-    let work = |x: usize, dst: ItemOut<T>| {
-        run_item(dp, q, k, v, (items[x], items.get(x + 1).copied()), dst)
+    let work = |x: usize, dst: ItemOut<T>, lse: &mut [f32]| {
+        run_item(
+            dp,
+            q,
+            k,
+            v,
+            (items[x], items.get(x + 1).copied()),
+            (dst, lse),
+        )
     };
-    // One split (batches of sequences): item x is query block x, whose rows of `out` follow
-    // those of block x - 1, so each item writes its final rows itself and nothing is merged
-    // (the merge of one split copies it exactly, so the result is the same). The serial merge
-    // and the f32 partials' round trip took 8-15% of a 64 × 128-key step (A/B in one process,
-    // alternating, both orders, 2026-11-23: bf16 0.92 on one thread and 0.83-0.87 on two, f32
-    // 0.84-0.85 on two; 64 × 512 keys 0.96-0.975; 16 × 512 keys with 4 tokens 0.90-0.91).
-    // Packed queries (cu_seqlens_q) may leave rows after the last sequence: 0, lse -inf.
+    // Packed queries (cu_seqlens_q, lse `[heads, total_q]`) may leave rows after the last
+    // sequence: 0, lse -inf. Batched queries cover every row.
     let covered: usize = p.seqs.iter().map(|s| s.seqlen_q).sum();
     for r in covered..p.total_q {
         out[r * p.heads * d..(r + 1) * p.heads * d].fill(T::from_f32(0.0));
@@ -255,6 +256,12 @@ fn attend<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T]) -> (Vec<T>, 
             lse[h * p.lse_head_stride + r] = f32::NEG_INFINITY;
         }
     }
+    // One split (batches of sequences): item x is query block x, whose rows of `out` follow
+    // those of block x - 1, so each item writes its final rows itself and nothing is merged
+    // (the merge of one split copies it exactly, so the result is the same). The serial merge
+    // and the f32 partials' round trip took 8-15% of a 64 × 128-key step (A/B in one process,
+    // alternating, both orders, 2026-11-23: bf16 0.92 on one thread and 0.83-0.87 on two, f32
+    // 0.84-0.85 on two; 64 × 512 keys 0.96-0.975; 16 × 512 keys with 4 tokens 0.90-0.91).
     let direct = splits == 1 && {
         let mut at = 0;
         blocks.iter().all(|&(b, i0, i1, _, _)| {
@@ -278,7 +285,7 @@ fn attend<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T]) -> (Vec<T>, 
             .zip(part_lse_all.par_chunks_mut(rows.max(1)))
             .enumerate()
             .with_max_len(1)
-            .for_each(|(x, (out, lse))| work(x, ItemOut::Rows { out, lse }));
+            .for_each(|(x, (out, lse))| work(x, ItemOut::Rows(out), lse));
         for (x, &(b, i0, i1, _, _)) in blocks.iter().enumerate() {
             let m = i1 - i0;
             for h in 0..p.heads {
@@ -295,7 +302,7 @@ fn attend<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T]) -> (Vec<T>, 
         .zip(part_lse_all.par_chunks_mut(rows.max(1)))
         .enumerate()
         .with_max_len(1)
-        .for_each(|(x, (out, lse))| work(x, ItemOut::Parts { out, lse }));
+        .for_each(|(x, (out, lse))| work(x, ItemOut::Parts(out), lse));
 
     let mut parts = vec![0f32; splits * d];
     let mut part_lse = vec![0f32; splits];
@@ -345,25 +352,19 @@ pub(crate) fn merge_row(lse: &[f32], parts: &[f32], d: usize, dst: &mut [f32]) -
 }
 
 /// Where an item puts its rows: row `h · m + il` of query block `i0..i0 + m` (`m` positions of
-/// every head) is query position `i0 + il` of head `h`; its LSE goes to `lse[h · m + il]` in
-/// both forms.
+/// every head) is query position `i0 + il` of head `h` (its LSE goes to `lse[h · m + il]` either
+/// way).
 enum ItemOut<'a, T> {
-    /// A split's partial result: the row, normalised, in f32 at `out[(h · m + il) · d..]`, to be
+    /// A split's partial result: the row, normalised, in f32 at `[(h · m + il) · d..]`, to be
     /// merged through the LSEs.
-    Parts {
-        out: &'a mut [f32],
-        lse: &'a mut [f32],
-    },
-    /// The final result (the only split): the row rounded to `T` at `out[(il · heads + h) · d..]`,
+    Parts(&'a mut [f32]),
+    /// The final result (the only split): the row rounded to `T` at `[(il · heads + h) · d..]`,
     /// the block's rows of the call's output.
-    Rows {
-        out: &'a mut [T],
-        lse: &'a mut [f32],
-    },
+    Rows(&'a mut [T]),
 }
 
 /// The split-KV loop of one item over its keys, for all heads, writing the item's normalised
-/// rows and their LSEs into `dst` (see [`ItemOut`]); `next`, the item after it, has its first
+/// rows into `dst` (see [`ItemOut`]) and their LSEs into `lse`; `next`, the item after it, has its first
 /// tile prefetched during this item's last. See the module docs.
 fn run_item<T: Element>(
     dp: &DecodeParams,
@@ -371,7 +372,7 @@ fn run_item<T: Element>(
     k: &[T],
     v: &[T],
     (it, next): (Item, Option<Item>),
-    mut dst: ItemOut<T>,
+    (mut dst, lse): (ItemOut<T>, &mut [f32]),
 ) {
     let (p, cache) = (&dp.p, &dp.cache);
     let kern: &Kernels = p.kernels;
@@ -597,16 +598,12 @@ fn run_item<T: Element>(
 
     for row in 0..all_rows {
         let acc_row = &mut acc[row * dpad..row * dpad + d];
-        let row_lse = finalize(acc_row, row_max[row], row_sum[row], 1.0);
+        lse[row] = finalize(acc_row, row_max[row], row_sum[row], 1.0);
         match &mut dst {
-            ItemOut::Parts { out, lse } => {
-                out[row * d..(row + 1) * d].copy_from_slice(acc_row);
-                lse[row] = row_lse;
-            }
-            ItemOut::Rows { out, lse } => {
+            ItemOut::Parts(out) => out[row * d..(row + 1) * d].copy_from_slice(acc_row),
+            ItemOut::Rows(out) => {
                 let (h, il) = (row / m_rows, row % m_rows);
                 T::narrow(acc_row, &mut out[(il * p.heads + h) * d..][..d]);
-                lse[row] = row_lse;
             }
         }
     }
