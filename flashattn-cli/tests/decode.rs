@@ -172,8 +172,9 @@ fn run_paged_cache_with_append_and_rotary_matches_the_library() {
 }
 
 /// What `flashattn run` wrote (out, lse and k_cache, as bits) and what the library computes on
-/// the same inputs: q and contiguous caches `[3, 20, HKV, D]` (in `tensors` too), `lens`, `opts`
-/// (the library side uses one split, as the file's single-threaded run does).
+/// the same inputs: q, contiguous caches `[3, 20, HKV, D]` and `lens` (written to the file here,
+/// with the `extra` tensors), `opts` (the library side uses one split, as the file's
+/// single-threaded run does).
 struct RunAndLibrary {
     out: Vec<u32>,
     lse: Vec<u32>,
@@ -182,7 +183,7 @@ struct RunAndLibrary {
 }
 
 fn run_and_library(
-    tensors: &[Raw],
+    extra: Vec<Raw>,
     flags: &[&str],
     (q, q_shape): (&[f32], &[usize]),
     (kc, vc): (&[f32], &[f32]),
@@ -191,13 +192,20 @@ fn run_and_library(
 ) -> RunAndLibrary {
     let dir = tempfile::tempdir().unwrap();
     let (input, output) = (dir.path().join("in.st"), dir.path().join("out.st"));
-    write_st(&input, tensors);
+    let shape = [3, 20, HKV, D];
+    let mut tensors = vec![
+        f32_raw("q", q_shape, q),
+        f32_raw("k_cache", &shape, kc),
+        f32_raw("v_cache", &shape, vc),
+        i32_raw("cache_seqlens", &[3], lens),
+    ];
+    tensors.extend(extra);
+    write_st(&input, &tensors);
     let mut args = vec!["run", input.to_str().unwrap(), output.to_str().unwrap()];
     args.extend_from_slice(flags);
     args.extend_from_slice(&["--threads", "1"]);
     assert_ok(&flashattn(&args));
     let (mut k2, mut v2) = (kc.to_vec(), vc.to_vec());
-    let shape = [3, 20, HKV, D];
     let want = flash_attn_with_kvcache(
         &TensorRef::contiguous(q, q_shape),
         &mut TensorMut::contiguous(SliceMut::F32(&mut k2), &shape),
@@ -218,20 +226,21 @@ fn run_and_library(
     }
 }
 
+/// Seeded q (`q_rows` rows of H heads) and k, v caches `[3, 20, HKV, D]` for [`run_and_library`].
+fn random_inputs(seed: u64, q_rows: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut r = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect() };
+    (r(q_rows * H * D), r(3 * 20 * HKV * D), r(3 * 20 * HKV * D))
+}
+
 #[test]
 fn run_contiguous_cache_without_new_keys() {
-    let mut rng = ChaCha8Rng::seed_from_u64(9);
-    let mut r = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect() };
-    let (q, kc, vc) = (r(3 * H * D), r(3 * 20 * HKV * D), r(3 * 20 * HKV * D));
+    let (q, kc, vc) = random_inputs(9, 3);
     let lens = [20, 0, 7];
     let idx = [2, 0, 1];
     let leftpad = [5, 0, 2];
     let got = run_and_library(
-        &[
-            f32_raw("q", &[3, 1, H, D], &q),
-            f32_raw("k_cache", &[3, 20, HKV, D], &kc),
-            f32_raw("v_cache", &[3, 20, HKV, D], &vc),
-            i32_raw("cache_seqlens", &[3], &lens),
+        vec![
             i32_raw("cache_batch_idx", &[3], &idx),
             i32_raw("cache_leftpad", &[3], &leftpad),
         ],
@@ -254,20 +263,12 @@ fn run_contiguous_cache_without_new_keys() {
 
 #[test]
 fn run_packed_queries() {
-    let mut rng = ChaCha8Rng::seed_from_u64(11);
-    let mut r = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect() };
     // Three sequences with 2, 0 and 3 queries, and one packed row after them.
-    let (q, kc, vc) = (r(6 * H * D), r(3 * 20 * HKV * D), r(3 * 20 * HKV * D));
+    let (q, kc, vc) = random_inputs(11, 6);
     let lens = [20, 7, 12];
     let cu = [0, 2, 2, 5];
     let got = run_and_library(
-        &[
-            f32_raw("q", &[6, H, D], &q),
-            f32_raw("k_cache", &[3, 20, HKV, D], &kc),
-            f32_raw("v_cache", &[3, 20, HKV, D], &vc),
-            i32_raw("cache_seqlens", &[3], &lens),
-            i32_raw("cu_seqlens_q", &[4], &cu),
-        ],
+        vec![i32_raw("cu_seqlens_q", &[4], &cu)],
         &["--causal"],
         (&q, &[6, H, D]),
         (&kc, &vc),
