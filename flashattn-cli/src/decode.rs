@@ -29,7 +29,7 @@ use std::time::Instant;
 
 /// Tensor names of a KV-cache input file; anything else is rejected (a typo must not silently
 /// change the computation).
-pub const ACCEPTED: [&str; 13] = [
+pub const ACCEPTED: [&str; 14] = [
     "q",
     "k_cache",
     "v_cache",
@@ -40,6 +40,7 @@ pub const ACCEPTED: [&str; 13] = [
     "cache_batch_idx",
     "cache_leftpad",
     "cu_seqlens_q",
+    "cu_seqlens_k_new",
     "rotary_cos",
     "rotary_sin",
     "alibi_slopes",
@@ -149,6 +150,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let batch_idx = index("cache_batch_idx", 1, "[batch]")?;
     let leftpad = index("cache_leftpad", 1, "[batch]")?;
     let cu_q = index("cu_seqlens_q", 1, "[batch + 1]")?;
+    let cu_new = index("cu_seqlens_k_new", 1, "[batch + 1]")?;
 
     let mut opts = KvCacheOptions::default().attn(AttnOptions {
         softmax_scale: args.scale,
@@ -188,6 +190,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
     }
     if let Some((_, cu)) = &cu_q {
         opts = opts.cu_seqlens_q(cu);
+    }
+    if let Some((_, cu)) = &cu_new {
+        opts = opts.cu_seqlens_k_new(cu);
     }
 
     run::write_atomically(&args.output, || {

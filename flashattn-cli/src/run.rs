@@ -17,7 +17,8 @@ pub struct RunArgs {
     /// (q's shape and dtype), which runs the backward pass too. A file holding k_cache decodes
     /// instead: q, k_cache, v_cache, cache_seqlens (I32) and optionally k_new, v_new,
     /// block_table, cache_batch_idx, cache_leftpad, cu_seqlens_q (I32; packs q as
-    /// [total_q, heads, d]), rotary_cos, rotary_sin, alibi_slopes.
+    /// [total_q, heads, d]), cu_seqlens_k_new (I32; packs k_new/v_new as
+    /// [total_k_new, heads_kv, d]), rotary_cos, rotary_sin, alibi_slopes.
     pub input: PathBuf,
     /// Output file: gets `out` (q's dtype and shape) and `lse` (F32), and `dq`, `dk`, `dv` (the
     /// shapes and dtype of q, k, v) when the input holds `dout`, or the updated `k_cache` and

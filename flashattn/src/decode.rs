@@ -41,8 +41,8 @@
 //! # Ok::<(), flashattn::Error>(())
 //! ```
 //!
-//! Packed queries of different lengths per sequence (chunked prefill next to decoding), against
-//! keys already in the cache:
+//! Packed queries and new keys of different lengths per sequence (chunked prefill next to
+//! decoding, as flash-attn 3's `cu_seqlens_q` and `cu_seqlens_k_new`):
 //!
 //! ```
 //! use flashattn::{flash_attn_with_kvcache, KvCacheOptions, TensorMut, TensorRef};
@@ -50,20 +50,29 @@
 //! let mut k_cache = vec![0.5f32; 2 * cap * heads_kv * d];
 //! let mut v_cache = vec![1.0f32; 2 * cap * heads_kv * d];
 //! // Sequence 0: a 3-token chunk of its prompt; sequence 1: one decoding step.
-//! let cu_seqlens_q = [0, 3, 4];
+//! let cu = [0, 3, 4];
 //! let q = vec![0.1f32; 4 * heads * d];
-//! let cache_seqlens = [12, 30]; // keys per sequence, the new tokens' included
+//! let (k_new, v_new) = (vec![0.2f32; 4 * heads_kv * d], vec![1.0f32; 4 * heads_kv * d]);
+//! let cache_seqlens = [9, 29]; // tokens already cached; the new ones go after them
 //! let shape = [2, cap, heads_kv, d];
 //! let res = flash_attn_with_kvcache(
 //!     &TensorRef::contiguous(&q, &[4, heads, d]),
 //!     &mut TensorMut::contiguous(&mut k_cache[..], &shape),
 //!     &mut TensorMut::contiguous(&mut v_cache[..], &shape),
 //!     &cache_seqlens,
-//!     &KvCacheOptions::default().cu_seqlens_q(&cu_seqlens_q),
+//!     &KvCacheOptions::default()
+//!         .cu_seqlens_q(&cu)
+//!         .cu_seqlens_k_new(&cu)
+//!         .new_kv(
+//!             TensorRef::contiguous(&k_new, &[4, heads_kv, d]),
+//!             TensorRef::contiguous(&v_new, &[4, heads_kv, d]),
+//!         ),
 //! )?;
 //! assert_eq!(res.out.shape(), &[4, heads, d]);
 //! assert_eq!(res.lse.shape(), &[heads, 4]);
 //! assert!(res.out.to_f32_vec().iter().all(|&x| (x - 1.0).abs() < 1e-6)); // v is all 1
+//! // Sequence 1's new key went to its position 29.
+//! assert_eq!(k_cache[(cap + 29) * heads_kv * d], 0.2);
 //! # Ok::<(), flashattn::Error>(())
 //! ```
 //!
@@ -71,7 +80,8 @@
 //! written: a rejected call leaves it bit-identical); the kernels are in `cpu::decode`.
 //!
 //! Semantics are flash-attn's, with one difference noted at [`Rotary`]: batch row b attends cache
-//! positions `0..cache_seqlens[b] + seqlen_new` (after appending the new keys at
+//! positions `0..cache_seqlens[b] + seqlen_new` (`seqlen_new` being sequence b's count of new
+//! keys, which packed ones make differ; after appending the new keys at
 //! `cache_seqlens[b]`; from `cache_leftpad[b]` on when given), and causal/window masks and ALiBi
 //! are aligned to the bottom-right corner of that length, as in [`crate::flash_attn`] (query i
 //! sits at position `cache_seqlens[b] + seqlen_new - seqlen_q + i`).
@@ -199,9 +209,16 @@ pub struct Rotary<'a> {
 pub struct KvCacheOptions<'a> {
     /// Scale, causal, window, softcap, ALiBi and ISA as in [`crate::flash_attn`]; dropout must be 0.
     pub attn: AttnOptions<'a>,
-    /// New keys and values `[batch, seqlen_new, heads_kv, head_dim]` (q's dtype), written into the
-    /// caches at positions `cache_seqlens[b]..` before attending.
+    /// New keys and values `[batch, seqlen_new, heads_kv, head_dim]` (q's dtype), or packed
+    /// `[total_k_new, heads_kv, head_dim]` with `cu_seqlens_k_new`, written into the caches at
+    /// positions `cache_seqlens[b]..` before attending.
     pub new_kv: Option<(TensorRef<'a>, TensorRef<'a>)>,
+    /// Packed new keys and values of different lengths per sequence (flash-attn 3's
+    /// `cu_seqlens_k_new`): `new_kv` is `[total_k_new, heads_kv, head_dim]` and sequence b appends
+    /// rows `cu_seqlens_k_new[b]..cu_seqlens_k_new[b + 1]` (`batch + 1` entries from 0,
+    /// non-decreasing; rows after the last sequence are ignored). With `cu_seqlens_q` this is one
+    /// step of chunked prefill mixed with decoding: each sequence appends its chunk and attends it.
+    pub cu_seqlens_k_new: Option<&'a [i32]>,
     /// Cache row of each batch row (`batch` entries, in `0..batch_cache`); default: row b. Not
     /// with `block_table`.
     pub cache_batch_idx: Option<&'a [i32]>,
@@ -212,9 +229,8 @@ pub struct KvCacheOptions<'a> {
     /// `[total_q, heads, head_dim]` and sequence b's queries are rows
     /// `cu_seqlens_q[b]..cu_seqlens_q[b + 1]` (`batch + 1` entries from 0, non-decreasing); out is
     /// `[total_q, heads, head_dim]` and lse `[heads, total_q]`, rows after the last sequence 0 and
-    /// -inf. Each sequence attends its `cache_seqlens[b]` cached keys, masks aligned to the
-    /// bottom-right as usual; new keys cannot be appended in the same call (write them into the
-    /// cache first).
+    /// -inf. Each sequence attends its `cache_seqlens[b]` cached keys and the keys it appends,
+    /// masks aligned to the bottom-right as usual.
     pub cu_seqlens_q: Option<&'a [i32]>,
     /// Left padding, flash-attn's `cache_leftpad`: sequence b's keys start at position
     /// `cache_leftpad[b]` (`batch` entries, `0..=cache_seqlens[b]`); keys before it are never
@@ -250,6 +266,10 @@ impl<'a> KvCacheOptions<'a> {
     }
     pub fn cu_seqlens_q(mut self, cu_seqlens_q: &'a [i32]) -> Self {
         self.cu_seqlens_q = Some(cu_seqlens_q);
+        self
+    }
+    pub fn cu_seqlens_k_new(mut self, cu_seqlens_k_new: &'a [i32]) -> Self {
+        self.cu_seqlens_k_new = Some(cu_seqlens_k_new);
         self
     }
     pub fn cache_leftpad(mut self, leftpad: &'a [i32]) -> Self {
@@ -322,12 +342,13 @@ impl CacheLayout {
     }
 }
 
-/// New keys and values: element offset of (b, 0, 0, 0) per sequence, and row/head strides.
+/// New keys and values: per sequence, how many and the element offset of its first (kv head 0)
+/// in k_new and v_new; row and head strides.
 #[derive(Clone, Debug)]
 pub(crate) struct NewKv {
-    pub seqlen_new: usize,
-    pub k_batch_stride: usize,
-    pub v_batch_stride: usize,
+    pub lens: Vec<usize>,
+    pub k_base: Vec<usize>,
+    pub v_base: Vec<usize>,
     pub k: RowLayout,
     pub v: RowLayout,
 }
@@ -393,7 +414,9 @@ pub(crate) struct DecodeParams {
 ///   dtype, last dimension contiguous, other strides free;
 /// - `cache_seqlens[b]` (`batch` entries, >= 0): tokens already in sequence b's cache.
 ///
-/// With `opts.new_kv`, the new keys/values are first written at positions
+/// With `opts.new_kv` (`[batch, seqlen_new, heads_kv, head_dim]`, or packed
+/// `[total_k_new, heads_kv, head_dim]` with `opts.cu_seqlens_k_new`, seqlen_new then per sequence),
+/// the new keys/values are first written at positions
 /// `cache_seqlens[b]..cache_seqlens[b] + seqlen_new` (rotated, with `opts.rotary`); then each
 /// sequence attends its first `cache_seqlens[b] + seqlen_new` keys (from `cache_leftpad[b]` on,
 /// with `opts.cache_leftpad`) with the masks, softcap, ALiBi and GQA of [`crate::flash_attn`].
@@ -558,29 +581,53 @@ fn validate(
         }
     };
 
-    // New keys and values.
-    let new_kv = match &opts.new_kv {
-        None => None,
-        Some(_) if packed => return Err(ErrorKind::AppendWithPackedQ.into()),
-        Some((kn, vn)) => {
-            const NEW_LAYOUT: &str = "[batch, seqlen_new, heads_kv, head_dim]";
-            params::check_view("k_new", kn, 4, NEW_LAYOUT)?;
-            params::check_view("v_new", vn, 4, NEW_LAYOUT)?;
+    // New keys and values: `[batch, seqlen_new, ..]`, or packed with cu_seqlens_k_new.
+    let new_kv = match (&opts.new_kv, opts.cu_seqlens_k_new) {
+        (None, None) => None,
+        (None, Some(_)) => return Err(ErrorKind::CuSeqlensKNewWithoutNewKv.into()),
+        (Some((kn, vn)), cu) => {
+            let (starts, lens, nd, layout): (Vec<usize>, Vec<usize>, _, _) = match cu {
+                None => {
+                    const NEW_LAYOUT: &str = "[batch, seqlen_new, heads_kv, head_dim]";
+                    params::check_view("k_new", kn, 4, NEW_LAYOUT)?;
+                    let seqlen_new = kn.shape()[1];
+                    (
+                        (0..batch).collect(),
+                        vec![seqlen_new; batch],
+                        vec![batch, seqlen_new, heads_kv, head_dim],
+                        NEW_LAYOUT,
+                    )
+                }
+                Some(cu) => {
+                    const NEW_LAYOUT: &str = "[total_k_new, heads_kv, head_dim]";
+                    params::check_view("k_new", kn, 3, NEW_LAYOUT)?;
+                    let total = kn.shape()[0];
+                    params::check_cu_seqlens("cu_seqlens_k_new", cu, batch + 1, total)?;
+                    let starts: Vec<usize> = cu.iter().map(|&x| x as usize).collect();
+                    let lens = starts.windows(2).map(|w| w[1] - w[0]).collect();
+                    (starts, lens, vec![total, heads_kv, head_dim], NEW_LAYOUT)
+                }
+            };
+            params::check_view("v_new", vn, nd.len(), layout)?;
             params::check_dtype("k_new", kn, q.dtype())?;
             params::check_dtype("v_new", vn, q.dtype())?;
-            let seqlen_new = kn.shape()[1];
-            params::check_shape("k_new", kn, &[batch, seqlen_new, heads_kv, head_dim])?;
-            params::check_shape("v_new", vn, kn.shape())?;
+            params::check_shape("k_new", kn, &nd)?;
+            params::check_shape("v_new", vn, &nd)?;
+            // Batched: sequence b starts at batch row b; packed: at row cu_seqlens_k_new[b].
+            let (ks, vs) = (kn.strides()[0], vn.strides()[0]);
             Some(NewKv {
-                seqlen_new,
-                k_batch_stride: kn.strides()[0],
-                v_batch_stride: vn.strides()[0],
+                k_base: starts[..batch].iter().map(|&s| s * ks).collect(),
+                v_base: starts[..batch].iter().map(|&s| s * vs).collect(),
+                lens,
                 k: row_layout(kn),
                 v: row_layout(vn),
             })
         }
     };
-    let seqlen_new = new_kv.as_ref().map_or(0, |n| n.seqlen_new);
+    let new_lens = match &new_kv {
+        Some(n) => n.lens.clone(),
+        None => vec![0; batch],
+    };
 
     // Where each sequence's keys live, and that the appended ones fit.
     let (page_size, max_blocks, pages) = match (&opts.block_table, opts.cache_batch_idx) {
@@ -608,8 +655,8 @@ fn validate(
             let capacity = bt.max_blocks_per_seq.saturating_mul(page_rows);
             let mut pages = vec![0usize; expected];
             for (b, &len) in lens.iter().enumerate() {
-                check_fits(b, len, seqlen_new, capacity)?;
-                let used = (len + seqlen_new).div_ceil(page_rows.max(1));
+                check_fits(b, len, new_lens[b], capacity)?;
+                let used = (len + new_lens[b]).div_ceil(page_rows.max(1));
                 for blk in 0..used {
                     let index = b * bt.max_blocks_per_seq + blk;
                     pages[index] = index_entry("block_table", index, bt.data[index], n_pages)?;
@@ -639,7 +686,7 @@ fn validate(
                 }
             };
             for (b, &len) in lens.iter().enumerate() {
-                check_fits(b, len, seqlen_new, page_rows)?;
+                check_fits(b, len, new_lens[b], page_rows)?;
             }
             (page_rows, 1, pages)
         }
@@ -663,7 +710,7 @@ fn validate(
                 }
                 .into());
             }
-            let n_pos = seqlen_q.max(seqlen_new);
+            let n_pos = seqlen_q.max(new_lens.iter().copied().max().unwrap_or(0));
             for (b, &len) in lens.iter().enumerate() {
                 let needed = len + n_pos;
                 if needed > seqlen_ro {
@@ -705,7 +752,7 @@ fn validate(
         .enumerate()
         .map(|(b, &len)| Seq {
             seqlen_q: q_lens[b],
-            seqlen_k: len + seqlen_new,
+            seqlen_k: len + new_lens[b],
             q_base: if packed {
                 q_starts[b] * q.strides()[0]
             } else {

@@ -184,10 +184,10 @@ pub enum ErrorKind {
     )]
     RotaryWithoutNewKv,
     #[error(
-        "appending new keys (k_new, v_new) is not available with cu_seqlens_q: write them into \
-         the cache first and count them in cache_seqlens"
+        "cu_seqlens_k_new is given without new keys and values: it packs k_new and v_new \
+         ([total_k_new, heads_kv, head_dim]); pass them too, or drop it"
     )]
-    AppendWithPackedQ,
+    CuSeqlensKNewWithoutNewKv,
     #[error("dropout is not available when decoding with a KV cache (dropout_p = {p}); use 0")]
     DropoutInDecode { p: f32 },
     #[error("num_splits = {num_splits} is invalid: it must be at least 1 (unset: automatic)")]

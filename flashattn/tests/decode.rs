@@ -848,6 +848,212 @@ fn packed_queries_match_per_sequence_calls() {
     }
 }
 
+/// New keys of different lengths per sequence (`cu_seqlens_k_new`), with packed or batched
+/// queries, and batched new keys with packed queries: the output, the LSEs and the caches
+/// afterwards are those of one call per sequence with its own batched new keys, bit for bit.
+#[test]
+fn packed_new_keys_match_per_sequence_calls() {
+    let new_lens = [3usize, 0, 1, 6, 2, 4];
+    let cu_new = cumulative(&new_lens);
+    let total_new = new_lens.iter().sum::<usize>() + 1;
+    let mut n = 0;
+    // (queries packed, new keys packed).
+    for (q_packed, new_packed) in [(true, true), (false, true), (true, false)] {
+        for dtype in DTYPES {
+            n += 1;
+            let mi = n % 4;
+            let (causal, window) = [MASKS[1], MASKS[0], MASKS[4], MASKS[3]][mi];
+            let batched_new = 2;
+            // Packed queries: a chunk per sequence as long as its new keys (chunked prefill), one
+            // sequence with more; batched: 2 tokens per sequence.
+            let q_lens: Vec<usize> = match (q_packed, new_packed) {
+                (true, true) => new_lens
+                    .iter()
+                    .enumerate()
+                    .map(|(b, &l)| l + (b == 2) as usize)
+                    .collect(),
+                (true, false) => vec![1, 0, 2, 1, 3, 1],
+                _ => vec![2; new_lens.len()],
+            };
+            let seq_new: Vec<usize> = if new_packed {
+                new_lens.to_vec()
+            } else {
+                vec![batched_new; new_lens.len()]
+            };
+            let c = DCase {
+                dtype,
+                heads: 6,
+                heads_kv: 2,
+                d: [16, 40, 64, 59][mi],
+                cap: 72,
+                lens: vec![20, 9, 0, 50, 6, 33],
+                leftpad: (mi == 2).then(|| vec![0, 4, 0, 17, 6, 1]),
+                // The most any sequence appends, so a paged store maps its pages.
+                new: Some(6),
+                causal,
+                window,
+                alibi: n % 2 == 0,
+                rotary: (n % 3 != 1).then_some((if mi == 3 { 18 } else { 8 }, n % 2 == 0)),
+                store: [
+                    Store::Contiguous,
+                    Store::Paged(8),
+                    Store::BatchIdx,
+                    Store::Gaps,
+                ][mi],
+                splits: Some([1, 3][n % 2]),
+                seed: 1300 + n as u64,
+                ..DCase::default()
+            };
+            let bl = build(&c);
+            let (h, hkv, d, batch) = (c.heads, c.heads_kv, c.d, c.batch());
+            let mut rng = common::rng(c.seed ^ 0xfeed);
+            let total_q = q_lens.iter().sum::<usize>() + 2;
+            let sq = q_lens[0];
+            let q_rows = if q_packed { total_q } else { batch * sq };
+            let qv = values(&mut rng, q_rows * h * d, Dist::Normal);
+            let qb = to_buffer(&qv, dtype);
+            let new_rows = if new_packed {
+                total_new
+            } else {
+                batch * batched_new
+            };
+            let kn = to_buffer(&values(&mut rng, new_rows * hkv * d, Dist::Normal), dtype);
+            let vn = to_buffer(&values(&mut rng, new_rows * hkv * d, Dist::Uniform), dtype);
+            let cu_q = cumulative(&q_lens);
+            let lens: Vec<i32> = c.lens.iter().map(|&x| x as i32).collect();
+            let call = |q: TensorRef,
+                        lens: &[i32],
+                        opts: &KvCacheOptions,
+                        kc: &mut Buffer,
+                        vc: &mut Buffer| {
+                let mut k = TensorMut::new(slice_mut(kc), &bl.map.shape, &bl.map.strides);
+                let mut v = TensorMut::new(slice_mut(vc), &bl.map.shape, &bl.map.strides);
+                flash_attn_with_kvcache(&q, &mut k, &mut v, lens, opts)
+                    .unwrap_or_else(|e| panic!("{c:?}: {e}"))
+            };
+            let (q_view, new_shape): (TensorRef, Vec<usize>) = (
+                if q_packed {
+                    view_of(&qb, &[total_q, h, d])
+                } else {
+                    view_of(&qb, &[batch, sq, h, d])
+                },
+                if new_packed {
+                    vec![new_rows, hkv, d]
+                } else {
+                    vec![batch, batched_new, hkv, d]
+                },
+            );
+            let mut o = bl
+                .opts(&c)
+                .new_kv(view_of(&kn, &new_shape), view_of(&vn, &new_shape));
+            if q_packed {
+                o = o.cu_seqlens_q(&cu_q);
+            }
+            if new_packed {
+                o = o.cu_seqlens_k_new(&cu_new);
+            }
+            let (mut kc, mut vc) = (bl.k_cache.clone(), bl.v_cache.clone());
+            let all = call(q_view, &lens, &o, &mut kc, &mut vc);
+            let (out, lse) = (buf_bits(all.out.buffer()), all.lse.to_f64_vec());
+            let lse_at = |hh: usize, b: usize, i: usize| {
+                if q_packed {
+                    lse[hh * total_q + cu_q[b] as usize + i]
+                } else {
+                    lse[(b * h + hh) * sq + i]
+                }
+            };
+            if q_packed {
+                for r in cu_q[batch] as usize..total_q {
+                    assert!(all.out.to_f64_vec()[r * h * d..(r + 1) * h * d]
+                        .iter()
+                        .all(|&x| x == 0.0));
+                    assert!((0..h).all(|hh| lse[hh * total_q + r] == f64::NEG_INFINITY));
+                }
+            }
+            // One call per sequence, on caches that take each call's appends in turn.
+            let (mut kc1, mut vc1) = (bl.k_cache.clone(), bl.v_cache.clone());
+            for b in 0..batch {
+                let (nq, nn) = (q_lens[b], seq_new[b]);
+                let what =
+                    format!("{c:?}: q packed {q_packed}, new packed {new_packed}, sequence {b}");
+                let r0 = if q_packed { cu_q[b] as usize } else { b * sq };
+                let qs = to_buffer(&qv[r0 * h * d..(r0 + nq) * h * d], dtype);
+                let n0 = if new_packed {
+                    cu_new[b] as usize
+                } else {
+                    b * batched_new
+                };
+                let kn_b = buf_f64(&kn)[n0 * hkv * d..(n0 + nn) * hkv * d].to_vec();
+                let vn_b = buf_f64(&vn)[n0 * hkv * d..(n0 + nn) * hkv * d].to_vec();
+                let (kn_b, vn_b) = (to_buffer(&kn_b, dtype), to_buffer(&vn_b, dtype));
+                let table = &bl.map.table[b * bl.map.max_blocks..(b + 1) * bl.map.max_blocks];
+                let row = [table[0]];
+                let slopes = &bl.alibi[b * h..(b + 1) * h];
+                let mut attn = bl.attn_opts(&c);
+                if c.alibi {
+                    attn = attn.alibi_slopes(TensorRef::contiguous(slopes, &[1, h]));
+                }
+                let mut ob = KvCacheOptions::default()
+                    .attn(attn)
+                    .num_splits(c.splits.unwrap())
+                    .new_kv(
+                        view_of(&kn_b, &[1, nn, hkv, d]),
+                        view_of(&vn_b, &[1, nn, hkv, d]),
+                    );
+                ob = match c.store {
+                    Store::Paged(_) => ob.block_table(BlockTable::new(table, 1, bl.map.max_blocks)),
+                    _ => ob.cache_batch_idx(&row),
+                };
+                let lp = c.leftpad.as_ref().map(|lp| [lp[b] as i32]);
+                if let Some(lp) = &lp {
+                    ob = ob.cache_leftpad(lp);
+                }
+                ob.rotary = o.rotary.clone();
+                let alone = call(
+                    view_of(&qs, &[1, nq, h, d]),
+                    &lens[b..b + 1],
+                    &ob,
+                    &mut kc1,
+                    &mut vc1,
+                );
+                if nq == 0 {
+                    continue;
+                }
+                assert_eq!(
+                    out[r0 * h * d..(r0 + nq) * h * d],
+                    buf_bits(alone.out.buffer())[..],
+                    "{what}: out"
+                );
+                let al = alone.lse.to_f64_vec();
+                for hh in 0..h {
+                    for i in 0..nq {
+                        let (x, y) = (lse_at(hh, b, i), al[hh * nq + i]);
+                        assert!(x.to_bits() == y.to_bits(), "{what}: lse {x} against {y}");
+                    }
+                }
+            }
+            let what = format!("{c:?}: q packed {q_packed}, new packed {new_packed}");
+            assert_eq!(buf_bits(&kc), buf_bits(&kc1), "{what}: k_cache");
+            assert_eq!(buf_bits(&vc), buf_bits(&vc1), "{what}: v_cache");
+            // The appends landed: every sequence's new rows differ from the cache before.
+            assert_ne!(
+                buf_bits(&kc),
+                buf_bits(&bl.k_cache),
+                "{what}: nothing appended"
+            );
+        }
+    }
+}
+
+/// `[0, l0, l0 + l1, ..]` as i32.
+fn cumulative(lens: &[usize]) -> Vec<i32> {
+    let mut cu = vec![0i32];
+    for &l in lens {
+        cu.push(cu.last().unwrap() + l as i32);
+    }
+    cu
+}
+
 /// Odd head dims and cache lengths, rows with an empty cache, seqlen_q > seqlen_new, large scores.
 #[test]
 fn awkward_shapes() {
@@ -1654,9 +1860,69 @@ fn bad_input_is_a_typed_error_and_writes_nothing() {
             ..
         }
     );
+    // Packed new keys (cu_seqlens_k_new): k_new/v_new [6, heads_kv, d] for the batch of 2.
+    let kv6 = to_buffer(&vec![0.5; 6 * c2.heads_kv * c2.d], c2.dtype);
+    let kv5 = to_buffer(&vec![0.5; 5 * c2.heads_kv * c2.d], c2.dtype);
+    let packed_new = |rows: usize, v_rows: usize| {
+        let (k, v) = (
+            if rows == 6 { &kv6 } else { &kv5 },
+            if v_rows == 6 { &kv6 } else { &kv5 },
+        );
+        bl2.opts(&c2).new_kv(
+            view_of(k, &[rows, c2.heads_kv, c2.d]),
+            view_of(v, &[v_rows, c2.heads_kv, c2.d]),
+        )
+    };
+    let new_err = |cu: &[i32], opts: KvCacheOptions| {
+        let opts = opts.cu_seqlens_k_new(cu);
+        expect_err(&bl2, Call { opts, ..base2() }).kind().clone()
+    };
+    assert_eq!(
+        new_err(&[0, 1, 2], no_new()),
+        ErrorKind::CuSeqlensKNewWithoutNewKv
+    );
+    // The batched layout with cu_seqlens_k_new.
     assert_kind!(
-        packed_err(q3v(), &[0, 1, 3], bl2.opts(&c2)),
-        ErrorKind::AppendWithPackedQ
+        new_err(&[0, 1, 2], bl2.opts(&c2)),
+        ErrorKind::Rank {
+            tensor: "k_new",
+            expected: 3,
+            ..
+        }
+    );
+    for cu in [
+        &[0, 2][..],
+        &[0, 2, 4, 6],
+        &[1, 2, 4],
+        &[0, 4, 2],
+        &[0, 2, 7],
+    ] {
+        assert_kind!(
+            new_err(cu, packed_new(6, 6)),
+            ErrorKind::CuSeqlens {
+                tensor: "cu_seqlens_k_new",
+                ..
+            }
+        );
+    }
+    assert_kind!(
+        new_err(&[0, 2, 5], packed_new(6, 5)),
+        ErrorKind::Shape {
+            tensor: "v_new",
+            ..
+        }
+    );
+    // Sequence 1 (4 cached of 8) cannot take 5 more; sequence 0 (3 cached) could take its 1:
+    // nothing is written for either.
+    assert_eq!(
+        new_err(&[0, 1, 6], packed_new(6, 6)),
+        ErrorKind::CacheOverflow {
+            batch: 1,
+            cache_seqlen: 4,
+            seqlen_new: 5,
+            needed: 9,
+            capacity: 8
+        }
     );
     let mut o = bl2.opts(&c2);
     o.cache_batch_idx = None; // 4 cache rows for a batch of 2, and no map
@@ -1700,6 +1966,7 @@ fn messages_name_the_problem() {
             "block_table",
         ),
         (ErrorKind::RotaryWithoutNewKv, "k_new"),
+        (ErrorKind::CuSeqlensKNewWithoutNewKv, "cu_seqlens_k_new"),
         (ErrorKind::PagedWithBatchIdx, "cache_batch_idx"),
         (ErrorKind::NumSplits { num_splits: 0 }, "num_splits"),
         (ErrorKind::DropoutInDecode { p: 0.5 }, "dropout"),

@@ -147,7 +147,7 @@ pub(crate) fn run(
 
 /// Writes the new keys (rotated when the call has a rotary embedding, in f32, rounded once to the
 /// cache's dtype) and values at positions `cache_seqlens[b]..` of each sequence. Sequential: it
-/// moves `batch · seqlen_new · heads_kv · d` elements, a few KiB per decode step, and two batch
+/// moves `Σ seqlen_new · heads_kv · d` elements, a few KiB per decode step, and two batch
 /// rows sharing a cache row or page then overwrite each other in batch order, never concurrently.
 fn append<T: Element>(dp: &DecodeParams, kn: &[T], vn: &[T], k: &mut [T], v: &mut [T]) {
     let Some(nk) = &dp.new_kv else { return };
@@ -155,10 +155,10 @@ fn append<T: Element>(dp: &DecodeParams, kn: &[T], vn: &[T], k: &mut [T], v: &mu
     let d = p.head_dim;
     let mut row = vec![0f32; d];
     for (b, &len) in dp.cache_seqlens.iter().enumerate() {
-        for t in 0..nk.seqlen_new {
+        for t in 0..nk.lens[b] {
             let (k0, v0) = cache.key_offsets(b, len + t);
             for hk in 0..p.heads_kv {
-                let src = b * nk.k_batch_stride + t * nk.k.row_stride + hk * nk.k.head_stride;
+                let src = nk.k_base[b] + t * nk.k.row_stride + hk * nk.k.head_stride;
                 let dst = k0 + hk * cache.k.head_stride;
                 match &dp.rotary {
                     Some(rot) => {
@@ -168,7 +168,7 @@ fn append<T: Element>(dp: &DecodeParams, kn: &[T], vn: &[T], k: &mut [T], v: &mu
                     }
                     None => k[dst..dst + d].copy_from_slice(&kn[src..src + d]),
                 }
-                let src = b * nk.v_batch_stride + t * nk.v.row_stride + hk * nk.v.head_stride;
+                let src = nk.v_base[b] + t * nk.v.row_stride + hk * nk.v.head_stride;
                 let dst = v0 + hk * cache.v.head_stride;
                 v[dst..dst + d].copy_from_slice(&vn[src..src + d]);
             }
