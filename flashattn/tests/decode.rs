@@ -2179,16 +2179,16 @@ fn merge_ignores_empty_partials() {
     assert_eq!(none.lse.to_f32_vec(), vec![f32::NEG_INFINITY]);
 }
 
-/// More query rows than one work item holds (128 rows: positions × heads), so a sequence's
-/// queries are cut into blocks of unequal size (32 heads × 5 positions: blocks of 4 and 1
-/// positions; 48 heads × 7: 2, 2, 2 and 1), each with its own key range under a causal or
+/// More query rows than one work item holds (256 rows: positions × heads, at d <= 128), so a
+/// sequence's queries are cut into blocks of unequal size (32 heads × 9 positions: blocks of 8
+/// and 1 positions; 48 heads × 7: 5 and 2), each with its own key range under a causal or
 /// windowed mask, merged over several splits; every ISA and dtype.
 #[test]
 fn query_blocks_of_unequal_size() {
     let mut seed = 2000;
     for isa in flashattn::simd::available() {
         for dtype in DTYPES {
-            for (i, &shape) in [(32, 8, 5, 64), (48, 6, 7, 40)].iter().enumerate() {
+            for (i, &shape) in [(32, 8, 9, 64), (48, 6, 7, 40)].iter().enumerate() {
                 for splits in [None, Some(3)] {
                     seed += 1;
                     check_case(&DCase {

@@ -42,10 +42,22 @@ use crate::{data, AttnOutput};
 use half::bf16;
 use rayon::prelude::*;
 
-/// Most query rows (positions × heads) one item holds: its f32 q and acc_o are
-/// `2 · ROWS_CAP · d · 4` bytes (128 KiB at d = 128), in L2 beside the k/v tiles. 32 heads ×
-/// 4 positions fit, so speculative decoding of a few tokens still reads the cache once.
-const ROWS_CAP: usize = 128;
+/// Most query rows (positions × heads) one item holds: 256, and fewer where its f32 q and acc_o
+/// (`2 · rows · d · 4` bytes) would pass [`ROWS_BYTES`] (d > 128), so they stay in L2 beside the
+/// k/v tiles. 32 heads × 8 positions fit, so speculative decoding of a few tokens still reads the
+/// cache once; a long query chunk (chunked prefill) reads it once per 8 positions. 256 against
+/// 128 rows (32/8 heads, d = 128, causal, 2 threads, four alternations of `flashattn bench
+/// --decode --seqlen N`, medians, 2026-11-24): 512 queries over 8192 keys bf16 0.95, f32 0.93
+/// (then level with the forward kernel on the same attention: bf16 223, f32 431 ms); 64 queries
+/// over 4096 keys 0.94 / 0.83; 8 queries 0.80 / 1.03. 512 rows: no better, often worse.
+const ROWS_MAX: usize = 256;
+/// Bytes of an item's f32 q and acc_o at most (see [`ROWS_MAX`]).
+const ROWS_BYTES: usize = 256 << 10;
+
+/// Query rows per item at head dim `d` (see [`ROWS_MAX`]): 256 up to d = 128, 128 at d = 256.
+fn rows_cap(d: usize) -> usize {
+    ROWS_MAX.min(ROWS_BYTES / (8 * pad_lanes(d)))
+}
 /// Keys per tile: the online softmax's step. 16 keys of 8 kv heads at d = 128 are 64 KiB of
 /// bf16 k and v (128 KiB f32), fetched one tile ahead into L2 (1 MiB on Zen 4). 16 measured
 /// best of 8-128 keys and 1-4 tiles ahead (2 threads, 32k keys, three interleaved rounds: 16
@@ -191,7 +203,7 @@ struct Item {
 fn attend<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T]) -> (Vec<T>, Vec<f32>) {
     let p = &dp.p;
     let d = p.head_dim;
-    let m_rows = (ROWS_CAP / p.heads).max(1);
+    let m_rows = (rows_cap(d) / p.heads).max(1);
     // Query blocks: (b, i0, i1) and the keys their rows see (the union: both ends of a row's
     // window grow with i, see `crate::blocks`).
     let mut blocks = Vec::new();
