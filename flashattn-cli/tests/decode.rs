@@ -263,67 +263,55 @@ fn run_contiguous_cache_without_new_keys() {
 
 #[test]
 fn run_packed_queries() {
-    // Three sequences with 2, 0 and 3 queries, and one packed row after them.
+    // Three sequences with 2, 0 and 3 queries, and one packed row after them; then the same
+    // sequences appending as many new keys (chunked prefill beside decoding).
     let (q, kc, vc) = random_inputs(11, 6);
-    let lens = [20, 7, 12];
-    let cu = [0, 2, 2, 5];
-    let got = run_and_library(
-        vec![i32_raw("cu_seqlens_q", &[4], &cu)],
-        &["--causal"],
-        (&q, &[6, H, D]),
-        (&kc, &vc),
-        &lens,
-        KvCacheOptions::default()
-            .attn(AttnOptions::default().causal(true))
-            .cu_seqlens_q(&cu),
-    );
-    assert_eq!(got.want.out.shape(), &[6, H, D]);
-    assert_eq!(got.want.lse.shape(), &[H, 6]);
-    assert_eq!(got.out, bits(&got.want.out.to_f32_vec()));
-    assert_eq!(got.lse, bits(&got.want.lse.to_f32_vec()));
-    // The row after the last sequence: 0, lse -inf.
-    assert!(got.out[5 * H * D..].iter().all(|&x| x == 0));
-    assert!((0..H).all(|h| f32::from_bits(got.lse[h * 6 + 5]) == f32::NEG_INFINITY));
-}
-
-#[test]
-fn run_packed_queries_and_new_keys() {
-    // Chunked prefill beside decoding: sequences append and attend 2, 0 and 3 tokens.
-    let (q, kc, vc) = random_inputs(12, 6);
     let mut rng = ChaCha8Rng::seed_from_u64(13);
     let mut r = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect() };
     let (kn, vn) = (r(5 * HKV * D), r(5 * HKV * D));
-    let lens = [12, 7, 15];
     let cu = [0, 2, 2, 5];
-    let got = run_and_library(
-        vec![
-            i32_raw("cu_seqlens_q", &[4], &cu),
-            i32_raw("cu_seqlens_k_new", &[4], &cu),
-            f32_raw("k_new", &[5, HKV, D], &kn),
-            f32_raw("v_new", &[5, HKV, D], &vn),
-        ],
-        &["--causal"],
-        (&q, &[6, H, D]),
-        (&kc, &vc),
-        &lens,
-        KvCacheOptions::default()
+    for append in [false, true] {
+        let lens = if append { [12, 7, 15] } else { [20, 7, 12] };
+        let mut extra = vec![i32_raw("cu_seqlens_q", &[4], &cu)];
+        let mut opts = KvCacheOptions::default()
             .attn(AttnOptions::default().causal(true))
-            .cu_seqlens_q(&cu)
-            .cu_seqlens_k_new(&cu)
-            .new_kv(
+            .cu_seqlens_q(&cu);
+        if append {
+            extra.extend([
+                i32_raw("cu_seqlens_k_new", &[4], &cu),
+                f32_raw("k_new", &[5, HKV, D], &kn),
+                f32_raw("v_new", &[5, HKV, D], &vn),
+            ]);
+            opts = opts.cu_seqlens_k_new(&cu).new_kv(
                 TensorRef::contiguous(&kn, &[5, HKV, D]),
                 TensorRef::contiguous(&vn, &[5, HKV, D]),
-            ),
-    );
-    assert_eq!(got.out, bits(&got.want.out.to_f32_vec()));
-    assert_eq!(got.lse, bits(&got.want.lse.to_f32_vec()));
-    // Rows 0..2 of k_new went to sequence 0's positions 12..14, rows 2..5 to sequence 2's
-    // 15..18; nothing else changed.
-    let row = HKV * D;
-    let mut want = kc.clone();
-    want[12 * row..14 * row].copy_from_slice(&kn[..2 * row]);
-    want[(2 * 20 + 15) * row..(2 * 20 + 18) * row].copy_from_slice(&kn[2 * row..]);
-    assert_eq!(got.k_cache, bits(&want));
+            );
+        }
+        let got = run_and_library(
+            extra,
+            &["--causal"],
+            (&q, &[6, H, D]),
+            (&kc, &vc),
+            &lens,
+            opts,
+        );
+        assert_eq!(got.want.out.shape(), &[6, H, D]);
+        assert_eq!(got.want.lse.shape(), &[H, 6]);
+        assert_eq!(got.out, bits(&got.want.out.to_f32_vec()));
+        assert_eq!(got.lse, bits(&got.want.lse.to_f32_vec()));
+        // The row after the last sequence: 0, lse -inf.
+        assert!(got.out[5 * H * D..].iter().all(|&x| x == 0));
+        assert!((0..H).all(|h| f32::from_bits(got.lse[h * 6 + 5]) == f32::NEG_INFINITY));
+        // Appending: rows 0..2 of k_new went to sequence 0's positions 12..14, rows 2..5 to
+        // sequence 2's 15..18; nothing else changed.
+        let row = HKV * D;
+        let mut want = kc.clone();
+        if append {
+            want[12 * row..14 * row].copy_from_slice(&kn[..2 * row]);
+            want[(2 * 20 + 15) * row..(2 * 20 + 18) * row].copy_from_slice(&kn[2 * row..]);
+        }
+        assert_eq!(got.k_cache, bits(&want), "append {append}");
+    }
 }
 
 /// A failing run: exit 1, one line on stderr naming every needle, no OUT (and an existing OUT

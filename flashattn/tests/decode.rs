@@ -714,40 +714,106 @@ fn leftpad_hides_the_first_keys() {
 /// the last sequence are 0 with lse -inf, and f32 rows match the f64 oracle. Every dtype, masks,
 /// ALiBi, GQA, left pads, contiguous, mapped and paged caches, 1 and 3 splits, a sequence with no
 /// query and one with no key.
+/// The packed-call tests' case: six sequences (one with an empty cache), mask set `mi` (0-3) with
+/// its head dim and cache store; `n` alternates ALiBi and the split count.
+fn packed_case(dtype: DType, mi: usize, n: usize, seed: u64) -> DCase {
+    let (causal, window) = [MASKS[1], MASKS[0], MASKS[4], MASKS[3]][mi];
+    DCase {
+        dtype,
+        heads: 6,
+        heads_kv: 2,
+        d: [16, 40, 64, 59][mi],
+        cap: 72,
+        lens: vec![20, 9, 0, 50, 6, 33],
+        leftpad: (mi == 2).then(|| vec![0, 4, 0, 17, 6, 1]),
+        new: None,
+        causal,
+        window,
+        alibi: n % 2 == 0,
+        store: [
+            Store::Contiguous,
+            Store::Paged(8),
+            Store::BatchIdx,
+            Store::Gaps,
+        ][mi],
+        splits: Some([1, 3][n % 2]),
+        seed,
+        ..DCase::default()
+    }
+}
+
+/// The index arrays of sequence b's call alone: its cache row, its leftpad.
+struct Alone {
+    row: [i32; 1],
+    leftpad: Option<[i32; 1]>,
+}
+
+impl Alone {
+    fn new(c: &DCase, bl: &Built, b: usize) -> Self {
+        Alone {
+            row: [bl.map.table[b * bl.map.max_blocks]],
+            leftpad: c.leftpad.as_ref().map(|lp| [lp[b] as i32]),
+        }
+    }
+
+    /// The options of sequence b alone, as a batch of one: its cache row or its row of the
+    /// block table, its ALiBi slopes and leftpad, the case's mask and split count.
+    fn opts<'a>(&'a self, c: &DCase, bl: &'a Built, b: usize) -> KvCacheOptions<'a> {
+        let h = c.heads;
+        let mut attn = bl.attn_opts(c);
+        if c.alibi {
+            let slopes = &bl.alibi[b * h..(b + 1) * h];
+            attn = attn.alibi_slopes(TensorRef::contiguous(slopes, &[1, h]));
+        }
+        let mut o = KvCacheOptions::default()
+            .attn(attn)
+            .num_splits(c.splits.unwrap());
+        o = match c.store {
+            Store::Paged(_) => {
+                let table = &bl.map.table[b * bl.map.max_blocks..(b + 1) * bl.map.max_blocks];
+                o.block_table(BlockTable::new(table, 1, bl.map.max_blocks))
+            }
+            _ => o.cache_batch_idx(&self.row),
+        };
+        if let Some(lp) = &self.leftpad {
+            o = o.cache_leftpad(lp);
+        }
+        o
+    }
+}
+
+/// Asserts that `sq` query rows of a call's result (out rows from `r0`, LSEs where `lse_at(h,
+/// i)` says) are those of sequence b's own call `alone`, bit for bit.
+fn assert_rows_match(
+    what: &str,
+    (out, r0, lse_at): (&AttnOutput, usize, &dyn Fn(usize, usize) -> f64),
+    alone: &AttnOutput,
+    (sq, h, d): (usize, usize, usize),
+) {
+    assert_eq!(
+        buf_bits(out.out.buffer())[r0 * h * d..(r0 + sq) * h * d],
+        buf_bits(alone.out.buffer())[..],
+        "{what}: out"
+    );
+    let al = alone.lse.to_f64_vec();
+    for hh in 0..h {
+        for i in 0..sq {
+            let (x, y) = (lse_at(hh, i), al[hh * sq + i]);
+            assert!(x.to_bits() == y.to_bits(), "{what}: lse {x} against {y}");
+        }
+    }
+}
+
 #[test]
 fn packed_queries_match_per_sequence_calls() {
     let q_lens = [3usize, 0, 1, 6, 2, 4];
     let total = q_lens.iter().sum::<usize>() + 2;
-    let mut cu = vec![0i32];
-    for &l in &q_lens {
-        cu.push(cu.last().unwrap() + l as i32);
-    }
+    let cu = cumulative(&q_lens);
     let mut n = 0;
     for dtype in DTYPES {
-        for (mi, &(causal, window)) in [MASKS[1], MASKS[0], MASKS[4], MASKS[3]].iter().enumerate() {
+        for mi in 0..4 {
             n += 1;
-            let c = DCase {
-                dtype,
-                heads: 6,
-                heads_kv: 2,
-                d: [16, 40, 64, 59][mi],
-                cap: 72,
-                lens: vec![20, 9, 0, 50, 6, 33],
-                leftpad: (mi == 2).then(|| vec![0, 4, 0, 17, 6, 1]),
-                new: None,
-                causal,
-                window,
-                alibi: n % 2 == 0,
-                store: [
-                    Store::Contiguous,
-                    Store::Paged(8),
-                    Store::BatchIdx,
-                    Store::Gaps,
-                ][mi],
-                splits: Some([1, 3][n % 2]),
-                seed: 900 + n as u64,
-                ..DCase::default()
-            };
+            let c = packed_case(dtype, mi, n, 900 + n as u64);
             let bl = build(&c);
             let (h, d) = (c.heads, c.d);
             let mut rng = common::rng(c.seed ^ 0xc0ffee);
@@ -776,39 +842,15 @@ fn packed_queries_match_per_sequence_calls() {
             for (b, &sq) in q_lens.iter().enumerate().filter(|x| *x.1 > 0) {
                 let r0 = cu[b] as usize;
                 let qs = to_buffer(&qv[r0 * h * d..(r0 + sq) * h * d], dtype);
-                // The same sequence alone: its cache row or its row of the block table.
-                let table = &bl.map.table[b * bl.map.max_blocks..(b + 1) * bl.map.max_blocks];
-                let row = [table[0]];
-                let slopes = &bl.alibi[b * h..(b + 1) * h];
-                let mut attn = bl.attn_opts(&c);
-                if c.alibi {
-                    attn = attn.alibi_slopes(TensorRef::contiguous(slopes, &[1, h]));
-                }
-                let mut o = KvCacheOptions::default()
-                    .attn(attn)
-                    .num_splits(c.splits.unwrap());
-                o = match c.store {
-                    Store::Paged(_) => o.block_table(BlockTable::new(table, 1, bl.map.max_blocks)),
-                    _ => o.cache_batch_idx(&row),
-                };
-                let lp = c.leftpad.as_ref().map(|lp| [lp[b] as i32]);
-                if let Some(lp) = &lp {
-                    o = o.cache_leftpad(lp);
-                }
-                let alone = call(view_of(&qs, &[1, sq, h, d]), &lens[b..b + 1], &o);
-                let (ao, al) = (alone.out.to_f64_vec(), alone.lse.to_f64_vec());
-                let what = format!("{c:?}: sequence {b}");
-                assert_eq!(
-                    buf_bits(packed.out.buffer())[r0 * h * d..(r0 + sq) * h * d],
-                    buf_bits(alone.out.buffer())[..],
-                    "{what}: out"
+                let own = Alone::new(&c, &bl, b);
+                let alone = call(
+                    view_of(&qs, &[1, sq, h, d]),
+                    &lens[b..b + 1],
+                    &own.opts(&c, &bl, b),
                 );
-                for hh in 0..h {
-                    for i in 0..sq {
-                        let (x, y) = (lse[hh * total + r0 + i], al[hh * sq + i]);
-                        assert!(x.to_bits() == y.to_bits(), "{what}: lse {x} against {y}");
-                    }
-                }
+                let what = format!("{c:?}: sequence {b}");
+                let lse_at = |hh: usize, i: usize| lse[hh * total + r0 + i];
+                assert_rows_match(&what, (&packed, r0, &lse_at), &alone, (sq, h, d));
                 if dtype == DType::F32 {
                     // The oracle on the keys this sequence sees.
                     let (lp, sk) = (c.first_key(b), c.seqlen_k(b) - c.first_key(b));
@@ -829,6 +871,7 @@ fn packed_queries_match_per_sequence_calls() {
                         .causal(c.causal)
                         .window(c.window.0, c.window.1);
                     if c.alibi {
+                        let slopes = &bl.alibi[b * h..(b + 1) * h];
                         ro = ro.alibi_slopes(TensorRef::contiguous(slopes, &[h]));
                     }
                     let ks = [1, sk, c.heads_kv, d];
@@ -839,7 +882,7 @@ fn packed_queries_match_per_sequence_calls() {
                         &ro,
                     )
                     .unwrap();
-                    for (x, y) in ao.iter().zip(&r.out) {
+                    for (x, y) in alone.out.to_f64_vec().iter().zip(&r.out) {
                         assert!((x - y).abs() <= 1e-5, "{what}: out {x} against {y}");
                     }
                 }
@@ -856,14 +899,13 @@ fn packed_new_keys_match_per_sequence_calls() {
     let new_lens = [3usize, 0, 1, 6, 2, 4];
     let cu_new = cumulative(&new_lens);
     let total_new = new_lens.iter().sum::<usize>() + 1;
+    let batched_new = 2;
     let mut n = 0;
     // (queries packed, new keys packed).
     for (q_packed, new_packed) in [(true, true), (false, true), (true, false)] {
         for dtype in DTYPES {
             n += 1;
             let mi = n % 4;
-            let (causal, window) = [MASKS[1], MASKS[0], MASKS[4], MASKS[3]][mi];
-            let batched_new = 2;
             // Packed queries: a chunk per sequence as long as its new keys (chunked prefill), one
             // sequence with more; batched: 2 tokens per sequence.
             let q_lens: Vec<usize> = match (q_packed, new_packed) {
@@ -881,28 +923,10 @@ fn packed_new_keys_match_per_sequence_calls() {
                 vec![batched_new; new_lens.len()]
             };
             let c = DCase {
-                dtype,
-                heads: 6,
-                heads_kv: 2,
-                d: [16, 40, 64, 59][mi],
-                cap: 72,
-                lens: vec![20, 9, 0, 50, 6, 33],
-                leftpad: (mi == 2).then(|| vec![0, 4, 0, 17, 6, 1]),
                 // The most any sequence appends, so a paged store maps its pages.
                 new: Some(6),
-                causal,
-                window,
-                alibi: n % 2 == 0,
                 rotary: (n % 3 != 1).then_some((if mi == 3 { 18 } else { 8 }, n % 2 == 0)),
-                store: [
-                    Store::Contiguous,
-                    Store::Paged(8),
-                    Store::BatchIdx,
-                    Store::Gaps,
-                ][mi],
-                splits: Some([1, 3][n % 2]),
-                seed: 1300 + n as u64,
-                ..DCase::default()
+                ..packed_case(dtype, mi, n, 1300 + n as u64)
             };
             let bl = build(&c);
             let (h, hkv, d, batch) = (c.heads, c.heads_kv, c.d, c.batch());
@@ -917,65 +941,59 @@ fn packed_new_keys_match_per_sequence_calls() {
             } else {
                 batch * batched_new
             };
-            let kn = to_buffer(&values(&mut rng, new_rows * hkv * d, Dist::Normal), dtype);
-            let vn = to_buffer(&values(&mut rng, new_rows * hkv * d, Dist::Uniform), dtype);
+            let kn = buf_f64(&to_buffer(
+                &values(&mut rng, new_rows * hkv * d, Dist::Normal),
+                dtype,
+            ));
+            let vn = buf_f64(&to_buffer(
+                &values(&mut rng, new_rows * hkv * d, Dist::Uniform),
+                dtype,
+            ));
+            let (knb, vnb) = (to_buffer(&kn, dtype), to_buffer(&vn, dtype));
             let cu_q = cumulative(&q_lens);
             let lens: Vec<i32> = c.lens.iter().map(|&x| x as i32).collect();
             let call = |q: TensorRef,
                         lens: &[i32],
                         opts: &KvCacheOptions,
-                        kc: &mut Buffer,
-                        vc: &mut Buffer| {
-                let mut k = TensorMut::new(slice_mut(kc), &bl.map.shape, &bl.map.strides);
-                let mut v = TensorMut::new(slice_mut(vc), &bl.map.shape, &bl.map.strides);
+                        kv: &mut (Buffer, Buffer)| {
+                let mut k = TensorMut::new(slice_mut(&mut kv.0), &bl.map.shape, &bl.map.strides);
+                let mut v = TensorMut::new(slice_mut(&mut kv.1), &bl.map.shape, &bl.map.strides);
                 flash_attn_with_kvcache(&q, &mut k, &mut v, lens, opts)
                     .unwrap_or_else(|e| panic!("{c:?}: {e}"))
             };
-            let (q_view, new_shape): (TensorRef, Vec<usize>) = (
-                if q_packed {
-                    view_of(&qb, &[total_q, h, d])
-                } else {
-                    view_of(&qb, &[batch, sq, h, d])
-                },
-                if new_packed {
-                    vec![new_rows, hkv, d]
-                } else {
-                    vec![batch, batched_new, hkv, d]
-                },
-            );
+            let q_view = if q_packed {
+                view_of(&qb, &[total_q, h, d])
+            } else {
+                view_of(&qb, &[batch, sq, h, d])
+            };
+            let new_shape = if new_packed {
+                vec![new_rows, hkv, d]
+            } else {
+                vec![batch, batched_new, hkv, d]
+            };
             let mut o = bl
                 .opts(&c)
-                .new_kv(view_of(&kn, &new_shape), view_of(&vn, &new_shape));
+                .new_kv(view_of(&knb, &new_shape), view_of(&vnb, &new_shape));
             if q_packed {
                 o = o.cu_seqlens_q(&cu_q);
             }
             if new_packed {
                 o = o.cu_seqlens_k_new(&cu_new);
             }
-            let (mut kc, mut vc) = (bl.k_cache.clone(), bl.v_cache.clone());
-            let all = call(q_view, &lens, &o, &mut kc, &mut vc);
-            let (out, lse) = (buf_bits(all.out.buffer()), all.lse.to_f64_vec());
-            let lse_at = |hh: usize, b: usize, i: usize| {
-                if q_packed {
-                    lse[hh * total_q + cu_q[b] as usize + i]
-                } else {
-                    lse[(b * h + hh) * sq + i]
-                }
-            };
+            let mut caches = (bl.k_cache.clone(), bl.v_cache.clone());
+            let all = call(q_view, &lens, &o, &mut caches);
+            let lse = all.lse.to_f64_vec();
             if q_packed {
+                let out = all.out.to_f64_vec();
                 for r in cu_q[batch] as usize..total_q {
-                    assert!(all.out.to_f64_vec()[r * h * d..(r + 1) * h * d]
-                        .iter()
-                        .all(|&x| x == 0.0));
+                    assert!(out[r * h * d..(r + 1) * h * d].iter().all(|&x| x == 0.0));
                     assert!((0..h).all(|hh| lse[hh * total_q + r] == f64::NEG_INFINITY));
                 }
             }
             // One call per sequence, on caches that take each call's appends in turn.
-            let (mut kc1, mut vc1) = (bl.k_cache.clone(), bl.v_cache.clone());
+            let mut one_by_one = (bl.k_cache.clone(), bl.v_cache.clone());
             for b in 0..batch {
                 let (nq, nn) = (q_lens[b], seq_new[b]);
-                let what =
-                    format!("{c:?}: q packed {q_packed}, new packed {new_packed}, sequence {b}");
                 let r0 = if q_packed { cu_q[b] as usize } else { b * sq };
                 let qs = to_buffer(&qv[r0 * h * d..(r0 + nq) * h * d], dtype);
                 let n0 = if new_packed {
@@ -983,61 +1001,42 @@ fn packed_new_keys_match_per_sequence_calls() {
                 } else {
                     b * batched_new
                 };
-                let kn_b = buf_f64(&kn)[n0 * hkv * d..(n0 + nn) * hkv * d].to_vec();
-                let vn_b = buf_f64(&vn)[n0 * hkv * d..(n0 + nn) * hkv * d].to_vec();
-                let (kn_b, vn_b) = (to_buffer(&kn_b, dtype), to_buffer(&vn_b, dtype));
-                let table = &bl.map.table[b * bl.map.max_blocks..(b + 1) * bl.map.max_blocks];
-                let row = [table[0]];
-                let slopes = &bl.alibi[b * h..(b + 1) * h];
-                let mut attn = bl.attn_opts(&c);
-                if c.alibi {
-                    attn = attn.alibi_slopes(TensorRef::contiguous(slopes, &[1, h]));
-                }
-                let mut ob = KvCacheOptions::default()
-                    .attn(attn)
-                    .num_splits(c.splits.unwrap())
-                    .new_kv(
-                        view_of(&kn_b, &[1, nn, hkv, d]),
-                        view_of(&vn_b, &[1, nn, hkv, d]),
-                    );
-                ob = match c.store {
-                    Store::Paged(_) => ob.block_table(BlockTable::new(table, 1, bl.map.max_blocks)),
-                    _ => ob.cache_batch_idx(&row),
-                };
-                let lp = c.leftpad.as_ref().map(|lp| [lp[b] as i32]);
-                if let Some(lp) = &lp {
-                    ob = ob.cache_leftpad(lp);
-                }
+                let rows = n0 * hkv * d..(n0 + nn) * hkv * d;
+                let (kn_b, vn_b) = (
+                    to_buffer(&kn[rows.clone()], dtype),
+                    to_buffer(&vn[rows], dtype),
+                );
+                let own = Alone::new(&c, &bl, b);
+                let mut ob = own.opts(&c, &bl, b).new_kv(
+                    view_of(&kn_b, &[1, nn, hkv, d]),
+                    view_of(&vn_b, &[1, nn, hkv, d]),
+                );
                 ob.rotary = o.rotary.clone();
-                let alone = call(
-                    view_of(&qs, &[1, nq, h, d]),
-                    &lens[b..b + 1],
-                    &ob,
-                    &mut kc1,
-                    &mut vc1,
-                );
-                if nq == 0 {
-                    continue;
-                }
-                assert_eq!(
-                    out[r0 * h * d..(r0 + nq) * h * d],
-                    buf_bits(alone.out.buffer())[..],
-                    "{what}: out"
-                );
-                let al = alone.lse.to_f64_vec();
-                for hh in 0..h {
-                    for i in 0..nq {
-                        let (x, y) = (lse_at(hh, b, i), al[hh * nq + i]);
-                        assert!(x.to_bits() == y.to_bits(), "{what}: lse {x} against {y}");
+                let q1 = view_of(&qs, &[1, nq, h, d]);
+                let alone = call(q1, &lens[b..b + 1], &ob, &mut one_by_one);
+                let what = format!("{c:?}: q packed {q_packed}, new packed {new_packed}, seq {b}");
+                let lse_at = |hh: usize, i: usize| {
+                    if q_packed {
+                        lse[hh * total_q + r0 + i]
+                    } else {
+                        lse[(b * h + hh) * sq + i]
                     }
-                }
+                };
+                assert_rows_match(&what, (&all, r0, &lse_at), &alone, (nq, h, d));
             }
             let what = format!("{c:?}: q packed {q_packed}, new packed {new_packed}");
-            assert_eq!(buf_bits(&kc), buf_bits(&kc1), "{what}: k_cache");
-            assert_eq!(buf_bits(&vc), buf_bits(&vc1), "{what}: v_cache");
-            // The appends landed: every sequence's new rows differ from the cache before.
+            assert_eq!(
+                buf_bits(&caches.0),
+                buf_bits(&one_by_one.0),
+                "{what}: k_cache"
+            );
+            assert_eq!(
+                buf_bits(&caches.1),
+                buf_bits(&one_by_one.1),
+                "{what}: v_cache"
+            );
             assert_ne!(
-                buf_bits(&kc),
+                buf_bits(&caches.0),
                 buf_bits(&bl.k_cache),
                 "{what}: nothing appended"
             );
