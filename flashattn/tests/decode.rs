@@ -729,7 +729,7 @@ fn packed_case(dtype: DType, mi: usize, n: usize, seed: u64) -> DCase {
         new: None,
         causal,
         window,
-        alibi: n % 2 == 0,
+        alibi: n.is_multiple_of(2),
         store: [
             Store::Contiguous,
             Store::Paged(8),
