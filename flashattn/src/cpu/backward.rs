@@ -10,15 +10,22 @@
 //!
 //! Pass 1 and 2 each recompute S and dP (7 block products instead of 5); the alternative, one pass
 //! that scatters dQ, needs atomics or a buffer per key block that grows with seqlen_q·seqlen_k.
+//!
+//! bf16 inputs on a CPU with a bf16 dot product (`vdpbf16ps`) take it in S, dP (both passes) and
+//! dQ: q, k, v and dO as they are, dS rounded to bf16 for dQ (as flash-attn rounds P and dS for its
+//! tensor-core products), f32 accumulation; dK and dV stay f32 products.
 //! With `delta = rowsum(dO ∘ O)`: `dS = P ∘ (dP - delta)`, dropout folded into dP and P̃, softcap's
 //! derivative `1 - tanh²` applied to dS.
 
-use super::forward::{load_tile, load_tile_t, ScoreMod, WorkItem};
+use super::forward::{
+    load_pairs, load_pairs_t, load_tile, load_tile_t, PackedV, ScoreMod, WorkItem,
+};
 use super::simd::{pad_lanes, Gemm, KC};
 use super::{block_sizes, BlockSizes, Disjoint, Pass};
 use crate::blocks::Mask;
 use crate::params::{GradInputs, Params, LOG2_E};
-use crate::tensor::Element;
+use crate::tensor::{DType, Element};
+use half::bf16;
 use rayon::prelude::*;
 
 /// Per-thread tiles of the backward pass. Query rows live in lanes (`np` = rows padded); `dp` is
@@ -49,6 +56,11 @@ struct Scratch {
     acc_a: Vec<f32>,
     acc_b: Vec<f32>,
     row: Vec<f32>,
+    /// bf16 path: k and v as pairs along d (`[cols][d2]`), dS as pairs of keys
+    /// (`[cols / 2][np]`).
+    k2: Vec<u32>,
+    v2: Vec<u32>,
+    ds2: Vec<u32>,
 }
 
 impl Scratch {
@@ -72,6 +84,9 @@ impl Scratch {
             acc_a: vec![0.0; big],
             acc_b: vec![0.0; big],
             row: vec![0.0; d],
+            k2: vec![0; bn * d.div_ceil(2)],
+            v2: vec![0; bn * d.div_ceil(2)],
+            ds2: vec![0; bn.div_ceil(2) * np],
         }
     }
 }
@@ -88,29 +103,53 @@ struct Ctx<'a, T> {
     delta: &'a [f32],
     tiles: &'a QueryTiles,
     bs: BlockSizes,
+    /// bf16 inputs with a bf16 dot product: the inputs as bf16, and k packed for dQ.
+    bf: Option<Bf<'a>>,
+}
+
+struct Bf<'a> {
+    k: &'a [bf16],
+    v: &'a [bf16],
+    packed_k: PackedV,
+}
+
+/// A query block's transposed q and dO: f32 `[d][np]`, or bf16 pairs `[d2][np]`.
+#[derive(Clone, Copy)]
+enum QTiles<'a> {
+    F32(&'a [f32], &'a [f32]),
+    Bf16(&'a [u32], &'a [u32]),
 }
 
 /// q and dO of every (sequence, head, query block) transposed to `[d][np]` (query rows in lanes,
 /// padded lanes 0), built once per call: pass 1 reads each tile once per key block it sees, and
-/// transposing there (scalar strided stores) cost ~25% of pass 1. Memory: twice q in f32.
+/// transposing there (scalar strided stores) cost ~25% of pass 1. Memory: twice q in f32. On the
+/// bf16 path, as bf16 pairs `[d2][np]` instead (the B operands of S and dP).
 struct QueryTiles {
     data: Vec<f32>,
-    /// Start of each tile pair (qt, then dot), in `work_items` order.
+    pairs: Vec<u32>,
+    /// Start of each tile pair (qt, then dot) in `data` or `pairs`, in `work_items` order.
     offsets: Vec<usize>,
     /// Index of the first work item of each sequence.
     seq_item0: Vec<usize>,
 }
 
 impl QueryTiles {
-    fn new<T: Element>(p: &Params, g: &GradInputs, q: &[T], dout: &[T], bs: BlockSizes) -> Self {
+    fn new<T: Element>(
+        p: &Params,
+        g: &GradInputs,
+        (q, dout): (&[T], &[T]),
+        bf16_pairs: bool,
+        bs: BlockSizes,
+    ) -> Self {
         let d = p.head_dim;
         let items = super::forward::work_items(p, bs.block_m);
         let rows =
             |it: &WorkItem| (p.seqs[it.b].seqlen_q - it.m_block * bs.block_m).min(bs.block_m);
+        let dt = if bf16_pairs { d.div_ceil(2) } else { d };
         let mut offsets = Vec::with_capacity(items.len() + 1);
         offsets.push(0);
         for it in &items {
-            offsets.push(offsets.last().expect("non-empty") + 2 * d * pad_lanes(rows(it)));
+            offsets.push(offsets.last().expect("non-empty") + 2 * dt * pad_lanes(rows(it)));
         }
         let mut seq_item0 = Vec::with_capacity(p.seqs.len());
         let mut n = 0;
@@ -118,47 +157,79 @@ impl QueryTiles {
             seq_item0.push(n);
             n += p.heads * s.seqlen_q.div_ceil(bs.block_m);
         }
-        let mut data = vec![0f32; *offsets.last().expect("non-empty")];
-        let mut chunks = Vec::with_capacity(items.len());
-        let mut rest = data.as_mut_slice();
-        for w in offsets.windows(2) {
-            let (head, tail) = std::mem::take(&mut rest).split_at_mut(w[1] - w[0]);
-            chunks.push(head);
-            rest = tail;
+        let total = *offsets.last().expect("non-empty");
+        // Each item's tile pair: qᵀ then dOᵀ.
+        let bases = |it: &WorkItem| {
+            let (s, m0) = (p.seqs[it.b], it.m_block * bs.block_m);
+            let q_base = s.q_base + m0 * p.q.row_stride + it.h * p.q.head_stride;
+            let do_base = g.dout.offset(it.b, m0, it.h);
+            (q_base, do_base, rows(it))
+        };
+        let (mut data, mut pairs) = (Vec::new(), Vec::new());
+        if bf16_pairs {
+            let cast = |x| bf16::unwrap(T::wrap(x)).expect("T is bf16");
+            let (qb, dob) = (cast(q), cast(dout));
+            pairs = vec![0u32; total];
+            split_at_offsets(&mut pairs, &offsets)
+                .into_par_iter()
+                .zip(&items)
+                .for_each(|(chunk, it)| {
+                    let (q_base, do_base, r) = bases(it);
+                    let np = pad_lanes(r);
+                    let (qt, dot) = chunk.split_at_mut(dt * np);
+                    load_pairs_t(qb, q_base, p.q.row_stride, (r, d, np), qt);
+                    let do_stride = g.dout.layout.row_stride;
+                    load_pairs_t(dob, do_base, do_stride, (r, d, np), dot);
+                });
+        } else {
+            data = vec![0f32; total];
+            split_at_offsets(&mut data, &offsets)
+                .into_par_iter()
+                .zip(&items)
+                .for_each_init(
+                    || vec![0f32; d],
+                    |row, (chunk, it)| {
+                        let (q_base, do_base, r) = bases(it);
+                        let np = pad_lanes(r);
+                        let (qt, dot) = chunk.split_at_mut(d * np);
+                        load_tile_t(q, q_base, p.q.row_stride, (r, d, np), row, qt);
+                        let do_stride = g.dout.layout.row_stride;
+                        load_tile_t(dout, do_base, do_stride, (r, d, np), row, dot);
+                    },
+                );
         }
-        chunks.into_par_iter().zip(&items).for_each_init(
-            || vec![0f32; d],
-            |row, (chunk, it)| {
-                let (s, m0, r) = (p.seqs[it.b], it.m_block * bs.block_m, rows(it));
-                let np = pad_lanes(r);
-                let (qt, dot) = chunk.split_at_mut(d * np);
-                let q_base = s.q_base + m0 * p.q.row_stride + it.h * p.q.head_stride;
-                load_tile_t(q, q_base, p.q.row_stride, (r, d, np), row, qt);
-                let (do_base, do_stride) =
-                    (g.dout.offset(it.b, m0, it.h), g.dout.layout.row_stride);
-                load_tile_t(dout, do_base, do_stride, (r, d, np), row, dot);
-            },
-        );
         QueryTiles {
             data,
+            pairs,
             offsets,
             seq_item0,
         }
     }
 
     /// (qᵀ, dOᵀ) of (sequence b, head h, query block m_block).
-    fn get(
-        &self,
-        p: &Params,
-        b: usize,
-        h: usize,
-        m_block: usize,
-        block_m: usize,
-    ) -> (&[f32], &[f32]) {
+    fn get(&self, p: &Params, b: usize, h: usize, m_block: usize, block_m: usize) -> QTiles<'_> {
         let i = self.seq_item0[b] + h * p.seqs[b].seqlen_q.div_ceil(block_m) + m_block;
-        let tile = &self.data[self.offsets[i]..self.offsets[i + 1]];
-        tile.split_at(tile.len() / 2)
+        let (lo, hi) = (self.offsets[i], self.offsets[i + 1]);
+        if self.pairs.is_empty() {
+            let (qt, dot) = self.data[lo..hi].split_at((hi - lo) / 2);
+            QTiles::F32(qt, dot)
+        } else {
+            let (qt, dot) = self.pairs[lo..hi].split_at((hi - lo) / 2);
+            QTiles::Bf16(qt, dot)
+        }
     }
+}
+
+/// `buf` cut at `offsets` (ascending, from 0 to `buf.len()`), one chunk per window.
+fn split_at_offsets<'a, X>(buf: &'a mut [X], offsets: &[usize]) -> Vec<&'a mut [X]> {
+    let mut chunks = Vec::with_capacity(offsets.len().saturating_sub(1));
+    let mut rest = buf;
+    for w in offsets.windows(2) {
+        let (head, tail) = std::mem::take(&mut rest).split_at_mut(w[1] - w[0]);
+        chunks.push(head);
+        rest = tail;
+    }
+    chunks
 }
 
 /// Gradients `(dq, dk, dv)`: dq in q's contiguous layout, dk/dv in k's.
@@ -173,7 +244,13 @@ pub(crate) fn backward<T: Element>(
 ) -> (Vec<T>, Vec<T>, Vec<T>) {
     let bs = block_sizes(Pass::Backward);
     let delta = compute_delta(p, g, out, dout);
-    let tiles = QueryTiles::new(p, g, q, dout, bs);
+    let cast = |x| bf16::unwrap(T::wrap(x)).expect("T is bf16");
+    let bf = (T::DTYPE == DType::BF16 && p.kernels.has_bf16_dot()).then(|| Bf {
+        k: cast(k),
+        v: cast(v),
+        packed_k: PackedV::keys(p, cast(k), bs),
+    });
+    let tiles = QueryTiles::new(p, g, (q, dout), bf.is_some(), bs);
     let cx = Ctx {
         p,
         g,
@@ -184,6 +261,7 @@ pub(crate) fn backward<T: Element>(
         delta: &delta,
         tiles: &tiles,
         bs,
+        bf,
     };
     let d = p.head_dim;
     let poison = T::from_f32(f32::NAN);
@@ -297,10 +375,16 @@ impl<T: Element> Ctx<'_, T> {
     /// Loads k and v of keys `n0..n0 + cols` of (sequence b, kv head hk) into the scratch tiles
     /// (`[cols][d]`), also for f32: see forward's k tile (rows heads·d apart thrash the TLB when the
     /// products re-read them in place).
+    /// On the bf16 path, as pairs into `scr.k2`, `scr.v2` (`[cols][d2]`) instead.
     fn load_key_side(&self, b: usize, hk: usize, n0: usize, cols: usize, scr: &mut Scratch) {
         let (p, s, d) = (self.p, self.p.seqs[b], self.p.head_dim);
         let k_base = s.k_base + n0 * p.k.row_stride + hk * p.k.head_stride;
         let v_base = s.v_base + n0 * p.v.row_stride + hk * p.v.head_stride;
+        if let Some(bf) = &self.bf {
+            load_pairs(bf.k, k_base, p.k.row_stride, cols, d, &mut scr.k2);
+            load_pairs(bf.v, v_base, p.v.row_stride, cols, d, &mut scr.v2);
+            return;
+        }
         load_tile(self.k, k_base, p.k.row_stride, (cols, d, d), &mut scr.k);
         load_tile(self.v, v_base, p.v.row_stride, (cols, d, d), &mut scr.v);
     }
@@ -314,7 +398,7 @@ impl<T: Element> Ctx<'_, T> {
         (b, h): (usize, usize),
         (m0, m1): (usize, usize),
         (n0, n1): (usize, usize),
-        (qt, dot): (&[f32], &[f32]),
+        tiles: QTiles,
         scr: &mut Scratch,
     ) {
         let (p, d) = (self.p, self.p.head_dim);
@@ -336,8 +420,25 @@ impl<T: Element> Ctx<'_, T> {
             accumulate: false,
             kc: KC,
         };
+        // bf16 pairs: K (or V) `[cols][d2]` times Qᵀ (or dOᵀ) `[d2][np]`.
+        let d2 = d.div_ceil(2);
+        let product2 = |a, b| Gemm {
+            m: cols,
+            n: np,
+            k: d2,
+            a,
+            a_rs: d2,
+            a_cs: 1,
+            b,
+            b_rs: np,
+            accumulate: false,
+            kc: KC,
+        };
         // Sᵀ = K·Qᵀ, then P = exp2(S·scale_log2 - lse_log2).
-        kern.gemm_scores(&product(&scr.k, qt), pt, np, &mut scr.tmp);
+        match tiles {
+            QTiles::F32(qt, _) => kern.gemm_scores(&product(&scr.k, qt), pt, np, &mut scr.tmp),
+            QTiles::Bf16(qt, _) => kern.gemm_bf16(&product2(&scr.k2, qt), pt, np),
+        }
         let score_mod = ScoreMod::new(p, b, h);
         let masked = mask.needs_mask(m0, m1, n0, n1);
         if score_mod.needs_apply(masked) {
@@ -349,7 +450,10 @@ impl<T: Element> Ctx<'_, T> {
         kern.online_softmax(pt, cols, np, &scr.lse_log2, &mut scr.sink, &scr.ones);
         // dP̃ᵀ = V·dOᵀ.
         let ds = &mut scr.dst[..cols * np];
-        kern.gemm(&product(&scr.v, dot), ds, np);
+        match tiles {
+            QTiles::F32(_, dot) => kern.gemm(&product(&scr.v, dot), ds, np),
+            QTiles::Bf16(_, dot) => kern.gemm_bf16(&product2(&scr.v2, dot), ds, np),
+        }
         // dropped entries get P̃ = 0 and dP = 0, kept ones are scaled by 1/(1-p); then
         // dS = P ∘ (dP - delta) · scale (· 1 - tanh²).
         let drop_scale = p.dropout.map_or(1.0, |dr| dr.scale());
@@ -483,6 +587,27 @@ fn dq_block<T: Element>(
         cx.load_key_side(b, p.kv_head(h), n0, cols, scr);
         cx.recompute((b, h), (m0, m1), (n0, n1), tiles, scr);
         // dQᵀ += Kᵀ·dSᵀ: dqt[x][r] += Σ_c k[c][x] · ds[r][c].
+        if let Some(bf) = &cx.bf {
+            // As the forward's P·V: k in key pairs `[d][block_n / 2]`, dS rounded to key pairs.
+            p.kernels.pack_pairs_bf16(&scr.dst, cols, np, &mut scr.ds2);
+            p.kernels.gemm_bf16(
+                &Gemm {
+                    m: d,
+                    n: np,
+                    k: cols.div_ceil(2),
+                    a: bf.packed_k.block(p, b, p.kv_head(h), n_block, bs.block_n),
+                    a_rs: bs.block_n / 2,
+                    a_cs: 1,
+                    b: &scr.ds2,
+                    b_rs: np,
+                    accumulate: true,
+                    kc: KC,
+                },
+                &mut scr.acc_a,
+                np,
+            );
+            continue;
+        }
         p.kernels.gemm(
             &Gemm {
                 m: d,

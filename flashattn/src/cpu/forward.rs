@@ -194,7 +194,7 @@ fn bf16_bits(row: &[bf16], x: usize) -> u16 {
 }
 
 /// Copies `rows` bf16 head rows as pairs: `dst[r * d2 + xp]` = `(row[2xp], row[2xp + 1])`.
-fn load_pairs(
+pub(crate) fn load_pairs(
     src: &[bf16],
     base: usize,
     row_stride: usize,
@@ -225,7 +225,7 @@ fn load_pairs(
 }
 
 /// Copies `rows` bf16 head rows as transposed pairs: `dst[xp * np + r]`; lanes `rows..np` are 0.
-fn load_pairs_t(
+pub(crate) fn load_pairs_t(
     src: &[bf16],
     base: usize,
     row_stride: usize,
@@ -248,7 +248,8 @@ fn load_pairs_t(
 /// V of every (sequence, kv head, key block) as bf16 pairs of keys, for the P·V product of the
 /// bf16 path: block `(b, hk, n_block)` is `[d][block_n / 2]`, element `(x, cp)` =
 /// `(v[2cp][x], v[2cp + 1][x])` of the block's keys (0 past its last key). Built once per call (one pass over v,
-/// the size of v in memory) because every query block of the head reads it.
+/// the size of v in memory) because every query block of the head reads it. The backward packs K
+/// the same way for `dQ += dS·K` ([`PackedV::keys`]).
 pub(crate) struct PackedV {
     data: Vec<u32>,
     /// Index of the first block of each sequence (kv head 0).
@@ -258,6 +259,21 @@ pub(crate) struct PackedV {
 
 impl PackedV {
     fn new(p: &Params, v: &[bf16], bs: BlockSizes) -> Self {
+        Self::pack(p, v, bs, |s| s.v_base, p.v)
+    }
+
+    /// K instead of V (the backward's dQ product).
+    pub(crate) fn keys(p: &Params, k: &[bf16], bs: BlockSizes) -> Self {
+        Self::pack(p, k, bs, |s| s.k_base, p.k)
+    }
+
+    fn pack(
+        p: &Params,
+        v: &[bf16],
+        bs: BlockSizes,
+        base_of: fn(&crate::params::Seq) -> usize,
+        layout: crate::params::RowLayout,
+    ) -> Self {
         let (d, bn2) = (p.head_dim, bs.block_n / 2);
         let block_len = d * bn2;
         let mut seq_block0 = Vec::with_capacity(p.seqs.len());
@@ -275,8 +291,8 @@ impl PackedV {
                 let s = p.seqs[b];
                 let n0 = nb * bs.block_n;
                 let cols = (s.seqlen_k - n0).min(bs.block_n);
-                let base = s.v_base + hk * p.v.head_stride;
-                let row = |c: usize| &v[base + (n0 + c) * p.v.row_stride..][..d];
+                let base = base_of(&s) + hk * layout.head_stride;
+                let row = |c: usize| &v[base + (n0 + c) * layout.row_stride..][..d];
                 // 16 output rows (x) at a time: their lines (32 u32 each) stay in L1 while every
                 // key pair fills one element of each; reads run along v's rows.
                 for x0 in (0..d).step_by(16) {
@@ -298,7 +314,14 @@ impl PackedV {
         }
     }
 
-    fn block(&self, p: &Params, b: usize, hk: usize, n_block: usize, block_n: usize) -> &[u32] {
+    pub(crate) fn block(
+        &self,
+        p: &Params,
+        b: usize,
+        hk: usize,
+        n_block: usize,
+        block_n: usize,
+    ) -> &[u32] {
         let per_head = p.seqs[b].seqlen_k.div_ceil(block_n);
         let at = (self.seq_block0[b] + hk * per_head + n_block) * self.block_len;
         &self.data[at..at + self.block_len]
