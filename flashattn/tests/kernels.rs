@@ -37,7 +37,7 @@
 //!
 //! # bf16 packing
 //!
-//! `pack_pairs_bf16` must equal the scalar twin (`half`'s round-to-nearest-even) bit for bit, ties,
+//! `pack_pairs_bf16` and `narrow_pairs_bf16` must equal the scalar twin (`half`'s round-to-nearest-even) bit for bit, ties,
 //! infinities, overflow to infinity and NaN included, except for subnormal f32 inputs: AVX512_BF16's
 //! `vcvtneps2bf16` treats them as zero (DAZ) and gives a zero of the same sign, where `half` rounds
 //! them to a bf16 subnormal. Either answer is accepted there.
@@ -1186,6 +1186,47 @@ fn pack_pairs_bf16_equals_the_scalar_twin() {
                 }
             }
         }
+    }
+}
+
+#[test]
+fn narrow_pairs_bf16_equals_the_scalar_twin() {
+    let scalar = scalar();
+    for kern in simd_kernels() {
+        for pairs in [0usize, 1, 7, 8, 9, 15, 16, 17, 24, 32, 40, 64, 129] {
+            let mut rng = common::rng(7000 + pairs as u64);
+            let src: Vec<f32> = (0..2 * pairs).map(|_| rounding_values(&mut rng)).collect();
+            let tail = 0xDEAD_BEEFu32;
+            let mut out = vec![tail; pairs + TAIL];
+            let mut want = vec![0u32; pairs];
+            kern.narrow_pairs_bf16(&src, &mut out[..pairs]);
+            scalar.narrow_pairs_bf16(&src, &mut want);
+            assert!(
+                out[pairs..].iter().all(|&x| x == tail),
+                "{}: out written after its end",
+                kern.isa
+            );
+            for (i, (&got, &w)) in out[..pairs].iter().zip(&want).enumerate() {
+                for half in 0..2 {
+                    let (g, w) = ((got >> (16 * half)) as u16, (w >> (16 * half)) as u16);
+                    let x = src[2 * i + half];
+                    // DAZ: a subnormal input may give a zero of its sign (see the module docs).
+                    let flushed = x.is_subnormal() && g == ((x.to_bits() >> 16) as u16 & 0x8000);
+                    assert!(
+                        g == w || flushed,
+                        "{}: pairs={pairs} src[{}] = {x:e} -> {g:#06x}, scalar {w:#06x}",
+                        kern.isa,
+                        2 * i + half
+                    );
+                }
+            }
+        }
+        let msg = "narrow_pairs_bf16: lengths";
+        assert_panics(
+            &format!("{} narrow_pairs_bf16: out long", kern.isa),
+            msg,
+            || kern.narrow_pairs_bf16(&[0.0; 6], &mut [0u32; 4]),
+        );
     }
 }
 

@@ -11,9 +11,11 @@
 //! Pass 1 and 2 each recompute S and dP (7 block products instead of 5); the alternative, one pass
 //! that scatters dQ, needs atomics or a buffer per key block that grows with seqlen_q·seqlen_k.
 //!
-//! bf16 inputs on a CPU with a bf16 dot product (`vdpbf16ps`) take it in S, dP (both passes) and
-//! dQ: q, k, v and dO as they are, dS rounded to bf16 for dQ (as flash-attn rounds P and dS for its
-//! tensor-core products), f32 accumulation; dK and dV stay f32 products.
+//! bf16 inputs on a CPU with a bf16 dot product (`vdpbf16ps`) take it in all seven products: q,
+//! k, v and dO as they are, P̃ and dS rounded to bf16 where they are operands (as flash-attn rounds
+//! them for its tensor-core products), f32 accumulation. fwd+bwd, 2 threads, d = 128, N = 1024 and
+//! 2048, 16 heads: 0.67-0.68 of the time of the f32 products (`flashattn bench --backward`, three
+//! alternations of two builds, 2026-11-24).
 //! With `delta = rowsum(dO ∘ O)`: `dS = P ∘ (dP - delta)`, dropout folded into dP and P̃, softcap's
 //! derivative `1 - tanh²` applied to dS.
 
@@ -57,10 +59,15 @@ struct Scratch {
     acc_b: Vec<f32>,
     row: Vec<f32>,
     /// bf16 path: k and v as pairs along d (`[cols][d2]`), dS as pairs of keys
-    /// (`[cols / 2][np]`).
+    /// (`[cols / 2][np]`); for dK and dV, P̃ᵀ and dSᵀ as pairs of rows (`[cols][np / 2]`), q and
+    /// dO as pairs of rows (`[rows / 2][dp]`).
     k2: Vec<u32>,
     v2: Vec<u32>,
     ds2: Vec<u32>,
+    pt2: Vec<u32>,
+    dst2: Vec<u32>,
+    q_rm2: Vec<u32>,
+    do_rm2: Vec<u32>,
 }
 
 impl Scratch {
@@ -87,6 +94,10 @@ impl Scratch {
             k2: vec![0; bn * d.div_ceil(2)],
             v2: vec![0; bn * d.div_ceil(2)],
             ds2: vec![0; bn.div_ceil(2) * np],
+            pt2: vec![0; bn * np / 2],
+            dst2: vec![0; bn * np / 2],
+            q_rm2: vec![0; np.div_ceil(2) * dp],
+            do_rm2: vec![0; np.div_ceil(2) * dp],
         }
     }
 }
@@ -524,6 +535,37 @@ fn dkdv_block<T: Element>(
             cx.load_query_side(b, h, m0, rows, true, scr);
             let tiles = cx.tiles.get(p, b, h, m_block, bs.block_m);
             cx.recompute((b, h), (m0, m1), (n0, n1), tiles, scr);
+            if cx.bf.is_some() {
+                // The same products over pairs of query rows: P̃ᵀ and dSᵀ rounded to bf16 (as
+                // flash-attn rounds them for its tensor-core products), q and dO exact.
+                let kern = p.kernels;
+                kern.narrow_pairs_bf16(&scr.pt[..cols * np], &mut scr.pt2[..cols * np / 2]);
+                kern.narrow_pairs_bf16(&scr.dst[..cols * np], &mut scr.dst2[..cols * np / 2]);
+                kern.pack_pairs_bf16(&scr.do_rm, rows, dp, &mut scr.do_rm2);
+                kern.pack_pairs_bf16(&scr.q_rm, rows, dp, &mut scr.q_rm2);
+                for (a, x, acc) in [
+                    (&scr.pt2, &scr.do_rm2, &mut scr.acc_b),
+                    (&scr.dst2, &scr.q_rm2, &mut scr.acc_a),
+                ] {
+                    kern.gemm_bf16(
+                        &Gemm {
+                            m: cols,
+                            n: dp,
+                            k: rows.div_ceil(2),
+                            a,
+                            a_rs: np / 2,
+                            a_cs: 1,
+                            b: x,
+                            b_rs: dp,
+                            accumulate: true,
+                            kc: KC,
+                        },
+                        acc,
+                        dp,
+                    );
+                }
+                continue;
+            }
             // dV += P̃ᵀ·dO and dK += dSᵀ·Q (row-major, dp lanes).
             for (a, x, acc) in [
                 (&scr.pt, &scr.do_rm, &mut scr.acc_b),

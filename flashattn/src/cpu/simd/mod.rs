@@ -233,6 +233,7 @@ type MaxFn = unsafe fn(&mut [f32], usize, usize, f32, &mut [f32], &mut [f32], &m
 type SoftmaxFn = unsafe fn(&mut [f32], usize, usize, &[f32], &mut [f32], &[f32]);
 type RescaleFn = unsafe fn(&mut [f32], usize, usize, &[f32]);
 type PairsFn = unsafe fn(&[f32], usize, usize, &mut [u32]);
+type NarrowFn = unsafe fn(&[f32], &mut [u32]);
 
 /// The microkernels of one instruction set.
 pub struct Kernels {
@@ -245,6 +246,7 @@ pub struct Kernels {
     online_softmax: SoftmaxFn,
     rescale_o: RescaleFn,
     pack_pairs_bf16: PairsFn,
+    narrow_pairs_bf16: NarrowFn,
 }
 
 impl fmt::Debug for Kernels {
@@ -262,6 +264,7 @@ static SCALAR: Kernels = Kernels {
     online_softmax: scalar::online_softmax,
     rescale_o: scalar::rescale_o,
     pack_pairs_bf16: scalar::pack_pairs_bf16,
+    narrow_pairs_bf16: scalar::narrow_pairs_bf16,
 };
 
 #[cfg(target_arch = "aarch64")]
@@ -274,6 +277,7 @@ static NEON: Kernels = Kernels {
     online_softmax: aarch64_neon::online_softmax,
     rescale_o: aarch64_neon::rescale_o,
     pack_pairs_bf16: scalar::pack_pairs_bf16,
+    narrow_pairs_bf16: scalar::narrow_pairs_bf16,
 };
 
 #[cfg(target_arch = "x86_64")]
@@ -286,6 +290,7 @@ static AVX2: Kernels = Kernels {
     online_softmax: x86_avx2::online_softmax,
     rescale_o: x86_avx2::rescale_o,
     pack_pairs_bf16: scalar::pack_pairs_bf16,
+    narrow_pairs_bf16: scalar::narrow_pairs_bf16,
 };
 
 #[cfg(target_arch = "x86_64")]
@@ -298,6 +303,7 @@ static AVX512: Kernels = Kernels {
     online_softmax: x86_avx512::online_softmax,
     rescale_o: x86_avx512::rescale_o,
     pack_pairs_bf16: scalar::pack_pairs_bf16,
+    narrow_pairs_bf16: scalar::narrow_pairs_bf16,
 };
 
 #[cfg(target_arch = "x86_64")]
@@ -310,6 +316,7 @@ static AVX512_BF16: Kernels = Kernels {
     online_softmax: x86_avx512::online_softmax,
     rescale_o: x86_avx512::rescale_o,
     pack_pairs_bf16: x86_avx512::pack_pairs_bf16,
+    narrow_pairs_bf16: x86_avx512::narrow_pairs_bf16,
 };
 
 impl Kernels {
@@ -460,6 +467,15 @@ impl Kernels {
 
     /// Rounds `cols` rows of `n` f32 lanes to bf16 pairs for [`Kernels::gemm_bf16`]'s B operand:
     /// `out[cp][r]` = (row 2cp, row 2cp + 1) of lane r; a missing odd row is 0.
+    /// `src` rounded to bf16 in order, two to a u32: `out[i]` = `(src[2i], src[2i + 1])` (the
+    /// pairs of adjacent lanes that [`Kernels::gemm_bf16`] takes along a row of A). Same
+    /// rounding as [`Kernels::pack_pairs_bf16`]; `src` holds `2 · out.len()` values.
+    pub fn narrow_pairs_bf16(&self, src: &[f32], out: &mut [u32]) {
+        assert_eq!(src.len(), 2 * out.len(), "narrow_pairs_bf16: lengths");
+        // SAFETY: lengths checked above; available ISA.
+        unsafe { (self.narrow_pairs_bf16)(src, out) }
+    }
+
     pub fn pack_pairs_bf16(&self, st: &[f32], cols: usize, n: usize, out: &mut [u32]) {
         assert!(
             n.is_multiple_of(LANES)

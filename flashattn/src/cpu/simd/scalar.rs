@@ -131,6 +131,12 @@ pub(crate) unsafe fn rescale_o(ot: &mut [f32], rows: usize, n: usize, alpha: &[f
     }
 }
 
+pub(crate) unsafe fn narrow_pairs_bf16(src: &[f32], out: &mut [u32]) {
+    for (o, x) in out.iter_mut().zip(src.chunks_exact(2)) {
+        *o = pair(bf16::from_f32(x[0]), bf16::from_f32(x[1]));
+    }
+}
+
 pub(crate) unsafe fn pack_pairs_bf16(st: &[f32], cols: usize, n: usize, out: &mut [u32]) {
     for cp in 0..cols.div_ceil(2) {
         let c = 2 * cp;

@@ -351,6 +351,30 @@ pub(crate) unsafe fn rescale_o(ot: &mut [f32], rows: usize, n: usize, alpha: &[f
 }
 
 #[target_feature(enable = "avx512f,avx512bf16")]
+pub(crate) unsafe fn narrow_pairs_bf16(src: &[f32], out: &mut [u32]) {
+    let (sp, op, n) = (src.as_ptr(), out.as_mut_ptr(), out.len());
+    let mut i = 0;
+    // 32 values to 16 pairs: `vcvtne2ps2bf16` puts its second operand in the low half.
+    while i + W <= n {
+        let lo = _mm512_loadu_ps(sp.add(2 * i));
+        let hi = _mm512_loadu_ps(sp.add(2 * i + W));
+        let v = std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+        _mm512_storeu_si512(op.add(i).cast(), v);
+        i += W;
+    }
+    if i + W / 2 <= n {
+        let v = _mm512_cvtneps_pbh(_mm512_loadu_ps(sp.add(2 * i)));
+        _mm256_storeu_si256(
+            op.add(i).cast(),
+            std::mem::transmute::<__m256bh, __m256i>(v),
+        );
+        i += W / 2;
+    }
+    // The rest (fewer than 8 pairs) as the scalar twin rounds it.
+    super::scalar::narrow_pairs_bf16(&src[2 * i..], &mut out[i..]);
+}
+
+#[target_feature(enable = "avx512f,avx512bf16")]
 pub(crate) unsafe fn pack_pairs_bf16(st: &[f32], cols: usize, n: usize, out: &mut [u32]) {
     let sp = st.as_ptr();
     let op = out.as_mut_ptr();
