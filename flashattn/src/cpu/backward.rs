@@ -59,15 +59,12 @@ struct Scratch {
     acc_b: Vec<f32>,
     row: Vec<f32>,
     /// bf16 path: k and v as pairs along d (`[cols][d2]`), dS as pairs of keys
-    /// (`[cols / 2][np]`); for dK and dV, P̃ᵀ and dSᵀ as pairs of rows (`[cols][np / 2]`), q and
-    /// dO as pairs of rows (`[rows / 2][dp]`).
+    /// (`[cols / 2][np]`); for dK and dV, P̃ᵀ and dSᵀ as pairs of rows (`[cols][np / 2]`).
     k2: Vec<u32>,
     v2: Vec<u32>,
     ds2: Vec<u32>,
     pt2: Vec<u32>,
     dst2: Vec<u32>,
-    q_rm2: Vec<u32>,
-    do_rm2: Vec<u32>,
 }
 
 impl Scratch {
@@ -96,8 +93,6 @@ impl Scratch {
             ds2: vec![0; bn.div_ceil(2) * np],
             pt2: vec![0; bn * np / 2],
             dst2: vec![0; bn * np / 2],
-            q_rm2: vec![0; np.div_ceil(2) * dp],
-            do_rm2: vec![0; np.div_ceil(2) * dp],
         }
     }
 }
@@ -124,17 +119,20 @@ struct Bf<'a> {
     packed_k: PackedV,
 }
 
-/// A query block's transposed q and dO: f32 `[d][np]`, or bf16 pairs `[d2][np]`.
+/// A query block's transposed q and dO: f32 `[d][np]`, or bf16 pairs `[d2][np]` followed by q
+/// and dO as pairs of rows (`[rows / 2][dp]`, for dK and dV).
 #[derive(Clone, Copy)]
 enum QTiles<'a> {
     F32(&'a [f32], &'a [f32]),
-    Bf16(&'a [u32], &'a [u32]),
+    Bf16([&'a [u32]; 4]),
 }
 
 /// q and dO of every (sequence, head, query block) transposed to `[d][np]` (query rows in lanes,
 /// padded lanes 0), built once per call: pass 1 reads each tile once per key block it sees, and
 /// transposing there (scalar strided stores) cost ~25% of pass 1. Memory: twice q in f32. On the
-/// bf16 path, as bf16 pairs `[d2][np]` instead (the B operands of S and dP).
+/// bf16 path, as bf16 pairs `[d2][np]` instead (the B operands of S and dP), and q and dO also
+/// as pairs of rows `[rows / 2][dp]` (the B operands of dK and dV; loading and packing them per
+/// key block took ~10% of the bf16 backward).
 struct QueryTiles {
     data: Vec<f32>,
     pairs: Vec<u32>,
@@ -156,11 +154,20 @@ impl QueryTiles {
         let items = super::forward::work_items(p, bs.block_m);
         let rows =
             |it: &WorkItem| (p.seqs[it.b].seqlen_q - it.m_block * bs.block_m).min(bs.block_m);
-        let dt = if bf16_pairs { d.div_ceil(2) } else { d };
+        let (d2, dp) = (d.div_ceil(2), pad_lanes(d));
+        // Elements of one item's tiles.
+        let size = |r: usize| {
+            let np = pad_lanes(r);
+            if bf16_pairs {
+                2 * d2 * np + 2 * r.div_ceil(2) * dp
+            } else {
+                2 * d * np
+            }
+        };
         let mut offsets = Vec::with_capacity(items.len() + 1);
         offsets.push(0);
         for it in &items {
-            offsets.push(offsets.last().expect("non-empty") + 2 * dt * pad_lanes(rows(it)));
+            offsets.push(offsets.last().expect("non-empty") + size(rows(it)));
         }
         let mut seq_item0 = Vec::with_capacity(p.seqs.len());
         let mut n = 0;
@@ -187,10 +194,14 @@ impl QueryTiles {
                 .for_each(|(chunk, it)| {
                     let (q_base, do_base, r) = bases(it);
                     let np = pad_lanes(r);
-                    let (qt, dot) = chunk.split_at_mut(dt * np);
-                    load_pairs_t(qb, q_base, p.q.row_stride, (r, d, np), qt);
+                    let (qt, rest) = chunk.split_at_mut(d2 * np);
+                    let (dot, rest) = rest.split_at_mut(d2 * np);
+                    let (q_rm, do_rm) = rest.split_at_mut(r.div_ceil(2) * dp);
                     let do_stride = g.dout.layout.row_stride;
+                    load_pairs_t(qb, q_base, p.q.row_stride, (r, d, np), qt);
                     load_pairs_t(dob, do_base, do_stride, (r, d, np), dot);
+                    load_row_pairs(qb, q_base, p.q.row_stride, (r, d, dp), q_rm);
+                    load_row_pairs(dob, do_base, do_stride, (r, d, dp), do_rm);
                 });
         } else {
             data = vec![0f32; total];
@@ -225,9 +236,40 @@ impl QueryTiles {
             let (qt, dot) = self.data[lo..hi].split_at((hi - lo) / 2);
             QTiles::F32(qt, dot)
         } else {
-            let (qt, dot) = self.pairs[lo..hi].split_at((hi - lo) / 2);
-            QTiles::Bf16(qt, dot)
+            let (d2, dp) = (p.head_dim.div_ceil(2), pad_lanes(p.head_dim));
+            let r = (p.seqs[b].seqlen_q - m_block * block_m).min(block_m);
+            let np = pad_lanes(r);
+            let (qt, rest) = self.pairs[lo..hi].split_at(d2 * np);
+            let (dot, rest) = rest.split_at(d2 * np);
+            let (q_rm, do_rm) = rest.split_at(r.div_ceil(2) * dp);
+            QTiles::Bf16([qt, dot, q_rm, do_rm])
         }
+    }
+}
+
+/// `rows` bf16 head rows as pairs of rows: `dst[rp * dp + x]` = `(row 2rp [x], row 2rp + 1 [x])`,
+/// the high half 0 past the last row, `x` in `d..dp` 0.
+fn load_row_pairs(
+    src: &[bf16],
+    base: usize,
+    row_stride: usize,
+    (rows, d, dp): (usize, usize, usize),
+    dst: &mut [u32],
+) {
+    let row = |r: usize| &src[base + r * row_stride..][..d];
+    for (rp, out) in dst.chunks_exact_mut(dp).take(rows.div_ceil(2)).enumerate() {
+        let lo = row(2 * rp);
+        if 2 * rp + 1 < rows {
+            let hi = row(2 * rp + 1);
+            for ((o, l), h) in out.iter_mut().zip(lo).zip(hi) {
+                *o = l.to_bits() as u32 | (h.to_bits() as u32) << 16;
+            }
+        } else {
+            for (o, l) in out.iter_mut().zip(lo) {
+                *o = l.to_bits() as u32;
+            }
+        }
+        out[d..].fill(0);
     }
 }
 
@@ -448,7 +490,7 @@ impl<T: Element> Ctx<'_, T> {
         // Sᵀ = K·Qᵀ, then P = exp2(S·scale_log2 - lse_log2).
         match tiles {
             QTiles::F32(qt, _) => kern.gemm_scores(&product(&scr.k, qt), pt, np, &mut scr.tmp),
-            QTiles::Bf16(qt, _) => kern.gemm_bf16(&product2(&scr.k2, qt), pt, np),
+            QTiles::Bf16([qt, ..]) => kern.gemm_bf16(&product2(&scr.k2, qt), pt, np),
         }
         let score_mod = ScoreMod::new(p, b, h);
         let masked = mask.needs_mask(m0, m1, n0, n1);
@@ -463,7 +505,7 @@ impl<T: Element> Ctx<'_, T> {
         let ds = &mut scr.dst[..cols * np];
         match tiles {
             QTiles::F32(_, dot) => kern.gemm(&product(&scr.v, dot), ds, np),
-            QTiles::Bf16(_, dot) => kern.gemm_bf16(&product2(&scr.v2, dot), ds, np),
+            QTiles::Bf16([_, dot, ..]) => kern.gemm_bf16(&product2(&scr.v2, dot), ds, np),
         }
         // dropped entries get P̃ = 0 and dP = 0, kept ones are scaled by 1/(1-p); then
         // dS = P ∘ (dP - delta) · scale (· 1 - tanh²).
@@ -532,20 +574,19 @@ fn dkdv_block<T: Element>(
             }
             let rows = m1 - m0;
             let np = pad_lanes(rows);
-            cx.load_query_side(b, h, m0, rows, true, scr);
+            // Row-major q and dO in f32 for the f32 products (the bf16 path has them as pairs).
+            cx.load_query_side(b, h, m0, rows, cx.bf.is_none(), scr);
             let tiles = cx.tiles.get(p, b, h, m_block, bs.block_m);
             cx.recompute((b, h), (m0, m1), (n0, n1), tiles, scr);
-            if cx.bf.is_some() {
+            if let QTiles::Bf16([_, _, q_rm2, do_rm2]) = tiles {
                 // The same products over pairs of query rows: P̃ᵀ and dSᵀ rounded to bf16 (as
                 // flash-attn rounds them for its tensor-core products), q and dO exact.
                 let kern = p.kernels;
                 kern.narrow_pairs_bf16(&scr.pt[..cols * np], &mut scr.pt2[..cols * np / 2]);
                 kern.narrow_pairs_bf16(&scr.dst[..cols * np], &mut scr.dst2[..cols * np / 2]);
-                kern.pack_pairs_bf16(&scr.do_rm, rows, dp, &mut scr.do_rm2);
-                kern.pack_pairs_bf16(&scr.q_rm, rows, dp, &mut scr.q_rm2);
                 for (a, x, acc) in [
-                    (&scr.pt2, &scr.do_rm2, &mut scr.acc_b),
-                    (&scr.dst2, &scr.q_rm2, &mut scr.acc_a),
+                    (&scr.pt2, do_rm2, &mut scr.acc_b),
+                    (&scr.dst2, q_rm2, &mut scr.acc_a),
                 ] {
                     kern.gemm_bf16(
                         &Gemm {
