@@ -14,8 +14,8 @@
 //! bf16 inputs on a CPU with a bf16 dot product (`vdpbf16ps`) take it in all seven products: q,
 //! k, v and dO as they are, P̃ and dS rounded to bf16 where they are operands (as flash-attn rounds
 //! them for its tensor-core products), f32 accumulation. fwd+bwd, 2 threads, d = 128, N = 1024 and
-//! 2048, 16 heads: 0.67-0.68 of the time of the f32 products (`flashattn bench --backward`, three
-//! alternations of two builds, 2026-11-24).
+//! 2048, 16 heads: ~0.6 of the time of the f32 products, 1.03-1.99× PyTorch's SDPA over N =
+//! 512-2048, d = 64 and 128 (docs/PERFORMANCE.md, 2026-11-24).
 //! With `delta = rowsum(dO ∘ O)`: `dS = P ∘ (dP - delta)`, dropout folded into dP and P̃, softcap's
 //! derivative `1 - tanh²` applied to dS.
 
