@@ -578,54 +578,35 @@ fn dkdv_block<T: Element>(
             cx.load_query_side(b, h, m0, rows, cx.bf.is_none(), scr);
             let tiles = cx.tiles.get(p, b, h, m_block, bs.block_m);
             cx.recompute((b, h), (m0, m1), (n0, n1), tiles, scr);
+            // dV += P̃ᵀ·dO and dK += dSᵀ·Q (row-major, dp lanes).
+            let f32_product = |a, x, k, a_rs| rows_product((cols, dp), a, x, k, a_rs);
+            let bf16_product = |a, x, k, a_rs| rows_product((cols, dp), a, x, k, a_rs);
+            let kern = p.kernels;
             if let QTiles::Bf16([_, _, q_rm2, do_rm2]) = tiles {
-                // The same products over pairs of query rows: P̃ᵀ and dSᵀ rounded to bf16 (as
-                // flash-attn rounds them for its tensor-core products), q and dO exact.
-                let kern = p.kernels;
+                // Over pairs of query rows: P̃ᵀ and dSᵀ rounded to bf16 (as flash-attn rounds them
+                // for its tensor-core products), q and dO exact.
                 kern.narrow_pairs_bf16(&scr.pt[..cols * np], &mut scr.pt2[..cols * np / 2]);
                 kern.narrow_pairs_bf16(&scr.dst[..cols * np], &mut scr.dst2[..cols * np / 2]);
-                for (a, x, acc) in [
-                    (&scr.pt2, do_rm2, &mut scr.acc_b),
-                    (&scr.dst2, q_rm2, &mut scr.acc_a),
-                ] {
-                    kern.gemm_bf16(
-                        &Gemm {
-                            m: cols,
-                            n: dp,
-                            k: rows.div_ceil(2),
-                            a,
-                            a_rs: np / 2,
-                            a_cs: 1,
-                            b: x,
-                            b_rs: dp,
-                            accumulate: true,
-                            kc: KC,
-                        },
-                        acc,
-                        dp,
-                    );
-                }
-                continue;
-            }
-            // dV += P̃ᵀ·dO and dK += dSᵀ·Q (row-major, dp lanes).
-            for (a, x, acc) in [
-                (&scr.pt, &scr.do_rm, &mut scr.acc_b),
-                (&scr.dst, &scr.q_rm, &mut scr.acc_a),
-            ] {
-                p.kernels.gemm(
-                    &Gemm {
-                        m: cols,
-                        n: dp,
-                        k: rows,
-                        a,
-                        a_rs: np,
-                        a_cs: 1,
-                        b: x,
-                        b_rs: dp,
-                        accumulate: true,
-                        kc: KC,
-                    },
-                    acc,
+                let k2 = rows.div_ceil(2);
+                kern.gemm_bf16(
+                    &bf16_product(&scr.pt2, do_rm2, k2, np / 2),
+                    &mut scr.acc_b,
+                    dp,
+                );
+                kern.gemm_bf16(
+                    &bf16_product(&scr.dst2, q_rm2, k2, np / 2),
+                    &mut scr.acc_a,
+                    dp,
+                );
+            } else {
+                kern.gemm(
+                    &f32_product(&scr.pt, &scr.do_rm, rows, np),
+                    &mut scr.acc_b,
+                    dp,
+                );
+                kern.gemm(
+                    &f32_product(&scr.dst, &scr.q_rm, rows, np),
+                    &mut scr.acc_a,
                     dp,
                 );
             }
@@ -640,6 +621,29 @@ fn dkdv_block<T: Element>(
             T::narrow(&scr.acc_b[c * dp..c * dp + d], row_buf);
             dv.range(at, d).copy_from_slice(row_buf);
         }
+    }
+}
+
+/// The dK/dV product of pass 1: `C[cols][dp] += A·B` over `k` query rows (or pairs of rows), A's
+/// rows `a_rs` apart, B row-major with `dp` lanes.
+fn rows_product<'a, X>(
+    (cols, dp): (usize, usize),
+    a: &'a [X],
+    x: &'a [X],
+    k: usize,
+    a_rs: usize,
+) -> Gemm<'a, X> {
+    Gemm {
+        m: cols,
+        n: dp,
+        k,
+        a,
+        a_rs,
+        a_cs: 1,
+        b: x,
+        b_rs: dp,
+        accumulate: true,
+        kc: KC,
     }
 }
 
