@@ -500,8 +500,7 @@ fn validate(
         Some(cu) => {
             params::check_view("q", q, 3, "[total_q, heads, head_dim]")?;
             params::check_cu_seqlens("cu_seqlens_q", cu, cu.len().max(1), q.shape()[0])?;
-            let starts: Vec<usize> = cu.iter().map(|&x| x as usize).collect();
-            let lens = starts.windows(2).map(|w| w[1] - w[0]).collect();
+            let (starts, lens) = starts_and_lens(cu);
             (cu.len() - 1, starts, lens)
         }
     };
@@ -603,8 +602,7 @@ fn validate(
                     params::check_view("k_new", kn, 3, NEW_LAYOUT)?;
                     let total = kn.shape()[0];
                     params::check_cu_seqlens("cu_seqlens_k_new", cu, batch + 1, total)?;
-                    let starts: Vec<usize> = cu.iter().map(|&x| x as usize).collect();
-                    let lens = starts.windows(2).map(|w| w[1] - w[0]).collect();
+                    let (starts, lens) = starts_and_lens(cu);
                     (starts, lens, vec![total, heads_kv, head_dim], NEW_LAYOUT)
                 }
             };
@@ -624,10 +622,8 @@ fn validate(
             })
         }
     };
-    let new_lens = match &new_kv {
-        Some(n) => n.lens.clone(),
-        None => vec![0; batch],
-    };
+    let no_new = vec![0; batch];
+    let new_lens: &[usize] = new_kv.as_ref().map_or(&no_new, |n| &n.lens);
 
     // Where each sequence's keys live, and that the appended ones fit.
     let (page_size, max_blocks, pages) = match (&opts.block_table, opts.cache_batch_idx) {
@@ -811,6 +807,13 @@ fn validate(
         rotary,
         num_splits: opts.num_splits,
     })
+}
+
+/// Validated cumulative lengths (`check_cu_seqlens`): each sequence's first row, and its length.
+fn starts_and_lens(cu: &[i32]) -> (Vec<usize>, Vec<usize>) {
+    let starts: Vec<usize> = cu.iter().map(|&x| x as usize).collect();
+    let lens = starts.windows(2).map(|w| w[1] - w[0]).collect();
+    (starts, lens)
 }
 
 /// `cache_seqlen + seqlen_new <= capacity`, or the overflow error.

@@ -20,13 +20,14 @@
 //! derivative `1 - tanh²` applied to dS.
 
 use super::forward::{
-    load_pairs, load_pairs_t, load_tile, load_tile_t, PackedV, ScoreMod, WorkItem,
+    as_bf16, bf16_inputs, load_pairs, load_pairs_t, load_tile, load_tile_t, PackedV, ScoreMod,
+    WorkItem,
 };
 use super::simd::{pad_lanes, Gemm, KC};
 use super::{block_sizes, BlockSizes, Disjoint, Pass};
 use crate::blocks::Mask;
 use crate::params::{GradInputs, Params, LOG2_E};
-use crate::tensor::{DType, Element};
+use crate::tensor::Element;
 use half::bf16;
 use rayon::prelude::*;
 
@@ -147,9 +148,10 @@ impl QueryTiles {
         p: &Params,
         g: &GradInputs,
         (q, dout): (&[T], &[T]),
-        bf16_pairs: bool,
+        bf16_qdo: Option<(&[bf16], &[bf16])>,
         bs: BlockSizes,
     ) -> Self {
+        let bf16_pairs = bf16_qdo.is_some();
         let d = p.head_dim;
         let items = super::forward::work_items(p, bs.block_m);
         let rows =
@@ -184,9 +186,7 @@ impl QueryTiles {
             (q_base, do_base, rows(it))
         };
         let (mut data, mut pairs) = (Vec::new(), Vec::new());
-        if bf16_pairs {
-            let cast = |x| bf16::unwrap(T::wrap(x)).expect("T is bf16");
-            let (qb, dob) = (cast(q), cast(dout));
+        if let Some((qb, dob)) = bf16_qdo {
             pairs = vec![0u32; total];
             split_at_offsets(&mut pairs, &offsets)
                 .into_par_iter()
@@ -297,13 +297,14 @@ pub(crate) fn backward<T: Element>(
 ) -> (Vec<T>, Vec<T>, Vec<T>) {
     let bs = block_sizes(Pass::Backward);
     let delta = compute_delta(p, g, out, dout);
-    let cast = |x| bf16::unwrap(T::wrap(x)).expect("T is bf16");
-    let bf = (T::DTYPE == DType::BF16 && p.kernels.has_bf16_dot()).then(|| Bf {
-        k: cast(k),
-        v: cast(v),
-        packed_k: PackedV::keys(p, cast(k), bs),
+    let bf_in = bf16_inputs(p, q, k, v);
+    let bf = bf_in.map(|(_, kb, vb)| Bf {
+        k: kb,
+        v: vb,
+        packed_k: PackedV::keys(p, kb, bs),
     });
-    let tiles = QueryTiles::new(p, g, (q, dout), bf.is_some(), bs);
+    let bf_qdo = bf_in.map(|(qb, _, _)| (qb, as_bf16(dout)));
+    let tiles = QueryTiles::new(p, g, (q, dout), bf_qdo, bs);
     let cx = Ctx {
         p,
         g,

@@ -240,8 +240,8 @@ fn attend<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T]) -> (Vec<T>, 
     // Each item's rows (see `ItemOut`) and LSEs go to buffers shared by all items, not one per
     // item: results allocated by the workers and held until the merge grew their heaps by ~16 KiB
     // an item, the allocator gave that memory back after each call, and the next call
-    // page-faulted it in again (68 faults a call at 64 sequences × 512 keys, none now). Two binaries alternated,
-    // bf16, 2026-11-23: 64 sequences × 128 keys 3.39-3.66 -> 2.68-2.94 ms on one thread,
+    // page-faulted it in again (68 faults a call at 64 sequences × 512 keys, none now). Two
+    // binaries alternated, bf16, 2026-11-23: 64 sequences × 128 keys 3.39-3.66 -> 2.68-2.94 ms on one thread,
     // 1.49-1.73 -> 1.39-1.45 on two; × 512 keys ~4.96 -> ~4.73 (medians of six runs, two
     // threads); one sequence of 32k keys unchanged.
     let rows = p.heads * blocks.iter().map(|x| x.2 - x.1).max().unwrap_or(0);

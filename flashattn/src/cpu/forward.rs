@@ -269,7 +269,7 @@ impl PackedV {
 
     fn pack(
         p: &Params,
-        v: &[bf16],
+        src: &[bf16],
         bs: BlockSizes,
         base_of: fn(&crate::params::Seq) -> usize,
         layout: crate::params::RowLayout,
@@ -292,7 +292,7 @@ impl PackedV {
                 let n0 = nb * bs.block_n;
                 let cols = (s.seqlen_k - n0).min(bs.block_n);
                 let base = base_of(&s) + hk * layout.head_stride;
-                let row = |c: usize| &v[base + (n0 + c) * layout.row_stride..][..d];
+                let row = |c: usize| &src[base + (n0 + c) * layout.row_stride..][..d];
                 // 16 output rows (x) at a time: their lines (32 u32 each) stay in L1 while every
                 // key pair fills one element of each; reads run along v's rows.
                 for x0 in (0..d).step_by(16) {
@@ -438,7 +438,7 @@ struct Inputs<'a, T> {
 }
 
 /// q, k, v as bf16 when they are bf16 and the kernels have a bf16 dot product.
-fn bf16_inputs<'a, T: Element>(
+pub(crate) fn bf16_inputs<'a, T: Element>(
     p: &Params,
     q: &'a [T],
     k: &'a [T],
@@ -447,8 +447,12 @@ fn bf16_inputs<'a, T: Element>(
     if T::DTYPE != DType::BF16 || !p.kernels.has_bf16_dot() {
         return None;
     }
-    let cast = |x: &'a [T]| bf16::unwrap(T::wrap(x)).expect("T is bf16");
-    Some((cast(q), cast(k), cast(v)))
+    Some((as_bf16(q), as_bf16(k), as_bf16(v)))
+}
+
+/// `x` as bf16; the caller knows `T` is bf16.
+pub(crate) fn as_bf16<T: Element>(x: &[T]) -> &[bf16] {
+    bf16::unwrap(T::wrap(x)).expect("T is bf16")
 }
 
 /// Packed inputs may have tokens after the last sequence; their rows are 0 with LSE -inf.

@@ -465,8 +465,6 @@ impl Kernels {
         unsafe { (self.rescale_o)(ot, rows, n, alpha) }
     }
 
-    /// Rounds `cols` rows of `n` f32 lanes to bf16 pairs for [`Kernels::gemm_bf16`]'s B operand:
-    /// `out[cp][r]` = (row 2cp, row 2cp + 1) of lane r; a missing odd row is 0.
     /// `src` rounded to bf16 in order, two to a u32: `out[i]` = `(src[2i], src[2i + 1])` (the
     /// pairs of adjacent lanes that [`Kernels::gemm_bf16`] takes along a row of A). Same
     /// rounding as [`Kernels::pack_pairs_bf16`]; `src` holds `2 · out.len()` values.
@@ -476,6 +474,8 @@ impl Kernels {
         unsafe { (self.narrow_pairs_bf16)(src, out) }
     }
 
+    /// Rounds `cols` rows of `n` f32 lanes to bf16 pairs for [`Kernels::gemm_bf16`]'s B operand:
+    /// `out[cp][r]` = (row 2cp, row 2cp + 1) of lane r; a missing odd row is 0.
     pub fn pack_pairs_bf16(&self, st: &[f32], cols: usize, n: usize, out: &mut [u32]) {
         assert!(
             n.is_multiple_of(LANES)
