@@ -134,6 +134,10 @@ pub enum ErrorKind {
     },
     #[error("FLASHATTN_ISA={name:?} names no instruction set; use scalar, neon, avx2 or avx512")]
     IsaUnknown { name: String },
+    #[error(
+        "FLASHATTN_DQ_CHUNKS={value:?} is not a dQ strategy; use 0 (two passes) or 1 to 4 (copies of dQ)"
+    )]
+    DqChunksUnknown { value: String },
     #[error("`{tensor}` has {got} entries, expected {expected} ({what})")]
     IndexLength {
         tensor: TensorName,

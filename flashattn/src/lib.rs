@@ -149,6 +149,14 @@ pub(crate) fn data<'a, T: Element>(t: &TensorRef<'a>) -> &'a [T] {
 /// and dtype (any strides, last dimension contiguous). Attention probabilities are recomputed
 /// tile by tile from q, k and `lse`; no buffer grows with seqlen_q · seqlen_k. Results are
 /// bit-identical for any thread count.
+///
+/// dQ is accumulated in the same pass as dK and dV, in up to four f32 copies of dQ (one per chunk
+/// of key blocks, summed in order at the end; five block products per tile); with too few
+/// (sequence, kv head) pairs for the machine's cores, in a second pass that recomputes the
+/// scores instead (seven products, no copies). The choice depends on the shape and the machine's
+/// core count, not on the thread pool; the environment variable `FLASHATTN_DQ_CHUNKS` forces it
+/// (`0`: two passes, `1`-`4`: that many copies; anything else is
+/// [`ErrorKind::DqChunksUnknown`]).
 pub fn flash_attn_backward(
     q: &TensorRef,
     k: &TensorRef,

@@ -1,15 +1,19 @@
 //! The FlashAttention backward on the CPU, with recomputation: only q, k, v, out, dout and the
 //! forward's LSE are read; each tile of P = exp(S·scale - lse) is recomputed from Q and K.
 //!
-//! Two passes, no atomics, bit-for-bit deterministic for any thread count:
-//! 1. dK/dV pass, one work item per (sequence, kv head, key block): for every query head of the
-//!    kv head's group and every query block that sees the key block (in a fixed order), recompute
-//!    P and dS and accumulate `dV += P̃ᵀ·dO`, `dK += dSᵀ·Q·scale` in the item's own tile.
-//! 2. dQ pass, one work item per (sequence, head, query block): recompute dS over its key blocks
-//!    and accumulate `dQ += dS·K·scale`.
+//! No atomics, bit-for-bit deterministic for any thread count. One work item per (sequence, kv
+//! head, chunk of key blocks): for every key block of the chunk, every query head of the kv head's
+//! group and every query block that sees the key block (in a fixed order), recompute P and dS and
+//! accumulate `dV += P̃ᵀ·dO`, `dK += dSᵀ·Q·scale` in the item's own tile, and `dQ += dS·K·scale`
+//! in the item's own f32 copy of dQ for its group ([`DqPartials`]); a last pass sums the chunks'
+//! copies in chunk order. Five block products per tile, as the FLOP model counts. The number of
+//! chunks depends on the shape and the machine's core count, never on the thread pool's size.
 //!
-//! Pass 1 and 2 each recompute S and dP (7 block products instead of 5); the alternative, one pass
-//! that scatters dQ, needs atomics or a buffer per key block that grows with seqlen_q·seqlen_k.
+//! When there are too few (sequence, kv head) pairs to keep the cores busy with at most
+//! [`MAX_DQ_CHUNKS`] copies of dQ (batch 1 with MQA on many cores, say; see [`dq_strategy`]),
+//! the backward runs two passes instead:
+//! the one above without dQ, then one work item per (sequence, head, query block) that recomputes
+//! dS over its key blocks and accumulates `dQ += dS·K·scale` (7 block products).
 //!
 //! bf16 inputs on a CPU with a bf16 dot product (`vdpbf16ps`) take it in all seven products: q,
 //! k, v and dO as they are, P̃ and dS rounded to bf16 where they are operands (as flash-attn rounds
@@ -26,10 +30,12 @@ use super::forward::{
 use super::simd::{pad_lanes, Gemm, KC};
 use super::{block_sizes, BlockSizes, Disjoint, Pass};
 use crate::blocks::Mask;
+use crate::error::{ErrorKind, Result};
 use crate::params::{GradInputs, Params, LOG2_E};
 use crate::tensor::Element;
 use half::bf16;
 use rayon::prelude::*;
+use std::sync::OnceLock;
 
 /// Per-thread tiles of the backward pass. Query rows live in lanes (`np` = rows padded); `dp` is
 /// head_dim padded, the lane count of the row-major query-side tiles and of the dK/dV accumulators.
@@ -332,6 +338,32 @@ pub(crate) fn backward<T: Element>(
     dv[k_used * p.heads_kv * d..].fill(T::default());
 
     let (dk_w, dv_w) = (Disjoint::new(&mut dk), Disjoint::new(&mut dv));
+    let new_scratch = || (Scratch::new(bs, d), vec![T::default(); d]);
+    if let Some(chunks) = g.dq_chunks {
+        let mut parts = DqPartials::new(p, bs, chunks);
+        // One pass: dK, dV and each chunk's copy of dQ, then the copies summed into dq.
+        let items = parts.items(p);
+        items
+            .into_par_iter()
+            .for_each_init(new_scratch, |(scr, row_buf), item| {
+                let (b, hk, n_blocks, dq_part) = item;
+                for n_block in n_blocks {
+                    let item = WorkItem {
+                        b,
+                        h: hk,
+                        m_block: n_block,
+                    };
+                    dkdv_block(&cx, item, scr, row_buf, &dk_w, &dv_w, Some(&mut *dq_part));
+                }
+            });
+        let dq_w = Disjoint::new(&mut dq);
+        super::forward::work_items(p, bs.block_m)
+            .par_iter()
+            .for_each_init(new_scratch, |(scr, row_buf), item| {
+                parts.sum_into(p, bs, *item, scr, row_buf, &dq_w)
+            });
+        return (dq, dk, dv);
+    }
     let kv_items: Vec<WorkItem> = p
         .seqs
         .iter()
@@ -342,19 +374,217 @@ pub(crate) fn backward<T: Element>(
             })
         })
         .collect();
-    kv_items.par_iter().for_each_init(
-        || (Scratch::new(bs, d), vec![T::default(); d]),
-        |(scr, row_buf), item| dkdv_block(&cx, *item, scr, row_buf, &dk_w, &dv_w),
-    );
+    kv_items
+        .par_iter()
+        .for_each_init(new_scratch, |(scr, row_buf), item| {
+            dkdv_block(&cx, *item, scr, row_buf, &dk_w, &dv_w, None)
+        });
 
     let dq_w = Disjoint::new(&mut dq);
     super::forward::work_items(p, bs.block_m)
         .par_iter()
-        .for_each_init(
-            || (Scratch::new(bs, d), vec![T::default(); d]),
-            |(scr, row_buf), item| dq_block(&cx, *item, scr, row_buf, &dq_w),
-        );
+        .for_each_init(new_scratch, |(scr, row_buf), item| {
+            dq_block(&cx, *item, scr, row_buf, &dq_w)
+        });
     (dq, dk, dv)
+}
+
+/// At most this many f32 copies of dQ (one per chunk of key blocks) for the one-pass backward.
+pub(crate) const MAX_DQ_CHUNKS: usize = 4;
+
+/// The one-pass backward's f32 copies of dQᵀ: per chunk of key blocks `c`, sequence `b` and kv
+/// head `hk`, a region of `group · query blocks` tiles `[d][npb]` (head of the group, then query
+/// block; `npb` = block_m padded, padded lanes unused). Regions of chunks a sequence does not have
+/// (fewer key blocks than chunks) are empty.
+struct DqPartials {
+    /// Per sequence, the first key block of each chunk and the end (`chunks + 1` bounds; empty
+    /// chunks where a sequence has fewer key blocks).
+    bounds: Vec<Vec<usize>>,
+    chunks: usize,
+    /// Region `(c · seqs + b) · heads_kv + hk` is `data[offsets[i]..offsets[i + 1]]`.
+    offsets: Vec<usize>,
+    data: Vec<f32>,
+    npb: usize,
+}
+
+/// What one work item of the one-pass backward gets: sequence, kv head, its key blocks and its
+/// region of [`DqPartials`].
+type FusedItem<'a> = (usize, usize, std::ops::Range<usize>, &'a mut [f32]);
+
+/// Chunks of key blocks per (sequence, kv head) for the one-pass backward: the fewest (up to
+/// [`MAX_DQ_CHUNKS`]) whose work items fill whole rounds of `cores` workers at least 90%, or
+/// `None` (two passes).
+fn dq_chunks(pairs: usize, cores: usize) -> Option<usize> {
+    (1..=MAX_DQ_CHUNKS).find(|c| {
+        let items = pairs * c;
+        10 * items >= 9 * items.div_ceil(cores) * cores
+    })
+}
+
+/// The backward's dQ strategy for `p` (see [`crate::params::GradInputs::dq_chunks`]): the
+/// `FLASHATTN_DQ_CHUNKS` environment variable when set (`0`: two passes; `1`-`4`: that many
+/// copies; read on every call), else [`dq_chunks`] for the machine's core count. The core count
+/// is the machine's, not the thread pool's, so the gradients are the same for any pool size.
+pub(crate) fn dq_strategy(p: &Params) -> Result<Option<usize>> {
+    static CORES: OnceLock<usize> = OnceLock::new();
+    if let Ok(value) = std::env::var("FLASHATTN_DQ_CHUNKS") {
+        return match value.trim().parse::<usize>() {
+            Ok(0) => Ok(None),
+            Ok(c) if c <= MAX_DQ_CHUNKS => Ok(Some(c)),
+            _ => Err(ErrorKind::DqChunksUnknown { value }.into()),
+        };
+    }
+    let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    Ok(dq_chunks(p.seqs.len() * p.heads_kv, cores))
+}
+
+impl DqPartials {
+    fn new(p: &Params, bs: BlockSizes, chunks: usize) -> Self {
+        let (d, npb) = (p.head_dim, pad_lanes(bs.block_m));
+        let group = p.heads / p.heads_kv;
+        let bounds: Vec<Vec<usize>> = p
+            .seqs
+            .iter()
+            .map(|s| {
+                let mask = Mask::new(s.seqlen_q, s.seqlen_k, p.window_left, p.window_right);
+                chunk_bounds(s.seqlen_q, s.seqlen_k, &mask, bs, chunks)
+            })
+            .collect();
+        let mut offsets = vec![0];
+        for c in 0..chunks {
+            for (s, bd) in p.seqs.iter().zip(&bounds) {
+                let used = bd[c] < bd[c + 1];
+                let tiles = if used {
+                    group * s.seqlen_q.div_ceil(bs.block_m)
+                } else {
+                    0
+                };
+                for _ in 0..p.heads_kv {
+                    offsets.push(offsets.last().expect("non-empty") + tiles * d * npb);
+                }
+            }
+        }
+        let total = *offsets.last().expect("non-empty");
+        DqPartials {
+            bounds,
+            chunks,
+            offsets,
+            data: vec![0.0; total],
+            npb,
+        }
+    }
+
+    /// The work items, each with its own region.
+    fn items(&mut self, p: &Params) -> Vec<FusedItem<'_>> {
+        let regions = split_at_offsets(&mut self.data, &self.offsets);
+        let (seqs, hkv) = (p.seqs.len(), p.heads_kv);
+        let mut items = Vec::new();
+        for (i, region) in regions.into_iter().enumerate() {
+            let (c, b, hk) = (i / (seqs * hkv), i / hkv % seqs, i % hkv);
+            let blocks = self.bounds[b][c]..self.bounds[b][c + 1];
+            if !blocks.is_empty() {
+                items.push((b, hk, blocks, region));
+            }
+        }
+        items
+    }
+
+    /// Sums the chunks' dQᵀ tiles of (sequence, head, query block) `item` in chunk order and writes
+    /// them as rows of dq.
+    fn sum_into<T: Element>(
+        &self,
+        p: &Params,
+        bs: BlockSizes,
+        item: WorkItem,
+        scr: &mut Scratch,
+        row_buf: &mut [T],
+        dq: &Disjoint<T>,
+    ) {
+        let WorkItem { b, h, m_block } = item;
+        let d = p.head_dim;
+        let (npb, tile) = (self.npb, d * self.npb);
+        let group = p.heads / p.heads_kv;
+        let (hk, hg) = (h / group, h % group);
+        let nmb = p.seqs[b].seqlen_q.div_ceil(bs.block_m);
+        let at = (hg * nmb + m_block) * tile;
+        let region = |c: usize| {
+            let i = (c * p.seqs.len() + b) * p.heads_kv + hk;
+            &self.data[self.offsets[i] + at..][..tile]
+        };
+        let acc = &mut scr.acc_a[..tile];
+        acc.fill(0.0);
+        for c in 0..self.chunks {
+            if self.bounds[b][c] < self.bounds[b][c + 1] {
+                acc.iter_mut().zip(region(c)).for_each(|(a, x)| *a += x);
+            }
+        }
+        let m0 = m_block * bs.block_m;
+        let rows = (m0 + bs.block_m).min(p.seqs[b].seqlen_q) - m0;
+        write_dq_rows(p, (b, h, m0, rows), acc, npb, &mut scr.row, row_buf, dq);
+    }
+}
+
+/// Splits the key blocks of a sequence into `chunks` runs of about equal work (the query blocks
+/// that see each key block): `chunks + 1` ascending bounds from 0 to the key block count, empty runs
+/// where there are fewer key blocks than chunks.
+fn chunk_bounds(
+    seqlen_q: usize,
+    seqlen_k: usize,
+    mask: &Mask,
+    bs: BlockSizes,
+    chunks: usize,
+) -> Vec<usize> {
+    let nb = seqlen_k.div_ceil(bs.block_n);
+    // work[n]: query blocks visiting key block n, by a difference array over each block's range.
+    let mut diff = vec![0i64; nb + 1];
+    for m_block in 0..seqlen_q.div_ceil(bs.block_m) {
+        let m0 = m_block * bs.block_m;
+        let (n0, n1) = mask.n_block_range(m0, (m0 + bs.block_m).min(seqlen_q), bs.block_n);
+        if n0 < n1 {
+            diff[n0] += 1;
+            diff[n1] -= 1;
+        }
+    }
+    // A block nobody visits still costs its (empty) dK/dV tile: weight at least 1.
+    let mut run = 0i64;
+    let mut cum = Vec::with_capacity(nb + 1);
+    cum.push(0i64);
+    for dn in &diff[..nb] {
+        run += dn;
+        cum.push(cum.last().expect("non-empty") + run.max(1));
+    }
+    let total = *cum.last().expect("non-empty");
+    let mut bounds = vec![0; chunks + 1];
+    for (c, bd) in bounds.iter_mut().enumerate().skip(1) {
+        // The first block end whose cumulative work reaches c/chunks of the total.
+        let goal = (total * c as i64 + chunks as i64 - 1) / chunks as i64;
+        *bd = cum.partition_point(|&w| w < goal).min(nb);
+    }
+    bounds
+}
+
+/// Writes dQᵀ tile `acc` (`[d][ld]`) as rows `m0..m0 + rows` of head `h` of sequence `b` of dq.
+fn write_dq_rows<T: Element>(
+    p: &Params,
+    (b, h, m0, rows): (usize, usize, usize, usize),
+    acc: &[f32],
+    ld: usize,
+    row: &mut [f32],
+    row_buf: &mut [T],
+    dq: &Disjoint<T>,
+) {
+    let d = p.head_dim;
+    for r in 0..rows {
+        for (x, o) in row[..d].iter_mut().enumerate() {
+            *o = acc[x * ld + r];
+        }
+        T::narrow(&row[..d], row_buf);
+        // SAFETY: rows m0..m0 + rows of head h of sequence b belong to this work item alone.
+        unsafe {
+            dq.range(p.out_offset(b, m0 + r, h), d)
+                .copy_from_slice(row_buf)
+        };
+    }
 }
 
 /// `delta[b, h, i] = dO_i · O_i`, in `lse` layout.
@@ -544,7 +774,8 @@ impl<T: Element> Ctx<'_, T> {
     }
 }
 
-/// Pass 1 item: dK and dV of keys `n_block` (stored in `item.m_block`) of kv head `item.h`.
+/// dK and dV of keys `n_block` (stored in `item.m_block`) of kv head `item.h`; with `dq_part` (the
+/// item's region of [`DqPartials`]), also `dQ += dS·K·scale` of this key block into it.
 fn dkdv_block<T: Element>(
     cx: &Ctx<T>,
     item: WorkItem,
@@ -552,6 +783,7 @@ fn dkdv_block<T: Element>(
     row_buf: &mut [T],
     dk: &Disjoint<T>,
     dv: &Disjoint<T>,
+    mut dq_part: Option<&mut [f32]>,
 ) {
     let (p, bs, d) = (cx.p, cx.bs, cx.p.head_dim);
     let dp = pad_lanes(d);
@@ -611,6 +843,19 @@ fn dkdv_block<T: Element>(
                     dp,
                 );
             }
+            if let Some(part) = dq_part.as_deref_mut() {
+                let npb = pad_lanes(bs.block_m);
+                let nmb = s.seqlen_q.div_ceil(bs.block_m);
+                let tile = d * npb;
+                let at = ((h - hk * group) * nmb + m_block) * tile;
+                dq_product(
+                    cx,
+                    (b, hk, n_block, cols, np),
+                    scr,
+                    &mut part[at..at + tile],
+                    npb,
+                );
+            }
         }
     }
     for c in 0..cols {
@@ -648,7 +893,57 @@ fn rows_product<'a, X>(
     }
 }
 
-/// Pass 2 item: dQ of rows `m_block` of head `h`.
+/// `dQᵀ += Kᵀ·dSᵀ` (`c[x][r] += Σ_j k[j][x] · ds[r][j]`, `c` row stride `ldc`) with dSᵀ of key
+/// block `n_block` (`cols` keys, `np` lanes) of kv head `hk` in `scr.dst` and its keys in `scr.k`
+/// (f32) or the packed keys (bf16).
+fn dq_product<T: Element>(
+    cx: &Ctx<T>,
+    (b, hk, n_block, cols, np): (usize, usize, usize, usize, usize),
+    scr: &mut Scratch,
+    c: &mut [f32],
+    ldc: usize,
+) {
+    let (p, bs, d) = (cx.p, cx.bs, cx.p.head_dim);
+    if let Some(bf) = &cx.bf {
+        // As the forward's P·V: k in key pairs `[d][block_n / 2]`, dS rounded to key pairs.
+        p.kernels.pack_pairs_bf16(&scr.dst, cols, np, &mut scr.ds2);
+        p.kernels.gemm_bf16(
+            &Gemm {
+                m: d,
+                n: np,
+                k: cols.div_ceil(2),
+                a: bf.packed_k.block(p, b, hk, n_block, bs.block_n),
+                a_rs: bs.block_n / 2,
+                a_cs: 1,
+                b: &scr.ds2,
+                b_rs: np,
+                accumulate: true,
+                kc: KC,
+            },
+            c,
+            ldc,
+        );
+        return;
+    }
+    p.kernels.gemm(
+        &Gemm {
+            m: d,
+            n: np,
+            k: cols,
+            a: &scr.k,
+            a_rs: 1,
+            a_cs: d,
+            b: &scr.dst,
+            b_rs: np,
+            accumulate: true,
+            kc: KC,
+        },
+        c,
+        ldc,
+    );
+}
+
+/// Second pass of the two-pass backward: dQ of rows `m_block` of head `h`.
 fn dq_block<T: Element>(
     cx: &Ctx<T>,
     item: WorkItem,
@@ -666,62 +961,63 @@ fn dq_block<T: Element>(
     let mask = Mask::new(s.seqlen_q, s.seqlen_k, p.window_left, p.window_right);
     cx.load_query_side(b, h, m0, rows, false, scr);
     let tiles = cx.tiles.get(p, b, h, m_block, bs.block_m);
-    scr.acc_a[..d * np].fill(0.0);
+    let mut acc = std::mem::take(&mut scr.acc_a);
+    acc[..d * np].fill(0.0);
     let (nb0, nb1) = mask.n_block_range(m0, m1, bs.block_n);
+    let hk = p.kv_head(h);
     for n_block in nb0..nb1 {
         let n0 = n_block * bs.block_n;
         let n1 = (n0 + bs.block_n).min(s.seqlen_k);
         let cols = n1 - n0;
-        cx.load_key_side(b, p.kv_head(h), n0, cols, scr);
+        cx.load_key_side(b, hk, n0, cols, scr);
         cx.recompute((b, h), (m0, m1), (n0, n1), tiles, scr);
-        // dQᵀ += Kᵀ·dSᵀ: dqt[x][r] += Σ_c k[c][x] · ds[r][c].
-        if let Some(bf) = &cx.bf {
-            // As the forward's P·V: k in key pairs `[d][block_n / 2]`, dS rounded to key pairs.
-            p.kernels.pack_pairs_bf16(&scr.dst, cols, np, &mut scr.ds2);
-            p.kernels.gemm_bf16(
-                &Gemm {
-                    m: d,
-                    n: np,
-                    k: cols.div_ceil(2),
-                    a: bf.packed_k.block(p, b, p.kv_head(h), n_block, bs.block_n),
-                    a_rs: bs.block_n / 2,
-                    a_cs: 1,
-                    b: &scr.ds2,
-                    b_rs: np,
-                    accumulate: true,
-                    kc: KC,
-                },
-                &mut scr.acc_a,
-                np,
-            );
-            continue;
-        }
-        p.kernels.gemm(
-            &Gemm {
-                m: d,
-                n: np,
-                k: cols,
-                a: &scr.k,
-                a_rs: 1,
-                a_cs: d,
-                b: &scr.dst,
-                b_rs: np,
-                accumulate: true,
-                kc: KC,
-            },
-            &mut scr.acc_a,
-            np,
-        );
+        dq_product(cx, (b, hk, n_block, cols, np), scr, &mut acc, np);
     }
-    for r in 0..rows {
-        for (x, o) in scr.row.iter_mut().enumerate() {
-            *o = scr.acc_a[x * np + r];
+    write_dq_rows(p, (b, h, m0, rows), &acc, np, &mut scr.row, row_buf, dq);
+    scr.acc_a = acc;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dq_chunks_fill_the_cores() {
+        // (pairs, cores) -> chunks: the fewest copies whose items fill rounds of cores ≥ 90%.
+        for (pairs, cores, want) in [
+            (16, 2, Some(1)),
+            (1, 2, Some(2)),
+            (3, 2, Some(2)),
+            (1, 1, Some(1)),
+            (5, 16, Some(3)),
+            (8, 16, Some(2)),
+            (1, 16, None),
+            (3, 64, None),
+        ] {
+            assert_eq!(
+                dq_chunks(pairs, cores),
+                want,
+                "{pairs} pairs, {cores} cores"
+            );
         }
-        T::narrow(&scr.row, row_buf);
-        // SAFETY: rows m0..m1 of head h of sequence b belong to this work item alone.
-        unsafe {
-            dq.range(p.out_offset(b, m0 + r, h), d)
-                .copy_from_slice(row_buf)
+    }
+
+    #[test]
+    fn chunk_bounds_split_the_work_evenly() {
+        let bs = BlockSizes {
+            block_m: 64,
+            block_n: 64,
         };
+        let bounds = |sq: usize, sk: usize, right: Option<usize>, chunks: usize| {
+            chunk_bounds(sq, sk, &Mask::new(sq, sk, None, right), bs, chunks)
+        };
+        // Causal, square: key block n is seen by 16 - n query blocks; halves of the work.
+        assert_eq!(bounds(1024, 1024, Some(0), 2), [0, 5, 16]);
+        // No mask: equal block counts; more chunks than blocks leaves empty runs.
+        assert_eq!(bounds(100, 200, None, 2), [0, 2, 4]);
+        assert_eq!(bounds(100, 200, None, 4), [0, 1, 2, 3, 4]);
+        assert_eq!(bounds(10, 70, None, 4), [0, 1, 1, 2, 2]);
+        // No queries: every block weighs 1.
+        assert_eq!(bounds(0, 300, None, 2), [0, 3, 5]);
     }
 }

@@ -12,6 +12,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::fmt;
 
+pub mod backward;
 pub mod grid;
 
 pub const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];

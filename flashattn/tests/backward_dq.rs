@@ -1,0 +1,39 @@
+//! The backward's dQ strategies, each forced through `FLASHATTN_DQ_CHUNKS`: two passes (`0`) and
+//! the one pass with 1 to 4 copies of dQ, over the whole gradient grid and packed sequences; a
+//! bad value is a typed error. The variable is read on every call, so this binary holds one test
+//! that sets it in turn (tests of one binary run in parallel and would see each other's value).
+
+mod common;
+
+use common::backward::{grid, varlen_case};
+use flashattn::{flash_attn, AttnOptions, ErrorKind, TensorRef};
+use half::{bf16, f16};
+
+#[test]
+fn every_dq_strategy_matches_the_reference() {
+    for chunks in ["0", "1", "2", "3", "4"] {
+        std::env::set_var("FLASHATTN_DQ_CHUNKS", chunks);
+        grid::<f32>();
+        grid::<f16>();
+        grid::<bf16>();
+        varlen_case::<f32>();
+        varlen_case::<f16>();
+        varlen_case::<bf16>();
+    }
+    let x = [0.5f32; 8];
+    let t = TensorRef::contiguous(&x, &[1, 2, 1, 4]);
+    let opts = AttnOptions::default();
+    let fwd = flash_attn(&t, &t, &t, &opts).unwrap();
+    for bad in ["5", "-1", "two", ""] {
+        std::env::set_var("FLASHATTN_DQ_CHUNKS", bad);
+        let err = fwd.backward(&t, &t, &t, &t, &opts).unwrap_err();
+        assert_eq!(
+            err.kind(),
+            &ErrorKind::DqChunksUnknown { value: bad.into() },
+            "{bad:?}"
+        );
+        assert!(err.to_string().contains("FLASHATTN_DQ_CHUNKS"), "{err}");
+    }
+    std::env::remove_var("FLASHATTN_DQ_CHUNKS");
+    assert!(fwd.backward(&t, &t, &t, &t, &opts).is_ok());
+}
