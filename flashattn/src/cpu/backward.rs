@@ -347,6 +347,10 @@ pub(crate) fn backward<T: Element>(
             .into_par_iter()
             .for_each_init(new_scratch, |(scr, row_buf), item| {
                 let (b, hk, n_blocks, dq_part) = item;
+                // Zero already (fresh pages), but written here first: the products' first touch
+                // would be a read (accumulate), which maps the shared zero page and then faults
+                // again on the write; one write fault per page, in this worker.
+                dq_part.fill(0.0);
                 for n_block in n_blocks {
                     let item = WorkItem {
                         b,
