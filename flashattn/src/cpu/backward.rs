@@ -15,11 +15,10 @@
 //! the one above without dQ, then one work item per (sequence, head, query block) that recomputes
 //! dS over its key blocks and accumulates `dQ += dS·K·scale` (7 block products).
 //!
-//! bf16 inputs on a CPU with a bf16 dot product (`vdpbf16ps`) take it in all seven products: q,
-//! k, v and dO as they are, P̃ and dS rounded to bf16 where they are operands (as flash-attn rounds
-//! them for its tensor-core products), f32 accumulation. fwd+bwd, 2 threads, d = 128, N = 1024 and
-//! 2048, 16 heads: ~0.6 of the time of the f32 products, 1.03-1.99× PyTorch's SDPA over N =
-//! 512-2048, d = 64 and 128 (docs/PERFORMANCE.md, 2026-11-24).
+//! bf16 inputs on a CPU with a bf16 dot product (`vdpbf16ps`) take it in every product: q, k, v
+//! and dO as they are, P̃ and dS rounded to bf16 where they are operands (as flash-attn rounds
+//! them for its tensor-core products), f32 accumulation. Measured in docs/PERFORMANCE.md
+//! ("The one-pass backward").
 //! With `delta = rowsum(dO ∘ O)`: `dS = P ∘ (dP - delta)`, dropout folded into dP and P̃, softcap's
 //! derivative `1 - tanh²` applied to dS.
 
@@ -40,9 +39,6 @@ use std::sync::OnceLock;
 /// Per-thread tiles of the backward pass. Query rows live in lanes (`np` = rows padded); `dp` is
 /// head_dim padded, the lane count of the row-major query-side tiles and of the dK/dV accumulators.
 struct Scratch {
-    /// q and dO row-major (`[rows][dp]`, padding 0); their transposes are in [`QueryTiles`].
-    q_rm: Vec<f32>,
-    do_rm: Vec<f32>,
     /// k and v tiles, `[cols][d]`.
     k: Vec<f32>,
     v: Vec<f32>,
@@ -79,8 +75,6 @@ impl Scratch {
         let (np, bn, dp) = (pad_lanes(bs.block_m), bs.block_n, pad_lanes(d));
         let big = (bn * dp).max(d * np);
         Scratch {
-            q_rm: vec![0.0; np * dp],
-            do_rm: vec![0.0; np * dp],
             k: vec![0.0; bn * d],
             v: vec![0.0; bn * d],
             pt: vec![0.0; bn * np],
@@ -108,10 +102,8 @@ impl Scratch {
 struct Ctx<'a, T> {
     p: &'a Params,
     g: &'a GradInputs,
-    q: &'a [T],
     k: &'a [T],
     v: &'a [T],
-    dout: &'a [T],
     /// rowsum(dO ∘ O) per row, in `lse` layout.
     delta: &'a [f32],
     tiles: &'a QueryTiles,
@@ -126,20 +118,21 @@ struct Bf<'a> {
     packed_k: PackedV,
 }
 
-/// A query block's transposed q and dO: f32 `[d][np]`, or bf16 pairs `[d2][np]` followed by q
-/// and dO as pairs of rows (`[rows / 2][dp]`, for dK and dV).
+/// A query block's q and dO: f32 transposed (`[d][np]`, for S and dP) then row-major (`[rows][dp]`,
+/// for dK and dV), or bf16 pairs `[d2][np]` followed by q and dO as pairs of rows (`[rows / 2][dp]`).
 #[derive(Clone, Copy)]
 enum QTiles<'a> {
-    F32(&'a [f32], &'a [f32]),
+    F32([&'a [f32]; 4]),
     Bf16([&'a [u32]; 4]),
 }
 
 /// q and dO of every (sequence, head, query block) transposed to `[d][np]` (query rows in lanes,
-/// padded lanes 0), built once per call: pass 1 reads each tile once per key block it sees, and
-/// transposing there (scalar strided stores) cost ~25% of pass 1. Memory: twice q in f32. On the
-/// bf16 path, as bf16 pairs `[d2][np]` instead (the B operands of S and dP), and q and dO also
-/// as pairs of rows `[rows / 2][dp]` (the B operands of dK and dV; loading and packing them per
-/// key block took ~10% of the bf16 backward).
+/// padded lanes 0) and row-major `[rows][dp]`, built once per call: the dK/dV pass reads each
+/// tile once per key block that sees it; transposing there (scalar strided stores) cost ~25% of
+/// it, and copying the row-major tiles from q's strided rows ~9% (f32, d = 128, N = 2048, 16
+/// heads, 2026-11-24). Memory: four times q in f32. On the bf16 path, as bf16 pairs `[d2][np]`
+/// instead (the B operands of S and dP), and q and dO as pairs of rows `[rows / 2][dp]` (the B
+/// operands of dK and dV; loading and packing them per key block took ~10% of the bf16 backward).
 struct QueryTiles {
     data: Vec<f32>,
     pairs: Vec<u32>,
@@ -169,7 +162,7 @@ impl QueryTiles {
             if bf16_pairs {
                 2 * d2 * np + 2 * r.div_ceil(2) * dp
             } else {
-                2 * d * np
+                2 * d * np + 2 * r * dp
             }
         };
         let mut offsets = Vec::with_capacity(items.len() + 1);
@@ -219,10 +212,14 @@ impl QueryTiles {
                     |row, (chunk, it)| {
                         let (q_base, do_base, r) = bases(it);
                         let np = pad_lanes(r);
-                        let (qt, dot) = chunk.split_at_mut(d * np);
-                        load_tile_t(q, q_base, p.q.row_stride, (r, d, np), row, qt);
+                        let (qt, rest) = chunk.split_at_mut(d * np);
+                        let (dot, rest) = rest.split_at_mut(d * np);
+                        let (q_rm, do_rm) = rest.split_at_mut(r * dp);
                         let do_stride = g.dout.layout.row_stride;
+                        load_tile_t(q, q_base, p.q.row_stride, (r, d, np), row, qt);
                         load_tile_t(dout, do_base, do_stride, (r, d, np), row, dot);
+                        load_tile(q, q_base, p.q.row_stride, (r, d, dp), q_rm);
+                        load_tile(dout, do_base, do_stride, (r, d, dp), do_rm);
                     },
                 );
         }
@@ -238,13 +235,15 @@ impl QueryTiles {
     fn get(&self, p: &Params, b: usize, h: usize, m_block: usize, block_m: usize) -> QTiles<'_> {
         let i = self.seq_item0[b] + h * p.seqs[b].seqlen_q.div_ceil(block_m) + m_block;
         let (lo, hi) = (self.offsets[i], self.offsets[i + 1]);
+        let (d, d2, dp) = (p.head_dim, p.head_dim.div_ceil(2), pad_lanes(p.head_dim));
+        let r = (p.seqs[b].seqlen_q - m_block * block_m).min(block_m);
+        let np = pad_lanes(r);
         if self.pairs.is_empty() {
-            let (qt, dot) = self.data[lo..hi].split_at((hi - lo) / 2);
-            QTiles::F32(qt, dot)
+            let (qt, rest) = self.data[lo..hi].split_at(d * np);
+            let (dot, rest) = rest.split_at(d * np);
+            let (q_rm, do_rm) = rest.split_at(r * dp);
+            QTiles::F32([qt, dot, q_rm, do_rm])
         } else {
-            let (d2, dp) = (p.head_dim.div_ceil(2), pad_lanes(p.head_dim));
-            let r = (p.seqs[b].seqlen_q - m_block * block_m).min(block_m);
-            let np = pad_lanes(r);
             let (qt, rest) = self.pairs[lo..hi].split_at(d2 * np);
             let (dot, rest) = rest.split_at(d2 * np);
             let (q_rm, do_rm) = rest.split_at(r.div_ceil(2) * dp);
@@ -314,10 +313,8 @@ pub(crate) fn backward<T: Element>(
     let cx = Ctx {
         p,
         g,
-        q,
         k,
         v,
-        dout,
         delta: &delta,
         tiles: &tiles,
         bs,
@@ -620,28 +617,11 @@ fn compute_delta<T: Element>(p: &Params, g: &GradInputs, out: &[T], dout: &[T]) 
 }
 
 impl<T: Element> Ctx<'_, T> {
-    /// Loads q and dO row-major (when `row_major`), lse and delta of rows `m0..m0 + rows` of
-    /// (sequence b, head h); their transposes come from [`QueryTiles`]. Padded lanes get P = 0
-    /// (lse +inf) and dO = 0.
-    fn load_query_side(
-        &self,
-        b: usize,
-        h: usize,
-        m0: usize,
-        rows: usize,
-        row_major: bool,
-        scr: &mut Scratch,
-    ) {
-        let (p, s, d) = (self.p, self.p.seqs[b], self.p.head_dim);
-        let (np, dp) = (pad_lanes(rows), pad_lanes(d));
-        let q_base = s.q_base + m0 * p.q.row_stride + h * p.q.head_stride;
-        let (do_base, do_stride) = (self.g.dout.offset(b, m0, h), self.g.dout.layout.row_stride);
-        if row_major {
-            scr.q_rm[..rows * dp].fill(0.0);
-            scr.do_rm[..rows * dp].fill(0.0);
-            load_tile(self.q, q_base, p.q.row_stride, (rows, d, dp), &mut scr.q_rm);
-            load_tile(self.dout, do_base, do_stride, (rows, d, dp), &mut scr.do_rm);
-        }
+    /// Loads lse and delta of rows `m0..m0 + rows` of (sequence b, head h); their q and dO tiles
+    /// come from [`QueryTiles`]. Padded lanes get P = 0 (lse +inf) and dS = 0 (delta 0).
+    fn load_query_side(&self, b: usize, h: usize, m0: usize, rows: usize, scr: &mut Scratch) {
+        let p = self.p;
+        let np = pad_lanes(rows);
         for r in 0..np {
             if r >= rows {
                 scr.lse_log2[r] = f32::INFINITY;
@@ -724,7 +704,7 @@ impl<T: Element> Ctx<'_, T> {
         };
         // Sᵀ = K·Qᵀ, then P = exp2(S·scale_log2 - lse_log2).
         match tiles {
-            QTiles::F32(qt, _) => kern.gemm_scores(&product(&scr.k, qt), pt, np, &mut scr.tmp),
+            QTiles::F32([qt, ..]) => kern.gemm_scores(&product(&scr.k, qt), pt, np, &mut scr.tmp),
             QTiles::Bf16([qt, ..]) => kern.gemm_bf16(&product2(&scr.k2, qt), pt, np),
         }
         let score_mod = ScoreMod::new(p, b, h);
@@ -739,7 +719,7 @@ impl<T: Element> Ctx<'_, T> {
         // dP̃ᵀ = V·dOᵀ.
         let ds = &mut scr.dst[..cols * np];
         match tiles {
-            QTiles::F32(_, dot) => kern.gemm(&product(&scr.v, dot), ds, np),
+            QTiles::F32([_, dot, ..]) => kern.gemm(&product(&scr.v, dot), ds, np),
             QTiles::Bf16([_, dot, ..]) => kern.gemm_bf16(&product2(&scr.v2, dot), ds, np),
         }
         // dropped entries get P̃ = 0 and dP = 0, kept ones are scaled by 1/(1-p); then
@@ -811,8 +791,7 @@ fn dkdv_block<T: Element>(
             }
             let rows = m1 - m0;
             let np = pad_lanes(rows);
-            // Row-major q and dO in f32 for the f32 products (the bf16 path has them as pairs).
-            cx.load_query_side(b, h, m0, rows, cx.bf.is_none(), scr);
+            cx.load_query_side(b, h, m0, rows, scr);
             let tiles = cx.tiles.get(p, b, h, m_block, bs.block_m);
             cx.recompute((b, h), (m0, m1), (n0, n1), tiles, scr);
             // dV += P̃ᵀ·dO and dK += dSᵀ·Q (row-major, dp lanes).
@@ -835,17 +814,9 @@ fn dkdv_block<T: Element>(
                     &mut scr.acc_a,
                     dp,
                 );
-            } else {
-                kern.gemm(
-                    &f32_product(&scr.pt, &scr.do_rm, rows, np),
-                    &mut scr.acc_b,
-                    dp,
-                );
-                kern.gemm(
-                    &f32_product(&scr.dst, &scr.q_rm, rows, np),
-                    &mut scr.acc_a,
-                    dp,
-                );
+            } else if let QTiles::F32([_, _, q_rm, do_rm]) = tiles {
+                kern.gemm(&f32_product(&scr.pt, do_rm, rows, np), &mut scr.acc_b, dp);
+                kern.gemm(&f32_product(&scr.dst, q_rm, rows, np), &mut scr.acc_a, dp);
             }
             if let Some(part) = dq_part.as_deref_mut() {
                 let npb = pad_lanes(bs.block_m);
@@ -963,7 +934,7 @@ fn dq_block<T: Element>(
     let rows = m1 - m0;
     let np = pad_lanes(rows);
     let mask = Mask::new(s.seqlen_q, s.seqlen_k, p.window_left, p.window_right);
-    cx.load_query_side(b, h, m0, rows, false, scr);
+    cx.load_query_side(b, h, m0, rows, scr);
     let tiles = cx.tiles.get(p, b, h, m_block, bs.block_m);
     let mut acc = std::mem::take(&mut scr.acc_a);
     acc[..d * np].fill(0.0);
