@@ -23,8 +23,8 @@
 //! derivative `1 - tanh²` applied to dS.
 
 use super::forward::{
-    as_bf16, bf16_inputs, load_pairs, load_pairs_t, load_tile, load_tile_t, PackedV, ScoreMod,
-    WorkItem,
+    as_bf16, bf16_inputs, load_pairs, load_pairs_t, load_tile, load_tile_t, packed_v_keys, PackedV,
+    ScoreMod, WorkItem,
 };
 use super::simd::{pad_lanes, Gemm, KC};
 use super::{block_sizes, BlockSizes, Disjoint, Pass};
@@ -306,7 +306,7 @@ pub(crate) fn backward<T: Element>(
     let bf = bf_in.map(|(_, kb, vb)| Bf {
         k: kb,
         v: vb,
-        packed_k: PackedV::keys(p, kb, bs),
+        packed_k: packed_v_keys(p, kb, bs),
     });
     let bf_qdo = bf_in.map(|(qb, _, _)| (qb, as_bf16(dout)));
     let tiles = QueryTiles::new(p, g, (q, dout), bf_qdo, bs);

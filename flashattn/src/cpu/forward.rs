@@ -16,7 +16,7 @@ use super::softmax::finalize;
 use super::{block_sizes, BlockSizes, Disjoint, Pass};
 use crate::blocks::Mask;
 use crate::dropout::Dropout;
-use crate::params::{Params, LOG2_E};
+use crate::params::{Params, RowLayout, LOG2_E};
 use crate::tensor::{DType, Element};
 use half::bf16;
 use rayon::prelude::*;
@@ -245,37 +245,25 @@ pub(crate) fn load_pairs_t(
     }
 }
 
-/// V of every (sequence, kv head, key block) as bf16 pairs of keys, for the P·V product of the
-/// bf16 path: block `(b, hk, n_block)` is `[d][block_n / 2]`, element `(x, cp)` =
-/// `(v[2cp][x], v[2cp + 1][x])` of the block's keys (0 past its last key). Built once per call (one pass over v,
-/// the size of v in memory) because every query block of the head reads it. The backward packs K
-/// the same way for `dQ += dS·K` ([`PackedV::keys`]).
-pub(crate) struct PackedV {
-    data: Vec<u32>,
+/// One tile per (sequence, kv head, key block) of `block_len` elements each (zero past what
+/// the filler writes), built once per call in parallel: the products then read every key block
+/// from one contiguous tile instead of copying it from k's or v's strided rows at every visit.
+pub(crate) struct KeyTiles<X> {
+    data: Vec<X>,
     /// Index of the first block of each sequence (kv head 0).
     seq_block0: Vec<usize>,
     block_len: usize,
 }
 
-impl PackedV {
-    fn new(p: &Params, v: &[bf16], bs: BlockSizes) -> Self {
-        Self::pack(p, v, bs, |s| s.v_base, p.v)
-    }
-
-    /// K instead of V (the backward's dQ product).
-    pub(crate) fn keys(p: &Params, k: &[bf16], bs: BlockSizes) -> Self {
-        Self::pack(p, k, bs, |s| s.k_base, p.k)
-    }
-
-    fn pack(
+impl<X: Copy + Default + Send + Sync> KeyTiles<X> {
+    /// Tiles filled by `fill(tile, (b, hk, n0, cols))` for keys `n0..n0 + cols` of kv head `hk`
+    /// of sequence `b`.
+    pub(crate) fn build(
         p: &Params,
-        src: &[bf16],
         bs: BlockSizes,
-        base_of: fn(&crate::params::Seq) -> usize,
-        layout: crate::params::RowLayout,
+        block_len: usize,
+        fill: impl Fn(&mut [X], (usize, usize, usize, usize)) + Sync,
     ) -> Self {
-        let (d, bn2) = (p.head_dim, bs.block_n / 2);
-        let block_len = d * bn2;
         let mut seq_block0 = Vec::with_capacity(p.seqs.len());
         let mut blocks = Vec::new();
         for (b, s) in p.seqs.iter().enumerate() {
@@ -284,30 +272,15 @@ impl PackedV {
                 blocks.extend((0..s.seqlen_k.div_ceil(bs.block_n)).map(|nb| (b, hk, nb)));
             }
         }
-        let mut data = vec![0u32; blocks.len() * block_len];
+        let mut data = vec![X::default(); blocks.len() * block_len];
         data.par_chunks_mut(block_len)
             .zip(&blocks)
             .for_each(|(out, &(b, hk, nb))| {
-                let s = p.seqs[b];
                 let n0 = nb * bs.block_n;
-                let cols = (s.seqlen_k - n0).min(bs.block_n);
-                let base = base_of(&s) + hk * layout.head_stride;
-                let row = |c: usize| &src[base + (n0 + c) * layout.row_stride..][..d];
-                // 16 output rows (x) at a time: their lines (32 u32 each) stay in L1 while every
-                // key pair fills one element of each; reads run along v's rows.
-                for x0 in (0..d).step_by(16) {
-                    let x1 = (x0 + 16).min(d);
-                    for cp in 0..cols.div_ceil(2) {
-                        let lo = &row(2 * cp)[x0..x1];
-                        let hi = (2 * cp + 1 < cols).then(|| &row(2 * cp + 1)[x0..x1]);
-                        for (i, l) in lo.iter().enumerate() {
-                            let h = hi.map_or(0, |hr| hr[i].to_bits() as u32);
-                            out[(x0 + i) * bn2 + cp] = l.to_bits() as u32 | h << 16;
-                        }
-                    }
-                }
+                let cols = (p.seqs[b].seqlen_k - n0).min(bs.block_n);
+                fill(out, (b, hk, n0, cols));
             });
-        PackedV {
+        KeyTiles {
             data,
             seq_block0,
             block_len,
@@ -321,11 +294,60 @@ impl PackedV {
         hk: usize,
         n_block: usize,
         block_n: usize,
-    ) -> &[u32] {
+    ) -> &[X] {
         let per_head = p.seqs[b].seqlen_k.div_ceil(block_n);
         let at = (self.seq_block0[b] + hk * per_head + n_block) * self.block_len;
         &self.data[at..at + self.block_len]
     }
+}
+
+/// V of every (sequence, kv head, key block) as bf16 pairs of keys, for the P·V product of the
+/// bf16 path: block `(b, hk, n_block)` is `[d][block_n / 2]`, element `(x, cp)` =
+/// `(v[2cp][x], v[2cp + 1][x])` of the block's keys (0 past its last key). The backward packs K
+/// the same way for `dQ += dS·K` ([`packed_v_keys`]).
+pub(crate) type PackedV = KeyTiles<u32>;
+
+fn packed_v(p: &Params, v: &[bf16], bs: BlockSizes) -> PackedV {
+    pack_key_pairs(p, v, bs, |s| s.v_base, p.v)
+}
+
+/// K packed as [`PackedV`] (the backward's dQ product).
+pub(crate) fn packed_v_keys(p: &Params, k: &[bf16], bs: BlockSizes) -> PackedV {
+    pack_key_pairs(p, k, bs, |s| s.k_base, p.k)
+}
+
+fn pack_key_pairs(
+    p: &Params,
+    src: &[bf16],
+    bs: BlockSizes,
+    base_of: fn(&crate::params::Seq) -> usize,
+    layout: RowLayout,
+) -> PackedV {
+    let (d, bn2) = (p.head_dim, bs.block_n / 2);
+    KeyTiles::build(p, bs, d * bn2, |out, (b, hk, n0, cols)| {
+        let base = base_of(&p.seqs[b]) + hk * layout.head_stride;
+        let row = |c: usize| &src[base + (n0 + c) * layout.row_stride..][..d];
+        // 16 output rows (x) at a time: their lines (32 u32 each) stay in L1 while every
+        // key pair fills one element of each; reads run along v's rows.
+        for x0 in (0..d).step_by(16) {
+            let x1 = (x0 + 16).min(d);
+            for cp in 0..cols.div_ceil(2) {
+                let lo = &row(2 * cp)[x0..x1];
+                let hi = (2 * cp + 1 < cols).then(|| &row(2 * cp + 1)[x0..x1]);
+                for (i, l) in lo.iter().enumerate() {
+                    let h = hi.map_or(0, |hr| hr[i].to_bits() as u32);
+                    out[(x0 + i) * bn2 + cp] = l.to_bits() as u32 | h << 16;
+                }
+            }
+        }
+    })
+}
+
+/// Whether some key block is visited more than once (by several query blocks, or several query
+/// heads of a kv head's group), so that packing k and v once per call saves copies.
+fn key_blocks_revisited(p: &Params, bs: BlockSizes) -> bool {
+    let query_blocks = p.seqs.iter().map(|s| s.seqlen_q.div_ceil(bs.block_m)).max();
+    p.heads / p.heads_kv * query_blocks.unwrap_or(0) >= 2
 }
 
 /// Zeroes the dropped probabilities of the tile of rows `m0..m0 + rows` (lanes), keys
@@ -385,11 +407,36 @@ pub(crate) fn forward<T: Element>(p: &Params, q: &[T], k: &[T], v: &[T]) -> (Vec
     let mut out = vec![T::from_f32(f32::NAN); p.out_len()];
     let mut lse = vec![f32::NAN; p.lse_len()];
     clear_unused_rows(p, &mut out, &mut lse);
+    let revisited = key_blocks_revisited(p, bs);
+    let d = p.head_dim;
+    let tiles_of = |src: &[T], base_of: fn(&crate::params::Seq) -> usize, layout: RowLayout| {
+        KeyTiles::build(p, bs, bs.block_n * d, |out, (b, hk, n0, cols)| {
+            let base = base_of(&p.seqs[b]) + n0 * layout.row_stride + hk * layout.head_stride;
+            load_tile(src, base, layout.row_stride, (cols, d, d), out);
+        })
+    };
     let inputs = Inputs {
         q,
         k,
         v,
-        packed_v: bf.map(|(_, _, vb)| PackedV::new(p, vb, bs)),
+        packed_v: bf.map(|(_, _, vb)| packed_v(p, vb, bs)),
+        packed_k: bf.filter(|_| revisited).map(|(_, kb, _)| {
+            KeyTiles::build(
+                p,
+                bs,
+                bs.block_n * d.div_ceil(2),
+                |out, (b, hk, n0, cols)| {
+                    let base = p.seqs[b].k_base + n0 * p.k.row_stride + hk * p.k.head_stride;
+                    load_pairs(kb, base, p.k.row_stride, cols, d, out);
+                },
+            )
+        }),
+        tiles_f32: (bf.is_none() && revisited).then(|| {
+            (
+                tiles_of(k, |s| s.k_base, p.k),
+                tiles_of(v, |s| s.v_base, p.v),
+            )
+        }),
         bf,
     };
     let (out_w, lse_w) = (Disjoint::new(&mut out), Disjoint::new(&mut lse));
@@ -435,6 +482,13 @@ struct Inputs<'a, T> {
     /// q, k, v as bf16, and v packed in key pairs: present when the bf16 dot-product path runs.
     bf: Option<(&'a [bf16], &'a [bf16], &'a [bf16])>,
     packed_v: Option<PackedV>,
+    /// k as pairs (`[cols][d2]` per key block), when the bf16 path runs and key blocks are
+    /// revisited ([`key_blocks_revisited`]); else each visit copies its tile.
+    packed_k: Option<KeyTiles<u32>>,
+    /// k and v widened to f32 tiles (`[cols][d]` per key block), when the f32 products run and
+    /// key blocks are revisited. At N = 8192, 16 heads, f32 d = 128, the per-visit copies from
+    /// k's and v's strided rows took ~16% of the forward's samples (perf, 2026-11-24).
+    tiles_f32: Option<(KeyTiles<f32>, KeyTiles<f32>)>,
 }
 
 /// q, k, v as bf16 when they are bf16 and the kernels have a bf16 dot product.
@@ -518,9 +572,15 @@ fn forward_block<T: Element>(
         // S = Q·Kᵀ, transposed: st[c][r] = Σ_x k[c][x] · q[r][x].
         match bf {
             Some((_, kb, _)) => {
-                // Copied as pairs into a contiguous tile (see the f32 branch for why not in place).
-                load_pairs(kb, k_base, p.k.row_stride, cols, d, &mut scr.kp);
-                let (a, a_rs) = (&scr.kp[..], d2);
+                // As pairs in a contiguous tile (see the f32 branch for why not in place).
+                let a = match &inp.packed_k {
+                    Some(t) => t.block(p, b, hk, n_block, bs.block_n),
+                    None => {
+                        load_pairs(kb, k_base, p.k.row_stride, cols, d, &mut scr.kp);
+                        &scr.kp[..]
+                    }
+                };
+                let a_rs = d2;
                 kern.gemm_bf16(
                     &Gemm {
                         m: cols,
@@ -543,8 +603,14 @@ fn forward_block<T: Element>(
                 // elements apart, each on its own page once that is >= 4 KiB, and the products
                 // re-read them; read in place, TLB misses and 4 KiB L1 aliasing cost ~1.4x at
                 // N = 8192, 16 heads (measured).
-                load_tile(inp.k, k_base, p.k.row_stride, (cols, d, d), &mut scr.k);
-                let (a, a_rs) = (&scr.k[..], d);
+                let a = match &inp.tiles_f32 {
+                    Some((kt, _)) => kt.block(p, b, hk, n_block, bs.block_n),
+                    None => {
+                        load_tile(inp.k, k_base, p.k.row_stride, (cols, d, d), &mut scr.k);
+                        &scr.k[..]
+                    }
+                };
+                let a_rs = d;
                 kern.gemm_scores(
                     &Gemm {
                         m: cols,
@@ -613,9 +679,15 @@ fn forward_block<T: Element>(
                 );
             }
             None => {
-                let v_base = seq.v_base + n0 * p.v.row_stride + hk * p.v.head_stride;
-                load_tile(inp.v, v_base, p.v.row_stride, (cols, d, d), &mut scr.v);
-                let (a, a_cs) = (&scr.v[..], d);
+                let a = match &inp.tiles_f32 {
+                    Some((_, vt)) => vt.block(p, b, hk, n_block, bs.block_n),
+                    None => {
+                        let v_base = seq.v_base + n0 * p.v.row_stride + hk * p.v.head_stride;
+                        load_tile(inp.v, v_base, p.v.row_stride, (cols, d, d), &mut scr.v);
+                        &scr.v[..]
+                    }
+                };
+                let a_cs = d;
                 kern.gemm(
                     &Gemm {
                         m: d,
