@@ -75,6 +75,36 @@ fn large_square_d64() {
     }
 }
 
+/// Shapes whose key blocks are visited often enough (GQA group 4, several query blocks) that the
+/// forward packs k and v once per call instead of copying tiles at every visit: every dtype,
+/// batches of 3 (each sequence's tiles found by its own offset), contiguous and strided views,
+/// with softcap and ALiBi.
+#[test]
+fn packed_key_tiles() {
+    for (i, dtype) in DTYPES.into_iter().enumerate() {
+        for (layout, softcap, alibi) in [
+            (Layout::Contiguous, None, Alibi::None),
+            (Layout::Padded, Some(30.0), Alibi::PerBatchHead),
+        ] {
+            let case = Case {
+                dtype,
+                batch: 3,
+                seqlen_q: 700,
+                seqlen_k: 90,
+                heads: 8,
+                heads_kv: 2,
+                head_dim: 59,
+                softcap,
+                alibi,
+                layout,
+                seed: 900 + i as u64,
+                ..Case::default()
+            };
+            case.build().check();
+        }
+    }
+}
+
 /// Scores of ~1e3-1e4 in every dtype, with each mask kind: softmax nearly one-hot.
 #[test]
 fn huge_logits() {
