@@ -109,6 +109,10 @@ impl AttnOutput {
 /// q `[batch, seqlen_q, heads, head_dim]`, k and v `[batch, seqlen_k, heads_kv, head_dim]`, all of
 /// one dtype (f32, f16 or bf16); `heads` a multiple of `heads_kv` (MQA/GQA: query head h reads kv
 /// head `h / (heads / heads_kv)`). Runs on the current rayon pool.
+///
+/// Working memory besides `out` and `lse`: a few tiles per thread, and where key blocks are visited
+/// 16 times or more on average (long query sequences, GQA groups), k and v packed once per call
+/// into contiguous tiles (f32, so up to twice k and v in f32; bf16 pairs on the bf16 path).
 pub fn flash_attn(
     q: &TensorRef,
     k: &TensorRef,
@@ -153,8 +157,10 @@ pub(crate) fn data<'a, T: Element>(t: &TensorRef<'a>) -> &'a [T] {
 /// dQ is accumulated in the same pass as dK and dV, in up to four f32 copies of dQ (one per chunk
 /// of key blocks, summed in order at the end; five block products per tile); with too few
 /// (sequence, kv head) pairs for the machine's cores, in a second pass that recomputes the
-/// scores instead (seven products, no copies). The choice depends on the shape and the machine's
-/// core count, not on the thread pool; the environment variable `FLASHATTN_DQ_CHUNKS` forces it
+/// scores instead (seven products, no copies). Besides the copies, q and dO are kept in tiles built
+/// once per call: four times q's size in f32 (in bf16 on the bf16 dot-product path). The choice
+/// depends on the shape and the machine's core count, not on the thread pool; the environment
+/// variable `FLASHATTN_DQ_CHUNKS` forces it
 /// (`0`: two passes, `1`-`4`: that many copies; anything else is
 /// [`ErrorKind::DqChunksUnknown`]).
 pub fn flash_attn_backward(
