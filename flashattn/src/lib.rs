@@ -160,9 +160,8 @@ pub(crate) fn data<'a, T: Element>(t: &TensorRef<'a>) -> &'a [T] {
 /// scores instead (seven products, no copies). Besides the copies, q and dO are kept in tiles built
 /// once per call: four times q's size in f32 (in bf16 on the bf16 dot-product path). The choice
 /// depends on the shape and the machine's core count, not on the thread pool; the environment
-/// variable `FLASHATTN_DQ_CHUNKS` forces it
-/// (`0`: two passes, `1`-`4`: that many copies; anything else is
-/// [`ErrorKind::DqChunksUnknown`]).
+/// variable `FLASHATTN_DQ_CHUNKS` forces it (`0`: two passes, `1`-`4`: that many copies; anything
+/// else is [`ErrorKind::DqChunksUnknown`]).
 pub fn flash_attn_backward(
     q: &TensorRef,
     k: &TensorRef,

@@ -512,13 +512,21 @@ impl DqPartials {
             let i = (c * p.seqs.len() + b) * p.heads_kv + hk;
             &self.data[self.offsets[i] + at..][..tile]
         };
-        let acc = &mut scr.acc_a[..tile];
-        acc.fill(0.0);
-        for c in 0..self.chunks {
-            if self.bounds[b][c] < self.bounds[b][c + 1] {
-                acc.iter_mut().zip(region(c)).for_each(|(a, x)| *a += x);
+        let mut used = (0..self.chunks)
+            .filter(|&c| self.bounds[b][c] < self.bounds[b][c + 1])
+            .map(region);
+        // One copy (the usual case) is written as it is; several are summed in chunk order.
+        let acc: &[f32] = match (used.next(), used.next()) {
+            (Some(only), None) => only,
+            (first, second) => {
+                let acc = &mut scr.acc_a[..tile];
+                acc.fill(0.0);
+                for part in first.into_iter().chain(second).chain(used) {
+                    acc.iter_mut().zip(part).for_each(|(a, x)| *a += x);
+                }
+                acc
             }
-        }
+        };
         let m0 = m_block * bs.block_m;
         let rows = (m0 + bs.block_m).min(p.seqs[b].seqlen_q) - m0;
         write_dq_rows(p, (b, h, m0, rows), acc, npb, &mut scr.row, row_buf, dq);
