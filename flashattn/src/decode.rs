@@ -89,7 +89,7 @@
 use crate::cpu::simd::Isa;
 use crate::error::{ErrorKind, Result, TensorName};
 use crate::params::{self, AttnOptions, Params, RowLayout, Seq, MAX_HEAD_DIM};
-use crate::tensor::{contiguous_strides, DType, Slice, TensorRef};
+use crate::tensor::{contiguous_strides, DType, Slice, TensorRef, ViewDesc};
 use crate::{AttnOutput, Element};
 use half::{bf16, f16};
 
@@ -433,7 +433,15 @@ pub fn flash_attn_with_kvcache(
     cache_seqlens: &[i32],
     opts: &KvCacheOptions,
 ) -> Result<AttnOutput> {
-    let dp = validate(q, &k_cache.view(), &v_cache.view(), cache_seqlens, opts)?;
+    let new_kv = opts.new_kv.as_ref().map(|(k, v)| (k, v));
+    let dp = validate(
+        q,
+        &k_cache.view(),
+        &v_cache.view(),
+        new_kv,
+        cache_seqlens,
+        opts,
+    )?;
     // Every check passed: from here on nothing fails, and the caches may be written.
     Ok(crate::cpu::decode::run(
         &dp,
@@ -472,14 +480,18 @@ fn one_per_row(tensor: TensorName, entries: &[i32], batch: usize) -> Result<()> 
     Ok(())
 }
 
-fn row_layout(t: &TensorRef) -> RowLayout {
+fn row_layout<V: ViewDesc + ?Sized>(t: &V) -> RowLayout {
     params::layout_of(t)
 }
 
-fn validate(
-    q: &TensorRef,
-    k_cache: &TensorRef,
-    v_cache: &TensorRef,
+/// Validates a decode call: q, the caches and the new keys/values as views (host tensors for the
+/// CPU path, device tensors for the CUDA path; `new_kv` takes the place of `opts.new_kv`); the
+/// index arrays and the rotary tables of `opts` are read on the host.
+pub(crate) fn validate<V: ViewDesc + ?Sized>(
+    q: &V,
+    k_cache: &V,
+    v_cache: &V,
+    new_kv: Option<(&V, &V)>,
     cache_seqlens: &[i32],
     opts: &KvCacheOptions,
 ) -> Result<DecodeParams> {
@@ -581,7 +593,7 @@ fn validate(
     };
 
     // New keys and values: `[batch, seqlen_new, ..]`, or packed with cu_seqlens_k_new.
-    let new_kv = match (&opts.new_kv, opts.cu_seqlens_k_new) {
+    let new_kv = match (new_kv, opts.cu_seqlens_k_new) {
         (None, None) => None,
         (None, Some(_)) => return Err(ErrorKind::CuSeqlensKNewWithoutNewKv.into()),
         (Some((kn, vn)), cu) => {

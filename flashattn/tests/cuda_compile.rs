@@ -108,6 +108,7 @@ fn compile_errors_carry_the_log() {
     // head_dim 8 is not a multiple of HEAD_DIM_STEP: the tensor-core kernel's static tile
     // arithmetic breaks (and the public API never builds such a key).
     let key = KernelKey {
+        kind: flashattn::cuda::KernelKind::Forward,
         dtype: flashattn::DType::BF16,
         head_dim: 8,
         masked: false,

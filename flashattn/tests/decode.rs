@@ -430,8 +430,17 @@ impl Built {
 
 /// Runs a case and checks the caches and the result; returns the result.
 fn check_case(c: &DCase) -> AttnOutput {
+    check_case_with(c, |bl, c| bl.call(c))
+}
+
+/// What runs a call: the result and the caches afterwards.
+type CallResult = (flashattn::Result<AttnOutput>, Buffer, Buffer);
+
+/// [`check_case`] with the call made by `call` (the CPU path, or the CUDA kernels under host
+/// emulation).
+fn check_case_with(c: &DCase, mut call: impl FnMut(&Built, &DCase) -> CallResult) -> AttnOutput {
     let bl = build(c);
-    let (res, kc_after, vc_after) = bl.call(c);
+    let (res, kc_after, vc_after) = call(&bl, c);
     let flash = res.unwrap_or_else(|e| panic!("{c:?}: {e}"));
     let (batch, sq, h, hkv, d) = (c.batch(), c.seqlen_q, c.heads, c.heads_kv, c.d);
     let eps = c.dtype.epsilon();
@@ -2196,6 +2205,467 @@ fn query_blocks_of_unequal_size() {
                         splits,
                         ..DCase::steps((dtype, isa), shape, (&[150, 61], 200), seed)
                     });
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The CUDA decode kernels, run on the CPU under host emulation
+// ---------------------------------------------------------------------------------------------
+
+/// decode.cu (append, split, combine) compiled with g++ against `kernels/host_emulation.h` and run
+/// with the launches the GPU path would make (`flashattn::cuda::decode_launch_description`), then
+/// checked by `check_case_with` exactly as the CPU path: the caches afterwards and the result
+/// against the f64 reference. As tests/cuda_emulated.rs for the forward: this checks the kernels'
+/// indexing, paging, masking, rotary, splits and merge without a GPU, not their speed or the
+/// hardware's own behaviour.
+#[cfg(feature = "cuda")]
+mod emulated {
+    use super::*;
+    use flashattn::cuda::{decode_launch_description, DecodeLaunch, KernelKey};
+    use flashattn::Slice;
+    use std::collections::HashMap;
+    use std::path::{Path, PathBuf};
+    use std::process::Command;
+
+    const KERNELS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/src/cuda/kernels");
+    const DRIVER: &str = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/cuda_emu/decode_driver.cpp"
+    );
+    /// The SM count the automatic split choice assumes (an H100 SXM's).
+    const SM_COUNT: usize = 132;
+
+    fn work_dir() -> PathBuf {
+        let d = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/cuda_emu");
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    /// Whether g++ can be used (CI sets FLASHATTN_REQUIRE_EMULATION=1: then it must be).
+    fn have_compiler() -> bool {
+        let ok = Command::new("g++")
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !ok {
+            let required = std::env::var("FLASHATTN_REQUIRE_EMULATION").is_ok_and(|v| v == "1");
+            assert!(
+                !required,
+                "FLASHATTN_REQUIRE_EMULATION=1 but g++ is missing"
+            );
+            eprintln!("skipping the emulated CUDA decode kernels: no g++");
+        }
+        ok
+    }
+
+    /// One emulation binary per split-kernel variant (it holds all three kernels).
+    struct Builds(HashMap<KernelKey, PathBuf>);
+
+    impl Builds {
+        fn get(&mut self, key: &KernelKey) -> PathBuf {
+            if let Some(p) = self.0.get(key) {
+                return p.clone();
+            }
+            let exe = work_dir().join(format!("{}_{}", key.name(), std::process::id()));
+            let mut cmd = Command::new("g++");
+            cmd.args(["-std=c++20", "-O1", "-pthread", "-DFA_HOST_EMULATION"])
+                .arg(format!("-I{KERNELS}"));
+            for (k, v) in key.defines() {
+                let v = if k == "FA_DECODE_ENTRY" {
+                    "0".into()
+                } else {
+                    v
+                };
+                cmd.arg(format!("-D{k}={v}"));
+            }
+            let out = cmd
+                .arg(DRIVER)
+                .arg("-o")
+                .arg(&exe)
+                .output()
+                .expect("run g++");
+            assert!(
+                out.status.success(),
+                "g++ failed for {}:\n{}",
+                key.name(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            self.0.insert(*key, exe.clone());
+            exe
+        }
+    }
+
+    impl Drop for Builds {
+        fn drop(&mut self) {
+            for p in self.0.values() {
+                let _ = std::fs::remove_file(p);
+            }
+        }
+    }
+
+    fn bytes(s: Slice<'_>) -> Vec<u8> {
+        match s {
+            Slice::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Slice::F16(v) => v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
+            Slice::BF16(v) => v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
+        }
+    }
+
+    fn from_bytes(b: &[u8], dtype: DType) -> Buffer {
+        match dtype {
+            DType::F32 => Buffer::F32(
+                b.chunks(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                    .collect(),
+            ),
+            DType::F16 => Buffer::F16(
+                b.chunks(2)
+                    .map(|c| half::f16::from_bits(u16::from_le_bytes(c.try_into().unwrap())))
+                    .collect(),
+            ),
+            DType::BF16 => Buffer::BF16(
+                b.chunks(2)
+                    .map(|c| half::bf16::from_bits(u16::from_le_bytes(c.try_into().unwrap())))
+                    .collect(),
+            ),
+        }
+    }
+
+    /// The launch numbers, in the order decode_driver.cpp reads them.
+    fn params_text(d: &DecodeLaunch, k_len: usize, v_len: usize) -> String {
+        let g = |g: (u32, u32, u32)| [g.0 as i64, g.1 as i64, g.2 as i64];
+        let (ws_o, ws_lse) = d.workspace_len();
+        let mut n: Vec<i64> = Vec::new();
+        n.extend(g(d.split_grid()));
+        n.extend(g(d.combine_grid()));
+        n.extend(g(d.append_grid()));
+        n.extend([
+            d.split.smem_bytes() as i64,
+            d.append.is_some() as i64,
+            d.slopes.is_some() as i64,
+            d.rot.is_some() as i64,
+            d.batch as i64,
+            d.heads as i64,
+            d.heads_kv as i64,
+            d.head_dim as i64,
+            d.splits as i64,
+        ]);
+        n.extend(d.q_strides);
+        n.extend(d.k_strides);
+        n.extend(d.v_strides);
+        n.extend(d.kn_strides);
+        n.extend(d.vn_strides);
+        n.extend([d.page_size as i64, d.max_blocks as i64]);
+        let mut t: Vec<String> = n.iter().map(|x| x.to_string()).collect();
+        t.push(format!("{:e}", d.softmax_scale));
+        t.push(format!("{:e}", d.softcap));
+        t.extend(
+            [
+                d.window.0 as i64,
+                d.window.1 as i64,
+                d.rot_half as i64,
+                d.rot_interleaved as i64,
+                d.rot_npos as i64,
+                d.lse_head_stride,
+                d.total_rows,
+                d.out_len as i64,
+                d.lse_len as i64,
+                ws_o as i64,
+                ws_lse as i64,
+                k_len as i64,
+                v_len as i64,
+            ]
+            .iter()
+            .map(|x| x.to_string()),
+        );
+        t.join("\n")
+    }
+
+    /// One call through the emulated kernels, on copies of the caches.
+    fn call(builds: &mut Builds, bl: &Built, c: &DCase, tag: &str) -> CallResult {
+        let (kc, vc) = (bl.k_cache.clone(), bl.v_cache.clone());
+        let kv = TensorRef::from_slice(kc.as_slice(), &bl.map.shape, &bl.map.strides);
+        let vv = TensorRef::from_slice(vc.as_slice(), &bl.map.shape, &bl.map.strides);
+        let lens: Vec<i32> = c.lens.iter().map(|&x| x as i32).collect();
+        let opts = bl.opts(c);
+        let d = match decode_launch_description(&bl.q_view(c), &kv, &vv, &lens, &opts, SM_COUNT) {
+            Ok(d) => d,
+            Err(e) => return (Err(e), kc, vc),
+        };
+        let dir = work_dir().join(format!("decode_{}_{tag}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let put = |name: &str, b: Vec<u8>| std::fs::write(dir.join(name), b).unwrap();
+        let (k_len, v_len) = (kc.as_slice().len(), vc.as_slice().len());
+        put("params.txt", params_text(&d, k_len, v_len).into_bytes());
+        put("q.bin", bytes(bl.qb.as_slice()));
+        put("k.bin", bytes(kc.as_slice()));
+        put("v.bin", bytes(vc.as_slice()));
+        put(
+            "table.bin",
+            d.table.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        );
+        put(
+            "pages.bin",
+            d.pages.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        );
+        if let (Some((_, kb)), Some((_, vb))) = (&bl.k_new, &bl.v_new) {
+            put("kn.bin", bytes(kb.as_slice()));
+            put("vn.bin", bytes(vb.as_slice()));
+        }
+        if let Some(s) = &d.slopes {
+            put(
+                "slopes.bin",
+                s.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            );
+        }
+        if let Some(r) = &d.rot {
+            put("rot.bin", r.iter().flat_map(|x| x.to_le_bytes()).collect());
+        }
+        let exe = builds.get(&d.split);
+        let o = Command::new(&exe)
+            .arg(&dir)
+            .output()
+            .expect("run the emulation");
+        assert!(o.status.success(), "emulation of {c:?} failed: {o:?}");
+        let read = |name: &str| std::fs::read(dir.join(name)).unwrap();
+        let out = from_bytes(&read("out.bin"), c.dtype);
+        let lse = from_bytes(&read("lse.bin"), DType::F32);
+        let (k_after, v_after) = (
+            from_bytes(&read("k_out.bin"), c.dtype),
+            from_bytes(&read("v_out.bin"), c.dtype),
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+        let res = AttnOutput {
+            out: Tensor::from_buffer(out, &d.out_shape).expect("out length"),
+            lse: Tensor::from_buffer(lse, &d.lse_shape).expect("lse length"),
+        };
+        (Ok(res), k_after, v_after)
+    }
+
+    /// Per dtype, four variants of the split kernel (head dims 32, 64, 128; masked or not;
+    /// softcap; ALiBi) over every cache store, appends with and without rotary (both pair
+    /// layouts), left padding, GQA, MQA and MHA, several query tokens, huge logits and split
+    /// counts; run under emulation here and on the GPU by `gpu` below.
+    pub(super) fn kernel_cases(dtype: DType) -> Vec<DCase> {
+        vec![
+            // The shape in small: 32 heads over 8, d 128, causal, paged, left padding.
+            DCase {
+                dtype,
+                heads: 32,
+                heads_kv: 8,
+                d: 128,
+                cap: 240,
+                lens: vec![203],
+                leftpad: Some(vec![29]),
+                store: Store::Paged(16),
+                splits: Some(3),
+                seed: 1,
+                ..DCase::default()
+            },
+            // No mask, softcap and ALiBi, rotary (GPT-NeoX pairs), three query tokens, left padding.
+            DCase {
+                dtype,
+                heads: 6,
+                heads_kv: 2,
+                d: 59,
+                seqlen_q: 3,
+                new: Some(3),
+                lens: vec![63, 113],
+                leftpad: Some(vec![10, 37]),
+                cap: 120,
+                causal: false,
+                softcap: Some(30.0),
+                alibi: true,
+                rotary: Some((32, false)),
+                seed: 2,
+                ..DCase::default()
+            },
+            // A two-sided window, ALiBi, MQA, interleaved rotary, cache_batch_idx, an empty cache.
+            DCase {
+                dtype,
+                heads: 4,
+                heads_kv: 1,
+                d: 40,
+                seqlen_q: 2,
+                new: Some(2),
+                lens: vec![1, 0, 150],
+                cap: 160,
+                causal: false,
+                window: (5, 2),
+                alibi: true,
+                rotary: Some((40, true)),
+                store: Store::BatchIdx,
+                splits: Some(2),
+                seed: 3,
+                ..DCase::default()
+            },
+            // MHA, a left window, strided caches with gaps, no append, huge logits, and a
+            // paged cache with pages of 7 rows (split counts below).
+            DCase {
+                dtype,
+                heads: 8,
+                heads_kv: 8,
+                d: 16,
+                new: None,
+                lens: vec![90, 17],
+                cap: 100,
+                causal: false,
+                window: (17, -1),
+                store: Store::Gaps,
+                dist: Dist::Huge(8.0),
+                splits: Some(7),
+                seed: 4,
+                ..DCase::default()
+            },
+        ]
+    }
+
+    /// [`kernel_cases`], plus split counts 1, 5 and automatic over pages of 7 rows.
+    #[test]
+    fn decode_kernels_against_reference() {
+        if !have_compiler() {
+            return;
+        }
+        let mut builds = Builds(HashMap::new());
+        let mut n = 0;
+        for dtype in DTYPES {
+            let cases = kernel_cases(dtype);
+            for (i, c) in cases.iter().enumerate() {
+                let tag = format!("{dtype}_{i}");
+                check_case_with(c, |bl, c| call(&mut builds, bl, c, &tag));
+                n += 1;
+            }
+            // Split counts, automatic included, and a paged cache with small odd pages.
+            for (j, splits) in [None, Some(1), Some(5)].into_iter().enumerate() {
+                let c = DCase {
+                    splits,
+                    store: Store::Paged(7),
+                    ..cases[0].clone()
+                };
+                let tag = format!("{dtype}_s{j}");
+                check_case_with(&c, |bl, c| call(&mut builds, bl, c, &tag));
+                n += 1;
+            }
+        }
+        eprintln!(
+            "{n} decode cases emulated, {} kernel builds",
+            builds.0.len()
+        );
+    }
+
+    /// Invalid calls are refused before any launch is described (the GPU path validates with the
+    /// same function, before anything is queued).
+    #[test]
+    fn bad_input_is_refused_before_launch() {
+        let c = DCase {
+            lens: vec![80],
+            new: Some(1),
+            cap: 80,
+            ..DCase::default()
+        };
+        let bl = build(&c);
+        let kv = TensorRef::from_slice(bl.k_cache.as_slice(), &bl.map.shape, &bl.map.strides);
+        let vv = TensorRef::from_slice(bl.v_cache.as_slice(), &bl.map.shape, &bl.map.strides);
+        let err = decode_launch_description(&bl.q_view(&c), &kv, &vv, &[80], &bl.opts(&c), 132)
+            .unwrap_err();
+        assert_kind!(err.kind(), ErrorKind::CacheOverflow { .. });
+        let c = DCase {
+            splits: Some(flashattn::cuda::MAX_DECODE_SPLITS + 1),
+            ..DCase::default()
+        };
+        let bl = build(&c);
+        let kv = TensorRef::from_slice(bl.k_cache.as_slice(), &bl.map.shape, &bl.map.strides);
+        let vv = TensorRef::from_slice(bl.v_cache.as_slice(), &bl.map.shape, &bl.map.strides);
+        let err = decode_launch_description(&bl.q_view(&c), &kv, &vv, &[50], &bl.opts(&c), 132)
+            .unwrap_err();
+        assert_kind!(err.kind(), ErrorKind::CudaLimit { .. });
+    }
+}
+
+/// The CUDA decode path on a GPU, on the cases the emulation runs, with the same checks (the
+/// caches afterwards, the result against the f64 reference). Without a GPU it says why it skips.
+#[cfg(feature = "cuda")]
+mod gpu {
+    use super::*;
+    use flashattn::cuda::{self, CudaDevice, CudaTensor};
+
+    fn upload(dev: &CudaDevice, b: &Buffer, shape: &[usize], strides: &[usize]) -> CudaTensor {
+        let len = b.as_slice().len();
+        let t = dev
+            .upload(&TensorRef::from_slice(b.as_slice(), &[len], &[1]))
+            .expect("upload");
+        CudaTensor::from_buffer(t.into_buffer(), shape, strides)
+    }
+
+    /// The whole buffer behind a device tensor (gaps included).
+    fn download(dev: &CudaDevice, t: CudaTensor) -> Buffer {
+        let buf = t.into_buffer();
+        let len = buf.len();
+        CudaTensor::from_buffer(buf, &[len], &[1])
+            .to_host(dev)
+            .expect("download")
+            .into_buffer()
+    }
+
+    fn call(dev: &CudaDevice, bl: &Built, c: &DCase) -> CallResult {
+        let (sh, st) = (&bl.map.shape, &bl.map.strides);
+        let mut k = upload(dev, &bl.k_cache, sh, st);
+        let mut v = upload(dev, &bl.v_cache, sh, st);
+        let q_shape = [c.batch(), c.seqlen_q, c.heads, c.d];
+        let q = upload(
+            dev,
+            &bl.qb,
+            &q_shape,
+            &flashattn::tensor::contiguous_strides(&q_shape),
+        );
+        let new_shape = [c.batch(), c.seqlen_new(), c.heads_kv, c.d];
+        let new_strides = flashattn::tensor::contiguous_strides(&new_shape);
+        let new = match (&bl.k_new, &bl.v_new) {
+            (Some((_, kb)), Some((_, vb))) => Some((
+                upload(dev, kb, &new_shape, &new_strides),
+                upload(dev, vb, &new_shape, &new_strides),
+            )),
+            _ => None,
+        };
+        let mut opts = bl.opts(c);
+        opts.new_kv = None;
+        let lens: Vec<i32> = c.lens.iter().map(|&x| x as i32).collect();
+        let res = cuda::flash_attn_with_kvcache(
+            dev,
+            &q,
+            &mut k,
+            &mut v,
+            &lens,
+            new.as_ref().map(|(a, b)| (a, b)),
+            &opts,
+        )
+        .map(|r| AttnOutput {
+            out: r.out.to_host(dev).expect("download out"),
+            lse: r.lse.to_host(dev).expect("download lse"),
+        });
+        (res, download(dev, k), download(dev, v))
+    }
+
+    #[test]
+    fn decode_on_the_gpu() {
+        let dev = match CudaDevice::new(0) {
+            Ok(d) => d,
+            Err(e) => {
+                eprintln!("skipping the GPU decode tests: {e}");
+                return;
+            }
+        };
+        for dtype in DTYPES {
+            for c in super::emulated::kernel_cases(dtype) {
+                for splits in [c.splits, None, Some(1), Some(64)] {
+                    let c = DCase {
+                        splits,
+                        ..c.clone()
+                    };
+                    check_case_with(&c, |bl, c| call(&dev, bl, c));
                 }
             }
         }

@@ -8,14 +8,33 @@ use crate::tensor::DType;
 pub(crate) const COMMON_CUH: &str = include_str!("kernels/common.cuh");
 pub(crate) const FWD_CU: &str = include_str!("kernels/fwd.cu");
 pub(crate) const FWD_F32_CU: &str = include_str!("kernels/fwd_f32.cu");
+/// The decode kernels (split-KV attention over a KV cache, the merge of the splits, the append).
+pub(crate) const DECODE_CU: &str = include_str!("kernels/decode.cu");
 
 /// Granularity of the padded head dimension: the tensor-core kernel walks head_dim in k-steps of
 /// 16 and n-tiles of 16, and 32 keeps the number of variants at 8 per dtype.
 pub const HEAD_DIM_STEP: usize = 32;
 
-/// One compiled variant of the forward kernel.
+/// Which kernel a [`KernelKey`] names.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum KernelKind {
+    /// `flash_fwd` (fwd.cu, fwd_f32.cu).
+    #[default]
+    Forward,
+    /// `decode_split` (decode.cu): one key split of the query rows of a kv head.
+    DecodeSplit,
+    /// `decode_combine` (decode.cu): the merge of the splits through their LSEs. Only the dtype
+    /// of its key matters (the other fields are canonical: head_dim 32, no flags).
+    DecodeCombine,
+    /// `decode_append` (decode.cu): new keys (rotated) and values into the caches. As
+    /// `DecodeCombine`, only the dtype matters.
+    DecodeAppend,
+}
+
+/// One compiled variant of a kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct KernelKey {
+    pub kind: KernelKind,
     pub dtype: DType,
     /// head_dim rounded up to a multiple of [`HEAD_DIM_STEP`] (the kernel zero-fills the rest).
     pub head_dim: usize,
@@ -46,6 +65,14 @@ impl KernelKey {
     /// path) plus the scores (block_n / 2) stay within 255 registers without spills; checked for
     /// every variant by the compile test.
     pub fn tiles(&self) -> Tiles {
+        if self.kind != KernelKind::Forward {
+            // decode.cu: 16 query rows, 32-key tiles, 4 warps (as the f32 forward).
+            return Tiles {
+                block_m: 16,
+                block_n: 32,
+                num_warps: 4,
+            };
+        }
         match (self.dtype, self.head_dim) {
             (DType::F32, _) => Tiles {
                 block_m: 16,
@@ -81,6 +108,19 @@ impl KernelKey {
     /// Dynamic shared memory of one CTA, bytes.
     pub fn smem_bytes(&self) -> usize {
         let t = self.tiles();
+        match self.kind {
+            KernelKind::Forward => {}
+            // q [16][d+1], k [32][d+1], v [32][d], p [16][33] in f32, then 2 x 32 i64 row offsets.
+            KernelKind::DecodeSplit => {
+                return 4
+                    * (t.block_m * (self.head_dim + 1)
+                        + t.block_n * (self.head_dim + 1)
+                        + t.block_n * self.head_dim
+                        + t.block_m * (t.block_n + 1))
+                    + 2 * 8 * t.block_n
+            }
+            KernelKind::DecodeCombine | KernelKind::DecodeAppend => return 0,
+        }
         match self.dtype {
             // q [16][d+1], k [32][d+1], v [32][d], p [16][33]
             DType::F32 => {
@@ -100,9 +140,22 @@ impl KernelKey {
 
     /// The kernel's source file name and text.
     pub(crate) fn source(&self) -> (&'static str, &'static str) {
+        if self.kind != KernelKind::Forward {
+            return ("decode.cu", DECODE_CU);
+        }
         match self.dtype {
             DType::F32 => ("fwd_f32.cu", FWD_F32_CU),
             _ => ("fwd.cu", FWD_CU),
+        }
+    }
+
+    /// The kernel's entry point in its module.
+    pub fn entry(&self) -> &'static str {
+        match self.kind {
+            KernelKind::Forward => "flash_fwd",
+            KernelKind::DecodeSplit => "decode_split",
+            KernelKind::DecodeCombine => "decode_combine",
+            KernelKind::DecodeAppend => "decode_append",
         }
     }
 
@@ -115,6 +168,20 @@ impl KernelKey {
             ("HAS_SOFTCAP", flag(self.softcap)),
             ("HAS_ALIBI", flag(self.alibi)),
         ];
+        if self.kind != KernelKind::Forward {
+            let entry = match self.kind {
+                KernelKind::DecodeSplit => 1,
+                KernelKind::DecodeCombine => 2,
+                _ => 3,
+            };
+            d.push(("FA_DECODE_ENTRY", entry.to_string()));
+            match self.dtype {
+                DType::BF16 => d.push(("FA_BF16", "1".into())),
+                DType::F16 => d.push(("FA_F16", "1".into())),
+                DType::F32 => {}
+            }
+            return d;
+        }
         if self.dtype != DType::F32 {
             let t = self.tiles();
             d.push(if self.dtype == DType::BF16 {
@@ -134,10 +201,15 @@ impl KernelKey {
     /// A readable name, e.g. `fwd_bf16_d128_m128n64w8_causal_vec`.
     pub fn name(&self) -> String {
         let t = self.tiles();
-        let mut s = format!(
-            "fwd_{}_d{}_m{}n{}w{}",
-            self.dtype, self.head_dim, t.block_m, t.block_n, t.num_warps
-        );
+        let mut s = match self.kind {
+            KernelKind::Forward => format!(
+                "fwd_{}_d{}_m{}n{}w{}",
+                self.dtype, self.head_dim, t.block_m, t.block_n, t.num_warps
+            ),
+            KernelKind::DecodeSplit => format!("decode_{}_d{}", self.dtype, self.head_dim),
+            KernelKind::DecodeCombine => return format!("decode_combine_{}", self.dtype),
+            KernelKind::DecodeAppend => return format!("decode_append_{}", self.dtype),
+        };
         for (on, tag) in [
             (self.masked, "_masked"),
             (self.softcap, "_softcap"),
@@ -162,6 +234,7 @@ impl KernelKey {
                         continue; // the f32 kernel has no vector path
                     }
                     keys.push(KernelKey {
+                        kind: KernelKind::Forward,
                         dtype,
                         head_dim,
                         masked: bits & 1 != 0,
@@ -172,7 +245,37 @@ impl KernelKey {
                 }
             }
         }
+        for dtype in [DType::F16, DType::BF16, DType::F32] {
+            for head_dim in (HEAD_DIM_STEP..=crate::MAX_HEAD_DIM).step_by(HEAD_DIM_STEP) {
+                for bits in 0..8u32 {
+                    keys.push(KernelKey {
+                        kind: KernelKind::DecodeSplit,
+                        dtype,
+                        head_dim,
+                        masked: bits & 1 != 0,
+                        softcap: bits & 2 != 0,
+                        alibi: bits & 4 != 0,
+                        vec_load: false,
+                    });
+                }
+            }
+            keys.push(KernelKey::decode_helper(KernelKind::DecodeCombine, dtype));
+            keys.push(KernelKey::decode_helper(KernelKind::DecodeAppend, dtype));
+        }
         keys
+    }
+
+    /// The key of [`KernelKind::DecodeCombine`] or [`KernelKind::DecodeAppend`] for `dtype`.
+    pub fn decode_helper(kind: KernelKind, dtype: DType) -> KernelKey {
+        KernelKey {
+            kind,
+            dtype,
+            head_dim: HEAD_DIM_STEP,
+            masked: false,
+            softcap: false,
+            alibi: false,
+            vec_load: false,
+        }
     }
 }
 

@@ -8,8 +8,10 @@
 //! the sources, the key, the architecture and NVRTC's version).
 //!
 //! Semantics are the CPU path's: same validation (`crate::params`), same masks, scores, LSE,
-//! fully-masked-row rule. What the CUDA backend does not do yet: the backward pass, dropout, and
-//! the decoding calls; they return [`ErrorKind::CudaUnsupported`].
+//! fully-masked-row rule. Decoding with a KV cache ([`flash_attn_with_kvcache`]: appends,
+//! rotary, paged caches, split-KV with an LSE merge) runs CUDA-core kernels of its own. What the
+//! CUDA backend does not do yet: the backward pass and dropout; they return
+//! [`ErrorKind::CudaUnsupported`].
 //!
 //! ```no_run
 //! use flashattn::{cuda, AttnOptions, TensorRef};
@@ -23,6 +25,7 @@
 //! ```
 
 mod cache;
+mod decode;
 mod key;
 mod nvrtc;
 mod probe;
@@ -30,7 +33,11 @@ mod probe;
 /// The cudarc this backend is built on (0.19, CUDA 13.0 API), for streams, events and slices of
 /// matching types.
 pub use cudarc;
-pub use key::{Arch, KernelKey, Tiles, HEAD_DIM_STEP};
+pub use decode::{
+    choose_splits, decode_launch_description, flash_attn_with_kvcache, DecodeLaunch, DECODE_FIELDS,
+    MAX_DECODE_SPLITS,
+};
+pub use key::{Arch, KernelKey, KernelKind, Tiles, HEAD_DIM_STEP};
 pub use nvrtc::{compile, version as nvrtc_version, CompiledKernel};
 
 use crate::error::{ErrorKind, Result};
@@ -251,7 +258,7 @@ impl CudaDevice {
             .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
             .map_err(driver_err("cuModuleLoadData"))?;
         let f = module
-            .load_function("flash_fwd")
+            .load_function(key.entry())
             .map_err(driver_err("cuModuleGetFunction"))?;
         f.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -463,6 +470,7 @@ fn key_for(p: &Params) -> KernelKey {
         .iter()
         .all(|s| aligned(s.q_base) && aligned(s.k_base) && aligned(s.v_base));
     KernelKey {
+        kind: KernelKind::Forward,
         dtype: p.dtype,
         head_dim: KernelKey::padded_head_dim(p.head_dim),
         masked: p.window_left.is_some() || p.window_right.is_some(),

@@ -1,0 +1,518 @@
+//! Decoding with a KV cache on the GPU: [`flash_attn_with_kvcache`], the CPU call's semantics
+//! (same validation, `crate::decode::validate`) with q, the caches and the new keys/values in GPU
+//! memory. Three kernels of `kernels/decode.cu` run on the device's stream: the append (new keys,
+//! rotated, and values into the caches), one CTA per (query row block, key split, kv head,
+//! sequence) writing partial results, and the merge of the splits through their LSEs.
+
+use super::{alloc_poisoned, driver_err, CudaAttnOutput, CudaDevice, CudaTensor, DeviceBuffer};
+use super::{KernelKey, KernelKind, MAX_GRID_YZ, MAX_SEQLEN};
+use crate::decode::{DecodeParams, KvCacheOptions};
+use crate::error::{ErrorKind, Result};
+use crate::tensor::{DType, TensorRef};
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use std::sync::Arc;
+
+/// Entries per launched sequence of the decode kernels' table (decode.cu: DECODE_FIELDS).
+pub const DECODE_FIELDS: usize = 10;
+/// Query rows of one decode CTA (decode.cu: BLOCK_M).
+const DECODE_ROWS: usize = 16;
+/// Most key splits a call may ask for (each adds a partial result per query row to the workspace).
+pub const MAX_DECODE_SPLITS: usize = 256;
+/// Automatic splits stop at this many keys per split: shorter ones spend more on the merge than
+/// they gain in parallelism. (A first choice, not yet measured on a GPU.)
+const MIN_SPLIT_KEYS_GPU: usize = 256;
+
+/// Everything the decode launches pass besides the tensors, computed on the host from a validated
+/// call: what the GPU path uploads and launches, and what the host emulation of decode.cu
+/// (tests/decode.rs) runs, so both exercise the same argument logic.
+#[derive(Clone, Debug)]
+#[doc(hidden)]
+pub struct DecodeLaunch {
+    pub split: KernelKey,
+    pub combine: KernelKey,
+    /// Present when the call appends new keys and values.
+    pub append: Option<KernelKey>,
+    pub splits: usize,
+    /// Query row blocks per (sequence, kv head): ceil(max seqlen_q · group / 16).
+    pub row_blocks: usize,
+    /// Launched sequences: the batch, plus one for packed rows after the last sequence.
+    pub seqs: usize,
+    pub batch: usize,
+    /// DECODE_FIELDS i64 per launched sequence.
+    pub table: Vec<i64>,
+    /// Page of (sequence, block), `batch · max_blocks` entries.
+    pub pages: Vec<i32>,
+    pub page_size: i32,
+    pub max_blocks: i32,
+    /// ALiBi slopes, one row of `heads` per launched sequence.
+    pub slopes: Option<Vec<f32>>,
+    /// Rotary cos/sin per (sequence, position offset): `rot_half` cos then `rot_half` sin, f32.
+    pub rot: Option<Vec<f32>>,
+    pub rot_half: i32,
+    pub rot_interleaved: i32,
+    pub rot_npos: i32,
+    pub heads: i32,
+    pub heads_kv: i32,
+    pub head_dim: i32,
+    /// q row, q head strides.
+    pub q_strides: [i64; 2],
+    /// k_cache, v_cache page, row, head strides.
+    pub k_strides: [i64; 3],
+    pub v_strides: [i64; 3],
+    /// k_new, v_new row, head strides (0 without new keys).
+    pub kn_strides: [i64; 2],
+    pub vn_strides: [i64; 2],
+    pub softmax_scale: f32,
+    pub softcap: f32,
+    /// Window sides, -1 unbounded, clamped to seqlen_q + seqlen_k.
+    pub window: (i32, i32),
+    pub lse_head_stride: i64,
+    /// Rows of out (total_q · heads): the stride of one split in the workspace.
+    pub total_rows: i64,
+    /// Largest seqlen_q of a launched sequence.
+    pub max_q: usize,
+    pub out_len: usize,
+    pub lse_len: usize,
+    pub out_shape: Vec<usize>,
+    pub lse_shape: Vec<usize>,
+}
+
+impl DecodeLaunch {
+    /// Grid of `decode_split`.
+    pub fn split_grid(&self) -> (u32, u32, u32) {
+        (
+            (self.row_blocks * self.splits) as u32,
+            self.heads_kv as u32,
+            self.seqs as u32,
+        )
+    }
+    /// Grid of `decode_combine` (a warp per output row).
+    pub fn combine_grid(&self) -> (u32, u32, u32) {
+        (
+            (self.max_q * self.heads as usize).div_ceil(4) as u32,
+            1,
+            self.seqs as u32,
+        )
+    }
+    /// Grid of `decode_append`.
+    pub fn append_grid(&self) -> (u32, u32, u32) {
+        (self.heads_kv as u32, 1, 1)
+    }
+    /// Elements of the partial outputs (f32) and of the partial LSEs.
+    pub fn workspace_len(&self) -> (usize, usize) {
+        let rows = self.splits * self.total_rows as usize;
+        (rows * self.head_dim as usize, rows)
+    }
+    /// Nothing to attend: no query row.
+    pub fn is_empty(&self) -> bool {
+        self.out_len == 0 || self.seqs == 0
+    }
+}
+
+/// The number of key splits when the call names none: enough CTAs for two per SM, but no split
+/// shorter than [`MIN_SPLIT_KEYS_GPU`] keys of the longest sequence.
+pub fn choose_splits(ctas: usize, max_keys: usize, sm_count: usize) -> usize {
+    if ctas == 0 {
+        return 1;
+    }
+    let want = (2 * sm_count).div_ceil(ctas);
+    let by_len = (max_keys / MIN_SPLIT_KEYS_GPU).max(1);
+    want.min(by_len).clamp(1, 128)
+}
+
+fn limit(what: &'static str, value: usize, limit: usize) -> Result<()> {
+    if value > limit {
+        return Err(ErrorKind::CudaLimit {
+            what,
+            value: value as u64,
+            limit: limit as u64,
+        }
+        .into());
+    }
+    Ok(())
+}
+
+impl DecodeLaunch {
+    /// The launches of validated `dp`, on a device of `sm_count` SMs; a typed error when a size
+    /// is beyond what the kernels address.
+    pub(crate) fn new(dp: &DecodeParams, sm_count: usize) -> Result<DecodeLaunch> {
+        let p = &dp.p;
+        let batch = p.seqs.len();
+        let group = p.heads / p.heads_kv;
+        // Packed rows after the last sequence: one more sequence that sees no key (out 0,
+        // lse -inf), as the forward launches them.
+        let used = p.seqs.last().map_or(0, |s| s.out_row0 + s.seqlen_q);
+        let tail = (p.packed && used < p.total_q).then_some(used);
+        let seqs = batch + tail.is_some() as usize;
+        let mut table = Vec::with_capacity(seqs * DECODE_FIELDS);
+        for (b, s) in p.seqs.iter().enumerate() {
+            let (new_len, kn_base, vn_base) = dp
+                .new_kv
+                .as_ref()
+                .map_or((0, 0, 0), |n| (n.lens[b], n.k_base[b], n.v_base[b]));
+            table.extend(
+                [
+                    s.seqlen_q,
+                    s.seqlen_k,
+                    dp.leftpad[b],
+                    s.q_base,
+                    s.out_row0,
+                    s.lse_base,
+                    dp.cache_seqlens[b],
+                    new_len,
+                    kn_base,
+                    vn_base,
+                ]
+                .map(|x| x as i64),
+            );
+        }
+        if let Some(used) = tail {
+            let rows = p.total_q - used;
+            table.extend(
+                [rows, 0, 0, used * p.q.row_stride, used, used, 0, 0, 0, 0].map(|x| x as i64),
+            );
+        }
+        let max_q = (0..seqs)
+            .map(|b| table[b * DECODE_FIELDS] as usize)
+            .max()
+            .unwrap_or(0);
+        let max_k = p.seqs.iter().map(|s| s.seqlen_k).max().unwrap_or(0);
+        for s in &p.seqs {
+            limit("seqlen_q", s.seqlen_q, MAX_SEQLEN)?;
+            limit("seqlen_k", s.seqlen_k, MAX_SEQLEN)?;
+        }
+        limit("batch", seqs, MAX_GRID_YZ)?;
+        limit("heads_kv", p.heads_kv, MAX_GRID_YZ)?;
+        limit("seqlen_q · heads", max_q * p.heads, i32::MAX as usize / 2)?;
+        let row_blocks = (max_q * group).div_ceil(DECODE_ROWS);
+        let splits = match dp.num_splits {
+            Some(n) => {
+                limit("num_splits", n, MAX_DECODE_SPLITS)?;
+                n
+            }
+            None => choose_splits(batch * p.heads_kv * row_blocks, max_k, sm_count),
+        };
+        limit(
+            "query row blocks · splits",
+            row_blocks * splits,
+            i32::MAX as usize,
+        )?;
+        let pages = dp
+            .cache
+            .pages
+            .iter()
+            .map(|&x| i32::try_from(x).map_err(|_| ()))
+            .collect::<std::result::Result<Vec<i32>, ()>>()
+            .map_err(|()| {
+                crate::Error::from(ErrorKind::CudaLimit {
+                    what: "cache pages",
+                    value: dp.cache.pages.iter().copied().max().unwrap_or(0) as u64,
+                    limit: i32::MAX as u64,
+                })
+            })?;
+        limit("page_size", dp.cache.page_size, i32::MAX as usize)?;
+        let slopes = p.alibi.as_ref().map(|a| {
+            let mut a = a.clone();
+            a.resize(seqs * p.heads, 0.0); // the tail sequence's row, never used
+            a
+        });
+        let masked = p.window_left.is_some() || p.window_right.is_some();
+        let split = KernelKey {
+            kind: KernelKind::DecodeSplit,
+            dtype: p.dtype,
+            head_dim: KernelKey::padded_head_dim(p.head_dim),
+            masked,
+            softcap: p.softcap.is_some(),
+            alibi: p.alibi.is_some(),
+            vec_load: false,
+        };
+        let side = |w: Option<usize>| w.map_or(-1, |w| w.min(max_q + max_k) as i32);
+        let rot = dp.rotary.as_ref();
+        let new = dp.new_kv.as_ref();
+        Ok(DecodeLaunch {
+            split,
+            combine: KernelKey::decode_helper(KernelKind::DecodeCombine, p.dtype),
+            append: new.map(|_| KernelKey::decode_helper(KernelKind::DecodeAppend, p.dtype)),
+            splits,
+            row_blocks,
+            seqs,
+            batch,
+            table,
+            pages,
+            page_size: dp.cache.page_size as i32,
+            max_blocks: dp.cache.max_blocks as i32,
+            slopes,
+            rot: rot.map(|r| r.table.clone()),
+            rot_half: rot.map_or(0, |r| r.half as i32),
+            rot_interleaved: rot.is_some_and(|r| r.interleaved) as i32,
+            rot_npos: rot.map_or(0, |r| r.n_pos as i32),
+            heads: p.heads as i32,
+            heads_kv: p.heads_kv as i32,
+            head_dim: p.head_dim as i32,
+            q_strides: [p.q.row_stride as i64, p.q.head_stride as i64],
+            k_strides: [
+                dp.cache.k_page_stride as i64,
+                dp.cache.k.row_stride as i64,
+                dp.cache.k.head_stride as i64,
+            ],
+            v_strides: [
+                dp.cache.v_page_stride as i64,
+                dp.cache.v.row_stride as i64,
+                dp.cache.v.head_stride as i64,
+            ],
+            kn_strides: new.map_or([0, 0], |n| [n.k.row_stride as i64, n.k.head_stride as i64]),
+            vn_strides: new.map_or([0, 0], |n| [n.v.row_stride as i64, n.v.head_stride as i64]),
+            softmax_scale: p.softmax_scale,
+            softcap: p.softcap.unwrap_or(1.0),
+            window: (side(p.window_left), side(p.window_right)),
+            lse_head_stride: p.lse_head_stride as i64,
+            total_rows: (p.total_q * p.heads) as i64,
+            max_q,
+            out_len: p.out_len(),
+            lse_len: p.lse_len(),
+            out_shape: p.out_shape.clone(),
+            lse_shape: p.lse_shape.clone(),
+        })
+    }
+}
+
+/// The launches a decode call with these host views and options would make (validated as the
+/// call would be), on a device of `sm_count` SMs. For the host emulation test of the kernels.
+#[doc(hidden)]
+pub fn decode_launch_description(
+    q: &TensorRef,
+    k_cache: &TensorRef,
+    v_cache: &TensorRef,
+    cache_seqlens: &[i32],
+    opts: &KvCacheOptions,
+    sm_count: usize,
+) -> Result<DecodeLaunch> {
+    let new_kv = opts.new_kv.as_ref().map(|(k, v)| (k, v));
+    let dp = crate::decode::validate(q, k_cache, v_cache, new_kv, cache_seqlens, opts)?;
+    DecodeLaunch::new(&dp, sm_count)
+}
+
+/// [`crate::flash_attn_with_kvcache`] on the GPU, queued on `dev`'s stream (returns without
+/// waiting): q `[batch, seqlen_q, heads, head_dim]` (or packed with `opts.cu_seqlens_q`), the
+/// caches `[batch_cache, seqlen_cache, heads_kv, head_dim]` (or paged with `opts.block_table`)
+/// and the new keys and values (`new_kv`, the layout of `opts.new_kv` on the CPU) in GPU memory.
+/// `cache_seqlens` and the other index arrays of `opts` (cu_seqlens, block table, cache_batch_idx,
+/// cache_leftpad), the rotary cos/sin tables and the ALiBi slopes are host data: they are
+/// validated on the host and the rows a call uses are uploaded with it (flash-attn keeps them on
+/// the device). `opts.new_kv` must be `None`; `opts.num_splits` overrides the split count
+/// (default: enough CTAs for two per SM, splits of at least 256 keys; at most
+/// [`MAX_DECODE_SPLITS`]).
+///
+/// As on the CPU, every input is validated before anything is queued: on error the caches are
+/// untouched. Appends run in batch order (one CTA per kv head), so a prefill-sized append is slow.
+pub fn flash_attn_with_kvcache(
+    dev: &CudaDevice,
+    q: &CudaTensor,
+    k_cache: &mut CudaTensor,
+    v_cache: &mut CudaTensor,
+    cache_seqlens: &[i32],
+    new_kv: Option<(&CudaTensor, &CudaTensor)>,
+    opts: &KvCacheOptions,
+) -> Result<CudaAttnOutput> {
+    if opts.new_kv.is_some() {
+        return Err(ErrorKind::CudaUnsupported {
+            feature: "host tensors in KvCacheOptions::new_kv",
+            detail: " (pass the new keys and values as device tensors, the `new_kv` argument)"
+                .into(),
+        }
+        .into());
+    }
+    let dp = crate::decode::validate(q, &*k_cache, &*v_cache, new_kv, cache_seqlens, opts)?;
+    let mut tensors = vec![q, &*k_cache, &*v_cache];
+    tensors.extend(new_kv.iter().flat_map(|(k, v)| [*k, *v]));
+    for t in tensors {
+        if !Arc::ptr_eq(t.buf.context(), &dev.ctx) {
+            return Err(ErrorKind::CudaUnsupported {
+                feature: "a tensor from another CUDA context",
+                detail: format!(" (the call runs on {})", dev.name),
+            }
+            .into());
+        }
+    }
+    if dp.p.dtype != DType::F32 && dev.arch.major < 8 {
+        return Err(ErrorKind::CudaUnsupported {
+            feature: "f16/bf16",
+            detail: format!(
+                " on {} (compute capability {}.{}; the kernels need 8.0 or newer)",
+                dev.name, dev.arch.major, dev.arch.minor
+            ),
+        }
+        .into());
+    }
+    let d = DecodeLaunch::new(&dp, dev.sm_count)?;
+    limit(
+        "shared memory per block (bytes)",
+        d.split.smem_bytes(),
+        dev.smem_optin,
+    )?;
+    let kernels = Kernels {
+        split: dev.function(&d.split)?.0,
+        combine: dev.function(&d.combine)?.0,
+        append: d
+            .append
+            .as_ref()
+            .map(|k| dev.function(k).map(|f| f.0))
+            .transpose()?,
+    };
+    let s = &dev.stream;
+    let (ws_o_len, ws_lse_len) = d.workspace_len();
+    let up = Uploads {
+        table: dev.htod(&d.table)?,
+        pages: dev.htod(&d.pages)?,
+        slopes: d.slopes.as_deref().map(|x| dev.htod(x)).transpose()?,
+        rot: d.rot.as_deref().map(|x| dev.htod(x)).transpose()?,
+        ws_o: alloc_poisoned::<f32>(s, ws_o_len)?,
+        ws_lse: alloc_poisoned::<f32>(s, ws_lse_len)?,
+        lse: alloc_poisoned::<f32>(s, d.lse_len)?,
+    };
+    macro_rules! typed {
+        ($variant:ident, $t:ty) => {{
+            let (
+                DeviceBuffer::$variant(qb),
+                DeviceBuffer::$variant(kb),
+                DeviceBuffer::$variant(vb),
+            ) = (&q.buf, &mut k_cache.buf, &mut v_cache.buf)
+            else {
+                unreachable!("the caches' dtype was validated against q's")
+            };
+            let new = match new_kv {
+                Some((kn, vn)) => match (&kn.buf, &vn.buf) {
+                    (DeviceBuffer::$variant(a), DeviceBuffer::$variant(b)) => Some((a, b)),
+                    _ => unreachable!("k_new and v_new were validated against q's dtype"),
+                },
+                None => None,
+            };
+            let mut out = alloc_poisoned::<$t>(s, d.out_len)?;
+            let lse = launch(dev, &d, &kernels, up, (qb, kb, vb), new, &mut out)?;
+            (DeviceBuffer::$variant(out), lse)
+        }};
+    }
+    let (out, lse) = match dp.p.dtype {
+        DType::F32 => typed!(F32, f32),
+        DType::F16 => typed!(F16, half::f16),
+        DType::BF16 => typed!(BF16, half::bf16),
+    };
+    Ok(CudaAttnOutput {
+        out: CudaTensor::contiguous(out, &d.out_shape),
+        lse: CudaTensor::contiguous(DeviceBuffer::F32(lse), &d.lse_shape),
+    })
+}
+
+struct Kernels {
+    split: CudaFunction,
+    combine: CudaFunction,
+    append: Option<CudaFunction>,
+}
+
+/// The call's tables on the device, its workspace and its lse.
+struct Uploads {
+    table: CudaSlice<i64>,
+    pages: CudaSlice<i32>,
+    slopes: Option<CudaSlice<f32>>,
+    rot: Option<CudaSlice<f32>>,
+    ws_o: CudaSlice<f32>,
+    ws_lse: CudaSlice<f32>,
+    lse: CudaSlice<f32>,
+}
+
+type Cache<'a, T> = (&'a CudaSlice<T>, &'a mut CudaSlice<T>, &'a mut CudaSlice<T>);
+
+/// Queues the append (if any), the splits and the merge; returns lse.
+fn launch<T>(
+    dev: &CudaDevice,
+    d: &DecodeLaunch,
+    f: &Kernels,
+    mut up: Uploads,
+    (q, k, v): Cache<'_, T>,
+    new: Option<(&CudaSlice<T>, &CudaSlice<T>)>,
+    out: &mut CudaSlice<T>,
+) -> Result<CudaSlice<f32>> {
+    let null: u64 = 0;
+    let cfg = |grid: (u32, u32, u32), smem: usize| LaunchConfig {
+        grid_dim: grid,
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    let (page_size, max_blocks) = (d.page_size, d.max_blocks);
+    if let (Some(fa), Some((kn, vn))) = (&f.append, new) {
+        if d.batch > 0 {
+            let batch = d.batch as i32;
+            let mut b = dev.stream.launch_builder(fa);
+            b.arg(kn).arg(vn).arg(&mut *k).arg(&mut *v);
+            b.arg(&up.table).arg(&up.pages);
+            match &up.rot {
+                Some(r) => b.arg(r),
+                None => b.arg(&null),
+            };
+            b.arg(&batch).arg(&d.head_dim);
+            for x in d.kn_strides.iter().chain(&d.vn_strides) {
+                b.arg(x);
+            }
+            for x in d.k_strides.iter().chain(&d.v_strides) {
+                b.arg(x);
+            }
+            b.arg(&page_size).arg(&max_blocks);
+            b.arg(&d.rot_half).arg(&d.rot_interleaved).arg(&d.rot_npos);
+            // SAFETY: the arguments match `decode_append` in decode.cu (pointers to T, T, T, T,
+            // i64, i32, f32 or null; i32 x2; i64 x10; i32 x5). Validation checked that every new
+            // row (table: bases, lengths) lies inside k_new/v_new, that cache_seqlen + new_len
+            // fits each sequence's capacity and that every page it names exists, so every write
+            // lies inside the caches; the rotary table holds rot_npos positions per sequence.
+            unsafe { b.launch(cfg(d.append_grid(), 0)) }.map_err(driver_err("cuLaunchKernel"))?;
+        }
+    }
+    if d.is_empty() {
+        return Ok(up.lse);
+    }
+    let splits = d.splits as i32;
+    let mut b = dev.stream.launch_builder(&f.split);
+    b.arg(q)
+        .arg(&*k)
+        .arg(&*v)
+        .arg(&mut up.ws_o)
+        .arg(&mut up.ws_lse);
+    b.arg(&up.table).arg(&up.pages);
+    for x in [&up.slopes, &up.rot] {
+        match x {
+            Some(t) => b.arg(t),
+            None => b.arg(&null),
+        };
+    }
+    b.arg(&d.heads)
+        .arg(&d.heads_kv)
+        .arg(&d.head_dim)
+        .arg(&splits);
+    for x in d.q_strides.iter().chain(&d.k_strides).chain(&d.v_strides) {
+        b.arg(x);
+    }
+    b.arg(&page_size).arg(&max_blocks);
+    b.arg(&d.softmax_scale).arg(&d.softcap);
+    b.arg(&d.window.0).arg(&d.window.1);
+    b.arg(&d.rot_half).arg(&d.rot_interleaved).arg(&d.rot_npos);
+    b.arg(&d.total_rows);
+    // SAFETY: the arguments match `decode_split` in decode.cu (pointers to T x3, f32 x2, i64, i32,
+    // f32 or null x2; i32 x4; i64 x8; i32 x2; f32 x2; i32 x5; i64). Validation checked every q row
+    // and every cache row a sequence attends (keys leftpad..seqlen_k through its pages); the
+    // workspace holds splits · total_rows rows of head_dim, each written by the one CTA that owns
+    // (split, row); the slopes hold one row of heads per launched sequence.
+    unsafe { b.launch(cfg(d.split_grid(), d.split.smem_bytes())) }
+        .map_err(driver_err("cuLaunchKernel"))?;
+    let mut b = dev.stream.launch_builder(&f.combine);
+    b.arg(&up.ws_o)
+        .arg(&up.ws_lse)
+        .arg(out)
+        .arg(&mut up.lse)
+        .arg(&up.table);
+    b.arg(&d.heads).arg(&d.head_dim).arg(&splits);
+    b.arg(&d.lse_head_stride).arg(&d.total_rows);
+    // SAFETY: the arguments match `decode_combine` (pointers to f32 x2, T, f32, i64; i32 x3;
+    // i64 x2); out and lse hold out_len / lse_len elements, and every (sequence, query, head)
+    // row of the table lies inside them (the tail sequence covers packed rows after the last).
+    unsafe { b.launch(cfg(d.combine_grid(), 0)) }.map_err(driver_err("cuLaunchKernel"))?;
+    Ok(up.lse)
+}
