@@ -2386,12 +2386,24 @@ mod emulated {
 
     /// One call through the emulated kernels, on copies of the caches.
     fn call(builds: &mut Builds, bl: &Built, c: &DCase, tag: &str) -> CallResult {
+        let lens: Vec<i32> = c.lens.iter().map(|&x| x as i32).collect();
+        run(builds, &bl.q_view(c), bl, &lens, &bl.opts(c), tag)
+    }
+
+    /// A call with q and options of the caller's making, on copies of `bl`'s caches.
+    fn run(
+        builds: &mut Builds,
+        q: &TensorRef,
+        bl: &Built,
+        lens: &[i32],
+        opts: &KvCacheOptions,
+        tag: &str,
+    ) -> CallResult {
+        let dtype = q.dtype();
         let (kc, vc) = (bl.k_cache.clone(), bl.v_cache.clone());
         let kv = TensorRef::from_slice(kc.as_slice(), &bl.map.shape, &bl.map.strides);
         let vv = TensorRef::from_slice(vc.as_slice(), &bl.map.shape, &bl.map.strides);
-        let lens: Vec<i32> = c.lens.iter().map(|&x| x as i32).collect();
-        let opts = bl.opts(c);
-        let d = match decode_launch_description(&bl.q_view(c), &kv, &vv, &lens, &opts, SM_COUNT) {
+        let d = match decode_launch_description(q, &kv, &vv, lens, opts, SM_COUNT) {
             Ok(d) => d,
             Err(e) => return (Err(e), kc, vc),
         };
@@ -2400,7 +2412,7 @@ mod emulated {
         let put = |name: &str, b: Vec<u8>| std::fs::write(dir.join(name), b).unwrap();
         let (k_len, v_len) = (kc.as_slice().len(), vc.as_slice().len());
         put("params.txt", params_text(&d, k_len, v_len).into_bytes());
-        put("q.bin", bytes(bl.qb.as_slice()));
+        put("q.bin", bytes(q.data()));
         put("k.bin", bytes(kc.as_slice()));
         put("v.bin", bytes(vc.as_slice()));
         put(
@@ -2411,9 +2423,9 @@ mod emulated {
             "pages.bin",
             d.pages.iter().flat_map(|x| x.to_le_bytes()).collect(),
         );
-        if let (Some((_, kb)), Some((_, vb))) = (&bl.k_new, &bl.v_new) {
-            put("kn.bin", bytes(kb.as_slice()));
-            put("vn.bin", bytes(vb.as_slice()));
+        if let Some((kn, vn)) = &opts.new_kv {
+            put("kn.bin", bytes(kn.data()));
+            put("vn.bin", bytes(vn.data()));
         }
         if let Some(s) = &d.slopes {
             put(
@@ -2429,13 +2441,13 @@ mod emulated {
             .arg(&dir)
             .output()
             .expect("run the emulation");
-        assert!(o.status.success(), "emulation of {c:?} failed: {o:?}");
+        assert!(o.status.success(), "emulation {tag} failed: {o:?}");
         let read = |name: &str| std::fs::read(dir.join(name)).unwrap();
-        let out = from_bytes(&read("out.bin"), c.dtype);
+        let out = from_bytes(&read("out.bin"), dtype);
         let lse = from_bytes(&read("lse.bin"), DType::F32);
         let (k_after, v_after) = (
-            from_bytes(&read("k_out.bin"), c.dtype),
-            from_bytes(&read("v_out.bin"), c.dtype),
+            from_bytes(&read("k_out.bin"), dtype),
+            from_bytes(&read("v_out.bin"), dtype),
         );
         let _ = std::fs::remove_dir_all(&dir);
         let res = AttnOutput {
@@ -2554,6 +2566,69 @@ mod emulated {
             "{n} decode cases emulated, {} kernel builds",
             builds.0.len()
         );
+    }
+
+    /// Packed queries of different lengths (`cu_seqlens_q`, two rows after the last sequence)
+    /// over every cache store, two of them with packed new keys (`cu_seqlens_k_new`): the
+    /// emulated kernels against the CPU path (itself checked against the reference in
+    /// `packed_queries_match_per_sequence_calls`), the caches afterwards bit for bit, the rows
+    /// after the last sequence exactly 0 with lse -inf.
+    #[test]
+    fn packed_queries_and_new_keys_match_the_cpu() {
+        if !have_compiler() {
+            return;
+        }
+        let mut builds = Builds(HashMap::new());
+        let q_lens = [3usize, 0, 1, 6, 2, 4];
+        let new_lens = [1usize, 0, 2, 1, 0, 3];
+        let total = q_lens.iter().sum::<usize>() + 2;
+        let total_new = new_lens.iter().sum::<usize>() + 1;
+        let (cu, cu_new) = (cumulative(&q_lens), cumulative(&new_lens));
+        let mut n = 0;
+        for dtype in DTYPES {
+            for mi in 0..4 {
+                n += 1;
+                let c = packed_case(dtype, mi, n, 1900 + n as u64);
+                let bl = build(&c);
+                let (h, hkv, d) = (c.heads, c.heads_kv, c.d);
+                let mut rng = common::rng(c.seed ^ 0xbeef);
+                let qb = to_buffer(&values(&mut rng, total * h * d, Dist::Normal), dtype);
+                let knb = to_buffer(&values(&mut rng, total_new * hkv * d, Dist::Normal), dtype);
+                let vnb = to_buffer(&values(&mut rng, total_new * hkv * d, Dist::Normal), dtype);
+                let lens: Vec<i32> = c.lens.iter().map(|&x| x as i32).collect();
+                let mut opts = bl.opts(&c).cu_seqlens_q(&cu);
+                // New keys on the stores whose every row has room (the paged case's block
+                // table maps only the pages its cached keys use).
+                let appends = mi >= 2;
+                if appends {
+                    opts = opts.cu_seqlens_k_new(&cu_new).new_kv(
+                        view_of(&knb, &[total_new, hkv, d]),
+                        view_of(&vnb, &[total_new, hkv, d]),
+                    );
+                }
+                let q = view_of(&qb, &[total, h, d]);
+                let (emu, ke, ve) = run(&mut builds, &q, &bl, &lens, &opts, &format!("packed_{n}"));
+                let emu = emu.unwrap_or_else(|e| panic!("{c:?}: {e}"));
+                let (mut kc, mut vc) = (bl.k_cache.clone(), bl.v_cache.clone());
+                let cpu = {
+                    let mut k = TensorMut::new(slice_mut(&mut kc), &bl.map.shape, &bl.map.strides);
+                    let mut v = TensorMut::new(slice_mut(&mut vc), &bl.map.shape, &bl.map.strides);
+                    flash_attn_with_kvcache(&q, &mut k, &mut v, &lens, &opts).unwrap()
+                };
+                let what = format!("{c:?} packed, new keys {appends}");
+                assert_eq!(buf_bits(&ke), buf_bits(&kc), "{what}: k_cache");
+                assert_eq!(buf_bits(&ve), buf_bits(&vc), "{what}: v_cache");
+                assert_eq!(emu.out.shape(), cpu.out.shape());
+                assert_eq!(emu.lse.shape(), cpu.lse.shape());
+                close(&cpu, &emu, dtype, &what);
+                let (out, lse) = (emu.out.to_f64_vec(), emu.lse.to_f64_vec());
+                assert!(out.iter().all(|x| x.is_finite()), "{what}: NaN in out");
+                for r in cu[q_lens.len()] as usize..total {
+                    assert!(out[r * h * d..(r + 1) * h * d].iter().all(|&x| x == 0.0));
+                    assert!((0..h).all(|hh| lse[hh * total + r] == f64::NEG_INFINITY));
+                }
+            }
+        }
     }
 
     /// Invalid calls are refused before any launch is described (the GPU path validates with the
