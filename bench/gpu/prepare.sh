@@ -10,15 +10,20 @@ rm -rf gpu-run && mkdir -p gpu-run
 cargo build --release -p flashattn-cli
 cp target/release/flashattn gpu-run/
 # Test executables of the library's and the CLI's CUDA tests (no debug info: smaller to carry).
-CARGO_PROFILE_DEV_DEBUG=0 cargo test --workspace --test cuda --no-run --message-format=json \
+# The decode tests' binary too (its `gpu` module runs the CUDA decode path; the other tests in it
+# run on the CPU and are filtered out by run.sh).
+CARGO_PROFILE_DEV_DEBUG=0 cargo test --workspace --test cuda --test decode --no-run --message-format=json \
     | python3 -c '
 import json, shutil, sys
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda":
-        dest = "gpu-run/cuda_tests_" + m["package_id"].split("#")[0].rstrip("/").split("/")[-1]
-        shutil.copy(m["executable"], dest)
-        print("copied", dest)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("cuda", "decode"):
+        pkg = m["package_id"].split("#")[0].rstrip("/").split("/")[-1]
+        if m["target"]["name"] == "decode" and pkg != "flashattn":
+            continue  # the CLI has a decode test file of its own, with nothing on the GPU
+        name = ("cuda_tests_" if m["target"]["name"] == "cuda" else "decode_tests_") + pkg
+        shutil.copy(m["executable"], "gpu-run/" + name)
+        print("copied", name)
 '
 strip gpu-run/* 2>/dev/null || true
 du -sh gpu-run

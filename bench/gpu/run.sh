@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the device machine (after bench/gpu/prepare.sh here, carrying gpu-run/): the CUDA tests (the
-# forward grid against the f64 reference, varlen, errors; the CLI's --device cuda tests), then
-# bench/compare_torch_cuda.py. Logs and JSON go to $OUT (or gpu-run/out).
+# forward grid against the f64 reference, varlen, errors; the CLI's --device cuda tests; the decode
+# path's cases), then bench/compare_torch_cuda_decode.py and bench/compare_torch_cuda.py. Logs and JSON go to $OUT (or gpu-run/out).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-run/out}
@@ -14,5 +14,11 @@ for t in gpu-run/cuda_tests_*; do
     echo "== $t"
     "$t" --test-threads 1 --nocapture 2>&1 | tee "$out/$(basename "$t").log" | grep -E "^test |test result|panicked|CUDA device|skipping" 
 done
+for t in gpu-run/decode_tests_*; do
+    echo "== $t (the GPU decode test only)"
+    "$t" gpu:: --test-threads 1 --nocapture 2>&1 | tee "$out/$(basename "$t").log" | grep -E "^test |test result|panicked|skipping"
+done
+python3 bench/compare_torch_cuda_decode.py --binary gpu-run/flashattn --out "$out/compare_cuda_decode.json" 2>&1 \
+    | tee "$out/compare_cuda_decode.log"
 python3 bench/compare_torch_cuda.py --binary gpu-run/flashattn --out "$out/compare_cuda.json" "$@" 2>&1 \
     | tee "$out/compare_cuda.log"

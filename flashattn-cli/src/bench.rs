@@ -212,9 +212,6 @@ struct Skipped {
 
 pub fn bench(args: &BenchArgs) -> Result<()> {
     if args.decode {
-        if args.device == crate::cuda::Device::Cuda {
-            return fail("--decode --device cuda: decoding runs on the CPU only so far");
-        }
         return crate::decode::bench(args);
     }
     let cases = validate(args)?;

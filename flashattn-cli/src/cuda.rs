@@ -256,3 +256,286 @@ fn measure(
 fn cudarc_event_flags() -> cuda::cudarc::driver::sys::CUevent_flags {
     cuda::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT
 }
+
+/// One `bench --decode --device cuda` row.
+#[derive(Serialize)]
+struct DecodeMeasured {
+    kind: &'static str,
+    #[serde(rename = "impl")]
+    implementation: &'static str,
+    pass: &'static str,
+    dtype: &'static str,
+    batch: usize,
+    heads: usize,
+    heads_kv: usize,
+    head_dim: usize,
+    seqlen_q: usize,
+    cache_len: usize,
+    page_size: Option<usize>,
+    num_splits: Option<usize>,
+    causal: bool,
+    kernel: String,
+    median_ms: f64,
+    min_ms: f64,
+    reps: usize,
+    /// Bytes of k and v one step reads (the whole cache of every sequence).
+    kv_bytes: f64,
+    gbps: f64,
+    /// A device-to-device copy of 1 GiB, timed the same way: bytes read + written per second.
+    copy_gbps: f64,
+    /// Largest |out - f64 reference| over a few rows.
+    max_abs_err: f64,
+}
+
+/// Median of CUDA-event times of `f` (each call queued alone between two events) after three
+/// warm-up calls, until `min_time` seconds and at least 10 calls.
+fn time_events<R>(
+    dev: &CudaDevice,
+    min_time: f64,
+    mut f: impl FnMut() -> flashattn::Result<R>,
+) -> Result<(f64, f64, usize)> {
+    for _ in 0..3 {
+        f()?;
+    }
+    dev.synchronize()?;
+    let timing = |e| {
+        flashattn::Error::from(flashattn::ErrorKind::CudaDriver {
+            call: "cuEventRecord / cuEventElapsedTime",
+            message: format!("{e:?}"),
+        })
+    };
+    let mut times_ms = Vec::new();
+    let start_all = Instant::now();
+    while times_ms.len() < 10
+        || (start_all.elapsed().as_secs_f64() < min_time && times_ms.len() < 10_000)
+    {
+        let flags = Some(cudarc_event_flags());
+        let start = dev.stream().record_event(flags).map_err(timing)?;
+        let res = f()?;
+        let end = dev.stream().record_event(flags).map_err(timing)?;
+        end.synchronize().map_err(timing)?;
+        times_ms.push(start.elapsed_ms(&end).map_err(timing)? as f64);
+        drop(res);
+    }
+    times_ms.sort_by(f64::total_cmp);
+    Ok((times_ms[times_ms.len() / 2], times_ms[0], times_ms.len()))
+}
+
+/// `bench --decode --device cuda`: one step (append `seqlen` tokens, attend the whole cache) of
+/// `cuda::flash_attn_with_kvcache` per shape, timed with CUDA events; KV GB/s against a 1 GiB
+/// device-to-device copy timed beside it.
+pub fn bench_decode(args: &crate::bench::BenchArgs, sqs: &[usize]) -> Result<()> {
+    use flashattn::{BlockTable, KvCacheOptions};
+    use rand::seq::SliceRandom;
+    let dev = CudaDevice::new(0)?;
+    let dtypes: Vec<DType> = match args.dtype {
+        Some(d) => vec![d.dtype()],
+        None => vec![DType::F32, DType::BF16],
+    };
+    let (batch, heads, heads_kv, d) = (args.batch, args.heads(), args.heads_kv(), args.head_dim());
+    // The copy rate: 1 GiB of f32 moved device to device.
+    let n = 1usize << 28;
+    let src = dev.stream().alloc_zeros::<f32>(n).map_err(|e| {
+        flashattn::Error::from(flashattn::ErrorKind::CudaDriver {
+            call: "cuMemAlloc",
+            message: format!("{e:?}"),
+        })
+    })?;
+    let mut dst = dev.stream().alloc_zeros::<f32>(n).map_err(|e| {
+        flashattn::Error::from(flashattn::ErrorKind::CudaDriver {
+            call: "cuMemAlloc",
+            message: format!("{e:?}"),
+        })
+    })?;
+    let (copy_ms, _, _) = time_events(&dev, 0.2, || {
+        dev.stream().memcpy_dtod(&src, &mut dst).map_err(|e| {
+            flashattn::Error::from(flashattn::ErrorKind::CudaDriver {
+                call: "cuMemcpyDtoD",
+                message: format!("{e:?}"),
+            })
+        })
+    })?;
+    drop((src, dst));
+    let copy_gbps = 2.0 * (n * 4) as f64 / (copy_ms * 1e-3) / 1e9;
+    if args.json {
+        let machine = serde_json::json!({
+            "kind": "machine",
+            "device": dev.name(),
+            "arch": dev.arch().target(),
+            "sm_count": dev.sm_count(),
+            "copy_gbps": copy_gbps,
+        });
+        println!("{machine}");
+    } else {
+        println!(
+            "device: {} ({}, {} SMs); 1 GiB device copy {:.0} GB/s (read + write); batch {batch}, heads {heads} (kv {heads_kv}), head_dim {d}",
+            dev.name(),
+            dev.arch().target(),
+            dev.sm_count(),
+            copy_gbps
+        );
+        println!(
+            "{:>5} {:>6} {:>9} {:>10} {:>9} {:>8} {:>9}  kernel",
+            "dtype", "seqlen", "cache_len", "median_ms", "KV_GB/s", "of_copy", "max_err"
+        );
+    }
+    for &dtype in &dtypes {
+        for (ci, &cap) in args.cache_len.iter().enumerate() {
+            for &sq in sqs {
+                let mut rng = ChaCha8Rng::seed_from_u64(args.seed.wrapping_add(ci as u64));
+                let (pages, rows, table, max_blocks) = match args.page_size {
+                    None => (batch, cap, Vec::new(), 1),
+                    Some(ps) => {
+                        let mb = cap.div_ceil(ps);
+                        let mut t: Vec<i32> = (0..(batch * mb) as i32).collect();
+                        t.shuffle(&mut rng);
+                        (batch * mb, ps, t, mb)
+                    }
+                };
+                let cs = [pages, rows, heads_kv, d];
+                let (qs, ns) = ([batch, sq, heads, d], [batch, sq, heads_kv, d]);
+                let numel = |s: &[usize]| s.iter().product::<usize>();
+                let hq = random_buffer(&mut rng, numel(&qs), dtype);
+                let hkn = random_buffer(&mut rng, numel(&ns), dtype);
+                let hvn = random_buffer(&mut rng, numel(&ns), dtype);
+                let hk = random_buffer(&mut rng, numel(&cs), dtype);
+                let hv = random_buffer(&mut rng, numel(&cs), dtype);
+                let q = dev.upload(&view(&hq, &qs))?;
+                let (kn, vn) = (dev.upload(&view(&hkn, &ns))?, dev.upload(&view(&hvn, &ns))?);
+                let mut k = dev.upload(&view(&hk, &cs))?;
+                let mut v = dev.upload(&view(&hv, &cs))?;
+                let lens = vec![(cap - sq) as i32; batch];
+                let attn = AttnOptions::default().causal(args.causal);
+                let mut opts = KvCacheOptions::default().attn(attn.clone());
+                opts.num_splits = args.num_splits;
+                if args.page_size.is_some() {
+                    opts = opts.block_table(BlockTable::new(&table, batch, max_blocks));
+                }
+                let mut step = || {
+                    cuda::flash_attn_with_kvcache(
+                        &dev,
+                        &q,
+                        &mut k,
+                        &mut v,
+                        &lens,
+                        Some((&kn, &vn)),
+                        &opts,
+                    )
+                };
+                let (median_ms, min_ms, reps) = time_events(&dev, args.min_time, &mut step)?;
+                let res = step()?;
+                // Accuracy: a few rows against the f64 reference, on the caches as appended.
+                let max_abs_err = if args.page_size.is_none() {
+                    let (kh, vh) = (k.to_host(&dev)?, v.to_host(&dev)?);
+                    let (kv, vv) = (view(kh.buffer(), &cs), view(vh.buffer(), &cs));
+                    let out = res.out.to_host(&dev)?.to_f64_vec();
+                    let qv = view(&hq, &qs);
+                    let mut worst = 0f64;
+                    for h in [0, heads / 2, heads - 1] {
+                        let (b, i) = (batch - 1, sq - 1);
+                        let (want, _) =
+                            flashattn::reference::attention_row(&qv, &kv, &vv, &attn, b, h, i)?;
+                        let at = ((b * sq + i) * heads + h) * d;
+                        for (x, w) in out[at..at + d].iter().zip(&want) {
+                            let e = (x - w).abs();
+                            worst = if e.is_nan() { f64::NAN } else { worst.max(e) };
+                        }
+                    }
+                    worst
+                } else {
+                    f64::NAN
+                };
+                let elem = if dtype == DType::F32 { 4.0 } else { 2.0 };
+                let kv_bytes = (batch * cap * heads_kv * d) as f64 * 2.0 * elem;
+                let gbps = kv_bytes / (median_ms * 1e-3) / 1e9;
+                let kernel = cuda::decode_launch_description(
+                    &view(&hq, &qs),
+                    &view(&hk, &cs),
+                    &view(&hv, &cs),
+                    &lens,
+                    &opts,
+                    dev.sm_count(),
+                )
+                .map(|l| format!("{} x{} splits", l.split.name(), l.splits))
+                .unwrap_or_default();
+                let m = DecodeMeasured {
+                    kind: "measurement",
+                    implementation: "flashattn-cuda",
+                    pass: "decode",
+                    dtype: dtype.name(),
+                    batch,
+                    heads,
+                    heads_kv,
+                    head_dim: d,
+                    seqlen_q: sq,
+                    cache_len: cap,
+                    page_size: args.page_size,
+                    num_splits: args.num_splits,
+                    causal: args.causal,
+                    kernel,
+                    median_ms,
+                    min_ms,
+                    reps,
+                    kv_bytes,
+                    gbps,
+                    copy_gbps,
+                    max_abs_err,
+                };
+                if args.json {
+                    println!("{}", serde_json::to_string(&m).expect("serialisable"));
+                } else {
+                    println!(
+                        "{:>5} {:>6} {:>9} {:>10.4} {:>9.0} {:>7.1}% {:>9.2e}  {}",
+                        m.dtype,
+                        sq,
+                        cap,
+                        m.median_ms,
+                        m.gbps,
+                        100.0 * m.gbps / copy_gbps,
+                        m.max_abs_err,
+                        m.kernel
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `run --device cuda` on a KV-cache file: q, the caches and the new keys/values (from `opts`'s
+/// host views) uploaded to GPU 0, one `cuda::flash_attn_with_kvcache` call, and the result and
+/// the caches as appended downloaded into `k_cache` / `v_cache`.
+pub fn decode_run(
+    q: &crate::st_io::Loaded,
+    k_cache: &mut crate::st_io::Loaded,
+    v_cache: &mut crate::st_io::Loaded,
+    cache_seqlens: &[i32],
+    opts: &flashattn::KvCacheOptions,
+) -> Result<AttnOutput> {
+    let dev = CudaDevice::new(0)?;
+    let dq = dev.upload(&q.view())?;
+    let mut dk = dev.upload(&k_cache.view())?;
+    let mut dv = dev.upload(&v_cache.view())?;
+    let new = match &opts.new_kv {
+        Some((k, v)) => Some((dev.upload(k)?, dev.upload(v)?)),
+        None => None,
+    };
+    let mut dev_opts = opts.clone();
+    dev_opts.new_kv = None;
+    let res = cuda::flash_attn_with_kvcache(
+        &dev,
+        &dq,
+        &mut dk,
+        &mut dv,
+        cache_seqlens,
+        new.as_ref().map(|(k, v)| (k, v)),
+        &dev_opts,
+    )?;
+    let out = AttnOutput {
+        out: res.out.to_host(&dev)?,
+        lse: res.lse.to_host(&dev)?,
+    };
+    k_cache.buf = dk.to_host(&dev)?.into_buffer();
+    v_cache.buf = dv.to_host(&dev)?.into_buffer();
+    Ok(out)
+}

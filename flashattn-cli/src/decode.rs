@@ -197,11 +197,15 @@ pub fn run(args: &RunArgs) -> Result<()> {
 
     run::write_atomically(&args.output, || {
         let (k_shape, v_shape) = (k_cache.shape.clone(), v_cache.shape.clone());
-        let res = with_threads(args.threads, || {
-            let mut k = TensorMut::contiguous(slice_mut(&mut k_cache.buf), &k_shape);
-            let mut v = TensorMut::contiguous(slice_mut(&mut v_cache.buf), &v_shape);
-            flash_attn_with_kvcache(&q.view(), &mut k, &mut v, &cache_seqlens, &opts)
-        })??;
+        let res = if args.device == crate::cuda::Device::Cuda {
+            crate::cuda::decode_run(&q, &mut k_cache, &mut v_cache, &cache_seqlens, &opts)?
+        } else {
+            with_threads(args.threads, || {
+                let mut k = TensorMut::contiguous(slice_mut(&mut k_cache.buf), &k_shape);
+                let mut v = TensorMut::contiguous(slice_mut(&mut v_cache.buf), &v_shape);
+                flash_attn_with_kvcache(&q.view(), &mut k, &mut v, &cache_seqlens, &opts)
+            })??
+        };
         st_io::serialize_named(&[
             ("out", res.out.buffer(), res.out.shape()),
             ("lse", res.lse.buffer(), res.lse.shape()),
@@ -428,6 +432,9 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
     }
     if args.num_splits == Some(0) {
         return fail("--num-splits must be at least 1 (leave it out for automatic)");
+    }
+    if args.device == crate::cuda::Device::Cuda {
+        return crate::cuda::bench_decode(args, &sqs);
     }
     with_threads(args.threads, || bench_in_pool(args, &sqs))?
 }

@@ -56,19 +56,14 @@ pub struct RunArgs {
     /// KV-cache files: number of key splits (default: chosen from the shape and thread count).
     #[arg(long)]
     pub num_splits: Option<usize>,
-    /// Where to compute: the CPU, or NVIDIA GPU 0 (forward only; kernels compiled by NVRTC at first
-    /// use).
+    /// Where to compute: the CPU, or NVIDIA GPU 0 (the forward and KV-cache decoding; kernels
+    /// compiled by NVRTC at first use).
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     pub device: Device,
 }
 
 pub fn run(args: &RunArgs) -> Result<()> {
     if crate::decode::is_kvcache_file(&args.input) {
-        if args.device == Device::Cuda {
-            return Err(CliError(
-                "KV-cache decoding runs on the CPU only so far; run it with --device cpu".into(),
-            ));
-        }
         return crate::decode::run(args);
     }
     let inputs = st_io::load(&args.input)?;

@@ -151,3 +151,43 @@ fn bench_on_cuda_reports_or_fails_cleanly() {
         );
     }
 }
+
+#[test]
+fn bench_decode_on_cuda_reports_or_fails_cleanly() {
+    let o = flashattn(&[
+        "bench",
+        "--decode",
+        "--device",
+        "cuda",
+        "--cache-len",
+        "1000,4096",
+        "--heads",
+        "8",
+        "--heads-kv",
+        "2",
+        "--min-time",
+        "0",
+        "--json",
+    ]);
+    if !o.status.success() {
+        assert_clean_failure(&o, "bench --decode --device cuda");
+        return;
+    }
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let rows: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|v: &serde_json::Value| v["kind"] == "measurement")
+        .collect();
+    // f32 and bf16 at two cache lengths.
+    assert_eq!(rows.len(), 4, "{stdout}");
+    for r in rows {
+        let (ms, err) = (r["median_ms"].as_f64().unwrap(), r["max_abs_err"].as_f64());
+        assert!(ms > 0.0 && ms.is_finite(), "{r}");
+        let bound = if r["dtype"] == "f32" { 1e-5 } else { 2e-2 };
+        assert!(
+            err.is_some_and(|e| e < bound),
+            "error too large or NaN: {r}"
+        );
+    }
+}

@@ -171,6 +171,50 @@ fn run_paged_cache_with_append_and_rotary_matches_the_library() {
     assert_eq!(v_after, bits(&vc), "v_cache");
 }
 
+/// `run --device cuda` on the same paged file: with a GPU, out, lse and the caches agree with the
+/// CPU run within rounding; without one, one `error:` line naming CUDA and no output file.
+#[test]
+fn run_kvcache_on_cuda_matches_cpu_or_fails_cleanly() {
+    let p = problem();
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("in.st");
+    write_st(&input, &tensors(&p));
+    let (cpu_out, gpu_out) = (dir.path().join("cpu.st"), dir.path().join("gpu.st"));
+    let flags = ["--causal", "--rotary-interleaved", "--num-splits", "2"];
+    let run = |out: &Path, device: &str| {
+        let mut args = vec!["run", input.to_str().unwrap(), out.to_str().unwrap()];
+        args.extend(flags);
+        args.extend(["--device", device]);
+        flashattn(&args)
+    };
+    assert_ok(&run(&cpu_out, "cpu"));
+    let res = run(&gpu_out, "cuda");
+    if !res.status.success() {
+        let stderr = String::from_utf8_lossy(&res.stderr);
+        let lines: Vec<&str> = stderr.lines().collect();
+        assert_eq!(lines.len(), 1, "{stderr}");
+        assert!(
+            lines[0].starts_with("error: ") && lines[0].contains("CUDA"),
+            "{stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert!(!gpu_out.exists(), "a failed run wrote its output");
+        return;
+    }
+    for name in ["out", "lse", "k_cache", "v_cache"] {
+        let (sa, a) = read_f32(&cpu_out, name);
+        let (sb, b) = read_f32(&gpu_out, name);
+        assert_eq!(sa, sb, "{name}");
+        for (x, y) in a.iter().zip(&b) {
+            let (x, y) = (f32::from_bits(*x), f32::from_bits(*y));
+            assert!(
+                x == y || (x - y).abs() <= 1e-5 * (1.0 + x.abs()),
+                "{name}: cpu {x} gpu {y}"
+            );
+        }
+    }
+}
+
 /// What `flashattn run` wrote (out, lse and k_cache, as bits) and what the library computes on
 /// the same inputs: q, contiguous caches `[3, 20, HKV, D]` and `lens` (written to the file here,
 /// with the `extra` tensors), `opts` (the library side uses one split, as the file's

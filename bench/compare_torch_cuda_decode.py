@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""flashattn's CUDA decode step against PyTorch's scaled_dot_product_attention on the same GPU, in
+one run: interleaved rounds, CUDA-event timing, medians.
+
+Shape of issue 6: batch 1, one new token, 32 query heads over 8 kv heads, head_dim 128, caches of
+4k-32k tokens (and a batch of 64 sequences x 2k), f32 and bf16. flashattn's step appends the token
+and attends the whole cache (`flashattn bench --decode --device cuda`); PyTorch's attends the same
+cache with `enable_gqa=True` (the caches laid out [batch, heads_kv, tokens, d], its layout), with
+no append. KV GB/s = bytes of k and v one step reads over the median time; "of copy" is that over
+the GPU's device-to-device copy rate (read + write) measured by the flashattn run.
+
+    python3 bench/compare_torch_cuda_decode.py --binary gpu-run/flashattn [--out results.json]
+"""
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+HEADS, HEADS_KV, D = 32, 8, 128
+
+
+def torch_ms(b, n, dtype, min_time):
+    import torch
+    import torch.nn.functional as F
+
+    dt = {"bf16": torch.bfloat16, "f32": torch.float32}[dtype]
+    g = torch.Generator(device="cuda").manual_seed(n)
+    q = torch.randn(b, HEADS, 1, D, device="cuda", dtype=dt, generator=g)
+    k = torch.randn(b, HEADS_KV, n, D, device="cuda", dtype=dt, generator=g)
+    v = torch.randn(b, HEADS_KV, n, D, device="cuda", dtype=dt, generator=g)
+    for _ in range(5):
+        F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    torch.cuda.synchronize()
+    times, t0 = [], time.time()
+    while len(times) < 10 or (time.time() - t0 < min_time and len(times) < 5000):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def flash(binary, b, n, dtype, min_time):
+    cmd = [binary, "bench", "--decode", "--device", "cuda", "--dtype", dtype, "--batch", str(b),
+           "--heads", str(HEADS), "--heads-kv", str(HEADS_KV), "--head-dim", str(D),
+           "--cache-len", str(n), "--json", "--min-time", str(min_time)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"flashattn failed: {' '.join(cmd)}\n{r.stderr}")
+    lines = [json.loads(l) for l in r.stdout.splitlines() if l.strip()]
+    machine = next(l for l in lines if l["kind"] == "machine")
+    m = next(l for l in lines if l["kind"] == "measurement")
+    return machine, m
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--binary", default="gpu-run/flashattn")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per shape")
+    ap.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")
+    ap.add_argument("--out", help="write the results as JSON here")
+    args = ap.parse_args()
+
+    import torch
+    shapes = [(1, 4096), (1, 16384), (1, 32768), (64, 2048)]
+    rows, machine = [], None
+    for dtype in ("bf16", "f32"):
+        for b, n in shapes:
+            t_ms, f_ms, fm = [], [], None
+            for _ in range(args.rounds):
+                t_ms.append(torch_ms(b, n, dtype, args.min_time))
+                machine, fm = flash(args.binary, b, n, dtype, args.min_time)
+                f_ms.append(fm["median_ms"])
+            t, f = statistics.median(t_ms), statistics.median(f_ms)
+            kv = 2.0 * b * n * HEADS_KV * D * (2 if dtype == "bf16" else 4)
+            row = dict(dtype=dtype, batch=b, cache_len=n, torch_ms=t, flashattn_ms=f,
+                       speedup=t / f, flashattn_gbps=kv / f / 1e6, torch_gbps=kv / t / 1e6,
+                       of_copy=kv / f / 1e6 / machine["copy_gbps"],
+                       flashattn_max_abs_err=fm["max_abs_err"], kernel=fm["kernel"],
+                       torch_round_ms=t_ms, flashattn_round_ms=f_ms)
+            rows.append(row)
+            print(f"{dtype} b={b:2} cache={n:6}: torch {t:8.4f} ms {row['torch_gbps']:6.0f} GB/s | "
+                  f"flashattn {f:8.4f} ms {row['flashattn_gbps']:6.0f} GB/s "
+                  f"({100 * row['of_copy']:.0f}% of copy) | x{row['speedup']:.2f} | "
+                  f"err {fm['max_abs_err']:.1e} | {fm['kernel']}", flush=True)
+    print(f"device {machine['device']} ({machine['arch']}), copy {machine['copy_gbps']:.0f} GB/s, "
+          f"torch {torch.__version__}")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                           machine=machine, torch=torch.__version__, rows=rows), fh, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
