@@ -2371,6 +2371,7 @@ mod emulated {
                 d.rot_npos as i64,
                 d.lse_head_stride,
                 d.total_rows,
+                d.vec_loads as i64,
                 d.out_len as i64,
                 d.lse_len as i64,
                 ws_o as i64,

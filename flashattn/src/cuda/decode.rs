@@ -69,6 +69,9 @@ pub struct DecodeLaunch {
     pub lse_head_stride: i64,
     /// Rows of out (total_q · heads): the stride of one split in the workspace.
     pub total_rows: i64,
+    /// 1 when head_dim and every cache stride are multiples of 8 elements: `decode_split` reads
+    /// keys 16 bytes at a time (device buffers start 256-byte aligned).
+    pub vec_loads: i32,
     /// Largest seqlen_q of a launched sequence.
     pub max_q: usize,
     pub out_len: usize,
@@ -266,6 +269,14 @@ impl DecodeLaunch {
             softcap: p.softcap.unwrap_or(1.0),
             window: (side(p.window_left), side(p.window_right)),
             lse_head_stride: p.lse_head_stride as i64,
+            vec_loads: [
+                p.head_dim,
+                dp.cache.k_page_stride,
+                dp.cache.k.row_stride,
+                dp.cache.k.head_stride,
+            ]
+            .iter()
+            .all(|x| x.is_multiple_of(8)) as i32,
             total_rows: (p.total_q * p.heads) as i64,
             max_q,
             out_len: p.out_len(),
@@ -494,9 +505,10 @@ fn launch<T>(
     b.arg(&d.softmax_scale).arg(&d.softcap);
     b.arg(&d.window.0).arg(&d.window.1);
     b.arg(&d.rot_half).arg(&d.rot_interleaved).arg(&d.rot_npos);
-    b.arg(&d.total_rows);
+    b.arg(&d.total_rows).arg(&d.vec_loads);
     // SAFETY: the arguments match `decode_split` in decode.cu (pointers to T x3, f32 x2, i64, i32,
-    // f32 or null x2; i32 x4; i64 x8; i32 x2; f32 x2; i32 x5; i64). Validation checked every q row
+    // f32 or null x2; i32 x4; i64 x8; i32 x2; f32 x2; i32 x5; i64; i32). With vec_loads every k
+    // row start is a multiple of 8 elements from the buffer's 256-byte-aligned start. Validation checked every q row
     // and every cache row a sequence attends (keys leftpad..seqlen_k through its pages); the
     // workspace holds splits · total_rows rows of head_dim, each written by the one CTA that owns
     // (split, row); the slopes hold one row of heads per launched sequence.

@@ -66,10 +66,10 @@ impl KernelKey {
     /// every variant by the compile test.
     pub fn tiles(&self) -> Tiles {
         if self.kind != KernelKind::Forward {
-            // decode.cu: 16 query rows, 32-key tiles, 4 warps (as the f32 forward).
+            // decode.cu: 16 query rows, 128-key tiles (a key per thread), 4 warps.
             return Tiles {
                 block_m: 16,
-                block_n: 32,
+                block_n: 128,
                 num_warps: 4,
             };
         }
@@ -110,14 +110,14 @@ impl KernelKey {
         let t = self.tiles();
         match self.kind {
             KernelKind::Forward => {}
-            // q [16][d+1], k [32][d+1], v [32][d], p [16][33] in f32, then 2 x 32 i64 row offsets.
+            // decode.cu: q [16][d] and p [16][128] in f32, two [4 warps][16] reductions, then
+            // 5 + 3 per-row statistics of 4 bytes.
             KernelKind::DecodeSplit => {
                 return 4
-                    * (t.block_m * (self.head_dim + 1)
-                        + t.block_n * (self.head_dim + 1)
-                        + t.block_n * self.head_dim
-                        + t.block_m * (t.block_n + 1))
-                    + 2 * 8 * t.block_n
+                    * (t.block_m * self.head_dim
+                        + t.block_m * t.block_n
+                        + 2 * t.num_warps * t.block_m
+                        + 8 * t.block_m)
             }
             KernelKind::DecodeCombine | KernelKind::DecodeAppend => return 0,
         }

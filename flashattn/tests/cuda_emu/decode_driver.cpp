@@ -32,7 +32,7 @@ int main(int argc, char** argv) {
     long long split_grid[3], combine_grid[3], append_grid[3], smem, has_append, has_slopes,
         has_rot, batch, heads, heads_kv, head_dim, splits, qs[2], ks[3], vs[3], kns[2], vns[2],
         page_size, max_blocks, window_left, window_right, rot_half, rot_inter, rot_npos,
-        lse_head_stride, total_rows, out_len, lse_len, ws_o_len, ws_lse_len, k_len, v_len;
+        lse_head_stride, total_rows, vec_loads, out_len, lse_len, ws_o_len, ws_lse_len, k_len, v_len;
     float scale, softcap;
     for (auto& x : split_grid) pf >> x;
     for (auto& x : combine_grid) pf >> x;
@@ -45,7 +45,7 @@ int main(int argc, char** argv) {
     for (auto& x : kns) pf >> x;
     for (auto& x : vns) pf >> x;
     pf >> page_size >> max_blocks >> scale >> softcap >> window_left >> window_right >> rot_half >>
-        rot_inter >> rot_npos >> lse_head_stride >> total_rows >> out_len >> lse_len >> ws_o_len >>
+        rot_inter >> rot_npos >> lse_head_stride >> total_rows >> vec_loads >> out_len >> lse_len >> ws_o_len >>
         ws_lse_len >> k_len >> v_len;
     if (!pf) return 3;
     auto q = read<elem_t>(dir + "/q.bin");
@@ -84,7 +84,7 @@ int main(int argc, char** argv) {
                          int(heads_kv), int(head_dim), int(splits), qs[0], qs[1], ks[0], ks[1],
                          ks[2], vs[0], vs[1], vs[2], int(page_size), int(max_blocks), scale,
                          softcap, int(window_left), int(window_right), int(rot_half),
-                         int(rot_inter), int(rot_npos), total_rows);
+                         int(rot_inter), int(rot_npos), total_rows, int(vec_loads));
         });
         emu::launch(dim(combine_grid), NUM_THREADS, 0, [&] {
             decode_combine(ws_o.data(), ws_lse.data(), out.data(), lse.data(), table.data(),

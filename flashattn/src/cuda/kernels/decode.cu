@@ -6,7 +6,7 @@
 // (FA_DECODE_ENTRY):
 //   1 decode_split    one CTA per (query row block, key split, kv head, sequence): the query rows
 //                     of one kv head's group (position i, head h: row i * group + h % group, up
-//                     to BLOCK_M = 16 of them) against its share of the sequence's keys, read in
+//                     to MAX_ROWS = 16 of them) against its share of the sequence's keys, read in
 //                     place from a contiguous or paged cache. Writes each row's normalised partial
 //                     output (f32) and LSE into a workspace.
 //   2 decode_combine  one warp per (query row, head): merges the splits' partials through their
@@ -20,19 +20,19 @@
 // in page pages[b * max_blocks + j / page_size], row j % page_size (a contiguous cache is one
 // page per sequence).
 //
-// Defines: FA_DECODE_ENTRY (0: all three, for the host emulation); FA_BF16 or FA_F16 (else f32); HEAD_DIM (padded head_dim, a multiple
-// of 32), IS_MASKED (causal or window), HAS_SOFTCAP, HAS_ALIBI.
+// Defines: FA_DECODE_ENTRY (0: all three, for the host emulation); FA_BF16 or FA_F16 (else f32);
+// HEAD_DIM (padded head_dim, a multiple of 32), IS_MASKED (causal or window), HAS_SOFTCAP,
+// HAS_ALIBI.
 #include "common.cuh"
 
 #define DECODE_FIELDS 10
-#define BLOCK_M 16
-#define BLOCK_N 32
+#define MAX_ROWS 16
 #define NUM_THREADS 128
-#define PITCH (HEAD_DIM + 1)
-#define P_PITCH (BLOCK_N + 1)
+#define NUM_WARPS (NUM_THREADS / 32)
+#define TILE NUM_THREADS                              // keys per tile: one per thread
+#define NCOL ((HEAD_DIM + NUM_THREADS - 1) / NUM_THREADS)  // output columns per thread
 
 static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "HEAD_DIM: a multiple of 32, at most 256");
-static_assert(NUM_THREADS == 8 * BLOCK_M && BLOCK_N == 32, "8 threads per row, 4 keys each");
 
 #if defined(FA_BF16) || defined(FA_F16)
 typedef u16 elem_t;
@@ -104,6 +104,63 @@ __device__ __forceinline__ float rotated(const elem_t* src, int x, const float* 
 }
 
 #if FA_DECODE_ENTRY == 1 || FA_DECODE_ENTRY == 0
+// 8 elements of a cache row at `p` as f32: one 16-byte load (two for f32) when `vec` (the launcher
+// checked head_dim, every cache stride and so every row start are multiples of 8 elements; device
+// buffers start 256-byte aligned), else element by element. Elements at or past `n` read as 0.
+__device__ __forceinline__ void load8(const elem_t* p, int n, bool vec, float out[8]) {
+    if (vec && n >= 8) {
+        u32 w[8 * sizeof(elem_t) / 4];
+#ifndef FA_HOST_EMULATION
+#if defined(FA_BF16) || defined(FA_F16)
+        const uint4 a = *reinterpret_cast<const uint4*>(p);
+        w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w;
+#else
+        const uint4 a = reinterpret_cast<const uint4*>(p)[0];
+        const uint4 b = reinterpret_cast<const uint4*>(p)[1];
+        w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w;
+        w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
+#endif
+#else
+        std::memcpy(w, p, sizeof(w));
+#endif
+#if defined(FA_BF16) || defined(FA_F16)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            out[2 * i] = to_f32((u16)(w[i] & 0xffffu));  // the lower address first
+            out[2 * i + 1] = to_f32((u16)(w[i] >> 16));
+        }
+#else
+#pragma unroll
+        for (int i = 0; i < 8; ++i) out[i] = __int_as_float((int)w[i]);
+#endif
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = i < n ? to_f32(p[i]) : 0.f;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int m = 16; m >= 1; m /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, m));
+    return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int m = 16; m >= 1; m /= 2) x += __shfl_xor_sync(0xffffffffu, x, m);
+    return x;
+}
+
+// One CTA: up to MAX_ROWS query rows (r = i * group + h % group of kv head hk) against this split's
+// keys, in tiles of TILE = 128 keys, one key per thread. Decoding reads each k/v element once and
+// multiplies it by only a few query rows, so the kernel is laid out for the loads:
+//   scores  thread t reads key n0 + t straight from the cache (16-byte loads where aligned) and
+//           keeps its scores for every row in registers; q comes from shared memory as 16-byte
+//           broadcasts (2 per 8 FMAs);
+//   softmax per row, the tile's max and sum over the CTA (warp shuffles, then 4 warps through
+//           shared memory); P to shared memory;
+//   P·V     thread t owns columns t and t + 128 of every row (accumulators in registers) and reads
+//           v row by row, each warp 32 consecutive elements of a row; P as 16-byte broadcasts.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 decode_split(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cache,
              const elem_t* __restrict__ v_cache, float* __restrict__ ws_o,
@@ -113,16 +170,21 @@ decode_split(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cache,
              i64 q_row_stride, i64 q_head_stride, i64 k_page_stride, i64 k_row_stride,
              i64 k_head_stride, i64 v_page_stride, i64 v_row_stride, i64 v_head_stride,
              int page_size, int max_blocks, float softmax_scale, float softcap, int window_left,
-             int window_right, int rot_half, int rot_interleaved, int rot_npos, i64 total_rows) {
+             int window_right, int rot_half, int rot_interleaved, int rot_npos, i64 total_rows,
+             int vec_loads) {
     FA_DYNAMIC_SMEM(float, smem_f);
-    float* q_tile = smem_f;                       // [BLOCK_M][PITCH]
-    float* k_tile = q_tile + BLOCK_M * PITCH;     // [BLOCK_N][PITCH]
-    float* v_tile = k_tile + BLOCK_N * PITCH;     // [BLOCK_N][HEAD_DIM]
-    float* p_tile = v_tile + BLOCK_N * HEAD_DIM;  // [BLOCK_M][P_PITCH]
-    // The tile's row offsets (kv head hk) in k_cache and v_cache. The float count above is even
-    // (80 HEAD_DIM + 576), so this is 8-byte aligned.
-    i64* k_off = (i64*)(p_tile + BLOCK_M * P_PITCH);
-    i64* v_off = k_off + BLOCK_N;
+    float* q_s = smem_f;                       // [MAX_ROWS][HEAD_DIM], rows of q (f32, rotated)
+    float* p_s = q_s + MAX_ROWS * HEAD_DIM;    // [MAX_ROWS][TILE], the tile's probabilities
+    float* red_max = p_s + MAX_ROWS * TILE;    // [NUM_WARPS][MAX_ROWS]
+    float* red_sum = red_max + NUM_WARPS * MAX_ROWS;
+    float* m_s = red_sum + NUM_WARPS * MAX_ROWS;  // [MAX_ROWS] running max (log2 domain)
+    float* l_s = m_s + MAX_ROWS;                  // running sum
+    float* alpha_s = l_s + MAX_ROWS;              // this tile's rescale
+    float* msub_s = alpha_s + MAX_ROWS;           // this tile's max, 0 where none
+    float* slope_s = msub_s + MAX_ROWS;           // ALiBi slope · log2(e)
+    int* lo_s = (int*)(slope_s + MAX_ROWS);       // first visible key
+    int* hi_s = lo_s + MAX_ROWS;                  // one past the last
+    int* pos_s = hi_s + MAX_ROWS;                 // query position i
 
     const int b = blockIdx.z, hk = blockIdx.y;
     const int rb = blockIdx.x / splits, sp = blockIdx.x % splits;
@@ -131,128 +193,179 @@ decode_split(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cache,
     const i64 q_base = s[3], out_row0 = s[4];
     const int group = heads / heads_kv;
     const int rows = seqlen_q * group;
-    const int r0 = rb * BLOCK_M;
+    const int r0 = rb * MAX_ROWS;
     if (r0 >= rows) return;
-    const int r_end = min(r0 + BLOCK_M, rows);
+    const int nrows = min(MAX_ROWS, rows - r0);
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 
     // Keys this CTA's rows see (both ends of a row's window grow with its position), from the
     // first visible one at leftpad on; this split's share of them.
     const Mask mask{seqlen_k, seqlen_k - seqlen_q, window_left, window_right};
     const int lo = max(mask.lo(r0 / group), leftpad);
-    const int hi = max(mask.hi((r_end - 1) / group), lo);
+    const int hi = max(mask.hi((r0 + nrows - 1) / group), lo);
     const int chunk = (hi - lo + splits - 1) / splits;
     const int n_lo = min(lo + sp * chunk, hi), n_hi = min(lo + (sp + 1) * chunk, hi);
 
-    // This thread's row and column phase; rows past r_end see no key.
-    const int r = threadIdx.x / 8, c8 = threadIdx.x % 8;
-    const bool valid = r0 + r < r_end;
-    const int i = valid ? (r0 + r) / group : 0;
-    const int h = hk * group + (valid ? (r0 + r) % group : 0);
-    const int row_lo = valid ? max(mask.lo(i), leftpad) : 0;
-    const int row_hi = valid ? mask.hi(i) : 0;
     ScoreMod mods;
     mods.scale_log2 = softmax_scale * FA_LOG2E;
     mods.cap_in = softmax_scale / softcap;
     mods.cap_out = softcap * FA_LOG2E;
-    mods.alibi_log2 = HAS_ALIBI ? alibi_slopes[b * heads + h] * FA_LOG2E : 0.f;
     mods.offset = mask.offset;
-
-    float acc_o[HEAD_DIM / 8];
-#pragma unroll
-    for (int c = 0; c < HEAD_DIM / 8; ++c) acc_o[c] = 0.f;
-    float row_max = -FA_INF, row_sum = 0.f;
-
-    if (n_lo < n_hi) {
-        // q rows in f32, rotated at flash-attn's positions: query i at cache_seqlen + i under a
-        // causal or window mask, every query at cache_seqlen otherwise.
-        for (int e = threadIdx.x; e < BLOCK_M * HEAD_DIM; e += NUM_THREADS) {
-            const int rr = e / HEAD_DIM, col = e % HEAD_DIM;
-            float x = 0.f;
-            if (r0 + rr < r_end && col < head_dim) {
-                const int ir = (r0 + rr) / group, hr = hk * group + (r0 + rr) % group;
-                const elem_t* src = q + q_base + (i64)ir * q_row_stride + (i64)hr * q_head_stride;
-                const float* cs =
-                    rot == nullptr
-                        ? nullptr
-                        : rot + ((i64)b * rot_npos + (IS_MASKED ? ir : 0)) * 2 * rot_half;
-                x = rotated(src, col, cs, rot_half, rot_interleaved);
-            }
-            q_tile[rr * PITCH + col] = x;
-        }
+    if (tid < MAX_ROWS) {
+        const int i = (r0 + tid) / group, h = hk * group + (r0 + tid) % group;
+        const bool valid = tid < nrows;
+        pos_s[tid] = valid ? i : 0;
+        lo_s[tid] = valid ? max(mask.lo(i), leftpad) : 0;
+        hi_s[tid] = valid ? mask.hi(i) : 0;
+        slope_s[tid] = HAS_ALIBI && valid ? alibi_slopes[b * heads + h] * FA_LOG2E : 0.f;
+        m_s[tid] = -FA_INF;
+        l_s[tid] = 0.f;
     }
+    // q rows in f32, rotated at flash-attn's positions: query i at cache_seqlen + i under a
+    // causal or window mask, every query at cache_seqlen otherwise. Rows past nrows and columns
+    // past head_dim are 0.
+    for (int e = tid; e < MAX_ROWS * HEAD_DIM; e += NUM_THREADS) {
+        const int rr = e / HEAD_DIM, col = e % HEAD_DIM;
+        float x = 0.f;
+        if (rr < nrows && col < head_dim && n_lo < n_hi) {
+            const int ir = (r0 + rr) / group, hr = hk * group + (r0 + rr) % group;
+            const elem_t* src = q + q_base + (i64)ir * q_row_stride + (i64)hr * q_head_stride;
+            const float* cs =
+                rot == nullptr ? nullptr
+                               : rot + ((i64)b * rot_npos + (IS_MASKED ? ir : 0)) * 2 * rot_half;
+            x = rotated(src, col, cs, rot_half, rot_interleaved);
+        }
+        q_s[e] = x;
+    }
+    __syncthreads();
 
-    for (int n0 = n_lo; n0 < n_hi; n0 += BLOCK_N) {
-        if (threadIdx.x < BLOCK_N) {
-            const int j = min(n0 + (int)threadIdx.x, n_hi - 1);
+    float acc[MAX_ROWS][NCOL];
+#pragma unroll
+    for (int r = 0; r < MAX_ROWS; ++r)
+#pragma unroll
+        for (int c = 0; c < NCOL; ++c) acc[r][c] = 0.f;
+
+    for (int n0 = n_lo; n0 < n_hi; n0 += TILE) {
+        const int n = min(TILE, n_hi - n0);
+        // Scores of key j = n0 + tid against every row.
+        const int j = n0 + tid;
+        float sc[MAX_ROWS];
+#pragma unroll
+        for (int r = 0; r < MAX_ROWS; ++r) sc[r] = 0.f;
+        if (tid < n) {
             const i64 page = pages[(i64)b * max_blocks + j / page_size];
-            const i64 row = j % page_size;
-            k_off[threadIdx.x] = page * k_page_stride + row * k_row_stride + hk * k_head_stride;
-            v_off[threadIdx.x] = page * v_page_stride + row * v_row_stride + hk * v_head_stride;
+            const elem_t* kr = k_cache + page * k_page_stride + (i64)(j % page_size) * k_row_stride +
+                               (i64)hk * k_head_stride;
+            for (int x0 = 0; x0 < HEAD_DIM && x0 < head_dim; x0 += 8) {
+                float kf[8];
+                load8(kr + x0, head_dim - x0, vec_loads != 0, kf);
+#pragma unroll
+                for (int r = 0; r < MAX_ROWS; ++r) {
+                    if (r < nrows) {
+                        const float* qr = q_s + r * HEAD_DIM + x0;
+                        float d = sc[r];
+#pragma unroll
+                        for (int u = 0; u < 8; ++u) d = fmaf(qr[u], kf[u], d);
+                        sc[r] = d;
+                    }
+                }
+            }
+        }
+        // Masks and modifiers, then the tile's max per row.
+#pragma unroll
+        for (int r = 0; r < MAX_ROWS; ++r) {
+            if (r < nrows) {
+                mods.alibi_log2 = slope_s[r];
+                float x = mods.apply(sc[r], pos_s[r], j);
+                if (tid >= n || j < lo_s[r] || j >= hi_s[r]) x = -FA_INF;
+                sc[r] = x;
+                const float mx = warp_max(x);
+                if (lane == 0) red_max[warp * MAX_ROWS + r] = mx;
+            }
         }
         __syncthreads();
-        for (int e = threadIdx.x; e < BLOCK_N * HEAD_DIM; e += NUM_THREADS) {
-            const int rr = e / HEAD_DIM, col = e % HEAD_DIM;
-            const bool ok = n0 + rr < n_hi && col < head_dim;
-            k_tile[rr * PITCH + col] = ok ? to_f32(k_cache[k_off[rr] + col]) : 0.f;
-            v_tile[rr * HEAD_DIM + col] = ok ? to_f32(v_cache[v_off[rr] + col]) : 0.f;
+        if (tid < nrows) {
+            float mx = m_s[tid];
+#pragma unroll
+            for (int w = 0; w < NUM_WARPS; ++w) mx = fmaxf(mx, red_max[w * MAX_ROWS + tid]);
+            const float m_use = mx == -FA_INF ? 0.f : mx;
+            alpha_s[tid] = fa_exp2(m_s[tid] - m_use);
+            msub_s[tid] = m_use;
+            m_s[tid] = mx;
         }
         __syncthreads();
-
-        float sc[4];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            const int jc = c8 + 8 * u;
-            float dot = 0.f;
-#pragma unroll 8
-            for (int d = 0; d < HEAD_DIM; ++d) dot = fmaf(q_tile[r * PITCH + d], k_tile[jc * PITCH + d], dot);
-            const int j = n0 + jc;
-            float x = mods.apply(dot, i, j);
-            if (j < row_lo || j >= row_hi || j >= n_hi) x = -FA_INF;
-            sc[u] = x;
+        for (int r = 0; r < MAX_ROWS; ++r) {
+            if (r < nrows) {
+                const float pr = fa_exp2(sc[r] - msub_s[r]);
+                p_s[r * TILE + tid] = pr;
+                const float sm = warp_sum(pr);
+                if (lane == 0) red_sum[warp * MAX_ROWS + r] = sm;
+            }
         }
-        float mx = fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
-        mx = fmaxf(mx, row_max);
-        const float m_use = mx == -FA_INF ? 0.f : mx;
-        const float alpha = fa_exp2(row_max - m_use);
-        row_max = mx;
-        float sum = 0.f;
+        __syncthreads();
+        if (tid < nrows) {
+            float sm = 0.f;
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            sc[u] = fa_exp2(sc[u] - m_use);
-            sum += sc[u];
-            p_tile[r * P_PITCH + c8 + 8 * u] = sc[u];
+            for (int w = 0; w < NUM_WARPS; ++w) sm += red_sum[w * MAX_ROWS + tid];
+            l_s[tid] = l_s[tid] * alpha_s[tid] + sm;
         }
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 4);
-        row_sum = row_sum * alpha + sum;
-        __syncwarp();  // the row's P was written by lanes of this warp only
+        // P·V: columns tid and tid + 128 of every row; keys with p = 0 (masked, past the tile's
+        // end) add nothing, and their v rows are not read past the tile's end.
 #pragma unroll
-        for (int c = 0; c < HEAD_DIM / 8; ++c) {
-            float acc = acc_o[c] * alpha;
-            const int col = c8 + 8 * c;
-#pragma unroll 8
-            for (int jc = 0; jc < BLOCK_N; ++jc) acc = fmaf(p_tile[r * P_PITCH + jc], v_tile[jc * HEAD_DIM + col], acc);
-            acc_o[c] = acc;
+        for (int r = 0; r < MAX_ROWS; ++r) {
+            if (r < nrows) {
+                const float a = alpha_s[r];
+#pragma unroll
+                for (int c = 0; c < NCOL; ++c) acc[r][c] *= a;
+            }
         }
-        __syncthreads();  // the tiles are rewritten next
+        int page_blk = -1;
+        const elem_t* vp = nullptr;
+        for (int jj = 0; jj < n; ++jj) {
+            const int jk = n0 + jj;
+            if (jk / page_size != page_blk || page_blk < 0) {
+                page_blk = jk / page_size;
+                vp = v_cache + (i64)pages[(i64)b * max_blocks + page_blk] * v_page_stride +
+                     (i64)hk * v_head_stride;
+            }
+            const elem_t* vr = vp + (i64)(jk % page_size) * v_row_stride;
+            float vv[NCOL];
+#pragma unroll
+            for (int c = 0; c < NCOL; ++c) {
+                const int col = tid + c * NUM_THREADS;
+                vv[c] = col < head_dim ? to_f32(vr[col]) : 0.f;
+            }
+#pragma unroll
+            for (int r = 0; r < MAX_ROWS; ++r) {
+                if (r < nrows) {
+                    const float pr = p_s[r * TILE + jj];
+#pragma unroll
+                    for (int c = 0; c < NCOL; ++c) acc[r][c] = fmaf(pr, vv[c], acc[r][c]);
+                }
+            }
+        }
+        __syncthreads();  // p_s, the reductions and the statistics are rewritten next tile
     }
 
-    if (valid) {
-        const i64 row = (out_row0 + i) * heads + h;
-        const float inv = row_sum == 0.f ? 0.f : 1.f / row_sum;
-        float* o = ws_o + ((i64)sp * total_rows + row) * head_dim;
+    // Each row normalised: partial out (f32) and LSE into this split's workspace.
 #pragma unroll
-        for (int c = 0; c < HEAD_DIM / 8; ++c) {
-            const int col = c8 + 8 * c;
-            if (col < head_dim) o[col] = acc_o[c] * inv;
+    for (int r = 0; r < MAX_ROWS; ++r) {
+        if (r < nrows) {
+            const int i = (r0 + r) / group, h = hk * group + (r0 + r) % group;
+            const i64 row = (out_row0 + i) * heads + h;
+            const float l = l_s[r];
+            const float inv = l == 0.f ? 0.f : 1.f / l;
+            float* o = ws_o + ((i64)sp * total_rows + row) * head_dim;
+#pragma unroll
+            for (int c = 0; c < NCOL; ++c) {
+                const int col = tid + c * NUM_THREADS;
+                if (col < head_dim) o[col] = acc[r][c] * inv;
+            }
+            if (tid == 0)
+                ws_lse[(i64)sp * total_rows + row] =
+                    l == 0.f ? -FA_INF : (m_s[r] + log2f(l)) * FA_LN2;
         }
-        if (c8 == 0)
-            ws_lse[(i64)sp * total_rows + row] =
-                row_sum == 0.f ? -FA_INF : (row_max + log2f(row_sum)) * FA_LN2;
     }
 }
 #endif  // FA_DECODE_ENTRY == 1
