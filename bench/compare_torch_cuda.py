@@ -26,6 +26,25 @@ def pairs(s, causal):
     return s * (s + 1) // 2 if causal else s * s
 
 
+def event_median_ms(fn, min_time):
+    """Median CUDA-event time of fn() (ms) after 5 warm-up calls, for min_time s and >= 10 calls."""
+    import torch
+
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    times, t0 = [], time.time()
+    while len(times) < 10 or (time.time() - t0 < min_time and len(times) < 5000):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def torch_ms(b, h, s, d, causal, dtype, min_time):
     import torch
     import torch.nn.functional as F
@@ -34,27 +53,13 @@ def torch_ms(b, h, s, d, causal, dtype, min_time):
     dt = {"bf16": torch.bfloat16, "f16": torch.float16}[dtype]
     g = torch.Generator(device="cuda").manual_seed(s * 31 + d)
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dt, generator=g) for _ in range(3))
-    times = []
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        for _ in range(5):
-            F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        torch.cuda.synchronize()
-        t0 = time.time()
-        while len(times) < 10 or (time.time() - t0 < min_time and len(times) < 5000):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        return event_median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                               min_time)
 
 
-def flash(binary, b, h, s, d, causal, dtype, min_time):
-    cmd = [binary, "bench", "--device", "cuda", "--dtype", dtype, "--batch", str(b),
-           "--heads", str(h), "--head-dim", str(d), "--seqlen", str(s), "--json",
-           "--min-time", str(min_time)] + (["--causal"] if causal else [])
+def run_json(cmd):
+    """Runs a `flashattn ... --json` command: its machine line and first measurement line."""
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"flashattn failed: {' '.join(cmd)}\n{r.stderr}")
@@ -62,6 +67,13 @@ def flash(binary, b, h, s, d, causal, dtype, min_time):
     machine = next(l for l in lines if l["kind"] == "machine")
     m = next(l for l in lines if l["kind"] == "measurement")
     return machine, m
+
+
+def flash(binary, b, h, s, d, causal, dtype, min_time):
+    cmd = [binary, "bench", "--device", "cuda", "--dtype", dtype, "--batch", str(b),
+           "--heads", str(h), "--head-dim", str(d), "--seqlen", str(s), "--json",
+           "--min-time", str(min_time)] + (["--causal"] if causal else [])
+    return run_json(cmd)
 
 
 def main():

@@ -15,9 +15,9 @@ import argparse
 import datetime
 import json
 import statistics
-import subprocess
 import sys
-import time
+
+from compare_torch_cuda import event_median_ms, run_json
 
 HEADS, HEADS_KV, D = 32, 8, 128
 
@@ -31,32 +31,15 @@ def torch_ms(b, n, dtype, min_time):
     q = torch.randn(b, HEADS, 1, D, device="cuda", dtype=dt, generator=g)
     k = torch.randn(b, HEADS_KV, n, D, device="cuda", dtype=dt, generator=g)
     v = torch.randn(b, HEADS_KV, n, D, device="cuda", dtype=dt, generator=g)
-    for _ in range(5):
-        F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-    torch.cuda.synchronize()
-    times, t0 = [], time.time()
-    while len(times) < 10 or (time.time() - t0 < min_time and len(times) < 5000):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return event_median_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                           min_time)
 
 
 def flash(binary, b, n, dtype, min_time):
-    cmd = [binary, "bench", "--decode", "--device", "cuda", "--dtype", dtype, "--batch", str(b),
-           "--heads", str(HEADS), "--heads-kv", str(HEADS_KV), "--head-dim", str(D),
-           "--cache-len", str(n), "--json", "--min-time", str(min_time)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise SystemExit(f"flashattn failed: {' '.join(cmd)}\n{r.stderr}")
-    lines = [json.loads(l) for l in r.stdout.splitlines() if l.strip()]
-    machine = next(l for l in lines if l["kind"] == "machine")
-    m = next(l for l in lines if l["kind"] == "measurement")
-    return machine, m
+    return run_json([binary, "bench", "--decode", "--device", "cuda", "--dtype", dtype,
+                     "--batch", str(b), "--heads", str(HEADS), "--heads-kv", str(HEADS_KV),
+                     "--head-dim", str(D), "--cache-len", str(n), "--json",
+                     "--min-time", str(min_time)])
 
 
 def main():

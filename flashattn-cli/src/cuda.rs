@@ -175,31 +175,7 @@ fn measure(
     let prepared = dev.prepare(&key)?;
 
     let run = || cuda::flash_attn(dev, &dq, &dk, &dv, &opts);
-    for _ in 0..3 {
-        run()?;
-    }
-    dev.synchronize()?;
-    let timing = |e| {
-        flashattn::Error::from(flashattn::ErrorKind::CudaDriver {
-            call: "cuEventRecord / cuEventElapsedTime",
-            message: format!("{e:?}"),
-        })
-    };
-    let mut times_ms = Vec::new();
-    let start_all = Instant::now();
-    while times_ms.len() < 10
-        || (start_all.elapsed().as_secs_f64() < cfg.min_time && times_ms.len() < 10_000)
-    {
-        let flags = Some(cudarc_event_flags());
-        let start = dev.stream().record_event(flags).map_err(timing)?;
-        let res = run()?;
-        let end = dev.stream().record_event(flags).map_err(timing)?;
-        end.synchronize().map_err(timing)?;
-        times_ms.push(start.elapsed_ms(&end).map_err(timing)? as f64);
-        drop(res);
-    }
-    times_ms.sort_by(f64::total_cmp);
-    let median_ms = times_ms[times_ms.len() / 2];
+    let (median_ms, min_ms, reps) = time_events(dev, cfg.min_time, run)?;
     let flops = flashattn::flops::forward(b, h, sq, sk, d, cfg.causal, (-1, -1));
 
     // Error of sampled rows against the f64 reference.
@@ -243,8 +219,8 @@ fn measure(
         },
         prepare_ms: prepared.time.as_secs_f64() * 1e3,
         median_ms,
-        min_ms: times_ms[0],
-        reps: times_ms.len(),
+        min_ms,
+        reps,
         flops,
         tflops: flops / (median_ms * 1e-3) / 1e12,
         max_abs_err,
@@ -427,21 +403,12 @@ pub fn bench_decode(args: &crate::bench::BenchArgs, sqs: &[usize]) -> Result<()>
                 // Accuracy: a few rows against the f64 reference, on the caches as appended.
                 let max_abs_err = if args.page_size.is_none() {
                     let (kh, vh) = (k.to_host(&dev)?, v.to_host(&dev)?);
-                    let (kv, vv) = (view(kh.buffer(), &cs), view(vh.buffer(), &cs));
-                    let out = res.out.to_host(&dev)?.to_f64_vec();
-                    let qv = view(&hq, &qs);
-                    let mut worst = 0f64;
-                    for h in [0, heads / 2, heads - 1] {
-                        let (b, i) = (batch - 1, sq - 1);
-                        let (want, _) =
-                            flashattn::reference::attention_row(&qv, &kv, &vv, &attn, b, h, i)?;
-                        let at = ((b * sq + i) * heads + h) * d;
-                        for (x, w) in out[at..at + d].iter().zip(&want) {
-                            let e = (x - w).abs();
-                            worst = if e.is_nan() { f64::NAN } else { worst.max(e) };
-                        }
-                    }
-                    worst
+                    crate::decode::last_rows_error(
+                        &view(&hq, &qs),
+                        (&view(kh.buffer(), &cs), &view(vh.buffer(), &cs)),
+                        &attn,
+                        &res.out.to_host(&dev)?.to_f64_vec(),
+                    )?
                 } else {
                     f64::NAN
                 };

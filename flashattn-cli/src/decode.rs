@@ -588,19 +588,12 @@ fn bench_one(
     let max_abs_err = if args.page_size.is_none() {
         let strided =
             |b| flashattn::TensorRef::from_slice(Buffer::as_slice(b), &cache_shape, &cache_strides);
-        let (kv, vv) = (strided(&kc), strided(&vc));
-        let out = timing.first.out.to_f64_vec();
-        let mut worst = 0f64;
-        for h in [0, heads / 2, heads - 1] {
-            let (b, i) = (batch - 1, sq - 1);
-            let (want, _) = reference::attention_row(&q, &kv, &vv, &attn, b, h, i)?;
-            let at = ((b * sq + i) * heads + h) * d;
-            for (x, w) in out[at..at + d].iter().zip(&want) {
-                let e = (x - w).abs();
-                worst = if e.is_nan() { f64::NAN } else { worst.max(e) };
-            }
-        }
-        Some(worst)
+        Some(last_rows_error(
+            &q,
+            (&strided(&kc), &strided(&vc)),
+            &attn,
+            &timing.first.out.to_f64_vec(),
+        )?)
     } else {
         None
     };
@@ -636,4 +629,27 @@ fn bench_one(
         peak_extra_bytes: timing.peak_extra as u64,
         max_abs_err,
     })
+}
+
+/// The largest |out - f64 reference| over three heads (first, middle, last) of the last query of
+/// the last sequence, attending the caches `kv` (`[batch, cap, heads_kv, d]` views, as appended by
+/// the timed steps); NaN when any element is NaN. `out` is the step's `[batch, sq, heads, d]`.
+pub fn last_rows_error(
+    q: &flashattn::TensorRef,
+    (kv, vv): (&flashattn::TensorRef, &flashattn::TensorRef),
+    attn: &AttnOptions,
+    out: &[f64],
+) -> Result<f64> {
+    let (batch, sq, heads, d) = (q.shape()[0], q.shape()[1], q.shape()[2], q.shape()[3]);
+    let mut worst = 0f64;
+    for h in [0, heads / 2, heads - 1] {
+        let (b, i) = (batch - 1, sq - 1);
+        let (want, _) = reference::attention_row(q, kv, vv, attn, b, h, i)?;
+        let at = ((b * sq + i) * heads + h) * d;
+        for (x, w) in out[at..at + d].iter().zip(&want) {
+            let e = (x - w).abs();
+            worst = if e.is_nan() { f64::NAN } else { worst.max(e) };
+        }
+    }
+    Ok(worst)
 }

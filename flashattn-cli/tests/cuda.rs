@@ -114,6 +114,17 @@ fn run_on_cuda_matches_cpu_or_fails_cleanly() {
     }
 }
 
+/// stdout of a `--json` run, and its measurement lines.
+fn measurements(o: &Output) -> (String, Vec<serde_json::Value>) {
+    let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
+    let rows = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|v: &serde_json::Value| v["kind"] == "measurement")
+        .collect();
+    (stdout, rows)
+}
+
 #[test]
 fn bench_on_cuda_reports_or_fails_cleanly() {
     let o = flashattn(&[
@@ -135,12 +146,7 @@ fn bench_on_cuda_reports_or_fails_cleanly() {
         assert_clean_failure(&o, "bench --device cuda");
         return;
     }
-    let stdout = String::from_utf8_lossy(&o.stdout);
-    let rows: Vec<serde_json::Value> = stdout
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .filter(|v: &serde_json::Value| v["kind"] == "measurement")
-        .collect();
+    let (stdout, rows) = measurements(&o);
     assert_eq!(rows.len(), 2, "{stdout}");
     for r in rows {
         let (ms, err) = (r["median_ms"].as_f64().unwrap(), r["max_abs_err"].as_f64());
@@ -173,12 +179,7 @@ fn bench_decode_on_cuda_reports_or_fails_cleanly() {
         assert_clean_failure(&o, "bench --decode --device cuda");
         return;
     }
-    let stdout = String::from_utf8_lossy(&o.stdout);
-    let rows: Vec<serde_json::Value> = stdout
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .filter(|v: &serde_json::Value| v["kind"] == "measurement")
-        .collect();
+    let (stdout, rows) = measurements(&o);
     // f32 and bf16 at two cache lengths.
     assert_eq!(rows.len(), 4, "{stdout}");
     for r in rows {

@@ -12,92 +12,27 @@
 
 mod common;
 
+use common::emu::{bytes, from_bytes, have_compiler, work_dir, Builds, KERNELS};
 use common::grid::grid;
 use common::*;
 use flashattn::cuda::{launch_description, KernelKey, LaunchDescription};
-use flashattn::{AttnOutput, Buffer, DType, Slice, Tensor, TensorRef};
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use flashattn::{AttnOutput, DType, Tensor, TensorRef};
 use std::process::Command;
 
-const KERNELS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/src/cuda/kernels");
 const DRIVER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/cuda_emu/driver.cpp");
 
-fn work_dir() -> PathBuf {
-    let d = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/cuda_emu");
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// The forward drivers' builds: fwd.cu or fwd_f32.cu, named to the driver by FA_KERNEL.
+fn forward_builds() -> Builds {
+    Builds::new(DRIVER, &[])
 }
 
-/// Whether g++ can be used, printing why not (or failing when CI requires the test).
-fn have_compiler() -> bool {
-    let ok = Command::new("g++")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !ok {
-        let required = std::env::var("FLASHATTN_REQUIRE_EMULATION").is_ok_and(|v| v == "1");
-        assert!(
-            !required,
-            "FLASHATTN_REQUIRE_EMULATION=1 but g++ is missing"
-        );
-        eprintln!("skipping the emulated CUDA kernels: no g++");
-    }
-    ok
-}
-
-/// Builds (once per test process) the emulation binary of a kernel variant.
-struct Builds(HashMap<KernelKey, PathBuf>);
-
-impl Builds {
-    fn get(&mut self, key: &KernelKey) -> PathBuf {
-        if let Some(p) = self.0.get(key) {
-            return p.clone();
-        }
-        let exe = work_dir().join(format!("{}_{}", key.name(), std::process::id()));
-        let file = if key.dtype == DType::F32 {
-            "fwd_f32.cu"
-        } else {
-            "fwd.cu"
-        };
-        let mut cmd = Command::new("g++");
-        cmd.args(["-std=c++20", "-O1", "-pthread", "-DFA_HOST_EMULATION"])
-            .arg(format!("-DFA_KERNEL=\"{KERNELS}/{file}\""))
-            .arg(format!("-I{KERNELS}"));
-        for (k, v) in key.defines() {
-            cmd.arg(format!("-D{k}={v}"));
-        }
-        let out = cmd
-            .arg(DRIVER)
-            .arg("-o")
-            .arg(&exe)
-            .output()
-            .expect("run g++");
-        assert!(
-            out.status.success(),
-            "g++ failed for {}:\n{}",
-            key.name(),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        self.0.insert(*key, exe.clone());
-        exe
-    }
-}
-
-impl Drop for Builds {
-    fn drop(&mut self) {
-        for p in self.0.values() {
-            let _ = std::fs::remove_file(p);
-        }
-    }
-}
-
-fn bytes(s: Slice<'_>) -> Vec<u8> {
-    match s {
-        Slice::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        Slice::F16(v) => v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
-        Slice::BF16(v) => v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
-    }
+fn exe(builds: &mut Builds, key: &KernelKey) -> std::path::PathBuf {
+    let file = if key.dtype == DType::F32 {
+        "fwd_f32.cu"
+    } else {
+        "fwd.cu"
+    };
+    builds.get(key, &[format!("-DFA_KERNEL=\"{KERNELS}/{file}\"")])
 }
 
 /// Runs the emulated kernel of `d` on the buffers behind q, k, v.
@@ -159,7 +94,7 @@ fn run(
         .unwrap();
     }
     if !d.is_empty() {
-        let exe = builds.get(&d.key);
+        let exe = exe(builds, &d.key);
         let o = Command::new(&exe)
             .arg(&dir)
             .output()
@@ -177,23 +112,7 @@ fn run(
         .chunks(4)
         .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
         .collect();
-    let out = match q.dtype() {
-        DType::F32 => Buffer::F32(
-            ob.chunks(4)
-                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                .collect(),
-        ),
-        DType::F16 => Buffer::F16(
-            ob.chunks(2)
-                .map(|c| half::f16::from_bits(u16::from_le_bytes(c.try_into().unwrap())))
-                .collect(),
-        ),
-        DType::BF16 => Buffer::BF16(
-            ob.chunks(2)
-                .map(|c| half::bf16::from_bits(u16::from_le_bytes(c.try_into().unwrap())))
-                .collect(),
-        ),
-    };
+    let out = from_bytes(&ob, q.dtype());
     let _ = std::fs::remove_dir_all(&dir);
     // An empty description launched nothing and wrote no file: its shapes hold no element.
     AttnOutput {
@@ -215,7 +134,7 @@ fn run_grid(dtype: DType) {
     if !have_compiler() {
         return;
     }
-    let mut builds = Builds(HashMap::new());
+    let mut builds = forward_builds();
     let mut ran = 0;
     for (i, case) in grid(dtype).into_iter().enumerate() {
         if case.cost() > budget() {
@@ -268,7 +187,7 @@ fn varlen() {
     if !have_compiler() {
         return;
     }
-    let mut builds = Builds(HashMap::new());
+    let mut builds = forward_builds();
     for dtype in [DType::BF16, DType::F16, DType::F32] {
         for (n, case) in varlen_cases(dtype, 2, 1, 40).into_iter().enumerate() {
             let inputs = case.build();

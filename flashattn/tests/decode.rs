@@ -2224,13 +2224,10 @@ fn query_blocks_of_unequal_size() {
 #[cfg(feature = "cuda")]
 mod emulated {
     use super::*;
-    use flashattn::cuda::{decode_launch_description, DecodeLaunch, KernelKey};
-    use flashattn::Slice;
-    use std::collections::HashMap;
-    use std::path::{Path, PathBuf};
+    use crate::common::emu::{bytes, from_bytes, have_compiler, work_dir, Builds};
+    use flashattn::cuda::{decode_launch_description, DecodeLaunch};
     use std::process::Command;
 
-    const KERNELS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/src/cuda/kernels");
     const DRIVER: &str = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/tests/cuda_emu/decode_driver.cpp"
@@ -2238,100 +2235,9 @@ mod emulated {
     /// The SM count the automatic split choice assumes (an H100 SXM's).
     const SM_COUNT: usize = 132;
 
-    fn work_dir() -> PathBuf {
-        let d = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/cuda_emu");
-        std::fs::create_dir_all(&d).unwrap();
-        d
-    }
-
-    /// Whether g++ can be used (CI sets FLASHATTN_REQUIRE_EMULATION=1: then it must be).
-    fn have_compiler() -> bool {
-        let ok = Command::new("g++")
-            .arg("--version")
-            .output()
-            .is_ok_and(|o| o.status.success());
-        if !ok {
-            let required = std::env::var("FLASHATTN_REQUIRE_EMULATION").is_ok_and(|v| v == "1");
-            assert!(
-                !required,
-                "FLASHATTN_REQUIRE_EMULATION=1 but g++ is missing"
-            );
-            eprintln!("skipping the emulated CUDA decode kernels: no g++");
-        }
-        ok
-    }
-
-    /// One emulation binary per split-kernel variant (it holds all three kernels).
-    struct Builds(HashMap<KernelKey, PathBuf>);
-
-    impl Builds {
-        fn get(&mut self, key: &KernelKey) -> PathBuf {
-            if let Some(p) = self.0.get(key) {
-                return p.clone();
-            }
-            let exe = work_dir().join(format!("{}_{}", key.name(), std::process::id()));
-            let mut cmd = Command::new("g++");
-            cmd.args(["-std=c++20", "-O1", "-pthread", "-DFA_HOST_EMULATION"])
-                .arg(format!("-I{KERNELS}"));
-            for (k, v) in key.defines() {
-                let v = if k == "FA_DECODE_ENTRY" {
-                    "0".into()
-                } else {
-                    v
-                };
-                cmd.arg(format!("-D{k}={v}"));
-            }
-            let out = cmd
-                .arg(DRIVER)
-                .arg("-o")
-                .arg(&exe)
-                .output()
-                .expect("run g++");
-            assert!(
-                out.status.success(),
-                "g++ failed for {}:\n{}",
-                key.name(),
-                String::from_utf8_lossy(&out.stderr)
-            );
-            self.0.insert(*key, exe.clone());
-            exe
-        }
-    }
-
-    impl Drop for Builds {
-        fn drop(&mut self) {
-            for p in self.0.values() {
-                let _ = std::fs::remove_file(p);
-            }
-        }
-    }
-
-    fn bytes(s: Slice<'_>) -> Vec<u8> {
-        match s {
-            Slice::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            Slice::F16(v) => v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
-            Slice::BF16(v) => v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
-        }
-    }
-
-    fn from_bytes(b: &[u8], dtype: DType) -> Buffer {
-        match dtype {
-            DType::F32 => Buffer::F32(
-                b.chunks(4)
-                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                    .collect(),
-            ),
-            DType::F16 => Buffer::F16(
-                b.chunks(2)
-                    .map(|c| half::f16::from_bits(u16::from_le_bytes(c.try_into().unwrap())))
-                    .collect(),
-            ),
-            DType::BF16 => Buffer::BF16(
-                b.chunks(2)
-                    .map(|c| half::bf16::from_bits(u16::from_le_bytes(c.try_into().unwrap())))
-                    .collect(),
-            ),
-        }
+    /// One binary per split-kernel variant, holding all three decode kernels (FA_DECODE_ENTRY 0).
+    fn decode_builds() -> Builds {
+        Builds::new(DRIVER, &[("FA_DECODE_ENTRY", "0")])
     }
 
     /// The launch numbers, in the order decode_driver.cpp reads them.
@@ -2437,7 +2343,7 @@ mod emulated {
         if let Some(r) = &d.rot {
             put("rot.bin", r.iter().flat_map(|x| x.to_le_bytes()).collect());
         }
-        let exe = builds.get(&d.split);
+        let exe = builds.get(&d.split, &[]);
         let o = Command::new(&exe)
             .arg(&dir)
             .output()
@@ -2542,7 +2448,7 @@ mod emulated {
         if !have_compiler() {
             return;
         }
-        let mut builds = Builds(HashMap::new());
+        let mut builds = decode_builds();
         let mut n = 0;
         for dtype in DTYPES {
             let cases = kernel_cases(dtype);
@@ -2563,10 +2469,7 @@ mod emulated {
                 n += 1;
             }
         }
-        eprintln!(
-            "{n} decode cases emulated, {} kernel builds",
-            builds.0.len()
-        );
+        eprintln!("{n} decode cases emulated, {} kernel builds", builds.len());
     }
 
     /// Packed queries of different lengths (`cu_seqlens_q`, two rows after the last sequence)
@@ -2579,7 +2482,7 @@ mod emulated {
         if !have_compiler() {
             return;
         }
-        let mut builds = Builds(HashMap::new());
+        let mut builds = decode_builds();
         let q_lens = [3usize, 0, 1, 6, 2, 4];
         let new_lens = [1usize, 0, 2, 1, 0, 3];
         let total = q_lens.iter().sum::<usize>() + 2;

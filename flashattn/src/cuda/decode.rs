@@ -528,3 +528,22 @@ fn launch<T>(
     unsafe { b.launch(cfg(d.combine_grid(), 0)) }.map_err(driver_err("cuLaunchKernel"))?;
     Ok(up.lse)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::choose_splits;
+
+    #[test]
+    fn split_count_rule() {
+        // The shape on an H100 (132 SMs): 8 CTAs without splits; 33 fill two per SM.
+        assert_eq!(choose_splits(8, 32768, 132), 33);
+        // A short cache keeps splits of at least 256 keys.
+        assert_eq!(choose_splits(8, 1000, 132), 3);
+        assert_eq!(choose_splits(8, 100, 132), 1);
+        // A batch of 64 sequences already fills the GPU.
+        assert_eq!(choose_splits(64 * 8, 2048, 132), 1);
+        // Never more than 128, never 0.
+        assert_eq!(choose_splits(1, 1 << 24, 1000), 128);
+        assert_eq!(choose_splits(0, 0, 132), 1);
+    }
+}

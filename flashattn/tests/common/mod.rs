@@ -13,6 +13,8 @@ use rand_chacha::ChaCha8Rng;
 use std::fmt;
 
 pub mod backward;
+#[cfg(feature = "cuda")]
+pub mod emu;
 pub mod grid;
 
 pub const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];

@@ -5,25 +5,8 @@
 // k.bin, v.bin (the caches), table.bin, pages.bin, and kn.bin, vn.bin, slopes.bin, rot.bin when
 // used; out.bin, lse.bin and the caches after the call (k_out.bin, v_out.bin) are written there.
 #include "decode.cu"
+#include "io.h"
 #include <cstdio>
-#include <fstream>
-#include <iterator>
-#include <string>
-
-template <typename T>
-static std::vector<T> read(const std::string& path) {
-    std::ifstream f(path, std::ios::binary);
-    std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    std::vector<T> v(bytes.size() / sizeof(T) + 1);
-    std::memcpy(v.data(), bytes.data(), bytes.size());
-    return v;
-}
-
-template <typename T>
-static void write(const std::string& path, const T* p, size_t n) {
-    std::ofstream f(path, std::ios::binary);
-    f.write(reinterpret_cast<const char*>(p), n * sizeof(T));
-}
 
 int main(int argc, char** argv) {
     if (argc != 2) return 2;

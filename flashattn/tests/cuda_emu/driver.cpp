@@ -4,31 +4,14 @@
 // Usage: driver DIR. DIR holds params.txt (the launch, in the order read below) and q.bin, k.bin,
 // v.bin (raw elements), table.bin and slopes.bin when used; out.bin and lse.bin are written there.
 #include FA_KERNEL
+#include "io.h"
 #include <cstdio>
-#include <fstream>
-#include <iterator>
-#include <string>
 
 #ifdef FA_TENSOR_CORE_KERNEL
 typedef u16 elem_t;
 #else
 typedef float elem_t;
 #endif
-
-template <typename T>
-static std::vector<T> read(const std::string& path) {
-    std::ifstream f(path, std::ios::binary);
-    std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    std::vector<T> v(bytes.size() / sizeof(T) + 1);
-    std::memcpy(v.data(), bytes.data(), bytes.size());
-    return v;
-}
-
-template <typename T>
-static void write(const std::string& path, const std::vector<T>& v) {
-    std::ofstream f(path, std::ios::binary);
-    f.write(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
-}
 
 int main(int argc, char** argv) {
     if (argc != 2) return 2;
@@ -61,7 +44,7 @@ int main(int argc, char** argv) {
                   st[5], st[6], scale, softcap, int(window_left), int(window_right), int(bsq),
                   int(bsk), bs[0], bs[1], bs[2]);
     });
-    write(dir + "/out.bin", out);
-    write(dir + "/lse.bin", lse);
+    write(dir + "/out.bin", out.data(), out.size());
+    write(dir + "/lse.bin", lse.data(), lse.size());
     return 0;
 }
