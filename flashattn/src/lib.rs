@@ -70,6 +70,28 @@ pub use tensor::{Buffer, DType, Element, Slice, Tensor, TensorRef};
 use params::Params;
 use tensor::with_dtype;
 
+/// Frees the scratch buffers the CPU calls keep from one call to the next, and returns how many
+/// bytes they held.
+///
+/// The largest working buffers of a call (the forward's packed k/v tiles; the backward's query
+/// tiles and dQ copies) are kept when it returns, so that the next call of a similar shape does
+/// not page-fault tens of MiB in again: at f32, N = 2048, 16 heads, d = 128, forward+backward took
+/// ~9% less time (2 threads, docs/PERFORMANCE.md). At most 256 MiB are kept over all buffers; a
+/// buffer that would exceed that is freed as usual. Concurrent calls each use their own buffers
+/// (only one of them is kept per site).
+pub fn release_scratch() -> usize {
+    let kept = cpu::reuse::kept_bytes();
+    cpu::reuse::release_all();
+    kept
+}
+
+/// Fills the kept scratch buffers with NaN (tests: a call must never read what an earlier call
+/// left in them).
+#[doc(hidden)]
+pub fn poison_scratch() {
+    cpu::reuse::poison_all();
+}
+
 /// What a forward call returns.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AttnOutput {
@@ -112,7 +134,8 @@ impl AttnOutput {
 ///
 /// Working memory besides `out` and `lse`: a few tiles per thread, and where key blocks are visited
 /// 16 times or more on average (long query sequences, GQA groups), k and v packed once per call
-/// into contiguous tiles (f32, so up to twice k and v in f32; bf16 pairs on the bf16 path).
+/// into contiguous tiles (f32, so up to twice k and v in f32; bf16 pairs on the bf16 path). Those
+/// tiles are kept for the next call (see [`release_scratch`]).
 pub fn flash_attn(
     q: &TensorRef,
     k: &TensorRef,
@@ -161,7 +184,8 @@ pub(crate) fn data<'a, T: Element>(t: &TensorRef<'a>) -> &'a [T] {
 /// once per call: four times q's size in f32 (in bf16 on the bf16 dot-product path). The choice
 /// depends on the shape and the machine's core count, not on the thread pool; the environment
 /// variable `FLASHATTN_DQ_CHUNKS` forces it (`0`: two passes, `1`-`4`: that many copies; anything
-/// else is [`ErrorKind::DqChunksUnknown`]).
+/// else is [`ErrorKind::DqChunksUnknown`]). The copies and the tiles are kept for the next call
+/// (see [`release_scratch`]).
 pub fn flash_attn_backward(
     q: &TensorRef,
     k: &TensorRef,

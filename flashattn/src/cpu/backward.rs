@@ -27,7 +27,7 @@ use super::forward::{
     ScoreMod, WorkItem,
 };
 use super::simd::{pad_lanes, Gemm, KC};
-use super::{block_sizes, BlockSizes, Disjoint, Pass};
+use super::{block_sizes, reuse, BlockSizes, Disjoint, Pass};
 use crate::blocks::Mask;
 use crate::error::{ErrorKind, Result};
 use crate::params::{GradInputs, Params, LOG2_E};
@@ -133,6 +133,20 @@ enum QTiles<'a> {
 /// heads, 2026-11-24). Memory: four times q in f32. On the bf16 path, as bf16 pairs `[d2][np]`
 /// instead (the B operands of S and dP), and q and dO as pairs of rows `[rows / 2][dp]` (the B
 /// operands of dK and dV; loading and packing them per key block took ~10% of the bf16 backward).
+// Their buffers are kept for the next call (see `cpu::reuse`).
+impl Drop for QueryTiles {
+    fn drop(&mut self) {
+        reuse::QUERY_TILES.put(std::mem::take(&mut self.data));
+        reuse::QUERY_PAIRS.put(std::mem::take(&mut self.pairs));
+    }
+}
+
+impl Drop for DqPartials {
+    fn drop(&mut self) {
+        reuse::DQ_COPIES.put(std::mem::take(&mut self.data));
+    }
+}
+
 struct QueryTiles {
     data: Vec<f32>,
     pairs: Vec<u32>,
@@ -186,7 +200,7 @@ impl QueryTiles {
         };
         let (mut data, mut pairs) = (Vec::new(), Vec::new());
         if let Some((qb, dob)) = bf16_qdo {
-            pairs = vec![0u32; total];
+            pairs = reuse::QUERY_PAIRS.take(total, 0);
             split_at_offsets(&mut pairs, &offsets)
                 .into_par_iter()
                 .zip(&items)
@@ -203,7 +217,7 @@ impl QueryTiles {
                     load_row_pairs(dob, do_base, do_stride, (r, d, dp), do_rm);
                 });
         } else {
-            data = vec![0f32; total];
+            data = reuse::QUERY_TILES.take(total, 0.0);
             split_at_offsets(&mut data, &offsets)
                 .into_par_iter()
                 .zip(&items)
@@ -344,9 +358,9 @@ pub(crate) fn backward<T: Element>(
             .into_par_iter()
             .for_each_init(new_scratch, |(scr, row_buf), item| {
                 let (b, hk, n_blocks, dq_part) = item;
-                // Zero already (fresh pages), but written here first: the products' first touch
-                // would be a read (accumulate), which maps the shared zero page and then faults
-                // again on the write; one write fault per page, in this worker.
+                // Zeroed here, in this worker (a kept buffer holds the last call's values; fresh
+                // pages would otherwise be first touched by a read, the products' accumulate,
+                // which maps the shared zero page and then faults again on the write).
                 dq_part.fill(0.0);
                 for n_block in n_blocks {
                     let item = WorkItem {
@@ -470,7 +484,8 @@ impl DqPartials {
             bounds,
             chunks,
             offsets,
-            data: vec![0.0; total],
+            // Every work item zeroes its own region before using it.
+            data: reuse::DQ_COPIES.take_for_overwrite(total, 0.0),
             npb,
         }
     }

@@ -11,6 +11,7 @@
 //! O(block · head_dim), plus, on the bf16 dot-product path, v packed in key pairs once per call
 //! (the size of v); nothing grows with seqlen_q · seqlen_k.
 
+use super::reuse::{self, Slot};
 use super::simd::{pad_lanes, Gemm, Kernels, KC};
 use super::softmax::finalize;
 use super::{block_sizes, BlockSizes, Disjoint, Pass};
@@ -248,8 +249,10 @@ pub(crate) fn load_pairs_t(
 /// One tile per (sequence, kv head, key block) of `block_len` elements each (zero past what
 /// the filler writes), built once per call in parallel: the products then read every key block
 /// from one contiguous tile instead of copying it from k's or v's strided rows at every visit.
-pub(crate) struct KeyTiles<X> {
+pub(crate) struct KeyTiles<X: 'static> {
     data: Vec<X>,
+    /// Where `data` is kept for the next call (see `cpu::reuse`).
+    slot: &'static Slot<X>,
     /// Index of the first block of each sequence (kv head 0).
     seq_block0: Vec<usize>,
     block_len: usize,
@@ -261,7 +264,7 @@ impl<X: Copy + Default + Send + Sync> KeyTiles<X> {
     pub(crate) fn build(
         p: &Params,
         bs: BlockSizes,
-        block_len: usize,
+        (block_len, slot): (usize, &'static Slot<X>),
         fill: impl Fn(&mut [X], (usize, usize, usize, usize)) + Sync,
     ) -> Self {
         let mut seq_block0 = Vec::with_capacity(p.seqs.len());
@@ -272,7 +275,7 @@ impl<X: Copy + Default + Send + Sync> KeyTiles<X> {
                 blocks.extend((0..s.seqlen_k.div_ceil(bs.block_n)).map(|nb| (b, hk, nb)));
             }
         }
-        let mut data = vec![X::default(); blocks.len() * block_len];
+        let mut data = slot.take(blocks.len() * block_len, X::default());
         data.par_chunks_mut(block_len)
             .zip(&blocks)
             .for_each(|(out, &(b, hk, nb))| {
@@ -282,6 +285,7 @@ impl<X: Copy + Default + Send + Sync> KeyTiles<X> {
             });
         KeyTiles {
             data,
+            slot,
             seq_block0,
             block_len,
         }
@@ -301,6 +305,12 @@ impl<X: Copy + Default + Send + Sync> KeyTiles<X> {
     }
 }
 
+impl<X> Drop for KeyTiles<X> {
+    fn drop(&mut self) {
+        self.slot.put(std::mem::take(&mut self.data));
+    }
+}
+
 /// V of every (sequence, kv head, key block) as bf16 pairs of keys, for the P·V product of the
 /// bf16 path: block `(b, hk, n_block)` is `[d][block_n / 2]`, element `(x, cp)` =
 /// `(v[2cp][x], v[2cp + 1][x])` of the block's keys (0 past its last key). The backward packs K
@@ -308,12 +318,12 @@ impl<X: Copy + Default + Send + Sync> KeyTiles<X> {
 pub(crate) type PackedV = KeyTiles<u32>;
 
 fn packed_v(p: &Params, v: &[bf16], bs: BlockSizes) -> PackedV {
-    pack_key_pairs(p, v, bs, |s| s.v_base, p.v)
+    pack_key_pairs(p, v, bs, |s| s.v_base, (p.v, &reuse::V_PAIRS))
 }
 
 /// K packed as [`PackedV`] (the backward's dQ product).
 pub(crate) fn packed_v_keys(p: &Params, k: &[bf16], bs: BlockSizes) -> PackedV {
-    pack_key_pairs(p, k, bs, |s| s.k_base, p.k)
+    pack_key_pairs(p, k, bs, |s| s.k_base, (p.k, &reuse::K_PAIRS))
 }
 
 fn pack_key_pairs(
@@ -321,10 +331,10 @@ fn pack_key_pairs(
     src: &[bf16],
     bs: BlockSizes,
     base_of: fn(&crate::params::Seq) -> usize,
-    layout: RowLayout,
+    (layout, slot): (RowLayout, &'static Slot<u32>),
 ) -> PackedV {
     let (d, bn2) = (p.head_dim, bs.block_n / 2);
-    KeyTiles::build(p, bs, d * bn2, |out, (b, hk, n0, cols)| {
+    KeyTiles::build(p, bs, (d * bn2, slot), |out, (b, hk, n0, cols)| {
         let base = base_of(&p.seqs[b]) + hk * layout.head_stride;
         let row = |c: usize| &src[base + (n0 + c) * layout.row_stride..][..d];
         // 16 output rows (x) at a time: their lines (32 u32 each) stay in L1 while every
@@ -420,8 +430,10 @@ pub(crate) fn forward<T: Element>(p: &Params, q: &[T], k: &[T], v: &[T]) -> (Vec
     let mut items = work_items(p, bs.block_m);
     let revisited = key_blocks_revisited(p, &items, bs);
     let d = p.head_dim;
-    let tiles_of = |src: &[T], base_of: fn(&crate::params::Seq) -> usize, layout: RowLayout| {
-        KeyTiles::build(p, bs, bs.block_n * d, |out, (b, hk, n0, cols)| {
+    let tiles_of = |src: &[T],
+                    base_of: fn(&crate::params::Seq) -> usize,
+                    (layout, slot): (RowLayout, &'static Slot<f32>)| {
+        KeyTiles::build(p, bs, (bs.block_n * d, slot), |out, (b, hk, n0, cols)| {
             let base = base_of(&p.seqs[b]) + n0 * layout.row_stride + hk * layout.head_stride;
             load_tile(src, base, layout.row_stride, (cols, d, d), out);
         })
@@ -435,7 +447,7 @@ pub(crate) fn forward<T: Element>(p: &Params, q: &[T], k: &[T], v: &[T]) -> (Vec
             KeyTiles::build(
                 p,
                 bs,
-                bs.block_n * d.div_ceil(2),
+                (bs.block_n * d.div_ceil(2), &reuse::K_PAIRS),
                 |out, (b, hk, n0, cols)| {
                     let base = p.seqs[b].k_base + n0 * p.k.row_stride + hk * p.k.head_stride;
                     load_pairs(kb, base, p.k.row_stride, cols, d, out);
@@ -444,8 +456,8 @@ pub(crate) fn forward<T: Element>(p: &Params, q: &[T], k: &[T], v: &[T]) -> (Vec
         }),
         tiles_f32: (bf.is_none() && revisited).then(|| {
             (
-                tiles_of(k, |s| s.k_base, p.k),
-                tiles_of(v, |s| s.v_base, p.v),
+                tiles_of(k, |s| s.k_base, (p.k, &reuse::K_TILES)),
+                tiles_of(v, |s| s.v_base, (p.v, &reuse::V_TILES)),
             )
         }),
         bf,

@@ -1,0 +1,153 @@
+//! Large scratch buffers kept from one call to the next.
+//!
+//! A backward call's query tiles and dQ copies, and a forward call's packed k/v tiles, are tens of
+//! MiB (f32, N = 2048, 16 heads, d = 128: 64 MiB of query tiles). Allocated fresh, every call
+//! page-faulted them in again, since the allocator hands buffers this large back to the system
+//! when they are freed: `/usr/bin/time` counted ~100k minor faults and ~15% of the machine's time
+//! in the kernel per f32 forward+backward call at that shape. Each [`Slot`] keeps the last buffer
+//! of one site for the next call; all slots together keep at most [`BUDGET_BYTES`], and
+//! [`crate::release_scratch`] frees them.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+/// Most bytes all slots keep together (the f32 training shape above keeps ~160 MiB).
+pub(crate) const BUDGET_BYTES: usize = 256 << 20;
+
+/// Bytes the slots keep now.
+static KEPT: AtomicUsize = AtomicUsize::new(0);
+
+/// One site's kept buffer.
+pub(crate) struct Slot<T>(Mutex<Vec<T>>);
+
+fn bytes<T>(v: &Vec<T>) -> usize {
+    v.capacity() * std::mem::size_of::<T>()
+}
+
+impl<T> Slot<T> {
+    pub const fn new() -> Self {
+        Slot(Mutex::new(Vec::new()))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Vec<T>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The kept buffer (empty when there is none, or another call holds it).
+    fn take_kept(&self) -> Vec<T> {
+        let v = std::mem::take(&mut *self.lock());
+        KEPT.fetch_sub(bytes(&v), Ordering::Relaxed);
+        v
+    }
+
+    /// Keeps `v` for the next call, unless that would take the slots past [`BUDGET_BYTES`].
+    pub fn put(&self, v: Vec<T>) {
+        let mut kept = self.lock();
+        KEPT.fetch_sub(bytes(&kept), Ordering::Relaxed);
+        *kept = Vec::new();
+        let b = bytes(&v);
+        if KEPT.fetch_add(b, Ordering::Relaxed) + b > BUDGET_BYTES {
+            KEPT.fetch_sub(b, Ordering::Relaxed);
+            return;
+        }
+        *kept = v;
+    }
+
+    /// Frees the kept buffer.
+    pub fn clear(&self) {
+        drop(self.take_kept());
+    }
+}
+
+impl<T: Copy> Slot<T> {
+    /// `len` elements, all `fill`: the kept buffer when it is large enough (no allocation, no page
+    /// faults; the fill writes every element), else a new one.
+    pub fn take(&self, len: usize, fill: T) -> Vec<T> {
+        let mut v = self.take_kept();
+        if v.capacity() < len {
+            return vec![fill; len];
+        }
+        v.clear();
+        v.resize(len, fill);
+        v
+    }
+
+    /// `len` elements of unspecified values (a kept buffer's old contents, or `fill`), for a
+    /// caller that writes every element before reading it.
+    pub fn take_for_overwrite(&self, len: usize, fill: T) -> Vec<T> {
+        let mut v = self.take_kept();
+        if v.capacity() < len {
+            return vec![fill; len];
+        }
+        v.truncate(len);
+        v.resize(len, fill);
+        v
+    }
+}
+
+/// The backward's query tiles (f32 and bf16 pairs) and dQ copies.
+pub(crate) static QUERY_TILES: Slot<f32> = Slot::new();
+pub(crate) static QUERY_PAIRS: Slot<u32> = Slot::new();
+pub(crate) static DQ_COPIES: Slot<f32> = Slot::new();
+/// The forward's packed key and value tiles (f32, and bf16 pairs).
+pub(crate) static K_TILES: Slot<f32> = Slot::new();
+pub(crate) static V_TILES: Slot<f32> = Slot::new();
+pub(crate) static K_PAIRS: Slot<u32> = Slot::new();
+pub(crate) static V_PAIRS: Slot<u32> = Slot::new();
+
+/// Frees every kept buffer.
+pub(crate) fn release_all() {
+    for s in [&QUERY_TILES, &DQ_COPIES, &K_TILES, &V_TILES] {
+        s.clear();
+    }
+    for s in [&QUERY_PAIRS, &K_PAIRS, &V_PAIRS] {
+        s.clear();
+    }
+}
+
+/// Overwrites every kept buffer with NaN (f32) or all-ones (u32) bits: a call that read a kept
+/// buffer's old contents before writing them would then show it (tests).
+pub(crate) fn poison_all() {
+    for s in [&QUERY_TILES, &DQ_COPIES, &K_TILES, &V_TILES] {
+        s.lock().fill(f32::NAN);
+    }
+    for s in [&QUERY_PAIRS, &K_PAIRS, &V_PAIRS] {
+        s.lock().fill(u32::MAX);
+    }
+}
+
+/// Bytes kept now.
+pub(crate) fn kept_bytes() -> usize {
+    KEPT.load(Ordering::Relaxed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_reuse_within_the_budget() {
+        static S: Slot<f32> = Slot::new();
+        let v = S.take(1000, 0.0);
+        let ptr = v.as_ptr();
+        S.put(v);
+        // Taken again, smaller: the same allocation, zeroed.
+        let mut v = S.take(500, 0.0);
+        assert_eq!(v.as_ptr(), ptr);
+        assert!(v.iter().all(|&x| x == 0.0) && v.len() == 500);
+        v.fill(7.0);
+        S.put(v);
+        // For overwrite: old values may remain, the length is right.
+        let v = S.take_for_overwrite(800, 0.0);
+        assert_eq!((v.as_ptr(), v.len()), (ptr, 800));
+        assert!(v[..500].iter().all(|&x| x == 7.0) && v[500..].iter().all(|&x| x == 0.0));
+        // Larger than kept: a new buffer.
+        S.put(v);
+        let v = S.take(5000, 1.0);
+        assert!(v.len() == 5000 && v.iter().all(|&x| x == 1.0));
+        // Over the budget: not kept.
+        S.put(vec![0.0; BUDGET_BYTES / 4 + 1]);
+        assert_eq!(S.take(1, 0.0).capacity(), 1);
+        S.clear();
+    }
+}
