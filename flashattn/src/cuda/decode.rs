@@ -113,7 +113,7 @@ impl DecodeLaunch {
 }
 
 /// The number of key splits when the call names none: enough CTAs for two per SM, but no split
-/// shorter than [`MIN_SPLIT_KEYS_GPU`] keys of the longest sequence.
+/// shorter than 256 keys (`MIN_SPLIT_KEYS_GPU`) of the longest sequence.
 pub fn choose_splits(ctas: usize, max_keys: usize, sm_count: usize) -> usize {
     if ctas == 0 {
         return 1;
