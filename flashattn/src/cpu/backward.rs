@@ -133,6 +133,15 @@ enum QTiles<'a> {
 /// heads, 2026-11-24). Memory: four times q in f32. On the bf16 path, as bf16 pairs `[d2][np]`
 /// instead (the B operands of S and dP), and q and dO as pairs of rows `[rows / 2][dp]` (the B
 /// operands of dK and dV; loading and packing them per key block took ~10% of the bf16 backward).
+struct QueryTiles {
+    data: Vec<f32>,
+    pairs: Vec<u32>,
+    /// Start of each tile pair (qt, then dot) in `data` or `pairs`, in `work_items` order.
+    offsets: Vec<usize>,
+    /// Index of the first work item of each sequence.
+    seq_item0: Vec<usize>,
+}
+
 // Their buffers are kept for the next call (see `cpu::reuse`).
 impl Drop for QueryTiles {
     fn drop(&mut self) {
@@ -145,15 +154,6 @@ impl Drop for DqPartials {
     fn drop(&mut self) {
         reuse::DQ_COPIES.put(std::mem::take(&mut self.data));
     }
-}
-
-struct QueryTiles {
-    data: Vec<f32>,
-    pairs: Vec<u32>,
-    /// Start of each tile pair (qt, then dot) in `data` or `pairs`, in `work_items` order.
-    offsets: Vec<usize>,
-    /// Index of the first work item of each sequence.
-    seq_item0: Vec<usize>,
 }
 
 impl QueryTiles {
