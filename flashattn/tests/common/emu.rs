@@ -62,7 +62,11 @@ impl Builds {
         if let Some(p) = self.exes.get(key) {
             return p.clone();
         }
-        let exe = work_dir().join(format!("{}_{}", key.name(), std::process::id()));
+        // Unique per build: two tests of one process may build the same variant, and each
+        // removes its own binaries when it ends.
+        static BUILD: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = BUILD.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let exe = work_dir().join(format!("{}_{}_{n}", key.name(), std::process::id()));
         let mut cmd = Command::new("g++");
         cmd.args(["-std=c++20", "-O1", "-pthread", "-DFA_HOST_EMULATION"])
             .arg(format!("-I{KERNELS}"))
