@@ -320,16 +320,18 @@ decode_split(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cache,
                 for (int c = 0; c < NCOL; ++c) acc[r][c] *= a;
             }
         }
-        int page_blk = -1;
-        const elem_t* vp = nullptr;
-        for (int jj = 0; jj < n; ++jj) {
-            const int jk = n0 + jj;
-            if (jk / page_size != page_blk || page_blk < 0) {
-                page_blk = jk / page_size;
+        // The tile's v rows, walked page by page: one division per tile, not per key.
+        int page_blk = n0 / page_size, page_row = n0 % page_size;
+        const elem_t* vp = v_cache + (i64)pages[(i64)b * max_blocks + page_blk] * v_page_stride +
+                           (i64)hk * v_head_stride;
+        for (int jj = 0; jj < n; ++jj, ++page_row) {
+            if (page_row == page_size) {
+                page_row = 0;
+                ++page_blk;
                 vp = v_cache + (i64)pages[(i64)b * max_blocks + page_blk] * v_page_stride +
                      (i64)hk * v_head_stride;
             }
-            const elem_t* vr = vp + (i64)(jk % page_size) * v_row_stride;
+            const elem_t* vr = vp + (i64)page_row * v_row_stride;
             float vv[NCOL];
 #pragma unroll
             for (int c = 0; c < NCOL; ++c) {
