@@ -628,7 +628,7 @@ impl QLike {
 }
 
 /// Checks a tensor that must have q's shape and dtype (any strides, last dimension contiguous).
-pub(crate) fn q_like(name: TensorName, t: &TensorRef, p: &Params) -> Result<QLike> {
+pub(crate) fn q_like<V: ViewDesc + ?Sized>(name: TensorName, t: &V, p: &Params) -> Result<QLike> {
     let rank = p.out_shape.len();
     let layout = if p.packed {
         "[total_q, heads, head_dim]"
@@ -677,18 +677,7 @@ pub(crate) fn grad_inputs(
 ) -> Result<GradInputs> {
     let out = q_like("out", out, p)?;
     let dout = q_like("dout", dout, p)?;
-    check_view(
-        "lse",
-        lse,
-        p.lse_shape.len(),
-        if p.packed {
-            "[heads, total_q]"
-        } else {
-            "[batch, heads, seqlen_q]"
-        },
-    )?;
-    check_dtype("lse", lse, DType::F32)?;
-    check_shape("lse", lse, &p.lse_shape)?;
+    check_lse(p, lse)?;
     let data = lse.typed::<f32>().expect("dtype checked above");
     let st = lse.strides();
     let gathered = if p.packed {
@@ -711,4 +700,20 @@ pub(crate) fn grad_inputs(
         lse: gathered,
         dq_chunks: crate::cpu::backward::dq_strategy(p)?,
     })
+}
+
+/// Checks the forward's `lse` handed to a backward call: f32, `p.lse_shape`, any strides.
+pub(crate) fn check_lse<V: ViewDesc + ?Sized>(p: &Params, lse: &V) -> Result<()> {
+    check_view(
+        "lse",
+        lse,
+        p.lse_shape.len(),
+        if p.packed {
+            "[heads, total_q]"
+        } else {
+            "[batch, heads, seqlen_q]"
+        },
+    )?;
+    check_dtype("lse", lse, DType::F32)?;
+    check_shape("lse", lse, &p.lse_shape)
 }

@@ -206,3 +206,254 @@ fn varlen() {
         }
     }
 }
+
+/// The backward kernels (bwd.cu) under emulation, against the f64 reference with the CPU
+/// backward's bound (`common::backward::check`: 3x the naive backward's error plus a floor).
+mod backward {
+    use super::common::backward::{check, data};
+    use super::common::emu::{bytes, from_bytes, have_compiler, work_dir, Builds};
+    use flashattn::cuda::{backward_launch_description, launch_description, BackwardLaunch};
+    use flashattn::{flash_attn_varlen, reference, AttnOptions, Element, Tensor};
+    use flashattn::{naive, TensorRef};
+    use rand::SeedableRng;
+    use rand_chacha::ChaCha8Rng;
+    use std::process::Command;
+
+    const DRIVER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/cuda_emu/bwd_driver.cpp");
+
+    fn builds() -> Builds {
+        Builds::new(DRIVER, &[("FA_BWD_ENTRY", "0")])
+    }
+
+    /// Runs the emulated prep, dq and dkdv kernels of `d`; returns dq, dk, dv.
+    fn run(
+        builds: &mut Builds,
+        d: &BackwardLaunch,
+        [q, k, v, out, lse, dout]: [&TensorRef; 6],
+        tag: &str,
+    ) -> [Tensor; 3] {
+        let dir = work_dir().join(format!("bwd_{}_{tag}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let grid = |g: Option<(u32, u32, u32)>| {
+            let g = g.unwrap_or((0, 0, 0));
+            [g.0 as i64, g.1 as i64, g.2 as i64]
+        };
+        let nums: Vec<String> = grid(d.row_grid())
+            .into_iter()
+            .chain(grid(d.key_grid()))
+            .chain([
+                d.dq.smem_bytes() as i64,
+                d.dkdv.smem_bytes() as i64,
+                d.slopes.is_some() as i64,
+                d.heads as i64,
+                d.heads_kv as i64,
+                d.head_dim as i64,
+            ])
+            .chain(d.strides)
+            .map(|x| x.to_string())
+            .chain([format!("{:e}", d.softmax_scale), format!("{:e}", d.softcap)])
+            .chain(
+                [
+                    d.window.0 as i64,
+                    d.window.1 as i64,
+                    d.dq_len as i64,
+                    d.dk_len as i64,
+                    d.lse_len as i64,
+                ]
+                .map(|x| x.to_string()),
+            )
+            .collect();
+        std::fs::write(dir.join("params.txt"), nums.join("\n")).unwrap();
+        for (name, t) in [
+            ("q", q),
+            ("k", k),
+            ("v", v),
+            ("out", out),
+            ("dout", dout),
+            ("lse", lse),
+        ] {
+            std::fs::write(dir.join(format!("{name}.bin")), bytes(t.data())).unwrap();
+        }
+        let le = |x: &[i64]| x.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        std::fs::write(dir.join("table.bin"), le(&d.table)).unwrap();
+        if let Some(s) = &d.slopes {
+            let b: Vec<u8> = s.iter().flat_map(|x| x.to_le_bytes()).collect();
+            std::fs::write(dir.join("slopes.bin"), b).unwrap();
+        }
+        let exe = builds.get(&d.dq, &[]);
+        let o = Command::new(&exe)
+            .arg(&dir)
+            .output()
+            .expect("run the emulation");
+        assert!(
+            o.status.success(),
+            "emulation of {} failed: {o:?}",
+            d.dq.name()
+        );
+        let read = |name: &str, shape: &[usize]| {
+            let b = std::fs::read(dir.join(name)).unwrap();
+            Tensor::from_buffer(from_bytes(&b, q.dtype()), shape).expect("gradient length")
+        };
+        let g = [
+            read("dq.bin", &d.q_shape),
+            read("dk.bin", &d.k_shape),
+            read("dv.bin", &d.k_shape),
+        ];
+        let _ = std::fs::remove_dir_all(&dir);
+        g
+    }
+
+    /// One batched case: the emulated forward's out and lse (so the scores are recomputed in the
+    /// forward's own order, as on a GPU), the emulated backward, the bound.
+    fn case<T: Element>(
+        builds: &mut [Builds; 2],
+        seed: u64,
+        (b, sq, sk, h, hk, d): (usize, usize, usize, usize, usize, usize),
+        opts: &AttnOptions,
+        logit_scale: f32,
+    ) {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let q: Vec<T> = data(&mut rng, b * sq * h * d, logit_scale);
+        let k: Vec<T> = data(&mut rng, b * sk * hk * d, logit_scale);
+        let v: Vec<T> = data(&mut rng, b * sk * hk * d, 1.0);
+        let dout: Vec<T> = data(&mut rng, b * sq * h * d, 1.0);
+        let (qt, kt, vt, dt) = (
+            TensorRef::contiguous(&q, &[b, sq, h, d]),
+            TensorRef::contiguous(&k, &[b, sk, hk, d]),
+            TensorRef::contiguous(&v, &[b, sk, hk, d]),
+            TensorRef::contiguous(&dout, &[b, sq, h, d]),
+        );
+        let tag = format!("{}_{seed}", T::DTYPE);
+        let fd = launch_description(&qt, &kt, &vt, None, opts).unwrap();
+        let fwd = super::run(&mut builds[0], &fd, &qt, &kt, &vt, &tag);
+        let (ov, lv) = (fwd.out.view(), fwd.lse.view());
+        let desc = backward_launch_description(&qt, &kt, &vt, &ov, &lv, &dt, None, opts).unwrap();
+        let [dq, dk, dv] = run(&mut builds[1], &desc, [&qt, &kt, &vt, &ov, &lv, &dt], &tag);
+        let want = reference::attention_backward(&qt, &kt, &vt, &dt, opts).unwrap();
+        let nv = naive::attention_backward(&qt, &kt, &vt, &dt, opts).unwrap();
+        let ctx = format!(
+            "emulated {} b={b} sq={sq} sk={sk} h={h}/{hk} d={d} seed={seed} opts={opts:?}",
+            desc.dq.name()
+        );
+        check("dq", &dq, &nv.dq, &want.dq, T::DTYPE, &ctx);
+        check("dk", &dk, &nv.dk, &want.dk, T::DTYPE, &ctx);
+        check("dv", &dv, &nv.dv, &want.dv, T::DTYPE, &ctx);
+    }
+
+    /// The CPU gradient grid's shapes and options (dropout aside: the CUDA path refuses it),
+    /// where they fit the emulation's budget.
+    fn grid<T: Element>() {
+        if !have_compiler() {
+            return;
+        }
+        let mut builds = [super::forward_builds(), builds()];
+        let slopes_h4 = [0.25f32, 0.5, 0.125, 1.0];
+        let shapes = [
+            (1usize, 1usize, 1usize, 1usize, 1usize, 8usize),
+            (2, 113, 203, 4, 2, 59),
+            (1, 203, 113, 4, 1, 40),
+            (1, 63, 65, 4, 4, 111),
+            (1, 64, 64, 2, 1, 256),
+            (2, 17, 1, 4, 2, 3),
+        ];
+        for (n, &shape) in shapes.iter().enumerate() {
+            for variant in 0..4 {
+                let h = shape.3;
+                let opts = match variant {
+                    0 => AttnOptions::default(),
+                    1 => AttnOptions::default().causal(true),
+                    2 => AttnOptions::default().window(7, 3).softcap(2.5),
+                    _ if h == 4 => AttnOptions::default()
+                        .causal(true)
+                        .alibi_slopes(TensorRef::contiguous(&slopes_h4, &[4])),
+                    _ => AttnOptions::default().window(-1, 5),
+                };
+                case::<T>(&mut builds, 100 * n as u64 + variant, shape, &opts, 1.0);
+            }
+        }
+        // Huge logits: scores of order 1e3.
+        let causal = AttnOptions::default().causal(true);
+        case::<T>(&mut builds, 9, (1, 70, 90, 2, 1, 32), &causal, 6.0);
+    }
+
+    #[test]
+    fn gradients_f32() {
+        grid::<f32>();
+    }
+
+    #[test]
+    fn gradients_f16() {
+        grid::<half::f16>();
+    }
+
+    #[test]
+    fn gradients_bf16() {
+        grid::<half::bf16>();
+    }
+
+    /// Packed sequences (one without keys, one without queries, spare query and key rows after
+    /// the last sequence, which get zero gradients), with out, dout and lse as strided views.
+    #[test]
+    fn varlen_and_strided_views() {
+        if !have_compiler() {
+            return;
+        }
+        let mut builds = builds();
+        let (h, hk, d) = (4usize, 2usize, 24usize);
+        let cu_q = [0, 5, 75, 75, 140];
+        let cu_k = [0, 0, 90, 120, 200];
+        let (tq, tk) = (150usize, 210usize);
+        let mut rng = ChaCha8Rng::seed_from_u64(77);
+        let q: Vec<f32> = data(&mut rng, tq * h * d, 1.0);
+        let k: Vec<f32> = data(&mut rng, tk * hk * d, 1.0);
+        let v: Vec<f32> = data(&mut rng, tk * hk * d, 1.0);
+        // dout inside a wider buffer: rows of h * (d + 3) elements.
+        let dout_buf: Vec<f32> = data(&mut rng, tq * h * (d + 3), 1.0);
+        let (qt, kt, vt) = (
+            TensorRef::contiguous(&q, &[tq, h, d]),
+            TensorRef::contiguous(&k, &[tk, hk, d]),
+            TensorRef::contiguous(&v, &[tk, hk, d]),
+        );
+        let dt = TensorRef::new(&dout_buf, &[tq, h, d], &[h * (d + 3), d + 3, 1]);
+        for (n, opts) in [AttnOptions::default(), AttnOptions::default().causal(true)]
+            .iter()
+            .enumerate()
+        {
+            let fwd = flash_attn_varlen(&qt, &kt, &vt, &cu_q, &cu_k, opts).unwrap();
+            // out as a view with a head stride of d + 5, lse with a head stride of total_q + 7.
+            let o = fwd.out.as_slice::<f32>().unwrap();
+            let mut out_buf = vec![f32::NAN; tq * h * (d + 5)];
+            for (r, row) in o.chunks(d).enumerate() {
+                out_buf[r * (d + 5)..r * (d + 5) + d].copy_from_slice(row);
+            }
+            let ot = TensorRef::new(&out_buf, &[tq, h, d], &[h * (d + 5), d + 5, 1]);
+            let l = fwd.lse.as_slice::<f32>().unwrap();
+            let mut lse_buf = vec![f32::NAN; h * (tq + 7)];
+            for (hh, row) in l.chunks(tq).enumerate() {
+                lse_buf[hh * (tq + 7)..hh * (tq + 7) + tq].copy_from_slice(row);
+            }
+            let lt = TensorRef::new(&lse_buf, &[h, tq], &[tq + 7, 1]);
+            let cu = Some((&cu_q[..], &cu_k[..]));
+            let desc = backward_launch_description(&qt, &kt, &vt, &ot, &lt, &dt, cu, opts).unwrap();
+            let [dq, dk, dv] = run(
+                &mut builds,
+                &desc,
+                [&qt, &kt, &vt, &ot, &lt, &dt],
+                &format!("varlen{n}"),
+            );
+            let want = reference::attention_varlen_backward(&qt, &kt, &vt, &dt, &cu_q, &cu_k, opts)
+                .unwrap();
+            let nv =
+                naive::attention_varlen_backward(&qt, &kt, &vt, &dt, &cu_q, &cu_k, opts).unwrap();
+            let ctx = format!("emulated varlen {opts:?}");
+            check("dq", &dq, &nv.dq, &want.dq, flashattn::DType::F32, &ctx);
+            check("dk", &dk, &nv.dk, &want.dk, flashattn::DType::F32, &ctx);
+            check("dv", &dv, &nv.dv, &want.dv, flashattn::DType::F32, &ctx);
+            // The spare rows after the last sequence: exactly zero.
+            let dq = dq.as_slice::<f32>().unwrap();
+            assert!(dq[140 * h * d..].iter().all(|&x| x == 0.0));
+            let dk = dk.as_slice::<f32>().unwrap();
+            assert!(dk[200 * hk * d..].iter().all(|&x| x == 0.0));
+        }
+    }
+}

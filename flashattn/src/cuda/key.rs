@@ -10,6 +10,8 @@ pub(crate) const FWD_CU: &str = include_str!("kernels/fwd.cu");
 pub(crate) const FWD_F32_CU: &str = include_str!("kernels/fwd_f32.cu");
 /// The decode kernels (split-KV attention over a KV cache, the merge of the splits, the append).
 pub(crate) const DECODE_CU: &str = include_str!("kernels/decode.cu");
+/// The backward kernels (dO·O and the LSE per row, dQ, dK and dV).
+pub(crate) const BWD_CU: &str = include_str!("kernels/bwd.cu");
 
 /// Granularity of the padded head dimension: the tensor-core kernel walks head_dim in k-steps of
 /// 16 and n-tiles of 16, and 32 keeps the number of variants at 8 per dtype.
@@ -29,6 +31,22 @@ pub enum KernelKind {
     /// `decode_append` (decode.cu): new keys (rotated) and values into the caches. As
     /// `DecodeCombine`, only the dtype matters.
     DecodeAppend,
+    /// `bwd_prep` (bwd.cu): dO·O and the LSE in the log2 domain per query row. Only the dtype of
+    /// its key matters.
+    BackwardPrep,
+    /// `bwd_dq` (bwd.cu): dQ of one query block.
+    BackwardDq,
+    /// `bwd_dkdv` (bwd.cu): dK and dV of one key block and kv head.
+    BackwardDkDv,
+}
+
+impl KernelKind {
+    fn is_backward(self) -> bool {
+        matches!(
+            self,
+            KernelKind::BackwardPrep | KernelKind::BackwardDq | KernelKind::BackwardDkDv
+        )
+    }
 }
 
 /// One compiled variant of a kernel.
@@ -65,6 +83,24 @@ impl KernelKey {
     /// path) plus the scores (block_n / 2) stay within 255 registers without spills; checked for
     /// every variant by the compile test.
     pub fn tiles(&self) -> Tiles {
+        match self.kind {
+            // bwd.cu: 16 query rows per CTA, 32 keys per step (dkdv: 16 keys, 32 rows a step).
+            KernelKind::BackwardPrep | KernelKind::BackwardDq => {
+                return Tiles {
+                    block_m: 16,
+                    block_n: 32,
+                    num_warps: 4,
+                }
+            }
+            KernelKind::BackwardDkDv => {
+                return Tiles {
+                    block_m: 32,
+                    block_n: 16,
+                    num_warps: 4,
+                }
+            }
+            _ => {}
+        }
         if self.kind != KernelKind::Forward {
             // decode.cu: 16 query rows, 128-key tiles (a key per thread), 4 warps.
             return Tiles {
@@ -119,7 +155,17 @@ impl KernelKey {
                         + 2 * t.num_warps * t.block_m
                         + 8 * t.block_m)
             }
-            KernelKind::DecodeCombine | KernelKind::DecodeAppend => return 0,
+            KernelKind::DecodeCombine | KernelKind::DecodeAppend | KernelKind::BackwardPrep => {
+                return 0
+            }
+            // bwd.cu: q and dO [block_m][d+1], k and v [block_n][d+1], P and dX
+            // [block_m][block_n+1], two per-row statistics, all f32.
+            KernelKind::BackwardDq | KernelKind::BackwardDkDv => {
+                return 4
+                    * (2 * (t.block_m + t.block_n) * (self.head_dim + 1)
+                        + 2 * t.block_m * (t.block_n + 1)
+                        + 2 * t.block_m)
+            }
         }
         match self.dtype {
             // q [16][d+1], k [32][d+1], v [32][d], p [16][33]
@@ -140,6 +186,9 @@ impl KernelKey {
 
     /// The kernel's source file name and text.
     pub(crate) fn source(&self) -> (&'static str, &'static str) {
+        if self.kind.is_backward() {
+            return ("bwd.cu", BWD_CU);
+        }
         if self.kind != KernelKind::Forward {
             return ("decode.cu", DECODE_CU);
         }
@@ -156,6 +205,9 @@ impl KernelKey {
             KernelKind::DecodeSplit => "decode_split",
             KernelKind::DecodeCombine => "decode_combine",
             KernelKind::DecodeAppend => "decode_append",
+            KernelKind::BackwardPrep => "bwd_prep",
+            KernelKind::BackwardDq => "bwd_dq",
+            KernelKind::BackwardDkDv => "bwd_dkdv",
         }
     }
 
@@ -170,11 +222,16 @@ impl KernelKey {
         ];
         if self.kind != KernelKind::Forward {
             let entry = match self.kind {
-                KernelKind::DecodeSplit => 1,
-                KernelKind::DecodeCombine => 2,
+                KernelKind::DecodeSplit | KernelKind::BackwardPrep => 1,
+                KernelKind::DecodeCombine | KernelKind::BackwardDq => 2,
                 _ => 3,
             };
-            d.push(("FA_DECODE_ENTRY", entry.to_string()));
+            let define = if self.kind.is_backward() {
+                "FA_BWD_ENTRY"
+            } else {
+                "FA_DECODE_ENTRY"
+            };
+            d.push((define, entry.to_string()));
             match self.dtype {
                 DType::BF16 => d.push(("FA_BF16", "1".into())),
                 DType::F16 => d.push(("FA_F16", "1".into())),
@@ -209,6 +266,9 @@ impl KernelKey {
             KernelKind::DecodeSplit => format!("decode_{}_d{}", self.dtype, self.head_dim),
             KernelKind::DecodeCombine => return format!("decode_combine_{}", self.dtype),
             KernelKind::DecodeAppend => return format!("decode_append_{}", self.dtype),
+            KernelKind::BackwardPrep => return format!("bwd_prep_{}", self.dtype),
+            KernelKind::BackwardDq => format!("bwd_dq_{}_d{}", self.dtype, self.head_dim),
+            KernelKind::BackwardDkDv => format!("bwd_dkdv_{}_d{}", self.dtype, self.head_dim),
         };
         for (on, tag) in [
             (self.masked, "_masked"),
@@ -262,7 +322,33 @@ impl KernelKey {
             keys.push(KernelKey::decode_helper(KernelKind::DecodeCombine, dtype));
             keys.push(KernelKey::decode_helper(KernelKind::DecodeAppend, dtype));
         }
+        for dtype in [DType::F16, DType::BF16, DType::F32] {
+            for head_dim in (HEAD_DIM_STEP..=crate::MAX_HEAD_DIM).step_by(HEAD_DIM_STEP) {
+                for kind in [KernelKind::BackwardDq, KernelKind::BackwardDkDv] {
+                    for bits in 0..8u32 {
+                        keys.push(KernelKey {
+                            kind,
+                            dtype,
+                            head_dim,
+                            masked: bits & 1 != 0,
+                            softcap: bits & 2 != 0,
+                            alibi: bits & 4 != 0,
+                            vec_load: false,
+                        });
+                    }
+                }
+            }
+            keys.push(KernelKey::backward_prep(dtype));
+        }
         keys
+    }
+
+    /// The key of [`KernelKind::BackwardPrep`] for `dtype` (only the dtype matters).
+    pub fn backward_prep(dtype: DType) -> KernelKey {
+        KernelKey {
+            kind: KernelKind::BackwardPrep,
+            ..KernelKey::decode_helper(KernelKind::DecodeCombine, dtype)
+        }
     }
 
     /// The key of [`KernelKind::DecodeCombine`] or [`KernelKind::DecodeAppend`] for `dtype`.

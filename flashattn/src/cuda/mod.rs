@@ -10,8 +10,9 @@
 //! Semantics are the CPU path's: same validation (`crate::params`), same masks, scores, LSE,
 //! fully-masked-row rule. Decoding with a KV cache ([`flash_attn_with_kvcache`]: appends,
 //! rotary, paged caches, split-KV with an LSE merge) runs CUDA-core kernels of its own. What the
-//! CUDA backend does not do yet: the backward pass and dropout; they return
-//! [`ErrorKind::CudaUnsupported`].
+//! CUDA backend does not do yet: dropout (forward and backward), which returns
+//! [`ErrorKind::CudaUnsupported`]. The backward pass ([`flash_attn_backward`]) runs CUDA-core
+//! kernels (no tensor cores yet).
 //!
 //! ```no_run
 //! use flashattn::{cuda, AttnOptions, TensorRef};
@@ -24,12 +25,17 @@
 //! # Ok::<(), flashattn::Error>(())
 //! ```
 
+mod backward;
 mod cache;
 mod decode;
 mod key;
 mod nvrtc;
 mod probe;
 
+pub use backward::{
+    backward_launch_description, flash_attn_backward, flash_attn_varlen_backward, BackwardLaunch,
+    CudaAttnGrads, BWD_FIELDS,
+};
 /// The cudarc this backend is built on (0.19, CUDA 13.0 API), for streams, events and slices of
 /// matching types.
 pub use cudarc;
@@ -481,11 +487,11 @@ fn key_for(p: &Params) -> KernelKey {
 }
 
 /// Checks what the kernels cannot do or address, before anything is allocated or queued.
-fn check_launchable(
+pub(crate) fn check_launchable(
     dev: &CudaDevice,
     p: &Params,
     key: &KernelKey,
-    tensors: [&CudaTensor; 3],
+    tensors: &[&CudaTensor],
 ) -> Result<()> {
     for t in tensors {
         if !Arc::ptr_eq(t.buf.context(), &dev.ctx) {
@@ -545,7 +551,7 @@ fn forward(
     v: &CudaTensor,
 ) -> Result<CudaAttnOutput> {
     let desc = LaunchDescription::new(p);
-    check_launchable(dev, p, &desc.key, [q, k, v])?;
+    check_launchable(dev, p, &desc.key, &[q, k, v])?;
     let (function, _) = dev.function(&desc.key)?;
     let s = &dev.stream;
     let plan = Plan::new(dev, desc)?;

@@ -63,6 +63,59 @@ __device__ __forceinline__ float fa_exp2(float x) {
 }
 #endif
 
+#ifdef FA_CUDA_CORE_ELEM
+// The element type of the CUDA-core kernels (decode.cu, bwd.cu), widened to f32 as it is loaded
+// and rounded once when stored: FA_BF16 or FA_F16 (raw 16-bit words), else f32.
+#if defined(FA_BF16) || defined(FA_F16)
+typedef u16 elem_t;
+#else
+typedef float elem_t;
+#endif
+
+#ifndef FA_HOST_EMULATION
+__device__ __forceinline__ float to_f32(elem_t x) {
+#if defined(FA_BF16)
+    return __int_as_float((int)((u32)x << 16));
+#elif defined(FA_F16)
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+    return f;
+#else
+    return x;
+#endif
+}
+
+__device__ __forceinline__ elem_t from_f32_elem(float x) {
+#if defined(FA_BF16)
+    u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+    return r;
+#elif defined(FA_F16)
+    u16 r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
+    return r;
+#else
+    return x;
+#endif
+}
+#else
+inline float to_f32(elem_t x) {
+#if defined(FA_BF16) || defined(FA_F16)
+    return emu::half_to_float(x);
+#else
+    return x;
+#endif
+}
+inline elem_t from_f32_elem(float x) {
+#if defined(FA_BF16) || defined(FA_F16)
+    return emu::float_to_half(x);
+#else
+    return x;
+#endif
+}
+#endif  // FA_HOST_EMULATION
+#endif  // FA_CUDA_CORE_ELEM
+
 // The visibility rule of blocks.rs: query row i sees key j iff lo(i) <= j < hi(i), with
 // offset = seqlen_k - seqlen_q (bottom-right alignment) and -1 meaning an unbounded side.
 // 32-bit arithmetic is exact: the launcher caps sequence lengths at 2^29 and clamps window sides to

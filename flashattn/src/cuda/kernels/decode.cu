@@ -23,6 +23,7 @@
 // Defines: FA_DECODE_ENTRY (0: all three, for the host emulation); FA_BF16 or FA_F16 (else f32);
 // HEAD_DIM (padded head_dim, a multiple of 32), IS_MASKED (causal or window), HAS_SOFTCAP,
 // HAS_ALIBI.
+#define FA_CUDA_CORE_ELEM
 #include "common.cuh"
 
 #define DECODE_FIELDS 10
@@ -34,54 +35,6 @@
 
 static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "HEAD_DIM: a multiple of 32, at most 256");
 
-#if defined(FA_BF16) || defined(FA_F16)
-typedef u16 elem_t;
-#else
-typedef float elem_t;
-#endif
-
-#ifndef FA_HOST_EMULATION
-__device__ __forceinline__ float to_f32(elem_t x) {
-#if defined(FA_BF16)
-    return __int_as_float((int)((u32)x << 16));
-#elif defined(FA_F16)
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
-    return f;
-#else
-    return x;
-#endif
-}
-
-__device__ __forceinline__ elem_t from_f32_elem(float x) {
-#if defined(FA_BF16)
-    u16 r;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
-    return r;
-#elif defined(FA_F16)
-    u16 r;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
-    return r;
-#else
-    return x;
-#endif
-}
-#else
-inline float to_f32(elem_t x) {
-#if defined(FA_BF16) || defined(FA_F16)
-    return emu::half_to_float(x);
-#else
-    return x;
-#endif
-}
-inline elem_t from_f32_elem(float x) {
-#if defined(FA_BF16) || defined(FA_F16)
-    return emu::float_to_half(x);
-#else
-    return x;
-#endif
-}
-#endif  // FA_HOST_EMULATION
 
 // Element (x) of a rotated head row `src` (its first 2 * half elements rotated by cos/sin `cs`:
 // half cos values, then half sin values): GPT-J pairs (2i, 2i + 1) when interleaved, else GPT-NeoX

@@ -1,0 +1,410 @@
+//! The backward pass on the GPU: [`flash_attn_backward`] and [`flash_attn_varlen_backward`], the
+//! CPU calls' semantics (same validation) with every tensor in GPU memory. Three CUDA-core
+//! kernels of `kernels/bwd.cu` run on the device's stream: `bwd_prep` (dO·O per row and the LSE
+//! in the log2 domain), `bwd_dq` (one CTA per query block) and `bwd_dkdv` (one CTA per key block
+//! and kv head, summing the heads of its group). No atomics: the gradients are bit-identical from
+//! run to run.
+
+use super::{alloc_poisoned, check_launchable, driver_err, CudaDevice, CudaTensor, DeviceBuffer};
+use super::{KernelKey, KernelKind};
+use crate::error::Result;
+use crate::params::{self, AttnOptions, Params, QLike};
+use crate::tensor::{DType, TensorRef, ViewDesc};
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+
+/// Entries per launched sequence of the backward kernels' table (bwd.cu: BWD_FIELDS).
+pub const BWD_FIELDS: usize = 11;
+/// Query rows per CTA of `bwd_prep` and `bwd_dq`; keys per CTA of `bwd_dkdv` (bwd.cu).
+const BWD_ROWS: usize = 16;
+
+/// Everything the backward launches pass besides the tensors, computed on the host from a
+/// validated call: what the GPU path uploads and launches, and what the host emulation of bwd.cu
+/// (tests/cuda_emulated.rs) runs.
+#[derive(Clone, Debug)]
+#[doc(hidden)]
+pub struct BackwardLaunch {
+    pub prep: KernelKey,
+    pub dq: KernelKey,
+    pub dkdv: KernelKey,
+    /// Launched sequences: the batch, plus packed query rows after the last sequence and packed
+    /// keys after the last sequence, each launched as a sequence of its own that sees nothing.
+    pub seqs: usize,
+    pub max_q: usize,
+    pub max_k: usize,
+    /// BWD_FIELDS i64 per launched sequence.
+    pub table: Vec<i64>,
+    /// ALiBi slopes, one row of `heads` per launched sequence.
+    pub slopes: Option<Vec<f32>>,
+    pub heads: i32,
+    pub heads_kv: i32,
+    pub head_dim: i32,
+    /// Row and head strides of q, k, v, out, dout; the caller's lse head and row strides; the
+    /// head stride of the f32 workspaces (laid out as the forward's contiguous lse).
+    pub strides: [i64; 13],
+    pub softmax_scale: f32,
+    pub softcap: f32,
+    /// Window sides, -1 unbounded, clamped to seqlen_q + seqlen_k.
+    pub window: (i32, i32),
+    /// Elements of dq (and of out), of dk and dv, and of the workspaces (and of lse).
+    pub dq_len: usize,
+    pub dk_len: usize,
+    pub lse_len: usize,
+    pub q_shape: Vec<usize>,
+    pub k_shape: Vec<usize>,
+}
+
+impl BackwardLaunch {
+    fn new(p: &Params, out: &QLike, dout: &QLike, lse_strides: &[usize]) -> BackwardLaunch {
+        let dkey = |kind| KernelKey {
+            kind,
+            dtype: p.dtype,
+            head_dim: KernelKey::padded_head_dim(p.head_dim),
+            masked: p.window_left.is_some() || p.window_right.is_some(),
+            softcap: p.softcap.is_some(),
+            alibi: p.alibi.is_some(),
+            vec_load: false,
+        };
+        // The caller's lse: [batch, heads, seqlen_q] or [heads, total_q].
+        let (lse_bs, lse_hs, lse_rs) = if p.packed {
+            (0, lse_strides[0], lse_strides[1])
+        } else {
+            (lse_strides[0], lse_strides[1], lse_strides[2])
+        };
+        let mut table = Vec::with_capacity((p.seqs.len() + 2) * BWD_FIELDS);
+        for (b, s) in p.seqs.iter().enumerate() {
+            let lse_view = if p.packed {
+                s.out_row0 * lse_rs
+            } else {
+                b * lse_bs
+            };
+            table.extend([
+                s.seqlen_q,
+                s.seqlen_k,
+                s.q_base,
+                s.k_base,
+                s.v_base,
+                out.bases[b],
+                dout.bases[b],
+                s.out_row0,
+                s.lse_base,
+                lse_view,
+                s.k_row0,
+            ]);
+        }
+        if p.packed {
+            // dq rows and dk/dv rows outside every sequence are 0, as on the CPU.
+            let used_q = p.seqs.last().map_or(0, |s| s.out_row0 + s.seqlen_q);
+            if used_q < p.total_q {
+                let r = used_q;
+                let (o, g) = (out.layout.row_stride, dout.layout.row_stride);
+                let q_base = r * p.q.row_stride;
+                table.extend([
+                    p.total_q - r,
+                    0,
+                    q_base,
+                    0,
+                    0,
+                    r * o,
+                    r * g,
+                    r,
+                    r,
+                    r * lse_rs,
+                    0,
+                ]);
+            }
+            let used_k = p.seqs.last().map_or(0, |s| s.k_row0 + s.seqlen_k);
+            if used_k < p.total_k {
+                let r = used_k;
+                let (kb, vb) = (r * p.k.row_stride, r * p.v.row_stride);
+                table.extend([0, p.total_k - r, 0, kb, vb, 0, 0, 0, 0, 0, r]);
+            }
+        }
+        let seqs = table.len() / BWD_FIELDS;
+        let seq_max = |f: usize| table.iter().skip(f).step_by(BWD_FIELDS).max().copied();
+        let (max_q, max_k) = (seq_max(0).unwrap_or(0), seq_max(1).unwrap_or(0));
+        let slopes = p.alibi.as_ref().map(|a| {
+            let mut a = a.clone();
+            a.resize(seqs * p.heads, 0.0); // the tail sequences' rows, never used
+            a
+        });
+        let side = |w: Option<usize>| w.map_or(-1, |w| w.min(max_q + max_k) as i32);
+        let table: Vec<i64> = table.iter().map(|&x| x as i64).collect();
+        BackwardLaunch {
+            prep: KernelKey::backward_prep(p.dtype),
+            dq: dkey(KernelKind::BackwardDq),
+            dkdv: dkey(KernelKind::BackwardDkDv),
+            seqs,
+            max_q,
+            max_k,
+            table,
+            slopes,
+            heads: p.heads as i32,
+            heads_kv: p.heads_kv as i32,
+            head_dim: p.head_dim as i32,
+            strides: [
+                p.q.row_stride,
+                p.q.head_stride,
+                p.k.row_stride,
+                p.k.head_stride,
+                p.v.row_stride,
+                p.v.head_stride,
+                out.layout.row_stride,
+                out.layout.head_stride,
+                dout.layout.row_stride,
+                dout.layout.head_stride,
+                lse_hs,
+                lse_rs,
+                p.lse_head_stride,
+            ]
+            .map(|x| x as i64),
+            softmax_scale: p.softmax_scale,
+            softcap: p.softcap.unwrap_or(1.0),
+            window: (side(p.window_left), side(p.window_right)),
+            dq_len: p.out_len(),
+            dk_len: p.dk_len(),
+            lse_len: p.lse_len(),
+            q_shape: p.out_shape.clone(),
+            k_shape: p.k_shape.clone(),
+        }
+    }
+
+    /// Grid of `bwd_prep` and of `bwd_dq` (None: no query row).
+    pub fn row_grid(&self) -> Option<(u32, u32, u32)> {
+        (self.max_q > 0 && self.seqs > 0).then(|| {
+            (
+                self.max_q.div_ceil(BWD_ROWS) as u32,
+                self.heads as u32,
+                self.seqs as u32,
+            )
+        })
+    }
+
+    /// Grid of `bwd_dkdv` (None: no key).
+    pub fn key_grid(&self) -> Option<(u32, u32, u32)> {
+        (self.max_k > 0 && self.seqs > 0).then(|| {
+            (
+                self.max_k.div_ceil(BWD_ROWS) as u32,
+                self.heads_kv as u32,
+                self.seqs as u32,
+            )
+        })
+    }
+}
+
+/// Validates a backward call: q, k, v and the options as the forward, then out, dout (q's shape
+/// and dtype, any strides) and lse (f32, the forward's shape, any strides).
+fn validate<V: ViewDesc + ?Sized>(
+    p: &Params,
+    out: &V,
+    lse: &V,
+    dout: &V,
+) -> Result<(QLike, QLike, Vec<usize>)> {
+    let out = params::q_like("out", out, p)?;
+    let dout = params::q_like("dout", dout, p)?;
+    params::check_lse(p, lse)?;
+    Ok((out, dout, lse.strides().to_vec()))
+}
+
+/// The launches a backward call with these host views would make (validated as the call would
+/// be). For the host emulation test of the kernels.
+#[doc(hidden)]
+#[allow(clippy::too_many_arguments)]
+pub fn backward_launch_description(
+    q: &TensorRef,
+    k: &TensorRef,
+    v: &TensorRef,
+    out: &TensorRef,
+    lse: &TensorRef,
+    dout: &TensorRef,
+    cu_seqlens: Option<(&[i32], &[i32])>,
+    opts: &AttnOptions,
+) -> Result<BackwardLaunch> {
+    let p = match cu_seqlens {
+        Some((cq, ck)) => params::varlen(q, k, v, cq, ck, opts)?,
+        None => params::batched(q, k, v, opts)?,
+    };
+    let (o, g, ls) = validate(&p, out, lse, dout)?;
+    Ok(BackwardLaunch::new(&p, &o, &g, &ls))
+}
+
+/// Gradients on the device: dq, dk, dv with the shapes and dtypes of q, k, v (contiguous).
+#[derive(Clone, Debug)]
+pub struct CudaAttnGrads {
+    pub dq: CudaTensor,
+    pub dk: CudaTensor,
+    pub dv: CudaTensor,
+}
+
+impl super::CudaAttnOutput {
+    /// The backward pass of the batched [`super::flash_attn`] call that produced `self` (same q,
+    /// k, v and options). See [`flash_attn_backward`].
+    pub fn backward(
+        &self,
+        dev: &CudaDevice,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        dout: &CudaTensor,
+        opts: &AttnOptions,
+    ) -> Result<CudaAttnGrads> {
+        flash_attn_backward(dev, q, k, v, &self.out, &self.lse, dout, opts)
+    }
+}
+
+/// [`crate::flash_attn_backward`] on the GPU, queued on `dev`'s stream (returns without waiting):
+/// gradients of `Σ out ∘ dout` with respect to q, k and v, for the forward's `out` and `lse`.
+/// dQ, dK and dV are each summed by one thread in a fixed order, so results are bit-identical
+/// from run to run. CUDA-core kernels for f32, f16 and bf16 (f16/bf16 widened to f32). Dropout is
+/// [`crate::ErrorKind::CudaUnsupported`].
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_backward(
+    dev: &CudaDevice,
+    q: &CudaTensor,
+    k: &CudaTensor,
+    v: &CudaTensor,
+    out: &CudaTensor,
+    lse: &CudaTensor,
+    dout: &CudaTensor,
+    opts: &AttnOptions,
+) -> Result<CudaAttnGrads> {
+    let p = params::batched(q, k, v, opts)?;
+    backward(dev, &p, [q, k, v, out, lse, dout])
+}
+
+/// [`crate::flash_attn_varlen_backward`] on the GPU (packed layout; `cu_seqlens_*` on the host).
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_varlen_backward(
+    dev: &CudaDevice,
+    q: &CudaTensor,
+    k: &CudaTensor,
+    v: &CudaTensor,
+    out: &CudaTensor,
+    lse: &CudaTensor,
+    dout: &CudaTensor,
+    cu_seqlens_q: &[i32],
+    cu_seqlens_k: &[i32],
+    opts: &AttnOptions,
+) -> Result<CudaAttnGrads> {
+    let p = params::varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, opts)?;
+    backward(dev, &p, [q, k, v, out, lse, dout])
+}
+
+fn backward(dev: &CudaDevice, p: &Params, t: [&CudaTensor; 6]) -> Result<CudaAttnGrads> {
+    let [q, k, v, out, lse, dout] = t;
+    let (o, g, ls) = validate(p, out, lse, dout)?;
+    let d = BackwardLaunch::new(p, &o, &g, &ls);
+    check_launchable(dev, p, &d.dkdv, &t)?;
+    check_launchable(dev, p, &d.dq, &t)?;
+    let f = [
+        dev.function(&d.prep)?.0,
+        dev.function(&d.dq)?.0,
+        dev.function(&d.dkdv)?.0,
+    ];
+    let s = &dev.stream;
+    let table = dev.htod(&d.table)?;
+    let slopes = d.slopes.as_deref().map(|x| dev.htod(x)).transpose()?;
+    let mut ws = [
+        alloc_poisoned::<f32>(s, d.lse_len)?,
+        alloc_poisoned::<f32>(s, d.lse_len)?,
+    ];
+    let DeviceBuffer::F32(lse_b) = &lse.buf else {
+        unreachable!("lse was validated as f32")
+    };
+    macro_rules! typed {
+        ($variant:ident, $t:ty) => {{
+            let bufs = (&q.buf, &k.buf, &v.buf, &out.buf, &dout.buf);
+            let (
+                DeviceBuffer::$variant(qb),
+                DeviceBuffer::$variant(kb),
+                DeviceBuffer::$variant(vb),
+                DeviceBuffer::$variant(ob),
+                DeviceBuffer::$variant(gb),
+            ) = bufs
+            else {
+                unreachable!("q, k, v, out and dout were validated to share one dtype")
+            };
+            let mut grads = [
+                alloc_poisoned::<$t>(s, d.dq_len)?,
+                alloc_poisoned::<$t>(s, d.dk_len)?,
+                alloc_poisoned::<$t>(s, d.dk_len)?,
+            ];
+            let ins = [qb, kb, vb, ob, gb];
+            launch(
+                dev, &d, &f, ins, lse_b, &mut ws, &mut grads, &table, &slopes,
+            )?;
+            let [dq, dk, dv] = grads;
+            [
+                DeviceBuffer::$variant(dq),
+                DeviceBuffer::$variant(dk),
+                DeviceBuffer::$variant(dv),
+            ]
+        }};
+    }
+    let [dq, dk, dv] = match p.dtype {
+        DType::F32 => typed!(F32, f32),
+        DType::F16 => typed!(F16, half::f16),
+        DType::BF16 => typed!(BF16, half::bf16),
+    };
+    Ok(CudaAttnGrads {
+        dq: CudaTensor::contiguous(dq, &d.q_shape),
+        dk: CudaTensor::contiguous(dk, &d.k_shape),
+        dv: CudaTensor::contiguous(dv, &d.k_shape),
+    })
+}
+
+/// Queues `bwd_prep`, `bwd_dq` and `bwd_dkdv`.
+#[allow(clippy::too_many_arguments)]
+fn launch<T>(
+    dev: &CudaDevice,
+    d: &BackwardLaunch,
+    f: &[CudaFunction; 3],
+    ins: [&CudaSlice<T>; 5],
+    lse: &CudaSlice<f32>,
+    ws: &mut [CudaSlice<f32>; 2],
+    grads: &mut [CudaSlice<T>; 3],
+    table: &CudaSlice<i64>,
+    slopes: &Option<CudaSlice<f32>>,
+) -> Result<()> {
+    let null: u64 = 0;
+    let launches = [
+        (&f[0], &d.prep, d.row_grid()),
+        (&f[1], &d.dq, d.row_grid()),
+        (&f[2], &d.dkdv, d.key_grid()),
+    ];
+    for (function, key, grid) in launches {
+        let Some(grid) = grid else { continue };
+        let mut b = dev.stream.launch_builder(function);
+        for x in ins {
+            b.arg(x);
+        }
+        b.arg(lse);
+        let [lse2, dsum] = ws;
+        b.arg(lse2).arg(dsum);
+        let [dq, dk, dv] = grads;
+        b.arg(dq).arg(dk).arg(dv);
+        b.arg(table);
+        match slopes {
+            Some(t) => b.arg(t),
+            None => b.arg(&null),
+        };
+        b.arg(&d.heads).arg(&d.heads_kv).arg(&d.head_dim);
+        for x in &d.strides {
+            b.arg(x);
+        }
+        b.arg(&d.softmax_scale).arg(&d.softcap);
+        b.arg(&d.window.0).arg(&d.window.1);
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (key.threads() as u32, 1, 1),
+            shared_mem_bytes: key.smem_bytes() as u32,
+        };
+        // SAFETY: the arguments match FLASH_BWD_PARAMS in bwd.cu: pointers to T x5, f32 x3, T x3,
+        // i64, f32 (or null: no ALiBi, then never read); i32 x3; i64 x13; f32 x2; i32 x2.
+        // Validation checked that every row each table entry names (bases, strides and lengths
+        // of q, k, v, out, dout and the caller's lse) lies inside its buffer; the workspaces hold
+        // lse_len elements indexed as the forward's contiguous lse, dq dq_len and dk/dv dk_len
+        // elements indexed by token, head and column, each written by the one CTA that owns it.
+        unsafe { b.launch(cfg) }.map_err(driver_err("cuLaunchKernel"))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,327 @@
+// The backward pass on CUDA cores, for f32, f16 and bf16 (elements widened to f32 as they are
+// staged in shared memory; every product and sum in f32; each gradient rounded once when stored).
+//
+// FlashAttention's recomputation: only out and the forward's LSE are kept; the probabilities are
+// recomputed tile by tile as P = exp2(s - lse·log2 e) and never stored in global memory. Three
+// kernels, one per compile (FA_BWD_ENTRY; 0 compiles all three, for the host emulation):
+//   1 bwd_prep   one warp per query row: dsum_i = Σ_d dO·O (the D of FlashAttention-2) and the
+//                LSE moved to the log2 domain (lse2; a row that saw no key gets +inf, so its
+//                P is 0), both into f32 workspaces laid out like the forward's contiguous lse.
+//   2 bwd_dq     one CTA per (query block of BLOCK_Q = 16 rows, head, sequence), walking the key
+//                blocks its rows see: dQ = Σ_j dS_ij·K_j, held in registers, written once.
+//   3 bwd_dkdv   one CTA per (key block of BLOCK_K = 16 keys, kv head, sequence), walking the
+//                query heads of its group and the query blocks that see it: dV = Σ Pᵀ·dO and
+//                dK = Σ dSᵀ·Q, in registers, written once.
+// dQ is computed apart from dK/dV (recomputing S and dP, seven block products instead of five)
+// so that no kernel needs atomics: every gradient element is summed by one thread in a fixed
+// order, and the results are bit-identical from run to run (as the CPU path's).
+//
+// With x = q·k, s = scale·x (or softcap·tanh(scale·x / softcap)) plus the ALiBi bias, P = exp(s -
+// lse), dP = dO·V and dS = P ∘ (dP - dsum): dV += Pᵀ·dO, and with dX = dS · ds/dx (scale, or
+// scale·(1 - tanh²) under softcap) dQ += dX·K, dK += dXᵀ·Q.
+//
+// Per sequence the kernels read BWD_FIELDS i64 (cuda/backward.rs): seqlen_q, seqlen_k, element
+// offsets of row 0, head 0 in q, k, v, out and dout, out_row0 (token index of query 0 in dq and
+// in the workspaces), lse_base (workspace index of head 0, query 0), lse_view_base (the caller's
+// lse, head 0, query 0) and k_row0 (token index of key 0 in dk and dv).
+//
+// Defines: FA_BWD_ENTRY; FA_BF16 or FA_F16 (else f32); HEAD_DIM (padded head_dim, a multiple of
+// 32), IS_MASKED (causal or window), HAS_SOFTCAP, HAS_ALIBI.
+#define FA_CUDA_CORE_ELEM
+#include "common.cuh"
+
+#define BWD_FIELDS 11
+#define NUM_THREADS 128
+#define BLOCK_Q 16   // bwd_dq: query rows per CTA; bwd_prep: rows per CTA
+#define STEP_K 32    // bwd_dq: keys per step
+#define BLOCK_K 16   // bwd_dkdv: keys per CTA
+#define STEP_Q 32    // bwd_dkdv: query rows per step
+#define PITCH (HEAD_DIM + 1)  // f32 tile rows: the rows a warp reads at once fall in distinct banks
+
+static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "HEAD_DIM: a multiple of 32, at most 256");
+static_assert(BLOCK_Q * STEP_K == 4 * NUM_THREADS && STEP_Q * BLOCK_K == 4 * NUM_THREADS,
+              "each thread computes 4 entries of a tile pair");
+
+#define FLASH_BWD_PARAMS                                                                          \
+    const elem_t *__restrict__ q, const elem_t *__restrict__ k, const elem_t *__restrict__ v,     \
+        const elem_t *__restrict__ out, const elem_t *__restrict__ dout,                          \
+        const float *__restrict__ lse, float *__restrict__ lse2, float *__restrict__ dsum,        \
+        elem_t *__restrict__ dq, elem_t *__restrict__ dk, elem_t *__restrict__ dv,                \
+        const i64 *__restrict__ seqs, const float *__restrict__ alibi_slopes, int heads,          \
+        int heads_kv, int head_dim, i64 q_row_stride, i64 q_head_stride, i64 k_row_stride,        \
+        i64 k_head_stride, i64 v_row_stride, i64 v_head_stride, i64 out_row_stride,               \
+        i64 out_head_stride, i64 dout_row_stride, i64 dout_head_stride, i64 lse_view_head_stride, \
+        i64 lse_view_row_stride, i64 lse_head_stride, float softmax_scale, float softcap,         \
+        int window_left, int window_right
+
+struct BwdSeq {
+    int seqlen_q, seqlen_k;
+    i64 q_base, k_base, v_base, out_base, dout_base, out_row0, lse_base, lse_view_base, k_row0;
+    __device__ __forceinline__ explicit BwdSeq(const i64* s) {
+        seqlen_q = (int)s[0];
+        seqlen_k = (int)s[1];
+        q_base = s[2];
+        k_base = s[3];
+        v_base = s[4];
+        out_base = s[5];
+        dout_base = s[6];
+        out_row0 = s[7];
+        lse_base = s[8];
+        lse_view_base = s[9];
+        k_row0 = s[10];
+    }
+};
+
+#if FA_BWD_ENTRY == 1 || FA_BWD_ENTRY == 0
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_prep(FLASH_BWD_PARAMS) {
+    const BwdSeq seq(seqs + BWD_FIELDS * blockIdx.z);
+    const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int r = warp; r < BLOCK_Q; r += NUM_THREADS / 32) {
+        const int i = blockIdx.x * BLOCK_Q + r;
+        if (i >= seq.seqlen_q) break;
+        const elem_t* o = out + seq.out_base + i * out_row_stride + h * out_head_stride;
+        const elem_t* g = dout + seq.dout_base + i * dout_row_stride + h * dout_head_stride;
+        float acc = 0.f;
+        for (int c = lane; c < head_dim; c += 32) acc = fmaf(to_f32(o[c]), to_f32(g[c]), acc);
+#pragma unroll
+        for (int m = 16; m >= 1; m /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+        if (lane == 0) {
+            const i64 w = seq.lse_base + h * lse_head_stride + i;
+            const float l = lse[seq.lse_view_base + h * lse_view_head_stride + i * lse_view_row_stride];
+            dsum[w] = acc;
+            lse2[w] = l == -FA_INF ? FA_INF : l * FA_LOG2E;
+        }
+    }
+}
+#endif  // FA_BWD_ENTRY == 1
+
+#if FA_BWD_ENTRY != 1
+// Scale, softcap and ALiBi of a raw dot product x (row i, key j): the score in the log2 domain,
+// and `deriv` = d(score, natural units) / dx.
+struct BwdMod {
+    float scale, scale_log2, cap_in, cap_out, alibi_log2;
+    int offset;
+    __device__ __forceinline__ float apply(float x, int i, int j, float& deriv) const {
+#if HAS_SOFTCAP
+        const float t = tanhf(x * cap_in);
+        float s = cap_out * t;
+        deriv = scale * (1.f - t * t);
+#else
+        float s = x * scale_log2;
+        deriv = scale;
+#endif
+#if HAS_ALIBI
+        s -= alibi_log2 * (float)abs(i + offset - j);
+#endif
+        return s;
+    }
+};
+
+__device__ __forceinline__ BwdMod bwd_mod(float softmax_scale, float softcap, float slope, int offset) {
+    BwdMod m;
+    m.scale = softmax_scale;
+    m.scale_log2 = softmax_scale * FA_LOG2E;
+    m.cap_in = softmax_scale / softcap;
+    m.cap_out = softcap * FA_LOG2E;
+    m.alibi_log2 = slope * FA_LOG2E;
+    m.offset = offset;
+    return m;
+}
+
+// `rows` rows of one head into an f32 tile of pitch PITCH: row r from src + (row0 + r) *
+// row_stride; rows at or past row_end and columns at or past head_dim become 0.
+__device__ __forceinline__ void stage(float* tile, int rows, const elem_t* src, i64 row_stride,
+                                      int row0, int row_end, int head_dim) {
+    for (int e = threadIdx.x; e < rows * HEAD_DIM; e += NUM_THREADS) {
+        const int r = e / HEAD_DIM, c = e % HEAD_DIM;
+        const bool ok = row0 + r < row_end && c < head_dim;
+        tile[r * PITCH + c] = ok ? to_f32(src[(i64)(row0 + r) * row_stride + c]) : 0.f;
+    }
+}
+
+// One (query tile, key tile) pair: for ROWS query rows from m0 and KEYS keys from n0, with q, dO,
+// k and v staged, writes P and dX into p_t and dx_t ([ROWS][KEYS + 1]); entries of rows or keys
+// past the sequence, or hidden by the mask, are 0. Each thread computes four entries.
+template <int ROWS, int KEYS>
+__device__ __forceinline__ void tile_pair(const float* q_t, const float* do_t, const float* k_t,
+                                          const float* v_t, float* p_t, float* dx_t,
+                                          const float* lse2_r, const float* dsum_r, int m0, int n0,
+                                          int seqlen_q, const Mask& mask, const BwdMod& mod,
+                                          bool need_mask) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        const int e = threadIdx.x + u * NUM_THREADS;
+        const int r = e / KEYS, jc = e % KEYS;
+        const int i = m0 + r, j = n0 + jc;
+        float x = 0.f, dp = 0.f;
+#pragma unroll 8
+        for (int c = 0; c < HEAD_DIM; ++c) {
+            x = fmaf(q_t[r * PITCH + c], k_t[jc * PITCH + c], x);
+            dp = fmaf(do_t[r * PITCH + c], v_t[jc * PITCH + c], dp);
+        }
+        float deriv;
+        const float s = mod.apply(x, i, j, deriv);
+        bool visible = i < seqlen_q && j < mask.seqlen_k;
+        if (need_mask) visible = visible && j >= mask.lo(i) && j < mask.hi(i);
+        const float p = visible ? fa_exp2(s - lse2_r[r]) : 0.f;
+        p_t[r * (KEYS + 1) + jc] = p;
+        dx_t[r * (KEYS + 1) + jc] = p * (dp - dsum_r[r]) * deriv;
+    }
+}
+#endif  // FA_BWD_ENTRY != 1
+
+#if FA_BWD_ENTRY == 2 || FA_BWD_ENTRY == 0
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dq(FLASH_BWD_PARAMS) {
+    FA_DYNAMIC_SMEM(float, smem_f);
+    float* q_t = smem_f;                        // [BLOCK_Q][PITCH]
+    float* do_t = q_t + BLOCK_Q * PITCH;        // [BLOCK_Q][PITCH]
+    float* k_t = do_t + BLOCK_Q * PITCH;        // [STEP_K][PITCH]
+    float* v_t = k_t + STEP_K * PITCH;          // [STEP_K][PITCH]
+    float* p_t = v_t + STEP_K * PITCH;          // [BLOCK_Q][STEP_K + 1]
+    float* dx_t = p_t + BLOCK_Q * (STEP_K + 1); // [BLOCK_Q][STEP_K + 1]
+    float* lse2_r = dx_t + BLOCK_Q * (STEP_K + 1);
+    float* dsum_r = lse2_r + BLOCK_Q;
+
+    const int b = blockIdx.z, h = blockIdx.y;
+    const BwdSeq seq(seqs + BWD_FIELDS * b);
+    const int m0 = blockIdx.x * BLOCK_Q;
+    if (m0 >= seq.seqlen_q) return;
+    const int m_end = min(m0 + BLOCK_Q, seq.seqlen_q);
+    const int hk = h / (heads / heads_kv);
+    const Mask mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, window_left, window_right};
+    const BwdMod mod = bwd_mod(softmax_scale, softcap,
+                               HAS_ALIBI ? alibi_slopes[b * heads + h] : 0.f, mask.offset);
+    const elem_t* q_g = q + seq.q_base + h * q_head_stride;
+    const elem_t* do_g = dout + seq.dout_base + h * dout_head_stride;
+    const elem_t* k_g = k + seq.k_base + hk * k_head_stride;
+    const elem_t* v_g = v + seq.v_base + hk * v_head_stride;
+
+    stage(q_t, BLOCK_Q, q_g, q_row_stride, m0, seq.seqlen_q, head_dim);
+    stage(do_t, BLOCK_Q, do_g, dout_row_stride, m0, seq.seqlen_q, head_dim);
+    for (int r = threadIdx.x; r < BLOCK_Q; r += NUM_THREADS) {
+        const i64 w = seq.lse_base + h * lse_head_stride + min(m0 + r, m_end - 1);
+        lse2_r[r] = lse2[w];
+        dsum_r[r] = dsum[w];
+    }
+
+    const int r = threadIdx.x / 8, c8 = threadIdx.x % 8;  // this thread's dQ row and column phase
+    float acc[HEAD_DIM / 8];
+#pragma unroll
+    for (int c = 0; c < HEAD_DIM / 8; ++c) acc[c] = 0.f;
+
+    const int lo = mask.lo(m0), hi = mask.hi(m_end - 1);
+    for (int n0 = (lo / STEP_K) * STEP_K; n0 < hi; n0 += STEP_K) {
+        __syncthreads();  // the previous step's tiles are no longer read
+        stage(k_t, STEP_K, k_g, k_row_stride, n0, seq.seqlen_k, head_dim);
+        stage(v_t, STEP_K, v_g, v_row_stride, n0, seq.seqlen_k, head_dim);
+        __syncthreads();
+        const bool need_mask =
+            n0 + STEP_K > seq.seqlen_k ||
+            (IS_MASKED && !(mask.lo(m_end - 1) <= n0 && mask.hi(m0) >= n0 + STEP_K));
+        tile_pair<BLOCK_Q, STEP_K>(q_t, do_t, k_t, v_t, p_t, dx_t, lse2_r, dsum_r, m0, n0,
+                                   seq.seqlen_q, mask, mod, need_mask);
+        __syncthreads();
+#pragma unroll
+        for (int c = 0; c < HEAD_DIM / 8; ++c) {
+            const int col = c8 + 8 * c;
+            float a = acc[c];
+#pragma unroll 8
+            for (int jc = 0; jc < STEP_K; ++jc) a = fmaf(dx_t[r * (STEP_K + 1) + jc], k_t[jc * PITCH + col], a);
+            acc[c] = a;
+        }
+    }
+
+    const int i = m0 + r;
+    if (i < seq.seqlen_q) {
+        elem_t* o = dq + ((seq.out_row0 + i) * heads + h) * (i64)head_dim;
+#pragma unroll
+        for (int c = 0; c < HEAD_DIM / 8; ++c) {
+            const int col = c8 + 8 * c;
+            if (col < head_dim) o[col] = from_f32_elem(acc[c]);
+        }
+    }
+}
+#endif  // FA_BWD_ENTRY == 2
+
+#if FA_BWD_ENTRY == 3 || FA_BWD_ENTRY == 0
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dkdv(FLASH_BWD_PARAMS) {
+    FA_DYNAMIC_SMEM(float, smem_f);
+    float* k_t = smem_f;                        // [BLOCK_K][PITCH]
+    float* v_t = k_t + BLOCK_K * PITCH;         // [BLOCK_K][PITCH]
+    float* q_t = v_t + BLOCK_K * PITCH;         // [STEP_Q][PITCH]
+    float* do_t = q_t + STEP_Q * PITCH;         // [STEP_Q][PITCH]
+    float* p_t = do_t + STEP_Q * PITCH;         // [STEP_Q][BLOCK_K + 1]
+    float* dx_t = p_t + STEP_Q * (BLOCK_K + 1); // [STEP_Q][BLOCK_K + 1]
+    float* lse2_r = dx_t + STEP_Q * (BLOCK_K + 1);
+    float* dsum_r = lse2_r + STEP_Q;
+
+    const int b = blockIdx.z, hk = blockIdx.y;
+    const BwdSeq seq(seqs + BWD_FIELDS * b);
+    const int n0 = blockIdx.x * BLOCK_K;
+    if (n0 >= seq.seqlen_k) return;
+    const int n_end = min(n0 + BLOCK_K, seq.seqlen_k);
+    const int group = heads / heads_kv;
+    const Mask mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, window_left, window_right};
+
+    stage(k_t, BLOCK_K, k + seq.k_base + hk * k_head_stride, k_row_stride, n0, seq.seqlen_k, head_dim);
+    stage(v_t, BLOCK_K, v + seq.v_base + hk * v_head_stride, v_row_stride, n0, seq.seqlen_k, head_dim);
+
+    const int jc = threadIdx.x / 8, c8 = threadIdx.x % 8;  // this thread's key and column phase
+    float acc_k[HEAD_DIM / 8], acc_v[HEAD_DIM / 8];
+#pragma unroll
+    for (int c = 0; c < HEAD_DIM / 8; ++c) acc_k[c] = acc_v[c] = 0.f;
+
+    // The query rows that may see keys n0..n_end: lo and hi are non-decreasing in the row, so
+    // they form one range; a step outside it is skipped whole.
+    for (int h = hk * group; h < (hk + 1) * group; ++h) {
+        const BwdMod mod = bwd_mod(softmax_scale, softcap,
+                                   HAS_ALIBI ? alibi_slopes[b * heads + h] : 0.f, mask.offset);
+        const elem_t* q_g = q + seq.q_base + h * q_head_stride;
+        const elem_t* do_g = dout + seq.dout_base + h * dout_head_stride;
+        for (int m0 = 0; m0 < seq.seqlen_q; m0 += STEP_Q) {
+            const int m_end = min(m0 + STEP_Q, seq.seqlen_q);
+            if (mask.hi(m_end - 1) <= n0 || mask.lo(m0) >= n_end) continue;
+            __syncthreads();  // the previous step's tiles are no longer read
+            stage(q_t, STEP_Q, q_g, q_row_stride, m0, seq.seqlen_q, head_dim);
+            stage(do_t, STEP_Q, do_g, dout_row_stride, m0, seq.seqlen_q, head_dim);
+            for (int r = threadIdx.x; r < STEP_Q; r += NUM_THREADS) {
+                const i64 w = seq.lse_base + h * lse_head_stride + min(m0 + r, m_end - 1);
+                lse2_r[r] = lse2[w];
+                dsum_r[r] = dsum[w];
+            }
+            __syncthreads();
+            const bool need_mask =
+                n0 + BLOCK_K > seq.seqlen_k ||
+                (IS_MASKED && !(mask.lo(m_end - 1) <= n0 && mask.hi(m0) >= n0 + BLOCK_K));
+            tile_pair<STEP_Q, BLOCK_K>(q_t, do_t, k_t, v_t, p_t, dx_t, lse2_r, dsum_r, m0, n0,
+                                       seq.seqlen_q, mask, mod, need_mask);
+            __syncthreads();
+#pragma unroll
+            for (int c = 0; c < HEAD_DIM / 8; ++c) {
+                const int col = c8 + 8 * c;
+                float ak = acc_k[c], av = acc_v[c];
+#pragma unroll 8
+                for (int r = 0; r < STEP_Q; ++r) {
+                    av = fmaf(p_t[r * (BLOCK_K + 1) + jc], do_t[r * PITCH + col], av);
+                    ak = fmaf(dx_t[r * (BLOCK_K + 1) + jc], q_t[r * PITCH + col], ak);
+                }
+                acc_k[c] = ak;
+                acc_v[c] = av;
+            }
+        }
+    }
+
+    const int j = n0 + jc;
+    if (j < seq.seqlen_k) {
+        const i64 row = ((seq.k_row0 + j) * heads_kv + hk) * (i64)head_dim;
+#pragma unroll
+        for (int c = 0; c < HEAD_DIM / 8; ++c) {
+            const int col = c8 + 8 * c;
+            if (col < head_dim) {
+                dk[row + col] = from_f32_elem(acc_k[c]);
+                dv[row + col] = from_f32_elem(acc_v[c]);
+            }
+        }
+    }
+}
+#endif  // FA_BWD_ENTRY == 3
