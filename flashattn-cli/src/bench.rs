@@ -216,9 +216,6 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
     }
     let cases = validate(args)?;
     if args.device == crate::cuda::Device::Cuda {
-        if args.backward {
-            return fail("--backward: the CUDA backend has no backward pass yet");
-        }
         return crate::cuda::bench(&crate::cuda::BenchConfig {
             batch: args.batch,
             heads: args.heads(),
@@ -227,6 +224,7 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
             head_dim: args.head_dim(),
             dtype: args.dtype.unwrap_or(DtypeArg::F32).dtype(),
             causal: args.causal,
+            backward: args.backward,
             min_time: args.min_time,
             seed: args.seed,
             json: args.json,

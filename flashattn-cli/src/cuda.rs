@@ -5,7 +5,7 @@
 use crate::bench::{random_buffer, view};
 use crate::error::Result;
 use flashattn::cuda::{self, CudaDevice, KernelOrigin};
-use flashattn::{AttnOptions, AttnOutput, DType, TensorRef};
+use flashattn::{AttnGrads, AttnOptions, AttnOutput, DType, TensorRef};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
@@ -21,25 +21,45 @@ pub enum Device {
     Cuda,
 }
 
-/// Forward attention on GPU 0 of host views: upload, compute, download. `cu_seqlens` selects the
-/// packed layout.
-pub fn forward(
+/// Attention on GPU 0 of host views: upload, forward (and backward when `dout` is given),
+/// download. `cu_seqlens` selects the packed layout.
+pub fn compute(
     q: &TensorRef,
     k: &TensorRef,
     v: &TensorRef,
+    dout: Option<&TensorRef>,
     cu_seqlens: Option<(&[i32], &[i32])>,
     opts: &AttnOptions,
-) -> Result<AttnOutput> {
+) -> Result<(AttnOutput, Option<AttnGrads>)> {
     let dev = CudaDevice::new(0)?;
     let (dq, dk, dv) = (dev.upload(q)?, dev.upload(k)?, dev.upload(v)?);
     let res = match cu_seqlens {
         Some((cq, ck)) => cuda::flash_attn_varlen(&dev, &dq, &dk, &dv, cq, ck, opts)?,
         None => cuda::flash_attn(&dev, &dq, &dk, &dv, opts)?,
     };
-    Ok(AttnOutput {
+    let grads = match dout {
+        Some(dout) => {
+            let dd = dev.upload(dout)?;
+            let (o, l) = (&res.out, &res.lse);
+            let g = match cu_seqlens {
+                Some((cq, ck)) => {
+                    cuda::flash_attn_varlen_backward(&dev, &dq, &dk, &dv, o, l, &dd, cq, ck, opts)?
+                }
+                None => cuda::flash_attn_backward(&dev, &dq, &dk, &dv, o, l, &dd, opts)?,
+            };
+            Some(AttnGrads {
+                dq: g.dq.to_host(&dev)?,
+                dk: g.dk.to_host(&dev)?,
+                dv: g.dv.to_host(&dev)?,
+            })
+        }
+        None => None,
+    };
+    let out = AttnOutput {
         out: res.out.to_host(&dev)?,
         lse: res.lse.to_host(&dev)?,
-    })
+    };
+    Ok((out, grads))
 }
 
 /// The shape of a GPU benchmark.
@@ -51,6 +71,8 @@ pub struct BenchConfig {
     pub head_dim: usize,
     pub dtype: DType,
     pub causal: bool,
+    /// Time forward + backward (pass "fwd+bwd", FLOPs 3.5x the forward's).
+    pub backward: bool,
     pub min_time: f64,
     pub seed: u64,
     pub json: bool,
@@ -175,8 +197,21 @@ fn measure(
     let prepared = dev.prepare(&key)?;
 
     let run = || cuda::flash_attn(dev, &dq, &dk, &dv, &opts);
-    let (median_ms, min_ms, reps) = time_events(dev, cfg.min_time, run)?;
-    let flops = flashattn::flops::forward(b, h, sq, sk, d, cfg.causal, (-1, -1));
+    let fwd_flops = flashattn::flops::forward(b, h, sq, sk, d, cfg.causal, (-1, -1));
+    let (timing, flops, kernel) = if cfg.backward {
+        let hd = random_buffer(rng, qs.iter().product(), cfg.dtype);
+        let dd = dev.upload(&view(&hd, &qs))?;
+        let fwd_bwd = || {
+            let res = run()?;
+            res.backward(dev, &dq, &dk, &dv, &dd, &opts)
+        };
+        let timing = time_events(dev, cfg.min_time, fwd_bwd)?;
+        let flops = fwd_flops + flashattn::flops::backward(fwd_flops);
+        (timing, flops, format!("{} + bwd (CUDA cores)", key.name()))
+    } else {
+        (time_events(dev, cfg.min_time, run)?, fwd_flops, key.name())
+    };
+    let (median_ms, min_ms, reps) = timing;
 
     // Error of sampled rows against the f64 reference.
     let res = run()?;
@@ -210,8 +245,8 @@ fn measure(
         seqlen_k: sk,
         head_dim: d,
         causal: cfg.causal,
-        pass: "forward",
-        kernel: key.name(),
+        pass: if cfg.backward { "fwd+bwd" } else { "forward" },
+        kernel,
         kernel_origin: match prepared.origin {
             KernelOrigin::Memory => "memory",
             KernelOrigin::Disk => "disk",

@@ -119,18 +119,11 @@ fn compute(inputs: &st_io::Inputs, args: &RunArgs) -> Result<(AttnOutput, Option
     let (q, k, v) = (inputs.q.view(), inputs.k.view(), inputs.v.view());
     let dout = inputs.dout.as_ref().map(|t| t.view());
     if args.device == Device::Cuda {
-        if dout.is_some() {
-            return Err(CliError(
-                "the input holds `dout`, but the CUDA backend has no backward pass yet; \
-                 run it with --device cpu"
-                    .into(),
-            ));
-        }
         let cu = inputs
             .cu_seqlens
             .as_ref()
             .map(|(cq, ck)| (cq.as_slice(), ck.as_slice()));
-        return Ok((crate::cuda::forward(&q, &k, &v, cu, &opts)?, None));
+        return crate::cuda::compute(&q, &k, &v, dout.as_ref(), cu, &opts);
     }
     match &inputs.cu_seqlens {
         Some((cq, ck)) => {
