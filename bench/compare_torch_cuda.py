@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""flashattn's CUDA forward against PyTorch's scaled_dot_product_attention (flash backend) on the
-same GPU, in one run: interleaved rounds, CUDA-event timing, medians, one FLOP model.
+"""flashattn's CUDA forward (or forward + backward, --backward) against PyTorch's
+scaled_dot_product_attention (flash backend) on the same GPU, in one run: interleaved rounds,
+CUDA-event timing, medians, one FLOP model.
 
 Shapes follow issue 5's targets: bf16, batch x seqlen = 16k tokens, hidden 2048 (heads = 2048 / d),
 d = 64 and 128, seqlen 512 .. 16k, causal and not. FLOPs: 4 * batch * heads * d * (visible
-query-key pairs), the pairs halved (s(s+1)/2) for causal, as flashattn::flops::forward.
+query-key pairs), the pairs halved (s(s+1)/2) for causal, as flashattn::flops::forward; forward +
+backward counts 3.5x that (the backward 2.5x).
 
 Needs: a CUDA GPU, PyTorch with CUDA, and a release build of the `flashattn` binary (built
 elsewhere: `cargo build --release -p flashattn-cli`, copied next to this script or named by
@@ -45,17 +47,24 @@ def event_median_ms(fn, min_time):
     return statistics.median(times)
 
 
-def torch_ms(b, h, s, d, causal, dtype, min_time):
+def torch_ms(b, h, s, d, causal, dtype, min_time, backward=False):
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     dt = {"bf16": torch.bfloat16, "f16": torch.float16}[dtype]
     g = torch.Generator(device="cuda").manual_seed(s * 31 + d)
-    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dt, generator=g) for _ in range(3))
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dt, generator=g,
+                           requires_grad=backward) for _ in range(3))
+    dout = torch.randn(b, h, s, d, device="cuda", dtype=dt, generator=g)
+
+    def step():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        if backward:
+            torch.autograd.grad(out, (q, k, v), dout)
+
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        return event_median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
-                               min_time)
+        return event_median_ms(step, min_time)
 
 
 def run_json(cmd):
@@ -69,10 +78,11 @@ def run_json(cmd):
     return machine, m
 
 
-def flash(binary, b, h, s, d, causal, dtype, min_time):
+def flash(binary, b, h, s, d, causal, dtype, min_time, backward=False):
     cmd = [binary, "bench", "--device", "cuda", "--dtype", dtype, "--batch", str(b),
            "--heads", str(h), "--head-dim", str(d), "--seqlen", str(s), "--json",
-           "--min-time", str(min_time)] + (["--causal"] if causal else [])
+           "--min-time", str(min_time)] + (["--causal"] if causal else []) \
+        + (["--backward"] if backward else [])
     return run_json(cmd)
 
 
@@ -85,6 +95,7 @@ def main():
     ap.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--backward", action="store_true", help="time forward + backward")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
 
@@ -97,15 +108,17 @@ def main():
         for causal in (False, True):
             for s in seqlens:
                 b = max(1, args.tokens // s)
-                flops = 4.0 * b * h * d * pairs(s, causal)
+                flops = 4.0 * b * h * d * pairs(s, causal) * (3.5 if args.backward else 1.0)
                 t_ms, f_ms, fm = [], [], None
                 for _ in range(args.rounds):
-                    t_ms.append(torch_ms(b, h, s, d, causal, args.dtype, args.min_time))
-                    machine, fm_round = flash(args.binary, b, h, s, d, causal, args.dtype, args.min_time)
+                    t_ms.append(torch_ms(b, h, s, d, causal, args.dtype, args.min_time,
+                                         args.backward))
+                    machine, fm_round = flash(args.binary, b, h, s, d, causal, args.dtype,
+                                              args.min_time, args.backward)
                     fm = fm or fm_round  # the first round's kernel origin (compile or disk)
                     f_ms.append(fm_round["median_ms"])
                 t, f = statistics.median(t_ms), statistics.median(f_ms)
-                row = dict(dtype=args.dtype, batch=b, heads=h, seqlen=s, head_dim=d, causal=causal,
+                row = dict(pass_="fwd+bwd" if args.backward else "fwd", dtype=args.dtype, batch=b, heads=h, seqlen=s, head_dim=d, causal=causal,
                            torch_ms=t, flashattn_ms=f, torch_tflops=flops / t / 1e9,
                            flashattn_tflops=flops / f / 1e9, speedup=t / f,
                            flashattn_max_abs_err=fm["max_abs_err"], kernel=fm["kernel"],

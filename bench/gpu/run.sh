@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the device machine (after bench/gpu/prepare.sh here, carrying gpu-run/): the CUDA tests (the
 # forward grid against the f64 reference, varlen, errors; the CLI's --device cuda tests; the decode
-# path's cases), then bench/compare_torch_cuda_decode.py and bench/compare_torch_cuda.py. Logs and JSON go to $OUT (or gpu-run/out).
+# path's cases; the backward grid), then bench/compare_torch_cuda_decode.py, bench/compare_torch_cuda.py
+# and the same with --backward. Logs and JSON go to $OUT (or gpu-run/out).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-run/out}
@@ -22,3 +23,6 @@ python3 bench/compare_torch_cuda_decode.py --binary gpu-run/flashattn --out "$ou
     | tee "$out/compare_cuda_decode.log"
 python3 bench/compare_torch_cuda.py --binary gpu-run/flashattn --out "$out/compare_cuda.json" "$@" 2>&1 \
     | tee "$out/compare_cuda.log"
+# The backward (CUDA cores, not yet tensor cores): forward + backward at three lengths, d = 128.
+python3 bench/compare_torch_cuda.py --binary gpu-run/flashattn --backward --quick --rounds 2 \
+    --out "$out/compare_cuda_bwd.json" 2>&1 | tee "$out/compare_cuda_bwd.log"
