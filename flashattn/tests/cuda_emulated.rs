@@ -238,9 +238,10 @@ mod backward {
             let g = g.unwrap_or((0, 0, 0));
             [g.0 as i64, g.1 as i64, g.2 as i64]
         };
-        let nums: Vec<String> = grid(d.row_grid())
+        let nums: Vec<String> = grid(d.prep_grid())
             .into_iter()
-            .chain(grid(d.key_grid()))
+            .chain(grid(d.dq_grid()))
+            .chain(grid(d.dkdv_grid()))
             .chain([
                 d.dq.smem_bytes() as i64,
                 d.dkdv.smem_bytes() as i64,

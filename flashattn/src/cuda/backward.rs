@@ -14,8 +14,8 @@ use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
 /// Entries per launched sequence of the backward kernels' table (bwd.cu: BWD_FIELDS).
 pub const BWD_FIELDS: usize = 11;
-/// Query rows per CTA of `bwd_prep` and `bwd_dq`; keys per CTA of `bwd_dkdv` (bwd.cu).
-const BWD_ROWS: usize = 16;
+/// Query rows per CTA of `bwd_prep` (bwd.cu: BLOCK_Q).
+const PREP_ROWS: usize = 16;
 
 /// Everything the backward launches pass besides the tensors, computed on the host from a
 /// validated call: what the GPU path uploads and launches, and what the host emulation of bwd.cu
@@ -55,14 +55,31 @@ pub struct BackwardLaunch {
 
 impl BackwardLaunch {
     fn new(p: &Params, out: &QLike, dout: &QLike, lse_strides: &[usize]) -> BackwardLaunch {
-        let dkey = |kind| KernelKey {
-            kind,
-            dtype: p.dtype,
-            head_dim: KernelKey::padded_head_dim(p.head_dim),
-            masked: p.window_left.is_some() || p.window_right.is_some(),
-            softcap: p.softcap.is_some(),
-            alibi: p.alibi.is_some(),
-            vec_load: false,
+        // The tensor-core kernels move tiles of q, k, v and dout 16 bytes at a time when
+        // head_dim and every stride and base are multiples of 8 elements.
+        let aligned = |x: usize| x.is_multiple_of(8);
+        let vec_load = aligned(p.head_dim)
+            && [p.q, p.k, p.v, dout.layout]
+                .iter()
+                .all(|l| aligned(l.row_stride) && aligned(l.head_stride))
+            && p.seqs
+                .iter()
+                .all(|s| aligned(s.q_base) && aligned(s.k_base) && aligned(s.v_base))
+            && dout.bases.iter().all(|&b| aligned(b));
+        let dkey = |kind| {
+            let key = KernelKey {
+                kind,
+                dtype: p.dtype,
+                head_dim: KernelKey::padded_head_dim(p.head_dim),
+                masked: p.window_left.is_some() || p.window_right.is_some(),
+                softcap: p.softcap.is_some(),
+                alibi: p.alibi.is_some(),
+                vec_load: false,
+            };
+            KernelKey {
+                vec_load: vec_load && key.bwd_tensor_cores(),
+                ..key
+            }
         };
         // The caller's lse: [batch, heads, seqlen_q] or [heads, total_q].
         let (lse_bs, lse_hs, lse_rs) = if p.packed {
@@ -168,26 +185,24 @@ impl BackwardLaunch {
         }
     }
 
-    /// Grid of `bwd_prep` and of `bwd_dq` (None: no query row).
-    pub fn row_grid(&self) -> Option<(u32, u32, u32)> {
-        (self.max_q > 0 && self.seqs > 0).then(|| {
-            (
-                self.max_q.div_ceil(BWD_ROWS) as u32,
-                self.heads as u32,
-                self.seqs as u32,
-            )
-        })
+    /// Grid of `bwd_prep` (None: no query row).
+    pub fn prep_grid(&self) -> Option<(u32, u32, u32)> {
+        self.grid(self.max_q, PREP_ROWS, self.heads)
+    }
+
+    /// Grid of `bwd_dq` (None: no query row).
+    pub fn dq_grid(&self) -> Option<(u32, u32, u32)> {
+        self.grid(self.max_q, self.dq.tiles().block_m, self.heads)
     }
 
     /// Grid of `bwd_dkdv` (None: no key).
-    pub fn key_grid(&self) -> Option<(u32, u32, u32)> {
-        (self.max_k > 0 && self.seqs > 0).then(|| {
-            (
-                self.max_k.div_ceil(BWD_ROWS) as u32,
-                self.heads_kv as u32,
-                self.seqs as u32,
-            )
-        })
+    pub fn dkdv_grid(&self) -> Option<(u32, u32, u32)> {
+        self.grid(self.max_k, self.dkdv.tiles().block_n, self.heads_kv)
+    }
+
+    fn grid(&self, len: usize, block: usize, heads: i32) -> Option<(u32, u32, u32)> {
+        (len > 0 && self.seqs > 0)
+            .then(|| (len.div_ceil(block) as u32, heads as u32, self.seqs as u32))
     }
 }
 
@@ -367,9 +382,9 @@ fn launch<T>(
 ) -> Result<()> {
     let null: u64 = 0;
     let launches = [
-        (&f[0], &d.prep, d.row_grid()),
-        (&f[1], &d.dq, d.row_grid()),
-        (&f[2], &d.dkdv, d.key_grid()),
+        (&f[0], &d.prep, d.prep_grid()),
+        (&f[1], &d.dq, d.dq_grid()),
+        (&f[2], &d.dkdv, d.dkdv_grid()),
     ];
     for (function, key, grid) in launches {
         let Some(grid) = grid else { continue };

@@ -41,7 +41,7 @@ pub enum KernelKind {
 }
 
 impl KernelKind {
-    fn is_backward(self) -> bool {
+    pub(crate) fn is_backward(self) -> bool {
         matches!(
             self,
             KernelKind::BackwardPrep | KernelKind::BackwardDq | KernelKind::BackwardDkDv
@@ -84,6 +84,22 @@ impl KernelKey {
     /// every variant by the compile test.
     pub fn tiles(&self) -> Tiles {
         match self.kind {
+            // bwd.cu on tensor cores: 64 query rows per CTA and 64 keys a step (dkdv: 64 keys
+            // per CTA, 32 rows a step).
+            KernelKind::BackwardDq if self.bwd_tensor_cores() => {
+                return Tiles {
+                    block_m: 64,
+                    block_n: 64,
+                    num_warps: 4,
+                }
+            }
+            KernelKind::BackwardDkDv if self.bwd_tensor_cores() => {
+                return Tiles {
+                    block_m: 32,
+                    block_n: 64,
+                    num_warps: 4,
+                }
+            }
             // bwd.cu: 16 query rows per CTA, 32 keys per step (dkdv: 16 keys, 32 rows a step).
             KernelKind::BackwardPrep | KernelKind::BackwardDq => {
                 return Tiles {
@@ -158,6 +174,14 @@ impl KernelKey {
             KernelKind::DecodeCombine | KernelKind::DecodeAppend | KernelKind::BackwardPrep => {
                 return 0
             }
+            // bwd.cu on tensor cores: q and dO tiles of the rows, k and v tiles of the keys, in
+            // the input type; the tiles a CTA walks through double-buffered.
+            KernelKind::BackwardDq if self.bwd_tensor_cores() => {
+                return 2 * (2 * t.block_m + 4 * t.block_n) * self.smem_row()
+            }
+            KernelKind::BackwardDkDv if self.bwd_tensor_cores() => {
+                return 2 * (2 * t.block_n + 4 * t.block_m) * self.smem_row()
+            }
             // bwd.cu: q and dO [block_m][d+1], k and v [block_n][d+1], P and dX
             // [block_m][block_n+1], two per-row statistics, all f32.
             KernelKind::BackwardDq | KernelKind::BackwardDkDv => {
@@ -178,6 +202,14 @@ impl KernelKey {
             // q [block_m], k and v double-buffered [2][block_n]
             _ => 2 * (t.block_m + 4 * t.block_n) * self.smem_row(),
         }
+    }
+
+    /// Whether `bwd_dq` / `bwd_dkdv` of this key run on tensor cores (f16/bf16, head_dim up to
+    /// 128: two head_dim-wide accumulators per thread fit the registers there).
+    pub fn bwd_tensor_cores(&self) -> bool {
+        matches!(self.kind, KernelKind::BackwardDq | KernelKind::BackwardDkDv)
+            && self.dtype != DType::F32
+            && self.head_dim <= 128
     }
 
     pub fn threads(&self) -> usize {
@@ -232,6 +264,13 @@ impl KernelKey {
                 "FA_DECODE_ENTRY"
             };
             d.push((define, entry.to_string()));
+            if self.kind.is_backward() {
+                d.push(("BWD_TENSOR_CORES", flag(self.bwd_tensor_cores())));
+                if self.bwd_tensor_cores() {
+                    d.push(("SMEM_ROW", self.smem_row().to_string()));
+                    d.push(("VEC_LOAD", flag(self.vec_load)));
+                }
+            }
             match self.dtype {
                 DType::BF16 => d.push(("FA_BF16", "1".into())),
                 DType::F16 => d.push(("FA_F16", "1".into())),
@@ -267,8 +306,13 @@ impl KernelKey {
             KernelKind::DecodeCombine => return format!("decode_combine_{}", self.dtype),
             KernelKind::DecodeAppend => return format!("decode_append_{}", self.dtype),
             KernelKind::BackwardPrep => return format!("bwd_prep_{}", self.dtype),
-            KernelKind::BackwardDq => format!("bwd_dq_{}_d{}", self.dtype, self.head_dim),
-            KernelKind::BackwardDkDv => format!("bwd_dkdv_{}_d{}", self.dtype, self.head_dim),
+            KernelKind::BackwardDq | KernelKind::BackwardDkDv => format!(
+                "{}_{}_d{}{}",
+                self.entry(),
+                self.dtype,
+                self.head_dim,
+                if self.bwd_tensor_cores() { "_tc" } else { "" }
+            ),
         };
         for (on, tag) in [
             (self.masked, "_masked"),
@@ -325,16 +369,20 @@ impl KernelKey {
         for dtype in [DType::F16, DType::BF16, DType::F32] {
             for head_dim in (HEAD_DIM_STEP..=crate::MAX_HEAD_DIM).step_by(HEAD_DIM_STEP) {
                 for kind in [KernelKind::BackwardDq, KernelKind::BackwardDkDv] {
-                    for bits in 0..8u32 {
-                        keys.push(KernelKey {
+                    for bits in 0..16u32 {
+                        let key = KernelKey {
                             kind,
                             dtype,
                             head_dim,
                             masked: bits & 1 != 0,
                             softcap: bits & 2 != 0,
                             alibi: bits & 4 != 0,
-                            vec_load: false,
-                        });
+                            vec_load: bits & 8 != 0,
+                        };
+                        // Only the tensor-core kernels have a vector-load path.
+                        if !key.vec_load || key.bwd_tensor_cores() {
+                            keys.push(key);
+                        }
                     }
                 }
             }

@@ -12,9 +12,10 @@ int main(int argc, char** argv) {
     if (argc != 2) return 2;
     std::string dir = argv[1];
     std::ifstream pf(dir + "/params.txt");
-    long long rg[3], kg[3], smem_dq, smem_dkdv, has_slopes, heads, heads_kv, head_dim;
+    long long pg[3], rg[3], kg[3], smem_dq, smem_dkdv, has_slopes, heads, heads_kv, head_dim;
     long long st[13], window_left, window_right, dq_len, dk_len, lse_len;
     float scale, softcap;
+    for (auto& x : pg) pf >> x;
     for (auto& x : rg) pf >> x;
     for (auto& x : kg) pf >> x;
     pf >> smem_dq >> smem_dkdv >> has_slopes >> heads >> heads_kv >> head_dim;
@@ -41,10 +42,11 @@ int main(int argc, char** argv) {
                st[1], st[2], st[3], st[4], st[5], st[6], st[7], st[8], st[9], st[10], st[11], st[12],
                scale, softcap, int(window_left), int(window_right));
     };
+    const emu::Dim3 prep_grid{unsigned(pg[0]), unsigned(pg[1]), unsigned(pg[2])};
     const emu::Dim3 row_grid{unsigned(rg[0]), unsigned(rg[1]), unsigned(rg[2])};
     const emu::Dim3 key_grid{unsigned(kg[0]), unsigned(kg[1]), unsigned(kg[2])};
     if (rg[0] > 0) {
-        emu::launch(row_grid, NUM_THREADS, 0, [&] { call(bwd_prep); });
+        emu::launch(prep_grid, NUM_THREADS, 0, [&] { call(bwd_prep); });
         emu::launch(row_grid, NUM_THREADS, size_t(smem_dq), [&] { call(bwd_dq); });
     }
     if (kg[0] > 0) emu::launch(key_grid, NUM_THREADS, size_t(smem_dkdv), [&] { call(bwd_dkdv); });

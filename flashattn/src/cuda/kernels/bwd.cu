@@ -25,13 +25,21 @@
 // in the workspaces), lse_base (workspace index of head 0, query 0), lse_view_base (the caller's
 // lse, head 0, query 0) and k_row0 (token index of key 0 in dk and dv).
 //
+// With BWD_TENSOR_CORES (f16/bf16, head_dim <= 128) bwd_dq and bwd_dkdv run on tensor cores
+// instead (mma.sync m16n8k16 through the forward's primitives, common.cuh): the same steps, tiles
+// of 64 rows or keys, P and dS rounded to the input type for their products, as FlashAttention-2.
+//
 // Defines: FA_BWD_ENTRY; FA_BF16 or FA_F16 (else f32); HEAD_DIM (padded head_dim, a multiple of
-// 32), IS_MASKED (causal or window), HAS_SOFTCAP, HAS_ALIBI.
+// 32), IS_MASKED (causal or window), HAS_SOFTCAP, HAS_ALIBI; BWD_TENSOR_CORES, and with it
+// SMEM_ROW and VEC_LOAD (as fwd.cu).
 #define FA_CUDA_CORE_ELEM
+#define NUM_THREADS 128
+#if BWD_TENSOR_CORES
+#define FA_TENSOR_CORE_KERNEL
+#endif
 #include "common.cuh"
 
 #define BWD_FIELDS 11
-#define NUM_THREADS 128
 #define BLOCK_Q 16   // bwd_dq: query rows per CTA; bwd_prep: rows per CTA
 #define STEP_K 32    // bwd_dq: keys per step
 #define BLOCK_K 16   // bwd_dkdv: keys per CTA
@@ -170,7 +178,7 @@ __device__ __forceinline__ void tile_pair(const float* q_t, const float* do_t, c
 }
 #endif  // FA_BWD_ENTRY != 1
 
-#if FA_BWD_ENTRY == 2 || FA_BWD_ENTRY == 0
+#if (FA_BWD_ENTRY == 2 || FA_BWD_ENTRY == 0) && !BWD_TENSOR_CORES
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dq(FLASH_BWD_PARAMS) {
     FA_DYNAMIC_SMEM(float, smem_f);
     float* q_t = smem_f;                        // [BLOCK_Q][PITCH]
@@ -243,7 +251,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dq(FLASH_BWD_PA
 }
 #endif  // FA_BWD_ENTRY == 2
 
-#if FA_BWD_ENTRY == 3 || FA_BWD_ENTRY == 0
+#if (FA_BWD_ENTRY == 3 || FA_BWD_ENTRY == 0) && !BWD_TENSOR_CORES
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dkdv(FLASH_BWD_PARAMS) {
     FA_DYNAMIC_SMEM(float, smem_f);
     float* k_t = smem_f;                        // [BLOCK_K][PITCH]
@@ -325,3 +333,296 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dkdv(FLASH_BWD_
     }
 }
 #endif  // FA_BWD_ENTRY == 3
+
+#if BWD_TENSOR_CORES && FA_BWD_ENTRY != 1
+// ---- f16/bf16 on tensor cores -----------------------------------------------------------------
+#define TC_DQ_M 64   // bwd_dq: query rows per CTA (16 per warp)
+#define TC_DQ_N 64   // bwd_dq: keys per step
+#define TC_KV_N 64   // bwd_dkdv: keys per CTA (16 per warp)
+#define TC_KV_M 32   // bwd_dkdv: query rows per step
+static_assert(HEAD_DIM <= 128, "the tensor-core backward keeps two HEAD_DIM accumulators per warp");
+
+// x[·][NCOLS] = A·Bᵀ for this warp's 16 rows of tile `a` and the NCOLS rows of tile `b` (both
+// [rows][HEAD_DIM], swizzled): the forward's S = Q·Kᵀ.
+template <int NCOLS>
+__device__ __forceinline__ void mma_abt(float (&x)[NCOLS / 8][4], const u16* a, const u16* b,
+                                        int warp, int lane) {
+#pragma unroll
+    for (int i = 0; i < NCOLS / 8; ++i) x[i][0] = x[i][1] = x[i][2] = x[i][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        u32 af[4];
+        ldsm_x4(af, smem_addr(a + swz(warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                      kk * 16 + (lane >> 4) * 8)));
+#pragma unroll
+        for (int np = 0; np < NCOLS / 16; ++np) {
+            u32 bf[4];
+            ldsm_x4(bf, smem_addr(b + swz(np * 16 + (lane & 7) + (lane >> 4) * 8,
+                                          kk * 16 + ((lane >> 3) & 1) * 8)));
+            mma16816(x[2 * np], af, bf[0], bf[1]);
+            mma16816(x[2 * np + 1], af, bf[2], bf[3]);
+        }
+    }
+}
+
+// acc[·][HEAD_DIM] += X·B, X this warp's 16 x NK accumulators (rounded to the input type as the
+// A operand) and B the tile `b` ([NK][HEAD_DIM], swizzled): the forward's O += P·V.
+template <int NK>
+__device__ __forceinline__ void mma_xb(float (&acc)[HEAD_DIM / 8][4], const float (&x)[NK / 8][4],
+                                       const u16* b, int lane) {
+#pragma unroll
+    for (int j = 0; j < NK / 16; ++j) {
+        u32 af[4];
+        af[0] = pack2(x[2 * j][0], x[2 * j][1]);
+        af[1] = pack2(x[2 * j][2], x[2 * j][3]);
+        af[2] = pack2(x[2 * j + 1][0], x[2 * j + 1][1]);
+        af[3] = pack2(x[2 * j + 1][2], x[2 * j + 1][3]);
+#pragma unroll
+        for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
+            u32 bf[4];
+            ldsm_x4_trans(bf, smem_addr(b + swz(j * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                dp * 16 + (lane >> 4) * 8)));
+            mma16816(acc[2 * dp], af, bf[0], bf[1]);
+            mma16816(acc[2 * dp + 1], af, bf[2], bf[3]);
+        }
+    }
+}
+
+// Writes this thread's two rows (row_ptr[r], null when past the end) of accumulators.
+__device__ __forceinline__ void store_rows(const float (&acc)[HEAD_DIM / 8][4], elem_t* const row_ptr[2],
+                                           int t, int head_dim) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        elem_t* o = row_ptr[r];
+        if (o == nullptr) continue;
+#pragma unroll
+        for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
+            const int col = dt * 8 + 2 * t;
+            const float x0 = acc[dt][2 * r], x1 = acc[dt][2 * r + 1];
+#if VEC_LOAD
+            if (col < head_dim) *reinterpret_cast<u32*>(o + col) = pack2(x0, x1);
+#else
+            if (col < head_dim) o[col] = from_f32(x0);
+            if (col + 1 < head_dim) o[col + 1] = from_f32(x1);
+#endif
+        }
+    }
+}
+#endif  // BWD_TENSOR_CORES && FA_BWD_ENTRY != 1
+
+#if BWD_TENSOR_CORES && (FA_BWD_ENTRY == 2 || FA_BWD_ENTRY == 0)
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dq(FLASH_BWD_PARAMS) {
+    FA_DYNAMIC_SMEM(u16, smem);
+    u16* q_tile = smem;                             // [TC_DQ_M][SMEM_ROW]
+    u16* do_tile = q_tile + TC_DQ_M * SMEM_ROW;     // [TC_DQ_M]
+    u16* k_tiles = do_tile + TC_DQ_M * SMEM_ROW;    // 2 x [TC_DQ_N]
+    u16* v_tiles = k_tiles + 2 * TC_DQ_N * SMEM_ROW; // 2 x [TC_DQ_N]
+
+    const int b = blockIdx.z, h = blockIdx.y;
+    const BwdSeq seq(seqs + BWD_FIELDS * b);
+    const int m0 = blockIdx.x * TC_DQ_M;
+    if (m0 >= seq.seqlen_q) return;
+    const int m_end = min(m0 + TC_DQ_M, seq.seqlen_q);
+    const int hk = h / (heads / heads_kv);
+    const Mask mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, window_left, window_right};
+    const BwdMod mod = bwd_mod(softmax_scale, softcap,
+                               HAS_ALIBI ? alibi_slopes[b * heads + h] : 0.f, mask.offset);
+    const u16* q_g = q + seq.q_base + h * q_head_stride;
+    const u16* do_g = dout + seq.dout_base + h * dout_head_stride;
+    const u16* k_g = k + seq.k_base + hk * k_head_stride;
+    const u16* v_g = v + seq.v_base + hk * v_head_stride;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+
+    const int lo = mask.lo(m0), hi = mask.hi(m_end - 1);
+    const int nb_min = lo / TC_DQ_N, nb_max = hi > lo ? (hi + TC_DQ_N - 1) / TC_DQ_N : nb_min;
+    load_tile<TC_DQ_M>(q_tile, q_g, q_row_stride, m0, seq.seqlen_q, head_dim);
+    load_tile<TC_DQ_M>(do_tile, do_g, dout_row_stride, m0, seq.seqlen_q, head_dim);
+    cp_async_commit();
+    if (nb_min < nb_max) {
+        load_tile<TC_DQ_N>(k_tiles, k_g, k_row_stride, nb_min * TC_DQ_N, seq.seqlen_k, head_dim);
+        load_tile<TC_DQ_N>(v_tiles, v_g, v_row_stride, nb_min * TC_DQ_N, seq.seqlen_k, head_dim);
+    }
+    cp_async_commit();
+
+    // This thread's rows warp * 16 + g and + 8: the mask, the LSE and dsum of each.
+    int row_i[2], row_lo[2], row_hi[2];
+    float row_lse2[2], row_dsum[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        row_i[r] = m0 + warp * 16 + g + 8 * r;
+        row_lo[r] = mask.lo(row_i[r]);
+        row_hi[r] = mask.hi(row_i[r]);
+        const i64 w = seq.lse_base + h * lse_head_stride + min(row_i[r], m_end - 1);
+        row_lse2[r] = lse2[w];
+        row_dsum[r] = dsum[w];
+    }
+    float acc[HEAD_DIM / 8][4];
+#pragma unroll
+    for (int i = 0; i < HEAD_DIM / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+
+    for (int nb = nb_min; nb < nb_max; ++nb) {
+        const int buf = (nb - nb_min) & 1;
+        const u16* k_tile = k_tiles + buf * TC_DQ_N * SMEM_ROW;
+        const u16* v_tile = v_tiles + buf * TC_DQ_N * SMEM_ROW;
+        if (nb + 1 < nb_max) {
+            // The other buffers were released by the __syncthreads ending the previous step.
+            load_tile<TC_DQ_N>(k_tiles + (buf ^ 1) * TC_DQ_N * SMEM_ROW, k_g, k_row_stride,
+                               (nb + 1) * TC_DQ_N, seq.seqlen_k, head_dim);
+            load_tile<TC_DQ_N>(v_tiles + (buf ^ 1) * TC_DQ_N * SMEM_ROW, v_g, v_row_stride,
+                               (nb + 1) * TC_DQ_N, seq.seqlen_k, head_dim);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+
+        float s[TC_DQ_N / 8][4], dp[TC_DQ_N / 8][4];
+        mma_abt<TC_DQ_N>(s, q_tile, k_tile, warp, lane);
+        mma_abt<TC_DQ_N>(dp, do_tile, v_tile, warp, lane);
+        const int n0 = nb * TC_DQ_N;
+        const bool need_mask =
+            n0 + TC_DQ_N > seq.seqlen_k ||
+            (IS_MASKED && !(mask.lo(m_end - 1) <= n0 && mask.hi(m0) >= n0 + TC_DQ_N));
+#pragma unroll
+        for (int nt = 0; nt < TC_DQ_N / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e >> 1, j = n0 + nt * 8 + 2 * t + (e & 1);
+                float deriv;
+                const float x = mod.apply(s[nt][e], row_i[r], j, deriv);
+                const bool vis = !need_mask || (j < seq.seqlen_k && j >= row_lo[r] && j < row_hi[r]);
+                const float p = vis ? fa_exp2(x - row_lse2[r]) : 0.f;
+                s[nt][e] = p * (dp[nt][e] - row_dsum[r]) * deriv;  // dS
+            }
+        }
+        mma_xb<TC_DQ_N>(acc, s, k_tile, lane);
+        __syncthreads();
+    }
+    cp_async_wait<0>();  // a CTA that saw no key block still has its tiles in flight
+
+    elem_t* rows[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+        rows[r] = row_i[r] < seq.seqlen_q
+                      ? dq + ((seq.out_row0 + row_i[r]) * heads + h) * (i64)head_dim
+                      : nullptr;
+    store_rows(acc, rows, t, head_dim);
+}
+#endif  // BWD_TENSOR_CORES && FA_BWD_ENTRY == 2
+
+#if BWD_TENSOR_CORES && (FA_BWD_ENTRY == 3 || FA_BWD_ENTRY == 0)
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dkdv(FLASH_BWD_PARAMS) {
+    FA_DYNAMIC_SMEM(u16, smem);
+    u16* k_tile = smem;                               // [TC_KV_N][SMEM_ROW]
+    u16* v_tile = k_tile + TC_KV_N * SMEM_ROW;        // [TC_KV_N]
+    u16* q_tiles = v_tile + TC_KV_N * SMEM_ROW;       // 2 x [TC_KV_M]
+    u16* do_tiles = q_tiles + 2 * TC_KV_M * SMEM_ROW; // 2 x [TC_KV_M]
+
+    const int b = blockIdx.z, hk = blockIdx.y;
+    const BwdSeq seq(seqs + BWD_FIELDS * b);
+    const int n0 = blockIdx.x * TC_KV_N;
+    if (n0 >= seq.seqlen_k) return;
+    const int n_end = min(n0 + TC_KV_N, seq.seqlen_k);
+    const int group = heads / heads_kv;
+    const Mask mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, window_left, window_right};
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+
+    // The query rows that may see keys n0..n_end: hi(i) > n0 from i_min on, lo(i) < n_end below
+    // i_max (lo and hi are non-decreasing in i).
+    const int i_min = window_right < 0 ? 0 : max(0, n0 - mask.offset - window_right);
+    const int i_max = window_left < 0 ? seq.seqlen_q
+                                      : min(seq.seqlen_q, n_end - mask.offset + window_left);
+    const int mb_min = i_min / TC_KV_M;
+    const int mb_count = i_max > i_min ? (i_max + TC_KV_M - 1) / TC_KV_M - mb_min : 0;
+    const int steps = group * mb_count;  // (head, query block) pairs, head-major
+
+    load_tile<TC_KV_N>(k_tile, k + seq.k_base + hk * k_head_stride, k_row_stride, n0, seq.seqlen_k,
+                       head_dim);
+    load_tile<TC_KV_N>(v_tile, v + seq.v_base + hk * v_head_stride, v_row_stride, n0, seq.seqlen_k,
+                       head_dim);
+    cp_async_commit();
+    auto load_step = [&](int step, int buf) {
+        const int h = hk * group + step / mb_count, m0 = (mb_min + step % mb_count) * TC_KV_M;
+        load_tile<TC_KV_M>(q_tiles + buf * TC_KV_M * SMEM_ROW, q + seq.q_base + h * q_head_stride,
+                           q_row_stride, m0, seq.seqlen_q, head_dim);
+        load_tile<TC_KV_M>(do_tiles + buf * TC_KV_M * SMEM_ROW,
+                           dout + seq.dout_base + h * dout_head_stride, dout_row_stride, m0,
+                           seq.seqlen_q, head_dim);
+    };
+    if (steps > 0) load_step(0, 0);
+    cp_async_commit();
+
+    int key_j[2];
+    key_j[0] = n0 + warp * 16 + g;
+    key_j[1] = key_j[0] + 8;
+    float acc_k[HEAD_DIM / 8][4], acc_v[HEAD_DIM / 8][4];
+#pragma unroll
+    for (int i = 0; i < HEAD_DIM / 8; ++i)
+        acc_k[i][0] = acc_k[i][1] = acc_k[i][2] = acc_k[i][3] = acc_v[i][0] = acc_v[i][1] =
+            acc_v[i][2] = acc_v[i][3] = 0.f;
+
+    for (int step = 0; step < steps; ++step) {
+        const int buf = step & 1;
+        const u16* q_tile = q_tiles + buf * TC_KV_M * SMEM_ROW;
+        const u16* do_tile = do_tiles + buf * TC_KV_M * SMEM_ROW;
+        if (step + 1 < steps) {
+            load_step(step + 1, buf ^ 1);  // released by the __syncthreads ending the last step
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+
+        const int h = hk * group + step / mb_count, m0 = (mb_min + step % mb_count) * TC_KV_M;
+        const int m_end = min(m0 + TC_KV_M, seq.seqlen_q);
+        const BwdMod mod = bwd_mod(softmax_scale, softcap,
+                                   HAS_ALIBI ? alibi_slopes[b * heads + h] : 0.f, mask.offset);
+        // Transposed: rows are this warp's keys, columns the step's query rows.
+        float st[TC_KV_M / 8][4], dpt[TC_KV_M / 8][4];
+        mma_abt<TC_KV_M>(st, k_tile, q_tile, warp, lane);
+        mma_abt<TC_KV_M>(dpt, v_tile, do_tile, warp, lane);
+        const bool need_mask =
+            n0 + TC_KV_N > seq.seqlen_k || m0 + TC_KV_M > seq.seqlen_q ||
+            (IS_MASKED && !(mask.lo(m_end - 1) <= n0 && mask.hi(m0) >= n0 + TC_KV_N));
+        const i64 w0 = seq.lse_base + h * lse_head_stride;
+#pragma unroll
+        for (int nt = 0; nt < TC_KV_M / 8; ++nt) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int i = m0 + nt * 8 + 2 * t + c;
+                const int ic = min(i, seq.seqlen_q - 1);
+                const float l2 = lse2[w0 + ic], ds = dsum[w0 + ic];
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int e = 2 * r + c, j = key_j[r];
+                    float deriv;
+                    const float x = mod.apply(st[nt][e], i, j, deriv);
+                    const bool vis = !need_mask || (i < seq.seqlen_q && j < seq.seqlen_k &&
+                                                    j >= mask.lo(i) && j < mask.hi(i));
+                    const float p = vis ? fa_exp2(x - l2) : 0.f;
+                    dpt[nt][e] = p * (dpt[nt][e] - ds) * deriv;  // dSᵀ
+                    st[nt][e] = p;                               // Pᵀ
+                }
+            }
+        }
+        mma_xb<TC_KV_M>(acc_v, st, do_tile, lane);
+        mma_xb<TC_KV_M>(acc_k, dpt, q_tile, lane);
+        __syncthreads();
+    }
+    cp_async_wait<0>();
+
+    elem_t* rows[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+        rows[r] = key_j[r] < seq.seqlen_k
+                      ? dk + ((seq.k_row0 + key_j[r]) * heads_kv + hk) * (i64)head_dim
+                      : nullptr;
+    store_rows(acc_k, rows, t, head_dim);
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+        if (rows[r] != nullptr) rows[r] = dv + (rows[r] - dk);
+    store_rows(acc_v, rows, t, head_dim);
+}
+#endif  // BWD_TENSOR_CORES && FA_BWD_ENTRY == 3

@@ -18,108 +18,13 @@
 //   HAS_SOFTCAP, HAS_ALIBI, VEC_LOAD (head_dim and every row/head stride a multiple of 8 elements
 //   and 16-byte-aligned bases: tiles move by cp.async 16 bytes at a time; else element by element).
 #define FA_TENSOR_CORE_KERNEL
-#include "common.cuh"
-
-#if defined(FA_BF16)
-#define MMA_TYPE "bf16"
-#else
-#define MMA_TYPE "f16"
-#endif
-
 #define NUM_THREADS (NUM_WARPS * 32)
+#include "common.cuh"
 
 static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "HEAD_DIM: a multiple of 32, at most 256");
 static_assert(SMEM_ROW % 64 == 0 && SMEM_ROW >= HEAD_DIM, "SMEM_ROW: whole swizzle groups");
 static_assert(BLOCK_M == 16 * NUM_WARPS, "each warp owns 16 query rows");
 static_assert(BLOCK_N % 16 == 0, "key blocks are whole mma k-steps");
-
-#ifndef FA_HOST_EMULATION
-// Two floats rounded to one packed pair: `lo` at the lower address.
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-    u32 r;
-#if defined(FA_BF16)
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#endif
-    return r;
-}
-
-__device__ __forceinline__ u16 from_f32(float x) {
-    u16 r;
-#if defined(FA_BF16)
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
-#else
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
-#endif
-    return r;
-}
-
-__device__ __forceinline__ void mma16816(float c[4], const u32 a[4], u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void ldsm_x4(u32 r[4], u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
-__device__ __forceinline__ void ldsm_x4_trans(u32 r[4], u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
-    // src_bytes 0 reads nothing and zero-fills the 16 bytes (rows past the sequence, columns past
-    // head_dim).
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
-
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    return (u32)__cvta_generic_to_shared(p);
-}
-#endif  // FA_HOST_EMULATION
-
-// Element offset of (row, col) in a swizzled tile: the 16-byte chunk index is XORed with row % 8
-// inside each group of 8 chunks (SMEM_ROW is a multiple of 64 elements, so groups are whole).
-__device__ __forceinline__ int swz(int row, int col) {
-    int chunk = col >> 3;
-    chunk = (chunk & ~7) | ((chunk ^ row) & 7);
-    return row * SMEM_ROW + (chunk << 3) + (col & 7);
-}
-
-// Loads `rows` rows (row r from src + (row0 + r) * row_stride) of HEAD_DIM columns into a
-// swizzled tile; rows at or past `row_end` and columns at or past `head_dim` become 0.
-template <int ROWS>
-__device__ __forceinline__ void load_tile(u16* tile, const u16* src, i64 row_stride, int row0,
-                                          int row_end, int head_dim) {
-#if VEC_LOAD
-    constexpr int CHUNKS = ROWS * (HEAD_DIM / 8);
-#pragma unroll
-    for (int c = threadIdx.x; c < CHUNKS; c += NUM_THREADS) {
-        int r = c / (HEAD_DIM / 8), col = (c % (HEAD_DIM / 8)) * 8;
-        bool ok = row0 + r < row_end && col < head_dim;
-        const u16* g = ok ? src + (i64)(row0 + r) * row_stride + col : src;
-        cp_async16(smem_addr(tile + swz(r, col)), g, ok ? 16 : 0);
-    }
-#else
-    constexpr int ELEMS = ROWS * HEAD_DIM;
-    for (int e = threadIdx.x; e < ELEMS; e += NUM_THREADS) {
-        int r = e / HEAD_DIM, col = e % HEAD_DIM;
-        bool ok = row0 + r < row_end && col < head_dim;
-        tile[swz(r, col)] = ok ? src[(i64)(row0 + r) * row_stride + col] : (u16)0;
-    }
-#endif
-}
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 flash_fwd(FLASH_FWD_PARAMS(u16)) {
