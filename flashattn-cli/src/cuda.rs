@@ -207,7 +207,8 @@ fn measure(
         };
         let timing = time_events(dev, cfg.min_time, fwd_bwd)?;
         let flops = fwd_flops + flashattn::flops::backward(fwd_flops);
-        (timing, flops, format!("{} + bwd (CUDA cores)", key.name()))
+        let bwd = cuda::backward_kernel_key(&dq, &dk, &dv, &dd, &opts)?;
+        (timing, flops, format!("{} + {}", key.name(), bwd.name()))
     } else {
         (time_events(dev, cfg.min_time, run)?, fwd_flops, key.name())
     };

@@ -248,6 +248,10 @@ mod backward {
         }
         let causal = AttnOptions::default().causal(true);
         case::<T>(&dev, 9, (1, 70, 90, 2, 1, 32), &causal, 6.0);
+        // A narrow window whose first visible key is the last of a key block for some query
+        // blocks (row 64 sees keys 63 and 64): the key range must start at that block.
+        let narrow = AttnOptions::default().window(1, 0);
+        case::<T>(&dev, 10, (1, 130, 130, 2, 1, 32), &narrow, 1.0);
     }
 
     #[test]

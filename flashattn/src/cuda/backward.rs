@@ -1,6 +1,7 @@
 //! The backward pass on the GPU: [`flash_attn_backward`] and [`flash_attn_varlen_backward`], the
-//! CPU calls' semantics (same validation) with every tensor in GPU memory. Three CUDA-core
-//! kernels of `kernels/bwd.cu` run on the device's stream: `bwd_prep` (dO·O per row and the LSE
+//! CPU calls' semantics (same validation) with every tensor in GPU memory. Three kernels of
+//! `kernels/bwd.cu` run on the device's stream (on tensor cores for f16/bf16 up to head_dim 128,
+//! on CUDA cores otherwise): `bwd_prep` (dO·O per row and the LSE
 //! in the log2 domain), `bwd_dq` (one CTA per query block) and `bwd_dkdv` (one CTA per key block
 //! and kv head, summing the heads of its group). No atomics: the gradients are bit-identical from
 //! run to run.
@@ -242,6 +243,22 @@ pub fn backward_launch_description(
     Ok(BackwardLaunch::new(&p, &o, &g, &ls))
 }
 
+/// The `bwd_dq` variant a batched backward with these arguments runs (its `bwd_dkdv` differs only
+/// in kind); validated as the call would be, with `dout` standing in for `out` (same shape).
+pub fn backward_kernel_key(
+    q: &CudaTensor,
+    k: &CudaTensor,
+    v: &CudaTensor,
+    dout: &CudaTensor,
+    opts: &AttnOptions,
+) -> Result<KernelKey> {
+    let p = params::batched(q, k, v, opts)?;
+    let out = params::q_like("out", dout, &p)?;
+    let dout = params::q_like("dout", dout, &p)?;
+    let lse_strides = crate::tensor::contiguous_strides(&p.lse_shape);
+    Ok(BackwardLaunch::new(&p, &out, &dout, &lse_strides).dq)
+}
+
 /// Gradients on the device: dq, dk, dv with the shapes and dtypes of q, k, v (contiguous).
 #[derive(Clone, Debug)]
 pub struct CudaAttnGrads {
@@ -269,8 +286,9 @@ impl super::CudaAttnOutput {
 /// [`crate::flash_attn_backward`] on the GPU, queued on `dev`'s stream (returns without waiting):
 /// gradients of `Σ out ∘ dout` with respect to q, k and v, for the forward's `out` and `lse`.
 /// dQ, dK and dV are each summed by one thread in a fixed order, so results are bit-identical
-/// from run to run. CUDA-core kernels for f32, f16 and bf16 (f16/bf16 widened to f32). Dropout is
-/// [`crate::ErrorKind::CudaUnsupported`].
+/// from run to run. f16/bf16 up to head_dim 128 run on tensor cores (P and dS rounded to the input
+/// type for their products, as FlashAttention-2), f32 and larger head dims on CUDA cores. Dropout
+/// is [`crate::ErrorKind::CudaUnsupported`].
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_backward(
     dev: &CudaDevice,

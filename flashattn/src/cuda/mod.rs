@@ -11,8 +11,8 @@
 //! fully-masked-row rule. Decoding with a KV cache ([`flash_attn_with_kvcache`]: appends,
 //! rotary, paged caches, split-KV with an LSE merge) runs CUDA-core kernels of its own. What the
 //! CUDA backend does not do yet: dropout (forward and backward), which returns
-//! [`ErrorKind::CudaUnsupported`]. The backward pass ([`flash_attn_backward`]) runs CUDA-core
-//! kernels (no tensor cores yet).
+//! [`ErrorKind::CudaUnsupported`]. The backward pass ([`flash_attn_backward`]) runs tensor-core
+//! kernels for f16/bf16 up to head_dim 128 and CUDA-core kernels otherwise.
 //!
 //! ```no_run
 //! use flashattn::{cuda, AttnOptions, TensorRef};
@@ -33,8 +33,8 @@ mod nvrtc;
 mod probe;
 
 pub use backward::{
-    backward_launch_description, flash_attn_backward, flash_attn_varlen_backward, BackwardLaunch,
-    CudaAttnGrads, BWD_FIELDS,
+    backward_kernel_key, backward_launch_description, flash_attn_backward,
+    flash_attn_varlen_backward, BackwardLaunch, CudaAttnGrads, BWD_FIELDS,
 };
 /// The cudarc this backend is built on (0.19, CUDA 13.0 API), for streams, events and slices of
 /// matching types.
