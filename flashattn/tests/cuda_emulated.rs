@@ -210,7 +210,7 @@ fn varlen() {
 /// The backward kernels (bwd.cu) under emulation, against the f64 reference with the CPU
 /// backward's bound (`common::backward::check`: 3x the naive backward's error plus a floor).
 mod backward {
-    use super::common::backward::{check, data};
+    use super::common::backward::{cases, check, data, GradCase, GradData};
     use super::common::emu::{bytes, from_bytes, have_compiler, work_dir, Builds};
     use flashattn::cuda::{backward_launch_description, launch_description, BackwardLaunch};
     use flashattn::{flash_attn_varlen, reference, AttnOptions, Element, Tensor};
@@ -306,79 +306,38 @@ mod backward {
 
     /// One batched case: the emulated forward's out and lse (so the scores are recomputed in the
     /// forward's own order, as on a GPU), the emulated backward, the bound.
-    fn case<T: Element>(
-        builds: &mut [Builds; 2],
-        seed: u64,
-        (b, sq, sk, h, hk, d): (usize, usize, usize, usize, usize, usize),
-        opts: &AttnOptions,
-        logit_scale: f32,
-    ) {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let q: Vec<T> = data(&mut rng, b * sq * h * d, logit_scale);
-        let k: Vec<T> = data(&mut rng, b * sk * hk * d, logit_scale);
-        let v: Vec<T> = data(&mut rng, b * sk * hk * d, 1.0);
-        let dout: Vec<T> = data(&mut rng, b * sq * h * d, 1.0);
-        let (qt, kt, vt, dt) = (
-            TensorRef::contiguous(&q, &[b, sq, h, d]),
-            TensorRef::contiguous(&k, &[b, sk, hk, d]),
-            TensorRef::contiguous(&v, &[b, sk, hk, d]),
-            TensorRef::contiguous(&dout, &[b, sq, h, d]),
-        );
-        let tag = format!("{}_{seed}", T::DTYPE);
-        let fd = launch_description(&qt, &kt, &vt, None, opts).unwrap();
+    fn case<T: Element>(builds: &mut [Builds; 2], c: &GradCase) {
+        let data = GradData::<T>::new(c);
+        let [qt, kt, vt, dt] = data.views();
+        let tag = format!("{}_{}", T::DTYPE, c.seed);
+        let fd = launch_description(&qt, &kt, &vt, None, &c.opts).unwrap();
         let fwd = super::run(&mut builds[0], &fd, &qt, &kt, &vt, &tag);
         let (ov, lv) = (fwd.out.view(), fwd.lse.view());
-        let desc = backward_launch_description(&qt, &kt, &vt, &ov, &lv, &dt, None, opts).unwrap();
+        let desc =
+            backward_launch_description(&qt, &kt, &vt, &ov, &lv, &dt, None, &c.opts).unwrap();
         let [dq, dk, dv] = run(&mut builds[1], &desc, [&qt, &kt, &vt, &ov, &lv, &dt], &tag);
-        let want = reference::attention_backward(&qt, &kt, &vt, &dt, opts).unwrap();
-        let nv = naive::attention_backward(&qt, &kt, &vt, &dt, opts).unwrap();
         let ctx = format!(
-            "emulated {} b={b} sq={sq} sk={sk} h={h}/{hk} d={d} seed={seed} opts={opts:?}",
-            desc.dq.name()
+            "emulated {} seed={} opts={:?}",
+            desc.dq.name(),
+            c.seed,
+            c.opts
         );
-        check("dq", &dq, &nv.dq, &want.dq, T::DTYPE, &ctx);
-        check("dk", &dk, &nv.dk, &want.dk, T::DTYPE, &ctx);
-        check("dv", &dv, &nv.dv, &want.dv, T::DTYPE, &ctx);
+        data.check([&dq, &dk, &dv], &data.expected(&c.opts), &ctx);
     }
 
-    /// The CPU gradient grid's shapes and options (dropout aside: the CUDA path refuses it),
-    /// where they fit the emulation's budget.
+    /// The CPU gradient grid without dropout (refused by the CUDA path), where a case fits the
+    /// emulation's budget (all but the 150 x 300 one with 8 heads).
     fn grid<T: Element>() {
         if !have_compiler() {
             return;
         }
         let mut builds = [super::forward_builds(), builds()];
-        let slopes_h4 = [0.25f32, 0.5, 0.125, 1.0];
-        let shapes = [
-            (1usize, 1usize, 1usize, 1usize, 1usize, 8usize),
-            (2, 113, 203, 4, 2, 59),
-            (1, 203, 113, 4, 1, 40),
-            (1, 63, 65, 4, 4, 111),
-            (1, 64, 64, 2, 1, 256),
-            (2, 17, 1, 4, 2, 3),
-        ];
-        for (n, &shape) in shapes.iter().enumerate() {
-            for variant in 0..4 {
-                let h = shape.3;
-                let opts = match variant {
-                    0 => AttnOptions::default(),
-                    1 => AttnOptions::default().causal(true),
-                    2 => AttnOptions::default().window(7, 3).softcap(2.5),
-                    _ if h == 4 => AttnOptions::default()
-                        .causal(true)
-                        .alibi_slopes(TensorRef::contiguous(&slopes_h4, &[4])),
-                    _ => AttnOptions::default().window(-1, 5),
-                };
-                case::<T>(&mut builds, 100 * n as u64 + variant, shape, &opts, 1.0);
-            }
+        let mut ran = 0;
+        for c in cases(false).iter().filter(|c| c.cost() <= 12_000_000) {
+            case::<T>(&mut builds, c);
+            ran += 1;
         }
-        // Huge logits: scores of order 1e3.
-        let causal = AttnOptions::default().causal(true);
-        case::<T>(&mut builds, 9, (1, 70, 90, 2, 1, 32), &causal, 6.0);
-        // A narrow window whose first visible key is the last of a key block for some query
-        // blocks (row 64 sees keys 63 and 64): the key range must start at that block.
-        let narrow = AttnOptions::default().window(1, 0);
-        case::<T>(&mut builds, 10, (1, 130, 130, 2, 1, 32), &narrow, 1.0);
+        assert_eq!(ran, 26, "the emulated gradient grid lost cases");
     }
 
     #[test]

@@ -5,9 +5,10 @@
 //! is the standard unfused backward in the same precision ([`flashattn::naive`]); the floor covers
 //! one rounding of the result and inputs of unit scale (gradients that cancel to 0 keep O(eps)).
 
+use flashattn::reference::ReferenceGrads;
 use flashattn::{
-    flash_attn, flash_attn_varlen, flash_attn_varlen_backward, reference, AttnOptions, DType,
-    Element, Tensor, TensorRef,
+    flash_attn, flash_attn_varlen, flash_attn_varlen_backward, reference, AttnGrads, AttnOptions,
+    DType, Element, Tensor, TensorRef,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -42,52 +43,36 @@ pub fn check(name: &str, got: &Tensor, naive: &Tensor, want: &[f64], dtype: DTyp
     );
 }
 
-#[allow(clippy::too_many_arguments)]
-pub fn case<T: Element>(
-    seed: u64,
-    b: usize,
-    sq: usize,
-    sk: usize,
-    h: usize,
-    hk: usize,
-    d: usize,
-    opts: &AttnOptions,
-    logit_scale: f32,
-) {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let q: Vec<T> = data(&mut rng, b * sq * h * d, logit_scale);
-    let k: Vec<T> = data(&mut rng, b * sk * hk * d, logit_scale);
-    let v: Vec<T> = data(&mut rng, b * sk * hk * d, 1.0);
-    let dout: Vec<T> = data(&mut rng, b * sq * h * d, 1.0);
-    let (qt, kt, vt, dt) = (
-        TensorRef::contiguous(&q, &[b, sq, h, d]),
-        TensorRef::contiguous(&k, &[b, sk, hk, d]),
-        TensorRef::contiguous(&v, &[b, sk, hk, d]),
-        TensorRef::contiguous(&dout, &[b, sq, h, d]),
-    );
-    let want = reference::attention_backward(&qt, &kt, &vt, &dt, opts).unwrap();
-    let naive = flashattn::naive::attention_backward(&qt, &kt, &vt, &dt, opts).unwrap();
-    // Every instruction set this CPU runs (the scalar twin included) must meet the bound.
-    for isa in flashattn::simd::available() {
-        let opts = opts.clone().isa(isa);
-        let fwd = flash_attn(&qt, &kt, &vt, &opts).unwrap();
-        let grads = fwd.backward(&qt, &kt, &vt, &dt, &opts).unwrap();
-        let ctx = format!(
-            "{} b={b} sq={sq} sk={sk} h={h}/{hk} d={d} seed={seed} isa={isa} opts={opts:?}",
-            T::DTYPE
-        );
-        check("dq", &grads.dq, &naive.dq, &want.dq, T::DTYPE, &ctx);
-        check("dk", &grads.dk, &naive.dk, &want.dk, T::DTYPE, &ctx);
-        check("dv", &grads.dv, &naive.dv, &want.dv, T::DTYPE, &ctx);
-        assert_eq!(grads.dq.shape(), &[b, sq, h, d]);
-        assert_eq!(grads.dk.shape(), &[b, sk, hk, d]);
+/// (batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim).
+pub type Shape = (usize, usize, usize, usize, usize, usize);
+
+static SLOPES_H4: [f32; 4] = [0.25, 0.5, 0.125, 1.0];
+
+/// One case of the gradient grid.
+#[derive(Clone, Debug)]
+pub struct GradCase {
+    pub seed: u64,
+    pub shape: Shape,
+    pub opts: AttnOptions<'static>,
+    /// Scale of q and k (6: scores of order 1e3).
+    pub logit_scale: f32,
+}
+
+impl GradCase {
+    /// Work of one backward, in multiply-adds of one block product.
+    pub fn cost(&self) -> usize {
+        let (b, sq, sk, h, _, d) = self.shape;
+        b * sq * sk * h * d
     }
 }
 
-pub fn grid<T: Element>() {
-    let slopes_h4 = [0.25f32, 0.5, 0.125, 1.0];
-    let shapes = [
-        (1usize, 1usize, 1usize, 1usize, 1usize, 8usize),
+/// The gradient grid: awkward shapes (sizes 1, 3, 17, 63, 113, 203; d = 3, 8, 24, 40, 59, 111,
+/// 256; MHA, GQA, MQA), each plain, causal, windowed with softcap, with ALiBi (or a one-sided
+/// window) and, with `dropout`, with dropout; huge logits; and a narrow window whose first visible
+/// key closes a 64-key block for some rows.
+pub fn cases(dropout: bool) -> Vec<GradCase> {
+    let shapes: [Shape; 7] = [
+        (1, 1, 1, 1, 1, 8),
         (2, 113, 203, 4, 2, 59),
         (1, 203, 113, 4, 1, 40),
         (1, 63, 65, 4, 4, 111),
@@ -97,36 +82,116 @@ pub fn grid<T: Element>() {
         // copies of dQ split unevenly, causal work skewed between them.
         (2, 150, 300, 8, 8, 24),
     ];
-    for (n, &(b, sq, sk, h, hk, d)) in shapes.iter().enumerate() {
-        for variant in 0..5 {
-            let mut opts = AttnOptions::default();
-            match variant {
-                0 => {}
-                1 => opts = opts.causal(true),
-                2 => opts = opts.window(7, 3).softcap(2.5),
-                3 if h == 4 => {
-                    opts = opts
-                        .causal(true)
-                        .alibi_slopes(TensorRef::contiguous(&slopes_h4, &[4]))
-                }
-                3 => opts = opts.window(-1, 5),
-                _ => opts = opts.dropout(0.2, 1234).causal(n % 2 == 0),
-            }
-            case::<T>(100 * n as u64 + variant, b, sq, sk, h, hk, d, &opts, 1.0);
+    let mut out = Vec::new();
+    for (n, &shape) in shapes.iter().enumerate() {
+        for variant in 0..if dropout { 5 } else { 4 } {
+            let h = shape.3;
+            let opts = match variant {
+                0 => AttnOptions::default(),
+                1 => AttnOptions::default().causal(true),
+                2 => AttnOptions::default().window(7, 3).softcap(2.5),
+                3 if h == 4 => AttnOptions::default()
+                    .causal(true)
+                    .alibi_slopes(TensorRef::contiguous(&SLOPES_H4, &[4])),
+                3 => AttnOptions::default().window(-1, 5),
+                _ => AttnOptions::default().dropout(0.2, 1234).causal(n % 2 == 0),
+            };
+            let seed = 100 * n as u64 + variant;
+            out.push(GradCase {
+                seed,
+                shape,
+                opts,
+                logit_scale: 1.0,
+            });
         }
     }
-    // Huge logits: scores of order 1e3.
-    case::<T>(
-        9,
-        1,
-        70,
-        90,
-        2,
-        1,
-        32,
-        &AttnOptions::default().causal(true),
-        6.0,
-    );
+    let causal = AttnOptions::default().causal(true);
+    out.push(GradCase {
+        seed: 9,
+        shape: (1, 70, 90, 2, 1, 32),
+        opts: causal,
+        logit_scale: 6.0,
+    });
+    // Row 64 sees keys 63 and 64: its key range starts at the last key of a 64-key block.
+    let narrow = AttnOptions::default().window(1, 0);
+    out.push(GradCase {
+        seed: 10,
+        shape: (1, 130, 130, 2, 1, 32),
+        opts: narrow,
+        logit_scale: 1.0,
+    });
+    out
+}
+
+/// A case's seeded q, k, v and dout (contiguous).
+pub struct GradData<T> {
+    pub shape: Shape,
+    pub q: Vec<T>,
+    pub k: Vec<T>,
+    pub v: Vec<T>,
+    pub dout: Vec<T>,
+}
+
+impl<T: Element> GradData<T> {
+    pub fn new(c: &GradCase) -> Self {
+        let (b, sq, sk, h, hk, d) = c.shape;
+        let mut rng = ChaCha8Rng::seed_from_u64(c.seed);
+        GradData {
+            shape: c.shape,
+            q: data(&mut rng, b * sq * h * d, c.logit_scale),
+            k: data(&mut rng, b * sk * hk * d, c.logit_scale),
+            v: data(&mut rng, b * sk * hk * d, 1.0),
+            dout: data(&mut rng, b * sq * h * d, 1.0),
+        }
+    }
+
+    /// q, k, v, dout.
+    pub fn views(&self) -> [TensorRef<'_>; 4] {
+        let (b, sq, sk, h, hk, d) = self.shape;
+        [
+            TensorRef::contiguous(&self.q, &[b, sq, h, d]),
+            TensorRef::contiguous(&self.k, &[b, sk, hk, d]),
+            TensorRef::contiguous(&self.v, &[b, sk, hk, d]),
+            TensorRef::contiguous(&self.dout, &[b, sq, h, d]),
+        ]
+    }
+
+    /// The f64 reference gradients and the naive backward's (the error yardstick).
+    pub fn expected(&self, opts: &AttnOptions) -> (ReferenceGrads, AttnGrads) {
+        let [q, k, v, dout] = self.views();
+        (
+            reference::attention_backward(&q, &k, &v, &dout, opts).unwrap(),
+            flashattn::naive::attention_backward(&q, &k, &v, &dout, opts).unwrap(),
+        )
+    }
+
+    /// dq, dk, dv against `expected`, with the bound of [`check`].
+    pub fn check(&self, got: [&Tensor; 3], expected: &(ReferenceGrads, AttnGrads), ctx: &str) {
+        let (want, naive) = expected;
+        let (b, sq, sk, h, hk, d) = self.shape;
+        let ctx = format!("{} b={b} sq={sq} sk={sk} h={h}/{hk} d={d} {ctx}", T::DTYPE);
+        check("dq", got[0], &naive.dq, &want.dq, T::DTYPE, &ctx);
+        check("dk", got[1], &naive.dk, &want.dk, T::DTYPE, &ctx);
+        check("dv", got[2], &naive.dv, &want.dv, T::DTYPE, &ctx);
+        assert_eq!(got[0].shape(), &[b, sq, h, d], "{ctx}");
+        assert_eq!(got[1].shape(), &[b, sk, hk, d], "{ctx}");
+    }
+}
+
+/// The gradient grid on every instruction set this CPU runs (the scalar twin included).
+pub fn grid<T: Element>() {
+    for c in cases(true) {
+        let data = GradData::<T>::new(&c);
+        let expected = data.expected(&c.opts);
+        let [q, k, v, dout] = data.views();
+        for isa in flashattn::simd::available() {
+            let opts = c.opts.clone().isa(isa);
+            let fwd = flash_attn(&q, &k, &v, &opts).unwrap();
+            let g = fwd.backward(&q, &k, &v, &dout, &opts).unwrap();
+            let ctx = format!("seed={} isa={isa} opts={opts:?}", c.seed);
+            data.check([&g.dq, &g.dk, &g.dv], &expected, &ctx);
+        }
+    }
 }
 
 /// Packed sequences (one without keys, one without queries, spare rows after the last of both),
