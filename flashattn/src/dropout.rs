@@ -62,6 +62,16 @@ impl Dropout {
         (1.0 / (1.0 - self.p as f64)) as f32
     }
 
+    /// The mask's seed.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// A key is kept iff its 32-bit word is below this (`round((1 - p) · 2^32)`, at most 2^32).
+    pub fn threshold(&self) -> u64 {
+        self.threshold
+    }
+
     fn key(&self) -> [u32; 2] {
         [self.seed as u32, (self.seed >> 32) as u32]
     }

@@ -139,8 +139,8 @@ fn varlen_matches_reference() {
     }
 }
 
-/// Bad input is rejected before anything runs, with the CPU path's typed errors; dropout is
-/// reported as unsupported rather than silently ignored.
+/// Bad input is rejected before anything runs, with the CPU path's typed errors (a dropout
+/// probability of 1 included).
 #[test]
 fn bad_input_is_a_typed_error() {
     let Some(dev) = device() else { return };
@@ -157,17 +157,17 @@ fn bad_input_is_a_typed_error() {
     let e = cuda::flash_attn(&dev, &t, &k3, &k3, &AttnOptions::default()).unwrap_err();
     assert!(matches!(e.kind(), ErrorKind::Shape { .. }), "{e}");
     let e =
-        cuda::flash_attn(&dev, &t, &t, &t, &AttnOptions::default().dropout(0.1, 1)).unwrap_err();
-    assert!(matches!(e.kind(), ErrorKind::CudaUnsupported { .. }), "{e}");
+        cuda::flash_attn(&dev, &t, &t, &t, &AttnOptions::default().dropout(1.0, 1)).unwrap_err();
+    assert!(matches!(e.kind(), ErrorKind::Dropout { .. }), "{e}");
     let short =
         CudaTensor::from_buffer(t.buffer().clone(), &[2, 17, 4, 64], &[17 * 256, 256, 64, 1]);
     let e = cuda::flash_attn(&dev, &short, &t, &t, &AttnOptions::default()).unwrap_err();
     assert!(matches!(e.kind(), ErrorKind::OutOfBounds { .. }), "{e}");
 }
 
-/// The backward pass on the GPU: the CPU gradient grid's shapes and options (dropout aside),
-/// after the GPU forward, against the f64 reference with the CPU backward's bound; twice, bit for
-/// bit the same; and its typed errors.
+/// The backward pass on the GPU: the CPU gradient grid's shapes and options (dropout included),
+/// after the GPU forward (itself checked), against the f64 reference with the CPU backward's
+/// bound; twice, bit for bit the same; and its typed errors.
 mod backward {
     use super::device;
     use crate::common::backward::{cases, GradCase, GradData};
@@ -182,6 +182,11 @@ mod backward {
         let ctx = format!("cuda backward seed={} opts={:?}", c.seed, c.opts);
         let fwd =
             cuda::flash_attn(dev, &qd, &kd, &vd, &c.opts).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+        let host_fwd = flashattn::AttnOutput {
+            out: fwd.out.to_host(dev).expect("download"),
+            lse: fwd.lse.to_host(dev).expect("download"),
+        };
+        data.check_forward(&host_fwd, &c.opts, &ctx);
         let g = fwd
             .backward(dev, &qd, &kd, &vd, &dd, &c.opts)
             .unwrap_or_else(|e| panic!("{ctx}: {e}"));
@@ -194,16 +199,22 @@ mod backward {
         assert_eq!(host(&again.dk), dk, "{ctx}: dk differs between runs");
     }
 
-    /// The CPU gradient grid without dropout (refused by the CUDA path), plus 1024 x 1024 with
-    /// GQA 4 at d = 128, plain and causal.
+    /// The CPU gradient grid, plus 1024 x 1024 with GQA 4 at d = 128: plain, causal, and causal
+    /// with dropout.
     fn grid<T: Element>() {
         let Some(dev) = device() else { return };
-        let mut all = cases(false);
-        for (n, causal) in [false, true].into_iter().enumerate() {
+        let mut all = cases(true);
+        let causal = AttnOptions::default().causal(true);
+        let big = [
+            AttnOptions::default(),
+            causal.clone(),
+            causal.dropout(0.1, 77),
+        ];
+        for (n, opts) in big.into_iter().enumerate() {
             all.push(GradCase {
                 seed: 800 + n as u64,
                 shape: (1, 1024, 1024, 8, 2, 128),
-                opts: AttnOptions::default().causal(causal),
+                opts,
                 logit_scale: 1.0,
             });
         }
@@ -227,7 +238,7 @@ mod backward {
         grid::<half::bf16>();
     }
 
-    /// A dout of the wrong shape and dropout: typed errors, nothing launched.
+    /// A dout of the wrong shape and an lse of the wrong rank: typed errors, nothing launched.
     #[test]
     fn bad_input_is_a_typed_error() {
         let Some(dev) = device() else { return };
@@ -254,8 +265,5 @@ mod backward {
             matches!(e.kind(), ErrorKind::Rank { tensor: "lse", .. }),
             "{e}"
         );
-        let drop = AttnOptions::default().dropout(0.1, 1);
-        let e = fwd.backward(&dev, &t, &t, &t, &t, &drop).unwrap_err();
-        assert!(matches!(e.kind(), ErrorKind::CudaUnsupported { .. }), "{e}");
     }
 }

@@ -118,6 +118,7 @@ fn compile_errors_carry_the_log() {
         masked: false,
         softcap: false,
         alibi: false,
+        dropout: false,
         vec_load: true,
     };
     match cuda::compile(&key, Arch::SM80) {

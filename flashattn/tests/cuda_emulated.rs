@@ -74,6 +74,7 @@ fn run(
     )
     .chain(d.batch_strides.iter().map(|x| x.to_string()))
     .chain([d.out_len.to_string(), d.lse_len.to_string()])
+    .chain(dropout_params(&d.dropout))
     .collect();
     std::fs::write(dir.join("params.txt"), nums.join("\n")).unwrap();
     std::fs::write(dir.join("q.bin"), bytes(q.data())).unwrap();
@@ -119,6 +120,16 @@ fn run(
         out: Tensor::from_buffer(out, &d.out_shape).expect("out length"),
         lse: Tensor::from_vec(lse, &d.lse_shape).expect("lse length"),
     }
+}
+
+/// The dropout arguments as the drivers read them: seed halves, threshold, scale.
+fn dropout_params(d: &flashattn::cuda::DropoutArgs) -> [String; 4] {
+    [
+        d.seed_lo.to_string(),
+        d.seed_hi.to_string(),
+        d.threshold.to_string(),
+        format!("{:e}", d.scale),
+    ]
 }
 
 /// Reference work allowed per emulated case (the emulation runs ~1e3x slower than the CPU path);
@@ -263,6 +274,7 @@ mod backward {
                 ]
                 .map(|x| x.to_string()),
             )
+            .chain(super::dropout_params(&d.dropout))
             .collect();
         std::fs::write(dir.join("params.txt"), nums.join("\n")).unwrap();
         for (name, t) in [
@@ -312,6 +324,13 @@ mod backward {
         let tag = format!("{}_{}", T::DTYPE, c.seed);
         let fd = launch_description(&qt, &kt, &vt, None, &c.opts).unwrap();
         let fwd = super::run(&mut builds[0], &fd, &qt, &kt, &vt, &tag);
+        let fctx = format!(
+            "emulated {} seed={} opts={:?}",
+            fd.key.name(),
+            c.seed,
+            c.opts
+        );
+        data.check_forward(&fwd, &c.opts, &fctx);
         let (ov, lv) = (fwd.out.view(), fwd.lse.view());
         let desc =
             backward_launch_description(&qt, &kt, &vt, &ov, &lv, &dt, None, &c.opts).unwrap();
@@ -325,19 +344,20 @@ mod backward {
         data.check([&dq, &dk, &dv], &data.expected(&c.opts), &ctx);
     }
 
-    /// The CPU gradient grid without dropout (refused by the CUDA path), where a case fits the
-    /// emulation's budget (all but the 150 x 300 one with 8 heads).
+    /// The CPU gradient grid (dropout included: the kernels regenerate the CPU path's mask), where
+    /// a case fits the emulation's budget (all but the 150 x 300 shape with 8 heads); the emulated
+    /// forward's out and lse are checked too.
     fn grid<T: Element>() {
         if !have_compiler() {
             return;
         }
         let mut builds = [super::forward_builds(), builds()];
         let mut ran = 0;
-        for c in cases(false).iter().filter(|c| c.cost() <= 12_000_000) {
+        for c in cases(true).iter().filter(|c| c.cost() <= 12_000_000) {
             case::<T>(&mut builds, c);
             ran += 1;
         }
-        assert_eq!(ran, 26, "the emulated gradient grid lost cases");
+        assert_eq!(ran, 32, "the emulated gradient grid lost cases");
     }
 
     #[test]

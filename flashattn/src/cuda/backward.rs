@@ -7,7 +7,7 @@
 //! run to run.
 
 use super::{alloc_poisoned, check_launchable, driver_err, CudaDevice, CudaTensor, DeviceBuffer};
-use super::{KernelKey, KernelKind};
+use super::{DropoutArgs, KernelKey, KernelKind};
 use crate::error::Result;
 use crate::params::{self, AttnOptions, Params, QLike};
 use crate::tensor::{DType, TensorRef, ViewDesc};
@@ -46,6 +46,7 @@ pub struct BackwardLaunch {
     pub softcap: f32,
     /// Window sides, -1 unbounded, clamped to seqlen_q + seqlen_k.
     pub window: (i32, i32),
+    pub dropout: DropoutArgs,
     /// Elements of dq (and of out), of dk and dv, and of the workspaces (and of lse).
     pub dq_len: usize,
     pub dk_len: usize,
@@ -75,6 +76,7 @@ impl BackwardLaunch {
                 masked: p.window_left.is_some() || p.window_right.is_some(),
                 softcap: p.softcap.is_some(),
                 alibi: p.alibi.is_some(),
+                dropout: p.dropout.is_some(),
                 vec_load: false,
             };
             KernelKey {
@@ -178,6 +180,7 @@ impl BackwardLaunch {
             softmax_scale: p.softmax_scale,
             softcap: p.softcap.unwrap_or(1.0),
             window: (side(p.window_left), side(p.window_right)),
+            dropout: DropoutArgs::new(p.dropout),
             dq_len: p.out_len(),
             dk_len: p.dk_len(),
             lse_len: p.lse_len(),
@@ -287,8 +290,8 @@ impl super::CudaAttnOutput {
 /// gradients of `Σ out ∘ dout` with respect to q, k and v, for the forward's `out` and `lse`.
 /// dQ, dK and dV are each summed by one thread in a fixed order, so results are bit-identical
 /// from run to run. f16/bf16 up to head_dim 128 run on tensor cores (P and dS rounded to the input
-/// type for their products, as FlashAttention-2), f32 and larger head dims on CUDA cores. Dropout
-/// is [`crate::ErrorKind::CudaUnsupported`].
+/// type for their products, as FlashAttention-2), f32 and larger head dims on CUDA cores. With
+/// dropout the kernels regenerate the forward's mask from `opts`' seed (pass the forward's options).
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_backward(
     dev: &CudaDevice,
@@ -426,13 +429,15 @@ fn launch<T>(
         }
         b.arg(&d.softmax_scale).arg(&d.softcap);
         b.arg(&d.window.0).arg(&d.window.1);
+        d.dropout.push(&mut b);
         let cfg = LaunchConfig {
             grid_dim: grid,
             block_dim: (key.threads() as u32, 1, 1),
             shared_mem_bytes: key.smem_bytes() as u32,
         };
         // SAFETY: the arguments match FLASH_BWD_PARAMS in bwd.cu: pointers to T x5, f32 x3, T x3,
-        // i64, f32 (or null: no ALiBi, then never read); i32 x3; i64 x13; f32 x2; i32 x2.
+        // i64, f32 (or null: no ALiBi, then never read); i32 x3; i64 x13; f32 x2; i32 x2; u32 x2,
+        // i64, f32.
         // Validation checked that every row each table entry names (bases, strides and lengths
         // of q, k, v, out, dout and the caller's lse) lies inside its buffer; the workspaces hold
         // lse_len elements indexed as the forward's contiguous lse, dq dq_len and dk/dv dk_len

@@ -227,6 +227,7 @@ impl DecodeLaunch {
             masked,
             softcap: p.softcap.is_some(),
             alibi: p.alibi.is_some(),
+            dropout: false,
             vec_load: false,
         };
         let side = |w: Option<usize>| w.map_or(-1, |w| w.min(max_q + max_k) as i32);

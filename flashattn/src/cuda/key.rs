@@ -60,6 +60,9 @@ pub struct KernelKey {
     pub masked: bool,
     pub softcap: bool,
     pub alibi: bool,
+    /// Dropout on the probabilities (forward and backward kernels; the mask is regenerated from
+    /// the seed, never stored).
+    pub dropout: bool,
     /// f16/bf16 only: head_dim and every row/head/batch stride a multiple of 8 elements, so tiles
     /// move 16 bytes at a time by cp.async (otherwise element by element).
     pub vec_load: bool,
@@ -251,6 +254,7 @@ impl KernelKey {
             ("IS_MASKED", flag(self.masked)),
             ("HAS_SOFTCAP", flag(self.softcap)),
             ("HAS_ALIBI", flag(self.alibi)),
+            ("HAS_DROPOUT", flag(self.dropout)),
         ];
         if self.kind != KernelKind::Forward {
             let entry = match self.kind {
@@ -318,6 +322,7 @@ impl KernelKey {
             (self.masked, "_masked"),
             (self.softcap, "_softcap"),
             (self.alibi, "_alibi"),
+            (self.dropout, "_dropout"),
             (self.vec_load && self.dtype != DType::F32, "_vec"),
         ] {
             if on {
@@ -332,7 +337,7 @@ impl KernelKey {
         let mut keys = Vec::new();
         for dtype in [DType::F16, DType::BF16, DType::F32] {
             for head_dim in (HEAD_DIM_STEP..=crate::MAX_HEAD_DIM).step_by(HEAD_DIM_STEP) {
-                for bits in 0..16u32 {
+                for bits in 0..32u32 {
                     let vec_load = bits & 8 != 0;
                     if dtype == DType::F32 && vec_load {
                         continue; // the f32 kernel has no vector path
@@ -344,6 +349,7 @@ impl KernelKey {
                         masked: bits & 1 != 0,
                         softcap: bits & 2 != 0,
                         alibi: bits & 4 != 0,
+                        dropout: bits & 16 != 0,
                         vec_load,
                     });
                 }
@@ -359,6 +365,7 @@ impl KernelKey {
                         masked: bits & 1 != 0,
                         softcap: bits & 2 != 0,
                         alibi: bits & 4 != 0,
+                        dropout: false,
                         vec_load: false,
                     });
                 }
@@ -369,7 +376,7 @@ impl KernelKey {
         for dtype in [DType::F16, DType::BF16, DType::F32] {
             for head_dim in (HEAD_DIM_STEP..=crate::MAX_HEAD_DIM).step_by(HEAD_DIM_STEP) {
                 for kind in [KernelKind::BackwardDq, KernelKind::BackwardDkDv] {
-                    for bits in 0..16u32 {
+                    for bits in 0..32u32 {
                         let key = KernelKey {
                             kind,
                             dtype,
@@ -377,6 +384,7 @@ impl KernelKey {
                             masked: bits & 1 != 0,
                             softcap: bits & 2 != 0,
                             alibi: bits & 4 != 0,
+                            dropout: bits & 16 != 0,
                             vec_load: bits & 8 != 0,
                         };
                         // Only the tensor-core kernels have a vector-load path.
@@ -408,6 +416,7 @@ impl KernelKey {
             masked: false,
             softcap: false,
             alibi: false,
+            dropout: false,
             vec_load: false,
         }
     }

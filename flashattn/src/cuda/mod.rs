@@ -9,10 +9,10 @@
 //!
 //! Semantics are the CPU path's: same validation (`crate::params`), same masks, scores, LSE,
 //! fully-masked-row rule. Decoding with a KV cache ([`flash_attn_with_kvcache`]: appends,
-//! rotary, paged caches, split-KV with an LSE merge) runs CUDA-core kernels of its own. What the
-//! CUDA backend does not do yet: dropout (forward and backward), which returns
-//! [`ErrorKind::CudaUnsupported`]. The backward pass ([`flash_attn_backward`]) runs tensor-core
-//! kernels for f16/bf16 up to head_dim 128 and CUDA-core kernels otherwise.
+//! rotary, paged caches, split-KV with an LSE merge) runs CUDA-core kernels of its own. The
+//! backward pass ([`flash_attn_backward`]) runs tensor-core kernels for f16/bf16 up to head_dim
+//! 128 and CUDA-core kernels otherwise. Dropout regenerates the CPU path's Philox mask bit for bit
+//! in the forward and backward kernels, so a mask drawn on one backend is the mask of the other.
 //!
 //! ```no_run
 //! use flashattn::{cuda, AttnOptions, TensorRef};
@@ -482,6 +482,7 @@ fn key_for(p: &Params) -> KernelKey {
         masked: p.window_left.is_some() || p.window_right.is_some(),
         softcap: p.softcap.is_some(),
         alibi: p.alibi.is_some(),
+        dropout: p.dropout.is_some(),
         vec_load: p.dtype != DType::F32 && aligned(p.head_dim) && layouts_aligned && bases_aligned,
     }
 }
@@ -501,13 +502,6 @@ pub(crate) fn check_launchable(
             }
             .into());
         }
-    }
-    if p.dropout.is_some() {
-        return Err(ErrorKind::CudaUnsupported {
-            feature: "dropout",
-            detail: " (use the CPU path for training with dropout)".into(),
-        }
-        .into());
     }
     if p.dtype != DType::F32 && dev.arch.major < 8 {
         return Err(ErrorKind::CudaUnsupported {
@@ -607,10 +601,49 @@ pub struct LaunchDescription {
     /// Batched calls: seqlen_q, seqlen_k and the batch strides of q, k, v.
     pub batch_seqlens: (i32, i32),
     pub batch_strides: [i64; 3],
+    pub dropout: DropoutArgs,
     pub out_len: usize,
     pub lse_len: usize,
     pub out_shape: Vec<usize>,
     pub lse_shape: Vec<usize>,
+}
+
+/// The dropout arguments every attention kernel takes last (common.cuh: FA_DROPOUT_PARAMS): the
+/// seed's halves, the keep threshold and 1 / (1 - p); threshold 2^32 and scale 1 without dropout.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[doc(hidden)]
+pub struct DropoutArgs {
+    pub seed_lo: u32,
+    pub seed_hi: u32,
+    pub threshold: i64,
+    pub scale: f32,
+}
+
+impl DropoutArgs {
+    pub(crate) fn new(d: Option<crate::dropout::Dropout>) -> DropoutArgs {
+        d.map_or(
+            DropoutArgs {
+                seed_lo: 0,
+                seed_hi: 0,
+                threshold: 1 << 32,
+                scale: 1.0,
+            },
+            |d| DropoutArgs {
+                seed_lo: d.seed() as u32,
+                seed_hi: (d.seed() >> 32) as u32,
+                threshold: d.threshold() as i64,
+                scale: d.scale(),
+            },
+        )
+    }
+
+    /// Pushes the four arguments (u32, u32, i64, f32).
+    pub(crate) fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
+        b.arg(&self.seed_lo)
+            .arg(&self.seed_hi)
+            .arg(&self.threshold)
+            .arg(&self.scale);
+    }
 }
 
 impl LaunchDescription {
@@ -683,6 +716,7 @@ impl LaunchDescription {
                 stride(|s| s.k_base),
                 stride(|s| s.v_base),
             ],
+            dropout: DropoutArgs::new(p.dropout),
             out_len: p.out_len(),
             lse_len: p.lse_len(),
             out_shape: p.out_shape.clone(),
@@ -761,6 +795,7 @@ impl Plan {
         for s in &d.batch_strides {
             b.arg(s);
         }
+        d.dropout.push(&mut b);
         let cfg = LaunchConfig {
             grid_dim: d.grid,
             block_dim: (d.threads, 1, 1),
@@ -768,9 +803,10 @@ impl Plan {
         };
         // SAFETY: the argument list matches `flash_fwd` in fwd.cu / fwd_f32.cu: pointers to T, T,
         // T, T, f32, i64 (or null: batched), f32 (or null: no ALiBi, then never read); i32 x3;
-        // i64 x7; f32 x2; i32 x4; i64 x3 (a null pointer is pushed as a 64-bit zero). Params
-        // validated every view, so each element the kernels address (bases and row/head strides
-        // over the sequence table or the batch strides) lies inside q, k and v; out and lse hold
+        // i64 x7; f32 x2; i32 x4; i64 x3; u32 x2, i64, f32 (a null pointer is pushed as a 64-bit
+        // zero). Params validated every view, so each element the kernels address (bases and
+        // row/head strides over the sequence table or the batch strides) lies inside q, k and v;
+        // out and lse hold
         // out_len / lse_len elements, the table 7 per launched sequence, the slopes one row per
         // launched sequence.
         unsafe { b.launch(cfg) }.map_err(driver_err("cuLaunchKernel"))?;

@@ -68,8 +68,9 @@ impl GradCase {
 
 /// The gradient grid: awkward shapes (sizes 1, 3, 17, 63, 113, 203; d = 3, 8, 24, 40, 59, 111,
 /// 256; MHA, GQA, MQA), each plain, causal, windowed with softcap, with ALiBi (or a one-sided
-/// window) and, with `dropout`, with dropout; huge logits; and a narrow window whose first visible
-/// key closes a 64-key block for some rows.
+/// window) and, with `dropout`, with dropout (p = 0.2, alone, causal, under a window with softcap,
+/// or causal with ALiBi, by shape); huge logits; and a narrow window whose first visible key closes
+/// a 64-key block for some rows.
 pub fn cases(dropout: bool) -> Vec<GradCase> {
     let shapes: [Shape; 7] = [
         (1, 1, 1, 1, 1, 8),
@@ -94,7 +95,17 @@ pub fn cases(dropout: bool) -> Vec<GradCase> {
                     .causal(true)
                     .alibi_slopes(TensorRef::contiguous(&SLOPES_H4, &[4])),
                 3 => AttnOptions::default().window(-1, 5),
-                _ => AttnOptions::default().dropout(0.2, 1234).causal(n % 2 == 0),
+                _ => {
+                    let drop = AttnOptions::default().dropout(0.2, 1234);
+                    match n % 3 {
+                        0 => drop.causal(true),
+                        1 => drop.window(7, 3).softcap(2.5),
+                        _ if h == 4 => drop
+                            .causal(true)
+                            .alibi_slopes(TensorRef::contiguous(&SLOPES_H4, &[4])),
+                        _ => drop,
+                    }
+                }
             };
             let seed = 100 * n as u64 + variant;
             out.push(GradCase {
@@ -165,6 +176,18 @@ impl<T: Element> GradData<T> {
         )
     }
 
+    /// A forward's out and lse against the f64 reference, with the forward tests' bound
+    /// ([`super::check_bound`]: 2x the naive forward's error plus a floor).
+    pub fn check_forward(&self, got: &flashattn::AttnOutput, opts: &AttnOptions, ctx: &str) {
+        let [q, k, v, _] = self.views();
+        let r = reference::attention(&q, &k, &v, opts).unwrap();
+        let naive = flashattn::naive::attention(&q, &k, &v, opts).unwrap();
+        let v_max = self.v.iter().fold(0f64, |m, x| m.max(x.to_f64().abs()));
+        let (b, sq, sk, h, hk, d) = self.shape;
+        let what = format!("{} b={b} sq={sq} sk={sk} h={h}/{hk} d={d} {ctx}", T::DTYPE);
+        super::check_bound(&what, T::DTYPE, got, &[naive], &r, v_max, sk);
+    }
+
     /// dq, dk, dv against `expected`, with the bound of [`check`].
     pub fn check(&self, got: [&Tensor; 3], expected: &(ReferenceGrads, AttnGrads), ctx: &str) {
         let (want, naive) = expected;
@@ -187,8 +210,11 @@ pub fn grid<T: Element>() {
         for isa in flashattn::simd::available() {
             let opts = c.opts.clone().isa(isa);
             let fwd = flash_attn(&q, &k, &v, &opts).unwrap();
-            let g = fwd.backward(&q, &k, &v, &dout, &opts).unwrap();
             let ctx = format!("seed={} isa={isa} opts={opts:?}", c.seed);
+            if c.opts.dropout_p > 0.0 {
+                data.check_forward(&fwd, &opts, &ctx);
+            }
+            let g = fwd.backward(&q, &k, &v, &dout, &opts).unwrap();
             data.check([&g.dq, &g.dk, &g.dv], &expected, &ctx);
         }
     }

@@ -21,6 +21,9 @@ int main(int argc, char** argv) {
     pf >> smem_dq >> smem_dkdv >> has_slopes >> heads >> heads_kv >> head_dim;
     for (auto& x : st) pf >> x;
     pf >> scale >> softcap >> window_left >> window_right >> dq_len >> dk_len >> lse_len;
+    long long drop_lo, drop_hi, drop_threshold;
+    float drop_scale;
+    pf >> drop_lo >> drop_hi >> drop_threshold >> drop_scale;
     if (!pf) return 3;
     auto q = read<elem_t>(dir + "/q.bin");
     auto k = read<elem_t>(dir + "/k.bin");
@@ -40,7 +43,8 @@ int main(int argc, char** argv) {
                dsum.data(), dq.data(), dk.data(), dv.data(), table.data(),
                has_slopes ? slopes.data() : nullptr, int(heads), int(heads_kv), int(head_dim), st[0],
                st[1], st[2], st[3], st[4], st[5], st[6], st[7], st[8], st[9], st[10], st[11], st[12],
-               scale, softcap, int(window_left), int(window_right));
+               scale, softcap, int(window_left), int(window_right), u32(drop_lo), u32(drop_hi),
+               drop_threshold, drop_scale);
     };
     const emu::Dim3 prep_grid{unsigned(pg[0]), unsigned(pg[1]), unsigned(pg[2])};
     const emu::Dim3 row_grid{unsigned(rg[0]), unsigned(rg[1]), unsigned(rg[2])};

@@ -26,6 +26,9 @@ int main(int argc, char** argv) {
     pf >> scale >> softcap >> window_left >> window_right >> bsq >> bsk;
     for (auto& x : bs) pf >> x;
     pf >> out_len >> lse_len;
+    long long drop_lo, drop_hi, drop_threshold;
+    float drop_scale;
+    pf >> drop_lo >> drop_hi >> drop_threshold >> drop_scale;
     if (!pf) return 3;
     auto q = read<elem_t>(dir + "/q.bin");
     auto k = read<elem_t>(dir + "/k.bin");
@@ -42,7 +45,8 @@ int main(int argc, char** argv) {
                   has_table ? table.data() : nullptr, has_slopes ? slopes.data() : nullptr,
                   int(heads), int(heads_kv), int(head_dim), st[0], st[1], st[2], st[3], st[4],
                   st[5], st[6], scale, softcap, int(window_left), int(window_right), int(bsq),
-                  int(bsk), bs[0], bs[1], bs[2]);
+                  int(bsk), bs[0], bs[1], bs[2], u32(drop_lo), u32(drop_hi), drop_threshold,
+                  drop_scale);
     });
     write(dir + "/out.bin", out.data(), out.size());
     write(dir + "/lse.bin", lse.data(), lse.size());

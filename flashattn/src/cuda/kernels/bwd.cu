@@ -29,9 +29,13 @@
 // instead (mma.sync m16n8k16 through the forward's primitives, common.cuh): the same steps, tiles
 // of 64 rows or keys, P and dS rounded to the input type for their products, as FlashAttention-2.
 //
+// Dropout (HAS_DROPOUT) regenerates the forward's mask (common.cuh: Dropout): with keep mask Z
+// and P̃ = P ∘ Z / (1 - p) (what multiplied V), dV += P̃ᵀ·dO and dS = P ∘ (dP ∘ Z / (1 - p) - dsum),
+// dsum being dO·O of the dropped output, as on the CPU.
+//
 // Defines: FA_BWD_ENTRY; FA_BF16 or FA_F16 (else f32); HEAD_DIM (padded head_dim, a multiple of
-// 32), IS_MASKED (causal or window), HAS_SOFTCAP, HAS_ALIBI; BWD_TENSOR_CORES, and with it
-// SMEM_ROW and VEC_LOAD (as fwd.cu).
+// 32), IS_MASKED (causal or window), HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT; BWD_TENSOR_CORES, and
+// with it SMEM_ROW and VEC_LOAD (as fwd.cu).
 #define FA_CUDA_CORE_ELEM
 #define NUM_THREADS 128
 #if BWD_TENSOR_CORES
@@ -60,7 +64,7 @@ static_assert(BLOCK_Q * STEP_K == 4 * NUM_THREADS && STEP_Q * BLOCK_K == 4 * NUM
         i64 k_head_stride, i64 v_row_stride, i64 v_head_stride, i64 out_row_stride,               \
         i64 out_head_stride, i64 dout_row_stride, i64 dout_head_stride, i64 lse_view_head_stride, \
         i64 lse_view_row_stride, i64 lse_head_stride, float softmax_scale, float softcap,         \
-        int window_left, int window_right
+        int window_left, int window_right, FA_DROPOUT_PARAMS
 
 struct BwdSeq {
     int seqlen_q, seqlen_k;
@@ -148,32 +152,48 @@ __device__ __forceinline__ void stage(float* tile, int rows, const elem_t* src, 
 }
 
 // One (query tile, key tile) pair: for ROWS query rows from m0 and KEYS keys from n0, with q, dO,
-// k and v staged, writes P and dX into p_t and dx_t ([ROWS][KEYS + 1]); entries of rows or keys
-// past the sequence, or hidden by the mask, are 0. Each thread computes four entries.
+// k and v staged, writes P̃ and dX into p_t and dx_t ([ROWS][KEYS + 1]); entries of rows or keys
+// past the sequence, or hidden by the mask, are 0. Each thread computes four consecutive keys of
+// one row: one Philox group under dropout (n0 is a multiple of 4).
 template <int ROWS, int KEYS>
 __device__ __forceinline__ void tile_pair(const float* q_t, const float* do_t, const float* k_t,
                                           const float* v_t, float* p_t, float* dx_t,
                                           const float* lse2_r, const float* dsum_r, int m0, int n0,
                                           int seqlen_q, const Mask& mask, const BwdMod& mod,
-                                          bool need_mask) {
+                                          bool need_mask, const Dropout& drop, int h, int b) {
+    static_assert(ROWS * KEYS == 4 * NUM_THREADS && KEYS % 4 == 0, "four keys of a row per thread");
+    const int r = threadIdx.x * 4 / KEYS, jc0 = threadIdx.x * 4 % KEYS;
+    const int i = m0 + r;
+    float x[4] = {0.f, 0.f, 0.f, 0.f}, dp[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+    for (int c = 0; c < HEAD_DIM; ++c) {
+        const float qc = q_t[r * PITCH + c], dc = do_t[r * PITCH + c];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            x[u] = fmaf(qc, k_t[(jc0 + u) * PITCH + c], x[u]);
+            dp[u] = fmaf(dc, v_t[(jc0 + u) * PITCH + c], dp[u]);
+        }
+    }
+#if HAS_DROPOUT
+    u32 wd[4];
+    drop.words(wd, (n0 + jc0) >> 2, i, h, b);
+#endif
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-        const int e = threadIdx.x + u * NUM_THREADS;
-        const int r = e / KEYS, jc = e % KEYS;
-        const int i = m0 + r, j = n0 + jc;
-        float x = 0.f, dp = 0.f;
-#pragma unroll 8
-        for (int c = 0; c < HEAD_DIM; ++c) {
-            x = fmaf(q_t[r * PITCH + c], k_t[jc * PITCH + c], x);
-            dp = fmaf(do_t[r * PITCH + c], v_t[jc * PITCH + c], dp);
-        }
+        const int jc = jc0 + u, j = n0 + jc;
         float deriv;
-        const float s = mod.apply(x, i, j, deriv);
+        const float s = mod.apply(x[u], i, j, deriv);
         bool visible = i < seqlen_q && j < mask.seqlen_k;
         if (need_mask) visible = visible && j >= mask.lo(i) && j < mask.hi(i);
         const float p = visible ? fa_exp2(s - lse2_r[r]) : 0.f;
+#if HAS_DROPOUT
+        const bool kept = drop.kept(wd[u]);
+        p_t[r * (KEYS + 1) + jc] = kept ? p * drop.scale : 0.f;
+        dx_t[r * (KEYS + 1) + jc] = p * ((kept ? dp[u] * drop.scale : 0.f) - dsum_r[r]) * deriv;
+#else
         p_t[r * (KEYS + 1) + jc] = p;
-        dx_t[r * (KEYS + 1) + jc] = p * (dp - dsum_r[r]) * deriv;
+        dx_t[r * (KEYS + 1) + jc] = p * (dp[u] - dsum_r[r]) * deriv;
+#endif
     }
 }
 #endif  // FA_BWD_ENTRY != 1
@@ -197,6 +217,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dq(FLASH_BWD_PA
     const int m_end = min(m0 + BLOCK_Q, seq.seqlen_q);
     const int hk = h / (heads / heads_kv);
     const Mask mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, window_left, window_right};
+    const Dropout drop{drop_seed_lo, drop_seed_hi, drop_threshold, drop_scale};
     const BwdMod mod = bwd_mod(softmax_scale, softcap,
                                HAS_ALIBI ? alibi_slopes[b * heads + h] : 0.f, mask.offset);
     const elem_t* q_g = q + seq.q_base + h * q_head_stride;
@@ -227,7 +248,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dq(FLASH_BWD_PA
             n0 + STEP_K > seq.seqlen_k ||
             (IS_MASKED && !(mask.lo(m_end - 1) <= n0 && mask.hi(m0) >= n0 + STEP_K));
         tile_pair<BLOCK_Q, STEP_K>(q_t, do_t, k_t, v_t, p_t, dx_t, lse2_r, dsum_r, m0, n0,
-                                   seq.seqlen_q, mask, mod, need_mask);
+                                   seq.seqlen_q, mask, mod, need_mask, drop, h, b);
         __syncthreads();
 #pragma unroll
         for (int c = 0; c < HEAD_DIM / 8; ++c) {
@@ -270,6 +291,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dkdv(FLASH_BWD_
     const int n_end = min(n0 + BLOCK_K, seq.seqlen_k);
     const int group = heads / heads_kv;
     const Mask mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, window_left, window_right};
+    const Dropout drop{drop_seed_lo, drop_seed_hi, drop_threshold, drop_scale};
 
     stage(k_t, BLOCK_K, k + seq.k_base + hk * k_head_stride, k_row_stride, n0, seq.seqlen_k, head_dim);
     stage(v_t, BLOCK_K, v + seq.v_base + hk * v_head_stride, v_row_stride, n0, seq.seqlen_k, head_dim);
@@ -302,7 +324,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dkdv(FLASH_BWD_
                 n0 + BLOCK_K > seq.seqlen_k ||
                 (IS_MASKED && !(mask.lo(m_end - 1) <= n0 && mask.hi(m0) >= n0 + BLOCK_K));
             tile_pair<STEP_Q, BLOCK_K>(q_t, do_t, k_t, v_t, p_t, dx_t, lse2_r, dsum_r, m0, n0,
-                                       seq.seqlen_q, mask, mod, need_mask);
+                                       seq.seqlen_q, mask, mod, need_mask, drop, h, b);
             __syncthreads();
 #pragma unroll
             for (int c = 0; c < HEAD_DIM / 8; ++c) {
@@ -425,6 +447,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dq(FLASH_BWD_PA
     const int m_end = min(m0 + TC_DQ_M, seq.seqlen_q);
     const int hk = h / (heads / heads_kv);
     const Mask mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, window_left, window_right};
+    const Dropout drop{drop_seed_lo, drop_seed_hi, drop_threshold, drop_scale};
     const BwdMod mod = bwd_mod(softmax_scale, softcap,
                                HAS_ALIBI ? alibi_slopes[b * heads + h] : 0.f, mask.offset);
     const u16* q_g = q + seq.q_base + h * q_head_stride;
@@ -487,13 +510,28 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dq(FLASH_BWD_PA
 #pragma unroll
         for (int nt = 0; nt < TC_DQ_N / 8; ++nt) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = e >> 1, j = n0 + nt * 8 + 2 * t + (e & 1);
-                float deriv;
-                const float x = mod.apply(s[nt][e], row_i[r], j, deriv);
-                const bool vis = !need_mask || (j < seq.seqlen_k && j >= row_lo[r] && j < row_hi[r]);
-                const float p = vis ? fa_exp2(x - row_lse2[r]) : 0.f;
-                s[nt][e] = p * (dp[nt][e] - row_dsum[r]) * deriv;  // dS
+            for (int r = 0; r < 2; ++r) {
+#if HAS_DROPOUT
+                // Keys 2t, 2t+1 of the 8-key tile: words 2(t & 1), +1 of one Philox group.
+                u32 wd[4];
+                drop.words(wd, (n0 + nt * 8 + 2 * t) >> 2, row_i[r], h, b);
+#endif
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int e = 2 * r + c, j = n0 + nt * 8 + 2 * t + c;
+                    float deriv;
+                    const float x = mod.apply(s[nt][e], row_i[r], j, deriv);
+                    const bool vis =
+                        !need_mask || (j < seq.seqlen_k && j >= row_lo[r] && j < row_hi[r]);
+                    const float p = vis ? fa_exp2(x - row_lse2[r]) : 0.f;
+#if HAS_DROPOUT
+                    const float dpv =
+                        drop.kept(pick_word(wd, 2 * (t & 1) + c)) ? dp[nt][e] * drop.scale : 0.f;
+#else
+                    const float dpv = dp[nt][e];
+#endif
+                    s[nt][e] = p * (dpv - row_dsum[r]) * deriv;  // dS
+                }
             }
         }
         mma_xb<TC_DQ_N>(acc, s, k_tile, lane);
@@ -526,6 +564,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dkdv(FLASH_BWD_
     const int n_end = min(n0 + TC_KV_N, seq.seqlen_k);
     const int group = heads / heads_kv;
     const Mask mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, window_left, window_right};
+    const Dropout drop{drop_seed_lo, drop_seed_hi, drop_threshold, drop_scale};
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 
     // The query rows that may see keys n0..n_end: hi(i) > n0 from i_min on, lo(i) < n_end below
@@ -602,8 +641,17 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dkdv(FLASH_BWD_
                     const bool vis = !need_mask || (i < seq.seqlen_q && j < seq.seqlen_k &&
                                                     j >= mask.lo(i) && j < mask.hi(i));
                     const float p = vis ? fa_exp2(x - l2) : 0.f;
+#if HAS_DROPOUT
+                    // Key j's word of the Philox group (j / 4, row i); j % 4 = g % 4.
+                    u32 wd[4];
+                    drop.words(wd, j >> 2, i, h, b);
+                    const bool kept = drop.kept(pick_word(wd, g & 3));
+                    dpt[nt][e] = p * ((kept ? dpt[nt][e] * drop.scale : 0.f) - ds) * deriv;  // dSᵀ
+                    st[nt][e] = kept ? p * drop.scale : 0.f;                               // P̃ᵀ
+#else
                     dpt[nt][e] = p * (dpt[nt][e] - ds) * deriv;  // dSᵀ
                     st[nt][e] = p;                               // Pᵀ
+#endif
                 }
             }
         }

@@ -153,6 +153,51 @@ struct ScoreMod {
     }
 };
 
+// Dropout on the probabilities, the mask of dropout.rs regenerated bit for bit: Philox 4x32-10
+// keyed by the seed, counter (key / 4, query row, head, sequence); key j uses word j % 4 and is
+// kept iff that word is below `threshold` = round((1 - p) · 2^32) (at most 2^32, hence 64-bit).
+// Kept probabilities are scaled by `scale` = 1 / (1 - p); the softmax normaliser and the LSE are
+// those of the undropped probabilities, as on the CPU.
+struct Dropout {
+    u32 seed_lo, seed_hi;
+    i64 threshold;
+    float scale;
+    // The four words of keys 4·group .. 4·group + 3 of (sequence b, head h, query row i).
+    __device__ __forceinline__ void words(u32 c[4], int group, int i, int h, int b) const {
+        c[0] = (u32)group;
+        c[1] = (u32)i;
+        c[2] = (u32)h;
+        c[3] = (u32)b;
+        u32 k0 = seed_lo, k1 = seed_hi;
+#pragma unroll
+        for (int round = 0; round < 10; ++round) {
+            if (round > 0) {
+                k0 += 0x9E3779B9u;
+                k1 += 0xBB67AE85u;
+            }
+            const unsigned long long p0 = 0xD2511F53ull * c[0], p1 = 0xCD9E8D57ull * c[2];
+            const u32 n0 = (u32)(p1 >> 32) ^ c[1] ^ k0, n2 = (u32)(p0 >> 32) ^ c[3] ^ k1;
+            c[0] = n0;
+            c[1] = (u32)p1;
+            c[2] = n2;
+            c[3] = (u32)p0;
+        }
+    }
+    __device__ __forceinline__ bool kept(u32 word) const { return (i64)word < threshold; }
+};
+
+// w[sel] for a run-time sel in 0..4 by selects (indexing a register array with a run-time index
+// would move it to local memory).
+__device__ __forceinline__ u32 pick_word(const u32 w[4], int sel) {
+    const u32 lo = (sel & 1) ? w[1] : w[0], hi = (sel & 1) ? w[3] : w[2];
+    return (sel & 2) ? hi : lo;
+}
+
+// The dropout arguments every attention kernel takes last (zero threshold and unit scale unused
+// without HAS_DROPOUT).
+#define FA_DROPOUT_PARAMS u32 drop_seed_lo, u32 drop_seed_hi, i64 drop_threshold, float drop_scale
+#define FA_DROPOUT_ARGS drop_seed_lo, drop_seed_hi, drop_threshold, drop_scale
+
 // The parameters of both forward kernels (cuda/mod.rs pushes them in this order).
 #define FLASH_FWD_PARAMS(T)                                                                       \
     const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,                    \
@@ -161,23 +206,24 @@ struct ScoreMod {
         i64 q_row_stride, i64 q_head_stride, i64 k_row_stride, i64 k_head_stride,                 \
         i64 v_row_stride, i64 v_head_stride, i64 lse_head_stride, float softmax_scale,            \
         float softcap, int window_left, int window_right, int batch_seqlen_q, int batch_seqlen_k, \
-        i64 q_batch_stride, i64 k_batch_stride, i64 v_batch_stride
+        i64 q_batch_stride, i64 k_batch_stride, i64 v_batch_stride, FA_DROPOUT_PARAMS
 
 #define FLASH_FWD_ARGS                                                                            \
     q, k, v, out, lse, seqs, alibi_slopes, heads, heads_kv, head_dim, q_row_stride, q_head_stride, \
         k_row_stride, k_head_stride, v_row_stride, v_head_stride, lse_head_stride, softmax_scale, \
         softcap, window_left, window_right, batch_seqlen_q, batch_seqlen_k, q_batch_stride,       \
-        k_batch_stride, v_batch_stride
+        k_batch_stride, v_batch_stride, FA_DROPOUT_ARGS
 
 // What one CTA works on: its (sequence, head, query block), where that head's rows live, the
 // mask, the score modifiers and the key blocks it visits (blocks.rs: n_block_range).
 template <typename T>
 struct CtaWork {
-    int h, m0, m_end, seqlen_q, seqlen_k;
+    int b, h, m0, m_end, seqlen_q, seqlen_k;
     const T *q_g, *k_g, *v_g;  // row 0 of this head (kv head for k and v)
     i64 out_row0, lse_base;
     Mask mask;
     ScoreMod mods;
+    Dropout drop;
     int n_block_min, n_block_max;
 
     // Whether key block [n0, n0 + bn) needs the per-element mask: the end of the keys cuts it, or
@@ -195,7 +241,9 @@ __device__ __forceinline__ bool cta_work(CtaWork<T>& w, FLASH_FWD_PARAMS(T)) {
     // longest CTAs do not start last and leave SMs idle at the end (as FlashAttention-2 does).
     const int m_block = IS_MASKED ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
     const int b = blockIdx.z;
+    w.b = b;
     w.h = blockIdx.y;
+    w.drop = Dropout{drop_seed_lo, drop_seed_hi, drop_threshold, drop_scale};
     const SeqInfo seq(seqs, b, heads, batch_seqlen_q, batch_seqlen_k, q_batch_stride,
                       k_batch_stride, v_batch_stride);
     w.seqlen_q = seq.seqlen_q;

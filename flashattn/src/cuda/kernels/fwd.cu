@@ -15,7 +15,7 @@
 // Defines (set from the Rust KernelKey, cuda/key.rs):
 //   FA_BF16 (else f16), HEAD_DIM (padded head_dim, multiple of 32), SMEM_ROW (row pitch in
 //   elements, multiple of 64), BLOCK_M, BLOCK_N, NUM_WARPS, IS_MASKED (causal or window),
-//   HAS_SOFTCAP, HAS_ALIBI, VEC_LOAD (head_dim and every row/head stride a multiple of 8 elements
+//   HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, VEC_LOAD (head_dim and every row/head stride a multiple of 8 elements
 //   and 16-byte-aligned bases: tiles move by cp.async 16 bytes at a time; else element by element).
 #define FA_TENSOR_CORE_KERNEL
 #define NUM_THREADS (NUM_WARPS * 32)
@@ -151,6 +151,23 @@ flash_fwd(FLASH_FWD_PARAMS(u16)) {
             }
         }
 
+#if HAS_DROPOUT
+        // Dropout zeroes probabilities for P·V only (row_sum above keeps them); 1/(1-p) is applied
+        // once, at the end. This thread's keys 2t, 2t+1 of an 8-key tile are words 2(t & 1) and
+        // 2(t & 1) + 1 of one Philox group.
+#pragma unroll
+        for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
+            const int j = n0 + nt * 8 + 2 * t;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                u32 wd[4];
+                w.drop.words(wd, j >> 2, row_i[r], h, w.b);
+                if (!w.drop.kept(pick_word(wd, 2 * (t & 1)))) s[nt][2 * r] = 0.f;
+                if (!w.drop.kept(pick_word(wd, 2 * (t & 1) + 1))) s[nt][2 * r + 1] = 0.f;
+            }
+        }
+#endif
+
         // acc_o += P·V: the accumulators of key tiles 2j, 2j+1 form the A fragment of k-step j.
 #pragma unroll
         for (int j = 0; j < BLOCK_N / 16; ++j) {
@@ -178,7 +195,7 @@ flash_fwd(FLASH_FWD_PARAMS(u16)) {
         float sum = row_sum[r];
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const float inv = sum == 0.f ? 0.f : 1.f / sum;
+        const float inv = sum == 0.f ? 0.f : (HAS_DROPOUT ? w.drop.scale : 1.f) / sum;
         const int i = row_i[r];
         if (i >= seqlen_q) continue;
         u16* o = out + ((out_row0 + i) * heads + h) * (i64)head_dim;

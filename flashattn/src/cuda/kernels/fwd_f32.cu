@@ -7,7 +7,8 @@
 // row, the row's max and sum are reduced over its 8 threads by shuffles, P goes through shared
 // memory, and each thread accumulates HEAD_DIM / 8 output columns of its row.
 //
-// Defines: HEAD_DIM (padded head_dim, multiple of 32), IS_MASKED, HAS_SOFTCAP, HAS_ALIBI.
+// Defines: HEAD_DIM (padded head_dim, multiple of 32), IS_MASKED, HAS_SOFTCAP, HAS_ALIBI,
+// HAS_DROPOUT.
 #include "common.cuh"
 
 #define BLOCK_M 16
@@ -97,6 +98,18 @@ flash_fwd(FLASH_FWD_PARAMS(float)) {
         sum += __shfl_xor_sync(0xffffffffu, sum, 4);
         row_sum = row_sum * alpha + sum;
         __syncwarp();  // the row's P was written by lanes of this warp only
+#if HAS_DROPOUT
+        {
+            // Dropout zeroes probabilities for P·V only (row_sum keeps them); 1/(1-p) is applied
+            // once, at the end. Lane c8 of the row takes Philox group c8: keys 4·c8 .. 4·c8 + 3.
+            u32 wd[4];
+            w.drop.words(wd, (n0 >> 2) + c8, i, h, w.b);
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (!w.drop.kept(wd[e])) p_tile[r * P_PITCH + 4 * c8 + e] = 0.f;
+        }
+        __syncwarp();
+#endif
 #pragma unroll
         for (int c = 0; c < HEAD_DIM / 8; ++c) {
             float acc = acc_o[c] * alpha;
@@ -109,7 +122,7 @@ flash_fwd(FLASH_FWD_PARAMS(float)) {
     }
 
     if (i < seqlen_q) {
-        const float inv = row_sum == 0.f ? 0.f : 1.f / row_sum;
+        const float inv = row_sum == 0.f ? 0.f : (HAS_DROPOUT ? w.drop.scale : 1.f) / row_sum;
         float* o = out + ((out_row0 + i) * heads + h) * (i64)head_dim;
 #pragma unroll
         for (int c = 0; c < HEAD_DIM / 8; ++c) {
