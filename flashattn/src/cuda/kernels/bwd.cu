@@ -364,52 +364,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dkdv(FLASH_BWD_
 #define TC_KV_M 32   // bwd_dkdv: query rows per step
 static_assert(HEAD_DIM <= 128, "the tensor-core backward keeps two HEAD_DIM accumulators per warp");
 
-// x[·][NCOLS] = A·Bᵀ for this warp's 16 rows of tile `a` and the NCOLS rows of tile `b` (both
-// [rows][HEAD_DIM], swizzled): the forward's S = Q·Kᵀ.
-template <int NCOLS>
-__device__ __forceinline__ void mma_abt(float (&x)[NCOLS / 8][4], const u16* a, const u16* b,
-                                        int warp, int lane) {
-#pragma unroll
-    for (int i = 0; i < NCOLS / 8; ++i) x[i][0] = x[i][1] = x[i][2] = x[i][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-        u32 af[4];
-        ldsm_x4(af, smem_addr(a + swz(warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                      kk * 16 + (lane >> 4) * 8)));
-#pragma unroll
-        for (int np = 0; np < NCOLS / 16; ++np) {
-            u32 bf[4];
-            ldsm_x4(bf, smem_addr(b + swz(np * 16 + (lane & 7) + (lane >> 4) * 8,
-                                          kk * 16 + ((lane >> 3) & 1) * 8)));
-            mma16816(x[2 * np], af, bf[0], bf[1]);
-            mma16816(x[2 * np + 1], af, bf[2], bf[3]);
-        }
-    }
-}
-
-// acc[·][HEAD_DIM] += X·B, X this warp's 16 x NK accumulators (rounded to the input type as the
-// A operand) and B the tile `b` ([NK][HEAD_DIM], swizzled): the forward's O += P·V.
-template <int NK>
-__device__ __forceinline__ void mma_xb(float (&acc)[HEAD_DIM / 8][4], const float (&x)[NK / 8][4],
-                                       const u16* b, int lane) {
-#pragma unroll
-    for (int j = 0; j < NK / 16; ++j) {
-        u32 af[4];
-        af[0] = pack2(x[2 * j][0], x[2 * j][1]);
-        af[1] = pack2(x[2 * j][2], x[2 * j][3]);
-        af[2] = pack2(x[2 * j + 1][0], x[2 * j + 1][1]);
-        af[3] = pack2(x[2 * j + 1][2], x[2 * j + 1][3]);
-#pragma unroll
-        for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
-            u32 bf[4];
-            ldsm_x4_trans(bf, smem_addr(b + swz(j * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                dp * 16 + (lane >> 4) * 8)));
-            mma16816(acc[2 * dp], af, bf[0], bf[1]);
-            mma16816(acc[2 * dp + 1], af, bf[2], bf[3]);
-        }
-    }
-}
-
 // Writes this thread's two rows (row_ptr[r], null when past the end) of accumulators.
 __device__ __forceinline__ void store_rows(const float (&acc)[HEAD_DIM / 8][4], elem_t* const row_ptr[2],
                                            int t, int head_dim) {

@@ -85,22 +85,7 @@ flash_fwd(FLASH_FWD_PARAMS(u16)) {
 
         // S = Q·Kᵀ for this warp's 16 rows × BLOCK_N keys.
         float s[BLOCK_N / 8][4];
-#pragma unroll
-        for (int i = 0; i < BLOCK_N / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-            u32 a[4];
-            ldsm_x4(a, smem_addr(q_tile + swz(warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                              kk * 16 + (lane >> 4) * 8)));
-#pragma unroll
-            for (int np = 0; np < BLOCK_N / 16; ++np) {
-                u32 bk[4];
-                ldsm_x4(bk, smem_addr(k_tile + swz(np * 16 + (lane & 7) + (lane >> 4) * 8,
-                                                   kk * 16 + ((lane >> 3) & 1) * 8)));
-                mma16816(s[2 * np], a, bk[0], bk[1]);
-                mma16816(s[2 * np + 1], a, bk[2], bk[3]);
-            }
-        }
+        mma_abt<BLOCK_N>(s, q_tile, k_tile, warp, lane);
 
         // Scores to the log2 domain; the per-element mask only where this block needs it.
         const int n0 = n_block * BLOCK_N;
@@ -169,22 +154,7 @@ flash_fwd(FLASH_FWD_PARAMS(u16)) {
 #endif
 
         // acc_o += P·V: the accumulators of key tiles 2j, 2j+1 form the A fragment of k-step j.
-#pragma unroll
-        for (int j = 0; j < BLOCK_N / 16; ++j) {
-            u32 a[4];
-            a[0] = pack2(s[2 * j][0], s[2 * j][1]);
-            a[1] = pack2(s[2 * j][2], s[2 * j][3]);
-            a[2] = pack2(s[2 * j + 1][0], s[2 * j + 1][1]);
-            a[3] = pack2(s[2 * j + 1][2], s[2 * j + 1][3]);
-#pragma unroll
-            for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
-                u32 bv[4];
-                ldsm_x4_trans(bv, smem_addr(v_tile + swz(j * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                         dp * 16 + (lane >> 4) * 8)));
-                mma16816(acc_o[2 * dp], a, bv[0], bv[1]);
-                mma16816(acc_o[2 * dp + 1], a, bv[2], bv[3]);
-            }
-        }
+        mma_xb<BLOCK_N>(acc_o, s, v_tile, lane);
         __syncthreads();
     }
     cp_async_wait<0>();  // a CTA that saw no key block still has its q tile in flight
