@@ -801,6 +801,7 @@ pub(crate) fn validate<V: ViewDesc + ?Sized>(
         dropout: None,
         packed,
         kernels: o.kernels,
+        descale: None,
     };
     Ok(DecodeParams {
         cache: CacheLayout {

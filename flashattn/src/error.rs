@@ -220,6 +220,31 @@ pub enum ErrorKind {
         index: usize,
         value: f32,
     },
+    #[error(
+        "tensor `{tensor}` is fp8 {got}, expected {expected} (q's format): q, k and v share one \
+         FP8 format"
+    )]
+    Fp8Format {
+        tensor: TensorName,
+        expected: crate::fp8::Fp8Format,
+        got: crate::fp8::Fp8Format,
+    },
+    #[error(
+        "`{tensor}` has {got} values, expected 1 (the whole tensor) or batch · heads_kv = \
+         {batch} · {heads_kv}"
+    )]
+    DescaleLength {
+        tensor: TensorName,
+        got: usize,
+        batch: usize,
+        heads_kv: usize,
+    },
+    #[error("`{tensor}`[{index}] = {value} is invalid: a descale factor must be finite and > 0")]
+    DescaleValue {
+        tensor: TensorName,
+        index: usize,
+        value: f32,
+    },
     /// No usable NVIDIA GPU: the driver library is missing, or it reports no device.
     #[error("no CUDA device: {reason}")]
     CudaUnavailable { reason: String },

@@ -37,6 +37,7 @@ pub mod decode;
 pub mod dropout;
 pub mod error;
 pub mod flops;
+pub mod fp8;
 pub mod naive;
 pub(crate) mod params;
 pub mod reference;

@@ -145,6 +145,17 @@ pub(crate) struct Params {
     pub packed: bool,
     /// The CPU microkernels to run.
     pub kernels: &'static Kernels,
+    /// FP8 dequantisation factors (forward only; see [`crate::fp8`]).
+    pub descale: Option<Descales>,
+}
+
+/// The FP8 descale factors, folded: per (sequence b, kv head hk), at `b * heads_kv + hk`.
+#[derive(Clone, Debug)]
+pub(crate) struct Descales {
+    /// `softmax_scale · q_descale · k_descale` (the product taken in f64, rounded once).
+    pub score_scale: Vec<f32>,
+    /// `v_descale`: multiplies the output rows.
+    pub out_scale: Vec<f32>,
 }
 
 impl Params {
@@ -170,6 +181,22 @@ impl Params {
     #[inline]
     pub fn kv_head(&self, h: usize) -> usize {
         h / (self.heads / self.heads_kv)
+    }
+    /// The factor of the raw dot products q·k of query head `h` in sequence `b`: `softmax_scale`,
+    /// times the FP8 descale factors of q and k when there are any.
+    #[inline]
+    pub fn score_scale(&self, b: usize, h: usize) -> f32 {
+        match &self.descale {
+            Some(d) => d.score_scale[b * self.heads_kv + self.kv_head(h)],
+            None => self.softmax_scale,
+        }
+    }
+    /// The factor of the output rows of query head `h` in sequence `b` (FP8 `v_descale`; else 1).
+    #[inline]
+    pub fn out_descale(&self, b: usize, h: usize) -> f32 {
+        self.descale
+            .as_ref()
+            .map_or(1.0, |d| d.out_scale[b * self.heads_kv + self.kv_head(h)])
     }
     pub fn alibi_slope(&self, b: usize, h: usize) -> Option<f32> {
         self.alibi.as_ref().map(|s| s[b * self.heads + h])
@@ -497,6 +524,7 @@ pub(crate) fn batched<V: ViewDesc + ?Sized>(
         dropout: o.dropout,
         packed: PACKED,
         kernels: o.kernels,
+        descale: None,
     })
 }
 
@@ -608,6 +636,7 @@ pub(crate) fn varlen<V: ViewDesc + ?Sized>(
         dropout: o.dropout,
         packed: PACKED,
         kernels: o.kernels,
+        descale: None,
     })
 }
 

@@ -88,9 +88,10 @@ pub(crate) struct ScoreMod {
 
 impl ScoreMod {
     pub fn new(p: &Params, b: usize, h: usize) -> Self {
+        let scale = p.score_scale(b, h);
         ScoreMod {
-            scale_log2: p.softmax_scale * LOG2_E,
-            softcap: p.softcap.map(|c| (p.softmax_scale / c, c * LOG2_E)),
+            scale_log2: scale * LOG2_E,
+            softcap: p.softcap.map(|c| (scale / c, c * LOG2_E)),
             alibi_log2: p.alibi_slope(b, h).map(|s| s * LOG2_E),
         }
     }
@@ -730,7 +731,7 @@ fn forward_block<T: Element>(
         }
     }
 
-    let out_scale = p.dropout.map_or(1.0, |drop| drop.scale());
+    let out_scale = p.dropout.map_or(1.0, |drop| drop.scale()) * p.out_descale(b, h);
     for r in 0..rows {
         for (x, o) in scr.row.iter_mut().enumerate() {
             *o = scr.ot[x * np + r];

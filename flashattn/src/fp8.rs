@@ -1,0 +1,408 @@
+//! FP8 inputs: attention over q, k and v stored as 8-bit floats (`e4m3`, the OCP E4M3FN format
+//! without infinities, max 448; or `e5m2`, max 57344), each with optional dequantisation
+//! ("descale") factors, as FlashAttention-3's FP8 forward.
+//!
+//! The stored values mean `q = q_fp8 · q_descale` (likewise k and v), with one factor for the whole
+//! tensor or one per (sequence, kv head). Every FP8 value is exactly a bf16 value, so the inputs
+//! are widened to bf16 without rounding and the bf16 forward runs on them; the descale factors are
+//! never multiplied into the data: `softmax_scale · q_descale · k_descale` (one f64 product, rounded
+//! once to f32) scales the raw dot products, and `v_descale` the finished output rows, so the only
+//! roundings are those of the bf16 forward itself. `out` is bf16 (as FlashAttention-3), `lse` f32.
+//!
+//! Forward only: there is no FP8 backward (FlashAttention-3 has none either). Every other forward
+//! option applies (causal, window, softcap, ALiBi, MQA/GQA, packed sequences, dropout). The widened
+//! copies of q, k and v (two bytes per element, contiguous) are the only memory besides the bf16
+//! forward's.
+
+use crate::error::{ErrorKind, Result, TensorName};
+use crate::params::{self, Descales, Params};
+use crate::tensor::{contiguous_strides, DType, TensorRef, ViewDesc};
+use crate::{AttnOptions, AttnOutput};
+pub use float8::{F8E4M3, F8E5M2};
+use half::bf16;
+use rayon::prelude::*;
+use std::fmt;
+use std::sync::OnceLock;
+
+/// The two FP8 formats.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Fp8Format {
+    /// 4 exponent bits, 3 mantissa bits, no infinities (E4M3FN): max 448, NaN = `S.1111.111`.
+    E4M3,
+    /// 5 exponent bits, 2 mantissa bits, IEEE-like (infinities, NaNs): max 57344.
+    E5M2,
+}
+
+impl Fp8Format {
+    pub fn name(self) -> &'static str {
+        match self {
+            Fp8Format::E4M3 => "e4m3",
+            Fp8Format::E5M2 => "e5m2",
+        }
+    }
+
+    /// The largest finite value.
+    pub fn max(self) -> f32 {
+        match self {
+            Fp8Format::E4M3 => 448.0,
+            Fp8Format::E5M2 => 57344.0,
+        }
+    }
+
+    /// The value of each of the 256 bit patterns as bf16 (exact: bf16 has more exponent and
+    /// mantissa bits than either format; NaN stays NaN, e5m2's infinities stay infinite).
+    pub fn bf16_table(self) -> &'static [bf16; 256] {
+        static E4M3: OnceLock<[bf16; 256]> = OnceLock::new();
+        static E5M2: OnceLock<[bf16; 256]> = OnceLock::new();
+        let build =
+            |to_f32: fn(u8) -> f32| std::array::from_fn(|bits| bf16::from_f32(to_f32(bits as u8)));
+        match self {
+            Fp8Format::E4M3 => E4M3.get_or_init(|| build(|b| F8E4M3::from_bits(b).to_f32())),
+            Fp8Format::E5M2 => E5M2.get_or_init(|| build(|b| F8E5M2::from_bits(b).to_f32())),
+        }
+    }
+}
+
+impl fmt::Display for Fp8Format {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for float8::F8E4M3 {}
+    impl Sealed for float8::F8E5M2 {}
+}
+
+/// An FP8 element type: [`F8E4M3`] or [`F8E5M2`] (from the `float8` crate, re-exported here).
+pub trait Fp8Element: Copy + Send + Sync + sealed::Sealed + 'static {
+    const FORMAT: Fp8Format;
+    fn wrap(data: &[Self]) -> Fp8Slice<'_>;
+}
+
+impl Fp8Element for F8E4M3 {
+    const FORMAT: Fp8Format = Fp8Format::E4M3;
+    fn wrap(data: &[Self]) -> Fp8Slice<'_> {
+        Fp8Slice::E4M3(data)
+    }
+}
+
+impl Fp8Element for F8E5M2 {
+    const FORMAT: Fp8Format = Fp8Format::E5M2;
+    fn wrap(data: &[Self]) -> Fp8Slice<'_> {
+        Fp8Slice::E5M2(data)
+    }
+}
+
+/// A borrowed buffer of FP8 values.
+#[derive(Clone, Copy, Debug)]
+pub enum Fp8Slice<'a> {
+    E4M3(&'a [F8E4M3]),
+    E5M2(&'a [F8E5M2]),
+}
+
+impl Fp8Slice<'_> {
+    pub fn format(&self) -> Fp8Format {
+        match self {
+            Fp8Slice::E4M3(_) => Fp8Format::E4M3,
+            Fp8Slice::E5M2(_) => Fp8Format::E5M2,
+        }
+    }
+    pub fn len(&self) -> usize {
+        match self {
+            Fp8Slice::E4M3(d) => d.len(),
+            Fp8Slice::E5M2(d) => d.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A strided view of a caller's FP8 buffer (strides in elements, last dimension contiguous), as
+/// [`TensorRef`] for the other dtypes.
+#[derive(Clone, Debug)]
+pub struct Fp8TensorRef<'a> {
+    data: Fp8Slice<'a>,
+    shape: Vec<usize>,
+    strides: Vec<usize>,
+}
+
+impl<'a> Fp8TensorRef<'a> {
+    /// A view with explicit strides (in elements). Checked when passed to an attention call.
+    pub fn new<T: Fp8Element>(data: &'a [T], shape: &[usize], strides: &[usize]) -> Self {
+        Self::from_slice(T::wrap(data), shape, strides)
+    }
+    /// A contiguous row-major view.
+    pub fn contiguous<T: Fp8Element>(data: &'a [T], shape: &[usize]) -> Self {
+        Self::new(data, shape, &contiguous_strides(shape))
+    }
+    pub fn from_slice(data: Fp8Slice<'a>, shape: &[usize], strides: &[usize]) -> Self {
+        Fp8TensorRef {
+            data,
+            shape: shape.to_vec(),
+            strides: strides.to_vec(),
+        }
+    }
+    pub fn format(&self) -> Fp8Format {
+        self.data.format()
+    }
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    pub fn strides(&self) -> &[usize] {
+        &self.strides
+    }
+    pub fn data(&self) -> Fp8Slice<'a> {
+        self.data
+    }
+}
+
+/// Validation sees an FP8 view as what it computes in: bf16.
+impl ViewDesc for Fp8TensorRef<'_> {
+    fn dtype(&self) -> DType {
+        DType::BF16
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn strides(&self) -> &[usize] {
+        &self.strides
+    }
+    fn buffer_len(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// Dequantisation factors (f32): the true q is `q_fp8 · q_descale`, likewise k and v. Each is
+/// either one value for the whole tensor or `batch · heads_kv` values, row-major `[batch,
+/// heads_kv]` (`batch` = number of sequences; a query head uses the factor of the kv head it
+/// reads). `None` means 1. Every factor must be finite and > 0.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Descale<'a> {
+    pub q: Option<&'a [f32]>,
+    pub k: Option<&'a [f32]>,
+    pub v: Option<&'a [f32]>,
+}
+
+impl<'a> Descale<'a> {
+    pub fn q(mut self, q: &'a [f32]) -> Self {
+        self.q = Some(q);
+        self
+    }
+    pub fn k(mut self, k: &'a [f32]) -> Self {
+        self.k = Some(k);
+        self
+    }
+    pub fn v(mut self, v: &'a [f32]) -> Self {
+        self.v = Some(v);
+        self
+    }
+}
+
+/// Attention over a batch of equal-length FP8 sequences: q `[batch, seqlen_q, heads, head_dim]`,
+/// k and v `[batch, seqlen_k, heads_kv, head_dim]`, all three of one [`Fp8Format`]. Returns `out`
+/// in bf16 and `lse` in f32, as [`crate::flash_attn`] (see the module documentation).
+pub fn flash_attn_fp8(
+    q: &Fp8TensorRef,
+    k: &Fp8TensorRef,
+    v: &Fp8TensorRef,
+    descale: &Descale,
+    opts: &AttnOptions,
+) -> Result<AttnOutput> {
+    check_formats(q, k, v)?;
+    let p = params::batched(q, k, v, opts)?;
+    let descales = check_descale(descale, &p)?;
+    let (qb, kb, vb) = (widen(q), widen(k), widen(v));
+    let (qv, kv, vv) = (
+        TensorRef::contiguous(&qb, q.shape()),
+        TensorRef::contiguous(&kb, k.shape()),
+        TensorRef::contiguous(&vb, v.shape()),
+    );
+    // The same shapes and options as accepted above, now over contiguous bf16 copies: only the
+    // layout differs, so this cannot be rejected.
+    let mut p = params::batched(&qv, &kv, &vv, opts)?;
+    p.descale = Some(descales);
+    Ok(crate::forward(&p, &qv, &kv, &vv))
+}
+
+/// Attention over packed variable-length FP8 sequences: q `[total_q, heads, head_dim]`, k and v
+/// `[total_k, heads_kv, head_dim]` with `cu_seqlens_q` / `cu_seqlens_k` as
+/// [`crate::flash_attn_varlen`]; per-sequence descale factors are indexed by sequence.
+pub fn flash_attn_varlen_fp8(
+    q: &Fp8TensorRef,
+    k: &Fp8TensorRef,
+    v: &Fp8TensorRef,
+    cu_seqlens_q: &[i32],
+    cu_seqlens_k: &[i32],
+    descale: &Descale,
+    opts: &AttnOptions,
+) -> Result<AttnOutput> {
+    check_formats(q, k, v)?;
+    let p = params::varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, opts)?;
+    let descales = check_descale(descale, &p)?;
+    let (qb, kb, vb) = (widen(q), widen(k), widen(v));
+    let (qv, kv, vv) = (
+        TensorRef::contiguous(&qb, q.shape()),
+        TensorRef::contiguous(&kb, k.shape()),
+        TensorRef::contiguous(&vb, v.shape()),
+    );
+    let mut p = params::varlen(&qv, &kv, &vv, cu_seqlens_q, cu_seqlens_k, opts)?;
+    p.descale = Some(descales);
+    Ok(crate::forward(&p, &qv, &kv, &vv))
+}
+
+fn check_formats(q: &Fp8TensorRef, k: &Fp8TensorRef, v: &Fp8TensorRef) -> Result<()> {
+    for (tensor, t) in [("k", k), ("v", v)] {
+        if t.format() != q.format() {
+            return Err(ErrorKind::Fp8Format {
+                tensor,
+                expected: q.format(),
+                got: t.format(),
+            }
+            .into());
+        }
+    }
+    Ok(())
+}
+
+/// Reads the three factor lists into one per (sequence, kv head), checked.
+fn check_descale(d: &Descale, p: &Params) -> Result<Descales> {
+    let (batch, heads_kv) = (p.seqs.len(), p.heads_kv);
+    let n = batch * heads_kv;
+    let read = |tensor: TensorName, f: Option<&[f32]>| -> Result<Vec<f32>> {
+        let Some(f) = f else {
+            return Ok(vec![1.0; n]);
+        };
+        if f.len() != 1 && f.len() != n {
+            return Err(ErrorKind::DescaleLength {
+                tensor,
+                got: f.len(),
+                batch,
+                heads_kv,
+            }
+            .into());
+        }
+        if let Some((index, &value)) = f
+            .iter()
+            .enumerate()
+            .find(|(_, x)| !(x.is_finite() && **x > 0.0))
+        {
+            return Err(ErrorKind::DescaleValue {
+                tensor,
+                index,
+                value,
+            }
+            .into());
+        }
+        Ok((0..n)
+            .map(|i| f[if f.len() == 1 { 0 } else { i }])
+            .collect())
+    };
+    let (dq, dk, dv) = (
+        read("q_descale", d.q)?,
+        read("k_descale", d.k)?,
+        read("v_descale", d.v)?,
+    );
+    let scale = p.softmax_scale as f64;
+    let score_scale: Vec<f32> = dq
+        .iter()
+        .zip(&dk)
+        .map(|(&a, &b)| (scale * a as f64 * b as f64) as f32)
+        .collect();
+    if let Some(&bad) = score_scale.iter().find(|s| !s.is_finite()) {
+        // Each factor is finite, but their product with the softmax scale overflowed f32.
+        return Err(ErrorKind::Scale { scale: bad }.into());
+    }
+    Ok(Descales {
+        score_scale,
+        out_scale: dv,
+    })
+}
+
+/// The view's elements widened to bf16 (exact), contiguous row-major. The view was validated:
+/// every element it addresses lies in its buffer and its last dimension is contiguous.
+fn widen(t: &Fp8TensorRef) -> Vec<bf16> {
+    let table = t.format().bf16_table();
+    let (outer, strides) = (&t.shape()[..t.shape().len() - 1], t.strides());
+    let d = *t.shape().last().expect("validated rank");
+    let rows: usize = outer.iter().product();
+    let mut out = vec![bf16::ZERO; rows * d];
+    // Element offset of row r (an index over all dimensions but the last).
+    let row_offset = |mut r: usize| {
+        let mut at = 0;
+        for (&n, &s) in outer.iter().zip(&strides[..outer.len()]).rev() {
+            at += (r % n) * s;
+            r /= n;
+        }
+        at
+    };
+    fn fill<T: Copy + Sync>(
+        out: &mut [bf16],
+        d: usize,
+        src: &[T],
+        bits: fn(T) -> u8,
+        table: &[bf16; 256],
+        row_offset: impl Fn(usize) -> usize + Sync,
+    ) {
+        out.par_chunks_mut(d.max(1) * 256)
+            .enumerate()
+            .for_each(|(chunk, rows)| {
+                for (i, row) in rows.chunks_mut(d.max(1)).enumerate() {
+                    let at = row_offset(chunk * 256 + i);
+                    for (o, &x) in row.iter_mut().zip(&src[at..at + d]) {
+                        *o = table[bits(x) as usize];
+                    }
+                }
+            });
+    }
+    if d > 0 && rows > 0 {
+        match t.data() {
+            Fp8Slice::E4M3(src) => fill(&mut out, d, src, |x| x.to_bits(), table, row_offset),
+            Fp8Slice::E5M2(src) => fill(&mut out, d, src, |x| x.to_bits(), table, row_offset),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The table against the formats' definitions, decoded here from the bits.
+    #[test]
+    fn tables_decode_every_bit_pattern() {
+        for (format, exp_bits, bias) in [(Fp8Format::E4M3, 4, 7), (Fp8Format::E5M2, 5, 15)] {
+            let man_bits = 7 - exp_bits;
+            for bits in 0..=255u8 {
+                let sign = if bits & 0x80 != 0 { -1.0 } else { 1.0 };
+                let e = ((bits >> man_bits) & ((1 << exp_bits) - 1)) as i32;
+                let m = (bits & ((1 << man_bits) - 1)) as f64;
+                let all_ones = e == (1 << exp_bits) - 1;
+                let got = format.bf16_table()[bits as usize].to_f64();
+                match format {
+                    Fp8Format::E4M3 if all_ones && m == 7.0 => assert!(got.is_nan(), "{bits:#x}"),
+                    Fp8Format::E5M2 if all_ones && m != 0.0 => assert!(got.is_nan(), "{bits:#x}"),
+                    Fp8Format::E5M2 if all_ones => assert_eq!(got, sign * f64::INFINITY),
+                    _ => {
+                        let want = if e == 0 {
+                            sign * m / (1 << man_bits) as f64 * 2f64.powi(1 - bias)
+                        } else {
+                            sign * (1.0 + m / (1 << man_bits) as f64) * 2f64.powi(e - bias)
+                        };
+                        assert_eq!(got, want, "{format} bits {bits:#010b}");
+                    }
+                }
+            }
+            assert_eq!(
+                format
+                    .bf16_table()
+                    .iter()
+                    .filter(|x| x.is_finite())
+                    .fold(0f32, |m, x| m.max(x.to_f32())),
+                format.max()
+            );
+        }
+    }
+}
