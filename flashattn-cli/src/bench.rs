@@ -4,6 +4,7 @@ use crate::alloc;
 use crate::error::{fail, CliError, Result};
 use crate::peak::{self, Peak};
 use crate::threads::with_threads;
+use flashattn::fp8::{self, Fp8Format};
 use flashattn::{flops, naive, reference, AttnOptions, AttnOutput, Buffer, DType, TensorRef};
 use half::{bf16, f16};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -28,14 +29,26 @@ pub enum DtypeArg {
     F32,
     F16,
     Bf16,
+    /// FP8 E4M3 inputs (forward only; computes in and returns bf16).
+    E4m3,
+    /// FP8 E5M2 inputs (forward only; computes in and returns bf16).
+    E5m2,
 }
 
 impl DtypeArg {
+    /// The dtype the call computes in and returns (bf16 for the FP8 formats).
     pub fn dtype(self) -> DType {
         match self {
             DtypeArg::F32 => DType::F32,
             DtypeArg::F16 => DType::F16,
-            DtypeArg::Bf16 => DType::BF16,
+            DtypeArg::Bf16 | DtypeArg::E4m3 | DtypeArg::E5m2 => DType::BF16,
+        }
+    }
+    pub fn fp8(self) -> Option<Fp8Format> {
+        match self {
+            DtypeArg::E4m3 => Some(Fp8Format::E4M3),
+            DtypeArg::E5m2 => Some(Fp8Format::E5M2),
+            _ => None,
         }
     }
 }
@@ -211,6 +224,14 @@ struct Skipped {
 }
 
 pub fn bench(args: &BenchArgs) -> Result<()> {
+    if let Some(f) = args.dtype.and_then(DtypeArg::fp8) {
+        if args.decode || args.backward || args.device == crate::cuda::Device::Cuda {
+            return fail(format!(
+                "--dtype {f}: FP8 inputs have a forward pass on the CPU only (no --decode, \
+                 --backward or --device cuda)"
+            ));
+        }
+    }
     if args.decode {
         return crate::decode::bench(args);
     }
@@ -319,6 +340,51 @@ pub fn mem_available() -> Option<u64> {
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
+}
+
+/// Random FP8 values over the format's range.
+enum Fp8Data {
+    E4M3(Vec<fp8::F8E4M3>),
+    E5M2(Vec<fp8::F8E5M2>),
+}
+
+impl Fp8Data {
+    fn random(rng: &mut ChaCha8Rng, format: Fp8Format, n: usize) -> Self {
+        let max = format.max();
+        let mut x = (0..n).map(|_| rng.gen_range(-max..max));
+        match format {
+            Fp8Format::E4M3 => Fp8Data::E4M3(x.by_ref().map(fp8::F8E4M3::from_f32).collect()),
+            Fp8Format::E5M2 => Fp8Data::E5M2(x.by_ref().map(fp8::F8E5M2::from_f32).collect()),
+        }
+    }
+    fn format(&self) -> Fp8Format {
+        match self {
+            Fp8Data::E4M3(_) => Fp8Format::E4M3,
+            Fp8Data::E5M2(_) => Fp8Format::E5M2,
+        }
+    }
+    /// A power of two that takes the format's max to 1.75: dequantised values lie in
+    /// [-1.75, 1.75] and are exact in bf16.
+    fn descale(format: Fp8Format) -> [f32; 1] {
+        [match format {
+            Fp8Format::E4M3 => 2f32.powi(-8),
+            Fp8Format::E5M2 => 2f32.powi(-15),
+        }]
+    }
+    fn dequantized(&self) -> Buffer {
+        let s = Self::descale(self.format())[0];
+        let deq = |x: f32| bf16::from_f32(x * s);
+        Buffer::BF16(match self {
+            Fp8Data::E4M3(d) => d.iter().map(|x| deq(x.to_f32())).collect(),
+            Fp8Data::E5M2(d) => d.iter().map(|x| deq(x.to_f32())).collect(),
+        })
+    }
+    fn view(&self, shape: &[usize]) -> fp8::Fp8TensorRef<'_> {
+        match self {
+            Fp8Data::E4M3(d) => fp8::Fp8TensorRef::contiguous(d, shape),
+            Fp8Data::E5M2(d) => fp8::Fp8TensorRef::contiguous(d, shape),
+        }
+    }
 }
 
 pub fn random_buffer(rng: &mut ChaCha8Rng, n: usize, dtype: DType) -> Buffer {
@@ -563,6 +629,8 @@ fn machine_line(m: &Machine) -> String {
 
 fn bench_in_pool(args: &BenchArgs, cases: &[(usize, usize)]) -> Result<()> {
     let dtype = args.dtype.unwrap_or(DtypeArg::F32).dtype();
+    let fp8 = args.dtype.and_then(DtypeArg::fp8);
+    let dtype_name = fp8.map_or(dtype.name(), |f| f.name());
     let (batch, heads, d) = (args.batch, args.heads(), args.head_dim());
     let heads_kv = args.heads_kv();
     let threads = rayon::current_num_threads();
@@ -608,7 +676,7 @@ fn bench_in_pool(args: &BenchArgs, cases: &[(usize, usize)]) -> Result<()> {
         emit(
             &pb,
             format!(
-                "flashattn bench: batch {batch}, heads {heads} (kv {heads_kv}), head_dim {d}, {dtype}, {}, {threads} threads; \
+                "flashattn bench: batch {batch}, heads {heads} (kv {heads_kv}), head_dim {d}, {dtype_name}, {}, {threads} threads; \
                  median of timed repeats after one warm-up; max abs err over {ERR_ROWS} rows vs the f64 reference",
                 if args.causal { "causal" } else { "non-causal" }
             ),
@@ -618,7 +686,7 @@ fn bench_in_pool(args: &BenchArgs, cases: &[(usize, usize)]) -> Result<()> {
 
     for (n, &(sq, sk)) in cases.iter().enumerate() {
         let config = Config {
-            dtype: dtype.name(),
+            dtype: dtype_name,
             batch,
             heads,
             heads_kv,
@@ -632,9 +700,25 @@ fn bench_in_pool(args: &BenchArgs, cases: &[(usize, usize)]) -> Result<()> {
         pb.set_message(format!("seqlen {sq}x{sk}: preparing inputs"));
         let mut rng = ChaCha8Rng::seed_from_u64(args.seed.wrapping_add(n as u64));
         let (q_shape, kv_shape) = ([batch, sq, heads, d], [batch, sk, heads_kv, d]);
-        let qb = random_buffer(&mut rng, q_shape.iter().product(), dtype);
-        let kb = random_buffer(&mut rng, kv_shape.iter().product(), dtype);
-        let vb = random_buffer(&mut rng, kv_shape.iter().product(), dtype);
+        // FP8: the stored values, and their dequantised bf16 copies (exact: the descale factor
+        // is a power of two) for the reference and the naive comparison.
+        let fp8_inputs = fp8.map(|f| {
+            let n = |s: &[usize; 4]| s.iter().product::<usize>();
+            let (q, k, v) = (
+                Fp8Data::random(&mut rng, f, n(&q_shape)),
+                Fp8Data::random(&mut rng, f, n(&kv_shape)),
+                Fp8Data::random(&mut rng, f, n(&kv_shape)),
+            );
+            (q, k, v)
+        });
+        let (qb, kb, vb) = match &fp8_inputs {
+            Some((q, k, v)) => (q.dequantized(), k.dequantized(), v.dequantized()),
+            None => (
+                random_buffer(&mut rng, q_shape.iter().product(), dtype),
+                random_buffer(&mut rng, kv_shape.iter().product(), dtype),
+                random_buffer(&mut rng, kv_shape.iter().product(), dtype),
+            ),
+        };
         let dob = random_buffer(&mut rng, q_shape.iter().product(), dtype);
         let dout = view(&dob, &q_shape);
         let (q, k, v) = (
@@ -680,6 +764,17 @@ fn bench_in_pool(args: &BenchArgs, cases: &[(usize, usize)]) -> Result<()> {
         // Backward mode: forward, then backward from its out and lse (grads dropped inside the
         // timing); the accuracy column still checks the forward's out.
         let flash = measure(args.min_time, || {
+            if let Some((q8, k8, v8)) = &fp8_inputs {
+                let d = Fp8Data::descale(q8.format());
+                let descale = fp8::Descale::default().q(&d).k(&d).v(&d);
+                return fp8::flash_attn_fp8(
+                    &q8.view(&q_shape),
+                    &k8.view(&kv_shape),
+                    &v8.view(&kv_shape),
+                    &descale,
+                    &opts,
+                );
+            }
             let res = flashattn::flash_attn(&q, &k, &v, &opts)?;
             if args.backward {
                 drop(res.backward(&q, &k, &v, &dout, &opts)?);
@@ -723,6 +818,9 @@ fn bench_in_pool(args: &BenchArgs, cases: &[(usize, usize)]) -> Result<()> {
                         let err = max_abs_err(&t.first, &refs, sq, heads, d);
                         record("naive", t.stats(), err)
                     };
+                    // With FP8 inputs, naive runs in bf16 on their dequantised values.
+                    let mut naive_rec = naive_rec;
+                    naive_rec.config.dtype = dtype.name();
                     flash_rec.speedup_vs_naive = Some(naive_rec.median_ms / flash_rec.median_ms);
                     lines.push(if args.json {
                         to_json(&naive_rec)?

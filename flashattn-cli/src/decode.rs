@@ -49,26 +49,7 @@ pub const ACCEPTED: [&str; 14] = [
 /// Whether `path` is a safetensors file whose header names a `k_cache` tensor (read from the
 /// header alone). Any problem answers `false`, and the ordinary loader reports it.
 pub fn is_kvcache_file(path: &Path) -> bool {
-    use std::io::Read;
-    let Ok(mut f) = std::fs::File::open(path) else {
-        return false;
-    };
-    let mut len = [0u8; 8];
-    if f.read_exact(&mut len).is_err() {
-        return false;
-    }
-    let n = u64::from_le_bytes(len);
-    // safetensors caps headers at 100 MB.
-    if n > 100_000_000 {
-        return false;
-    }
-    let mut header = vec![0u8; n as usize];
-    if f.read_exact(&mut header).is_err() {
-        return false;
-    }
-    serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(&header)
-        .map(|m| m.contains_key("k_cache"))
-        .unwrap_or(false)
+    st_io::header(path).is_some_and(|m| m.contains_key("k_cache"))
 }
 
 /// An I32 tensor of the expected rank, as (shape, values).

@@ -7,6 +7,7 @@ mod bench;
 mod cuda;
 mod decode;
 mod error;
+mod fp8;
 mod peak;
 mod plot;
 mod run;

@@ -10,7 +10,9 @@ use std::path::{Path, PathBuf};
 
 #[derive(clap::Args, Debug)]
 pub struct RunArgs {
-    /// Input file with tensors q, k, v (F32, F16 or BF16, all the same), optionally alibi_slopes
+    /// Input file with tensors q, k, v (F32, F16 or BF16, all the same; or F8_E4M3 / F8_E5M2,
+    /// all the same, with optional F32 q_descale, k_descale, v_descale of 1 or batch · heads_kv
+    /// values: forward only, `out` in BF16), optionally alibi_slopes
     /// (F32, [heads] or [batch, heads]) and cu_seqlens_q + cu_seqlens_k (I32; selects the packed
     /// layout q [total_q, heads, d], k/v [total_k, heads_kv, d]; otherwise q is
     /// [batch, seqlen_q, heads, d], k/v [batch, seqlen_k, heads_kv, d]), and optionally dout
@@ -65,6 +67,9 @@ pub struct RunArgs {
 pub fn run(args: &RunArgs) -> Result<()> {
     if crate::decode::is_kvcache_file(&args.input) {
         return crate::decode::run(args);
+    }
+    if crate::fp8::is_fp8_file(&args.input) {
+        return crate::fp8::run(args);
     }
     let inputs = st_io::load(&args.input)?;
     write_atomically(&args.output, || {

@@ -96,7 +96,7 @@ pub fn decode_float(name: &str, t: &TensorView) -> Result<Loaded> {
     })
 }
 
-fn decode_i32(name: &str, t: &TensorView) -> Result<Vec<i32>> {
+pub fn decode_i32(name: &str, t: &TensorView) -> Result<Vec<i32>> {
     if t.dtype() != Dtype::I32 {
         return fail(format!(
             "tensor `{name}` has dtype {:?}, expected I32",
@@ -189,7 +189,23 @@ pub fn load(path: &Path) -> Result<Inputs> {
     })
 }
 
-/// A readable sentence for a safetensors error (its own Display is its Debug form).
+/// The JSON header of the safetensors file at `path`, if it has one (used to pick the kind of
+/// run before reading the whole file; every error is reported later, by the full parse).
+pub fn header(path: &Path) -> Option<serde_json::Map<String, serde_json::Value>> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).ok()?;
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len).ok()?;
+    let n = u64::from_le_bytes(len);
+    // safetensors caps headers at 100 MB.
+    if n > 100_000_000 {
+        return None;
+    }
+    let mut header = vec![0u8; n as usize];
+    f.read_exact(&mut header).ok()?;
+    serde_json::from_slice(&header).ok()
+}
+
 /// The bytes of the file at `path`.
 pub fn read(path: &Path) -> Result<Vec<u8>> {
     std::fs::read(path).map_err(|e| CliError(format!("cannot read {}: {e}", path.display())))
@@ -236,6 +252,7 @@ pub fn tensor<'a>(
     }
 }
 
+/// A readable sentence for a safetensors error (its own Display is its Debug form).
 pub fn describe(e: &safetensors::SafeTensorError) -> String {
     use safetensors::SafeTensorError as E;
     match e {

@@ -4,19 +4,20 @@
 //!
 //! The stored values mean `q = q_fp8 · q_descale` (likewise k and v), with one factor for the whole
 //! tensor or one per (sequence, kv head). Every FP8 value is exactly a bf16 value, so the inputs
-//! are widened to bf16 without rounding and the bf16 forward runs on them; the descale factors are
+//! are widened to bf16 without rounding and the bf16 forward runs on them (on AVX512_BF16, as the
+//! tiles are built from the FP8 bytes; elsewhere into bf16 copies first); the descale factors are
 //! never multiplied into the data: `softmax_scale · q_descale · k_descale` (one f64 product, rounded
 //! once to f32) scales the raw dot products, and `v_descale` the finished output rows, so the only
 //! roundings are those of the bf16 forward itself. `out` is bf16 (as FlashAttention-3), `lse` f32.
 //!
 //! Forward only: there is no FP8 backward (FlashAttention-3 has none either). Every other forward
-//! option applies (causal, window, softcap, ALiBi, MQA/GQA, packed sequences, dropout). The widened
-//! copies of q, k and v (two bytes per element, contiguous) are the only memory besides the bf16
-//! forward's.
+//! option applies (causal, window, softcap, ALiBi, MQA/GQA, packed sequences, dropout). Working
+//! memory is the bf16 forward's (without a bf16 dot product, plus bf16 copies of q, k and v).
 
+use crate::cpu::forward::{forward_fp8, Fp8Source};
 use crate::error::{ErrorKind, Result, TensorName};
 use crate::params::{self, Descales, Params};
-use crate::tensor::{contiguous_strides, DType, TensorRef, ViewDesc};
+use crate::tensor::{contiguous_strides, Buffer, DType, Tensor, TensorRef, ViewDesc};
 use crate::{AttnOptions, AttnOutput};
 pub use float8::{F8E4M3, F8E5M2};
 use half::bf16;
@@ -213,18 +214,9 @@ pub fn flash_attn_fp8(
 ) -> Result<AttnOutput> {
     check_formats(q, k, v)?;
     let p = params::batched(q, k, v, opts)?;
-    let descales = check_descale(descale, &p)?;
-    let (qb, kb, vb) = (widen(q), widen(k), widen(v));
-    let (qv, kv, vv) = (
-        TensorRef::contiguous(&qb, q.shape()),
-        TensorRef::contiguous(&kb, k.shape()),
-        TensorRef::contiguous(&vb, v.shape()),
-    );
-    // The same shapes and options as accepted above, now over contiguous bf16 copies: only the
-    // layout differs, so this cannot be rejected.
-    let mut p = params::batched(&qv, &kv, &vv, opts)?;
-    p.descale = Some(descales);
-    Ok(crate::forward(&p, &qv, &kv, &vv))
+    run(p, descale, [q, k, v], |[qv, kv, vv]| {
+        params::batched(qv, kv, vv, opts)
+    })
 }
 
 /// Attention over packed variable-length FP8 sequences: q `[total_q, heads, head_dim]`, k and v
@@ -241,16 +233,52 @@ pub fn flash_attn_varlen_fp8(
 ) -> Result<AttnOutput> {
     check_formats(q, k, v)?;
     let p = params::varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, opts)?;
+    run(p, descale, [q, k, v], |[qv, kv, vv]| {
+        params::varlen(qv, kv, vv, cu_seqlens_q, cu_seqlens_k, opts)
+    })
+}
+
+/// The forward on validated FP8 views. With a bf16 dot product (AVX512_BF16), the tiles are
+/// built straight from the FP8 bytes; otherwise (the f32 products) q, k and v are first widened
+/// to contiguous bf16 copies, and `revalidate` derives the params of those copies.
+fn run(
+    mut p: Params,
+    descale: &Descale,
+    [q, k, v]: [&Fp8TensorRef; 3],
+    revalidate: impl Fn([&TensorRef; 3]) -> Result<Params>,
+) -> Result<AttnOutput> {
     let descales = check_descale(descale, &p)?;
+    if p.kernels.has_bf16_dot() {
+        p.descale = Some(descales);
+        let (out, lse) = forward_fp8(&p, source(q), source(k), source(v));
+        return Ok(AttnOutput {
+            out: Tensor::new_unchecked(Buffer::BF16(out), p.out_shape.clone()),
+            lse: Tensor::new_unchecked(Buffer::F32(lse), p.lse_shape.clone()),
+        });
+    }
     let (qb, kb, vb) = (widen(q), widen(k), widen(v));
     let (qv, kv, vv) = (
         TensorRef::contiguous(&qb, q.shape()),
         TensorRef::contiguous(&kb, k.shape()),
         TensorRef::contiguous(&vb, v.shape()),
     );
-    let mut p = params::varlen(&qv, &kv, &vv, cu_seqlens_q, cu_seqlens_k, opts)?;
+    // The same shapes and options as accepted before, now over contiguous bf16 copies: only the
+    // layout differs, so this cannot be rejected.
+    let mut p = revalidate([&qv, &kv, &vv])?;
     p.descale = Some(descales);
     Ok(crate::forward(&p, &qv, &kv, &vv))
+}
+
+/// The view's bytes, read through its format's table.
+fn source<'a>(t: &Fp8TensorRef<'a>) -> Fp8Source<'a> {
+    let bytes: &'a [u8] = match t.data() {
+        Fp8Slice::E4M3(d) => bytemuck::cast_slice(d),
+        Fp8Slice::E5M2(d) => bytemuck::cast_slice(d),
+    };
+    Fp8Source {
+        bytes,
+        table: t.format().bf16_table(),
+    }
 }
 
 fn check_formats(q: &Fp8TensorRef, k: &Fp8TensorRef, v: &Fp8TensorRef) -> Result<()> {

@@ -189,27 +189,45 @@ pub(crate) fn load_tile_t<T: Element>(
     }
 }
 
-/// The bits of bf16 element `x` of a row of `d` (0 past the end: the odd half of the last pair).
-#[inline(always)]
-fn bf16_bits(row: &[bf16], x: usize) -> u16 {
-    row.get(x).map_or(0, |v| v.to_bits())
+/// Where the bf16 dot-product path reads q, k and v: bf16 elements, or FP8 elements widened
+/// (exactly) to bf16 as the tiles are built ([`Fp8Source`]), so FP8 inputs need no bf16 copy.
+pub(crate) trait Bf16Source: Copy + Sync {
+    /// Whether copying a row is as cheap as a memcpy (then k is packed once per call only when
+    /// its blocks are revisited; otherwise, always, so each element is converted once).
+    const COPY_IS_CHEAP: bool;
+
+    /// The bf16 bits of element `i`.
+    fn bits(&self, i: usize) -> u16;
+
+    /// Elements `at..at + d` as pairs: `dst[xp]` = `(e[2xp], e[2xp + 1])`, the high half of the
+    /// last pair 0 when d is odd (`dst.len() = d.div_ceil(2)`).
+    #[inline]
+    fn row_pairs(&self, at: usize, d: usize, dst: &mut [u32]) {
+        for (xp, out) in dst.iter_mut().enumerate() {
+            let hi = if 2 * xp + 1 < d {
+                self.bits(at + 2 * xp + 1)
+            } else {
+                0
+            };
+            *out = self.bits(at + 2 * xp) as u32 | (hi as u32) << 16;
+        }
+    }
 }
 
-/// Copies `rows` bf16 head rows as pairs: `dst[r * d2 + xp]` = `(row[2xp], row[2xp + 1])`.
-pub(crate) fn load_pairs(
-    src: &[bf16],
-    base: usize,
-    row_stride: usize,
-    rows: usize,
-    d: usize,
-    dst: &mut [u32],
-) {
-    let (d2, even) = (d.div_ceil(2), d / 2);
-    for r in 0..rows {
-        let row = &src[base + r * row_stride..base + r * row_stride + d];
-        let out = &mut dst[r * d2..(r + 1) * d2];
+impl Bf16Source for &[bf16] {
+    const COPY_IS_CHEAP: bool = true;
+
+    #[inline(always)]
+    fn bits(&self, i: usize) -> u16 {
+        self[i].to_bits()
+    }
+
+    #[inline]
+    fn row_pairs(&self, at: usize, d: usize, dst: &mut [u32]) {
+        let row = &self[at..at + d];
+        let even = d / 2;
         // Little-endian: bf16 elements 2xp, 2xp + 1 are exactly the low and high halves of u32 xp.
-        let (head, tail) = out.split_at_mut(even);
+        let (head, tail) = dst.split_at_mut(even);
         // SAFETY: `head` holds `even` u32 = 4·even bytes, `row` at least 2·d >= 4·even bytes;
         // u32 and bf16 are plain bit patterns (any bits valid), and the two slices are distinct
         // allocations (input vs scratch), so the byte copy is in bounds and non-overlapping.
@@ -226,9 +244,40 @@ pub(crate) fn load_pairs(
     }
 }
 
-/// Copies `rows` bf16 head rows as transposed pairs: `dst[xp * np + r]`; lanes `rows..np` are 0.
-pub(crate) fn load_pairs_t(
-    src: &[bf16],
+/// FP8 elements (their bytes) read through the format's bf16 table.
+#[derive(Clone, Copy)]
+pub(crate) struct Fp8Source<'a> {
+    pub bytes: &'a [u8],
+    pub table: &'static [bf16; 256],
+}
+
+impl Bf16Source for Fp8Source<'_> {
+    const COPY_IS_CHEAP: bool = false;
+
+    #[inline(always)]
+    fn bits(&self, i: usize) -> u16 {
+        self.table[self.bytes[i] as usize].to_bits()
+    }
+}
+
+/// Copies `rows` head rows as pairs: `dst[r * d2 + xp]` = `(row[2xp], row[2xp + 1])`.
+pub(crate) fn load_pairs<S: Bf16Source>(
+    src: S,
+    base: usize,
+    row_stride: usize,
+    rows: usize,
+    d: usize,
+    dst: &mut [u32],
+) {
+    let d2 = d.div_ceil(2);
+    for r in 0..rows {
+        src.row_pairs(base + r * row_stride, d, &mut dst[r * d2..(r + 1) * d2]);
+    }
+}
+
+/// Copies `rows` head rows as transposed pairs: `dst[xp * np + r]`; lanes `rows..np` are 0.
+pub(crate) fn load_pairs_t<S: Bf16Source>(
+    src: S,
     base: usize,
     row_stride: usize,
     (rows, d, np): (usize, usize, usize),
@@ -236,10 +285,14 @@ pub(crate) fn load_pairs_t(
 ) {
     let d2 = d.div_ceil(2);
     for r in 0..rows {
-        let row = &src[base + r * row_stride..base + r * row_stride + d];
+        let at = base + r * row_stride;
         for xp in 0..d2 {
-            dst[xp * np + r] =
-                bf16_bits(row, 2 * xp) as u32 | (bf16_bits(row, 2 * xp + 1) as u32) << 16;
+            let hi = if 2 * xp + 1 < d {
+                src.bits(at + 2 * xp + 1)
+            } else {
+                0
+            };
+            dst[xp * np + r] = src.bits(at + 2 * xp) as u32 | (hi as u32) << 16;
         }
     }
     for xp in 0..d2 {
@@ -318,7 +371,7 @@ impl<X> Drop for KeyTiles<X> {
 /// the same way for `dQ += dS·K` ([`packed_v_keys`]).
 pub(crate) type PackedV = KeyTiles<u32>;
 
-fn packed_v(p: &Params, v: &[bf16], bs: BlockSizes) -> PackedV {
+fn packed_v<S: Bf16Source>(p: &Params, v: S, bs: BlockSizes) -> PackedV {
     pack_key_pairs(p, v, bs, |s| s.v_base, (p.v, &reuse::V_PAIRS))
 }
 
@@ -327,9 +380,9 @@ pub(crate) fn packed_v_keys(p: &Params, k: &[bf16], bs: BlockSizes) -> PackedV {
     pack_key_pairs(p, k, bs, |s| s.k_base, (p.k, &reuse::K_PAIRS))
 }
 
-fn pack_key_pairs(
+fn pack_key_pairs<S: Bf16Source>(
     p: &Params,
-    src: &[bf16],
+    src: S,
     bs: BlockSizes,
     base_of: fn(&crate::params::Seq) -> usize,
     (layout, slot): (RowLayout, &'static Slot<u32>),
@@ -337,17 +390,17 @@ fn pack_key_pairs(
     let (d, bn2) = (p.head_dim, bs.block_n / 2);
     KeyTiles::build(p, bs, (d * bn2, slot), |out, (b, hk, n0, cols)| {
         let base = base_of(&p.seqs[b]) + hk * layout.head_stride;
-        let row = |c: usize| &src[base + (n0 + c) * layout.row_stride..][..d];
+        let row = |c: usize| base + (n0 + c) * layout.row_stride;
         // 16 output rows (x) at a time: their lines (32 u32 each) stay in L1 while every
         // key pair fills one element of each; reads run along v's rows.
         for x0 in (0..d).step_by(16) {
             let x1 = (x0 + 16).min(d);
             for cp in 0..cols.div_ceil(2) {
-                let lo = &row(2 * cp)[x0..x1];
-                let hi = (2 * cp + 1 < cols).then(|| &row(2 * cp + 1)[x0..x1]);
-                for (i, l) in lo.iter().enumerate() {
-                    let h = hi.map_or(0, |hr| hr[i].to_bits() as u32);
-                    out[(x0 + i) * bn2 + cp] = l.to_bits() as u32 | h << 16;
+                let lo = row(2 * cp);
+                let hi = (2 * cp + 1 < cols).then(|| row(2 * cp + 1));
+                for x in x0..x1 {
+                    let h = hi.map_or(0, |at| src.bits(at + x) as u32);
+                    out[x * bn2 + cp] = src.bits(lo + x) as u32 | h << 16;
                 }
             }
         }
@@ -418,7 +471,30 @@ pub(crate) fn work_items(p: &Params, block_m: usize) -> Vec<WorkItem> {
 
 /// Forward attention. Returns `out` (q's dtype, `p.out_shape`) and `lse` (`p.lse_shape`).
 pub(crate) fn forward<T: Element>(p: &Params, q: &[T], k: &[T], v: &[T]) -> (Vec<T>, Vec<f32>) {
-    let bf = bf16_inputs(p, q, k, v);
+    forward_with(p, (q, k, v), bf16_inputs(p, q, k, v))
+}
+
+/// Forward attention of FP8 inputs on the bf16 dot-product path (the caller checked that the
+/// kernels have one): q, k and v are widened to bf16 as their tiles are built. Returns `out` in
+/// bf16 and `lse`.
+pub(crate) fn forward_fp8(
+    p: &Params,
+    q: Fp8Source,
+    k: Fp8Source,
+    v: Fp8Source,
+) -> (Vec<bf16>, Vec<f32>) {
+    debug_assert!(p.kernels.has_bf16_dot());
+    // The typed slices feed only the f32 products, which do not run when `bf` is given.
+    forward_with::<bf16, _>(p, (&[], &[], &[]), Some((q, k, v)))
+}
+
+/// The forward over typed inputs `qkv` (read by the f32 products), or, when `bf` is given, over
+/// its bf16 sources (the bf16 dot-product path).
+fn forward_with<T: Element, S: Bf16Source>(
+    p: &Params,
+    (q, k, v): (&[T], &[T], &[T]),
+    bf: Option<(S, S, S)>,
+) -> (Vec<T>, Vec<f32>) {
     let bs = block_sizes(if bf.is_some() {
         Pass::ForwardBf16Dot
     } else {
@@ -444,17 +520,19 @@ pub(crate) fn forward<T: Element>(p: &Params, q: &[T], k: &[T], v: &[T]) -> (Vec
         k,
         v,
         packed_v: bf.map(|(_, _, vb)| packed_v(p, vb, bs)),
-        packed_k: bf.filter(|_| revisited).map(|(_, kb, _)| {
-            KeyTiles::build(
-                p,
-                bs,
-                (bs.block_n * d.div_ceil(2), &reuse::K_PAIRS),
-                |out, (b, hk, n0, cols)| {
-                    let base = p.seqs[b].k_base + n0 * p.k.row_stride + hk * p.k.head_stride;
-                    load_pairs(kb, base, p.k.row_stride, cols, d, out);
-                },
-            )
-        }),
+        packed_k: bf
+            .filter(|_| revisited || !S::COPY_IS_CHEAP)
+            .map(|(_, kb, _)| {
+                KeyTiles::build(
+                    p,
+                    bs,
+                    (bs.block_n * d.div_ceil(2), &reuse::K_PAIRS),
+                    |out, (b, hk, n0, cols)| {
+                        let base = p.seqs[b].k_base + n0 * p.k.row_stride + hk * p.k.head_stride;
+                        load_pairs(kb, base, p.k.row_stride, cols, d, out);
+                    },
+                )
+            }),
         tiles_f32: (bf.is_none() && revisited).then(|| {
             (
                 tiles_of(k, |s| s.k_base, (p.k, &reuse::K_TILES)),
@@ -498,12 +576,13 @@ pub(crate) fn key_blocks(p: &Params, it: &WorkItem, bs: BlockSizes) -> usize {
     hi.saturating_sub(lo)
 }
 
-struct Inputs<'a, T> {
+struct Inputs<'a, T, S> {
     q: &'a [T],
     k: &'a [T],
     v: &'a [T],
-    /// q, k, v as bf16, and v packed in key pairs: present when the bf16 dot-product path runs.
-    bf: Option<(&'a [bf16], &'a [bf16], &'a [bf16])>,
+    /// q, k, v as bf16 sources, and v packed in key pairs: present when the bf16 dot-product
+    /// path runs.
+    bf: Option<(S, S, S)>,
     packed_v: Option<PackedV>,
     /// k as pairs (`[cols][d2]` per key block), when the bf16 path runs and key blocks are
     /// revisited ([`key_blocks_revisited`]); else each visit copies its tile.
@@ -545,9 +624,9 @@ fn clear_unused_rows<T: Element>(p: &Params, out: &mut [T], lse: &mut [f32]) {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn forward_block<T: Element>(
+fn forward_block<T: Element, S: Bf16Source>(
     p: &Params,
-    inp: &Inputs<T>,
+    inp: &Inputs<T, S>,
     item: WorkItem,
     bs: BlockSizes,
     scr: &mut Scratch,

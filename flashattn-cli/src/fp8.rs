@@ -1,0 +1,170 @@
+//! `flashattn run` on FP8 inputs: q, k and v stored as F8_E4M3 or F8_E5M2, with optional
+//! descale factors (forward only; `out` is BF16).
+
+use crate::cuda::Device;
+use crate::error::{fail, Result};
+use crate::run::{write_atomically, RunArgs};
+use crate::st_io;
+use crate::threads::with_threads;
+use flashattn::fp8::{self, Descale, Fp8Slice, Fp8TensorRef, F8E4M3, F8E5M2};
+use flashattn::AttnOptions;
+use safetensors::tensor::TensorView;
+use safetensors::Dtype;
+use std::path::Path;
+
+/// The tensor names of an FP8 input file.
+pub const ACCEPTED: [&str; 9] = [
+    "q",
+    "k",
+    "v",
+    "q_descale",
+    "k_descale",
+    "v_descale",
+    "alibi_slopes",
+    "cu_seqlens_q",
+    "cu_seqlens_k",
+];
+
+/// Whether the file's `q` is FP8 (then `run` takes this path).
+pub fn is_fp8_file(path: &Path) -> bool {
+    st_io::header(path)
+        .and_then(|m| {
+            let dtype = m.get("q")?.get("dtype")?.as_str()?.to_owned();
+            Some(dtype == "F8_E4M3" || dtype == "F8_E5M2")
+        })
+        .unwrap_or(false)
+}
+
+/// An FP8 tensor read from the file, contiguous.
+enum Fp8Buf {
+    E4M3(Vec<F8E4M3>),
+    E5M2(Vec<F8E5M2>),
+}
+
+struct Fp8Loaded {
+    buf: Fp8Buf,
+    shape: Vec<usize>,
+}
+
+impl Fp8Loaded {
+    fn view(&self) -> Fp8TensorRef<'_> {
+        let data = match &self.buf {
+            Fp8Buf::E4M3(d) => Fp8Slice::E4M3(d),
+            Fp8Buf::E5M2(d) => Fp8Slice::E5M2(d),
+        };
+        let strides = flashattn::tensor::contiguous_strides(&self.shape);
+        Fp8TensorRef::from_slice(data, &self.shape, &strides)
+    }
+}
+
+fn decode_fp8(name: &str, t: &TensorView) -> Result<Fp8Loaded> {
+    let bytes = t.data();
+    let buf = match t.dtype() {
+        Dtype::F8_E4M3 => Fp8Buf::E4M3(bytes.iter().map(|&b| F8E4M3::from_bits(b)).collect()),
+        Dtype::F8_E5M2 => Fp8Buf::E5M2(bytes.iter().map(|&b| F8E5M2::from_bits(b)).collect()),
+        other => {
+            return fail(format!(
+                "tensor `{name}` has dtype {other:?}, but `q` is FP8: q, k and v must all be \
+                 F8_E4M3 or all F8_E5M2"
+            ))
+        }
+    };
+    Ok(Fp8Loaded {
+        buf,
+        shape: t.shape().to_vec(),
+    })
+}
+
+/// A descale tensor: F32, any shape; its element count (1, or batch · heads_kv) is checked by
+/// the library.
+fn decode_descale(name: &str, t: &TensorView) -> Result<Vec<f32>> {
+    if t.dtype() != Dtype::F32 {
+        return fail(format!(
+            "tensor `{name}` has dtype {:?}, expected F32",
+            t.dtype()
+        ));
+    }
+    Ok(t.data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+pub fn run(args: &RunArgs) -> Result<()> {
+    if args.device == Device::Cuda {
+        return fail(
+            "FP8 inputs run on the CPU only: the CUDA backend has no FP8 kernels yet (drop \
+             --device cuda)",
+        );
+    }
+    let shown = args.input.display();
+    let bytes = st_io::read(&args.input)?;
+    let st = st_io::parse(
+        &bytes,
+        &shown,
+        &ACCEPTED,
+        " in an FP8 file (FP8 inputs have a forward pass only, so no dout)",
+    )?;
+    let get = |name: &str| st_io::tensor(&st, name, &shown);
+    let required = |name: &str| -> Result<Fp8Loaded> {
+        match get(name)? {
+            Some(t) => decode_fp8(name, &t),
+            None => fail(format!(
+                "{shown}: missing tensor `{name}` (q, k and v are required)"
+            )),
+        }
+    };
+    let (q, k, v) = (required("q")?, required("k")?, required("v")?);
+    let descale = |name: &str| -> Result<Option<Vec<f32>>> {
+        get(name)?.map(|t| decode_descale(name, &t)).transpose()
+    };
+    let (dq, dk, dv) = (
+        descale("q_descale")?,
+        descale("k_descale")?,
+        descale("v_descale")?,
+    );
+    let alibi = match get("alibi_slopes")? {
+        Some(t) if t.dtype() != Dtype::F32 => {
+            return fail(format!(
+                "tensor `alibi_slopes` has dtype {:?}, expected F32",
+                t.dtype()
+            ))
+        }
+        Some(t) => Some(st_io::decode_float("alibi_slopes", &t)?),
+        None => None,
+    };
+    let cu =
+        match (get("cu_seqlens_q")?, get("cu_seqlens_k")?) {
+            (Some(cq), Some(ck)) => Some((
+                st_io::decode_i32("cu_seqlens_q", &cq)?,
+                st_io::decode_i32("cu_seqlens_k", &ck)?,
+            )),
+            (None, None) => None,
+            _ => return fail(
+                "the packed layout needs both `cu_seqlens_q` and `cu_seqlens_k`, the file has one",
+            ),
+        };
+    let opts = AttnOptions {
+        softmax_scale: args.scale,
+        causal: args.causal,
+        window: (args.window_left, args.window_right),
+        softcap: args.softcap,
+        alibi_slopes: alibi.as_ref().map(|a| a.view()),
+        dropout_p: args.dropout,
+        seed: args.seed,
+        isa: None,
+    };
+    let d = Descale {
+        q: dq.as_deref(),
+        k: dk.as_deref(),
+        v: dv.as_deref(),
+    };
+    let (qv, kv, vv) = (q.view(), k.view(), v.view());
+    write_atomically(&args.output, || {
+        let res = with_threads(args.threads, || match &cu {
+            Some((cq, ck)) => fp8::flash_attn_varlen_fp8(&qv, &kv, &vv, cq, ck, &d, &opts),
+            None => fp8::flash_attn_fp8(&qv, &kv, &vv, &d, &opts),
+        })??;
+        st_io::serialize(&res, None)
+    })
+}
