@@ -12,7 +12,8 @@ Defaults (issue 4's targets): 2 threads, batch 1, 16 heads, head_dim 64 and 128,
 512..8192, f32 and bf16, non-causal and causal, forward. `--backward` times forward+backward
 instead, `--both-passes` both (`--backward-max-seqlen N` limits forward+backward to lengths up
 to N: it costs 3.5x the forward's FLOPs). Restrict with `--dtype`, `--head-dim`, `--seqlen` (comma lists),
-`--causal-only` / `--no-causal`.
+`--causal-only` / `--no-causal`. `--dtype e4m3` or `e5m2` times FP8 inputs (forward only): torch's
+CPU SDPA does not take FP8 tensors, so its side is "dequantise to bf16, then SDPA", timed together.
 
 How it measures. For each shape, `--rounds` rounds alternate a flashattn run and a torch run, so
 both see the same machine conditions; each run is a warm-up call and then timed repeats until
@@ -241,17 +242,32 @@ def flashattn_run(binary: Path, shape: dict, args: argparse.Namespace, naive: bo
     return [l for l in lines if l.get("kind", "measurement") == "measurement"]
 
 
+# FP8 formats: torch dtype, largest finite value, the descale factor both sides use (a power of two
+# taking the max to 1.75, so the dequantised values are exact in bf16).
+FP8 = {"e4m3": ("float8_e4m3fn", 448.0, 2.0**-8), "e5m2": ("float8_e5m2", 57344.0, 2.0**-15)}
+
+
 class TorchCase:
     """Inputs of one shape in torch's layout, kept across rounds."""
 
     def __init__(self, torch, shape: dict):
         self.torch = torch
         self.F = torch.nn.functional
-        dt = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[shape["dtype"]]
         b, h, n, d = shape["batch"], shape["heads"], shape["seqlen"], shape["head_dim"]
         g = torch.Generator().manual_seed(0)
-        # Uniform in [-1, 1), like `flashattn bench`'s inputs.
-        mk = lambda: (torch.rand(b, h, n, d, generator=g) * 2 - 1).to(dt)
+        self.fp8 = shape["dtype"] in FP8
+        if self.fp8:
+            # FP8 over the format's range with a power-of-two descale factor, like `flashattn
+            # bench --dtype e4m3|e5m2`. Torch's CPU SDPA rejects FP8 tensors (2.15: "not
+            # implemented for 'Float8_e4m3fn'"), so each call dequantises to bf16 first, as a
+            # user would, and that conversion is timed with it.
+            dt8, fmax, self.descale = FP8[shape["dtype"]]
+            dt8 = getattr(torch, dt8)
+            mk = lambda: ((torch.rand(b, h, n, d, generator=g) * 2 - 1) * fmax).to(dt8)
+        else:
+            dt = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[shape["dtype"]]
+            # Uniform in [-1, 1), like `flashattn bench`'s inputs.
+            mk = lambda: (torch.rand(b, h, n, d, generator=g) * 2 - 1).to(dt)
         self.causal = shape["causal"]
         self.backward = shape["pass"] == "fwd+bwd"
         self.q, self.k, self.v = mk(), mk(), mk()
@@ -266,6 +282,11 @@ class TorchCase:
                 t.grad = None
             out = self.F.scaled_dot_product_attention(self.q, self.k, self.v, is_causal=self.causal)
             out.backward(self.dout)
+        elif self.fp8:
+            with self.torch.inference_mode():
+                bf, s = self.torch.bfloat16, self.descale
+                q, k, v = (t.to(bf) * s for t in (self.q, self.k, self.v))
+                self.F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         else:
             with self.torch.inference_mode():
                 self.F.scaled_dot_product_attention(self.q, self.k, self.v, is_causal=self.causal)
@@ -312,7 +333,7 @@ def wait_quiet(limit_s: float, threshold: float) -> float:
 
 def peak_for(machine: dict, dtype: str) -> float | None:
     """The peak a dtype's GFLOP/s are compared with: bf16 dot products when the kernels use them."""
-    if dtype == "bf16" and "+bf16" in (machine.get("isa") or "") and machine.get("peak_bf16_gflops"):
+    if dtype in ("bf16", *FP8) and "+bf16" in (machine.get("isa") or "") and machine.get("peak_bf16_gflops"):
         return machine["peak_bf16_gflops"]
     return machine.get("peak_f32_gflops")
 
@@ -332,7 +353,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=None, help="default 16 (4 with --quick)")
     p.add_argument("--head-dim", type=ints, default=None, help="comma list; default 64,128")
     p.add_argument("--seqlen", type=ints, default=None, help="comma list; default 512,...,8192")
-    p.add_argument("--dtype", type=strs, default=None, help="comma list of f32,bf16,f16; default f32,bf16")
+    p.add_argument("--dtype", type=strs, default=None,
+                   help="comma list of f32,bf16,f16,e4m3,e5m2; default f32,bf16 (e4m3/e5m2: FP8 "
+                        "inputs, forward only; torch dequantises them to bf16 in each call)")
     mask = p.add_mutually_exclusive_group()
     mask.add_argument("--causal-only", action="store_true")
     mask.add_argument("--no-causal", action="store_true")
@@ -374,9 +397,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a.rounds = fill(a.rounds, 3, 2)
     a.min_time = fill(a.min_time, 0.3, 0.05)
     a.naive_max_seqlen = fill(a.naive_max_seqlen, 4096, 512)
-    bad = [d for d in a.dtype if d not in ("f32", "bf16", "f16")]
+    bad = [d for d in a.dtype if d not in ("f32", "bf16", "f16", *FP8)]
     if bad:
-        p.error(f"unknown --dtype {bad}; use f32, bf16, f16")
+        p.error(f"unknown --dtype {bad}; use f32, bf16, f16, e4m3, e5m2")
+    if (a.backward or a.both_passes) and any(d in FP8 for d in a.dtype):
+        p.error("FP8 (e4m3, e5m2) has a forward pass only")
     if a.threads < 1 or a.rounds < 1 or a.batch < 1 or a.heads < 1 or a.min_time < 0:
         p.error("--threads, --rounds, --batch, --heads must be >= 1 and --min-time >= 0")
     if not a.seqlen or min(a.seqlen) < 1 or not a.head_dim or min(a.head_dim) < 1:

@@ -13,6 +13,23 @@
 //! Forward only: there is no FP8 backward (FlashAttention-3 has none either). Every other forward
 //! option applies (causal, window, softcap, ALiBi, MQA/GQA, packed sequences, dropout). Working
 //! memory is the bf16 forward's (without a bf16 dot product, plus bf16 copies of q, k and v).
+//!
+//! ```
+//! use flashattn::fp8::{flash_attn_fp8, Descale, Fp8TensorRef, F8E4M3};
+//! use flashattn::AttnOptions;
+//! let (b, n, h, hk, d) = (1, 5, 4, 2, 16);
+//! // Values quantised with a per-tensor scale: x ≈ fp8 · 0.01.
+//! let q: Vec<F8E4M3> = (0..b * n * h * d).map(|i| F8E4M3::from_f32((i % 7) as f32 * 30.0)).collect();
+//! let kv: Vec<F8E4M3> = (0..b * n * hk * d).map(|i| F8E4M3::from_f32((i % 5) as f32 - 2.0)).collect();
+//! let (q, kv) = (
+//!     Fp8TensorRef::contiguous(&q, &[b, n, h, d]),
+//!     Fp8TensorRef::contiguous(&kv, &[b, n, hk, d]),
+//! );
+//! let descale = Descale::default().q(&[0.01]).k(&[0.02]).v(&[0.5]);
+//! let res = flash_attn_fp8(&q, &kv, &kv, &descale, &AttnOptions::default().causal(true)).unwrap();
+//! assert_eq!(res.out.dtype(), flashattn::DType::BF16);
+//! assert_eq!(res.lse.shape(), &[b, h, n]);
+//! ```
 
 use crate::cpu::forward::{forward_fp8, Fp8Source};
 use crate::error::{ErrorKind, Result, TensorName};
