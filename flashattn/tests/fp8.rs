@@ -61,6 +61,8 @@ struct Case {
     huge: bool,
     /// q padded between heads and k stored head-major (`[b, heads_kv, s, d]`), as strided views.
     strided: bool,
+    /// Dropout probability (seed = the case's seed).
+    dropout: f32,
     seed: u64,
 }
 
@@ -88,6 +90,7 @@ impl Case {
             per_head: true,
             huge: false,
             strided: false,
+            dropout: 0.0,
             seed: 1,
         }
     }
@@ -257,6 +260,9 @@ impl Built {
         if c.alibi {
             o = o.alibi_slopes(TensorRef::contiguous(&self.slopes, &[c.heads]));
         }
+        if c.dropout > 0.0 {
+            o = o.dropout(c.dropout, c.seed);
+        }
         o
     }
 
@@ -371,6 +377,10 @@ fn cases(format: Fp8Format) -> Vec<Case> {
     // Strided views (q padded between heads, k head-major).
     let mut c = Case::new(format, 2, 45, 61, (4, 2), 48);
     (c.strided, c.seed) = (true, 8);
+    out.push(c);
+    // Dropout (the CPU path's Philox mask, which the reference regenerates), with GQA.
+    let mut c = Case::new(format, 2, 40, 57, (6, 2), 64);
+    (c.dropout, c.causal, c.seed) = (0.2, true, 12);
     out.push(c);
     // Packed sequences (an empty one included), causal and plain.
     for (i, causal) in [false, true].into_iter().enumerate() {
