@@ -133,16 +133,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let cu_q = index("cu_seqlens_q", 1, "[batch + 1]")?;
     let cu_new = index("cu_seqlens_k_new", 1, "[batch + 1]")?;
 
-    let mut opts = KvCacheOptions::default().attn(AttnOptions {
-        softmax_scale: args.scale,
-        causal: args.causal,
-        window: (args.window_left, args.window_right),
-        softcap: args.softcap,
-        alibi_slopes: alibi.as_ref().map(|a| a.view()),
-        dropout_p: args.dropout,
-        seed: args.seed,
-        isa: None,
-    });
+    let mut opts = KvCacheOptions::default().attn(args.attn_options(alibi.as_ref()));
     opts.num_splits = args.num_splits;
     match (&k_new, &v_new) {
         (Some(k), Some(v)) => opts = opts.new_kv(k.view(), v.view()),

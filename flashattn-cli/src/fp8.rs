@@ -7,7 +7,6 @@ use crate::run::{write_atomically, RunArgs};
 use crate::st_io;
 use crate::threads::with_threads;
 use flashattn::fp8::{self, Descale, Fp8Slice, Fp8TensorRef, F8E4M3, F8E5M2};
-use flashattn::AttnOptions;
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use std::path::Path;
@@ -123,16 +122,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         descale("k_descale")?,
         descale("v_descale")?,
     );
-    let alibi = match get("alibi_slopes")? {
-        Some(t) if t.dtype() != Dtype::F32 => {
-            return fail(format!(
-                "tensor `alibi_slopes` has dtype {:?}, expected F32",
-                t.dtype()
-            ))
-        }
-        Some(t) => Some(st_io::decode_float("alibi_slopes", &t)?),
-        None => None,
-    };
+    let alibi = st_io::decode_alibi(get("alibi_slopes")?)?;
     let cu =
         match (get("cu_seqlens_q")?, get("cu_seqlens_k")?) {
             (Some(cq), Some(ck)) => Some((
@@ -144,16 +134,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
                 "the packed layout needs both `cu_seqlens_q` and `cu_seqlens_k`, the file has one",
             ),
         };
-    let opts = AttnOptions {
-        softmax_scale: args.scale,
-        causal: args.causal,
-        window: (args.window_left, args.window_right),
-        softcap: args.softcap,
-        alibi_slopes: alibi.as_ref().map(|a| a.view()),
-        dropout_p: args.dropout,
-        seed: args.seed,
-        isa: None,
-    };
+    let opts = args.attn_options(alibi.as_ref());
     let d = Descale {
         q: dq.as_deref(),
         k: dk.as_deref(),

@@ -64,6 +64,22 @@ pub struct RunArgs {
     pub device: Device,
 }
 
+impl RunArgs {
+    /// The attention options these flags ask for, with the file's ALiBi slopes.
+    pub fn attn_options<'a>(&self, alibi_slopes: Option<&'a st_io::Loaded>) -> AttnOptions<'a> {
+        AttnOptions {
+            softmax_scale: self.scale,
+            causal: self.causal,
+            window: (self.window_left, self.window_right),
+            softcap: self.softcap,
+            alibi_slopes: alibi_slopes.map(|a| a.view()),
+            dropout_p: self.dropout,
+            seed: self.seed,
+            isa: None,
+        }
+    }
+}
+
 pub fn run(args: &RunArgs) -> Result<()> {
     if crate::decode::is_kvcache_file(&args.input) {
         return crate::decode::run(args);
@@ -111,16 +127,7 @@ pub fn write_atomically(output: &Path, produce: impl FnOnce() -> Result<Vec<u8>>
 
 /// Forward, and backward when the file holds `dout`.
 fn compute(inputs: &st_io::Inputs, args: &RunArgs) -> Result<(AttnOutput, Option<AttnGrads>)> {
-    let opts = AttnOptions {
-        softmax_scale: args.scale,
-        causal: args.causal,
-        window: (args.window_left, args.window_right),
-        softcap: args.softcap,
-        alibi_slopes: inputs.alibi_slopes.as_ref().map(|a| a.view()),
-        dropout_p: args.dropout,
-        seed: args.seed,
-        isa: None,
-    };
+    let opts = args.attn_options(inputs.alibi_slopes.as_ref());
     let (q, k, v) = (inputs.q.view(), inputs.k.view(), inputs.v.view());
     let dout = inputs.dout.as_ref().map(|t| t.view());
     if args.device == Device::Cuda {

@@ -96,6 +96,18 @@ pub fn decode_float(name: &str, t: &TensorView) -> Result<Loaded> {
     })
 }
 
+/// The ALiBi slopes of a file, which must be F32 (their shape is the library's to check).
+pub fn decode_alibi(t: Option<TensorView>) -> Result<Option<Loaded>> {
+    match t {
+        Some(t) if t.dtype() != Dtype::F32 => fail(format!(
+            "tensor `alibi_slopes` has dtype {:?}, expected F32",
+            t.dtype()
+        )),
+        Some(t) => Ok(Some(decode_float("alibi_slopes", &t)?)),
+        None => Ok(None),
+    }
+}
+
 pub fn decode_i32(name: &str, t: &TensorView) -> Result<Vec<i32>> {
     if t.dtype() != Dtype::I32 {
         return fail(format!(
@@ -156,16 +168,7 @@ pub fn load(path: &Path) -> Result<Inputs> {
             ));
         }
     }
-    let alibi_slopes = match get("alibi_slopes")? {
-        Some(t) if t.dtype() != Dtype::F32 => {
-            return fail(format!(
-                "tensor `alibi_slopes` has dtype {:?}, expected F32",
-                t.dtype()
-            ))
-        }
-        Some(t) => Some(decode_float("alibi_slopes", &t)?),
-        None => None,
-    };
+    let alibi_slopes = decode_alibi(get("alibi_slopes")?)?;
     let cu_seqlens = match (get("cu_seqlens_q")?, get("cu_seqlens_k")?) {
         (Some(cq), Some(ck)) => Some((
             decode_i32("cu_seqlens_q", &cq)?,
