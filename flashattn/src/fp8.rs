@@ -31,7 +31,7 @@
 //! assert_eq!(res.lse.shape(), &[b, h, n]);
 //! ```
 
-use crate::cpu::forward::{forward_fp8, Fp8Source};
+use crate::cpu::forward::{forward_fp8, Bf16Source, Fp8Source};
 use crate::error::{ErrorKind, Result, TensorName};
 use crate::params::{self, Descales, Params};
 use crate::tensor::{contiguous_strides, Buffer, DType, Tensor, TensorRef, ViewDesc};
@@ -369,11 +369,14 @@ fn check_descale(d: &Descale, p: &Params) -> Result<Descales> {
 /// The view's elements widened to bf16 (exact), contiguous row-major. The view was validated:
 /// every element it addresses lies in its buffer and its last dimension is contiguous.
 fn widen(t: &Fp8TensorRef) -> Vec<bf16> {
-    let table = t.format().bf16_table();
+    let src = source(t);
     let (outer, strides) = (&t.shape()[..t.shape().len() - 1], t.strides());
     let d = *t.shape().last().expect("validated rank");
     let rows: usize = outer.iter().product();
     let mut out = vec![bf16::ZERO; rows * d];
+    if d == 0 {
+        return out;
+    }
     // Element offset of row r (an index over all dimensions but the last).
     let row_offset = |mut r: usize| {
         let mut at = 0;
@@ -383,31 +386,16 @@ fn widen(t: &Fp8TensorRef) -> Vec<bf16> {
         }
         at
     };
-    fn fill<T: Copy + Sync>(
-        out: &mut [bf16],
-        d: usize,
-        src: &[T],
-        bits: fn(T) -> u8,
-        table: &[bf16; 256],
-        row_offset: impl Fn(usize) -> usize + Sync,
-    ) {
-        out.par_chunks_mut(d.max(1) * 256)
-            .enumerate()
-            .for_each(|(chunk, rows)| {
-                for (i, row) in rows.chunks_mut(d.max(1)).enumerate() {
-                    let at = row_offset(chunk * 256 + i);
-                    for (o, &x) in row.iter_mut().zip(&src[at..at + d]) {
-                        *o = table[bits(x) as usize];
-                    }
+    out.par_chunks_mut(d * 256)
+        .enumerate()
+        .for_each(|(chunk, rows)| {
+            for (i, row) in rows.chunks_mut(d).enumerate() {
+                let at = row_offset(chunk * 256 + i);
+                for (x, o) in row.iter_mut().enumerate() {
+                    *o = bf16::from_bits(src.bits(at + x));
                 }
-            });
-    }
-    if d > 0 && rows > 0 {
-        match t.data() {
-            Fp8Slice::E4M3(src) => fill(&mut out, d, src, |x| x.to_bits(), table, row_offset),
-            Fp8Slice::E5M2(src) => fill(&mut out, d, src, |x| x.to_bits(), table, row_offset),
-        }
-    }
+            }
+        });
     out
 }
 

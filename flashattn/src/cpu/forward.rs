@@ -199,17 +199,24 @@ pub(crate) trait Bf16Source: Copy + Sync {
     /// The bf16 bits of element `i`.
     fn bits(&self, i: usize) -> u16;
 
-    /// Elements `at..at + d` as pairs: `dst[xp]` = `(e[2xp], e[2xp + 1])`, the high half of the
-    /// last pair 0 when d is odd (`dst.len() = d.div_ceil(2)`).
+    /// Pair `xp` of the row of `d` elements at `at`: `(e[2xp], e[2xp + 1])`, the high half 0
+    /// past the end (the last pair of an odd d).
+    #[inline(always)]
+    fn pair(&self, at: usize, xp: usize, d: usize) -> u32 {
+        let hi = if 2 * xp + 1 < d {
+            self.bits(at + 2 * xp + 1)
+        } else {
+            0
+        };
+        self.bits(at + 2 * xp) as u32 | (hi as u32) << 16
+    }
+
+    /// Elements `at..at + d` as pairs: `dst[xp]` = [`Bf16Source::pair`] `xp`
+    /// (`dst.len() = d.div_ceil(2)`).
     #[inline]
     fn row_pairs(&self, at: usize, d: usize, dst: &mut [u32]) {
         for (xp, out) in dst.iter_mut().enumerate() {
-            let hi = if 2 * xp + 1 < d {
-                self.bits(at + 2 * xp + 1)
-            } else {
-                0
-            };
-            *out = self.bits(at + 2 * xp) as u32 | (hi as u32) << 16;
+            *out = self.pair(at, xp, d);
         }
     }
 }
@@ -287,12 +294,7 @@ pub(crate) fn load_pairs_t<S: Bf16Source>(
     for r in 0..rows {
         let at = base + r * row_stride;
         for xp in 0..d2 {
-            let hi = if 2 * xp + 1 < d {
-                src.bits(at + 2 * xp + 1)
-            } else {
-                0
-            };
-            dst[xp * np + r] = src.bits(at + 2 * xp) as u32 | (hi as u32) << 16;
+            dst[xp * np + r] = src.pair(at, xp, d);
         }
     }
     for xp in 0..d2 {
