@@ -2,6 +2,7 @@
 
 use crate::alloc;
 use crate::error::{fail, CliError, Result};
+use crate::fp8::Fp8Buf;
 use crate::peak::{self, Peak};
 use crate::threads::with_threads;
 use flashattn::fp8::{self, Fp8Format};
@@ -343,48 +344,24 @@ pub fn mem_available() -> Option<u64> {
 }
 
 /// Random FP8 values over the format's range.
-enum Fp8Data {
-    E4M3(Vec<fp8::F8E4M3>),
-    E5M2(Vec<fp8::F8E5M2>),
+fn random_fp8(rng: &mut ChaCha8Rng, format: Fp8Format, n: usize) -> Fp8Buf {
+    let max = format.max();
+    Fp8Buf::quantize(format, (0..n).map(|_| rng.gen_range(-max..max)))
 }
 
-impl Fp8Data {
-    fn random(rng: &mut ChaCha8Rng, format: Fp8Format, n: usize) -> Self {
-        let max = format.max();
-        let mut x = (0..n).map(|_| rng.gen_range(-max..max));
-        match format {
-            Fp8Format::E4M3 => Fp8Data::E4M3(x.by_ref().map(fp8::F8E4M3::from_f32).collect()),
-            Fp8Format::E5M2 => Fp8Data::E5M2(x.by_ref().map(fp8::F8E5M2::from_f32).collect()),
-        }
-    }
-    fn format(&self) -> Fp8Format {
-        match self {
-            Fp8Data::E4M3(_) => Fp8Format::E4M3,
-            Fp8Data::E5M2(_) => Fp8Format::E5M2,
-        }
-    }
-    /// A power of two that takes the format's max to 1.75: dequantised values lie in
-    /// [-1.75, 1.75] and are exact in bf16.
-    fn descale(format: Fp8Format) -> [f32; 1] {
-        [match format {
-            Fp8Format::E4M3 => 2f32.powi(-8),
-            Fp8Format::E5M2 => 2f32.powi(-15),
-        }]
-    }
-    fn dequantized(&self) -> Buffer {
-        let s = Self::descale(self.format())[0];
-        let deq = |x: f32| bf16::from_f32(x * s);
-        Buffer::BF16(match self {
-            Fp8Data::E4M3(d) => d.iter().map(|x| deq(x.to_f32())).collect(),
-            Fp8Data::E5M2(d) => d.iter().map(|x| deq(x.to_f32())).collect(),
-        })
-    }
-    fn view(&self, shape: &[usize]) -> fp8::Fp8TensorRef<'_> {
-        match self {
-            Fp8Data::E4M3(d) => fp8::Fp8TensorRef::contiguous(d, shape),
-            Fp8Data::E5M2(d) => fp8::Fp8TensorRef::contiguous(d, shape),
-        }
-    }
+/// A power of two that takes the format's max to 1.75: dequantised values lie in [-1.75, 1.75]
+/// and are exact in bf16.
+fn fp8_descale(format: Fp8Format) -> [f32; 1] {
+    [match format {
+        Fp8Format::E4M3 => 2f32.powi(-8),
+        Fp8Format::E5M2 => 2f32.powi(-15),
+    }]
+}
+
+/// The dequantised values, in bf16 (exact).
+fn dequantized(x: &Fp8Buf) -> Buffer {
+    let s = fp8_descale(x.format())[0];
+    Buffer::BF16(x.to_f32().iter().map(|&v| bf16::from_f32(v * s)).collect())
 }
 
 pub fn random_buffer(rng: &mut ChaCha8Rng, n: usize, dtype: DType) -> Buffer {
@@ -705,14 +682,14 @@ fn bench_in_pool(args: &BenchArgs, cases: &[(usize, usize)]) -> Result<()> {
         let fp8_inputs = fp8.map(|f| {
             let n = |s: &[usize; 4]| s.iter().product::<usize>();
             let (q, k, v) = (
-                Fp8Data::random(&mut rng, f, n(&q_shape)),
-                Fp8Data::random(&mut rng, f, n(&kv_shape)),
-                Fp8Data::random(&mut rng, f, n(&kv_shape)),
+                random_fp8(&mut rng, f, n(&q_shape)),
+                random_fp8(&mut rng, f, n(&kv_shape)),
+                random_fp8(&mut rng, f, n(&kv_shape)),
             );
             (q, k, v)
         });
         let (qb, kb, vb) = match &fp8_inputs {
-            Some((q, k, v)) => (q.dequantized(), k.dequantized(), v.dequantized()),
+            Some((q, k, v)) => (dequantized(q), dequantized(k), dequantized(v)),
             None => (
                 random_buffer(&mut rng, q_shape.iter().product(), dtype),
                 random_buffer(&mut rng, kv_shape.iter().product(), dtype),
@@ -765,7 +742,7 @@ fn bench_in_pool(args: &BenchArgs, cases: &[(usize, usize)]) -> Result<()> {
         // timing); the accuracy column still checks the forward's out.
         let flash = measure(args.min_time, || {
             if let Some((q8, k8, v8)) = &fp8_inputs {
-                let d = Fp8Data::descale(q8.format());
+                let d = fp8_descale(q8.format());
                 let descale = fp8::Descale::default().q(&d).k(&d).v(&d);
                 return fp8::flash_attn_fp8(
                     &q8.view(&q_shape),

@@ -6,7 +6,7 @@ use crate::error::{fail, Result};
 use crate::run::{write_atomically, RunArgs};
 use crate::st_io;
 use crate::threads::with_threads;
-use flashattn::fp8::{self, Descale, Fp8Slice, Fp8TensorRef, F8E4M3, F8E5M2};
+use flashattn::fp8::{self, Descale, Fp8Format, Fp8TensorRef, F8E4M3, F8E5M2};
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use std::path::Path;
@@ -34,26 +34,45 @@ pub fn is_fp8_file(path: &Path) -> bool {
         .unwrap_or(false)
 }
 
-/// An FP8 tensor read from the file, contiguous.
-enum Fp8Buf {
+/// An owned FP8 buffer (a file's tensor, or the bench's random inputs).
+pub enum Fp8Buf {
     E4M3(Vec<F8E4M3>),
     E5M2(Vec<F8E5M2>),
+}
+
+impl Fp8Buf {
+    /// `x` rounded to `format` (nearest even, saturating at its max).
+    pub fn quantize(format: Fp8Format, x: impl Iterator<Item = f32>) -> Self {
+        match format {
+            Fp8Format::E4M3 => Fp8Buf::E4M3(x.map(F8E4M3::from_f32).collect()),
+            Fp8Format::E5M2 => Fp8Buf::E5M2(x.map(F8E5M2::from_f32).collect()),
+        }
+    }
+    pub fn format(&self) -> Fp8Format {
+        match self {
+            Fp8Buf::E4M3(_) => Fp8Format::E4M3,
+            Fp8Buf::E5M2(_) => Fp8Format::E5M2,
+        }
+    }
+    /// The values, widened (exactly) to f32.
+    pub fn to_f32(&self) -> Vec<f32> {
+        match self {
+            Fp8Buf::E4M3(d) => d.iter().map(|x| x.to_f32()).collect(),
+            Fp8Buf::E5M2(d) => d.iter().map(|x| x.to_f32()).collect(),
+        }
+    }
+    /// A contiguous view of `shape`.
+    pub fn view(&self, shape: &[usize]) -> Fp8TensorRef<'_> {
+        match self {
+            Fp8Buf::E4M3(d) => Fp8TensorRef::contiguous(d, shape),
+            Fp8Buf::E5M2(d) => Fp8TensorRef::contiguous(d, shape),
+        }
+    }
 }
 
 struct Fp8Loaded {
     buf: Fp8Buf,
     shape: Vec<usize>,
-}
-
-impl Fp8Loaded {
-    fn view(&self) -> Fp8TensorRef<'_> {
-        let data = match &self.buf {
-            Fp8Buf::E4M3(d) => Fp8Slice::E4M3(d),
-            Fp8Buf::E5M2(d) => Fp8Slice::E5M2(d),
-        };
-        let strides = flashattn::tensor::contiguous_strides(&self.shape);
-        Fp8TensorRef::from_slice(data, &self.shape, &strides)
-    }
 }
 
 fn decode_fp8(name: &str, t: &TensorView) -> Result<Fp8Loaded> {
@@ -140,7 +159,11 @@ pub fn run(args: &RunArgs) -> Result<()> {
         k: dk.as_deref(),
         v: dv.as_deref(),
     };
-    let (qv, kv, vv) = (q.view(), k.view(), v.view());
+    let (qv, kv, vv) = (
+        q.buf.view(&q.shape),
+        k.buf.view(&k.shape),
+        v.buf.view(&v.shape),
+    );
     write_atomically(&args.output, || {
         let res = with_threads(args.threads, || match &cu {
             Some((cq, ck)) => fp8::flash_attn_varlen_fp8(&qv, &kv, &vv, cq, ck, &d, &opts),
