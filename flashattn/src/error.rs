@@ -239,6 +239,18 @@ pub enum ErrorKind {
         batch: usize,
         heads_kv: usize,
     },
+    #[error(
+        "`v_cache` is fp8 {got} but `k_cache` is fp8 {expected}: the two caches share one FP8 format"
+    )]
+    Fp8CacheFormat {
+        expected: crate::fp8::Fp8Format,
+        got: crate::fp8::Fp8Format,
+    },
+    #[error(
+        "`{tensor}` was given, but that tensor is not FP8 in this call (only the caches are): \
+         leave it unset"
+    )]
+    DescaleUnused { tensor: TensorName },
     #[error("`{tensor}`[{index}] = {value} is invalid: a descale factor must be finite and > 0")]
     DescaleValue {
         tensor: TensorName,

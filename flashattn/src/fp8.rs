@@ -34,8 +34,8 @@
 use crate::cpu::forward::{forward_fp8, Bf16Source, Fp8Source};
 use crate::error::{ErrorKind, Result, TensorName};
 use crate::params::{self, Descales, Params};
-use crate::tensor::{contiguous_strides, Buffer, DType, Tensor, TensorRef, ViewDesc};
-use crate::{AttnOptions, AttnOutput};
+use crate::tensor::{contiguous_strides, Buffer, DType, Tensor, TensorRef, ViewDesc, ViewInfo};
+use crate::{AttnOptions, AttnOutput, KvCacheOptions};
 pub use float8::{F8E4M3, F8E5M2};
 use half::bf16;
 use rayon::prelude::*;
@@ -64,6 +64,15 @@ impl Fp8Format {
         match self {
             Fp8Format::E4M3 => 448.0,
             Fp8Format::E5M2 => 57344.0,
+        }
+    }
+
+    /// `x` rounded to nearest even in this format, saturating: finite values and infinities
+    /// beyond the largest finite value become it (CUDA's `__NV_SATFINITE`); NaN stays NaN.
+    pub fn quantise(self, x: f64) -> u8 {
+        match self {
+            Fp8Format::E4M3 => F8E4M3::from_f64(x).to_bits(),
+            Fp8Format::E5M2 => F8E5M2::from_f64(x).to_bits(),
         }
     }
 
@@ -97,6 +106,7 @@ mod sealed {
 pub trait Fp8Element: Copy + Send + Sync + sealed::Sealed + 'static {
     const FORMAT: Fp8Format;
     fn wrap(data: &[Self]) -> Fp8Slice<'_>;
+    fn wrap_mut(data: &mut [Self]) -> Fp8SliceMut<'_>;
 }
 
 impl Fp8Element for F8E4M3 {
@@ -104,12 +114,18 @@ impl Fp8Element for F8E4M3 {
     fn wrap(data: &[Self]) -> Fp8Slice<'_> {
         Fp8Slice::E4M3(data)
     }
+    fn wrap_mut(data: &mut [Self]) -> Fp8SliceMut<'_> {
+        Fp8SliceMut::E4M3(data)
+    }
 }
 
 impl Fp8Element for F8E5M2 {
     const FORMAT: Fp8Format = Fp8Format::E5M2;
     fn wrap(data: &[Self]) -> Fp8Slice<'_> {
         Fp8Slice::E5M2(data)
+    }
+    fn wrap_mut(data: &mut [Self]) -> Fp8SliceMut<'_> {
+        Fp8SliceMut::E5M2(data)
     }
 }
 
@@ -135,6 +151,85 @@ impl Fp8Slice<'_> {
     }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+/// A mutable borrowed buffer of FP8 values (a KV cache that a call appends to).
+#[derive(Debug)]
+pub enum Fp8SliceMut<'a> {
+    E4M3(&'a mut [F8E4M3]),
+    E5M2(&'a mut [F8E5M2]),
+}
+
+impl Fp8SliceMut<'_> {
+    /// A shared view of the same values.
+    pub fn as_slice(&self) -> Fp8Slice<'_> {
+        match self {
+            Fp8SliceMut::E4M3(d) => Fp8Slice::E4M3(d),
+            Fp8SliceMut::E5M2(d) => Fp8Slice::E5M2(d),
+        }
+    }
+    pub fn format(&self) -> Fp8Format {
+        self.as_slice().format()
+    }
+    /// The raw bytes (one per value).
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            Fp8SliceMut::E4M3(d) => bytemuck::cast_slice_mut(d),
+            Fp8SliceMut::E5M2(d) => bytemuck::cast_slice_mut(d),
+        }
+    }
+}
+
+/// A strided, mutable view of a caller's FP8 buffer: how FP8 `k_cache` and `v_cache` are passed
+/// to [`flash_attn_with_kvcache_fp8`], which writes appended keys and values in place.
+#[derive(Debug)]
+pub struct Fp8TensorMut<'a> {
+    data: Fp8SliceMut<'a>,
+    shape: Vec<usize>,
+    strides: Vec<usize>,
+}
+
+impl<'a> Fp8TensorMut<'a> {
+    /// A view with explicit strides (in elements). Checked when passed to a call.
+    pub fn new<T: Fp8Element>(data: &'a mut [T], shape: &[usize], strides: &[usize]) -> Self {
+        Fp8TensorMut {
+            data: T::wrap_mut(data),
+            shape: shape.to_vec(),
+            strides: strides.to_vec(),
+        }
+    }
+    /// A contiguous row-major view.
+    pub fn contiguous<T: Fp8Element>(data: &'a mut [T], shape: &[usize]) -> Self {
+        Self::new(data, shape, &contiguous_strides(shape))
+    }
+    pub fn format(&self) -> Fp8Format {
+        self.data.format()
+    }
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    pub fn strides(&self) -> &[usize] {
+        &self.strides
+    }
+    /// A read-only view of the same tensor.
+    pub fn view(&self) -> Fp8TensorRef<'_> {
+        Fp8TensorRef::from_slice(self.data.as_slice(), &self.shape, &self.strides)
+    }
+}
+
+impl ViewDesc for Fp8TensorMut<'_> {
+    fn dtype(&self) -> DType {
+        DType::BF16
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn strides(&self) -> &[usize] {
+        &self.strides
+    }
+    fn buffer_len(&self) -> usize {
+        self.data.as_slice().len()
     }
 }
 
@@ -312,48 +407,56 @@ fn check_formats(q: &Fp8TensorRef, k: &Fp8TensorRef, v: &Fp8TensorRef) -> Result
     Ok(())
 }
 
-/// Reads the three factor lists into one per (sequence, kv head), checked.
-fn check_descale(d: &Descale, p: &Params) -> Result<Descales> {
+/// One factor list, checked, as one factor per (sequence, kv head) (`None`: all 1).
+fn read_factors(tensor: TensorName, f: Option<&[f32]>, p: &Params) -> Result<Vec<f32>> {
     let (batch, heads_kv) = (p.seqs.len(), p.heads_kv);
     let n = batch * heads_kv;
-    let read = |tensor: TensorName, f: Option<&[f32]>| -> Result<Vec<f32>> {
-        let Some(f) = f else {
-            return Ok(vec![1.0; n]);
-        };
-        if f.len() != 1 && f.len() != n {
-            return Err(ErrorKind::DescaleLength {
-                tensor,
-                got: f.len(),
-                batch,
-                heads_kv,
-            }
-            .into());
-        }
-        if let Some((index, &value)) = f
-            .iter()
-            .enumerate()
-            .find(|(_, x)| !(x.is_finite() && **x > 0.0))
-        {
-            return Err(ErrorKind::DescaleValue {
-                tensor,
-                index,
-                value,
-            }
-            .into());
-        }
-        Ok((0..n)
-            .map(|i| f[if f.len() == 1 { 0 } else { i }])
-            .collect())
+    let Some(f) = f else {
+        return Ok(vec![1.0; n]);
     };
+    if f.len() != 1 && f.len() != n {
+        return Err(ErrorKind::DescaleLength {
+            tensor,
+            got: f.len(),
+            batch,
+            heads_kv,
+        }
+        .into());
+    }
+    if let Some((index, &value)) = f
+        .iter()
+        .enumerate()
+        .find(|(_, x)| !(x.is_finite() && **x > 0.0))
+    {
+        return Err(ErrorKind::DescaleValue {
+            tensor,
+            index,
+            value,
+        }
+        .into());
+    }
+    Ok((0..n)
+        .map(|i| f[if f.len() == 1 { 0 } else { i }])
+        .collect())
+}
+
+/// Reads the three factor lists into one per (sequence, kv head), checked.
+fn check_descale(d: &Descale, p: &Params) -> Result<Descales> {
     let (dq, dk, dv) = (
-        read("q_descale", d.q)?,
-        read("k_descale", d.k)?,
-        read("v_descale", d.v)?,
+        read_factors("q_descale", d.q, p)?,
+        read_factors("k_descale", d.k, p)?,
+        read_factors("v_descale", d.v, p)?,
     );
+    fold_descale(&dq, &dk, dv, p)
+}
+
+/// `softmax_scale · q_descale · k_descale` per (sequence, kv head), checked to fit f32, with the
+/// v factors.
+fn fold_descale(dq: &[f32], dk: &[f32], dv: Vec<f32>, p: &Params) -> Result<Descales> {
     let scale = p.softmax_scale as f64;
     let score_scale: Vec<f32> = dq
         .iter()
-        .zip(&dk)
+        .zip(dk)
         .map(|(&a, &b)| (scale * a as f64 * b as f64) as f32)
         .collect();
     if let Some(&bad) = score_scale.iter().find(|s| !s.is_finite()) {
@@ -397,6 +500,101 @@ fn widen(t: &Fp8TensorRef) -> Vec<bf16> {
             }
         });
     out
+}
+
+/// Decoding with FP8 KV caches: [`crate::flash_attn_with_kvcache`] where `k_cache` and `v_cache`
+/// hold FP8 values of one format (the true key is `k_fp8 · k_descale`, likewise v), as serving
+/// engines keep their caches in FP8 to halve their memory (vLLM's `kv_cache_dtype="fp8"` with
+/// `k_scale`/`v_scale`).
+///
+/// q stays in f32, f16 or bf16, and so does `out`; `opts.new_kv` (q's dtype) is appended
+/// quantised: each new key (rotated first, with `opts.rotary`) and value is divided by its
+/// descale factor and rounded once to the cache's format, saturating at its largest finite value
+/// ([`Fp8Format::quantise`]). `descale.k` and `descale.v` hold 1 or `batch · heads_kv` factors
+/// (finite, > 0; per batch row of q, whichever cache row it reads); `descale.q` must be unset.
+///
+/// The attention itself is exact in q's dtype: every FP8 value is a value of f32, f16 and bf16,
+/// so the cache's keys and values are widened without rounding (a few keys at a time, into a tile
+/// the products of the other dtypes then read), `softmax_scale · k_descale` (rounded once) scales
+/// the dot products and `v_descale` the finished rows. Every option of
+/// [`crate::flash_attn_with_kvcache`] applies (paged caches, `cache_batch_idx`, `cache_leftpad`,
+/// packed queries and new keys, split-KV, masks, softcap, ALiBi, GQA/MQA); the same validation
+/// runs first, and a rejected call leaves the caches bit-identical.
+///
+/// ```
+/// use flashattn::fp8::{flash_attn_with_kvcache_fp8, Descale, Fp8TensorMut, F8E4M3};
+/// use flashattn::{KvCacheOptions, TensorRef};
+/// let (cap, heads, heads_kv, d) = (64, 8, 2, 16);
+/// let mut k_cache = vec![F8E4M3::from_f32(0.0); cap * heads_kv * d];
+/// let mut v_cache = vec![F8E4M3::from_f32(0.0); cap * heads_kv * d];
+/// let q = vec![0.1f32; heads * d];
+/// let (k_new, v_new) = (vec![0.2f32; heads_kv * d], vec![0.3f32; heads_kv * d]);
+/// let shape = [1, cap, heads_kv, d];
+/// let res = flash_attn_with_kvcache_fp8(
+///     &TensorRef::contiguous(&q, &[1, 1, heads, d]),
+///     &mut Fp8TensorMut::contiguous(&mut k_cache, &shape),
+///     &mut Fp8TensorMut::contiguous(&mut v_cache, &shape),
+///     &[0],
+///     &Descale::default().k(&[0.01]).v(&[0.01]),
+///     &KvCacheOptions::default().new_kv(
+///         TensorRef::contiguous(&k_new, &[1, 1, heads_kv, d]),
+///         TensorRef::contiguous(&v_new, &[1, 1, heads_kv, d]),
+///     ),
+/// )?;
+/// assert_eq!(k_cache[0].to_f32(), 20.0); // 0.2 / 0.01, stored in e4m3
+/// // One key: out is its value, 20 · 0.01 = 0.2 (0.3 / 0.01 = 30 is exact in e4m3 too).
+/// assert!(res.out.to_f32_vec().iter().all(|&x| (x - 0.3).abs() < 1e-6));
+/// # Ok::<(), flashattn::Error>(())
+/// ```
+pub fn flash_attn_with_kvcache_fp8(
+    q: &TensorRef,
+    k_cache: &mut Fp8TensorMut,
+    v_cache: &mut Fp8TensorMut,
+    cache_seqlens: &[i32],
+    descale: &Descale,
+    opts: &KvCacheOptions,
+) -> Result<AttnOutput> {
+    let format = k_cache.format();
+    if v_cache.format() != format {
+        return Err(ErrorKind::Fp8CacheFormat {
+            expected: format,
+            got: v_cache.format(),
+        }
+        .into());
+    }
+    if descale.q.is_some() {
+        return Err(ErrorKind::DescaleUnused {
+            tensor: "q_descale",
+        }
+        .into());
+    }
+    // The caches are validated as if they held q's dtype (their bounds are in elements, one
+    // byte each); the new keys and values must be in q's dtype.
+    let new_kv = opts
+        .new_kv
+        .as_ref()
+        .map(|(k, v)| (ViewInfo::of(k), ViewInfo::of(v)));
+    let mut dp = crate::decode::validate(
+        &ViewInfo::of(q),
+        &ViewInfo::with_dtype(k_cache, q.dtype()),
+        &ViewInfo::with_dtype(v_cache, q.dtype()),
+        new_kv.as_ref().map(|(k, v)| (k, v)),
+        cache_seqlens,
+        opts,
+    )?;
+    let dk = read_factors("k_descale", descale.k, &dp.p)?;
+    let dv = read_factors("v_descale", descale.v, &dp.p)?;
+    let ones = vec![1.0; dk.len()];
+    dp.p.descale = Some(fold_descale(&ones, &dk, dv.clone(), &dp.p)?);
+    // Every check passed: from here on nothing fails, and the caches may be written.
+    Ok(crate::cpu::decode::run_fp8(
+        &dp,
+        q,
+        opts.new_kv.as_ref(),
+        (k_cache.data.bytes_mut(), v_cache.data.bytes_mut()),
+        format,
+        (&dk, &dv),
+    ))
 }
 
 #[cfg(test)]

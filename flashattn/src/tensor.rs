@@ -85,6 +85,8 @@ pub trait Element:
     fn wrap(data: &[Self]) -> Slice<'_>;
     fn unwrap(data: Slice<'_>) -> Option<&[Self]>;
     fn wrap_vec(data: Vec<Self>) -> Buffer;
+    /// The mutable twin of [`Element::wrap`].
+    fn wrap_mut(data: &mut [Self]) -> crate::decode::SliceMut<'_>;
     /// Widens `src` into `dst` (same length); F16C/NEON-accelerated where `half` has it.
     fn widen(src: &[Self], dst: &mut [f32]);
     /// Rounds `src` into `dst` (same length).
@@ -120,6 +122,9 @@ impl Element for f32 {
     }
     fn wrap_vec(data: Vec<Self>) -> Buffer {
         Buffer::F32(data)
+    }
+    fn wrap_mut(data: &mut [Self]) -> crate::decode::SliceMut<'_> {
+        crate::decode::SliceMut::F32(data)
     }
     #[inline]
     fn widen(src: &[Self], dst: &mut [f32]) {
@@ -162,6 +167,9 @@ macro_rules! half_element {
             }
             fn wrap_vec(data: Vec<Self>) -> Buffer {
                 Buffer::$variant(data)
+            }
+            fn wrap_mut(data: &mut [Self]) -> crate::decode::SliceMut<'_> {
+                crate::decode::SliceMut::$variant(data)
             }
             #[inline]
             fn widen(src: &[Self], dst: &mut [f32]) {
@@ -215,6 +223,47 @@ pub(crate) trait ViewDesc {
     fn strides(&self) -> &[usize];
     /// Elements in the underlying buffer.
     fn buffer_len(&self) -> usize;
+}
+
+/// A view's description alone, with the dtype validation is to see: how one validation covers a
+/// call whose tensors are of different kinds (FP8 caches beside a bf16 q).
+#[derive(Clone, Debug)]
+pub(crate) struct ViewInfo {
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub strides: Vec<usize>,
+    pub len: usize,
+}
+
+impl ViewInfo {
+    /// `v` as it is.
+    pub fn of<V: ViewDesc + ?Sized>(v: &V) -> Self {
+        Self::with_dtype(v, v.dtype())
+    }
+    /// `v`, seen as holding `dtype`.
+    pub fn with_dtype<V: ViewDesc + ?Sized>(v: &V, dtype: DType) -> Self {
+        ViewInfo {
+            dtype,
+            shape: v.shape().to_vec(),
+            strides: v.strides().to_vec(),
+            len: v.buffer_len(),
+        }
+    }
+}
+
+impl ViewDesc for ViewInfo {
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn strides(&self) -> &[usize] {
+        &self.strides
+    }
+    fn buffer_len(&self) -> usize {
+        self.len
+    }
 }
 
 impl ViewDesc for TensorRef<'_> {

@@ -13,11 +13,19 @@
 //!
 //! Then: several split counts and page sizes agree, bad input of every kind is a typed error that
 //! leaves the caches bit-identical, and `merge_attn_partials` reproduces attention over shards.
+//!
+//! FP8 caches (`flashattn::fp8::flash_attn_with_kvcache_fp8`) run through the same checks: the
+//! caches are quantised with descale factors per (sequence, kv head), appended keys must be the
+//! nearest FP8 value of the rotated key over its factor and appended values exactly the rounded
+//! value over its factor, and the reference reads the dequantised caches.
 
 mod common;
 
 use common::*;
 use flashattn::decode::SliceMut;
+use flashattn::fp8::{
+    flash_attn_with_kvcache_fp8, Descale, Fp8Element, Fp8Format, Fp8TensorMut, F8E4M3, F8E5M2,
+};
 use flashattn::naive::DotOrder;
 use flashattn::reference::Reference;
 use flashattn::simd::Isa;
@@ -71,6 +79,9 @@ struct DCase {
     isa: Option<Isa>,
     dist: Dist,
     seed: u64,
+    /// FP8 caches of this format (`flash_attn_with_kvcache_fp8`), with descale factors per
+    /// (sequence, kv head); q, the new keys and out stay in `dtype`.
+    fp8: Option<Fp8Format>,
 }
 
 impl Default for DCase {
@@ -95,6 +106,7 @@ impl Default for DCase {
             isa: None,
             dist: Dist::Uniform,
             seed: 0,
+            fp8: None,
         }
     }
 }
@@ -291,6 +303,87 @@ struct Built {
     cos_sin: Option<(Vec<f32>, Vec<f32>)>,
     seqlen_ro: usize,
     leftpad: Option<Vec<i32>>,
+    /// FP8 cases: the caches' bytes (`k_cache`/`v_cache` then hold their raw values, without
+    /// the descale, as f32) and the descale factors per (sequence, kv head).
+    fp8: Option<Fp8Caches>,
+}
+
+struct Fp8Caches {
+    format: Fp8Format,
+    k: Vec<u8>,
+    v: Vec<u8>,
+    k_descale: Vec<f32>,
+    v_descale: Vec<f32>,
+}
+
+/// The raw values of FP8 bytes, as f32 (exact).
+fn fp8_values(bytes: &[u8], format: Fp8Format) -> Buffer {
+    Buffer::F32(
+        bytes
+            .iter()
+            .map(|&b| match format {
+                Fp8Format::E4M3 => F8E4M3::from_bits(b).to_f32(),
+                Fp8Format::E5M2 => F8E5M2::from_bits(b).to_f32(),
+            })
+            .collect(),
+    )
+}
+
+/// An FP8 type's conversions from and to its bits.
+type BitsOf<E> = (fn(u8) -> E, fn(E) -> u8);
+
+/// A call on FP8 caches given as bytes of `format`; the bytes are updated in place.
+fn call_fp8(
+    q: &TensorRef,
+    (k, v): (&mut [u8], &mut [u8]),
+    (format, map): (Fp8Format, &CacheMap),
+    lens: &[i32],
+    descale: &Descale,
+    opts: &KvCacheOptions,
+) -> flashattn::Result<AttnOutput> {
+    fn typed<E: Fp8Element>(
+        q: &TensorRef,
+        (k, v): (&mut [u8], &mut [u8]),
+        map: &CacheMap,
+        lens: &[i32],
+        descale: &Descale,
+        opts: &KvCacheOptions,
+        (from, to): BitsOf<E>,
+    ) -> flashattn::Result<AttnOutput> {
+        let mut kt: Vec<E> = k.iter().map(|&b| from(b)).collect();
+        let mut vt: Vec<E> = v.iter().map(|&b| from(b)).collect();
+        let res = flash_attn_with_kvcache_fp8(
+            q,
+            &mut Fp8TensorMut::new(&mut kt, &map.shape, &map.strides),
+            &mut Fp8TensorMut::new(&mut vt, &map.shape, &map.strides),
+            lens,
+            descale,
+            opts,
+        );
+        k.iter_mut().zip(&kt).for_each(|(o, &x)| *o = to(x));
+        v.iter_mut().zip(&vt).for_each(|(o, &x)| *o = to(x));
+        res
+    }
+    match format {
+        Fp8Format::E4M3 => typed(
+            q,
+            (k, v),
+            map,
+            lens,
+            descale,
+            opts,
+            (F8E4M3::from_bits, |x| x.to_bits()),
+        ),
+        Fp8Format::E5M2 => typed(
+            q,
+            (k, v),
+            map,
+            lens,
+            descale,
+            opts,
+            (F8E5M2::from_bits, |x| x.to_bits()),
+        ),
+    }
 }
 
 fn build(c: &DCase) -> Built {
@@ -329,14 +422,54 @@ fn build(c: &DCase) -> Built {
     };
     let k_new = new(&mut rng, scale_qk, c.dist);
     let v_new = new(&mut rng, 1.0, Dist::Uniform);
+    // FP8: factors from an amax drawn per (sequence, kv head) around the values' range (never a
+    // power of two; the new keys may exceed it and saturate), the caches quantised with them
+    // (NaN stays NaN).
+    let fp8 = c.fp8.map(|format| {
+        let fmax = format.max() as f64;
+        let mut g = common::rng(c.seed ^ 0xf8f8);
+        let mut draw = |base: f64| -> Vec<f32> {
+            (0..batch * hkv)
+                .map(|_| (base * g.gen_range(0.55..1.9) / fmax) as f32)
+                .collect()
+        };
+        let (k_descale, v_descale) = (draw(scale_qk), draw(1.0));
+        let (mut k, mut v) = (vec![0u8; map.len], vec![0u8; map.len]);
+        for i in 0..map.len {
+            k[i] = format.quantise(kc[i]);
+            v[i] = format.quantise(vc[i]);
+        }
+        for b in 0..batch {
+            for j in 0..c.lens[b] {
+                for hk in 0..hkv {
+                    let o = map.offset(b, j, hk);
+                    for x in o..o + d {
+                        k[x] = format.quantise(kc[x] / k_descale[b * hkv + hk] as f64);
+                        v[x] = format.quantise(vc[x] / v_descale[b * hkv + hk] as f64);
+                    }
+                }
+            }
+        }
+        Fp8Caches {
+            format,
+            k,
+            v,
+            k_descale,
+            v_descale,
+        }
+    });
+    let (k_cache, v_cache) = match &fp8 {
+        Some(f) => (fp8_values(&f.k, f.format), fp8_values(&f.v, f.format)),
+        None => (to_buffer(&kc, c.dtype), to_buffer(&vc, c.dtype)),
+    };
     let alibi = (0..batch * h)
         .map(|_| rng.gen_range(0.01f32..0.5))
         .collect();
     let seqlen_ro = c.cap + sq + 3;
     Built {
         qb: to_buffer(&q, c.dtype),
-        k_cache: to_buffer(&kc, c.dtype),
-        v_cache: to_buffer(&vc, c.dtype),
+        k_cache,
+        v_cache,
         k_new,
         v_new,
         map,
@@ -347,6 +480,7 @@ fn build(c: &DCase) -> Built {
             .leftpad
             .as_ref()
             .map(|lp| lp.iter().map(|&x| x as i32).collect()),
+        fp8,
     }
 }
 
@@ -415,8 +549,31 @@ impl Built {
         )
     }
 
-    /// One call on copies of the caches; returns the result and the caches afterwards.
+    /// The descale factors of an FP8 case (per (sequence, kv head)), or 1.
+    fn descale(&self, b: usize, hk: usize, c: &DCase) -> (f64, f64) {
+        self.fp8.as_ref().map_or((1.0, 1.0), |f| {
+            let i = b * c.heads_kv + hk;
+            (f.k_descale[i] as f64, f.v_descale[i] as f64)
+        })
+    }
+
+    /// One call on copies of the caches; returns the result and the caches afterwards (FP8
+    /// caches as their raw values).
     fn call(&self, c: &DCase) -> (flashattn::Result<AttnOutput>, Buffer, Buffer) {
+        if let Some(f) = &self.fp8 {
+            let (mut k, mut v) = (f.k.clone(), f.v.clone());
+            let lens: Vec<i32> = c.lens.iter().map(|&x| x as i32).collect();
+            let descale = Descale::default().k(&f.k_descale).v(&f.v_descale);
+            let res = call_fp8(
+                &self.q_view(c),
+                (&mut k, &mut v),
+                (f.format, &self.map),
+                &lens,
+                &descale,
+                &self.opts(c),
+            );
+            return (res, fp8_values(&k, f.format), fp8_values(&v, f.format));
+        }
         let (mut kc, mut vc) = (self.k_cache.clone(), self.v_cache.clone());
         let res = {
             let mut k = TensorMut::new(slice_mut(&mut kc), &self.map.shape, &self.map.strides);
@@ -461,6 +618,7 @@ fn check_case_with(c: &DCase, mut call: impl FnMut(&Built, &DCase) -> CallResult
             for hk in 0..hkv {
                 let o = bl.map.offset(b, pos, hk);
                 let src = ((b * c.seqlen_new() + t) * hkv + hk) * d;
+                let (dk, dv) = bl.descale(b, hk, c);
                 // k_new as stored (rounded to the dtype), rotated here in f64.
                 let orig = k_new[src..src + d].to_vec();
                 let mut want = orig.clone();
@@ -469,6 +627,23 @@ fn check_case_with(c: &DCase, mut call: impl FnMut(&Built, &DCase) -> CallResult
                 }
                 for x in 0..d {
                     written[o + x] = true;
+                    if let Some(f) = &bl.fp8 {
+                        // Rounded once to FP8 from want / k_descale (the kernel rotates in f32,
+                        // so a value within ~1e-7 of a midpoint may go either way).
+                        let (w, got) = (want[x] / dk, k_after[o + x]);
+                        let best = buf_f64(&fp8_values(&[f.format.quantise(w)], f.format))[0];
+                        assert!(
+                            got == best || ((got - w).abs() - (best - w).abs()).abs() <= 1e-6 * w.abs(),
+                            "{c:?}: k_cache (b {b}, pos {pos}, hk {hk}, {x}) = {got}, want {best} ({w})"
+                        );
+                        let vq = f.format.quantise(v_new[src + x] / dv);
+                        assert_eq!(
+                            v_after[o + x].to_bits(),
+                            buf_f64(&fp8_values(&[vq], f.format))[0].to_bits(),
+                            "{c:?}: v_cache (b {b}, pos {pos}, hk {hk}, {x})"
+                        );
+                        continue;
+                    }
                     let pair = if half == 0 || x >= 2 * half {
                         orig[x].abs()
                     } else {
@@ -532,8 +707,10 @@ fn check_case_with(c: &DCase, mut call: impl FnMut(&Built, &DCase) -> CallResult
         for j in lp..lp + sk {
             for hk in 0..hkv {
                 let o = bl.map.offset(b, j, hk);
-                kb.extend_from_slice(&k_after[o..o + d]);
-                vb.extend_from_slice(&v_after[o..o + d]);
+                // FP8: the raw values times their factors (exact in f64).
+                let (dk, dv) = bl.descale(b, hk, c);
+                kb.extend(k_after[o..o + d].iter().map(|&x| x * dk));
+                vb.extend(v_after[o..o + d].iter().map(|&x| x * dv));
             }
         }
         v_max = vb.iter().fold(v_max, |m, x| m.max(x.abs()));
@@ -2649,4 +2826,275 @@ mod gpu {
             }
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// FP8 caches
+// ---------------------------------------------------------------------------------------------
+
+/// FP8 caches (`flash_attn_with_kvcache_fp8`), both formats, q in every dtype, on every ISA of
+/// this CPU: every store, masks, softcap, ALiBi, rotary appends, GQA/MQA, leftpad, several tokens
+/// per step, split counts, awkward head dims; the appended bytes and out/lse checked as above on
+/// the dequantised caches.
+#[test]
+fn fp8_caches_against_reference() {
+    let mut n = 0;
+    for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
+        for isa in flashattn::simd::available() {
+            for dtype in DTYPES {
+                n += 1;
+                let seed = 9000 + n;
+                let base = DCase {
+                    dtype,
+                    isa: Some(isa),
+                    fp8: Some(format),
+                    seed,
+                    ..DCase::default()
+                };
+                let cases = [
+                    // The shape, small: one token, GQA 4, d = 128.
+                    DCase {
+                        heads: 32,
+                        heads_kv: 8,
+                        d: 128,
+                        lens: vec![300],
+                        cap: 320,
+                        ..base.clone()
+                    },
+                    DCase {
+                        d: 59,
+                        heads: 12,
+                        heads_kv: 3,
+                        lens: vec![203, 64],
+                        new: Some(2),
+                        seqlen_q: 2,
+                        cap: 210,
+                        alibi: true,
+                        softcap: Some(5.0),
+                        splits: Some(3),
+                        store: Store::Paged(16),
+                        ..base.clone()
+                    },
+                    DCase {
+                        d: 40,
+                        heads: 6,
+                        heads_kv: 1,
+                        lens: vec![113, 1, 63],
+                        cap: 130,
+                        rotary: Some((40, false)),
+                        store: Store::Gaps,
+                        window: (17, -1),
+                        causal: false,
+                        ..base.clone()
+                    },
+                    DCase {
+                        d: 111,
+                        heads: 4,
+                        heads_kv: 4,
+                        lens: vec![97, 40],
+                        leftpad: Some(vec![9, 0]),
+                        new: Some(3),
+                        seqlen_q: 3,
+                        cap: 101,
+                        rotary: Some((64, true)),
+                        store: Store::BatchIdx,
+                        ..base.clone()
+                    },
+                    DCase {
+                        d: 256,
+                        heads: 8,
+                        heads_kv: 2,
+                        lens: vec![61],
+                        new: None,
+                        cap: 70,
+                        store: Store::Paged(5),
+                        splits: Some(2),
+                        dist: Dist::Huge(30.0),
+                        ..base.clone()
+                    },
+                    // Gaps between kv heads: each key's heads widened one by one.
+                    DCase {
+                        d: 33,
+                        heads: 6,
+                        heads_kv: 3,
+                        lens: vec![45, 70],
+                        new: Some(2),
+                        cap: 80,
+                        store: Store::Gaps,
+                        ..base.clone()
+                    },
+                    // Many rows per kv head (MQA, 4 tokens): the outer-product score kernels.
+                    DCase {
+                        d: 64,
+                        heads: 16,
+                        heads_kv: 1,
+                        lens: vec![150],
+                        new: Some(4),
+                        seqlen_q: 4,
+                        cap: 160,
+                        ..base.clone()
+                    },
+                ];
+                for c in &cases {
+                    check_case(c);
+                }
+            }
+        }
+    }
+    assert!(n >= 6, "{n} combinations");
+}
+
+/// FP8 calls split over 1, 2, 5 and 16 key ranges agree up to rounding, and paged FP8 caches
+/// give what contiguous ones give.
+#[test]
+fn fp8_splits_and_pages_agree() {
+    for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
+        let base = DCase {
+            dtype: DType::BF16,
+            heads: 8,
+            heads_kv: 2,
+            d: 64,
+            lens: vec![700, 333],
+            cap: 720,
+            fp8: Some(format),
+            seed: 77,
+            ..DCase::default()
+        };
+        let one = check_case(&DCase {
+            splits: Some(1),
+            ..base.clone()
+        });
+        for splits in [2, 5, 16] {
+            let r = check_case(&DCase {
+                splits: Some(splits),
+                ..base.clone()
+            });
+            close(&one, &r, DType::BF16, &format!("{format} splits {splits}"));
+        }
+        for ps in [16, 7] {
+            let r = check_case(&DCase {
+                store: Store::Paged(ps),
+                splits: Some(1),
+                ..base.clone()
+            });
+            close(&one, &r, DType::BF16, &format!("{format} page size {ps}"));
+        }
+    }
+}
+
+/// FP8-specific bad input: mismatched cache formats, a q descale, bad factor lists, new keys
+/// not in q's dtype; each a typed error, and the caches untouched.
+#[test]
+fn fp8_bad_input_is_a_typed_error_and_writes_nothing() {
+    let c = DCase {
+        dtype: DType::BF16,
+        fp8: Some(Fp8Format::E4M3),
+        ..DCase::default()
+    };
+    let bl = build(&c);
+    let f = bl.fp8.as_ref().unwrap();
+    let lens: Vec<i32> = c.lens.iter().map(|&x| x as i32).collect();
+    let q = bl.q_view(&c);
+    let opts = bl.opts(&c);
+    let good = Descale::default().k(&f.k_descale).v(&f.v_descale);
+    let run = |descale: &Descale, opts: &KvCacheOptions| {
+        let (mut k, mut v) = (f.k.clone(), f.v.clone());
+        let r = call_fp8(
+            &q,
+            (&mut k, &mut v),
+            (f.format, &bl.map),
+            &lens,
+            descale,
+            opts,
+        );
+        let kind = r.expect_err("bad input accepted").kind().clone();
+        assert!(
+            k == f.k && v == f.v,
+            "a rejected call wrote the caches: {kind:?}"
+        );
+        kind
+    };
+    assert_kind!(
+        run(&good.q(&[1.0]), &opts),
+        ErrorKind::DescaleUnused {
+            tensor: "q_descale"
+        }
+    );
+    assert_kind!(
+        run(&Descale::default().k(&[1.0, 2.0, 3.0]), &opts),
+        ErrorKind::DescaleLength {
+            tensor: "k_descale",
+            got: 3,
+            batch: 1,
+            heads_kv: 2
+        }
+    );
+    assert_kind!(
+        run(&Descale::default().v(&[1.0, f32::NAN]), &opts),
+        ErrorKind::DescaleValue {
+            tensor: "v_descale",
+            index: 1,
+            ..
+        }
+    );
+    assert_kind!(
+        run(&Descale::default().k(&[0.0]), &opts),
+        ErrorKind::DescaleValue {
+            tensor: "k_descale",
+            index: 0,
+            ..
+        }
+    );
+    // softmax_scale · k_descale overflows f32.
+    let big = bl.opts(&c).attn(bl.attn_opts(&c).softmax_scale(4.0));
+    assert_kind!(
+        run(&Descale::default().k(&[f32::MAX]), &big),
+        ErrorKind::Scale { .. }
+    );
+    // New keys in another dtype than q.
+    let kn: Vec<f32> = vec![0.5; c.heads_kv * c.d];
+    let shape = [1, 1, c.heads_kv, c.d];
+    let other = bl.opts(&c).new_kv(
+        TensorRef::contiguous(&kn, &shape),
+        TensorRef::contiguous(&kn, &shape),
+    );
+    assert_kind!(
+        run(&good, &other),
+        ErrorKind::DType {
+            tensor: "k_new",
+            ..
+        }
+    );
+    // An append past the capacity.
+    let (mut k, mut v) = (f.k.clone(), f.v.clone());
+    let full = [c.cap as i32];
+    let r = call_fp8(
+        &q,
+        (&mut k, &mut v),
+        (f.format, &bl.map),
+        &full,
+        &good,
+        &opts,
+    );
+    assert!(r.is_err() && k == f.k && v == f.v);
+    // Caches of two formats.
+    let mut k8: Vec<F8E4M3> = f.k.iter().map(|&b| F8E4M3::from_bits(b)).collect();
+    let mut v8: Vec<F8E5M2> = f.v.iter().map(|&b| F8E5M2::from_bits(b)).collect();
+    let e = flash_attn_with_kvcache_fp8(
+        &q,
+        &mut Fp8TensorMut::new(&mut k8, &bl.map.shape, &bl.map.strides),
+        &mut Fp8TensorMut::new(&mut v8, &bl.map.shape, &bl.map.strides),
+        &lens,
+        &good,
+        &opts,
+    )
+    .unwrap_err();
+    assert_kind!(
+        e.kind().clone(),
+        ErrorKind::Fp8CacheFormat {
+            expected: Fp8Format::E4M3,
+            got: Fp8Format::E5M2
+        }
+    );
+    assert!(e.to_string().contains("v_cache"), "{e}");
 }

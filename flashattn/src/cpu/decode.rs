@@ -33,10 +33,12 @@
 //! is the identity, bit for bit, so then each item writes its rows of the output itself.
 
 use super::forward::ScoreMod;
+use super::fp8::widen;
 use super::simd::{pad_lanes, Isa, Kernels, LANES};
 use super::softmax::finalize;
 use crate::blocks::Mask;
 use crate::decode::{DecodeParams, SliceMut};
+use crate::fp8::Fp8Format;
 use crate::tensor::{Buffer, DType, Element, Slice, Tensor, TensorRef};
 use crate::{data, AttnOutput};
 use half::bf16;
@@ -143,7 +145,7 @@ pub(crate) fn run(
         if let Some((kn, vn)) = new_kv {
             append(dp, data::<T>(kn), data::<T>(vn), k, v);
         }
-        let (out, lse) = attend(dp, data::<T>(q), k, v);
+        let (out, lse) = attend(dp, data::<T>(q), Kv::Plain(k, v));
         AttnOutput {
             out: Tensor::new_unchecked(T::wrap_vec(out), dp.p.out_shape.clone()),
             lse: Tensor::new_unchecked(Buffer::F32(lse), dp.p.lse_shape.clone()),
@@ -155,6 +157,90 @@ pub(crate) fn run(
         (SliceMut::BF16(k), SliceMut::BF16(v)) => typed(dp, q, new_kv, k, v),
         _ => unreachable!("cache dtypes validated against q"),
     }
+}
+
+/// Appends (rotates, quantises), then attends, over FP8 caches (bytes of `format`); q, the new
+/// keys and values and `out` are in q's dtype. `quant` holds the k and v descale factors per
+/// (sequence, kv head), by which the appended rows are divided before rounding to FP8. `dp.p`
+/// carries the descale factors folded into the score scale and the output rows.
+pub(crate) fn run_fp8(
+    dp: &DecodeParams,
+    q: &TensorRef,
+    new_kv: Option<&(TensorRef, TensorRef)>,
+    (k, v): (&mut [u8], &mut [u8]),
+    format: Fp8Format,
+    quant: (&[f32], &[f32]),
+) -> AttnOutput {
+    fn typed<T: Element>(
+        dp: &DecodeParams,
+        q: &TensorRef,
+        new_kv: Option<&(TensorRef, TensorRef)>,
+        (k, v): (&mut [u8], &mut [u8]),
+        format: Fp8Format,
+        quant: (&[f32], &[f32]),
+    ) -> AttnOutput {
+        if let Some((kn, vn)) = new_kv {
+            append_fp8(dp, (data::<T>(kn), data::<T>(vn)), (k, v), format, quant);
+        }
+        let (out, lse) = attend(dp, data::<T>(q), Kv::Fp8(k, v, format));
+        AttnOutput {
+            out: Tensor::new_unchecked(T::wrap_vec(out), dp.p.out_shape.clone()),
+            lse: Tensor::new_unchecked(Buffer::F32(lse), dp.p.lse_shape.clone()),
+        }
+    }
+    match q.dtype() {
+        DType::F32 => typed::<f32>(dp, q, new_kv, (k, v), format, quant),
+        DType::F16 => typed::<half::f16>(dp, q, new_kv, (k, v), format, quant),
+        DType::BF16 => typed::<bf16>(dp, q, new_kv, (k, v), format, quant),
+    }
+}
+
+/// [`append`] into FP8 caches: each new row (the keys rotated in f32 first) is divided by its
+/// (sequence, kv head) descale factor in f64 and rounded once to the format, saturating at its
+/// largest finite value (CUDA's `__NV_SATFINITE`; NaN stays NaN).
+fn append_fp8<T: Element>(
+    dp: &DecodeParams,
+    (kn, vn): (&[T], &[T]),
+    (k, v): (&mut [u8], &mut [u8]),
+    format: Fp8Format,
+    (k_descale, v_descale): (&[f32], &[f32]),
+) {
+    let Some(nk) = &dp.new_kv else { return };
+    let (p, cache) = (&dp.p, &dp.cache);
+    let d = p.head_dim;
+    let mut row = vec![0f32; d];
+    let quantise = |row: &[f32], factor: f32, dst: &mut [u8]| {
+        for (o, &x) in dst.iter_mut().zip(row) {
+            *o = format.quantise(x as f64 / factor as f64);
+        }
+    };
+    for (b, &len) in dp.cache_seqlens.iter().enumerate() {
+        for t in 0..nk.lens[b] {
+            let (k0, v0) = cache.key_offsets(b, len + t);
+            for hk in 0..p.heads_kv {
+                let factor = b * p.heads_kv + hk;
+                let src = nk.k_base[b] + t * nk.k.row_stride + hk * nk.k.head_stride;
+                T::widen(&kn[src..src + d], &mut row);
+                if let Some(rot) = &dp.rotary {
+                    rot.rotate(&mut row, b, t);
+                }
+                let dst = k0 + hk * cache.k.head_stride;
+                quantise(&row, k_descale[factor], &mut k[dst..dst + d]);
+                let src = nk.v_base[b] + t * nk.v.row_stride + hk * nk.v.head_stride;
+                T::widen(&vn[src..src + d], &mut row);
+                let dst = v0 + hk * cache.v.head_stride;
+                quantise(&row, v_descale[factor], &mut v[dst..dst + d]);
+            }
+        }
+    }
+}
+
+/// The caches an attention reads: in q's dtype, read in place; or FP8 bytes, widened (exactly)
+/// to q's dtype a sub-block of keys at a time into a scratch tile that the same products read.
+#[derive(Clone, Copy)]
+enum Kv<'a, T> {
+    Plain(&'a [T], &'a [T]),
+    Fp8(&'a [u8], &'a [u8], Fp8Format),
 }
 
 /// Writes the new keys (rotated when the call has a rotary embedding, in f32, rounded once to the
@@ -200,7 +286,7 @@ struct Item {
 
 /// Attention of every sequence's queries over its first `seqlen_k` cache keys. Returns `out`
 /// (q's dtype, `[batch, seqlen_q, heads, d]`) and `lse` (`[batch, heads, seqlen_q]`).
-fn attend<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T]) -> (Vec<T>, Vec<f32>) {
+fn attend<T: Element>(dp: &DecodeParams, q: &[T], kv: Kv<T>) -> (Vec<T>, Vec<f32>) {
     let p = &dp.p;
     let d = p.head_dim;
     let m_rows = (rows_cap(d) / p.heads).max(1);
@@ -250,14 +336,7 @@ fn attend<T: Element>(dp: &DecodeParams, q: &[T], k: &[T], v: &[T]) -> (Vec<T>, 
     let mut out = vec![T::from_f32(f32::NAN); p.out_len()];
     let mut lse = vec![f32::NAN; p.lse_len()];
     let work = |x: usize, dst: ItemOut<T>, lse: &mut [f32]| {
-        run_item(
-            dp,
-            q,
-            k,
-            v,
-            (items[x], items.get(x + 1).copied()),
-            (dst, lse),
-        )
+        run_item(dp, q, kv, (items[x], items.get(x + 1).copied()), (dst, lse))
     };
     // Packed queries (cu_seqlens_q, lse `[heads, total_q]`) may leave rows after the last
     // sequence: 0, lse -inf. Batched queries cover every row.
@@ -381,8 +460,7 @@ enum ItemOut<'a, T> {
 fn run_item<T: Element>(
     dp: &DecodeParams,
     q: &[T],
-    k: &[T],
-    v: &[T],
+    kv: Kv<T>,
     (it, next): (Item, Option<Item>),
     (mut dst, lse): (ItemOut<T>, &mut [f32]),
 ) {
@@ -467,6 +545,9 @@ fn run_item<T: Element>(
         .is_some()
         .then(|| vec![0u32; TILE_KEYS_MAX.div_ceil(2) * np]);
     let mods: Vec<ScoreMod> = (0..p.heads).map(|h| ScoreMod::new(p, b, h)).collect();
+    // One score scale for all heads, unless FP8 k descale factors differ between kv heads: then
+    // each head's rows are scaled by `ScoreMod::apply`.
+    let one_scale = mods.iter().all(|m| m.scale_log2 == mods[0].scale_log2);
     // The tile after n0: keys n0..n1, cut at the split's end; the rows' offsets (kv head 0) in
     // k and v, which may lie on several pages.
     // Sub-blocks only where one register block holds a kv head's query rows (one token per
@@ -490,6 +571,15 @@ fn run_item<T: Element>(
     let (mut kt_next, mut vt_next) = ([0usize; TILE_KEYS_MAX], [0usize; TILE_KEYS_MAX]);
     // Refilled in place per tile (its run buffers are a few KiB).
     let mut ahead = Ahead::none();
+    // FP8 caches: the sub-block being multiplied, widened to q's dtype (see `Kv`), as rows
+    // [key][kv head][d]; `scratch_rows` names them (kv head 0) for the products.
+    let span = heads_kv * d;
+    let mut scratch: Vec<T> = match kv {
+        Kv::Fp8(..) => vec![T::default(); TILE_KEYS_MAX * span],
+        Kv::Plain(..) => Vec::new(),
+    };
+    let scratch_keys: [usize; TILE_KEYS_MAX] = std::array::from_fn(|c| c * span);
+    let scratch_rows = KeyRows::new(&scratch_keys, 0, d);
 
     // The query rows of kv head hk (the same for every tile).
     let q_rows = |hk: usize| QRows {
@@ -531,28 +621,37 @@ fn run_item<T: Element>(
         } else {
             (n1, 0)
         };
-        ahead.set(
-            (k, &kt_next[..pf], cache.k),
-            (v, &vt_next[..pf], cache.v),
-            (heads_kv, d),
-            2 * heads_kv * cols,
-        );
+        let steps = 2 * heads_kv * cols;
+        match kv {
+            Kv::Plain(k, v) => ahead.set(
+                (k, &kt_next[..pf], cache.k),
+                (v, &vt_next[..pf], cache.v),
+                (heads_kv, d),
+                steps,
+            ),
+            Kv::Fp8(k, v, _) => ahead.set(
+                (k, &kt_next[..pf], cache.k),
+                (v, &vt_next[..pf], cache.v),
+                (heads_kv, d),
+                steps,
+            ),
+        }
         let masked = mask.needs_mask(i0, i1, n0, n1);
-        let apply = mods[0].needs_apply(masked);
+        let apply = !one_scale || mods[0].needs_apply(masked);
         let st = &mut st[..cols * np];
         for c0 in (0..cols).step_by(sub) {
             let c1 = cols.min(c0 + sub);
+            if let Kv::Fp8(k, _, format) = kv {
+                let src = (k, &kt[c0..c1], cache.k);
+                widen_keys(kern.isa, format, src, (heads_kv, d), &mut scratch);
+            }
             for hk in 0..heads_kv {
                 let st = &mut st[c0 * np + hk * rows..];
-                scores(
-                    kern.isa,
-                    q_rows(hk),
-                    k,
-                    k_rows(hk, c0, c1),
-                    st,
-                    np,
-                    &mut ahead,
-                );
+                let (src, kr) = match kv {
+                    Kv::Plain(k, _) => (k, k_rows(hk, c0, c1)),
+                    Kv::Fp8(..) => (&scratch[..], scratch_rows.sub(0, c1 - c0, hk * d)),
+                };
+                scores(kern.isa, q_rows(hk), src, kr, st, np, &mut ahead);
             }
         }
         if apply {
@@ -584,6 +683,10 @@ fn run_item<T: Element>(
         }
         for c0 in (0..cols).step_by(sub) {
             let c1 = cols.min(c0 + sub);
+            if let Kv::Fp8(_, v, format) = kv {
+                let src = (v, &vt[c0..c1], cache.v);
+                widen_keys(kern.isa, format, src, (heads_kv, d), &mut scratch);
+            }
             for hk in 0..heads_kv {
                 let acc_hk = &mut acc[hk * rows * dpad..(hk + 1) * rows * dpad];
                 // c0 is even: a whole number of bf16 key pairs precedes it.
@@ -593,15 +696,11 @@ fn run_item<T: Element>(
                     rows,
                     np,
                 };
-                pv_acc(
-                    kern.isa,
-                    pr,
-                    v,
-                    v_rows(hk, c0, c1),
-                    acc_hk,
-                    dpad,
-                    &mut ahead,
-                );
+                let (src, vr) = match kv {
+                    Kv::Plain(_, v) => (v, v_rows(hk, c0, c1)),
+                    Kv::Fp8(..) => (&scratch[..], scratch_rows.sub(0, c1 - c0, hk * d)),
+                };
+                pv_acc(kern.isa, pr, src, vr, acc_hk, dpad, &mut ahead);
             }
         }
         (n0, n1) = (n1, n2);
@@ -610,12 +709,53 @@ fn run_item<T: Element>(
 
     for row in 0..all_rows {
         let acc_row = &mut acc[row * dpad..row * dpad + d];
-        lse[row] = finalize(acc_row, row_max[row], row_sum[row], 1.0);
+        // FP8 caches: v's descale factor (1 otherwise).
+        let out_scale = p.out_descale(b, row / m_rows);
+        lse[row] = finalize(acc_row, row_max[row], row_sum[row], out_scale);
         match &mut dst {
             ItemOut::Parts(out) => out[row * d..(row + 1) * d].copy_from_slice(acc_row),
             ItemOut::Rows(out) => {
                 let (h, il) = (row / m_rows, row % m_rows);
                 T::narrow(acc_row, &mut out[(il * p.heads + h) * d..][..d]);
+            }
+        }
+    }
+}
+
+/// Widens the rows of all `heads_kv` kv heads of the keys at row offsets `keys` (kv head 0) in
+/// the FP8 cache `src` (layout `l`) into `dst` as rows `[key][kv head][d]` from its start. Where a
+/// key's heads lie together (flash-attn's `[.., seqlen, heads_kv, d]`), each run of consecutive
+/// keys is one call: one per sub-block of a contiguous cache, one per page of a paged one.
+fn widen_keys<T: Element>(
+    isa: Isa,
+    format: Fp8Format,
+    (src, keys, l): (&[u8], &[usize], crate::params::RowLayout),
+    (heads_kv, d): (usize, usize),
+    dst: &mut [T],
+) {
+    let span = heads_kv * d;
+    if heads_kv == 1 || l.head_stride == d {
+        let mut c = 0;
+        while c < keys.len() {
+            let mut e = c + 1;
+            while e < keys.len() && keys[e] == keys[e - 1] + span {
+                e += 1;
+            }
+            let n = (e - c) * span;
+            widen(
+                isa,
+                format,
+                &src[keys[c]..keys[c] + n],
+                &mut dst[c * span..c * span + n],
+            );
+            c = e;
+        }
+    } else {
+        for (c, &k) in keys.iter().enumerate() {
+            for hk in 0..heads_kv {
+                let at = k + hk * l.head_stride;
+                let o = c * span + hk * d;
+                widen(isa, format, &src[at..at + d], &mut dst[o..o + d]);
             }
         }
     }

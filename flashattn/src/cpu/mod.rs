@@ -6,6 +6,7 @@
 pub(crate) mod backward;
 pub(crate) mod decode;
 pub(crate) mod forward;
+pub(crate) mod fp8;
 pub(crate) mod kernels;
 pub(crate) mod reuse;
 pub(crate) mod simd;
