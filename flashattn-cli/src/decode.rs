@@ -5,16 +5,18 @@
 
 use crate::bench::{self, view, BenchArgs, DtypeArg};
 use crate::error::{fail, CliError, Result};
+use crate::fp8::Fp8Buf;
 use crate::run::{self, RunArgs};
 use crate::st_io::{self, Loaded};
 use crate::threads::with_threads;
 use flashattn::decode::SliceMut;
+use flashattn::fp8::{flash_attn_with_kvcache_fp8, Descale};
 use flashattn::{
     flash_attn_with_kvcache, reference, AttnOptions, BlockTable, Buffer, DType, KvCacheOptions,
     TensorMut,
 };
 use rand::seq::SliceRandom;
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 use safetensors::tensor::TensorView;
@@ -465,6 +467,7 @@ fn bench_in_pool(args: &BenchArgs, sqs: &[usize]) -> Result<()> {
         for (ci, &cap) in args.cache_len.iter().enumerate() {
             for &sq in sqs {
                 pb.set_message(format!("{dtype} cache {cap} seqlen_q {sq}"));
+                // --dtype e4m3|e5m2: FP8 caches; dtype (q, new keys, out) is then bf16.
                 let m = bench_one(
                     args,
                     dtype,
@@ -527,8 +530,26 @@ fn bench_one(
     let qb = bench::random_buffer(&mut rng, numel(&q_shape)?, dtype);
     let kn = bench::random_buffer(&mut rng, numel(&new_shape)?, dtype);
     let vn = bench::random_buffer(&mut rng, numel(&new_shape)?, dtype);
-    let mut kc = bench::random_buffer(&mut rng, numel(&cache_shape)?, dtype);
-    let mut vc = bench::random_buffer(&mut rng, numel(&cache_shape)?, dtype);
+    // FP8 caches: random values over the format's range, dequantised by a power of two to
+    // [-1.75, 1.75] (so the accuracy check reads them exactly in bf16).
+    let fp8 = args.dtype.and_then(DtypeArg::fp8);
+    let descale = fp8.map(bench::fp8_descale);
+    let mut caches8 = fp8.map(|f| {
+        let n = cache_shape.iter().product();
+        let mut draw = || {
+            let max = f.max();
+            Fp8Buf::quantize(f, (0..n).map(|_| rng.gen_range(-max..max)))
+        };
+        (draw(), draw())
+    });
+    let (mut kc, mut vc) = if fp8.is_some() {
+        (Buffer::BF16(Vec::new()), Buffer::BF16(Vec::new()))
+    } else {
+        (
+            bench::random_buffer(&mut rng, numel(&cache_shape)?, dtype),
+            bench::random_buffer(&mut rng, numel(&cache_shape)?, dtype),
+        )
+    };
     let lens = vec![(cap - sq) as i32; batch];
     let attn = AttnOptions::default().causal(args.causal);
     let mut opts = KvCacheOptions::default()
@@ -540,12 +561,22 @@ fn bench_one(
     }
     let q = view(&qb, &q_shape);
     let (timing, read_gbps_around) = {
-        let mut k = TensorMut::new(slice_mut(&mut kc), &cache_shape, &cache_strides);
-        let mut v = TensorMut::new(slice_mut(&mut vc), &cache_shape, &cache_strides);
-        let mut time_steps = || {
-            bench::measure(args.min_time, || {
-                flash_attn_with_kvcache(&q, &mut k, &mut v, &lens, &opts)
-            })
+        let mut time_steps = || match (&mut caches8, &descale) {
+            (Some((k8, v8)), Some(s)) => {
+                let mut k = k8.view_mut(&cache_shape, &cache_strides);
+                let mut v = v8.view_mut(&cache_shape, &cache_strides);
+                let descale = Descale::default().k(s).v(s);
+                bench::measure(args.min_time, || {
+                    flash_attn_with_kvcache_fp8(&q, &mut k, &mut v, &lens, &descale, &opts)
+                })
+            }
+            _ => {
+                let mut k = TensorMut::new(slice_mut(&mut kc), &cache_shape, &cache_strides);
+                let mut v = TensorMut::new(slice_mut(&mut vc), &cache_shape, &cache_strides);
+                bench::measure(args.min_time, || {
+                    flash_attn_with_kvcache(&q, &mut k, &mut v, &lens, &opts)
+                })
+            }
         };
         match probe {
             Some(p) => {
@@ -555,6 +586,10 @@ fn bench_one(
             None => (time_steps()?, None),
         }
     };
+    // FP8: the caches as appended by the calls, dequantised (exactly, in bf16).
+    if let Some((k8, v8)) = &caches8 {
+        (kc, vc) = (bench::dequantized(k8), bench::dequantized(v8));
+    }
     // Accuracy: a few rows against the f64 reference, reading the cache (appended to by the
     // calls) as plain k/v `[batch, cap, heads_kv, d]` through the same strides.
     let max_abs_err = if args.page_size.is_none() {
@@ -570,6 +605,7 @@ fn bench_one(
         None
     };
     let elem = match dtype {
+        _ if fp8.is_some() => 1.0,
         DType::F32 => 4.0,
         _ => 2.0,
     };
@@ -579,7 +615,7 @@ fn bench_one(
         kind: "measurement",
         implementation: "flashattn",
         pass: "decode",
-        dtype: dtype.name(),
+        dtype: fp8.map_or(dtype.name(), |f| f.name()),
         batch,
         heads,
         heads_kv,

@@ -61,6 +61,13 @@ impl Fp8Buf {
             Fp8Buf::E5M2(d) => d.iter().map(|x| x.to_f32()).collect(),
         }
     }
+    /// A mutable view of `shape` with element `strides` (a KV cache).
+    pub fn view_mut(&mut self, shape: &[usize], strides: &[usize]) -> fp8::Fp8TensorMut<'_> {
+        match self {
+            Fp8Buf::E4M3(d) => fp8::Fp8TensorMut::new(d, shape, strides),
+            Fp8Buf::E5M2(d) => fp8::Fp8TensorMut::new(d, shape, strides),
+        }
+    }
     /// A contiguous view of `shape`.
     pub fn view(&self, shape: &[usize]) -> Fp8TensorRef<'_> {
         match self {

@@ -12,7 +12,7 @@
 use crate::cpu::simd::Isa;
 use crate::decode::SliceMut;
 use crate::fp8::Fp8Format;
-use crate::Element;
+use crate::{DType, Element};
 use half::{bf16, f16};
 
 /// (shift, 2^gap, special) of a format (see the module documentation).
@@ -48,6 +48,14 @@ pub(crate) fn widen<T: Element>(isa: Isa, format: Fp8Format, src: &[u8], dst: &m
         unsafe {
             match T::wrap_mut(dst) {
                 SliceMut::F32(d) => avx512::widen_f32(format, src, d),
+                SliceMut::BF16(d) if vbmi::available() => vbmi::widen16(
+                    vbmi::tables(format, DType::BF16),
+                    src,
+                    d.as_mut_ptr().cast(),
+                ),
+                SliceMut::F16(d) if vbmi::available() => {
+                    vbmi::widen16(vbmi::tables(format, DType::F16), src, d.as_mut_ptr().cast())
+                }
                 SliceMut::BF16(d) => avx512::widen_bf16(format, src, d),
                 SliceMut::F16(d) => avx512::widen_f16(format, src, d),
             }
@@ -157,6 +165,90 @@ mod avx512 {
     }
 }
 
+/// 16-bit targets (bf16, f16) by table lookup with AVX512_VBMI's byte permutes: the low and
+/// the high byte of the 16-bit value of each of the 128 magnitudes are two 128-byte tables, each
+/// in two registers that `vpermi2b` indexes by a byte's low 7 bits; the sign bit is or-ed into the
+/// high byte, and the bytes interleaved. 64 values in ~10 instructions, where the arithmetic of
+/// [`avx512`] takes ~12 per 16: decoding an e4m3 cache at the shape (32k keys, 8 kv
+/// heads, d = 128, bf16 q) took 7.9 ms with that, against 6.0-6.4 ms for a bf16 cache.
+#[cfg(target_arch = "x86_64")]
+mod vbmi {
+    use super::to_f32;
+    use crate::fp8::Fp8Format;
+    use crate::DType;
+    use half::{bf16, f16};
+    use std::arch::x86_64::*;
+    use std::sync::OnceLock;
+
+    pub(super) fn available() -> bool {
+        std::arch::is_x86_feature_detected!("avx512vbmi")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+    }
+
+    /// Low bytes then high bytes (sign excluded) of the 16-bit values of magnitudes 0..128.
+    pub(super) struct Tables([u8; 256]);
+
+    pub(super) fn tables(format: Fp8Format, target: DType) -> &'static Tables {
+        static T: OnceLock<[Tables; 4]> = OnceLock::new();
+        let all = T.get_or_init(|| {
+            let build = |format: Fp8Format, target: DType| {
+                let mut t = [0u8; 256];
+                for m in 0..128u8 {
+                    let x = to_f32(m, format);
+                    let bits = match target {
+                        DType::F16 => f16::from_f32(x).to_bits(),
+                        _ => bf16::from_f32(x).to_bits(),
+                    };
+                    t[m as usize] = bits as u8;
+                    t[128 + m as usize] = (bits >> 8) as u8;
+                }
+                Tables(t)
+            };
+            [
+                build(Fp8Format::E4M3, DType::BF16),
+                build(Fp8Format::E4M3, DType::F16),
+                build(Fp8Format::E5M2, DType::BF16),
+                build(Fp8Format::E5M2, DType::F16),
+            ]
+        });
+        let f = if format == Fp8Format::E4M3 { 0 } else { 2 };
+        &all[f + usize::from(target == DType::F16)]
+    }
+
+    /// Widens `src` to 16-bit values at `dst` (`src.len()` of them), by `t`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
+    pub(super) unsafe fn widen16(t: &Tables, src: &[u8], dst: *mut u16) {
+        let tp = t.0.as_ptr() as *const __m512i;
+        // SAFETY: the tables are 256 bytes: four 64-byte loads.
+        let (lo0, lo1) = (_mm512_loadu_si512(tp), _mm512_loadu_si512(tp.add(1)));
+        let (hi0, hi1) = (_mm512_loadu_si512(tp.add(2)), _mm512_loadu_si512(tp.add(3)));
+        let sign = _mm512_set1_epi8(0x80u8 as i8);
+        // After the in-lane interleave, a holds values 0-7, 16-23, 32-39, 48-55 and b the rest:
+        // these qword indices put them back in order.
+        let first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+        let second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+        let n = src.len() / 64 * 64;
+        for i in (0..n).step_by(64) {
+            // SAFETY (caller): i + 64 <= n <= src.len(), and dst holds src.len() values.
+            let x = _mm512_loadu_si512(src.as_ptr().add(i) as *const __m512i);
+            let lo = _mm512_permutex2var_epi8(lo0, x, lo1);
+            let hi = _mm512_permutex2var_epi8(hi0, x, hi1);
+            // hi | (x & 0x80)
+            let hi = _mm512_ternarylogic_epi32::<0xF8>(hi, x, sign);
+            let a = _mm512_unpacklo_epi8(lo, hi);
+            let b = _mm512_unpackhi_epi8(lo, hi);
+            let o = dst.add(i) as *mut __m512i;
+            _mm512_storeu_si512(o, _mm512_permutex2var_epi64(a, first, b));
+            _mm512_storeu_si512(o.add(1), _mm512_permutex2var_epi64(a, second, b));
+        }
+        for i in n..src.len() {
+            let (x, m) = (src[i], (src[i] & 0x7f) as usize);
+            let bits = t.0[m] as u16 | (t.0[128 + m] as u16 | (x & 0x80) as u16) << 8;
+            *dst.add(i) = bits;
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::{consts, to_f32};
@@ -238,6 +330,21 @@ mod tests {
                     widen(isa, format, &src[..len], &mut b);
                     let mut h = vec![f16::NAN; len];
                     widen(isa, format, &src[..len], &mut h);
+                    // The arithmetic 16-bit kernels, which the table ones replace where the CPU
+                    // has AVX512_VBMI.
+                    #[cfg(target_arch = "x86_64")]
+                    if isa == Isa::Avx512 {
+                        let (mut b2, mut h2) = (vec![bf16::NAN; len], vec![f16::NAN; len]);
+                        // SAFETY: AVX-512F is available (the ISA is); equal lengths.
+                        unsafe {
+                            avx512::widen_bf16(format, &src[..len], &mut b2);
+                            avx512::widen_f16(format, &src[..len], &mut h2);
+                        }
+                        for i in 0..len {
+                            assert!(same(b2[i].to_f32(), want[i]), "{format} avx512 bf16 {i}");
+                            assert!(same(h2[i].to_f32(), want[i]), "{format} avx512 f16 {i}");
+                        }
+                    }
                     for i in 0..len {
                         let ctx = format!("{format} {isa} len {len} byte {:#x}", src[i]);
                         assert!(same(f[i], want[i]), "{ctx}: f32 {} want {}", f[i], want[i]);
