@@ -241,10 +241,9 @@ mod vbmi {
             _mm512_storeu_si512(o, _mm512_permutex2var_epi64(a, first, b));
             _mm512_storeu_si512(o.add(1), _mm512_permutex2var_epi64(a, second, b));
         }
-        for i in n..src.len() {
-            let (x, m) = (src[i], (src[i] & 0x7f) as usize);
-            let bits = t.0[m] as u16 | (t.0[128 + m] as u16 | (x & 0x80) as u16) << 8;
-            *dst.add(i) = bits;
+        for (i, &x) in src.iter().enumerate().skip(n) {
+            let m = (x & 0x7f) as usize;
+            *dst.add(i) = t.0[m] as u16 | (t.0[128 + m] as u16 | (x & 0x80) as u16) << 8;
         }
     }
 }
