@@ -31,7 +31,7 @@ use std::time::Instant;
 
 /// Tensor names of a KV-cache input file; anything else is rejected (a typo must not silently
 /// change the computation).
-pub const ACCEPTED: [&str; 14] = [
+pub const ACCEPTED: [&str; 16] = [
     "q",
     "k_cache",
     "v_cache",
@@ -46,6 +46,8 @@ pub const ACCEPTED: [&str; 14] = [
     "rotary_cos",
     "rotary_sin",
     "alibi_slopes",
+    "k_descale",
+    "v_descale",
 ];
 
 /// Whether `path` is a safetensors file whose header names a `k_cache` tensor (read from the
@@ -101,8 +103,30 @@ pub fn run(args: &RunArgs) -> Result<()> {
         })
     };
     let q = required("q")?;
-    let mut k_cache = required("k_cache")?;
-    let mut v_cache = required("v_cache")?;
+    // FP8 caches (F8_E4M3 / F8_E5M2, with optional `k_descale`/`v_descale`), or caches in q's dtype.
+    let fp8 = get("k_cache")?.is_some_and(|t| matches!(t.dtype(), Dtype::F8_E4M3 | Dtype::F8_E5M2));
+    let descale = |name: &str| -> Result<Option<Vec<f32>>> {
+        let t = get(name)?;
+        if t.is_some() && !fp8 {
+            return fail(format!(
+                "tensor `{name}` applies to FP8 caches only, and `k_cache` is not F8_E4M3 or F8_E5M2"
+            ));
+        }
+        t.map(|t| crate::fp8::decode_descale(name, &t)).transpose()
+    };
+    let (k_descale, v_descale) = (descale("k_descale")?, descale("v_descale")?);
+    let mut caches = if fp8 {
+        let load = |name: &str| -> Result<(Fp8Buf, Vec<usize>)> {
+            let t = get(name)?.ok_or_else(|| {
+                CliError(format!("{shown}: missing tensor `{name}` (q, k_cache, v_cache and cache_seqlens are required)"))
+            })?;
+            let why = "but `k_cache` is FP8: both caches must be F8_E4M3 or F8_E5M2";
+            Ok((Fp8Buf::load(name, &t, why)?, t.shape().to_vec()))
+        };
+        Caches::Fp8(load("k_cache")?, load("v_cache")?)
+    } else {
+        Caches::Float(required("k_cache")?, required("v_cache")?)
+    };
     let cache_seqlens = match get("cache_seqlens")? {
         Some(t) => decode_i32("cache_seqlens", &t, 1, "[batch]")?.1,
         None => {
@@ -169,10 +193,52 @@ pub fn run(args: &RunArgs) -> Result<()> {
         opts = opts.cu_seqlens_k_new(cu);
     }
 
+    let (k_cache, v_cache) = match &mut caches {
+        Caches::Float(k, v) => (k, v),
+        Caches::Fp8((k, k_shape), (v, v_shape)) => {
+            if args.device == crate::cuda::Device::Cuda {
+                return fail(
+                    "FP8 caches run on the CPU only: the CUDA backend has no FP8 kernels yet (drop \
+                     --device cuda)",
+                );
+            }
+            let descale = Descale {
+                q: None,
+                k: k_descale.as_deref(),
+                v: v_descale.as_deref(),
+            };
+            return run::write_atomically(&args.output, || {
+                let res = with_threads(args.threads, || {
+                    let strides = |s: &[usize]| flashattn::tensor::contiguous_strides(s);
+                    let mut kt = k.view_mut(k_shape, &strides(k_shape));
+                    let mut vt = v.view_mut(v_shape, &strides(v_shape));
+                    flash_attn_with_kvcache_fp8(
+                        &q.view(),
+                        &mut kt,
+                        &mut vt,
+                        &cache_seqlens,
+                        &descale,
+                        &opts,
+                    )
+                })??;
+                let (out, lse) = (
+                    st_io::buffer_bytes(res.out.buffer()),
+                    st_io::buffer_bytes(res.lse.buffer()),
+                );
+                let (kc, vc) = (k.encoded(), v.encoded());
+                st_io::serialize_encoded(&[
+                    ("out", out.0, res.out.shape(), out.1),
+                    ("lse", lse.0, res.lse.shape(), lse.1),
+                    ("k_cache", kc.0, k_shape, kc.1),
+                    ("v_cache", vc.0, v_shape, vc.1),
+                ])
+            });
+        }
+    };
     run::write_atomically(&args.output, || {
         let (k_shape, v_shape) = (k_cache.shape.clone(), v_cache.shape.clone());
         let res = if args.device == crate::cuda::Device::Cuda {
-            crate::cuda::decode_run(&q, &mut k_cache, &mut v_cache, &cache_seqlens, &opts)?
+            crate::cuda::decode_run(&q, k_cache, v_cache, &cache_seqlens, &opts)?
         } else {
             with_threads(args.threads, || {
                 let mut k = TensorMut::contiguous(slice_mut(&mut k_cache.buf), &k_shape);
@@ -187,6 +253,12 @@ pub fn run(args: &RunArgs) -> Result<()> {
             ("v_cache", &v_cache.buf, &v_shape),
         ])
     })
+}
+
+/// The caches of a KV-cache file: in q's dtype, or FP8 (buffer, shape).
+enum Caches {
+    Float(Loaded, Loaded),
+    Fp8((Fp8Buf, Vec<usize>), (Fp8Buf, Vec<usize>)),
 }
 
 fn slice_mut(b: &mut Buffer) -> SliceMut<'_> {

@@ -77,32 +77,41 @@ impl Fp8Buf {
     }
 }
 
+impl Fp8Buf {
+    /// A file's FP8 tensor (`F8_E4M3` or `F8_E5M2`); `why` ends the message for other dtypes.
+    pub fn load(name: &str, t: &TensorView, why: &str) -> Result<Self> {
+        let bytes = t.data();
+        Ok(match t.dtype() {
+            Dtype::F8_E4M3 => Fp8Buf::E4M3(bytes.iter().map(|&b| F8E4M3::from_bits(b)).collect()),
+            Dtype::F8_E5M2 => Fp8Buf::E5M2(bytes.iter().map(|&b| F8E5M2::from_bits(b)).collect()),
+            other => return fail(format!("tensor `{name}` has dtype {other:?}, {why}")),
+        })
+    }
+    /// The safetensors dtype and bytes.
+    pub fn encoded(&self) -> (Dtype, Vec<u8>) {
+        match self {
+            Fp8Buf::E4M3(d) => (Dtype::F8_E4M3, d.iter().map(|x| x.to_bits()).collect()),
+            Fp8Buf::E5M2(d) => (Dtype::F8_E5M2, d.iter().map(|x| x.to_bits()).collect()),
+        }
+    }
+}
+
 struct Fp8Loaded {
     buf: Fp8Buf,
     shape: Vec<usize>,
 }
 
 fn decode_fp8(name: &str, t: &TensorView) -> Result<Fp8Loaded> {
-    let bytes = t.data();
-    let buf = match t.dtype() {
-        Dtype::F8_E4M3 => Fp8Buf::E4M3(bytes.iter().map(|&b| F8E4M3::from_bits(b)).collect()),
-        Dtype::F8_E5M2 => Fp8Buf::E5M2(bytes.iter().map(|&b| F8E5M2::from_bits(b)).collect()),
-        other => {
-            return fail(format!(
-                "tensor `{name}` has dtype {other:?}, but `q` is FP8: q, k and v must all be \
-                 F8_E4M3 or all F8_E5M2"
-            ))
-        }
-    };
+    let why = "but `q` is FP8: q, k and v must all be F8_E4M3 or all F8_E5M2";
     Ok(Fp8Loaded {
-        buf,
+        buf: Fp8Buf::load(name, t, why)?,
         shape: t.shape().to_vec(),
     })
 }
 
 /// A descale tensor: F32, any shape; its element count (1, or batch · heads_kv) is checked by
 /// the library.
-fn decode_descale(name: &str, t: &TensorView) -> Result<Vec<f32>> {
+pub fn decode_descale(name: &str, t: &TensorView) -> Result<Vec<f32>> {
     if t.dtype() != Dtype::F32 {
         return fail(format!(
             "tensor `{name}` has dtype {:?}, expected F32",

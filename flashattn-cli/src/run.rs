@@ -20,7 +20,9 @@ pub struct RunArgs {
     /// instead: q, k_cache, v_cache, cache_seqlens (I32) and optionally k_new, v_new,
     /// block_table, cache_batch_idx, cache_leftpad, cu_seqlens_q (I32; packs q as
     /// [total_q, heads, d]), cu_seqlens_k_new (I32; packs k_new/v_new as
-    /// [total_k_new, heads_kv, d]), rotary_cos, rotary_sin, alibi_slopes.
+    /// [total_k_new, heads_kv, d]), rotary_cos, rotary_sin, alibi_slopes; k_cache and v_cache
+    /// may be F8_E4M3 or F8_E5M2 (q and k_new/v_new then stay in their float dtype, with optional
+    /// F32 k_descale, v_descale of 1 or batch · heads_kv values; the caches are written back FP8).
     pub input: PathBuf,
     /// Output file: gets `out` (q's dtype and shape) and `lse` (F32), and `dq`, `dk`, `dv` (the
     /// shapes and dtype of q, k, v) when the input holds `dout`, or the updated `k_cache` and

@@ -275,7 +275,7 @@ pub fn describe(e: &safetensors::SafeTensorError) -> String {
 }
 
 /// Little-endian bytes of a buffer, with its safetensors dtype.
-fn buffer_bytes(buf: &Buffer) -> (Dtype, Vec<u8>) {
+pub fn buffer_bytes(buf: &Buffer) -> (Dtype, Vec<u8>) {
     match buf {
         Buffer::F32(d) => (Dtype::F32, d.iter().flat_map(|x| x.to_le_bytes()).collect()),
         Buffer::F16(d) => (
@@ -298,8 +298,13 @@ pub fn serialize_named(named: &[(&str, &Buffer, &[usize])]) -> Result<Vec<u8>> {
             (*name, dtype, *shape, bytes)
         })
         .collect();
+    serialize_encoded(&encoded)
+}
+
+/// An output file of tensors already encoded: (name, dtype, shape, little-endian bytes).
+pub fn serialize_encoded(encoded: &[(&str, Dtype, &[usize], Vec<u8>)]) -> Result<Vec<u8>> {
     let mut tensors = Vec::with_capacity(encoded.len());
-    for (name, dtype, shape, bytes) in &encoded {
+    for (name, dtype, shape, bytes) in encoded {
         let view = TensorView::new(*dtype, shape.to_vec(), bytes)
             .map_err(|e| CliError(format!("cannot encode output tensor `{name}`: {e:?}")))?;
         tensors.push((*name, view));

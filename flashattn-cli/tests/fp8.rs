@@ -5,9 +5,10 @@ mod common;
 
 use common::*;
 use flashattn::fp8::{
-    flash_attn_fp8, flash_attn_varlen_fp8, Descale, Fp8TensorRef, F8E4M3, F8E5M2,
+    flash_attn_fp8, flash_attn_varlen_fp8, flash_attn_with_kvcache_fp8, Descale, Fp8TensorMut,
+    Fp8TensorRef, F8E4M3, F8E5M2,
 };
-use flashattn::{reference, AttnOptions, TensorRef};
+use flashattn::{reference, AttnOptions, KvCacheOptions, TensorRef};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use safetensors::{Dtype, SafeTensors};
@@ -327,16 +328,141 @@ fn bench_fp8_reports_and_refuses_other_modes() {
             .iter()
             .any(|l| l["impl"] == "naive" && l["dtype"] == "bf16"));
     }
-    for flags in [
-        &["--backward"][..],
-        &["--decode"][..],
-        &["--device", "cuda"][..],
-    ] {
+    for flags in [&["--backward"][..], &["--device", "cuda"][..]] {
         let mut args = vec!["bench", "--dtype", "e4m3", "--seqlen", "16", "--no-peak"];
         args.extend_from_slice(flags);
         let res = flashattn(&args);
         let stderr = String::from_utf8_lossy(&res.stderr);
         assert_eq!(res.status.code(), Some(1), "{flags:?}: {stderr}");
-        assert!(stderr.contains("forward pass on the CPU only"), "{stderr}");
+        assert!(stderr.contains("FP8 runs on the CPU only"), "{stderr}");
+    }
+}
+
+/// `run` on a KV-cache file with FP8 caches: the new bf16 keys/values are appended quantised,
+/// out/lse and the caches written back equal the library's call bit for bit.
+#[test]
+fn run_fp8_kv_cache_matches_library() {
+    let mut rng = ChaCha8Rng::seed_from_u64(8);
+    let (b, cap, h, hk, d, sq) = (2, 40, 8, 2, 32, 1);
+    let (kc, vc) = (
+        e4m3(&mut rng, b * cap * hk * d),
+        e4m3(&mut rng, b * cap * hk * d),
+    );
+    let mut bf = |n: usize| -> Vec<half::bf16> {
+        (0..n)
+            .map(|_| half::bf16::from_f32(rng.gen_range(-1.0f32..1.0)))
+            .collect()
+    };
+    let (q, kn, vn) = (bf(b * sq * h * d), bf(b * sq * hk * d), bf(b * sq * hk * d));
+    let lens = [17i32, 39];
+    let (dk, dv) = ([0.004f32, 0.003, 0.005, 0.002], [0.0031f32]);
+    let bf_bytes = |x: &[half::bf16]| -> Vec<u8> {
+        x.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (input, output) = (dir.path().join("in.st"), dir.path().join("out.st"));
+    let (cs, ns) = ([b, cap, hk, d], [b, sq, hk, d]);
+    write_st(
+        &input,
+        &[
+            raw("q", "BF16", &[b, sq, h, d], bf_bytes(&q)),
+            raw("k_cache", "F8_E4M3", &cs, fp8_bytes(&kc)),
+            raw("v_cache", "F8_E4M3", &cs, fp8_bytes(&vc)),
+            raw("k_new", "BF16", &ns, bf_bytes(&kn)),
+            raw("v_new", "BF16", &ns, bf_bytes(&vn)),
+            i32_raw("cache_seqlens", &[b], &lens),
+            f32_raw("k_descale", &[b, hk], &dk),
+            f32_raw("v_descale", &[1], &dv),
+        ],
+    );
+    assert_ok(&flashattn(&[
+        "run",
+        input.to_str().unwrap(),
+        output.to_str().unwrap(),
+        "--causal",
+    ]));
+    let (mut k_lib, mut v_lib) = (kc.clone(), vc.clone());
+    let opts = KvCacheOptions::default()
+        .attn(AttnOptions::default().causal(true))
+        .new_kv(
+            TensorRef::contiguous(&kn, &ns),
+            TensorRef::contiguous(&vn, &ns),
+        );
+    let lib = flash_attn_with_kvcache_fp8(
+        &TensorRef::contiguous(&q, &[b, sq, h, d]),
+        &mut Fp8TensorMut::contiguous(&mut k_lib, &cs),
+        &mut Fp8TensorMut::contiguous(&mut v_lib, &cs),
+        &lens,
+        &Descale::default().k(&dk).v(&dv),
+        &opts,
+    )
+    .unwrap();
+    let (dtype, shape, out) = read_out(&output, "out");
+    assert_eq!((dtype, shape.as_slice()), (Dtype::BF16, &[b, sq, h, d][..]));
+    assert_eq!(out, bf_bytes(lib.out.as_slice::<half::bf16>().unwrap()));
+    let (_, _, lse) = read_out(&output, "lse");
+    let lib_lse: Vec<u8> = (lib.lse.as_slice::<f32>().unwrap().iter())
+        .flat_map(|x| x.to_le_bytes())
+        .collect();
+    assert_eq!(lse, lib_lse);
+    for (name, want, before) in [("k_cache", &k_lib, &kc), ("v_cache", &v_lib, &vc)] {
+        let (dtype, shape, bytes) = read_out(&output, name);
+        assert_eq!((dtype, shape.as_slice()), (Dtype::F8_E4M3, &cs[..]));
+        assert_eq!(bytes, fp8_bytes(want), "{name} written back");
+        assert_ne!(bytes, fp8_bytes(before), "{name}: the append is missing");
+    }
+    // Descale tensors with caches that are not FP8, and caches of two FP8 formats, fail by name.
+    let f32_cache: Vec<f32> = vec![0.5; b * cap * hk * d];
+    let base = vec![
+        raw(
+            "q",
+            "F32",
+            &[b, sq, h, d],
+            f32_bytes(&vec![0.1; b * sq * h * d]),
+        ),
+        f32_raw("k_cache", &cs, &f32_cache),
+        f32_raw("v_cache", &cs, &f32_cache),
+        i32_raw("cache_seqlens", &[b], &lens),
+    ];
+    let mut with_descale = base.clone();
+    with_descale.push(f32_raw("k_descale", &[1], &[0.5]));
+    expect_clean_failure(&with_descale, &[], &["k_descale", "FP8 caches only"]);
+    let mut mixed = base;
+    mixed[1] = raw("k_cache", "F8_E4M3", &cs, fp8_bytes(&kc));
+    expect_clean_failure(&mixed, &[], &["v_cache", "F8_E4M3 or F8_E5M2"]);
+    let e5 = vec![0x3cu8; b * cap * hk * d];
+    mixed[2] = raw("v_cache", "F8_E5M2", &cs, e5);
+    expect_clean_failure(&mixed, &[], &["v_cache", "e5m2", "e4m3"]);
+}
+
+/// `bench --decode --dtype e4m3|e5m2`: FP8 caches counted at one byte per value, error small.
+#[test]
+fn bench_decode_fp8_caches() {
+    for format in ["e4m3", "e5m2"] {
+        let res = flashattn(&[
+            "bench",
+            "--decode",
+            "--json",
+            "--no-bandwidth",
+            "--dtype",
+            format,
+            "--cache-len",
+            "200",
+            "--heads",
+            "4",
+            "--heads-kv",
+            "2",
+            "--head-dim",
+            "32",
+            "--min-time",
+            "0.01",
+        ]);
+        assert_ok(&res);
+        let stdout = String::from_utf8(res.stdout).unwrap();
+        let m: serde_json::Value = serde_json::from_str(stdout.lines().nth(1).unwrap()).unwrap();
+        assert_eq!(m["dtype"], format, "{m}");
+        assert_eq!(m["kv_bytes"].as_f64().unwrap(), (200 * 2 * 32 * 2) as f64);
+        let err = m["max_abs_err"].as_f64().unwrap();
+        assert!(err > 0.0 && err < 2e-2, "{m}");
     }
 }

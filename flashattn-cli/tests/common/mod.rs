@@ -23,6 +23,7 @@ pub fn assert_ok(res: &Output) {
 }
 
 /// A tensor to write: name, safetensors dtype name, shape, little-endian bytes.
+#[derive(Clone)]
 pub struct Raw {
     pub name: String,
     pub dtype: &'static str,
