@@ -8,7 +8,8 @@ Usage (torch comes from bench/.venv, which `bench/compare_torch.py` sets up):
     bench/.venv/bin/python bench/compare_torch_decode.py --batch 64 --cache-len 512,2048   # serving
 
 The shape (issue 6): batch 1, one new query token, 32 query heads over 8 kv heads, head_dim 128,
-a cache of 32768 tokens, f32 and bf16, 2 threads. `--batch B` decodes B sequences of the same
+a cache of 32768 tokens, f32 and bf16, 2 threads. `--dtype e4m3,e5m2` times FP8 caches (q bf16)
+against torch converting its float8 caches to bf16 per step before SDPA. `--batch B` decodes B sequences of the same
 length at once (every sequence's cache full to `cache_len`, so torch's dense batch is the same
 problem).
 
@@ -108,8 +109,13 @@ def main() -> None:
     machine = None
     read_gbps: list[float] = []
 
-    tdt = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
-    elem = {"f32": 4, "bf16": 2, "f16": 2}
+    tdt = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16,
+           "e4m3": torch.bfloat16, "e5m2": torch.bfloat16}
+    elem = {"f32": 4, "bf16": 2, "f16": 2, "e4m3": 1, "e5m2": 1}
+    # FP8 caches (flashattn's `bench --decode --dtype e4m3|e5m2`: q bf16, caches FP8 with a
+    # power-of-two descale): torch keeps them as float8 tensors and, per step, converts them to
+    # bf16 and multiplies by the factor before SDPA (its CPU SDPA takes no FP8), inside the timing.
+    fp8 = {"e4m3": (torch.float8_e4m3fn, 2.0 ** -8), "e5m2": (torch.float8_e5m2, 2.0 ** -15)}
     results = []
     for dtype in args.dtype.split(","):
         for cap in [int(x) for x in args.cache_len.split(",")]:
@@ -121,6 +127,10 @@ def main() -> None:
             k_rep = k.repeat_interleave(rep, dim=1).contiguous()
             v_rep = v.repeat_interleave(rep, dim=1).contiguous()
             samples = {"flashattn": [], "torch_sdpa_gqa": [], "torch_sdpa_repeated_kv": []}
+            if dtype in fp8:
+                f8, ds = fp8[dtype]
+                k8, v8 = (k / ds).to(f8), (v / ds).to(f8)
+                samples = {"flashattn": [], "torch_dequant_sdpa_gqa": []}
             round_bw: list[float] = []
             with torch.inference_mode():
                 for r in range(args.rounds):
@@ -131,10 +141,16 @@ def main() -> None:
                     # The read rate sampled just before and after this run's measurement.
                     round_bw.append(lines[1]["read_gbps_around"])
                     samples["flashattn"].append(lines[1]["median_ms"] / 1e3)
-                    samples["torch_sdpa_gqa"].append(time_torch(
-                        lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), args.min_time))
-                    samples["torch_sdpa_repeated_kv"].append(time_torch(
-                        lambda: F.scaled_dot_product_attention(q, k_rep, v_rep), args.min_time))
+                    if dtype in fp8:
+                        samples["torch_dequant_sdpa_gqa"].append(time_torch(
+                            lambda: F.scaled_dot_product_attention(
+                                q, k8.to(torch.bfloat16) * ds, v8.to(torch.bfloat16) * ds,
+                                enable_gqa=True), args.min_time))
+                    else:
+                        samples["torch_sdpa_gqa"].append(time_torch(
+                            lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), args.min_time))
+                        samples["torch_sdpa_repeated_kv"].append(time_torch(
+                            lambda: F.scaled_dot_product_attention(q, k_rep, v_rep), args.min_time))
                     log(f"{dtype} cache {cap} round {r + 1}/{args.rounds}: read {round_bw[-1]:.1f} GB/s, "
                         + ", ".join(f"{n} {s[-1] * 1e3:.2f} ms" for n, s in samples.items()))
             read_gbps += round_bw

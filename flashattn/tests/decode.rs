@@ -3098,3 +3098,57 @@ fn fp8_bad_input_is_a_typed_error_and_writes_nothing() {
     );
     assert!(e.to_string().contains("v_cache"), "{e}");
 }
+
+/// Packed queries over FP8 caches (each sequence's descale factors indexed by its batch row):
+/// the rows of the packed call are those of one call per sequence with its own factors, bit for
+/// bit.
+#[test]
+fn fp8_packed_queries_match_per_sequence_calls() {
+    let q_lens = [3usize, 0, 1, 6, 2, 4];
+    let total = q_lens.iter().sum::<usize>() + 2;
+    let cu = cumulative(&q_lens);
+    for (mi, format) in [(0, Fp8Format::E4M3), (1, Fp8Format::E5M2), (3, Fp8Format::E4M3)] {
+        let c = DCase {
+            fp8: Some(format),
+            ..packed_case(DType::BF16, mi, mi + 1, 950 + mi as u64)
+        };
+        let bl = build(&c);
+        let f = bl.fp8.as_ref().unwrap();
+        let (h, hkv, d) = (c.heads, c.heads_kv, c.d);
+        let mut rng = common::rng(c.seed ^ 0xc0ffee);
+        let qv = values(&mut rng, total * h * d, Dist::Normal);
+        let qb = to_buffer(&qv, c.dtype);
+        let lens: Vec<i32> = c.lens.iter().map(|&x| x as i32).collect();
+        let call = |q: TensorRef, lens: &[i32], descale: &Descale, opts: &KvCacheOptions| {
+            let (mut k, mut v) = (f.k.clone(), f.v.clone());
+            call_fp8(&q, (&mut k, &mut v), (format, &bl.map), lens, descale, opts)
+                .unwrap_or_else(|e| panic!("{c:?}: {e}"))
+        };
+        let all = Descale::default().k(&f.k_descale).v(&f.v_descale);
+        let packed = call(
+            view_of(&qb, &[total, h, d]),
+            &lens,
+            &all,
+            &bl.opts(&c).cu_seqlens_q(&cu),
+        );
+        let lse = packed.lse.to_f64_vec();
+        for (b, &sq) in q_lens.iter().enumerate().filter(|x| *x.1 > 0) {
+            let r0 = cu[b] as usize;
+            let qs = to_buffer(&qv[r0 * h * d..(r0 + sq) * h * d], c.dtype);
+            let own = Alone::new(&c, &bl, b);
+            let rows = b * hkv..(b + 1) * hkv;
+            let mine = Descale::default()
+                .k(&f.k_descale[rows.clone()])
+                .v(&f.v_descale[rows]);
+            let alone = call(
+                view_of(&qs, &[1, sq, h, d]),
+                &lens[b..b + 1],
+                &mine,
+                &own.opts(&c, &bl, b),
+            );
+            let lse_at = |hh: usize, i: usize| lse[hh * total + r0 + i];
+            let what = format!("{c:?}: sequence {b}");
+            assert_rows_match(&what, (&packed, r0, &lse_at), &alone, (sq, h, d));
+        }
+    }
+}
