@@ -76,6 +76,9 @@
 //! # Ok::<(), flashattn::Error>(())
 //! ```
 //!
+//! FP8 caches (e4m3/e5m2 with descale factors, q and out in f32/f16/bf16) take
+//! [`crate::fp8::flash_attn_with_kvcache_fp8`], which shares this module's validation.
+//!
 //! This module owns the public types and all validation (everything is checked before the cache is
 //! written: a rejected call leaves it bit-identical); the kernels are in `cpu::decode`.
 //!
