@@ -195,44 +195,13 @@ pub fn run(args: &RunArgs) -> Result<()> {
 
     let (k_cache, v_cache) = match &mut caches {
         Caches::Float(k, v) => (k, v),
-        Caches::Fp8((k, k_shape), (v, v_shape)) => {
-            if args.device == crate::cuda::Device::Cuda {
-                return fail(
-                    "FP8 caches run on the CPU only: the CUDA backend has no FP8 kernels yet (drop \
-                     --device cuda)",
-                );
-            }
+        Caches::Fp8(k, v) => {
             let descale = Descale {
                 q: None,
                 k: k_descale.as_deref(),
                 v: v_descale.as_deref(),
             };
-            return run::write_atomically(&args.output, || {
-                let res = with_threads(args.threads, || {
-                    let strides = |s: &[usize]| flashattn::tensor::contiguous_strides(s);
-                    let mut kt = k.view_mut(k_shape, &strides(k_shape));
-                    let mut vt = v.view_mut(v_shape, &strides(v_shape));
-                    flash_attn_with_kvcache_fp8(
-                        &q.view(),
-                        &mut kt,
-                        &mut vt,
-                        &cache_seqlens,
-                        &descale,
-                        &opts,
-                    )
-                })??;
-                let (out, lse) = (
-                    st_io::buffer_bytes(res.out.buffer()),
-                    st_io::buffer_bytes(res.lse.buffer()),
-                );
-                let (kc, vc) = (k.encoded(), v.encoded());
-                st_io::serialize_encoded(&[
-                    ("out", out.0, res.out.shape(), out.1),
-                    ("lse", lse.0, res.lse.shape(), lse.1),
-                    ("k_cache", kc.0, k_shape, kc.1),
-                    ("v_cache", vc.0, v_shape, vc.1),
-                ])
-            });
+            return run_fp8_caches(args, &q, (k, v), &cache_seqlens, &descale, &opts);
         }
     };
     run::write_atomically(&args.output, || {
@@ -251,6 +220,42 @@ pub fn run(args: &RunArgs) -> Result<()> {
             ("lse", res.lse.buffer(), res.lse.shape()),
             ("k_cache", &k_cache.buf, &k_shape),
             ("v_cache", &v_cache.buf, &v_shape),
+        ])
+    })
+}
+
+/// `run` on FP8 caches (CPU only): the call, then `out`, `lse` and the caches, written back FP8.
+fn run_fp8_caches(
+    args: &RunArgs,
+    q: &Loaded,
+    ((k, k_shape), (v, v_shape)): (&mut (Fp8Buf, Vec<usize>), &mut (Fp8Buf, Vec<usize>)),
+    cache_seqlens: &[i32],
+    descale: &Descale,
+    opts: &KvCacheOptions,
+) -> Result<()> {
+    if args.device == crate::cuda::Device::Cuda {
+        return fail(
+            "FP8 caches run on the CPU only: the CUDA backend has no FP8 kernels yet (drop \
+             --device cuda)",
+        );
+    }
+    run::write_atomically(&args.output, || {
+        let res = with_threads(args.threads, || {
+            let strides = |s: &[usize]| flashattn::tensor::contiguous_strides(s);
+            let mut kt = k.view_mut(k_shape, &strides(k_shape));
+            let mut vt = v.view_mut(v_shape, &strides(v_shape));
+            flash_attn_with_kvcache_fp8(&q.view(), &mut kt, &mut vt, cache_seqlens, descale, opts)
+        })??;
+        let (out, lse) = (
+            st_io::buffer_bytes(res.out.buffer()),
+            st_io::buffer_bytes(res.lse.buffer()),
+        );
+        let (kc, vc) = (k.encoded(), v.encoded());
+        st_io::serialize_encoded(&[
+            ("out", out.0, res.out.shape(), out.1),
+            ("lse", lse.0, res.lse.shape(), lse.1),
+            ("k_cache", kc.0, k_shape, kc.1),
+            ("v_cache", vc.0, v_shape, vc.1),
         ])
     })
 }

@@ -218,21 +218,6 @@ impl<'a> Fp8TensorMut<'a> {
     }
 }
 
-impl ViewDesc for Fp8TensorMut<'_> {
-    fn dtype(&self) -> DType {
-        DType::BF16
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn strides(&self) -> &[usize] {
-        &self.strides
-    }
-    fn buffer_len(&self) -> usize {
-        self.data.as_slice().len()
-    }
-}
-
 /// A strided view of a caller's FP8 buffer (strides in elements, last dimension contiguous), as
 /// [`TensorRef`] for the other dtypes.
 #[derive(Clone, Debug)]
@@ -576,8 +561,8 @@ pub fn flash_attn_with_kvcache_fp8(
         .map(|(k, v)| (ViewInfo::of(k), ViewInfo::of(v)));
     let mut dp = crate::decode::validate(
         &ViewInfo::of(q),
-        &ViewInfo::with_dtype(k_cache, q.dtype()),
-        &ViewInfo::with_dtype(v_cache, q.dtype()),
+        &ViewInfo::with_dtype(&k_cache.view(), q.dtype()),
+        &ViewInfo::with_dtype(&v_cache.view(), q.dtype()),
         new_kv.as_ref().map(|(k, v)| (k, v)),
         cache_seqlens,
         opts,

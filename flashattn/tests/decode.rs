@@ -3107,7 +3107,11 @@ fn fp8_packed_queries_match_per_sequence_calls() {
     let q_lens = [3usize, 0, 1, 6, 2, 4];
     let total = q_lens.iter().sum::<usize>() + 2;
     let cu = cumulative(&q_lens);
-    for (mi, format) in [(0, Fp8Format::E4M3), (1, Fp8Format::E5M2), (3, Fp8Format::E4M3)] {
+    for (mi, format) in [
+        (0, Fp8Format::E4M3),
+        (1, Fp8Format::E5M2),
+        (3, Fp8Format::E4M3),
+    ] {
         let c = DCase {
             fp8: Some(format),
             ..packed_case(DType::BF16, mi, mi + 1, 950 + mi as u64)
