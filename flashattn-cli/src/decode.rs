@@ -116,7 +116,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     };
     let (k_descale, v_descale) = (descale("k_descale")?, descale("v_descale")?);
     let mut caches = if fp8 {
-        let load = |name: &str| -> Result<(Fp8Buf, Vec<usize>)> {
+        let load = |name: &str| -> Result<Fp8Cache> {
             let t = get(name)?.ok_or_else(|| {
                 CliError(format!("{shown}: missing tensor `{name}` (q, k_cache, v_cache and cache_seqlens are required)"))
             })?;
@@ -228,7 +228,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
 fn run_fp8_caches(
     args: &RunArgs,
     q: &Loaded,
-    ((k, k_shape), (v, v_shape)): (&mut (Fp8Buf, Vec<usize>), &mut (Fp8Buf, Vec<usize>)),
+    ((k, k_shape), (v, v_shape)): (&mut Fp8Cache, &mut Fp8Cache),
     cache_seqlens: &[i32],
     descale: &Descale,
     opts: &KvCacheOptions,
@@ -260,10 +260,13 @@ fn run_fp8_caches(
     })
 }
 
-/// The caches of a KV-cache file: in q's dtype, or FP8 (buffer, shape).
+/// An FP8 cache from a file: its values and shape.
+type Fp8Cache = (Fp8Buf, Vec<usize>);
+
+/// The caches of a KV-cache file: in q's dtype, or FP8.
 enum Caches {
     Float(Loaded, Loaded),
-    Fp8((Fp8Buf, Vec<usize>), (Fp8Buf, Vec<usize>)),
+    Fp8(Fp8Cache, Fp8Cache),
 }
 
 fn slice_mut(b: &mut Buffer) -> SliceMut<'_> {

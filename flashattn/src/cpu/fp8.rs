@@ -12,7 +12,7 @@
 use crate::cpu::simd::Isa;
 use crate::decode::SliceMut;
 use crate::fp8::Fp8Format;
-use crate::{DType, Element};
+use crate::Element;
 use half::{bf16, f16};
 
 /// (shift, 2^gap, special) of a format (see the module documentation).
@@ -49,13 +49,15 @@ pub(crate) fn widen<T: Element>(isa: Isa, format: Fp8Format, src: &[u8], dst: &m
             match T::wrap_mut(dst) {
                 SliceMut::F32(d) => avx512::widen_f32(format, src, d),
                 SliceMut::BF16(d) if vbmi::available() => vbmi::widen16(
-                    vbmi::tables(format, DType::BF16),
+                    vbmi::tables(format, crate::DType::BF16),
                     src,
                     d.as_mut_ptr().cast(),
                 ),
-                SliceMut::F16(d) if vbmi::available() => {
-                    vbmi::widen16(vbmi::tables(format, DType::F16), src, d.as_mut_ptr().cast())
-                }
+                SliceMut::F16(d) if vbmi::available() => vbmi::widen16(
+                    vbmi::tables(format, crate::DType::F16),
+                    src,
+                    d.as_mut_ptr().cast(),
+                ),
                 SliceMut::BF16(d) => avx512::widen_bf16(format, src, d),
                 SliceMut::F16(d) => avx512::widen_f16(format, src, d),
             }
