@@ -31,7 +31,7 @@
 //! assert_eq!(res.lse.shape(), &[b, h, n]);
 //! ```
 
-use crate::cpu::forward::{forward_fp8, Bf16Source, Fp8Source};
+use crate::cpu::forward::{forward_fp8, Fp8Source};
 use crate::error::{ErrorKind, Result, TensorName};
 use crate::params::{self, Descales, Params};
 use crate::tensor::{contiguous_strides, Buffer, DType, Tensor, TensorRef, ViewDesc, ViewInfo};
@@ -353,7 +353,8 @@ fn run(
             lse: Tensor::new_unchecked(Buffer::F32(lse), p.lse_shape.clone()),
         });
     }
-    let (qb, kb, vb) = (widen(q), widen(k), widen(v));
+    let isa = p.kernels.isa;
+    let (qb, kb, vb) = (widen(q, isa), widen(k, isa), widen(v, isa));
     let (qv, kv, vv) = (
         TensorRef::contiguous(&qb, q.shape()),
         TensorRef::contiguous(&kb, k.shape()),
@@ -456,8 +457,8 @@ fn fold_descale(dq: &[f32], dk: &[f32], dv: Vec<f32>, p: &Params) -> Result<Desc
 
 /// The view's elements widened to bf16 (exact), contiguous row-major. The view was validated:
 /// every element it addresses lies in its buffer and its last dimension is contiguous.
-fn widen(t: &Fp8TensorRef) -> Vec<bf16> {
-    let src = source(t);
+fn widen(t: &Fp8TensorRef, isa: crate::cpu::simd::Isa) -> Vec<bf16> {
+    let (bytes, format) = (source(t).bytes, t.format());
     let (outer, strides) = (&t.shape()[..t.shape().len() - 1], t.strides());
     let d = *t.shape().last().expect("validated rank");
     let rows: usize = outer.iter().product();
@@ -479,9 +480,7 @@ fn widen(t: &Fp8TensorRef) -> Vec<bf16> {
         .for_each(|(chunk, rows)| {
             for (i, row) in rows.chunks_mut(d).enumerate() {
                 let at = row_offset(chunk * 256 + i);
-                for (x, o) in row.iter_mut().enumerate() {
-                    *o = bf16::from_bits(src.bits(at + x));
-                }
+                crate::cpu::fp8::widen(isa, format, &bytes[at..at + d], row);
             }
         });
     out
@@ -570,7 +569,9 @@ pub fn flash_attn_with_kvcache_fp8(
     let dk = read_factors("k_descale", descale.k, &dp.p)?;
     let dv = read_factors("v_descale", descale.v, &dp.p)?;
     let ones = vec![1.0; dk.len()];
-    dp.p.descale = Some(fold_descale(&ones, &dk, dv.clone(), &dp.p)?);
+    dp.p.descale = Some(fold_descale(&ones, &dk, dv, &dp.p)?);
+    // The v factors, as folded (they scale the output rows unchanged).
+    let dv = dp.p.descale.as_ref().map_or(&[][..], |d| &d.out_scale);
     // Every check passed: from here on nothing fails, and the caches may be written.
     Ok(crate::cpu::decode::run_fp8(
         &dp,
@@ -578,7 +579,7 @@ pub fn flash_attn_with_kvcache_fp8(
         opts.new_kv.as_ref(),
         (k_cache.data.bytes_mut(), v_cache.data.bytes_mut()),
         format,
-        (&dk, &dv),
+        (&dk, dv),
     ))
 }
 

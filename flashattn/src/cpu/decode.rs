@@ -145,11 +145,7 @@ pub(crate) fn run(
         if let Some((kn, vn)) = new_kv {
             append(dp, data::<T>(kn), data::<T>(vn), k, v);
         }
-        let (out, lse) = attend(dp, data::<T>(q), Kv::Plain(k, v));
-        AttnOutput {
-            out: Tensor::new_unchecked(T::wrap_vec(out), dp.p.out_shape.clone()),
-            lse: Tensor::new_unchecked(Buffer::F32(lse), dp.p.lse_shape.clone()),
-        }
+        output(dp, attend(dp, data::<T>(q), Kv::Plain(k, v)))
     }
     match (k_cache, v_cache) {
         (SliceMut::F32(k), SliceMut::F32(v)) => typed::<f32>(dp, q, new_kv, k, v),
@@ -182,16 +178,20 @@ pub(crate) fn run_fp8(
         if let Some((kn, vn)) = new_kv {
             append_fp8(dp, (data::<T>(kn), data::<T>(vn)), (k, v), format, quant);
         }
-        let (out, lse) = attend(dp, data::<T>(q), Kv::Fp8(k, v, format));
-        AttnOutput {
-            out: Tensor::new_unchecked(T::wrap_vec(out), dp.p.out_shape.clone()),
-            lse: Tensor::new_unchecked(Buffer::F32(lse), dp.p.lse_shape.clone()),
-        }
+        output(dp, attend(dp, data::<T>(q), Kv::Fp8(k, v, format)))
     }
     match q.dtype() {
         DType::F32 => typed::<f32>(dp, q, new_kv, (k, v), format, quant),
         DType::F16 => typed::<half::f16>(dp, q, new_kv, (k, v), format, quant),
         DType::BF16 => typed::<bf16>(dp, q, new_kv, (k, v), format, quant),
+    }
+}
+
+/// `out` and `lse` of [`attend`] as the call's result tensors.
+fn output<T: Element>(dp: &DecodeParams, (out, lse): (Vec<T>, Vec<f32>)) -> AttnOutput {
+    AttnOutput {
+        out: Tensor::new_unchecked(T::wrap_vec(out), dp.p.out_shape.clone()),
+        lse: Tensor::new_unchecked(Buffer::F32(lse), dp.p.lse_shape.clone()),
     }
 }
 
