@@ -136,7 +136,7 @@ pub enum Fp8Slice<'a> {
     E5M2(&'a [F8E5M2]),
 }
 
-impl Fp8Slice<'_> {
+impl<'a> Fp8Slice<'a> {
     pub fn format(&self) -> Fp8Format {
         match self {
             Fp8Slice::E4M3(_) => Fp8Format::E4M3,
@@ -151,6 +151,13 @@ impl Fp8Slice<'_> {
     }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+    /// The raw bytes (one per value).
+    pub fn bytes(&self) -> &'a [u8] {
+        match *self {
+            Fp8Slice::E4M3(d) => bytemuck::cast_slice(d),
+            Fp8Slice::E5M2(d) => bytemuck::cast_slice(d),
+        }
     }
 }
 
@@ -369,12 +376,8 @@ fn run(
 
 /// The view's bytes, read through its format's table.
 fn source<'a>(t: &Fp8TensorRef<'a>) -> Fp8Source<'a> {
-    let bytes: &'a [u8] = match t.data() {
-        Fp8Slice::E4M3(d) => bytemuck::cast_slice(d),
-        Fp8Slice::E5M2(d) => bytemuck::cast_slice(d),
-    };
     Fp8Source {
-        bytes,
+        bytes: t.data().bytes(),
         table: t.format().bf16_table(),
     }
 }
@@ -539,37 +542,18 @@ pub fn flash_attn_with_kvcache_fp8(
     opts: &KvCacheOptions,
 ) -> Result<AttnOutput> {
     let format = k_cache.format();
-    if v_cache.format() != format {
-        return Err(ErrorKind::Fp8CacheFormat {
-            expected: format,
-            got: v_cache.format(),
-        }
-        .into());
-    }
-    if descale.q.is_some() {
-        return Err(ErrorKind::DescaleUnused {
-            tensor: "q_descale",
-        }
-        .into());
-    }
-    // The caches are validated as if they held q's dtype (their bounds are in elements, one
-    // byte each); the new keys and values must be in q's dtype.
     let new_kv = opts
         .new_kv
         .as_ref()
         .map(|(k, v)| (ViewInfo::of(k), ViewInfo::of(v)));
-    let mut dp = crate::decode::validate(
+    let (dp, dk) = validate_kvcache(
         &ViewInfo::of(q),
-        &ViewInfo::with_dtype(&k_cache.view(), q.dtype()),
-        &ViewInfo::with_dtype(&v_cache.view(), q.dtype()),
+        (&k_cache.view(), &v_cache.view()),
         new_kv.as_ref().map(|(k, v)| (k, v)),
         cache_seqlens,
+        descale,
         opts,
     )?;
-    let dk = read_factors("k_descale", descale.k, &dp.p)?;
-    let dv = read_factors("v_descale", descale.v, &dp.p)?;
-    let ones = vec![1.0; dk.len()];
-    dp.p.descale = Some(fold_descale(&ones, &dk, dv, &dp.p)?);
     // The v factors, as folded (they scale the output rows unchanged).
     let dv = dp.p.descale.as_ref().map_or(&[][..], |d| &d.out_scale);
     // Every check passed: from here on nothing fails, and the caches may be written.
@@ -581,6 +565,60 @@ pub fn flash_attn_with_kvcache_fp8(
         format,
         (&dk, dv),
     ))
+}
+
+/// An FP8 cache as validation sees it: its format and its view.
+pub(crate) trait Fp8View: ViewDesc {
+    fn fp8_format(&self) -> Fp8Format;
+}
+
+impl Fp8View for Fp8TensorRef<'_> {
+    fn fp8_format(&self) -> Fp8Format {
+        self.format()
+    }
+}
+
+/// The checks of a decode call on FP8 caches, shared by the CPU and the CUDA path, in this order:
+/// both caches in one format, no q factor, the call's shapes and options (the caches seen as
+/// holding q's dtype: their bounds are in elements, one byte each; the new keys and values must
+/// be in q's dtype), the k and v factors. Returns the validated call, its `descale` holding the
+/// score scales (`softmax_scale · k_descale`, rounded once) and the v factors, and the k factors
+/// per (sequence, kv head), by which appended keys are divided.
+pub(crate) fn validate_kvcache<C: Fp8View + ?Sized>(
+    q: &ViewInfo,
+    (k_cache, v_cache): (&C, &C),
+    new_kv: Option<(&ViewInfo, &ViewInfo)>,
+    cache_seqlens: &[i32],
+    descale: &Descale,
+    opts: &KvCacheOptions,
+) -> Result<(crate::decode::DecodeParams, Vec<f32>)> {
+    let format = k_cache.fp8_format();
+    if v_cache.fp8_format() != format {
+        return Err(ErrorKind::Fp8CacheFormat {
+            expected: format,
+            got: v_cache.fp8_format(),
+        }
+        .into());
+    }
+    if descale.q.is_some() {
+        return Err(ErrorKind::DescaleUnused {
+            tensor: "q_descale",
+        }
+        .into());
+    }
+    let mut dp = crate::decode::validate(
+        q,
+        &ViewInfo::with_dtype(k_cache, q.dtype),
+        &ViewInfo::with_dtype(v_cache, q.dtype),
+        new_kv,
+        cache_seqlens,
+        opts,
+    )?;
+    let dk = read_factors("k_descale", descale.k, &dp.p)?;
+    let dv = read_factors("v_descale", descale.v, &dp.p)?;
+    let ones = vec![1.0; dk.len()];
+    dp.p.descale = Some(fold_descale(&ones, &dk, dv, &dp.p)?);
+    Ok((dp, dk))
 }
 
 #[cfg(test)]

@@ -2402,13 +2402,17 @@ fn query_blocks_of_unequal_size() {
 mod emulated {
     use super::*;
     use crate::common::emu::{bytes, from_bytes, have_compiler, work_dir, Builds};
-    use flashattn::cuda::{decode_launch_description, DecodeLaunch};
+    use flashattn::cuda::{
+        decode_launch_description, decode_launch_description_fp8, DecodeLaunch, KernelKey,
+    };
+    use flashattn::fp8::Fp8TensorRef;
     use std::process::Command;
 
     const DRIVER: &str = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/tests/cuda_emu/decode_driver.cpp"
     );
+    const FP8_DRIVER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/cuda_emu/fp8_driver.cpp");
     /// The SM count the automatic split choice assumes (an H100 SXM's).
     const SM_COUNT: usize = 132;
 
@@ -2461,6 +2465,8 @@ mod emulated {
                 ws_lse as i64,
                 k_len as i64,
                 v_len as i64,
+                d.descale.is_some() as i64,
+                d.e5m2 as i64,
             ]
             .iter()
             .map(|x| x.to_string()),
@@ -2468,10 +2474,67 @@ mod emulated {
         t.join("\n")
     }
 
-    /// One call through the emulated kernels, on copies of the caches.
+    /// FP8 bytes as the elements of their format.
+    enum Fp8Elements {
+        E4M3(Vec<F8E4M3>),
+        E5M2(Vec<F8E5M2>),
+    }
+
+    fn fp8_elements(b: &[u8], format: Fp8Format) -> Fp8Elements {
+        match format {
+            Fp8Format::E4M3 => Fp8Elements::E4M3(b.iter().map(|&x| F8E4M3::from_bits(x)).collect()),
+            Fp8Format::E5M2 => Fp8Elements::E5M2(b.iter().map(|&x| F8E5M2::from_bits(x)).collect()),
+        }
+    }
+
+    /// One call through the emulated kernels, on copies of the caches (FP8 caches with their
+    /// factors when the case has them).
     fn call(builds: &mut Builds, bl: &Built, c: &DCase, tag: &str) -> CallResult {
         let lens: Vec<i32> = c.lens.iter().map(|&x| x as i32).collect();
+        if let Some(f) = &bl.fp8 {
+            return run_fp8(builds, &bl.q_view(c), bl, f, &lens, &bl.opts(c), tag);
+        }
         run(builds, &bl.q_view(c), bl, &lens, &bl.opts(c), tag)
+    }
+
+    /// A call on copies of `f`'s FP8 caches: the launches of
+    /// `flashattn::cuda::flash_attn_with_kvcache_fp8`, run by the FA_FP8_CACHE build of the
+    /// kernels; returns the caches afterwards as their raw values (as `Built::call`).
+    fn run_fp8(
+        builds: &mut Builds,
+        q: &TensorRef,
+        bl: &Built,
+        f: &Fp8Caches,
+        lens: &[i32],
+        opts: &KvCacheOptions,
+        tag: &str,
+    ) -> CallResult {
+        let descale = Descale::default().k(&f.k_descale).v(&f.v_descale);
+        let d = {
+            let (k, v) = (fp8_elements(&f.k, f.format), fp8_elements(&f.v, f.format));
+            fn view<'a>(e: &'a Fp8Elements, map: &CacheMap) -> Fp8TensorRef<'a> {
+                match e {
+                    Fp8Elements::E4M3(x) => Fp8TensorRef::new(x, &map.shape, &map.strides),
+                    Fp8Elements::E5M2(x) => Fp8TensorRef::new(x, &map.shape, &map.strides),
+                }
+            }
+            decode_launch_description_fp8(
+                q,
+                &view(&k, &bl.map),
+                &view(&v, &bl.map),
+                lens,
+                &descale,
+                opts,
+                SM_COUNT,
+            )
+        };
+        let values = |b: &[u8]| fp8_values(b, f.format);
+        let d = match d {
+            Ok(d) => d,
+            Err(e) => return (Err(e), values(&f.k), values(&f.v)),
+        };
+        let (res, k, v) = execute(builds, q, &d, opts, (&f.k, &f.v), tag);
+        (res, values(&k), values(&v))
     }
 
     /// A call with q and options of the caller's making, on copies of `bl`'s caches.
@@ -2491,14 +2554,46 @@ mod emulated {
             Ok(d) => d,
             Err(e) => return (Err(e), kc, vc),
         };
+        let (kb, vb) = (bytes(kc.as_slice()), bytes(vc.as_slice()));
+        let (res, k_after, v_after) = execute(builds, q, &d, opts, (&kb, &vb), tag);
+        (
+            res,
+            from_bytes(&k_after, dtype),
+            from_bytes(&v_after, dtype),
+        )
+    }
+
+    /// Runs the launches `d` of a call with q, `opts` and caches of these bytes; returns the
+    /// result and the caches' bytes afterwards.
+    fn execute(
+        builds: &mut Builds,
+        q: &TensorRef,
+        d: &DecodeLaunch,
+        opts: &KvCacheOptions,
+        (kb, vb): (&[u8], &[u8]),
+        tag: &str,
+    ) -> (flashattn::Result<AttnOutput>, Vec<u8>, Vec<u8>) {
+        let dtype = q.dtype();
         let dir = work_dir().join(format!("decode_{}_{tag}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let put = |name: &str, b: Vec<u8>| std::fs::write(dir.join(name), b).unwrap();
-        let (k_len, v_len) = (kc.as_slice().len(), vc.as_slice().len());
-        put("params.txt", params_text(&d, k_len, v_len).into_bytes());
+        // Cache lengths in elements (FP8: one byte each).
+        let elem = match (d.descale.is_some(), dtype) {
+            (true, _) => 1,
+            (false, DType::F32) => 4,
+            (false, _) => 2,
+        };
+        let (k_len, v_len) = (kb.len() / elem, vb.len() / elem);
+        put("params.txt", params_text(d, k_len, v_len).into_bytes());
         put("q.bin", bytes(q.data()));
-        put("k.bin", bytes(kc.as_slice()));
-        put("v.bin", bytes(vc.as_slice()));
+        put("k.bin", kb.to_vec());
+        put("v.bin", vb.to_vec());
+        if let Some(t) = &d.descale {
+            put(
+                "descale.bin",
+                t.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            );
+        }
         put(
             "table.bin",
             d.table.iter().flat_map(|x| x.to_le_bytes()).collect(),
@@ -2529,10 +2624,7 @@ mod emulated {
         let read = |name: &str| std::fs::read(dir.join(name)).unwrap();
         let out = from_bytes(&read("out.bin"), dtype);
         let lse = from_bytes(&read("lse.bin"), DType::F32);
-        let (k_after, v_after) = (
-            from_bytes(&read("k_out.bin"), dtype),
-            from_bytes(&read("v_out.bin"), dtype),
-        );
+        let (k_after, v_after) = (read("k_out.bin"), read("v_out.bin"));
         let _ = std::fs::remove_dir_all(&dir);
         let res = AttnOutput {
             out: Tensor::from_buffer(out, &d.out_shape).expect("out length"),
@@ -2649,6 +2741,130 @@ mod emulated {
         eprintln!("{n} decode cases emulated, {} kernel builds", builds.len());
     }
 
+    /// FP8 caches (`flashattn::cuda::flash_attn_with_kvcache_fp8`'s launches): [`kernel_cases`]
+    /// with caches in e4m3 and e5m2 and factors per (sequence, kv head), q in every dtype; the
+    /// same checks as the CPU's FP8 path (appended bytes, untouched bytes, result against the
+    /// f64 reference on the dequantised caches).
+    #[test]
+    fn fp8_decode_kernels_against_reference() {
+        if !have_compiler() {
+            return;
+        }
+        let mut builds = decode_builds();
+        let mut n = 0;
+        for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
+            for dtype in DTYPES {
+                for (i, c) in kernel_cases(dtype).into_iter().enumerate() {
+                    let c = DCase {
+                        fp8: Some(format),
+                        ..c
+                    };
+                    let tag = format!("{format}_{dtype}_{i}");
+                    check_case_with(&c, |bl, c| call(&mut builds, bl, c, &tag));
+                    n += 1;
+                }
+            }
+        }
+        eprintln!(
+            "{n} FP8 decode cases emulated, {} kernel builds",
+            builds.len()
+        );
+    }
+
+    /// decode.cu's FP8 conversions against the `float8` crate's: all 256 bytes of each format
+    /// widened (bit for bit; NaN as NaN), and quantisation (`Fp8Format::quantise`, round to
+    /// nearest even, saturating) of values around every representable value and midpoint of
+    /// both formats, subnormals, zeros of both signs, beyond the largest finite value, infinities
+    /// and NaN.
+    #[test]
+    fn fp8_conversions_match_the_cpu() {
+        if !have_compiler() {
+            return;
+        }
+        let mut inputs = vec![
+            0.0,
+            -0.0,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+            f64::NAN,
+            1e-30,
+            -1e-30,
+            1e30,
+            f64::MIN_POSITIVE,
+        ];
+        for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
+            let vals = fp8_values(&(0..=255u8).collect::<Vec<_>>(), format);
+            let mut v: Vec<f64> = buf_f64(&vals)
+                .into_iter()
+                .filter(|x| x.is_finite())
+                .collect();
+            v.sort_by(f64::total_cmp);
+            for w in v.windows(2) {
+                let mid = (w[0] + w[1]) / 2.0;
+                for x in [
+                    w[0],
+                    mid,
+                    w[0] + (mid - w[0]) * 0.999,
+                    mid + (w[1] - mid) * 1e-3,
+                ] {
+                    inputs.extend([x, -x]);
+                }
+            }
+            let max = format.max() as f64;
+            inputs.extend([max * 1.03, max * 1.0625, max * 1.2, -max * 1.07, max * 4.0]);
+        }
+        let mut rng = common::rng(77);
+        inputs.extend((0..2000).map(|_| rng.gen_range(-600.0..600.0f64)));
+        let key = KernelKey {
+            fp8_cache: true,
+            ..decode_launch_description(
+                &TensorRef::contiguous(&[0f32; 16], &[1, 1, 1, 16]),
+                &TensorRef::contiguous(&[0f32; 16], &[1, 1, 1, 16]),
+                &TensorRef::contiguous(&[0f32; 16], &[1, 1, 1, 16]),
+                &[1],
+                &KvCacheOptions::default(),
+                SM_COUNT,
+            )
+            .unwrap()
+            .split
+        };
+        let mut builds = Builds::new(FP8_DRIVER, &[("FA_DECODE_ENTRY", "0")]);
+        let exe = builds.get(&key, &[]);
+        let dir = work_dir().join(format!("fp8conv_{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let raw: Vec<u8> = inputs.iter().flat_map(|x| x.to_le_bytes()).collect();
+        std::fs::write(dir.join("in.bin"), raw).unwrap();
+        let o = Command::new(&exe)
+            .arg(&dir)
+            .output()
+            .expect("run the driver");
+        assert!(o.status.success(), "fp8 driver failed: {o:?}");
+        let widened = from_bytes(&std::fs::read(dir.join("widened.bin")).unwrap(), DType::F32);
+        let quantised = std::fs::read(dir.join("quantised.bin")).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let widened = buf_f64(&widened);
+        let n = inputs.len();
+        for (f, format) in [Fp8Format::E4M3, Fp8Format::E5M2].into_iter().enumerate() {
+            let want = buf_f64(&fp8_values(&(0..=255u8).collect::<Vec<_>>(), format));
+            for b in 0..256 {
+                let (got, want) = (widened[256 * f + b], want[b]);
+                assert!(
+                    got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                    "{format} byte {b:#04x}: widened to {got}, want {want}"
+                );
+            }
+            for (i, &x) in inputs.iter().enumerate() {
+                let (got, want) = (quantised[n * f + i], format.quantise(x));
+                let nan = |b: u8| buf_f64(&fp8_values(&[b], format))[0].is_nan();
+                assert!(
+                    got == want || (nan(got) && nan(want)),
+                    "{format}: {x:e} quantised to {got:#04x}, want {want:#04x}"
+                );
+            }
+        }
+        eprintln!("{} values quantised, 512 bytes widened", 2 * n);
+    }
+
     /// Packed queries of different lengths (`cu_seqlens_q`, two rows after the last sequence)
     /// over every cache store, two of them with packed new keys (`cu_seqlens_k_new`): the
     /// emulated kernels against the CPU path (itself checked against the reference in
@@ -2746,7 +2962,8 @@ mod emulated {
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::*;
-    use flashattn::cuda::{self, CudaDevice, CudaTensor};
+    use flashattn::cuda::{self, CudaDevice, CudaFp8Tensor, CudaTensor};
+    use flashattn::fp8::Fp8TensorRef;
 
     fn upload(dev: &CudaDevice, b: &Buffer, shape: &[usize], strides: &[usize]) -> CudaTensor {
         let len = b.as_slice().len();
@@ -2766,10 +2983,30 @@ mod gpu {
             .into_buffer()
     }
 
+    /// FP8 bytes on the device as a cache view (the whole buffer, gaps included).
+    fn upload_fp8(dev: &CudaDevice, b: &[u8], f: Fp8Format, map: &CacheMap) -> CudaFp8Tensor {
+        let t = match f {
+            Fp8Format::E4M3 => {
+                let e: Vec<F8E4M3> = b.iter().map(|&x| F8E4M3::from_bits(x)).collect();
+                dev.upload_fp8(&Fp8TensorRef::contiguous(&e, &[e.len()]))
+            }
+            Fp8Format::E5M2 => {
+                let e: Vec<F8E5M2> = b.iter().map(|&x| F8E5M2::from_bits(x)).collect();
+                dev.upload_fp8(&Fp8TensorRef::contiguous(&e, &[e.len()]))
+            }
+        }
+        .expect("upload");
+        CudaFp8Tensor::from_buffer(t.buffer().clone(), f, &map.shape, &map.strides)
+    }
+
+    fn download_fp8(dev: &CudaDevice, t: &CudaFp8Tensor) -> Buffer {
+        let len = t.buffer().len();
+        let whole = CudaFp8Tensor::from_buffer(t.buffer().clone(), t.format(), &[len], &[1]);
+        fp8_values(&whole.to_host_bytes(dev).expect("download"), t.format())
+    }
+
     fn call(dev: &CudaDevice, bl: &Built, c: &DCase) -> CallResult {
         let (sh, st) = (&bl.map.shape, &bl.map.strides);
-        let mut k = upload(dev, &bl.k_cache, sh, st);
-        let mut v = upload(dev, &bl.v_cache, sh, st);
         let q_shape = [c.batch(), c.seqlen_q, c.heads, c.d];
         let q = upload(
             dev,
@@ -2789,6 +3026,28 @@ mod gpu {
         let mut opts = bl.opts(c);
         opts.new_kv = None;
         let lens: Vec<i32> = c.lens.iter().map(|&x| x as i32).collect();
+        let host = |r: cuda::CudaAttnOutput| AttnOutput {
+            out: r.out.to_host(dev).expect("download out"),
+            lse: r.lse.to_host(dev).expect("download lse"),
+        };
+        if let Some(f) = &bl.fp8 {
+            let mut k = upload_fp8(dev, &f.k, f.format, &bl.map);
+            let mut v = upload_fp8(dev, &f.v, f.format, &bl.map);
+            let res = cuda::flash_attn_with_kvcache_fp8(
+                dev,
+                &q,
+                &mut k,
+                &mut v,
+                &lens,
+                new.as_ref().map(|(a, b)| (a, b)),
+                &Descale::default().k(&f.k_descale).v(&f.v_descale),
+                &opts,
+            )
+            .map(host);
+            return (res, download_fp8(dev, &k), download_fp8(dev, &v));
+        }
+        let mut k = upload(dev, &bl.k_cache, sh, st);
+        let mut v = upload(dev, &bl.v_cache, sh, st);
         let res = cuda::flash_attn_with_kvcache(
             dev,
             &q,
@@ -2798,10 +3057,7 @@ mod gpu {
             new.as_ref().map(|(a, b)| (a, b)),
             &opts,
         )
-        .map(|r| AttnOutput {
-            out: r.out.to_host(dev).expect("download out"),
-            lse: r.lse.to_host(dev).expect("download lse"),
-        });
+        .map(host);
         (res, download(dev, k), download(dev, v))
     }
 
@@ -2822,6 +3078,21 @@ mod gpu {
                         ..c.clone()
                     };
                     check_case_with(&c, |bl, c| call(&dev, bl, c));
+                }
+            }
+        }
+        // FP8 caches, both formats, q in every dtype.
+        for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
+            for dtype in DTYPES {
+                for c in super::emulated::kernel_cases(dtype) {
+                    for splits in [c.splits, None] {
+                        let c = DCase {
+                            splits,
+                            fp8: Some(format),
+                            ..c.clone()
+                        };
+                        check_case_with(&c, |bl, c| call(&dev, bl, c));
+                    }
                 }
             }
         }

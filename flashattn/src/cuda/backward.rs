@@ -78,6 +78,7 @@ impl BackwardLaunch {
                 alibi: p.alibi.is_some(),
                 dropout: p.dropout.is_some(),
                 vec_load: false,
+                fp8_cache: false,
             };
             KernelKey {
                 vec_load: vec_load && key.bwd_tensor_cores(),

@@ -8,8 +8,11 @@ use super::{alloc_poisoned, driver_err, CudaAttnOutput, CudaDevice, CudaTensor, 
 use super::{KernelKey, KernelKind, MAX_GRID_YZ, MAX_SEQLEN};
 use crate::decode::{DecodeParams, KvCacheOptions};
 use crate::error::{ErrorKind, Result};
-use crate::tensor::{DType, TensorRef};
-use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use crate::fp8::{Descale, Fp8Format, Fp8TensorRef};
+use crate::tensor::{DType, TensorRef, ViewInfo};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use std::sync::Arc;
 
 /// Entries per launched sequence of the decode kernels' table (decode.cu: DECODE_FIELDS).
@@ -72,6 +75,11 @@ pub struct DecodeLaunch {
     /// 1 when head_dim and every cache stride are multiples of 8 elements: `decode_split` reads
     /// keys 16 bytes at a time (device buffers start 256-byte aligned).
     pub vec_loads: i32,
+    /// FP8 caches: three factors per (launched sequence, kv head), `3 · (b · heads_kv + hk)`:
+    /// the score scale (`softmax_scale · k_descale`, rounded once), k_descale and v_descale.
+    pub descale: Option<Vec<f32>>,
+    /// FP8 caches in e5m2 (1) or e4m3 (0).
+    pub e5m2: i32,
     /// Largest seqlen_q of a launched sequence.
     pub max_q: usize,
     pub out_len: usize,
@@ -136,9 +144,14 @@ fn limit(what: &'static str, value: usize, limit: usize) -> Result<()> {
 }
 
 impl DecodeLaunch {
-    /// The launches of validated `dp`, on a device of `sm_count` SMs; a typed error when a size
-    /// is beyond what the kernels address.
-    pub(crate) fn new(dp: &DecodeParams, sm_count: usize) -> Result<DecodeLaunch> {
+    /// The launches of validated `dp`, on a device of `sm_count` SMs (FP8 caches: their format
+    /// and the k factors per (sequence, kv head); the score scales and v factors are in
+    /// `dp.p.descale`); a typed error when a size is beyond what the kernels address.
+    pub(crate) fn new(
+        dp: &DecodeParams,
+        sm_count: usize,
+        fp8: Option<(Fp8Format, &[f32])>,
+    ) -> Result<DecodeLaunch> {
         let p = &dp.p;
         let batch = p.seqs.len();
         let group = p.heads / p.heads_kv;
@@ -229,14 +242,28 @@ impl DecodeLaunch {
             alibi: p.alibi.is_some(),
             dropout: false,
             vec_load: false,
+            fp8_cache: fp8.is_some(),
         };
+        // FP8 factors per (launched sequence, kv head); the tail sequence attends nothing.
+        let descale = fp8.map(|(_, dk)| {
+            let folded = p.descale.as_ref().expect("FP8 calls fold their factors");
+            let mut t = Vec::with_capacity(3 * seqs * p.heads_kv);
+            for ((&score, &k), &v) in folded.score_scale.iter().zip(dk).zip(&folded.out_scale) {
+                t.extend([score, k, v]);
+            }
+            t.resize(3 * seqs * p.heads_kv, 1.0);
+            t
+        });
         let side = |w: Option<usize>| w.map_or(-1, |w| w.min(max_q + max_k) as i32);
         let rot = dp.rotary.as_ref();
         let new = dp.new_kv.as_ref();
         Ok(DecodeLaunch {
             split,
             combine: KernelKey::decode_helper(KernelKind::DecodeCombine, p.dtype),
-            append: new.map(|_| KernelKey::decode_helper(KernelKind::DecodeAppend, p.dtype)),
+            append: new.map(|_| KernelKey {
+                fp8_cache: fp8.is_some(),
+                ..KernelKey::decode_helper(KernelKind::DecodeAppend, p.dtype)
+            }),
             splits,
             row_blocks,
             seqs,
@@ -279,6 +306,8 @@ impl DecodeLaunch {
             .iter()
             .all(|x| x.is_multiple_of(8)) as i32,
             total_rows: (p.total_q * p.heads) as i64,
+            descale,
+            e5m2: matches!(fp8, Some((Fp8Format::E5M2, _))) as i32,
             max_q,
             out_len: p.out_len(),
             lse_len: p.lse_len(),
@@ -301,7 +330,34 @@ pub fn decode_launch_description(
 ) -> Result<DecodeLaunch> {
     let new_kv = opts.new_kv.as_ref().map(|(k, v)| (k, v));
     let dp = crate::decode::validate(q, k_cache, v_cache, new_kv, cache_seqlens, opts)?;
-    DecodeLaunch::new(&dp, sm_count)
+    DecodeLaunch::new(&dp, sm_count, None)
+}
+
+/// [`decode_launch_description`] for FP8 caches (the launches of
+/// [`super::flash_attn_with_kvcache_fp8`]), validated as that call would be.
+#[doc(hidden)]
+pub fn decode_launch_description_fp8(
+    q: &TensorRef,
+    k_cache: &Fp8TensorRef,
+    v_cache: &Fp8TensorRef,
+    cache_seqlens: &[i32],
+    descale: &Descale,
+    opts: &KvCacheOptions,
+    sm_count: usize,
+) -> Result<DecodeLaunch> {
+    let new_kv = opts
+        .new_kv
+        .as_ref()
+        .map(|(k, v)| (ViewInfo::of(k), ViewInfo::of(v)));
+    let (dp, dk) = crate::fp8::validate_kvcache(
+        &ViewInfo::of(q),
+        (k_cache, v_cache),
+        new_kv.as_ref().map(|(k, v)| (k, v)),
+        cache_seqlens,
+        descale,
+        opts,
+    )?;
+    DecodeLaunch::new(&dp, sm_count, Some((k_cache.format(), &dk)))
 }
 
 /// [`crate::flash_attn_with_kvcache`] on the GPU, queued on `dev`'s stream (returns without
@@ -335,16 +391,46 @@ pub fn flash_attn_with_kvcache(
         .into());
     }
     let dp = crate::decode::validate(q, &*k_cache, &*v_cache, new_kv, cache_seqlens, opts)?;
-    let mut tensors = vec![q, &*k_cache, &*v_cache];
-    tensors.extend(new_kv.iter().flat_map(|(k, v)| [*k, *v]));
-    for t in tensors {
-        if !Arc::ptr_eq(t.buf.context(), &dev.ctx) {
-            return Err(ErrorKind::CudaUnsupported {
-                feature: "a tensor from another CUDA context",
-                detail: format!(" (the call runs on {})", dev.name),
-            }
-            .into());
+    let d = prepare(
+        dev,
+        &dp,
+        [
+            q.buf.context(),
+            k_cache.buf.context(),
+            v_cache.buf.context(),
+        ],
+        new_kv,
+        None,
+    )?;
+    match (&mut k_cache.buf, &mut v_cache.buf) {
+        (DeviceBuffer::F32(k), DeviceBuffer::F32(v)) => queue(dev, &d, q, (k, v), new_kv),
+        (DeviceBuffer::F16(k), DeviceBuffer::F16(v)) => queue(dev, &d, q, (k, v), new_kv),
+        (DeviceBuffer::BF16(k), DeviceBuffer::BF16(v)) => queue(dev, &d, q, (k, v), new_kv),
+        _ => unreachable!("the caches' dtype was validated against q's"),
+    }
+}
+
+/// What both decode calls check after validation (every tensor on `dev`'s context, a device
+/// that runs the dtype), then the launches.
+pub(crate) fn prepare(
+    dev: &CudaDevice,
+    dp: &DecodeParams,
+    contexts: [&Arc<CudaContext>; 3],
+    new_kv: Option<(&CudaTensor, &CudaTensor)>,
+    fp8: Option<(Fp8Format, &[f32])>,
+) -> Result<DecodeLaunch> {
+    let mut all = contexts.to_vec();
+    all.extend(
+        new_kv
+            .iter()
+            .flat_map(|(k, v)| [k.buf.context(), v.buf.context()]),
+    );
+    if all.iter().any(|c| !Arc::ptr_eq(c, &dev.ctx)) {
+        return Err(ErrorKind::CudaUnsupported {
+            feature: "a tensor from another CUDA context",
+            detail: format!(" (the call runs on {})", dev.name),
         }
+        .into());
     }
     if dp.p.dtype != DType::F32 && dev.arch.major < 8 {
         return Err(ErrorKind::CudaUnsupported {
@@ -356,12 +442,24 @@ pub fn flash_attn_with_kvcache(
         }
         .into());
     }
-    let d = DecodeLaunch::new(&dp, dev.sm_count)?;
+    let d = DecodeLaunch::new(dp, dev.sm_count, fp8)?;
     limit(
         "shared memory per block (bytes)",
         d.split.smem_bytes(),
         dev.smem_optin,
     )?;
+    Ok(d)
+}
+
+/// Compiles (or finds) the kernels of `d`, uploads its tables and queues the launches on caches
+/// of element type `C` (q's type, or FP8 bytes).
+pub(crate) fn queue<C: DeviceRepr>(
+    dev: &CudaDevice,
+    d: &DecodeLaunch,
+    q: &CudaTensor,
+    (k, v): (&mut CudaSlice<C>, &mut CudaSlice<C>),
+    new_kv: Option<(&CudaTensor, &CudaTensor)>,
+) -> Result<CudaAttnOutput> {
     let kernels = Kernels {
         split: dev.function(&d.split)?.0,
         combine: dev.function(&d.combine)?.0,
@@ -378,19 +476,15 @@ pub fn flash_attn_with_kvcache(
         pages: dev.htod(&d.pages)?,
         slopes: d.slopes.as_deref().map(|x| dev.htod(x)).transpose()?,
         rot: d.rot.as_deref().map(|x| dev.htod(x)).transpose()?,
+        descale: d.descale.as_deref().map(|x| dev.htod(x)).transpose()?,
         ws_o: alloc_poisoned::<f32>(s, ws_o_len)?,
         ws_lse: alloc_poisoned::<f32>(s, ws_lse_len)?,
         lse: alloc_poisoned::<f32>(s, d.lse_len)?,
     };
     macro_rules! typed {
         ($variant:ident, $t:ty) => {{
-            let (
-                DeviceBuffer::$variant(qb),
-                DeviceBuffer::$variant(kb),
-                DeviceBuffer::$variant(vb),
-            ) = (&q.buf, &mut k_cache.buf, &mut v_cache.buf)
-            else {
-                unreachable!("the caches' dtype was validated against q's")
+            let DeviceBuffer::$variant(qb) = &q.buf else {
+                unreachable!("matched on q's dtype")
             };
             let new = match new_kv {
                 Some((kn, vn)) => match (&kn.buf, &vn.buf) {
@@ -400,11 +494,11 @@ pub fn flash_attn_with_kvcache(
                 None => None,
             };
             let mut out = alloc_poisoned::<$t>(s, d.out_len)?;
-            let lse = launch(dev, &d, &kernels, up, (qb, kb, vb), new, &mut out)?;
+            let lse = launch(dev, d, &kernels, up, (qb, k, v), new, &mut out)?;
             (DeviceBuffer::$variant(out), lse)
         }};
     }
-    let (out, lse) = match dp.p.dtype {
+    let (out, lse) = match q.dtype() {
         DType::F32 => typed!(F32, f32),
         DType::F16 => typed!(F16, half::f16),
         DType::BF16 => typed!(BF16, half::bf16),
@@ -427,20 +521,22 @@ struct Uploads {
     pages: CudaSlice<i32>,
     slopes: Option<CudaSlice<f32>>,
     rot: Option<CudaSlice<f32>>,
+    descale: Option<CudaSlice<f32>>,
     ws_o: CudaSlice<f32>,
     ws_lse: CudaSlice<f32>,
     lse: CudaSlice<f32>,
 }
 
-type Cache<'a, T> = (&'a CudaSlice<T>, &'a mut CudaSlice<T>, &'a mut CudaSlice<T>);
+/// q, then the caches (elements of q's type, or FP8 bytes).
+type Cache<'a, T, C> = (&'a CudaSlice<T>, &'a mut CudaSlice<C>, &'a mut CudaSlice<C>);
 
 /// Queues the append (if any), the splits and the merge; returns lse.
-fn launch<T>(
+fn launch<T, C>(
     dev: &CudaDevice,
     d: &DecodeLaunch,
     f: &Kernels,
     mut up: Uploads,
-    (q, k, v): Cache<'_, T>,
+    (q, k, v): Cache<'_, T, C>,
     new: Option<(&CudaSlice<T>, &CudaSlice<T>)>,
     out: &mut CudaSlice<T>,
 ) -> Result<CudaSlice<f32>> {
@@ -470,8 +566,15 @@ fn launch<T>(
             }
             b.arg(&page_size).arg(&max_blocks);
             b.arg(&d.rot_half).arg(&d.rot_interleaved).arg(&d.rot_npos);
-            // SAFETY: the arguments match `decode_append` in decode.cu (pointers to T, T, T, T,
-            // i64, i32, f32 or null; i32 x2; i64 x10; i32 x5). Validation checked that every new
+            match &up.descale {
+                Some(t) => b.arg(t),
+                None => b.arg(&null),
+            };
+            b.arg(&d.e5m2);
+            // SAFETY: the arguments match `decode_append` in decode.cu (pointers to T, T, C, C,
+            // i64, i32, f32 or null; i32 x2; i64 x10; i32 x5; f32 or null; i32), C being u8
+            // exactly when the kernel was compiled with FA_FP8_CACHE (the key's fp8_cache), which
+            // then reads 3 factors per (sequence, kv head). Validation checked that every new
             // row (table: bases, lengths) lies inside k_new/v_new, that cache_seqlen + new_len
             // fits each sequence's capacity and that every page it names exists, so every write
             // lies inside the caches; the rotary table holds rot_npos positions per sequence.
@@ -507,8 +610,15 @@ fn launch<T>(
     b.arg(&d.window.0).arg(&d.window.1);
     b.arg(&d.rot_half).arg(&d.rot_interleaved).arg(&d.rot_npos);
     b.arg(&d.total_rows).arg(&d.vec_loads);
-    // SAFETY: the arguments match `decode_split` in decode.cu (pointers to T x3, f32 x2, i64, i32,
-    // f32 or null x2; i32 x4; i64 x8; i32 x2; f32 x2; i32 x5; i64; i32). With vec_loads every k
+    match &up.descale {
+        Some(t) => b.arg(t),
+        None => b.arg(&null),
+    };
+    b.arg(&d.e5m2);
+    // SAFETY: the arguments match `decode_split` in decode.cu (pointers to T, C x2, f32 x2, i64,
+    // i32, f32 or null x2; i32 x4; i64 x8; i32 x2; f32 x2; i32 x5; i64; i32; f32 or null; i32),
+    // C being u8 exactly when the kernel was compiled with FA_FP8_CACHE, which then reads 3
+    // factors per (launched sequence, kv head), all uploaded. With vec_loads every k
     // row start is a multiple of 8 elements from the buffer's 256-byte-aligned start. Validation checked every q row
     // and every cache row a sequence attends (keys leftpad..seqlen_k through its pages); the
     // workspace holds splits · total_rows rows of head_dim, each written by the one CTA that owns

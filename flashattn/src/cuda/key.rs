@@ -66,6 +66,9 @@ pub struct KernelKey {
     /// f16/bf16 only: head_dim and every row/head/batch stride a multiple of 8 elements, so tiles
     /// move 16 bytes at a time by cp.async (otherwise element by element).
     pub vec_load: bool,
+    /// Decode split and append only: the KV caches hold FP8 bytes (e4m3 or e5m2, chosen at
+    /// launch) with dequantisation factors; q, the new keys and out keep `dtype`.
+    pub fp8_cache: bool,
 }
 
 /// Tile shape of a variant.
@@ -280,6 +283,9 @@ impl KernelKey {
                 DType::F16 => d.push(("FA_F16", "1".into())),
                 DType::F32 => {}
             }
+            if self.fp8_cache {
+                d.push(("FA_FP8_CACHE", "1".into()));
+            }
             return d;
         }
         if self.dtype != DType::F32 {
@@ -308,6 +314,9 @@ impl KernelKey {
             ),
             KernelKind::DecodeSplit => format!("decode_{}_d{}", self.dtype, self.head_dim),
             KernelKind::DecodeCombine => return format!("decode_combine_{}", self.dtype),
+            KernelKind::DecodeAppend if self.fp8_cache => {
+                return format!("decode_append_{}_fp8", self.dtype)
+            }
             KernelKind::DecodeAppend => return format!("decode_append_{}", self.dtype),
             KernelKind::BackwardPrep => return format!("bwd_prep_{}", self.dtype),
             KernelKind::BackwardDq | KernelKind::BackwardDkDv => format!(
@@ -324,6 +333,7 @@ impl KernelKey {
             (self.alibi, "_alibi"),
             (self.dropout, "_dropout"),
             (self.vec_load && self.dtype != DType::F32, "_vec"),
+            (self.fp8_cache, "_fp8"),
         ] {
             if on {
                 s.push_str(tag);
@@ -351,13 +361,14 @@ impl KernelKey {
                         alibi: bits & 4 != 0,
                         dropout: bits & 16 != 0,
                         vec_load,
+                        fp8_cache: false,
                     });
                 }
             }
         }
         for dtype in [DType::F16, DType::BF16, DType::F32] {
             for head_dim in (HEAD_DIM_STEP..=crate::MAX_HEAD_DIM).step_by(HEAD_DIM_STEP) {
-                for bits in 0..8u32 {
+                for bits in 0..16u32 {
                     keys.push(KernelKey {
                         kind: KernelKind::DecodeSplit,
                         dtype,
@@ -367,11 +378,16 @@ impl KernelKey {
                         alibi: bits & 4 != 0,
                         dropout: false,
                         vec_load: false,
+                        fp8_cache: bits & 8 != 0,
                     });
                 }
             }
             keys.push(KernelKey::decode_helper(KernelKind::DecodeCombine, dtype));
             keys.push(KernelKey::decode_helper(KernelKind::DecodeAppend, dtype));
+            keys.push(KernelKey {
+                fp8_cache: true,
+                ..KernelKey::decode_helper(KernelKind::DecodeAppend, dtype)
+            });
         }
         for dtype in [DType::F16, DType::BF16, DType::F32] {
             for head_dim in (HEAD_DIM_STEP..=crate::MAX_HEAD_DIM).step_by(HEAD_DIM_STEP) {
@@ -386,6 +402,7 @@ impl KernelKey {
                             alibi: bits & 4 != 0,
                             dropout: bits & 16 != 0,
                             vec_load: bits & 8 != 0,
+                            fp8_cache: false,
                         };
                         // Only the tensor-core kernels have a vector-load path.
                         if !key.vec_load || key.bwd_tensor_cores() {
@@ -418,6 +435,7 @@ impl KernelKey {
             alibi: false,
             dropout: false,
             vec_load: false,
+            fp8_cache: false,
         }
     }
 }

@@ -28,6 +28,7 @@
 mod backward;
 mod cache;
 mod decode;
+mod fp8;
 mod key;
 mod nvrtc;
 mod probe;
@@ -40,9 +41,10 @@ pub use backward::{
 /// matching types.
 pub use cudarc;
 pub use decode::{
-    choose_splits, decode_launch_description, flash_attn_with_kvcache, DecodeLaunch, DECODE_FIELDS,
-    MAX_DECODE_SPLITS,
+    choose_splits, decode_launch_description, decode_launch_description_fp8,
+    flash_attn_with_kvcache, DecodeLaunch, DECODE_FIELDS, MAX_DECODE_SPLITS,
 };
+pub use fp8::{flash_attn_with_kvcache_fp8, CudaFp8Tensor};
 pub use key::{Arch, KernelKey, KernelKind, Tiles, HEAD_DIM_STEP};
 pub use nvrtc::{compile, version as nvrtc_version, CompiledKernel};
 
@@ -484,6 +486,7 @@ fn key_for(p: &Params) -> KernelKey {
         alibi: p.alibi.is_some(),
         dropout: p.dropout.is_some(),
         vec_load: p.dtype != DType::F32 && aligned(p.head_dim) && layouts_aligned && bases_aligned,
+        fp8_cache: false,
     }
 }
 

@@ -2,8 +2,9 @@
 // host_emulation.h. Built by tests/decode.rs: g++ -std=c++20 -DFA_HOST_EMULATION
 // -DFA_DECODE_ENTRY=0 -D<variant defines> -I<kernels dir> decode_driver.cpp
 // Usage: decode_driver DIR. DIR holds params.txt (the launch, in the order read below) and q.bin,
-// k.bin, v.bin (the caches), table.bin, pages.bin, and kn.bin, vn.bin, slopes.bin, rot.bin when
-// used; out.bin, lse.bin and the caches after the call (k_out.bin, v_out.bin) are written there.
+// k.bin, v.bin (the caches: FP8 bytes when built with FA_FP8_CACHE), table.bin, pages.bin, and
+// kn.bin, vn.bin, slopes.bin, rot.bin, descale.bin when used; out.bin, lse.bin and the caches after
+// the call (k_out.bin, v_out.bin) are written there.
 #include "decode.cu"
 #include "io.h"
 #include <cstdio>
@@ -15,7 +16,8 @@ int main(int argc, char** argv) {
     long long split_grid[3], combine_grid[3], append_grid[3], smem, has_append, has_slopes,
         has_rot, batch, heads, heads_kv, head_dim, splits, qs[2], ks[3], vs[3], kns[2], vns[2],
         page_size, max_blocks, window_left, window_right, rot_half, rot_inter, rot_npos,
-        lse_head_stride, total_rows, vec_loads, out_len, lse_len, ws_o_len, ws_lse_len, k_len, v_len;
+        lse_head_stride, total_rows, vec_loads, out_len, lse_len, ws_o_len, ws_lse_len, k_len, v_len,
+        has_descale, e5m2;
     float scale, softcap;
     for (auto& x : split_grid) pf >> x;
     for (auto& x : combine_grid) pf >> x;
@@ -29,11 +31,14 @@ int main(int argc, char** argv) {
     for (auto& x : vns) pf >> x;
     pf >> page_size >> max_blocks >> scale >> softcap >> window_left >> window_right >> rot_half >>
         rot_inter >> rot_npos >> lse_head_stride >> total_rows >> vec_loads >> out_len >> lse_len >> ws_o_len >>
-        ws_lse_len >> k_len >> v_len;
+        ws_lse_len >> k_len >> v_len >> has_descale >> e5m2;
     if (!pf) return 3;
     auto q = read<elem_t>(dir + "/q.bin");
-    auto k = read<elem_t>(dir + "/k.bin");
-    auto v = read<elem_t>(dir + "/v.bin");
+    auto k = read<cache_t>(dir + "/k.bin");
+    auto v = read<cache_t>(dir + "/v.bin");
+    std::vector<float> descale =
+        has_descale ? read<float>(dir + "/descale.bin") : std::vector<float>();
+    const float* dp = has_descale ? descale.data() : nullptr;
     auto table = read<i64>(dir + "/table.bin");
     auto pages = read<int>(dir + "/pages.bin");
     std::vector<elem_t> kn, vn;
@@ -57,7 +62,7 @@ int main(int argc, char** argv) {
             decode_append(kn.data(), vn.data(), k.data(), v.data(), table.data(), pages.data(), rp,
                           int(batch), int(head_dim), kns[0], kns[1], vns[0], vns[1], ks[0], ks[1],
                           ks[2], vs[0], vs[1], vs[2], int(page_size), int(max_blocks),
-                          int(rot_half), int(rot_inter), int(rot_npos));
+                          int(rot_half), int(rot_inter), int(rot_npos), dp, int(e5m2));
         });
     }
     if (out_len > 0 && split_grid[2] > 0) {
@@ -67,7 +72,8 @@ int main(int argc, char** argv) {
                          int(heads_kv), int(head_dim), int(splits), qs[0], qs[1], ks[0], ks[1],
                          ks[2], vs[0], vs[1], vs[2], int(page_size), int(max_blocks), scale,
                          softcap, int(window_left), int(window_right), int(rot_half),
-                         int(rot_inter), int(rot_npos), total_rows, int(vec_loads));
+                         int(rot_inter), int(rot_npos), total_rows, int(vec_loads), dp,
+                         int(e5m2));
         });
         emu::launch(dim(combine_grid), NUM_THREADS, 0, [&] {
             decode_combine(ws_o.data(), ws_lse.data(), out.data(), lse.data(), table.data(),

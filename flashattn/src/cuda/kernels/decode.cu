@@ -22,9 +22,63 @@
 //
 // Defines: FA_DECODE_ENTRY (0: all three, for the host emulation); FA_BF16 or FA_F16 (else f32);
 // HEAD_DIM (padded head_dim, a multiple of 32), IS_MASKED (causal or window), HAS_SOFTCAP,
-// HAS_ALIBI.
+// HAS_ALIBI; FA_FP8_CACHE: the caches hold FP8 bytes (e4m3 or e5m2, a launch argument, so both
+// formats share a compile) with dequantisation factors, while q, the new keys and values and out
+// keep elem_t.
+//
+// FP8 caches (flashattn::fp8::flash_attn_with_kvcache_fp8 on the CPU): a launch passes `descale`,
+// three factors per (launched sequence b, kv head hk) at 3 * (b * heads_kv + hk): the score scale
+// (softmax_scale · k_descale, folded on the host and rounded once, as the CPU path does),
+// k_descale and v_descale; other launches pass null.
+// Keys and values are widened exactly to f32 as they are loaded; the score scale replaces
+// softmax_scale, v_descale scales each finished row, and the append divides each new key (rotated
+// first) and value by its factor in f64 and rounds once to FP8, saturating.
 #define FA_CUDA_CORE_ELEM
 #include "common.cuh"
+
+#ifdef FA_FP8_CACHE
+typedef unsigned char cache_t;
+
+// The value of FP8 byte `b` as f32, exactly. The magnitude's bits, shifted so that the format's
+// exponent field lands in f32's, read as an f32 whose exponent is off by the bias difference
+// (120 for e4m3, 112 for e5m2) and multiplied back by that power of two: exact for normal and
+// subnormal inputs alike (the shifted subnormals are f32 denormals; nothing here flushes them, as
+// NVRTC's default is -ftz=false and the file asks for no fast math). Specials: e4m3 (E4M3FN) has
+// no infinities and one NaN magnitude, 0x7f; e5m2's are IEEE's (exponent field 31).
+__device__ __forceinline__ float fp8_to_f32(u32 b, int e5m2) {
+    const u32 mag = b & 0x7fu;
+    float x = e5m2 ? __int_as_float((int)(mag << 21)) * __int_as_float(0x77800000)   // 2^112
+                   : __int_as_float((int)(mag << 20)) * __int_as_float(0x7b800000);  // 2^120
+    if (e5m2 ? mag >= 0x7cu : mag == 0x7fu)
+        x = e5m2 && mag == 0x7cu ? FA_INF : __int_as_float(0x7fc00000);
+    return (b & 0x80u) ? -x : x;
+}
+
+// `x` rounded to nearest even in FP8, saturating (CUDA's __NV_SATFINITE and flashattn's
+// Fp8Format::quantise): magnitudes from the largest finite value up, infinities included, become
+// it; NaN stays NaN (0x7f with x's sign). The rounding is one rint of x scaled to units of the
+// last place of its binade (binades below the smallest normal share its unit: subnormals).
+__device__ __forceinline__ unsigned char f64_to_fp8(double x, int e5m2) {
+    const int mbits = e5m2 ? 2 : 3, emin = e5m2 ? -14 : -6, bias = e5m2 ? 15 : 7;
+    const u32 sign = __double_as_longlong(x) < 0 ? 0x80u : 0u;
+    const double a = fabs(x);
+    if (a != a) return (unsigned char)(sign | 0x7fu);
+    if (a >= (e5m2 ? 57344.0 : 448.0)) return (unsigned char)(sign | (e5m2 ? 0x7bu : 0x7eu));
+    int e;
+    frexp(a, &e);  // a = f · 2^e, f in [0.5, 1): its leading bit is 2^(e - 1)
+    const int lead = a == 0.0 ? emin : max(e - 1, emin);
+    const int q = (int)rint(ldexp(a, mbits - lead));  // 0 ..= 2^(mbits + 1)
+    // Exponent field lead + bias with q's leading bit as the implicit one; below the normals
+    // (lead = emin, q < 2^mbits) the field is 0 and q the mantissa; q = 2^(mbits + 1) carries
+    // into the next binade by itself.
+    return (unsigned char)(sign | (u32)(((lead + bias - 1) << mbits) + q));
+}
+
+__device__ __forceinline__ float cache_to_f32(cache_t x, int e5m2) { return fp8_to_f32(x, e5m2); }
+#else
+typedef elem_t cache_t;
+__device__ __forceinline__ float cache_to_f32(cache_t x, int) { return to_f32(x); }
+#endif
 
 #define DECODE_FIELDS 10
 #define MAX_ROWS 16
@@ -57,14 +111,18 @@ __device__ __forceinline__ float rotated(const elem_t* src, int x, const float* 
 }
 
 #if FA_DECODE_ENTRY == 1 || FA_DECODE_ENTRY == 0
-// 8 elements of a cache row at `p` as f32: one 16-byte load (two for f32) when `vec` (the launcher
-// checked head_dim, every cache stride and so every row start are multiples of 8 elements; device
-// buffers start 256-byte aligned), else element by element. Elements at or past `n` read as 0.
-__device__ __forceinline__ void load8(const elem_t* p, int n, bool vec, float out[8]) {
+// 8 elements of a cache row at `p` as f32: one 16-byte load (two for f32, one 8-byte load for FP8)
+// when `vec` (the launcher checked head_dim, every cache stride and so every row start are
+// multiples of 8 elements; device buffers start 256-byte aligned), else element by element.
+// Elements at or past `n` read as 0.
+__device__ __forceinline__ void load8(const cache_t* p, int n, bool vec, int e5m2, float out[8]) {
     if (vec && n >= 8) {
-        u32 w[8 * sizeof(elem_t) / 4];
+        u32 w[8 * sizeof(cache_t) / 4];
 #ifndef FA_HOST_EMULATION
-#if defined(FA_BF16) || defined(FA_F16)
+#if defined(FA_FP8_CACHE)
+        const uint2 a = *reinterpret_cast<const uint2*>(p);
+        w[0] = a.x, w[1] = a.y;
+#elif defined(FA_BF16) || defined(FA_F16)
         const uint4 a = *reinterpret_cast<const uint4*>(p);
         w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w;
 #else
@@ -76,7 +134,10 @@ __device__ __forceinline__ void load8(const elem_t* p, int n, bool vec, float ou
 #else
         std::memcpy(w, p, sizeof(w));
 #endif
-#if defined(FA_BF16) || defined(FA_F16)
+#if defined(FA_FP8_CACHE)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) out[i] = fp8_to_f32((w[i / 4] >> (8 * (i % 4))) & 0xffu, e5m2);
+#elif defined(FA_BF16) || defined(FA_F16)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             out[2 * i] = to_f32((u16)(w[i] & 0xffffu));  // the lower address first
@@ -89,7 +150,7 @@ __device__ __forceinline__ void load8(const elem_t* p, int n, bool vec, float ou
         return;
     }
 #pragma unroll
-    for (int i = 0; i < 8; ++i) out[i] = i < n ? to_f32(p[i]) : 0.f;
+    for (int i = 0; i < 8; ++i) out[i] = i < n ? cache_to_f32(p[i], e5m2) : 0.f;
 }
 
 __device__ __forceinline__ float warp_max(float x) {
@@ -115,8 +176,8 @@ __device__ __forceinline__ float warp_sum(float x) {
 //   P·V     thread t owns columns t and t + 128 of every row (accumulators in registers) and reads
 //           v row by row, each warp 32 consecutive elements of a row; P as 16-byte broadcasts.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
-decode_split(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cache,
-             const elem_t* __restrict__ v_cache, float* __restrict__ ws_o,
+decode_split(const elem_t* __restrict__ q, const cache_t* __restrict__ k_cache,
+             const cache_t* __restrict__ v_cache, float* __restrict__ ws_o,
              float* __restrict__ ws_lse, const i64* __restrict__ seqs,
              const int* __restrict__ pages, const float* __restrict__ alibi_slopes,
              const float* __restrict__ rot, int heads, int heads_kv, int head_dim, int splits,
@@ -124,7 +185,7 @@ decode_split(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cache,
              i64 k_head_stride, i64 v_page_stride, i64 v_row_stride, i64 v_head_stride,
              int page_size, int max_blocks, float softmax_scale, float softcap, int window_left,
              int window_right, int rot_half, int rot_interleaved, int rot_npos, i64 total_rows,
-             int vec_loads) {
+             int vec_loads, const float* __restrict__ descale, int e5m2) {
     FA_DYNAMIC_SMEM(float, smem_f);
     float* q_s = smem_f;                       // [MAX_ROWS][HEAD_DIM], rows of q (f32, rotated)
     float* p_s = q_s + MAX_ROWS * HEAD_DIM;    // [MAX_ROWS][TILE], the tile's probabilities
@@ -159,9 +220,14 @@ decode_split(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cache,
     const int chunk = (hi - lo + splits - 1) / splits;
     const int n_lo = min(lo + sp * chunk, hi), n_hi = min(lo + (sp + 1) * chunk, hi);
 
+    // FP8 caches: this (sequence, kv head)'s score scale replaces softmax_scale; its v factor
+    // scales the finished rows.
+    const i64 fac = 3 * ((i64)b * heads_kv + hk);
+    const float scale = descale == nullptr ? softmax_scale : descale[fac];
+    const float v_scale = descale == nullptr ? 1.f : descale[fac + 2];
     ScoreMod mods;
-    mods.scale_log2 = softmax_scale * FA_LOG2E;
-    mods.cap_in = softmax_scale / softcap;
+    mods.scale_log2 = scale * FA_LOG2E;
+    mods.cap_in = scale / softcap;
     mods.cap_out = softcap * FA_LOG2E;
     mods.offset = mask.offset;
     if (tid < MAX_ROWS) {
@@ -207,11 +273,11 @@ decode_split(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cache,
         for (int r = 0; r < MAX_ROWS; ++r) sc[r] = 0.f;
         if (tid < n) {
             const i64 page = pages[(i64)b * max_blocks + j / page_size];
-            const elem_t* kr = k_cache + page * k_page_stride + (i64)(j % page_size) * k_row_stride +
-                               (i64)hk * k_head_stride;
+            const cache_t* kr = k_cache + page * k_page_stride + (i64)(j % page_size) * k_row_stride +
+                                (i64)hk * k_head_stride;
             for (int x0 = 0; x0 < HEAD_DIM && x0 < head_dim; x0 += 8) {
                 float kf[8];
-                load8(kr + x0, head_dim - x0, vec_loads != 0, kf);
+                load8(kr + x0, head_dim - x0, vec_loads != 0, e5m2, kf);
 #pragma unroll
                 for (int r = 0; r < MAX_ROWS; ++r) {
                     if (r < nrows) {
@@ -275,8 +341,8 @@ decode_split(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cache,
         }
         // The tile's v rows, walked page by page: one division per tile, not per key.
         int page_blk = n0 / page_size, page_row = n0 % page_size;
-        const elem_t* vp = v_cache + (i64)pages[(i64)b * max_blocks + page_blk] * v_page_stride +
-                           (i64)hk * v_head_stride;
+        const cache_t* vp = v_cache + (i64)pages[(i64)b * max_blocks + page_blk] * v_page_stride +
+                            (i64)hk * v_head_stride;
         for (int jj = 0; jj < n; ++jj, ++page_row) {
             if (page_row == page_size) {
                 page_row = 0;
@@ -284,12 +350,12 @@ decode_split(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cache,
                 vp = v_cache + (i64)pages[(i64)b * max_blocks + page_blk] * v_page_stride +
                      (i64)hk * v_head_stride;
             }
-            const elem_t* vr = vp + (i64)page_row * v_row_stride;
+            const cache_t* vr = vp + (i64)page_row * v_row_stride;
             float vv[NCOL];
 #pragma unroll
             for (int c = 0; c < NCOL; ++c) {
                 const int col = tid + c * NUM_THREADS;
-                vv[c] = col < head_dim ? to_f32(vr[col]) : 0.f;
+                vv[c] = col < head_dim ? cache_to_f32(vr[col], e5m2) : 0.f;
             }
 #pragma unroll
             for (int r = 0; r < MAX_ROWS; ++r) {
@@ -310,7 +376,7 @@ decode_split(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cache,
             const int i = (r0 + r) / group, h = hk * group + (r0 + r) % group;
             const i64 row = (out_row0 + i) * heads + h;
             const float l = l_s[r];
-            const float inv = l == 0.f ? 0.f : 1.f / l;
+            const float inv = l == 0.f ? 0.f : v_scale / l;
             float* o = ws_o + ((i64)sp * total_rows + row) * head_dim;
 #pragma unroll
             for (int c = 0; c < NCOL; ++c) {
@@ -372,13 +438,14 @@ decode_combine(const float* __restrict__ ws_o, const float* __restrict__ ws_lse,
 // runs its rows one after another.)
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 decode_append(const elem_t* __restrict__ k_new, const elem_t* __restrict__ v_new,
-              elem_t* __restrict__ k_cache, elem_t* __restrict__ v_cache,
+              cache_t* __restrict__ k_cache, cache_t* __restrict__ v_cache,
               const i64* __restrict__ seqs, const int* __restrict__ pages,
               const float* __restrict__ rot, int batch, int head_dim, i64 kn_row_stride,
               i64 kn_head_stride, i64 vn_row_stride, i64 vn_head_stride, i64 k_page_stride,
               i64 k_row_stride, i64 k_head_stride, i64 v_page_stride, i64 v_row_stride,
               i64 v_head_stride, int page_size, int max_blocks, int rot_half,
-              int rot_interleaved, int rot_npos) {
+              int rot_interleaved, int rot_npos, const float* __restrict__ descale,
+              int e5m2) {
     const int hk = blockIdx.x;
     for (int b = 0; b < batch; ++b) {
         const i64* s = seqs + DECODE_FIELDS * b;
@@ -390,13 +457,22 @@ decode_append(const elem_t* __restrict__ k_new, const elem_t* __restrict__ v_new
             const i64 row = j % page_size;
             const elem_t* ks = k_new + kn_base + (i64)t * kn_row_stride + (i64)hk * kn_head_stride;
             const elem_t* vs = v_new + vn_base + (i64)t * vn_row_stride + (i64)hk * vn_head_stride;
-            elem_t* kd = k_cache + page * k_page_stride + row * k_row_stride + hk * k_head_stride;
-            elem_t* vd = v_cache + page * v_page_stride + row * v_row_stride + hk * v_head_stride;
+            cache_t* kd = k_cache + page * k_page_stride + row * k_row_stride + hk * k_head_stride;
+            cache_t* vd = v_cache + page * v_page_stride + row * v_row_stride + hk * v_head_stride;
             const float* cs = rot == nullptr ? nullptr : rot + ((i64)b * rot_npos + t) * 2 * rot_half;
+#ifdef FA_FP8_CACHE
+            const i64 fac = 3 * ((i64)b * gridDim.x + hk);  // gridDim.x = heads_kv
+            const double kf = descale[fac + 1], vf = descale[fac + 2];
+            for (int x = threadIdx.x; x < head_dim; x += NUM_THREADS) {
+                kd[x] = f64_to_fp8((double)rotated(ks, x, cs, rot_half, rot_interleaved) / kf, e5m2);
+                vd[x] = f64_to_fp8((double)to_f32(vs[x]) / vf, e5m2);
+            }
+#else
             for (int x = threadIdx.x; x < head_dim; x += NUM_THREADS) {
                 kd[x] = cs == nullptr ? ks[x] : from_f32_elem(rotated(ks, x, cs, rot_half, rot_interleaved));
                 vd[x] = vs[x];
             }
+#endif
         }
     }
 }

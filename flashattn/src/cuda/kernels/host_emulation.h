@@ -91,6 +91,11 @@ inline uint16_t float_to_half(float x) { _Float16 v = _Float16(x); uint16_t h; s
 #define blockIdx (emu::block_idx)
 #define gridDim (emu::grid_dim)
 inline float __int_as_float(int i) { return emu::bits_to_float(uint32_t(i)); }
+inline long long __double_as_longlong(double x) { long long b; std::memcpy(&b, &x, 8); return b; }
+using std::fabs;
+using std::frexp;
+using std::ldexp;
+using std::rint;
 inline void __syncthreads() { emu::block->bar.arrive_and_wait(); }
 inline void __syncwarp() { emu::warp().bar.arrive_and_wait(); }
 inline float __shfl_xor_sync(unsigned, float v, int mask) {

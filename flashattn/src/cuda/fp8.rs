@@ -1,0 +1,153 @@
+//! FP8 KV caches on the GPU: [`CudaFp8Tensor`] (FP8 bytes in GPU memory, with their format) and
+//! [`flash_attn_with_kvcache_fp8`], the CPU's [`crate::fp8::flash_attn_with_kvcache_fp8`] with
+//! the same validation (`crate::fp8::validate_kvcache`) and the decode kernels of
+//! `kernels/decode.cu` compiled with `FA_FP8_CACHE`.
+
+use super::decode::{prepare, queue};
+use super::{driver_err, gather, CudaAttnOutput, CudaDevice, CudaTensor};
+use crate::decode::KvCacheOptions;
+use crate::error::{ErrorKind, Result};
+use crate::fp8::{Descale, Fp8Format, Fp8TensorRef, Fp8View};
+use crate::params;
+use crate::tensor::{DType, ViewDesc, ViewInfo};
+use cudarc::driver::CudaSlice;
+
+/// FP8 values in GPU memory (one byte each, e4m3 or e5m2), a shape and element strides (last
+/// dimension contiguous): an FP8 KV cache for [`flash_attn_with_kvcache_fp8`].
+#[derive(Clone, Debug)]
+pub struct CudaFp8Tensor {
+    buf: CudaSlice<u8>,
+    format: Fp8Format,
+    shape: Vec<usize>,
+    strides: Vec<usize>,
+}
+
+impl CudaFp8Tensor {
+    /// A view of `buf` holding values of `format`, with explicit strides (validated by the call
+    /// that uses it).
+    pub fn from_buffer(
+        buf: CudaSlice<u8>,
+        format: Fp8Format,
+        shape: &[usize],
+        strides: &[usize],
+    ) -> CudaFp8Tensor {
+        CudaFp8Tensor {
+            buf,
+            format,
+            shape: shape.to_vec(),
+            strides: strides.to_vec(),
+        }
+    }
+    pub fn format(&self) -> Fp8Format {
+        self.format
+    }
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    pub fn strides(&self) -> &[usize] {
+        &self.strides
+    }
+    pub fn buffer(&self) -> &CudaSlice<u8> {
+        &self.buf
+    }
+
+    /// The tensor's bytes on the host, row-major (waits for the stream).
+    pub fn to_host_bytes(&self, dev: &CudaDevice) -> Result<Vec<u8>> {
+        params::check_view("tensor", self, self.shape.len(), "any")?;
+        let all = dev
+            .stream
+            .clone_dtoh(&self.buf)
+            .map_err(driver_err("cuMemcpyDtoH"))?;
+        dev.synchronize()?;
+        Ok(gather(&all, &self.shape, &self.strides))
+    }
+}
+
+/// Validation sees an FP8 cache as bf16, its bounds in elements (one byte each).
+impl ViewDesc for CudaFp8Tensor {
+    fn dtype(&self) -> DType {
+        DType::BF16
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn strides(&self) -> &[usize] {
+        &self.strides
+    }
+    fn buffer_len(&self) -> usize {
+        self.buf.len()
+    }
+}
+
+impl Fp8View for CudaFp8Tensor {
+    fn fp8_format(&self) -> Fp8Format {
+        self.format
+    }
+}
+
+impl CudaDevice {
+    /// Copies a host FP8 view to the GPU as a contiguous tensor of the same shape and format.
+    pub fn upload_fp8(&self, t: &Fp8TensorRef) -> Result<CudaFp8Tensor> {
+        params::check_view("tensor", t, t.shape().len(), "any")?;
+        let bytes = gather(t.data().bytes(), t.shape(), t.strides());
+        Ok(CudaFp8Tensor::from_buffer(
+            self.htod(&bytes)?,
+            t.format(),
+            t.shape(),
+            &crate::tensor::contiguous_strides(t.shape()),
+        ))
+    }
+}
+
+/// [`crate::fp8::flash_attn_with_kvcache_fp8`] on the GPU, queued on `dev`'s stream (returns
+/// without waiting): q (f32, f16 or bf16) and the new keys and values (`new_kv`, in q's dtype) as
+/// [`CudaTensor`]s, the caches as [`CudaFp8Tensor`]s of one format, with the dequantisation
+/// factors `descale.k` and `descale.v` (one value, or one per (batch row, kv head); `descale.q`
+/// must be `None`). Everything else as [`super::flash_attn_with_kvcache`]: host index arrays,
+/// `opts.new_kv` `None`, every input validated before anything is queued (on error the caches are
+/// untouched).
+///
+/// The kernels widen the cache bytes exactly to f32 as they read them; appended keys (rotated
+/// first) and values are divided by their factor in f64 and rounded once to FP8, saturating, as
+/// on the CPU.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_with_kvcache_fp8(
+    dev: &CudaDevice,
+    q: &CudaTensor,
+    k_cache: &mut CudaFp8Tensor,
+    v_cache: &mut CudaFp8Tensor,
+    cache_seqlens: &[i32],
+    new_kv: Option<(&CudaTensor, &CudaTensor)>,
+    descale: &Descale,
+    opts: &KvCacheOptions,
+) -> Result<CudaAttnOutput> {
+    if opts.new_kv.is_some() {
+        return Err(ErrorKind::CudaUnsupported {
+            feature: "host tensors in KvCacheOptions::new_kv",
+            detail: " (pass the new keys and values as device tensors, the `new_kv` argument)"
+                .into(),
+        }
+        .into());
+    }
+    let new_info = new_kv.map(|(k, v)| (ViewInfo::of(k), ViewInfo::of(v)));
+    let (dp, dk) = crate::fp8::validate_kvcache(
+        &ViewInfo::of(q),
+        (&*k_cache, &*v_cache),
+        new_info.as_ref().map(|(k, v)| (k, v)),
+        cache_seqlens,
+        descale,
+        opts,
+    )?;
+    let d = prepare(
+        dev,
+        &dp,
+        [
+            q.buf.context(),
+            k_cache.buf.context(),
+            v_cache.buf.context(),
+        ],
+        new_kv,
+        Some((k_cache.format, &dk)),
+    )?;
+    queue(dev, &d, q, (&mut k_cache.buf, &mut v_cache.buf), new_kv)
+}
