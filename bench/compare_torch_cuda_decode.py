@@ -9,7 +9,12 @@ cache with `enable_gqa=True` (the caches laid out [batch, heads_kv, tokens, d], 
 no append. KV GB/s = bytes of k and v one step reads over the median time; "of copy" is that over
 the GPU's device-to-device copy rate (read + write) measured by the flashattn run.
 
-    python3 bench/compare_torch_cuda_decode.py --binary gpu-run/flashattn [--out results.json]
+`--dtype e4m3,e5m2` times FP8 caches (flashattn: `bench --decode --device cuda --dtype e4m3`, q
+bf16, one power-of-two factor): PyTorch's SDPA takes no float8 tensors, so its route keeps the
+caches as float8 and converts them to bf16 times the factor every step before SDPA.
+
+    python3 bench/compare_torch_cuda_decode.py --binary gpu-run/flashattn [--dtype bf16,f32,e4m3]
+        [--out results.json]
 """
 import argparse
 import datetime
@@ -20,14 +25,36 @@ import sys
 from compare_torch_cuda import event_median_ms, run_json
 
 HEADS, HEADS_KV, D = 32, 8, 128
+ELEM = {"f32": 4, "bf16": 2, "e4m3": 1, "e5m2": 1}
+
+
+def _fp8():
+    import torch
+    # The factor flashattn's bench uses (bench::fp8_descale).
+    return {"e4m3": (torch.float8_e4m3fn, 2.0 ** -8), "e5m2": (torch.float8_e5m2, 2.0 ** -15)}
+
+
+FP8 = {}
 
 
 def torch_ms(b, n, dtype, min_time):
     import torch
     import torch.nn.functional as F
 
-    dt = {"bf16": torch.bfloat16, "f32": torch.float32}[dtype]
     g = torch.Generator(device="cuda").manual_seed(n)
+    if dtype in FP8:
+        f8, scale = FP8[dtype]
+        q = torch.randn(b, HEADS, 1, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        fmax = torch.finfo(f8).max  # torch's float8 casts do not saturate
+        k8, v8 = (torch.randn(b, HEADS_KV, n, D, device="cuda", generator=g).div(scale)
+                  .clamp(-fmax, fmax).to(f8) for _ in range(2))
+
+        def step():
+            k = k8.to(torch.bfloat16) * scale
+            v = v8.to(torch.bfloat16) * scale
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        return event_median_ms(step, min_time)
+    dt = {"bf16": torch.bfloat16, "f32": torch.float32}[dtype]
     q = torch.randn(b, HEADS, 1, D, device="cuda", dtype=dt, generator=g)
     k = torch.randn(b, HEADS_KV, n, D, device="cuda", dtype=dt, generator=g)
     v = torch.randn(b, HEADS_KV, n, D, device="cuda", dtype=dt, generator=g)
@@ -48,12 +75,15 @@ def main():
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per shape")
     ap.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")
     ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--dtype", default="bf16,f32",
+                    help="comma-separated: bf16, f32, e4m3, e5m2 (FP8 caches)")
     args = ap.parse_args()
 
     import torch
+    FP8.update(_fp8())
     shapes = [(1, 4096), (1, 16384), (1, 32768), (64, 2048)]
     rows, machine = [], None
-    for dtype in ("bf16", "f32"):
+    for dtype in args.dtype.split(","):
         for b, n in shapes:
             t_ms, f_ms, fm = [], [], None
             for _ in range(args.rounds):
@@ -61,7 +91,7 @@ def main():
                 machine, fm = flash(args.binary, b, n, dtype, args.min_time)
                 f_ms.append(fm["median_ms"])
             t, f = statistics.median(t_ms), statistics.median(f_ms)
-            kv = 2.0 * b * n * HEADS_KV * D * (2 if dtype == "bf16" else 4)
+            kv = 2.0 * b * n * HEADS_KV * D * ELEM[dtype]
             row = dict(dtype=dtype, batch=b, cache_len=n, torch_ms=t, flashattn_ms=f,
                        speedup=t / f, flashattn_gbps=kv / f / 1e6, torch_gbps=kv / t / 1e6,
                        of_copy=kv / f / 1e6 / machine["copy_gbps"],

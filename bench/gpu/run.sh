@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the device machine (after bench/gpu/prepare.sh here, carrying gpu-run/): the CUDA tests (the
 # forward grid against the f64 reference, varlen, errors; the CLI's --device cuda tests; the decode
-# path's cases; the backward grid), then bench/compare_torch_cuda_decode.py, bench/compare_torch_cuda.py
+# path's cases, FP8 caches included; the backward grid), then bench/compare_torch_cuda_decode.py
+# (also with FP8 caches), bench/compare_torch_cuda.py
 # and the same with --backward. Logs and JSON go to $OUT (or gpu-run/out).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,6 +22,9 @@ for t in gpu-run/decode_tests_*; do
 done
 python3 bench/compare_torch_cuda_decode.py --binary gpu-run/flashattn --out "$out/compare_cuda_decode.json" 2>&1 \
     | tee "$out/compare_cuda_decode.log"
+# FP8 KV caches (q bf16) against torch's float8 -> bf16 conversion before SDPA.
+python3 bench/compare_torch_cuda_decode.py --binary gpu-run/flashattn --dtype e4m3,e5m2 --rounds 2 \
+    --out "$out/compare_cuda_decode_fp8.json" 2>&1 | tee "$out/compare_cuda_decode_fp8.log"
 python3 bench/compare_torch_cuda.py --binary gpu-run/flashattn --out "$out/compare_cuda.json" "$@" 2>&1 \
     | tee "$out/compare_cuda.log"
 # The backward (CUDA cores, not yet tensor cores): forward + backward at three lengths, d = 128.

@@ -6,7 +6,7 @@ use crate::bench::{random_buffer, view};
 use crate::error::Result;
 use flashattn::cuda::{self, CudaDevice, KernelOrigin};
 use flashattn::{AttnGrads, AttnOptions, AttnOutput, DType, TensorRef};
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 use std::time::Instant;
@@ -344,6 +344,9 @@ pub fn bench_decode(args: &crate::bench::BenchArgs, sqs: &[usize]) -> Result<()>
         Some(d) => vec![d.dtype()],
         None => vec![DType::F32, DType::BF16],
     };
+    // --dtype e4m3|e5m2: FP8 caches (random values over the format's range, one power-of-two
+    // factor, as the CPU bench); q, the new keys and out in bf16.
+    let fp8 = args.dtype.and_then(crate::bench::DtypeArg::fp8);
     let (batch, heads, heads_kv, d) = (args.batch, args.heads(), args.heads_kv(), args.head_dim());
     // The copy rate: 1 GiB of f32 moved device to device.
     let n = 1usize << 28;
@@ -410,12 +413,27 @@ pub fn bench_decode(args: &crate::bench::BenchArgs, sqs: &[usize]) -> Result<()>
                 let hq = random_buffer(&mut rng, numel(&qs), dtype);
                 let hkn = random_buffer(&mut rng, numel(&ns), dtype);
                 let hvn = random_buffer(&mut rng, numel(&ns), dtype);
-                let hk = random_buffer(&mut rng, numel(&cs), dtype);
-                let hv = random_buffer(&mut rng, numel(&cs), dtype);
                 let q = dev.upload(&view(&hq, &qs))?;
                 let (kn, vn) = (dev.upload(&view(&hkn, &ns))?, dev.upload(&view(&hvn, &ns))?);
-                let mut k = dev.upload(&view(&hk, &cs))?;
-                let mut v = dev.upload(&view(&hv, &cs))?;
+                let mut caches = match fp8 {
+                    Some(f) => {
+                        let max = f.max();
+                        let mut draw = || {
+                            let x = (0..numel(&cs)).map(|_| rng.gen_range(-max..max));
+                            crate::fp8::Fp8Buf::quantize(f, x)
+                        };
+                        let (hk, hv) = (draw(), draw());
+                        DevCaches::Fp8(
+                            dev.upload_fp8(&hk.view(&cs))?,
+                            dev.upload_fp8(&hv.view(&cs))?,
+                        )
+                    }
+                    None => {
+                        let hk = random_buffer(&mut rng, numel(&cs), dtype);
+                        let hv = random_buffer(&mut rng, numel(&cs), dtype);
+                        DevCaches::Plain(dev.upload(&view(&hk, &cs))?, dev.upload(&view(&hv, &cs))?)
+                    }
+                };
                 let lens = vec![(cap - sq) as i32; batch];
                 let attn = AttnOptions::default().causal(args.causal);
                 let mut opts = KvCacheOptions::default().attn(attn.clone());
@@ -423,49 +441,98 @@ pub fn bench_decode(args: &crate::bench::BenchArgs, sqs: &[usize]) -> Result<()>
                 if args.page_size.is_some() {
                     opts = opts.block_table(BlockTable::new(&table, batch, max_blocks));
                 }
-                let mut step = || {
-                    cuda::flash_attn_with_kvcache(
+                let factor = fp8.map(crate::bench::fp8_descale);
+                let descale = factor
+                    .as_ref()
+                    .map(|s| flashattn::fp8::Descale::default().k(s).v(s))
+                    .unwrap_or_default();
+                let mut step = || match &mut caches {
+                    DevCaches::Plain(k, v) => cuda::flash_attn_with_kvcache(
                         &dev,
                         &q,
-                        &mut k,
-                        &mut v,
+                        k,
+                        v,
                         &lens,
                         Some((&kn, &vn)),
                         &opts,
-                    )
+                    ),
+                    DevCaches::Fp8(k, v) => cuda::flash_attn_with_kvcache_fp8(
+                        &dev,
+                        &q,
+                        k,
+                        v,
+                        &lens,
+                        Some((&kn, &vn)),
+                        &descale,
+                        &opts,
+                    ),
                 };
                 let (median_ms, min_ms, reps) = time_events(&dev, args.min_time, &mut step)?;
                 let res = step()?;
+                // The caches as appended, on the host (FP8: dequantised, exactly, to bf16).
+                let (hk, hv) = match &caches {
+                    DevCaches::Plain(k, v) => (
+                        k.to_host(&dev)?.into_buffer(),
+                        v.to_host(&dev)?.into_buffer(),
+                    ),
+                    DevCaches::Fp8(k, v) => {
+                        let host = |t: &cuda::CudaFp8Tensor| -> Result<flashattn::Buffer> {
+                            let b =
+                                crate::fp8::Fp8Buf::from_bits(t.format(), &t.to_host_bytes(&dev)?);
+                            Ok(crate::bench::dequantized(&b))
+                        };
+                        (host(k)?, host(v)?)
+                    }
+                };
                 // Accuracy: a few rows against the f64 reference, on the caches as appended.
                 let max_abs_err = if args.page_size.is_none() {
-                    let (kh, vh) = (k.to_host(&dev)?, v.to_host(&dev)?);
                     crate::decode::last_rows_error(
                         &view(&hq, &qs),
-                        (&view(kh.buffer(), &cs), &view(vh.buffer(), &cs)),
+                        (&view(&hk, &cs), &view(&hv, &cs)),
                         &attn,
                         &res.out.to_host(&dev)?.to_f64_vec(),
                     )?
                 } else {
                     f64::NAN
                 };
-                let elem = if dtype == DType::F32 { 4.0 } else { 2.0 };
+                let elem = match (fp8, dtype) {
+                    (Some(_), _) => 1.0,
+                    (None, DType::F32) => 4.0,
+                    (None, _) => 2.0,
+                };
                 let kv_bytes = (batch * cap * heads_kv * d) as f64 * 2.0 * elem;
                 let gbps = kv_bytes / (median_ms * 1e-3) / 1e9;
-                let kernel = cuda::decode_launch_description(
-                    &view(&hq, &qs),
-                    &view(&hk, &cs),
-                    &view(&hv, &cs),
-                    &lens,
-                    &opts,
-                    dev.sm_count(),
-                )
-                .map(|l| format!("{} x{} splits", l.split.name(), l.splits))
-                .unwrap_or_default();
+                let launch = match &caches {
+                    DevCaches::Plain(..) => cuda::decode_launch_description(
+                        &view(&hq, &qs),
+                        &view(&hk, &cs),
+                        &view(&hv, &cs),
+                        &lens,
+                        &opts,
+                        dev.sm_count(),
+                    ),
+                    DevCaches::Fp8(k, _) => {
+                        let f = k.format();
+                        let b = crate::fp8::Fp8Buf::from_bits(f, &vec![0u8; numel(&cs)]);
+                        cuda::decode_launch_description_fp8(
+                            &view(&hq, &qs),
+                            &b.view(&cs),
+                            &b.view(&cs),
+                            &lens,
+                            &descale,
+                            &opts,
+                            dev.sm_count(),
+                        )
+                    }
+                };
+                let kernel = launch
+                    .map(|l| format!("{} x{} splits", l.split.name(), l.splits))
+                    .unwrap_or_default();
                 let m = DecodeMeasured {
                     kind: "measurement",
                     implementation: "flashattn-cuda",
                     pass: "decode",
-                    dtype: dtype.name(),
+                    dtype: fp8.map_or(dtype.name(), |f| f.name()),
                     batch,
                     heads,
                     heads_kv,
@@ -503,6 +570,54 @@ pub fn bench_decode(args: &crate::bench::BenchArgs, sqs: &[usize]) -> Result<()>
         }
     }
     Ok(())
+}
+
+/// The caches a decode bench step reads, on the device.
+enum DevCaches {
+    Plain(cuda::CudaTensor, cuda::CudaTensor),
+    Fp8(cuda::CudaFp8Tensor, cuda::CudaFp8Tensor),
+}
+
+/// `run --device cuda` on a KV-cache file with FP8 caches: q, the caches and the new keys/values
+/// uploaded to GPU 0, one `cuda::flash_attn_with_kvcache_fp8` call, the result downloaded and the
+/// caches' bytes as appended written back into `k` / `v`.
+pub fn decode_run_fp8(
+    q: &crate::st_io::Loaded,
+    ((k, k_shape), (v, v_shape)): (
+        (&mut crate::fp8::Fp8Buf, &[usize]),
+        (&mut crate::fp8::Fp8Buf, &[usize]),
+    ),
+    cache_seqlens: &[i32],
+    descale: &flashattn::fp8::Descale,
+    opts: &flashattn::KvCacheOptions,
+) -> Result<AttnOutput> {
+    let dev = CudaDevice::new(0)?;
+    let dq = dev.upload(&q.view())?;
+    let mut dk = dev.upload_fp8(&k.view(k_shape))?;
+    let mut dv = dev.upload_fp8(&v.view(v_shape))?;
+    let new = match &opts.new_kv {
+        Some((kn, vn)) => Some((dev.upload(kn)?, dev.upload(vn)?)),
+        None => None,
+    };
+    let mut dev_opts = opts.clone();
+    dev_opts.new_kv = None;
+    let res = cuda::flash_attn_with_kvcache_fp8(
+        &dev,
+        &dq,
+        &mut dk,
+        &mut dv,
+        cache_seqlens,
+        new.as_ref().map(|(k, v)| (k, v)),
+        descale,
+        &dev_opts,
+    )?;
+    let out = AttnOutput {
+        out: res.out.to_host(&dev)?,
+        lse: res.lse.to_host(&dev)?,
+    };
+    *k = crate::fp8::Fp8Buf::from_bits(k.format(), &dk.to_host_bytes(&dev)?);
+    *v = crate::fp8::Fp8Buf::from_bits(v.format(), &dv.to_host_bytes(&dev)?);
+    Ok(out)
 }
 
 /// `run --device cuda` on a KV-cache file: q, the caches and the new keys/values (from `opts`'s

@@ -224,7 +224,8 @@ pub fn run(args: &RunArgs) -> Result<()> {
     })
 }
 
-/// `run` on FP8 caches (CPU only): the call, then `out`, `lse` and the caches, written back FP8.
+/// `run` on FP8 caches: the call (on the CPU, or on GPU 0 with `--device cuda`), then `out`,
+/// `lse` and the caches, written back FP8.
 fn run_fp8_caches(
     args: &RunArgs,
     q: &Loaded,
@@ -233,19 +234,30 @@ fn run_fp8_caches(
     descale: &Descale,
     opts: &KvCacheOptions,
 ) -> Result<()> {
-    if args.device == crate::cuda::Device::Cuda {
-        return fail(
-            "FP8 caches run on the CPU only: the CUDA backend has no FP8 kernels yet (drop \
-             --device cuda)",
-        );
-    }
     run::write_atomically(&args.output, || {
-        let res = with_threads(args.threads, || {
-            let strides = |s: &[usize]| flashattn::tensor::contiguous_strides(s);
-            let mut kt = k.view_mut(k_shape, &strides(k_shape));
-            let mut vt = v.view_mut(v_shape, &strides(v_shape));
-            flash_attn_with_kvcache_fp8(&q.view(), &mut kt, &mut vt, cache_seqlens, descale, opts)
-        })??;
+        let res = if args.device == crate::cuda::Device::Cuda {
+            crate::cuda::decode_run_fp8(
+                q,
+                ((&mut *k, k_shape), (&mut *v, v_shape)),
+                cache_seqlens,
+                descale,
+                opts,
+            )?
+        } else {
+            with_threads(args.threads, || {
+                let strides = |s: &[usize]| flashattn::tensor::contiguous_strides(s);
+                let mut kt = k.view_mut(k_shape, &strides(k_shape));
+                let mut vt = v.view_mut(v_shape, &strides(v_shape));
+                flash_attn_with_kvcache_fp8(
+                    &q.view(),
+                    &mut kt,
+                    &mut vt,
+                    cache_seqlens,
+                    descale,
+                    opts,
+                )
+            })??
+        };
         let (out, lse) = (
             st_io::buffer_bytes(res.out.buffer()),
             st_io::buffer_bytes(res.lse.buffer()),

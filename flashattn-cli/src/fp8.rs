@@ -87,6 +87,13 @@ impl Fp8Buf {
             other => return fail(format!("tensor `{name}` has dtype {other:?}, {why}")),
         })
     }
+    /// Values of `format` from their bytes.
+    pub fn from_bits(format: Fp8Format, bytes: &[u8]) -> Self {
+        match format {
+            Fp8Format::E4M3 => Fp8Buf::E4M3(bytes.iter().map(|&b| F8E4M3::from_bits(b)).collect()),
+            Fp8Format::E5M2 => Fp8Buf::E5M2(bytes.iter().map(|&b| F8E5M2::from_bits(b)).collect()),
+        }
+    }
     /// The safetensors dtype and bytes.
     pub fn encoded(&self) -> (Dtype, Vec<u8>) {
         match self {

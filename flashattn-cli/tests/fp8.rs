@@ -328,13 +328,72 @@ fn bench_fp8_reports_and_refuses_other_modes() {
             .iter()
             .any(|l| l["impl"] == "naive" && l["dtype"] == "bf16"));
     }
-    for flags in [&["--backward"][..], &["--device", "cuda"][..]] {
+    for (flags, why) in [
+        (&["--backward"][..], "no --backward"),
+        (&["--device", "cuda"][..], "no forward with --device cuda"),
+    ] {
         let mut args = vec!["bench", "--dtype", "e4m3", "--seqlen", "16", "--no-peak"];
         args.extend_from_slice(flags);
         let res = flashattn(&args);
         let stderr = String::from_utf8_lossy(&res.stderr);
         assert_eq!(res.status.code(), Some(1), "{flags:?}: {stderr}");
-        assert!(stderr.contains("FP8 runs on the CPU only"), "{stderr}");
+        assert!(stderr.contains(why), "{stderr}");
+    }
+}
+
+/// Without a GPU, one `error:` line naming CUDA (or NVRTC), nothing else on stderr, no panic.
+fn assert_clean_cuda_failure(o: &std::process::Output, what: &str) {
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!stderr.contains("panicked"), "{what}: panicked: {stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "{what}: expected one line, got {stderr:?}");
+    assert!(
+        lines[0].starts_with("error: ")
+            && (lines[0].contains("CUDA") || lines[0].contains("NVRTC")),
+        "{what}: {stderr}"
+    );
+}
+
+/// `bench --decode --device cuda --dtype e4m3|e5m2`: with a GPU, one measurement per cache length
+/// with the format's name and a bf16-sized error; without one, a clean failure.
+#[test]
+fn bench_decode_fp8_caches_on_cuda_or_fails_cleanly() {
+    for format in ["e4m3", "e5m2"] {
+        let o = flashattn(&[
+            "bench",
+            "--decode",
+            "--device",
+            "cuda",
+            "--dtype",
+            format,
+            "--cache-len",
+            "1000",
+            "--heads",
+            "8",
+            "--heads-kv",
+            "2",
+            "--min-time",
+            "0",
+            "--json",
+        ]);
+        if !o.status.success() {
+            assert_clean_cuda_failure(&o, "bench --decode --device cuda --dtype");
+            continue;
+        }
+        let stdout = String::from_utf8_lossy(&o.stdout);
+        let rows: Vec<serde_json::Value> = stdout
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .filter(|r: &serde_json::Value| r["kind"] == "measurement")
+            .collect();
+        assert_eq!(rows.len(), 1, "{stdout}");
+        assert_eq!(rows[0]["dtype"], format, "{stdout}");
+        let err = rows[0]["max_abs_err"].as_f64().unwrap();
+        assert!(err.is_finite() && err < 2e-2, "{stdout}");
+        assert!(
+            rows[0]["kernel"].as_str().unwrap().contains("_fp8"),
+            "{stdout}"
+        );
     }
 }
 
@@ -410,6 +469,40 @@ fn run_fp8_kv_cache_matches_library() {
         assert_eq!((dtype, shape.as_slice()), (Dtype::F8_E4M3, &cs[..]));
         assert_eq!(bytes, fp8_bytes(want), "{name} written back");
         assert_ne!(bytes, fp8_bytes(before), "{name}: the append is missing");
+    }
+    // The same file on the GPU: the appended bytes equal the CPU's (no rotary: both divide the
+    // same bf16 value by the same factor in f64 and round once), out within bf16 rounding; without
+    // a GPU, a clean failure and no output file.
+    let gpu_output = dir.path().join("gpu.st");
+    let o = flashattn(&[
+        "run",
+        input.to_str().unwrap(),
+        gpu_output.to_str().unwrap(),
+        "--causal",
+        "--device",
+        "cuda",
+    ]);
+    if o.status.success() {
+        for (name, want) in [("k_cache", &k_lib), ("v_cache", &v_lib)] {
+            assert_eq!(
+                read_out(&gpu_output, name).2,
+                fp8_bytes(want),
+                "{name} on the GPU"
+            );
+        }
+        let (cpu, gpu) = (
+            bf16_values(&out),
+            bf16_values(&read_out(&gpu_output, "out").2),
+        );
+        for (x, y) in cpu.iter().zip(&gpu) {
+            assert!(
+                (x - y).abs() <= 2.0 * 2f64.powi(-8) * (1.0 + x.abs()),
+                "out: cpu {x} gpu {y}"
+            );
+        }
+    } else {
+        assert_clean_cuda_failure(&o, "run --device cuda on FP8 caches");
+        assert!(!gpu_output.exists(), "a failed run wrote its output");
     }
     // Descale tensors with caches that are not FP8, and caches of two FP8 formats, fail by name.
     let f32_cache: Vec<f32> = vec![0.5; b * cap * hk * d];
