@@ -578,15 +578,15 @@ enum DevCaches {
     Fp8(cuda::CudaFp8Tensor, cuda::CudaFp8Tensor),
 }
 
+/// An FP8 cache on the host: its values and shape.
+type HostFp8Cache<'a> = (&'a mut crate::fp8::Fp8Buf, &'a [usize]);
+
 /// `run --device cuda` on a KV-cache file with FP8 caches: q, the caches and the new keys/values
 /// uploaded to GPU 0, one `cuda::flash_attn_with_kvcache_fp8` call, the result downloaded and the
 /// caches' bytes as appended written back into `k` / `v`.
 pub fn decode_run_fp8(
     q: &crate::st_io::Loaded,
-    ((k, k_shape), (v, v_shape)): (
-        (&mut crate::fp8::Fp8Buf, &[usize]),
-        (&mut crate::fp8::Fp8Buf, &[usize]),
-    ),
+    ((k, k_shape), (v, v_shape)): (HostFp8Cache<'_>, HostFp8Cache<'_>),
     cache_seqlens: &[i32],
     descale: &flashattn::fp8::Descale,
     opts: &flashattn::KvCacheOptions,
