@@ -10,18 +10,19 @@ rm -rf gpu-run && mkdir -p gpu-run
 cargo build --release -p flashattn-cli
 cp target/release/flashattn gpu-run/
 # Test executables of the library's and the CLI's CUDA tests (no debug info: smaller to carry).
-# The decode tests' binary too (its `gpu` module runs the CUDA decode path; the other tests in it
-# run on the CPU and are filtered out by run.sh).
-CARGO_PROFILE_DEV_DEBUG=0 cargo test --workspace --test cuda --test decode --no-run --message-format=json \
-    | python3 -c '
+# The decode tests' binaries too (the library's `gpu` module runs the CUDA decode path; the CLI's
+# runs `run --device cuda` on KV-cache files) and the CLI's FP8 tests (FP8 caches with --device
+# cuda); run.sh filters out the tests in them that run on the CPU only.
+CARGO_PROFILE_DEV_DEBUG=0 cargo test --workspace --test cuda --test decode --test fp8 --no-run \
+    --message-format=json | python3 -c '
 import json, shutil, sys
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("cuda", "decode"):
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("cuda", "decode", "fp8"):
         pkg = m["package_id"].split("#")[0].rstrip("/").split("/")[-1]
-        if m["target"]["name"] == "decode" and pkg != "flashattn":
-            continue  # the CLI has a decode test file of its own, with nothing on the GPU
-        name = ("cuda_tests_" if m["target"]["name"] == "cuda" else "decode_tests_") + pkg
+        if m["target"]["name"] == "fp8" and pkg == "flashattn":
+            continue  # the library FP8 tests run on the CPU only
+        name = m["target"]["name"] + "_tests_" + pkg
         shutil.copy(m["executable"], "gpu-run/" + name)
         print("copied", name)
 '

@@ -16,10 +16,14 @@ for t in gpu-run/cuda_tests_*; do
     echo "== $t"
     "$t" --test-threads 1 --nocapture 2>&1 | tee "$out/$(basename "$t").log" | grep -E "^test |test result|panicked|CUDA device|skipping" 
 done
-for t in gpu-run/decode_tests_*; do
-    echo "== $t (the GPU decode test only)"
-    "$t" gpu:: --test-threads 1 --nocapture 2>&1 | tee "$out/$(basename "$t").log" | grep -E "^test |test result|panicked|skipping"
-done
+echo "== the library's decode tests (the GPU decode test only)"
+gpu-run/decode_tests_flashattn gpu:: --test-threads 1 --nocapture 2>&1 \
+    | tee "$out/decode_tests_flashattn.log" | grep -E "^test |test result|panicked|skipping"
+echo "== the CLI's decode and FP8 tests that use --device cuda"
+gpu-run/decode_tests_flashattn-cli cuda --test-threads 1 2>&1 | tee "$out/decode_tests_cli.log" \
+    | grep -E "^test |test result|panicked"
+gpu-run/fp8_tests_flashattn-cli run_fp8_kv_cache bench_decode_fp8_caches_on_cuda --test-threads 1 2>&1 \
+    | tee "$out/fp8_tests_cli.log" | grep -E "^test |test result|panicked"
 python3 bench/compare_torch_cuda_decode.py --binary gpu-run/flashattn --out "$out/compare_cuda_decode.json" 2>&1 \
     | tee "$out/compare_cuda_decode.log"
 # FP8 KV caches (q bf16) against torch's float8 -> bf16 conversion before SDPA.

@@ -8,9 +8,11 @@ use std::process::{Command, Output};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_flashattn");
 
-/// Runs the binary under test.
+/// Runs the binary under test: cargo's build, or `FLASHATTN_BIN` (bench/gpu/run.sh points it at
+/// the binary carried to a GPU machine, which has no toolchain).
 pub fn flashattn(args: &[&str]) -> Output {
-    Command::new(BIN).args(args).output().unwrap()
+    let bin = std::env::var("FLASHATTN_BIN").unwrap_or_else(|_| BIN.into());
+    Command::new(bin).args(args).output().unwrap()
 }
 
 /// Asserts that a run succeeded, showing its stderr if not.
