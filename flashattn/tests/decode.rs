@@ -2928,6 +2928,84 @@ mod emulated {
         }
     }
 
+    /// [`packed_queries_and_new_keys_match_the_cpu`] on FP8 caches (e4m3 and e5m2 in turn, q in
+    /// every dtype, factors per (sequence, kv head)): the emulated kernels against the CPU's FP8
+    /// path, the caches' bytes afterwards identical, the rows after the last sequence 0 / -inf.
+    #[test]
+    fn fp8_packed_queries_and_new_keys_match_the_cpu() {
+        if !have_compiler() {
+            return;
+        }
+        let mut builds = decode_builds();
+        let q_lens = [3usize, 0, 1, 6, 2, 4];
+        let new_lens = [1usize, 0, 2, 1, 0, 3];
+        let total = q_lens.iter().sum::<usize>() + 2;
+        let total_new = new_lens.iter().sum::<usize>() + 1;
+        let (cu, cu_new) = (cumulative(&q_lens), cumulative(&new_lens));
+        let mut n = 0;
+        for dtype in DTYPES {
+            for mi in 0..4 {
+                n += 1;
+                let format = [Fp8Format::E4M3, Fp8Format::E5M2][n % 2];
+                let c = DCase {
+                    fp8: Some(format),
+                    ..packed_case(dtype, mi, n, 2900 + n as u64)
+                };
+                let bl = build(&c);
+                let f = bl.fp8.as_ref().unwrap();
+                let (h, hkv, d) = (c.heads, c.heads_kv, c.d);
+                let mut rng = common::rng(c.seed ^ 0xbeef);
+                let qb = to_buffer(&values(&mut rng, total * h * d, Dist::Normal), dtype);
+                let knb = to_buffer(&values(&mut rng, total_new * hkv * d, Dist::Normal), dtype);
+                let vnb = to_buffer(&values(&mut rng, total_new * hkv * d, Dist::Normal), dtype);
+                let lens: Vec<i32> = c.lens.iter().map(|&x| x as i32).collect();
+                let mut opts = bl.opts(&c).cu_seqlens_q(&cu);
+                let appends = mi >= 2;
+                if appends {
+                    opts = opts.cu_seqlens_k_new(&cu_new).new_kv(
+                        view_of(&knb, &[total_new, hkv, d]),
+                        view_of(&vnb, &[total_new, hkv, d]),
+                    );
+                }
+                let q = view_of(&qb, &[total, h, d]);
+                let tag = format!("fp8_packed_{n}");
+                let (emu, ke, ve) = run_fp8(&mut builds, &q, &bl, f, &lens, &opts, &tag);
+                let emu = emu.unwrap_or_else(|e| panic!("{c:?}: {e}"));
+                let (mut kc, mut vc) = (f.k.clone(), f.v.clone());
+                let descale = Descale::default().k(&f.k_descale).v(&f.v_descale);
+                let cpu = call_fp8(
+                    &q,
+                    (&mut kc, &mut vc),
+                    (format, &bl.map),
+                    &lens,
+                    &descale,
+                    &opts,
+                )
+                .unwrap();
+                let what = format!("{c:?} packed, new keys {appends}");
+                let (kc, vc) = (fp8_values(&kc, format), fp8_values(&vc, format));
+                assert_eq!(buf_bits(&ke), buf_bits(&kc), "{what}: k_cache");
+                assert_eq!(buf_bits(&ve), buf_bits(&vc), "{what}: v_cache");
+                if appends {
+                    assert_ne!(
+                        buf_bits(&ke),
+                        buf_bits(&bl.k_cache),
+                        "{what}: nothing appended"
+                    );
+                }
+                assert_eq!(emu.out.shape(), cpu.out.shape());
+                assert_eq!(emu.lse.shape(), cpu.lse.shape());
+                close(&cpu, &emu, dtype, &what);
+                let (out, lse) = (emu.out.to_f64_vec(), emu.lse.to_f64_vec());
+                assert!(out.iter().all(|x| x.is_finite()), "{what}: NaN in out");
+                for r in cu[q_lens.len()] as usize..total {
+                    assert!(out[r * h * d..(r + 1) * h * d].iter().all(|&x| x == 0.0));
+                    assert!((0..h).all(|hh| lse[hh * total + r] == f64::NEG_INFINITY));
+                }
+            }
+        }
+    }
+
     /// Invalid calls are refused before any launch is described (the GPU path validates with the
     /// same function, before anything is queued).
     #[test]
