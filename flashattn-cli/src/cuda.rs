@@ -572,6 +572,37 @@ pub fn bench_decode(args: &crate::bench::BenchArgs, sqs: &[usize]) -> Result<()>
     Ok(())
 }
 
+/// q and the new keys and values of a decode step on the device, and the options with the host
+/// views of the new keys taken out (the GPU calls take them as device tensors).
+struct Step<'a> {
+    q: cuda::CudaTensor,
+    new: Option<(cuda::CudaTensor, cuda::CudaTensor)>,
+    opts: flashattn::KvCacheOptions<'a>,
+}
+
+impl<'a> Step<'a> {
+    fn upload(
+        dev: &CudaDevice,
+        q: &crate::st_io::Loaded,
+        opts: &flashattn::KvCacheOptions<'a>,
+    ) -> Result<Self> {
+        let new = match &opts.new_kv {
+            Some((k, v)) => Some((dev.upload(k)?, dev.upload(v)?)),
+            None => None,
+        };
+        let mut opts = opts.clone();
+        opts.new_kv = None;
+        Ok(Step {
+            q: dev.upload(&q.view())?,
+            new,
+            opts,
+        })
+    }
+    fn new_kv(&self) -> Option<(&cuda::CudaTensor, &cuda::CudaTensor)> {
+        self.new.as_ref().map(|(k, v)| (k, v))
+    }
+}
+
 /// The caches a decode bench step reads, on the device.
 enum DevCaches {
     Plain(cuda::CudaTensor, cuda::CudaTensor),
@@ -592,24 +623,18 @@ pub fn decode_run_fp8(
     opts: &flashattn::KvCacheOptions,
 ) -> Result<AttnOutput> {
     let dev = CudaDevice::new(0)?;
-    let dq = dev.upload(&q.view())?;
     let mut dk = dev.upload_fp8(&k.view(k_shape))?;
     let mut dv = dev.upload_fp8(&v.view(v_shape))?;
-    let new = match &opts.new_kv {
-        Some((kn, vn)) => Some((dev.upload(kn)?, dev.upload(vn)?)),
-        None => None,
-    };
-    let mut dev_opts = opts.clone();
-    dev_opts.new_kv = None;
+    let step = Step::upload(&dev, q, opts)?;
     let res = cuda::flash_attn_with_kvcache_fp8(
         &dev,
-        &dq,
+        &step.q,
         &mut dk,
         &mut dv,
         cache_seqlens,
-        new.as_ref().map(|(k, v)| (k, v)),
+        step.new_kv(),
         descale,
-        &dev_opts,
+        &step.opts,
     )?;
     let out = AttnOutput {
         out: res.out.to_host(&dev)?,
@@ -631,23 +656,17 @@ pub fn decode_run(
     opts: &flashattn::KvCacheOptions,
 ) -> Result<AttnOutput> {
     let dev = CudaDevice::new(0)?;
-    let dq = dev.upload(&q.view())?;
     let mut dk = dev.upload(&k_cache.view())?;
     let mut dv = dev.upload(&v_cache.view())?;
-    let new = match &opts.new_kv {
-        Some((k, v)) => Some((dev.upload(k)?, dev.upload(v)?)),
-        None => None,
-    };
-    let mut dev_opts = opts.clone();
-    dev_opts.new_kv = None;
+    let step = Step::upload(&dev, q, opts)?;
     let res = cuda::flash_attn_with_kvcache(
         &dev,
-        &dq,
+        &step.q,
         &mut dk,
         &mut dv,
         cache_seqlens,
-        new.as_ref().map(|(k, v)| (k, v)),
-        &dev_opts,
+        step.new_kv(),
+        &step.opts,
     )?;
     let out = AttnOutput {
         out: res.out.to_host(&dev)?,

@@ -2872,6 +2872,17 @@ mod emulated {
     /// after the last sequence exactly 0 with lse -inf.
     #[test]
     fn packed_queries_and_new_keys_match_the_cpu() {
+        packed_against_the_cpu(false);
+    }
+
+    /// The same on FP8 caches (e4m3 and e5m2 in turn, q in every dtype, factors per (sequence,
+    /// kv head)), against the CPU's FP8 path: the caches' bytes afterwards identical.
+    #[test]
+    fn fp8_packed_queries_and_new_keys_match_the_cpu() {
+        packed_against_the_cpu(true);
+    }
+
+    fn packed_against_the_cpu(fp8: bool) {
         if !have_compiler() {
             return;
         }
@@ -2885,7 +2896,11 @@ mod emulated {
         for dtype in DTYPES {
             for mi in 0..4 {
                 n += 1;
-                let c = packed_case(dtype, mi, n, 1900 + n as u64);
+                let seed = if fp8 { 2900 } else { 1900 } + n as u64;
+                let c = DCase {
+                    fp8: fp8.then_some([Fp8Format::E4M3, Fp8Format::E5M2][n % 2]),
+                    ..packed_case(dtype, mi, n, seed)
+                };
                 let bl = build(&c);
                 let (h, hkv, d) = (c.heads, c.heads_kv, c.d);
                 let mut rng = common::rng(c.seed ^ 0xbeef);
@@ -2904,86 +2919,33 @@ mod emulated {
                     );
                 }
                 let q = view_of(&qb, &[total, h, d]);
-                let (emu, ke, ve) = run(&mut builds, &q, &bl, &lens, &opts, &format!("packed_{n}"));
-                let emu = emu.unwrap_or_else(|e| panic!("{c:?}: {e}"));
-                let (mut kc, mut vc) = (bl.k_cache.clone(), bl.v_cache.clone());
-                let cpu = {
-                    let mut k = TensorMut::new(slice_mut(&mut kc), &bl.map.shape, &bl.map.strides);
-                    let mut v = TensorMut::new(slice_mut(&mut vc), &bl.map.shape, &bl.map.strides);
-                    flash_attn_with_kvcache(&q, &mut k, &mut v, &lens, &opts).unwrap()
+                let tag = format!("packed_{}{n}", if fp8 { "fp8_" } else { "" });
+                // Both paths on copies of the caches; the caches afterwards as values.
+                let ((emu, ke, ve), (cpu, kc, vc)) = match &bl.fp8 {
+                    Some(f) => {
+                        let emu = run_fp8(&mut builds, &q, &bl, f, &lens, &opts, &tag);
+                        let (mut kc, mut vc) = (f.k.clone(), f.v.clone());
+                        let descale = Descale::default().k(&f.k_descale).v(&f.v_descale);
+                        let map = (f.format, &bl.map);
+                        let cpu = call_fp8(&q, (&mut kc, &mut vc), map, &lens, &descale, &opts);
+                        let values = |b: &[u8]| fp8_values(b, f.format);
+                        (emu, (cpu, values(&kc), values(&vc)))
+                    }
+                    None => {
+                        let emu = run(&mut builds, &q, &bl, &lens, &opts, &tag);
+                        let (mut kc, mut vc) = (bl.k_cache.clone(), bl.v_cache.clone());
+                        let cpu = {
+                            let (sh, st) = (&bl.map.shape, &bl.map.strides);
+                            let mut k = TensorMut::new(slice_mut(&mut kc), sh, st);
+                            let mut v = TensorMut::new(slice_mut(&mut vc), sh, st);
+                            flash_attn_with_kvcache(&q, &mut k, &mut v, &lens, &opts)
+                        };
+                        (emu, (cpu, kc, vc))
+                    }
                 };
-                let what = format!("{c:?} packed, new keys {appends}");
-                assert_eq!(buf_bits(&ke), buf_bits(&kc), "{what}: k_cache");
-                assert_eq!(buf_bits(&ve), buf_bits(&vc), "{what}: v_cache");
-                assert_eq!(emu.out.shape(), cpu.out.shape());
-                assert_eq!(emu.lse.shape(), cpu.lse.shape());
-                close(&cpu, &emu, dtype, &what);
-                let (out, lse) = (emu.out.to_f64_vec(), emu.lse.to_f64_vec());
-                assert!(out.iter().all(|x| x.is_finite()), "{what}: NaN in out");
-                for r in cu[q_lens.len()] as usize..total {
-                    assert!(out[r * h * d..(r + 1) * h * d].iter().all(|&x| x == 0.0));
-                    assert!((0..h).all(|hh| lse[hh * total + r] == f64::NEG_INFINITY));
-                }
-            }
-        }
-    }
-
-    /// [`packed_queries_and_new_keys_match_the_cpu`] on FP8 caches (e4m3 and e5m2 in turn, q in
-    /// every dtype, factors per (sequence, kv head)): the emulated kernels against the CPU's FP8
-    /// path, the caches' bytes afterwards identical, the rows after the last sequence 0 / -inf.
-    #[test]
-    fn fp8_packed_queries_and_new_keys_match_the_cpu() {
-        if !have_compiler() {
-            return;
-        }
-        let mut builds = decode_builds();
-        let q_lens = [3usize, 0, 1, 6, 2, 4];
-        let new_lens = [1usize, 0, 2, 1, 0, 3];
-        let total = q_lens.iter().sum::<usize>() + 2;
-        let total_new = new_lens.iter().sum::<usize>() + 1;
-        let (cu, cu_new) = (cumulative(&q_lens), cumulative(&new_lens));
-        let mut n = 0;
-        for dtype in DTYPES {
-            for mi in 0..4 {
-                n += 1;
-                let format = [Fp8Format::E4M3, Fp8Format::E5M2][n % 2];
-                let c = DCase {
-                    fp8: Some(format),
-                    ..packed_case(dtype, mi, n, 2900 + n as u64)
-                };
-                let bl = build(&c);
-                let f = bl.fp8.as_ref().unwrap();
-                let (h, hkv, d) = (c.heads, c.heads_kv, c.d);
-                let mut rng = common::rng(c.seed ^ 0xbeef);
-                let qb = to_buffer(&values(&mut rng, total * h * d, Dist::Normal), dtype);
-                let knb = to_buffer(&values(&mut rng, total_new * hkv * d, Dist::Normal), dtype);
-                let vnb = to_buffer(&values(&mut rng, total_new * hkv * d, Dist::Normal), dtype);
-                let lens: Vec<i32> = c.lens.iter().map(|&x| x as i32).collect();
-                let mut opts = bl.opts(&c).cu_seqlens_q(&cu);
-                let appends = mi >= 2;
-                if appends {
-                    opts = opts.cu_seqlens_k_new(&cu_new).new_kv(
-                        view_of(&knb, &[total_new, hkv, d]),
-                        view_of(&vnb, &[total_new, hkv, d]),
-                    );
-                }
-                let q = view_of(&qb, &[total, h, d]);
-                let tag = format!("fp8_packed_{n}");
-                let (emu, ke, ve) = run_fp8(&mut builds, &q, &bl, f, &lens, &opts, &tag);
                 let emu = emu.unwrap_or_else(|e| panic!("{c:?}: {e}"));
-                let (mut kc, mut vc) = (f.k.clone(), f.v.clone());
-                let descale = Descale::default().k(&f.k_descale).v(&f.v_descale);
-                let cpu = call_fp8(
-                    &q,
-                    (&mut kc, &mut vc),
-                    (format, &bl.map),
-                    &lens,
-                    &descale,
-                    &opts,
-                )
-                .unwrap();
+                let cpu = cpu.unwrap();
                 let what = format!("{c:?} packed, new keys {appends}");
-                let (kc, vc) = (fp8_values(&kc, format), fp8_values(&vc, format));
                 assert_eq!(buf_bits(&ke), buf_bits(&kc), "{what}: k_cache");
                 assert_eq!(buf_bits(&ve), buf_bits(&vc), "{what}: v_cache");
                 if appends {

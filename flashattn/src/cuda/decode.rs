@@ -382,14 +382,7 @@ pub fn flash_attn_with_kvcache(
     new_kv: Option<(&CudaTensor, &CudaTensor)>,
     opts: &KvCacheOptions,
 ) -> Result<CudaAttnOutput> {
-    if opts.new_kv.is_some() {
-        return Err(ErrorKind::CudaUnsupported {
-            feature: "host tensors in KvCacheOptions::new_kv",
-            detail: " (pass the new keys and values as device tensors, the `new_kv` argument)"
-                .into(),
-        }
-        .into());
-    }
+    refuse_host_new_kv(opts)?;
     let dp = crate::decode::validate(q, &*k_cache, &*v_cache, new_kv, cache_seqlens, opts)?;
     let d = prepare(
         dev,
@@ -408,6 +401,20 @@ pub fn flash_attn_with_kvcache(
         (DeviceBuffer::BF16(k), DeviceBuffer::BF16(v)) => queue(dev, &d, q, (k, v), new_kv),
         _ => unreachable!("the caches' dtype was validated against q's"),
     }
+}
+
+/// The GPU calls take the new keys and values as device tensors (their `new_kv` argument), not
+/// as the host views of `opts.new_kv`.
+pub(crate) fn refuse_host_new_kv(opts: &KvCacheOptions) -> Result<()> {
+    if opts.new_kv.is_some() {
+        return Err(ErrorKind::CudaUnsupported {
+            feature: "host tensors in KvCacheOptions::new_kv",
+            detail: " (pass the new keys and values as device tensors, the `new_kv` argument)"
+                .into(),
+        }
+        .into());
+    }
+    Ok(())
 }
 
 /// What both decode calls check after validation (every tensor on `dev`'s context, a device

@@ -3,10 +3,10 @@
 //! the same validation (`crate::fp8::validate_kvcache`) and the decode kernels of
 //! `kernels/decode.cu` compiled with `FA_FP8_CACHE`.
 
-use super::decode::{prepare, queue};
+use super::decode::{prepare, queue, refuse_host_new_kv};
 use super::{driver_err, gather, CudaAttnOutput, CudaDevice, CudaTensor};
 use crate::decode::KvCacheOptions;
-use crate::error::{ErrorKind, Result};
+use crate::error::Result;
 use crate::fp8::{Descale, Fp8Format, Fp8TensorRef, Fp8View};
 use crate::params;
 use crate::tensor::{DType, ViewDesc, ViewInfo};
@@ -121,14 +121,7 @@ pub fn flash_attn_with_kvcache_fp8(
     descale: &Descale,
     opts: &KvCacheOptions,
 ) -> Result<CudaAttnOutput> {
-    if opts.new_kv.is_some() {
-        return Err(ErrorKind::CudaUnsupported {
-            feature: "host tensors in KvCacheOptions::new_kv",
-            detail: " (pass the new keys and values as device tensors, the `new_kv` argument)"
-                .into(),
-        }
-        .into());
-    }
+    refuse_host_new_kv(opts)?;
     let new_info = new_kv.map(|(k, v)| (ViewInfo::of(k), ViewInfo::of(v)));
     let (dp, dk) = crate::fp8::validate_kvcache(
         &ViewInfo::of(q),
