@@ -1,36 +1,87 @@
 #!/usr/bin/env bash
-# On the device machine (after bench/gpu/prepare.sh here, carrying gpu-run/): the CUDA tests (the
-# forward grid against the f64 reference, varlen, errors; the CLI's --device cuda tests; the decode
-# path's cases, FP8 caches included; the backward grid), then bench/compare_torch_cuda_decode.py
-# (also with FP8 caches), bench/compare_torch_cuda.py
-# and the same with --backward. Logs and JSON go to $OUT (or gpu-run/out).
+# On the device machine (after bench/gpu/prepare.sh here, carrying gpu-run/):
+#
+#   bash bench/gpu/run.sh [STAGE] [args for compare_torch_cuda.py]
+#
+# STAGE (default all; the device tool stops a command after 10 minutes, so a session runs the
+# stages as separate calls):
+#   tests     the CUDA tests: the library's (forward grid against the f64 reference, varlen,
+#             errors, the backward grid with its dropout cases) and the CLI's --device cuda tests;
+#             the decode path's GPU cases (FP8 caches included); the CLI's decode and FP8 tests
+#             that use --device cuda
+#   decode    bench/compare_torch_cuda_decode.py (bf16, f32), then with FP8 caches (e4m3, e5m2)
+#   forward   bench/compare_torch_cuda.py (flashattn vs PyTorch SDPA's flash backend)
+#   backward  bench/compare_torch_cuda.py --backward --quick
+#   all       the four in order
+# Logs and JSON collect in $LOGS (default /tmp/flashattn-gpu-logs, which outlives the calls
+# while the machine stays warm; gpu-run/ itself is replaced by every carry). Each call ends by
+# packing them all into $OUT/gpu-logs.tgz and writing $OUT/summary.txt (the test results and
+# the comparison lines), since the tool brings back at most 8 files.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-out=${OUT:-gpu-run/out}
-mkdir -p "$out"
+stage=${1:-all}
+[ $# -gt 0 ] && shift
+case "$stage" in
+    tests | decode | forward | backward | all) ;;
+    *) echo "unknown stage $stage (tests, decode, forward, backward, all)" >&2; exit 2 ;;
+esac
+logs=${LOGS:-/tmp/flashattn-gpu-logs}
+mkdir -p "$logs"
 export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
 export FLASHATTN_CACHE_DIR=${FLASHATTN_CACHE_DIR:-/tmp/flashattn-cache}
 export FLASHATTN_BIN=$PWD/gpu-run/flashattn
-for t in gpu-run/cuda_tests_*; do
-    echo "== $t"
-    "$t" --test-threads 1 --nocapture 2>&1 | tee "$out/$(basename "$t").log" | grep -E "^test |test result|panicked|CUDA device|skipping" 
-done
-echo "== the library's decode tests (the GPU decode test only)"
-gpu-run/decode_tests_flashattn gpu:: --test-threads 1 --nocapture 2>&1 \
-    | tee "$out/decode_tests_flashattn.log" | grep -E "^test |test result|panicked|skipping"
-echo "== the CLI's decode and FP8 tests that use --device cuda"
-gpu-run/decode_tests_flashattn-cli cuda --test-threads 1 2>&1 | tee "$out/decode_tests_cli.log" \
-    | grep -E "^test |test result|panicked"
-gpu-run/fp8_tests_flashattn-cli run_fp8_kv_cache bench_decode_fp8_caches_on_cuda --test-threads 1 2>&1 \
-    | tee "$out/fp8_tests_cli.log" | grep -E "^test |test result|panicked"
-python3 bench/compare_torch_cuda_decode.py --binary gpu-run/flashattn --out "$out/compare_cuda_decode.json" 2>&1 \
-    | tee "$out/compare_cuda_decode.log"
-# FP8 KV caches (q bf16) against torch's float8 -> bf16 conversion before SDPA.
-python3 bench/compare_torch_cuda_decode.py --binary gpu-run/flashattn --dtype e4m3,e5m2 --rounds 2 \
-    --out "$out/compare_cuda_decode_fp8.json" 2>&1 | tee "$out/compare_cuda_decode_fp8.log"
-python3 bench/compare_torch_cuda.py --binary gpu-run/flashattn --out "$out/compare_cuda.json" "$@" 2>&1 \
-    | tee "$out/compare_cuda.log"
-# The backward (CUDA cores, not yet tensor cores): forward + backward at three lengths, d = 128.
-python3 bench/compare_torch_cuda.py --binary gpu-run/flashattn --backward --quick --rounds 2 \
-    --out "$out/compare_cuda_bwd.json" 2>&1 | tee "$out/compare_cuda_bwd.log"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$logs/gpu.txt"
+
+run_tests() {
+    for t in gpu-run/cuda_tests_*; do
+        echo "== $t"
+        "$t" --test-threads 1 --nocapture 2>&1 | tee "$logs/$(basename "$t").log" \
+            | grep -E "^test |test result|panicked|CUDA device|skipping"
+    done
+    echo "== the library's decode tests (the GPU decode test only)"
+    gpu-run/decode_tests_flashattn gpu:: --test-threads 1 --nocapture 2>&1 \
+        | tee "$logs/decode_tests_flashattn.log" | grep -E "^test |test result|panicked|skipping"
+    echo "== the CLI's decode and FP8 tests that use --device cuda"
+    gpu-run/decode_tests_flashattn-cli cuda --test-threads 1 2>&1 | tee "$logs/decode_tests_cli.log" \
+        | grep -E "^test |test result|panicked"
+    gpu-run/fp8_tests_flashattn-cli run_fp8_kv_cache bench_decode_fp8_caches_on_cuda --test-threads 1 \
+        2>&1 | tee "$logs/fp8_tests_cli.log" | grep -E "^test |test result|panicked"
+}
+
+run_decode() {
+    python3 bench/compare_torch_cuda_decode.py --binary gpu-run/flashattn \
+        --out "$logs/compare_cuda_decode.json" 2>&1 | tee "$logs/compare_cuda_decode.log"
+    # FP8 KV caches (q bf16) against torch's float8 -> bf16 conversion before SDPA.
+    python3 bench/compare_torch_cuda_decode.py --binary gpu-run/flashattn --dtype e4m3,e5m2 --rounds 2 \
+        --out "$logs/compare_cuda_decode_fp8.json" 2>&1 | tee "$logs/compare_cuda_decode_fp8.log"
+}
+
+run_forward() {
+    python3 bench/compare_torch_cuda.py --binary gpu-run/flashattn --out "$logs/compare_cuda.json" "$@" \
+        2>&1 | tee "$logs/compare_cuda.log"
+}
+
+run_backward() {
+    # The backward: forward + backward at three lengths, d = 128.
+    python3 bench/compare_torch_cuda.py --binary gpu-run/flashattn --backward --quick --rounds 2 \
+        --out "$logs/compare_cuda_bwd.json" 2>&1 | tee "$logs/compare_cuda_bwd.log"
+}
+
+case "$stage" in
+    tests) run_tests ;;
+    decode) run_decode ;;
+    forward) run_forward "$@" ;;
+    backward) run_backward ;;
+    all) run_tests; run_decode; run_forward "$@"; run_backward ;;
+esac
+
+if [ -n "${OUT:-}" ]; then
+    tar czf "$OUT/gpu-logs.tgz" -C "$logs" .
+    {
+        cat "$logs/gpu.txt"
+        for f in "$logs"/*.log; do
+            echo "== $(basename "$f")"
+            grep -E "^test |test result|panicked|skipping|^(bf16|f32|e4m3|e5m2|f16) |x[0-9.]+|device " "$f" | tail -80
+        done
+    } > "$OUT/summary.txt"
+fi
