@@ -2480,6 +2480,13 @@ mod emulated {
         E5M2(Vec<F8E5M2>),
     }
 
+    fn fp8_view<'a>(e: &'a Fp8Elements, map: &CacheMap) -> Fp8TensorRef<'a> {
+        match e {
+            Fp8Elements::E4M3(x) => Fp8TensorRef::new(x, &map.shape, &map.strides),
+            Fp8Elements::E5M2(x) => Fp8TensorRef::new(x, &map.shape, &map.strides),
+        }
+    }
+
     fn fp8_elements(b: &[u8], format: Fp8Format) -> Fp8Elements {
         match format {
             Fp8Format::E4M3 => Fp8Elements::E4M3(b.iter().map(|&x| F8E4M3::from_bits(x)).collect()),
@@ -2512,16 +2519,10 @@ mod emulated {
         let descale = Descale::default().k(&f.k_descale).v(&f.v_descale);
         let d = {
             let (k, v) = (fp8_elements(&f.k, f.format), fp8_elements(&f.v, f.format));
-            fn view<'a>(e: &'a Fp8Elements, map: &CacheMap) -> Fp8TensorRef<'a> {
-                match e {
-                    Fp8Elements::E4M3(x) => Fp8TensorRef::new(x, &map.shape, &map.strides),
-                    Fp8Elements::E5M2(x) => Fp8TensorRef::new(x, &map.shape, &map.strides),
-                }
-            }
             decode_launch_description_fp8(
                 q,
-                &view(&k, &bl.map),
-                &view(&v, &bl.map),
+                &fp8_view(&k, &bl.map),
+                &fp8_view(&v, &bl.map),
                 lens,
                 &descale,
                 opts,
@@ -2994,6 +2995,31 @@ mod emulated {
         let err = decode_launch_description(&bl.q_view(&c), &kv, &vv, &[50], &bl.opts(&c), 132)
             .unwrap_err();
         assert_kind!(err.kind(), ErrorKind::CudaLimit { .. });
+        // FP8 caches: the CPU's FP8 checks, before any launch is described.
+        let c = DCase {
+            fp8: Some(Fp8Format::E4M3),
+            ..DCase::default()
+        };
+        let bl = build(&c);
+        let f = bl.fp8.as_ref().unwrap();
+        let (k4, v4) = (fp8_elements(&f.k, f.format), fp8_elements(&f.v, f.format));
+        let v5 = fp8_elements(&f.v, Fp8Format::E5M2);
+        let lens: Vec<i32> = c.lens.iter().map(|&x| x as i32).collect();
+        let (q, opts, map) = (bl.q_view(&c), bl.opts(&c), &bl.map);
+        let describe = |v: &Fp8Elements, d: &Descale| {
+            let (k, v) = (fp8_view(&k4, map), fp8_view(v, map));
+            decode_launch_description_fp8(&q, &k, &v, &lens, d, &opts, 132)
+        };
+        let good = Descale::default().k(&f.k_descale).v(&f.v_descale);
+        let err = describe(&v5, &good).unwrap_err();
+        assert_kind!(err.kind(), ErrorKind::Fp8CacheFormat { .. });
+        let err = describe(&v4, &good.q(&[1.0])).unwrap_err();
+        assert_kind!(err.kind(), ErrorKind::DescaleUnused { .. });
+        let err = describe(&v4, &Descale::default().k(&[1.0, 2.0, 3.0])).unwrap_err();
+        assert_kind!(err.kind(), ErrorKind::DescaleLength { .. });
+        let err = describe(&v4, &Descale::default().v(&[f32::NAN])).unwrap_err();
+        assert_kind!(err.kind(), ErrorKind::DescaleValue { .. });
+        assert!(describe(&v4, &good).is_ok());
     }
 }
 
