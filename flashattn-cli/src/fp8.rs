@@ -134,8 +134,8 @@ pub fn decode_descale(name: &str, t: &TensorView) -> Result<Vec<f32>> {
 pub fn run(args: &RunArgs) -> Result<()> {
     if args.device == Device::Cuda {
         return fail(
-            "FP8 inputs run on the CPU only: the CUDA backend has no FP8 kernels yet (drop \
-             --device cuda)",
+            "FP8 q, k, v (the forward) run on the CPU only: the CUDA backend has no FP8 forward \
+             yet (drop --device cuda; FP8 KV caches do run on the GPU)",
         );
     }
     let shown = args.input.display();
