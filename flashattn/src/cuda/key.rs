@@ -468,3 +468,43 @@ impl std::fmt::Display for Arch {
         f.write_str(&self.target())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    /// Every variant has its own name (the disk cache's file names and the compile report's rows)
+    /// and its own defines (what NVRTC compiles); the FP8-cache variants are the decode split
+    /// and append kernels only, each with its plain twin.
+    #[test]
+    fn variants_are_distinct() {
+        let keys = KernelKey::all();
+        let names: HashSet<String> = keys.iter().map(|k| k.name()).collect();
+        assert_eq!(names.len(), keys.len(), "duplicate kernel names");
+        let defines: HashSet<(KernelKind, DType, String)> = keys
+            .iter()
+            .map(|k| (k.kind, k.dtype, format!("{:?}", k.defines())))
+            .collect();
+        assert_eq!(
+            defines.len(),
+            keys.len(),
+            "two variants with the same defines"
+        );
+        let fp8: Vec<&KernelKey> = keys.iter().filter(|k| k.fp8_cache).collect();
+        assert_eq!(fp8.len(), 3 * 8 * 8 + 3);
+        for k in fp8 {
+            assert!(matches!(
+                k.kind,
+                KernelKind::DecodeSplit | KernelKind::DecodeAppend
+            ));
+            assert!(k.name().ends_with("_fp8"), "{}", k.name());
+            assert!(k.defines().contains(&("FA_FP8_CACHE", "1".into())));
+            let plain = KernelKey {
+                fp8_cache: false,
+                ..*k
+            };
+            assert!(keys.contains(&plain), "{} has no plain twin", k.name());
+        }
+    }
+}
