@@ -469,19 +469,46 @@ pub fn bench_decode(args: &crate::bench::BenchArgs, sqs: &[usize]) -> Result<()>
                 };
                 let (median_ms, min_ms, reps) = time_events(&dev, args.min_time, &mut step)?;
                 let res = step()?;
-                // The caches as appended, on the host (FP8: dequantised, exactly, to bf16).
-                let (hk, hv) = match &caches {
-                    DevCaches::Plain(k, v) => (
-                        k.to_host(&dev)?.into_buffer(),
-                        v.to_host(&dev)?.into_buffer(),
-                    ),
+                // The caches as appended, on the host (FP8: dequantised, exactly, to bf16), and
+                // the launches the step made.
+                let (hk, hv, launch) = match &caches {
+                    DevCaches::Plain(k, v) => {
+                        let (hk, hv) = (
+                            k.to_host(&dev)?.into_buffer(),
+                            v.to_host(&dev)?.into_buffer(),
+                        );
+                        let launch = cuda::decode_launch_description(
+                            &view(&hq, &qs),
+                            &view(&hk, &cs),
+                            &view(&hv, &cs),
+                            &lens,
+                            &opts,
+                            dev.sm_count(),
+                        );
+                        (hk, hv, launch)
+                    }
                     DevCaches::Fp8(k, v) => {
-                        let host = |t: &cuda::CudaFp8Tensor| -> Result<flashattn::Buffer> {
-                            let b =
-                                crate::fp8::Fp8Buf::from_bits(t.format(), &t.to_host_bytes(&dev)?);
-                            Ok(crate::bench::dequantized(&b))
+                        let host = |t: &cuda::CudaFp8Tensor| -> Result<crate::fp8::Fp8Buf> {
+                            Ok(crate::fp8::Fp8Buf::from_bits(
+                                t.format(),
+                                &t.to_host_bytes(&dev)?,
+                            ))
                         };
-                        (host(k)?, host(v)?)
+                        let (k8, v8) = (host(k)?, host(v)?);
+                        let launch = cuda::decode_launch_description_fp8(
+                            &view(&hq, &qs),
+                            &k8.view(&cs),
+                            &v8.view(&cs),
+                            &lens,
+                            &descale,
+                            &opts,
+                            dev.sm_count(),
+                        );
+                        (
+                            crate::bench::dequantized(&k8),
+                            crate::bench::dequantized(&v8),
+                            launch,
+                        )
                     }
                 };
                 // Accuracy: a few rows against the f64 reference, on the caches as appended.
@@ -502,29 +529,6 @@ pub fn bench_decode(args: &crate::bench::BenchArgs, sqs: &[usize]) -> Result<()>
                 };
                 let kv_bytes = (batch * cap * heads_kv * d) as f64 * 2.0 * elem;
                 let gbps = kv_bytes / (median_ms * 1e-3) / 1e9;
-                let launch = match &caches {
-                    DevCaches::Plain(..) => cuda::decode_launch_description(
-                        &view(&hq, &qs),
-                        &view(&hk, &cs),
-                        &view(&hv, &cs),
-                        &lens,
-                        &opts,
-                        dev.sm_count(),
-                    ),
-                    DevCaches::Fp8(k, _) => {
-                        let f = k.format();
-                        let b = crate::fp8::Fp8Buf::from_bits(f, &vec![0u8; numel(&cs)]);
-                        cuda::decode_launch_description_fp8(
-                            &view(&hq, &qs),
-                            &b.view(&cs),
-                            &b.view(&cs),
-                            &lens,
-                            &descale,
-                            &opts,
-                            dev.sm_count(),
-                        )
-                    }
-                };
                 let kernel = launch
                     .map(|l| format!("{} x{} splits", l.split.name(), l.splits))
                     .unwrap_or_default();

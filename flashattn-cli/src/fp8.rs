@@ -82,8 +82,8 @@ impl Fp8Buf {
     pub fn load(name: &str, t: &TensorView, why: &str) -> Result<Self> {
         let bytes = t.data();
         Ok(match t.dtype() {
-            Dtype::F8_E4M3 => Fp8Buf::E4M3(bytes.iter().map(|&b| F8E4M3::from_bits(b)).collect()),
-            Dtype::F8_E5M2 => Fp8Buf::E5M2(bytes.iter().map(|&b| F8E5M2::from_bits(b)).collect()),
+            Dtype::F8_E4M3 => Fp8Buf::from_bits(Fp8Format::E4M3, bytes),
+            Dtype::F8_E5M2 => Fp8Buf::from_bits(Fp8Format::E5M2, bytes),
             other => return fail(format!("tensor `{name}` has dtype {other:?}, {why}")),
         })
     }

@@ -461,7 +461,7 @@ fn fold_descale(dq: &[f32], dk: &[f32], dv: Vec<f32>, p: &Params) -> Result<Desc
 /// The view's elements widened to bf16 (exact), contiguous row-major. The view was validated:
 /// every element it addresses lies in its buffer and its last dimension is contiguous.
 fn widen(t: &Fp8TensorRef, isa: crate::cpu::simd::Isa) -> Vec<bf16> {
-    let (bytes, format) = (source(t).bytes, t.format());
+    let (bytes, format) = (t.data().bytes(), t.format());
     let (outer, strides) = (&t.shape()[..t.shape().len() - 1], t.strides());
     let d = *t.shape().last().expect("validated rank");
     let rows: usize = outer.iter().product();
@@ -542,14 +542,12 @@ pub fn flash_attn_with_kvcache_fp8(
     opts: &KvCacheOptions,
 ) -> Result<AttnOutput> {
     let format = k_cache.format();
-    let new_kv = opts
-        .new_kv
-        .as_ref()
-        .map(|(k, v)| (ViewInfo::of(k), ViewInfo::of(v)));
     let (dp, dk) = validate_kvcache(
         &ViewInfo::of(q),
         (&k_cache.view(), &v_cache.view()),
-        new_kv.as_ref().map(|(k, v)| (k, v)),
+        opts.new_kv
+            .as_ref()
+            .map(|(k, v)| (ViewInfo::of(k), ViewInfo::of(v))),
         cache_seqlens,
         descale,
         opts,
@@ -587,7 +585,7 @@ impl Fp8View for Fp8TensorRef<'_> {
 pub(crate) fn validate_kvcache<C: Fp8View + ?Sized>(
     q: &ViewInfo,
     (k_cache, v_cache): (&C, &C),
-    new_kv: Option<(&ViewInfo, &ViewInfo)>,
+    new_kv: Option<(ViewInfo, ViewInfo)>,
     cache_seqlens: &[i32],
     descale: &Descale,
     opts: &KvCacheOptions,
@@ -610,7 +608,7 @@ pub(crate) fn validate_kvcache<C: Fp8View + ?Sized>(
         q,
         &ViewInfo::with_dtype(k_cache, q.dtype),
         &ViewInfo::with_dtype(v_cache, q.dtype),
-        new_kv,
+        new_kv.as_ref().map(|(k, v)| (k, v)),
         cache_seqlens,
         opts,
     )?;

@@ -2404,6 +2404,7 @@ mod emulated {
     use crate::common::emu::{bytes, from_bytes, have_compiler, work_dir, Builds};
     use flashattn::cuda::{
         decode_launch_description, decode_launch_description_fp8, DecodeLaunch, KernelKey,
+        KernelKind,
     };
     use flashattn::fp8::Fp8TensorRef;
     use std::process::Command;
@@ -2816,18 +2817,11 @@ mod emulated {
         }
         let mut rng = common::rng(77);
         inputs.extend((0..2000).map(|_| rng.gen_range(-600.0..600.0f64)));
+        // Any FP8 build of decode.cu holds the conversions: the f32 split kernel's.
         let key = KernelKey {
+            kind: KernelKind::DecodeSplit,
             fp8_cache: true,
-            ..decode_launch_description(
-                &TensorRef::contiguous(&[0f32; 16], &[1, 1, 1, 16]),
-                &TensorRef::contiguous(&[0f32; 16], &[1, 1, 1, 16]),
-                &TensorRef::contiguous(&[0f32; 16], &[1, 1, 1, 16]),
-                &[1],
-                &KvCacheOptions::default(),
-                SM_COUNT,
-            )
-            .unwrap()
-            .split
+            ..KernelKey::decode_helper(KernelKind::DecodeCombine, DType::F32)
         };
         let mut builds = Builds::new(FP8_DRIVER, &[("FA_DECODE_ENTRY", "0")]);
         let exe = builds.get(&key, &[]);

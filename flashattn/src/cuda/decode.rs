@@ -345,14 +345,12 @@ pub fn decode_launch_description_fp8(
     opts: &KvCacheOptions,
     sm_count: usize,
 ) -> Result<DecodeLaunch> {
-    let new_kv = opts
-        .new_kv
-        .as_ref()
-        .map(|(k, v)| (ViewInfo::of(k), ViewInfo::of(v)));
     let (dp, dk) = crate::fp8::validate_kvcache(
         &ViewInfo::of(q),
         (k_cache, v_cache),
-        new_kv.as_ref().map(|(k, v)| (k, v)),
+        opts.new_kv
+            .as_ref()
+            .map(|(k, v)| (ViewInfo::of(k), ViewInfo::of(v))),
         cache_seqlens,
         descale,
         opts,
@@ -467,6 +465,12 @@ pub(crate) fn queue<C: DeviceRepr>(
     (k, v): (&mut CudaSlice<C>, &mut CudaSlice<C>),
     new_kv: Option<(&CudaTensor, &CudaTensor)>,
 ) -> Result<CudaAttnOutput> {
+    // The launches below rely on this: the kernels read bytes exactly when compiled for FP8.
+    assert_eq!(
+        d.split.fp8_cache,
+        std::mem::size_of::<C>() == 1,
+        "decode caches: element type and kernel variant disagree"
+    );
     let kernels = Kernels {
         split: dev.function(&d.split)?.0,
         combine: dev.function(&d.combine)?.0,

@@ -122,11 +122,10 @@ pub fn flash_attn_with_kvcache_fp8(
     opts: &KvCacheOptions,
 ) -> Result<CudaAttnOutput> {
     refuse_host_new_kv(opts)?;
-    let new_info = new_kv.map(|(k, v)| (ViewInfo::of(k), ViewInfo::of(v)));
     let (dp, dk) = crate::fp8::validate_kvcache(
         &ViewInfo::of(q),
         (&*k_cache, &*v_cache),
-        new_info.as_ref().map(|(k, v)| (k, v)),
+        new_kv.map(|(k, v)| (ViewInfo::of(k), ViewInfo::of(v))),
         cache_seqlens,
         descale,
         opts,
