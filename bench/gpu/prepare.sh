@@ -11,8 +11,9 @@ cargo build --release -p flashattn-cli
 cp target/release/flashattn gpu-run/
 # Test executables of the library's and the CLI's CUDA tests (no debug info: smaller to carry).
 # The decode tests' binaries too (the library's `gpu` module runs the CUDA decode path; the CLI's
-# runs `run --device cuda` on KV-cache files) and the CLI's FP8 tests (FP8 caches with --device
-# cuda); run.sh filters out the tests in them that run on the CPU only.
+# runs `run --device cuda` on KV-cache files), the library's FP8 tests (their `gpu` module runs
+# the CUDA FP8 forward) and the CLI's (FP8 caches with --device cuda); run.sh filters out the
+# tests in them that run on the CPU only.
 CARGO_PROFILE_DEV_DEBUG=0 cargo test --workspace --test cuda --test decode --test fp8 --no-run \
     --message-format=json | python3 -c '
 import json, shutil, sys
@@ -20,8 +21,6 @@ for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("cuda", "decode", "fp8"):
         pkg = m["package_id"].split("#")[0].rstrip("/").split("/")[-1]
-        if m["target"]["name"] == "fp8" and pkg == "flashattn":
-            continue  # the library FP8 tests run on the CPU only
         name = m["target"]["name"] + "_tests_" + pkg
         shutil.copy(m["executable"], "gpu-run/" + name)
         print("copied", name)

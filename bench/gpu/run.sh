@@ -7,8 +7,8 @@
 # stages as separate calls):
 #   tests     the CUDA tests: the library's (forward grid against the f64 reference, varlen,
 #             errors, the backward grid with its dropout cases) and the CLI's --device cuda tests;
-#             the decode path's GPU cases (FP8 caches included); the CLI's decode and FP8 tests
-#             that use --device cuda
+#             the decode path's GPU cases (FP8 caches included); the FP8 forward's GPU cases;
+#             the CLI's decode and FP8 tests that use --device cuda
 #   decode    bench/compare_torch_cuda_decode.py (bf16, f32), then with FP8 caches (e4m3, e5m2)
 #   forward   bench/compare_torch_cuda.py (flashattn vs PyTorch SDPA's flash backend)
 #   backward  bench/compare_torch_cuda.py --backward --quick
@@ -41,6 +41,9 @@ run_tests() {
     echo "== the library's decode tests (the GPU decode test only)"
     gpu-run/decode_tests_flashattn gpu:: --test-threads 1 --nocapture 2>&1 \
         | tee "$logs/decode_tests_flashattn.log" | grep -E "^test |test result|panicked|skipping"
+    echo "== the library's FP8 tests (the GPU FP8 forward test only)"
+    gpu-run/fp8_tests_flashattn gpu:: --test-threads 1 --nocapture 2>&1 \
+        | tee "$logs/fp8_tests_flashattn.log" | grep -E "^test |test result|panicked|skipping|cases on"
     echo "== the CLI's decode and FP8 tests that use --device cuda"
     gpu-run/decode_tests_flashattn-cli cuda --test-threads 1 2>&1 | tee "$logs/decode_tests_cli.log" \
         | grep -E "^test |test result|panicked"

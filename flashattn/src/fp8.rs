@@ -316,9 +316,8 @@ pub fn flash_attn_fp8(
     descale: &Descale,
     opts: &AttnOptions,
 ) -> Result<AttnOutput> {
-    check_formats(q, k, v)?;
-    let p = params::batched(q, k, v, opts)?;
-    run(p, descale, [q, k, v], |[qv, kv, vv]| {
+    let p = validate_forward([q, k, v], None, descale, opts)?;
+    run(p, [q, k, v], |[qv, kv, vv]| {
         params::batched(qv, kv, vv, opts)
     })
 }
@@ -335,25 +334,42 @@ pub fn flash_attn_varlen_fp8(
     descale: &Descale,
     opts: &AttnOptions,
 ) -> Result<AttnOutput> {
-    check_formats(q, k, v)?;
-    let p = params::varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, opts)?;
-    run(p, descale, [q, k, v], |[qv, kv, vv]| {
+    let cu = Some((cu_seqlens_q, cu_seqlens_k));
+    let p = validate_forward([q, k, v], cu, descale, opts)?;
+    run(p, [q, k, v], |[qv, kv, vv]| {
         params::varlen(qv, kv, vv, cu_seqlens_q, cu_seqlens_k, opts)
     })
 }
 
-/// The forward on validated FP8 views. With a bf16 dot product (AVX512_BF16), the tiles are
-/// built straight from the FP8 bytes; otherwise (the f32 products) q, k and v are first widened
-/// to contiguous bf16 copies, and `revalidate` derives the params of those copies.
+/// The checks of an FP8 forward call, shared by the CPU and the CUDA path, in this order: q, k
+/// and v in one format; the shapes and options (the views seen as bf16, their bounds in elements
+/// of one byte), batched or packed (`cu_seqlens`); the descale factors. Returns the validated
+/// call, its `descale` holding the folded score scales and the v factors.
+pub(crate) fn validate_forward<V: Fp8View>(
+    [q, k, v]: [&V; 3],
+    cu_seqlens: Option<(&[i32], &[i32])>,
+    descale: &Descale,
+    opts: &AttnOptions,
+) -> Result<Params> {
+    check_formats(q, k, v)?;
+    let mut p = match cu_seqlens {
+        Some((cq, ck)) => params::varlen(q, k, v, cq, ck, opts)?,
+        None => params::batched(q, k, v, opts)?,
+    };
+    p.descale = Some(check_descale(descale, &p)?);
+    Ok(p)
+}
+
+/// The forward on validated FP8 views (`p` from [`validate_forward`]). With a bf16 dot product
+/// (AVX512_BF16), the tiles are built straight from the FP8 bytes; otherwise (the f32 products)
+/// q, k and v are first widened to contiguous bf16 copies, and `revalidate` derives the params of
+/// those copies.
 fn run(
     mut p: Params,
-    descale: &Descale,
     [q, k, v]: [&Fp8TensorRef; 3],
     revalidate: impl Fn([&TensorRef; 3]) -> Result<Params>,
 ) -> Result<AttnOutput> {
-    let descales = check_descale(descale, &p)?;
     if p.kernels.has_bf16_dot() {
-        p.descale = Some(descales);
         let (out, lse) = forward_fp8(&p, source(q), source(k), source(v));
         return Ok(AttnOutput {
             out: Tensor::new_unchecked(Buffer::BF16(out), p.out_shape.clone()),
@@ -369,8 +385,9 @@ fn run(
     );
     // The same shapes and options as accepted before, now over contiguous bf16 copies: only the
     // layout differs, so this cannot be rejected.
+    let descales = p.descale.take();
     let mut p = revalidate([&qv, &kv, &vv])?;
-    p.descale = Some(descales);
+    p.descale = descales;
     Ok(crate::forward(&p, &qv, &kv, &vv))
 }
 
@@ -382,13 +399,13 @@ fn source<'a>(t: &Fp8TensorRef<'a>) -> Fp8Source<'a> {
     }
 }
 
-fn check_formats(q: &Fp8TensorRef, k: &Fp8TensorRef, v: &Fp8TensorRef) -> Result<()> {
+fn check_formats<V: Fp8View>(q: &V, k: &V, v: &V) -> Result<()> {
     for (tensor, t) in [("k", k), ("v", v)] {
-        if t.format() != q.format() {
+        if t.fp8_format() != q.fp8_format() {
             return Err(ErrorKind::Fp8Format {
                 tensor,
-                expected: q.format(),
-                got: t.format(),
+                expected: q.fp8_format(),
+                got: t.fp8_format(),
             }
             .into());
         }

@@ -120,7 +120,7 @@ fn compile_errors_carry_the_log() {
         alibi: false,
         dropout: false,
         vec_load: true,
-        fp8_cache: false,
+        fp8: false,
     };
     match cuda::compile(&key, Arch::SM80) {
         Err(e) => match e.kind() {

@@ -12,28 +12,11 @@
 
 mod common;
 
-use common::emu::{bytes, from_bytes, have_compiler, work_dir, Builds, KERNELS};
+use common::emu::{bytes, forward_builds, have_compiler, run_forward, Builds};
 use common::grid::grid;
 use common::*;
-use flashattn::cuda::{launch_description, KernelKey, LaunchDescription};
-use flashattn::{AttnOutput, DType, Tensor, TensorRef};
-use std::process::Command;
-
-const DRIVER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/cuda_emu/driver.cpp");
-
-/// The forward drivers' builds: fwd.cu or fwd_f32.cu, named to the driver by FA_KERNEL.
-fn forward_builds() -> Builds {
-    Builds::new(DRIVER, &[])
-}
-
-fn exe(builds: &mut Builds, key: &KernelKey) -> std::path::PathBuf {
-    let file = if key.dtype == DType::F32 {
-        "fwd_f32.cu"
-    } else {
-        "fwd.cu"
-    };
-    builds.get(key, &[format!("-DFA_KERNEL=\"{KERNELS}/{file}\"")])
-}
+use flashattn::cuda::{launch_description, LaunchDescription};
+use flashattn::{AttnOutput, DType, TensorRef};
 
 /// Runs the emulated kernel of `d` on the buffers behind q, k, v.
 fn run(
@@ -44,92 +27,8 @@ fn run(
     v: &TensorRef,
     tag: &str,
 ) -> AttnOutput {
-    let dir = work_dir().join(format!("case_{}_{tag}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let nums: Vec<String> = [
-        d.grid.0 as i64,
-        d.grid.1 as i64,
-        d.grid.2 as i64,
-        d.threads as i64,
-        d.smem_bytes as i64,
-        d.table.is_some() as i64,
-        d.slopes.is_some() as i64,
-        d.heads as i64,
-        d.heads_kv as i64,
-        d.head_dim as i64,
-    ]
-    .iter()
-    .map(|x| x.to_string())
-    .chain(d.strides.iter().map(|x| x.to_string()))
-    .chain([format!("{:e}", d.softmax_scale), format!("{:e}", d.softcap)])
-    .chain(
-        [
-            d.window.0 as i64,
-            d.window.1 as i64,
-            d.batch_seqlens.0 as i64,
-            d.batch_seqlens.1 as i64,
-        ]
-        .iter()
-        .map(|x| x.to_string()),
-    )
-    .chain(d.batch_strides.iter().map(|x| x.to_string()))
-    .chain([d.out_len.to_string(), d.lse_len.to_string()])
-    .chain(dropout_params(&d.dropout))
-    .collect();
-    std::fs::write(dir.join("params.txt"), nums.join("\n")).unwrap();
-    std::fs::write(dir.join("q.bin"), bytes(q.data())).unwrap();
-    std::fs::write(dir.join("k.bin"), bytes(k.data())).unwrap();
-    std::fs::write(dir.join("v.bin"), bytes(v.data())).unwrap();
-    if let Some(t) = &d.table {
-        std::fs::write(
-            dir.join("table.bin"),
-            t.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>(),
-        )
-        .unwrap();
-    }
-    if let Some(s) = &d.slopes {
-        std::fs::write(
-            dir.join("slopes.bin"),
-            s.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>(),
-        )
-        .unwrap();
-    }
-    if !d.is_empty() {
-        let exe = exe(builds, &d.key);
-        let o = Command::new(&exe)
-            .arg(&dir)
-            .output()
-            .expect("run the emulation");
-        assert!(
-            o.status.success(),
-            "emulation of {} failed: {:?}",
-            d.key.name(),
-            o
-        );
-    }
-    let read = |name: &str| std::fs::read(dir.join(name)).unwrap_or_default();
-    let (ob, lb) = (read("out.bin"), read("lse.bin"));
-    let lse: Vec<f32> = lb
-        .chunks(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect();
-    let out = from_bytes(&ob, q.dtype());
-    let _ = std::fs::remove_dir_all(&dir);
-    // An empty description launched nothing and wrote no file: its shapes hold no element.
-    AttnOutput {
-        out: Tensor::from_buffer(out, &d.out_shape).expect("out length"),
-        lse: Tensor::from_vec(lse, &d.lse_shape).expect("lse length"),
-    }
-}
-
-/// The dropout arguments as the drivers read them: seed halves, threshold, scale.
-fn dropout_params(d: &flashattn::cuda::DropoutArgs) -> [String; 4] {
-    [
-        d.seed_lo.to_string(),
-        d.seed_hi.to_string(),
-        d.threshold.to_string(),
-        format!("{:e}", d.scale),
-    ]
+    let [qb, kb, vb] = [q, k, v].map(|t| bytes(t.data()));
+    run_forward(builds, d, [&qb, &kb, &vb], q.dtype(), tag)
 }
 
 /// Reference work allowed per emulated case (the emulation runs ~1e3x slower than the CPU path);
@@ -274,7 +173,7 @@ mod backward {
                 ]
                 .map(|x| x.to_string()),
             )
-            .chain(super::dropout_params(&d.dropout))
+            .chain(super::common::emu::dropout_params(&d.dropout))
             .collect();
         std::fs::write(dir.join("params.txt"), nums.join("\n")).unwrap();
         for (name, t) in [

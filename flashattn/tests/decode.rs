@@ -2820,7 +2820,7 @@ mod emulated {
         // Any FP8 build of decode.cu holds the conversions: the f32 split kernel's.
         let key = KernelKey {
             kind: KernelKind::DecodeSplit,
-            fp8_cache: true,
+            fp8: true,
             ..KernelKey::decode_helper(KernelKind::DecodeCombine, DType::F32)
         };
         let mut builds = Builds::new(FP8_DRIVER, &[("FA_DECODE_ENTRY", "0")]);

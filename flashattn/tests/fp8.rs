@@ -299,40 +299,77 @@ impl Built {
         }
     }
 
-    fn check(&self) {
+    /// The f64 reference on the dequantised inputs and naive bf16 attention on their bf16
+    /// roundings (the yardstick).
+    fn expected(&self, opts: &AttnOptions) -> (flashattn::reference::Reference, AttnOutput) {
         let c = &self.case;
-        let what = format!("{c:?}");
-        let opts = self.opts();
         let shapes = [0, 1, 2].map(|t| self.deq_shape(t));
         let [qf, kf, vf] = [0, 1, 2].map(|t| TensorRef::contiguous(&self.deq_f32[t], &shapes[t]));
         let [qb, kb, vb] = [0, 1, 2].map(|t| TensorRef::contiguous(&self.deq_bf16[t], &shapes[t]));
-        let (r, nv) = if c.packed {
+        if c.packed {
             let (cq, ck) = (&self.cu_q, &self.cu_k);
             (
-                reference::attention_varlen(&qf, &kf, &vf, cq, ck, &opts).unwrap(),
-                naive::attention_varlen(&qb, &kb, &vb, cq, ck, &opts).unwrap(),
+                reference::attention_varlen(&qf, &kf, &vf, cq, ck, opts).unwrap(),
+                naive::attention_varlen(&qb, &kb, &vb, cq, ck, opts).unwrap(),
             )
         } else {
             (
-                reference::attention(&qf, &kf, &vf, &opts).unwrap(),
-                naive::attention(&qb, &kb, &vb, &opts).unwrap(),
+                reference::attention(&qf, &kf, &vf, opts).unwrap(),
+                naive::attention(&qb, &kb, &vb, opts).unwrap(),
             )
-        };
-        let max_keys = c.lens_k.iter().copied().max().unwrap_or(0);
+        }
+    }
+
+    /// `flash` against the expectations (`common::check_bound` in bf16).
+    fn check_output(
+        &self,
+        flash: &AttnOutput,
+        (r, nv): &(flashattn::reference::Reference, AttnOutput),
+        what: &str,
+    ) {
+        let max_keys = self.case.lens_k.iter().copied().max().unwrap_or(0);
+        check_bound(
+            what,
+            DType::BF16,
+            flash,
+            std::slice::from_ref(nv),
+            r,
+            self.v_max,
+            max_keys,
+        );
+    }
+
+    fn check(&self) {
+        let what = format!("{:?}", self.case);
+        let opts = self.opts();
+        let expected = self.expected(&opts);
         for isa in flashattn::simd::available() {
             let flash = self
                 .flash(&opts.clone().isa(isa))
                 .unwrap_or_else(|e| panic!("{what} isa={isa}: {e}"));
-            check_bound(
-                &format!("{what} isa={isa}"),
-                DType::BF16,
-                &flash,
-                std::slice::from_ref(&nv),
-                &r,
-                self.v_max,
-                max_keys,
-            );
+            self.check_output(&flash, &expected, &format!("{what} isa={isa}"));
         }
+    }
+
+    /// The FP8 bytes of q, k and v (whole buffers, as laid out).
+    fn raw_bytes(&self) -> [Vec<u8>; 3] {
+        [0, 1, 2].map(|t| match &self.raw[t] {
+            Raw::E4M3(d) => d.iter().map(|x| x.to_bits()).collect(),
+            Raw::E5M2(d) => d.iter().map(|x| x.to_bits()).collect(),
+        })
+    }
+}
+
+impl Case {
+    /// Score products of the case (what the emulation's run time grows with).
+    fn cost(&self) -> usize {
+        let pairs: usize = self
+            .lens_q
+            .iter()
+            .zip(&self.lens_k)
+            .map(|(q, k)| q * k)
+            .sum();
+        pairs * self.heads * self.d
     }
 }
 
@@ -441,14 +478,35 @@ fn descale_defaults_and_broadcast() {
     assert_ne!(bits(&none.out), bits(&one.out));
 }
 
+/// An FP8 forward entry point: the CPU call, or the CUDA launch description (validated as the
+/// GPU call is); `Ok(())` when it accepts the input.
+type Call<'a> = &'a dyn Fn(
+    &Fp8TensorRef,
+    &Fp8TensorRef,
+    &Fp8TensorRef,
+    Option<(&[i32], &[i32])>,
+    &Descale,
+    &AttnOptions,
+) -> flashattn::Result<()>;
+
 #[test]
 fn rejects_bad_input_by_name() {
+    rejects_bad_input_with(&|q, k, v, cu, d, o| {
+        match cu {
+            Some((cq, ck)) => flash_attn_varlen_fp8(q, k, v, cq, ck, d, o),
+            None => flash_attn_fp8(q, k, v, d, o),
+        }
+        .map(|_| ())
+    });
+}
+
+fn rejects_bad_input_with(call: Call) {
     let c = Case::new(Fp8Format::E4M3, 2, 5, 6, (4, 2), 16);
     let built = c.build();
     let [q, k, v] = [0, 1, 2].map(|t| built.raw[t].view(&built.layouts[t].0, &built.layouts[t].1));
     let opts = AttnOptions::default();
     let err = |d: Descale| {
-        flash_attn_fp8(&q, &k, &v, &d, &opts)
+        call(&q, &k, &v, None, &d, &opts)
             .unwrap_err()
             .kind()
             .clone()
@@ -457,7 +515,7 @@ fn rejects_bad_input_by_name() {
     // Mixed formats.
     let k5: Vec<F8E5M2> = vec![F8E5M2::from_f32(0.5); 2 * 6 * 2 * 16];
     let k5v = Fp8TensorRef::contiguous(&k5, &[2, 6, 2, 16]);
-    let e = flash_attn_fp8(&q, &k5v, &v, &Descale::default(), &opts).unwrap_err();
+    let e = call(&q, &k5v, &v, None, &Descale::default(), &opts).unwrap_err();
     assert!(
         matches!(
             e.kind(),
@@ -511,31 +569,161 @@ fn rejects_bad_input_by_name() {
     ));
     // The usual checks apply to FP8 views: shapes, bounds, options.
     let short = Fp8TensorRef::new(&k5[..10], &[2, 6, 2, 16], &[192, 32, 16, 1]);
-    let e = flash_attn_fp8(&short, &short, &short, &Descale::default(), &opts).unwrap_err();
+    let e = call(&short, &short, &short, None, &Descale::default(), &opts).unwrap_err();
     assert!(
         matches!(e.kind(), ErrorKind::OutOfBounds { tensor: "q", .. }),
         "{e}"
     );
     let kd = Fp8TensorRef::new(&k5, &[2, 6, 2, 8], &[192, 32, 16, 1]);
     let qd = Fp8TensorRef::new(&k5, &[2, 6, 2, 16], &[192, 32, 16, 1]);
-    let e = flash_attn_fp8(&qd, &kd, &kd, &Descale::default(), &opts).unwrap_err();
+    let e = call(&qd, &kd, &kd, None, &Descale::default(), &opts).unwrap_err();
     assert!(
         matches!(e.kind(), ErrorKind::Shape { tensor: "k", .. }),
         "{e}"
     );
-    let e = flash_attn_fp8(
+    let e = call(
         &q,
         &k,
         &v,
+        None,
         &Descale::default(),
         &AttnOptions::default().window(-2, 0),
     )
     .unwrap_err();
     assert!(matches!(e.kind(), ErrorKind::Window { .. }), "{e}");
-    let e = flash_attn_varlen_fp8(&q, &k, &v, &[0, 3], &[0, 3], &Descale::default(), &opts)
-        .unwrap_err();
+    let e = call(
+        &q,
+        &k,
+        &v,
+        Some((&[0, 3], &[0, 3])),
+        &Descale::default(),
+        &opts,
+    )
+    .unwrap_err();
     assert!(
         matches!(e.kind(), ErrorKind::Rank { tensor: "q", .. }),
         "{e}"
     );
+}
+
+/// The CUDA FP8 forward kernel (fwd.cu with FA_FP8_INPUT) run on the CPU through the host
+/// emulation (see tests/cuda_emulated.rs), on the launches `cuda::flash_attn_fp8` would make,
+/// against the same reference and bound as the CPU path.
+#[cfg(feature = "cuda")]
+mod emulated {
+    use super::*;
+    use common::emu::{forward_builds, have_compiler, run_forward};
+    use flashattn::cuda::launch_description_fp8;
+
+    /// Score products allowed per emulated case; `FLASHATTN_EMU_BUDGET` overrides it.
+    fn budget() -> usize {
+        std::env::var("FLASHATTN_EMU_BUDGET")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(6_000_000)
+    }
+
+    /// The CUDA path refuses what the CPU path refuses, with the same errors, before any launch.
+    #[test]
+    fn launch_description_refuses_bad_input_by_name() {
+        rejects_bad_input_with(&|q, k, v, cu, d, o| {
+            launch_description_fp8(q, k, v, cu, d, o).map(|_| ())
+        });
+    }
+
+    #[test]
+    fn fp8_forward_kernel_under_emulation() {
+        if !have_compiler() {
+            return;
+        }
+        let mut builds = forward_builds();
+        let mut ran = Vec::new();
+        for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
+            for (i, c) in cases(format).into_iter().enumerate() {
+                if c.cost() > budget() {
+                    continue;
+                }
+                let built = c.build();
+                let opts = built.opts();
+                let [q, k, v] =
+                    [0, 1, 2].map(|t| built.raw[t].view(&built.layouts[t].0, &built.layouts[t].1));
+                let cu = c.packed.then_some((&built.cu_q[..], &built.cu_k[..]));
+                let d = launch_description_fp8(&q, &k, &v, cu, &built.descale(), &opts)
+                    .unwrap_or_else(|e| panic!("{c:?}: {e}"));
+                assert!(d.key.fp8 && d.descale.is_some());
+                let [qb, kb, vb] = built.raw_bytes();
+                let tag = format!("fp8_{}_{i}", format.name());
+                let out = run_forward(&mut builds, &d, [&qb, &kb, &vb], DType::BF16, &tag);
+                let what = format!("{c:?} emulated {}", d.key.name());
+                built.check_output(&out, &built.expected(&opts), &what);
+                ran.push(d.key.name());
+            }
+        }
+        eprintln!("{} FP8 cases emulated: {ran:?}", ran.len());
+        let vec = ran.iter().filter(|n| n.contains("_vec")).count();
+        assert!(
+            ran.len() >= 16 && vec >= 4 && ran.len() - vec >= 4,
+            "too few cases fit the emulation budget: {ran:?}"
+        );
+    }
+}
+
+/// The FP8 forward on a GPU, when there is one: every case, checked as on the CPU, and the output
+/// poisoned before the kernel writes it (a missed element reads as NaN and fails the bound).
+#[cfg(feature = "cuda")]
+mod gpu {
+    use super::*;
+    use flashattn::cuda::{self, CudaDevice, CudaFp8Tensor};
+
+    /// The whole FP8 buffer of tensor `t` on the device, viewed with its layout.
+    fn upload(dev: &CudaDevice, built: &Built, t: usize) -> CudaFp8Tensor {
+        let whole = match &built.raw[t] {
+            Raw::E4M3(d) => dev.upload_fp8(&Fp8TensorRef::contiguous(d, &[d.len()])),
+            Raw::E5M2(d) => dev.upload_fp8(&Fp8TensorRef::contiguous(d, &[d.len()])),
+        }
+        .expect("upload");
+        let (shape, strides) = &built.layouts[t];
+        CudaFp8Tensor::from_buffer(whole.buffer().clone(), whole.format(), shape, strides)
+    }
+
+    #[test]
+    fn fp8_forward_on_the_gpu() {
+        let dev = match CudaDevice::new(0) {
+            Ok(d) => d,
+            Err(e) => {
+                eprintln!("skipping the GPU FP8 forward tests: {e}");
+                return;
+            }
+        };
+        let mut ran = 0;
+        for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
+            for c in cases(format) {
+                let built = c.build();
+                let opts = built.opts();
+                let [q, k, v] = [0, 1, 2].map(|t| upload(&dev, &built, t));
+                let res = if c.packed {
+                    cuda::flash_attn_varlen_fp8(
+                        &dev,
+                        &q,
+                        &k,
+                        &v,
+                        &built.cu_q,
+                        &built.cu_k,
+                        &built.descale(),
+                        &opts,
+                    )
+                } else {
+                    cuda::flash_attn_fp8(&dev, &q, &k, &v, &built.descale(), &opts)
+                }
+                .unwrap_or_else(|e| panic!("{c:?}: {e}"));
+                let out = AttnOutput {
+                    out: res.out.to_host(&dev).expect("download out"),
+                    lse: res.lse.to_host(&dev).expect("download lse"),
+                };
+                built.check_output(&out, &built.expected(&opts), &format!("{c:?} on the GPU"));
+                ran += 1;
+            }
+        }
+        eprintln!("{ran} FP8 forward cases on {}", dev.name());
+    }
 }

@@ -78,7 +78,7 @@ impl BackwardLaunch {
                 alibi: p.alibi.is_some(),
                 dropout: p.dropout.is_some(),
                 vec_load: false,
-                fp8_cache: false,
+                fp8: false,
             };
             KernelKey {
                 vec_load: vec_load && key.bwd_tensor_cores(),
@@ -330,8 +330,9 @@ fn backward(dev: &CudaDevice, p: &Params, t: [&CudaTensor; 6]) -> Result<CudaAtt
     let [q, k, v, out, lse, dout] = t;
     let (o, g, ls) = validate(p, out, lse, dout)?;
     let d = BackwardLaunch::new(p, &o, &g, &ls);
-    check_launchable(dev, p, &d.dkdv, &t)?;
-    check_launchable(dev, p, &d.dq, &t)?;
+    let contexts = t.map(|x| x.buf.context());
+    check_launchable(dev, p, &d.dkdv, &contexts)?;
+    check_launchable(dev, p, &d.dq, &contexts)?;
     let f = [
         dev.function(&d.prep)?.0,
         dev.function(&d.dq)?.0,

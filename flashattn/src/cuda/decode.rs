@@ -242,7 +242,7 @@ impl DecodeLaunch {
             alibi: p.alibi.is_some(),
             dropout: false,
             vec_load: false,
-            fp8_cache: fp8.is_some(),
+            fp8: fp8.is_some(),
         };
         // FP8 factors per (launched sequence, kv head); the tail sequence attends nothing.
         let descale = fp8.map(|(_, dk)| {
@@ -261,7 +261,7 @@ impl DecodeLaunch {
             split,
             combine: KernelKey::decode_helper(KernelKind::DecodeCombine, p.dtype),
             append: new.map(|_| KernelKey {
-                fp8_cache: fp8.is_some(),
+                fp8: fp8.is_some(),
                 ..KernelKey::decode_helper(KernelKind::DecodeAppend, p.dtype)
             }),
             splits,
@@ -467,7 +467,7 @@ pub(crate) fn queue<C: DeviceRepr>(
 ) -> Result<CudaAttnOutput> {
     // The launches below rely on this: the kernels read bytes exactly when compiled for FP8.
     assert_eq!(
-        d.split.fp8_cache,
+        d.split.fp8,
         std::mem::size_of::<C>() == 1,
         "decode caches: element type and kernel variant disagree"
     );
@@ -584,7 +584,7 @@ fn launch<T, C>(
             b.arg(&d.e5m2);
             // SAFETY: the arguments match `decode_append` in decode.cu (pointers to T, T, C, C,
             // i64, i32, f32 or null; i32 x2; i64 x10; i32 x5; f32 or null; i32), C being u8
-            // exactly when the kernel was compiled with FA_FP8_CACHE (the key's fp8_cache), which
+            // exactly when the kernel was compiled with FA_FP8_CACHE (the key's fp8), which
             // then reads 3 factors per (sequence, kv head). Validation checked that every new
             // row (table: bases, lengths) lies inside k_new/v_new, that cache_seqlen + new_len
             // fits each sequence's capacity and that every page it names exists, so every write

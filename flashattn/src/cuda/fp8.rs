@@ -1,19 +1,27 @@
-//! FP8 KV caches on the GPU: [`CudaFp8Tensor`] (FP8 bytes in GPU memory, with their format) and
-//! [`flash_attn_with_kvcache_fp8`], the CPU's [`crate::fp8::flash_attn_with_kvcache_fp8`] with
-//! the same validation (`crate::fp8::validate_kvcache`) and the decode kernels of
-//! `kernels/decode.cu` compiled with `FA_FP8_CACHE`.
+//! FP8 on the GPU: [`CudaFp8Tensor`] (FP8 bytes in GPU memory, with their format);
+//! [`flash_attn_fp8`] and [`flash_attn_varlen_fp8`], the CPU's [`crate::fp8::flash_attn_fp8`]
+//! with the same validation (`crate::fp8::validate_forward`) on the bf16 forward kernel of
+//! `kernels/fwd.cu` compiled with `FA_FP8_INPUT`; and [`flash_attn_with_kvcache_fp8`], the CPU's
+//! [`crate::fp8::flash_attn_with_kvcache_fp8`] with the same validation
+//! (`crate::fp8::validate_kvcache`) and the decode kernels of `kernels/decode.cu` compiled with
+//! `FA_FP8_CACHE`.
 
 use super::decode::{prepare, queue, refuse_host_new_kv};
-use super::{driver_err, gather, CudaAttnOutput, CudaDevice, CudaTensor};
+use super::{
+    alloc_poisoned, check_launchable, driver_err, gather, CudaAttnOutput, CudaDevice, CudaTensor,
+    DeviceBuffer, LaunchDescription, Plan,
+};
 use crate::decode::KvCacheOptions;
 use crate::error::Result;
-use crate::fp8::{Descale, Fp8Format, Fp8TensorRef, Fp8View};
-use crate::params;
+use crate::fp8::{validate_forward, Descale, Fp8Format, Fp8TensorRef, Fp8View};
+use crate::params::{self, AttnOptions, Params};
 use crate::tensor::{DType, ViewDesc, ViewInfo};
 use cudarc::driver::CudaSlice;
+use half::bf16;
 
 /// FP8 values in GPU memory (one byte each, e4m3 or e5m2), a shape and element strides (last
-/// dimension contiguous): an FP8 KV cache for [`flash_attn_with_kvcache_fp8`].
+/// dimension contiguous): q, k or v of [`flash_attn_fp8`], or an FP8 KV cache for
+/// [`flash_attn_with_kvcache_fp8`].
 #[derive(Clone, Debug)]
 pub struct CudaFp8Tensor {
     buf: CudaSlice<u8>,
@@ -142,4 +150,84 @@ pub fn flash_attn_with_kvcache_fp8(
         Some((k_cache.format, &dk)),
     )?;
     queue(dev, &d, q, (&mut k_cache.buf, &mut v_cache.buf), new_kv)
+}
+
+/// [`crate::fp8::flash_attn_fp8`] on the GPU, queued on `dev`'s stream (returns without waiting):
+/// q `[batch, seqlen_q, heads, head_dim]`, k and v `[batch, seqlen_k, heads_kv, head_dim]`, all
+/// three [`CudaFp8Tensor`]s of one format, with their dequantisation factors (one value, or one
+/// per (sequence, kv head)). Returns `out` in bf16 and `lse` in f32. Every option of
+/// [`super::flash_attn`] applies; every input is validated before anything is queued.
+///
+/// The kernel is the bf16 forward fed from FP8 bytes: each key block's bytes are staged in shared
+/// memory and widened exactly to bf16 tiles (every FP8 value is a bf16 value), the folded
+/// `softmax_scale · q_descale · k_descale` of each (sequence, kv head) scales the scores and
+/// `v_descale` the finished rows, as on the CPU. The products run on the bf16 tensor cores, not
+/// FlashAttention-3's FP8 ones.
+pub fn flash_attn_fp8(
+    dev: &CudaDevice,
+    q: &CudaFp8Tensor,
+    k: &CudaFp8Tensor,
+    v: &CudaFp8Tensor,
+    descale: &Descale,
+    opts: &AttnOptions,
+) -> Result<CudaAttnOutput> {
+    let p = validate_forward([q, k, v], None, descale, opts)?;
+    forward_fp8(dev, &p, [q, k, v])
+}
+
+/// [`flash_attn_fp8`] over packed variable-length sequences (`cu_seqlens_*` on the host), as
+/// [`crate::fp8::flash_attn_varlen_fp8`].
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_varlen_fp8(
+    dev: &CudaDevice,
+    q: &CudaFp8Tensor,
+    k: &CudaFp8Tensor,
+    v: &CudaFp8Tensor,
+    cu_seqlens_q: &[i32],
+    cu_seqlens_k: &[i32],
+    descale: &Descale,
+    opts: &AttnOptions,
+) -> Result<CudaAttnOutput> {
+    let cu = Some((cu_seqlens_q, cu_seqlens_k));
+    let p = validate_forward([q, k, v], cu, descale, opts)?;
+    forward_fp8(dev, &p, [q, k, v])
+}
+
+/// The launch an FP8 forward with these host views would make (validated as the call would be):
+/// for the host emulation test of the kernel.
+#[doc(hidden)]
+pub fn launch_description_fp8(
+    q: &Fp8TensorRef,
+    k: &Fp8TensorRef,
+    v: &Fp8TensorRef,
+    cu_seqlens: Option<(&[i32], &[i32])>,
+    descale: &Descale,
+    opts: &AttnOptions,
+) -> Result<LaunchDescription> {
+    let p = validate_forward([q, k, v], cu_seqlens, descale, opts)?;
+    Ok(LaunchDescription::new(&p, Some(q.format())))
+}
+
+fn forward_fp8(
+    dev: &CudaDevice,
+    p: &Params,
+    [q, k, v]: [&CudaFp8Tensor; 3],
+) -> Result<CudaAttnOutput> {
+    let desc = LaunchDescription::new(p, Some(q.format));
+    check_launchable(
+        dev,
+        p,
+        &desc.key,
+        &[q.buf.context(), k.buf.context(), v.buf.context()],
+    )?;
+    let (function, _) = dev.function(&desc.key)?;
+    let s = dev.stream();
+    let plan = Plan::new(dev, desc)?;
+    let mut lse = alloc_poisoned::<f32>(s, p.lse_len())?;
+    let mut out = alloc_poisoned::<bf16>(s, p.out_len())?;
+    plan.launch(dev, &function, (&q.buf, &k.buf, &v.buf), &mut out, &mut lse)?;
+    Ok(CudaAttnOutput {
+        out: CudaTensor::contiguous(DeviceBuffer::BF16(out), &p.out_shape),
+        lse: CudaTensor::contiguous(DeviceBuffer::F32(lse), &p.lse_shape),
+    })
 }

@@ -66,9 +66,11 @@ pub struct KernelKey {
     /// f16/bf16 only: head_dim and every row/head/batch stride a multiple of 8 elements, so tiles
     /// move 16 bytes at a time by cp.async (otherwise element by element).
     pub vec_load: bool,
-    /// Decode split and append only: the KV caches hold FP8 bytes (e4m3 or e5m2, chosen at
-    /// launch) with dequantisation factors; q, the new keys and out keep `dtype`.
-    pub fp8_cache: bool,
+    /// FP8 bytes (e4m3 or e5m2, chosen at launch) with dequantisation factors. Decode split and
+    /// append: the KV caches, while q, the new keys and out keep `dtype`. Forward (`dtype` bf16):
+    /// q, k and v, widened exactly to bf16 tiles; out is bf16 (`vec_load` then means multiples
+    /// of 16 elements, one cp.async of 16 bytes).
+    pub fp8: bool,
 }
 
 /// Tile shape of a variant.
@@ -143,8 +145,9 @@ impl KernelKey {
                 num_warps: 8,
             },
             // At head_dim 256 with softcap, tanhf's temporaries on top of 128 acc_o registers
-            // spilled 4 bytes on sm_80 with 32-key blocks (the compile test caught it).
-            (_, d) if d > 224 && self.softcap => Tiles {
+            // spilled 4 bytes on sm_80 with 32-key blocks (the compile test caught it); so did
+            // the FP8 widening with ALiBi and dropout on sm_90a (52 bytes).
+            (_, d) if d > 224 && (self.softcap || self.fp8) => Tiles {
                 block_m: 64,
                 block_n: 16,
                 num_warps: 4,
@@ -204,6 +207,11 @@ impl KernelKey {
                     + t.block_n * (self.head_dim + 1)
                     + t.block_n * self.head_dim
                     + t.block_m * (t.block_n + 1))
+            }
+            // FP8: q [block_m], k and v [block_n] in bf16, then the raw bytes of k and v
+            // double-buffered [2][2][block_n][head_dim]
+            _ if self.fp8 => {
+                2 * (t.block_m + 2 * t.block_n) * self.smem_row() + 4 * t.block_n * self.head_dim
             }
             // q [block_m], k and v double-buffered [2][block_n]
             _ => 2 * (t.block_m + 4 * t.block_n) * self.smem_row(),
@@ -283,7 +291,7 @@ impl KernelKey {
                 DType::F16 => d.push(("FA_F16", "1".into())),
                 DType::F32 => {}
             }
-            if self.fp8_cache {
+            if self.fp8 {
                 d.push(("FA_FP8_CACHE", "1".into()));
             }
             return d;
@@ -300,6 +308,9 @@ impl KernelKey {
             d.push(("BLOCK_N", t.block_n.to_string()));
             d.push(("NUM_WARPS", t.num_warps.to_string()));
             d.push(("VEC_LOAD", flag(self.vec_load)));
+            if self.fp8 {
+                d.push(("FA_FP8_INPUT", "1".into()));
+            }
         }
         d
     }
@@ -314,7 +325,7 @@ impl KernelKey {
             ),
             KernelKind::DecodeSplit => format!("decode_{}_d{}", self.dtype, self.head_dim),
             KernelKind::DecodeCombine => return format!("decode_combine_{}", self.dtype),
-            KernelKind::DecodeAppend if self.fp8_cache => {
+            KernelKind::DecodeAppend if self.fp8 => {
                 return format!("decode_append_{}_fp8", self.dtype)
             }
             KernelKind::DecodeAppend => return format!("decode_append_{}", self.dtype),
@@ -333,7 +344,7 @@ impl KernelKey {
             (self.alibi, "_alibi"),
             (self.dropout, "_dropout"),
             (self.vec_load && self.dtype != DType::F32, "_vec"),
-            (self.fp8_cache, "_fp8"),
+            (self.fp8, "_fp8"),
         ] {
             if on {
                 s.push_str(tag);
@@ -347,10 +358,14 @@ impl KernelKey {
         let mut keys = Vec::new();
         for dtype in [DType::F16, DType::BF16, DType::F32] {
             for head_dim in (HEAD_DIM_STEP..=crate::MAX_HEAD_DIM).step_by(HEAD_DIM_STEP) {
-                for bits in 0..32u32 {
+                for bits in 0..64u32 {
                     let vec_load = bits & 8 != 0;
+                    let fp8 = bits & 32 != 0;
                     if dtype == DType::F32 && vec_load {
                         continue; // the f32 kernel has no vector path
+                    }
+                    if fp8 && dtype != DType::BF16 {
+                        continue; // FP8 inputs compute in bf16
                     }
                     keys.push(KernelKey {
                         kind: KernelKind::Forward,
@@ -361,7 +376,7 @@ impl KernelKey {
                         alibi: bits & 4 != 0,
                         dropout: bits & 16 != 0,
                         vec_load,
-                        fp8_cache: false,
+                        fp8,
                     });
                 }
             }
@@ -378,14 +393,14 @@ impl KernelKey {
                         alibi: bits & 4 != 0,
                         dropout: false,
                         vec_load: false,
-                        fp8_cache: bits & 8 != 0,
+                        fp8: bits & 8 != 0,
                     });
                 }
             }
             keys.push(KernelKey::decode_helper(KernelKind::DecodeCombine, dtype));
             keys.push(KernelKey::decode_helper(KernelKind::DecodeAppend, dtype));
             keys.push(KernelKey {
-                fp8_cache: true,
+                fp8: true,
                 ..KernelKey::decode_helper(KernelKind::DecodeAppend, dtype)
             });
         }
@@ -402,7 +417,7 @@ impl KernelKey {
                             alibi: bits & 4 != 0,
                             dropout: bits & 16 != 0,
                             vec_load: bits & 8 != 0,
-                            fp8_cache: false,
+                            fp8: false,
                         };
                         // Only the tensor-core kernels have a vector-load path.
                         if !key.vec_load || key.bwd_tensor_cores() {
@@ -435,7 +450,7 @@ impl KernelKey {
             alibi: false,
             dropout: false,
             vec_load: false,
-            fp8_cache: false,
+            fp8: false,
         }
     }
 }
@@ -475,8 +490,8 @@ mod tests {
     use std::collections::HashSet;
 
     /// Every variant has its own name (the disk cache's file names and the compile report's rows)
-    /// and its own defines (what NVRTC compiles); the FP8-cache variants are the decode split
-    /// and append kernels only, each with its plain twin.
+    /// and its own defines (what NVRTC compiles); the FP8 variants are the decode split and
+    /// append kernels and the bf16 forward, each with its plain twin.
     #[test]
     fn variants_are_distinct() {
         let keys = KernelKey::all();
@@ -491,19 +506,20 @@ mod tests {
             keys.len(),
             "two variants with the same defines"
         );
-        let fp8: Vec<&KernelKey> = keys.iter().filter(|k| k.fp8_cache).collect();
-        assert_eq!(fp8.len(), 3 * 8 * 8 + 3);
+        let fp8: Vec<&KernelKey> = keys.iter().filter(|k| k.fp8).collect();
+        assert_eq!(fp8.len(), 3 * 8 * 8 + 3 + 8 * 32);
         for k in fp8 {
-            assert!(matches!(
-                k.kind,
-                KernelKind::DecodeSplit | KernelKind::DecodeAppend
-            ));
-            assert!(k.name().ends_with("_fp8"), "{}", k.name());
-            assert!(k.defines().contains(&("FA_FP8_CACHE", "1".into())));
-            let plain = KernelKey {
-                fp8_cache: false,
-                ..*k
+            let define = match k.kind {
+                KernelKind::DecodeSplit | KernelKind::DecodeAppend => "FA_FP8_CACHE",
+                KernelKind::Forward => {
+                    assert_eq!(k.dtype, DType::BF16);
+                    "FA_FP8_INPUT"
+                }
+                _ => panic!("{} is FP8", k.name()),
             };
+            assert!(k.name().ends_with("_fp8"), "{}", k.name());
+            assert!(k.defines().contains(&(define, "1".into())));
+            let plain = KernelKey { fp8: false, ..*k };
             assert!(keys.contains(&plain), "{} has no plain twin", k.name());
         }
     }

@@ -44,7 +44,10 @@ pub use decode::{
     choose_splits, decode_launch_description, decode_launch_description_fp8,
     flash_attn_with_kvcache, DecodeLaunch, DECODE_FIELDS, MAX_DECODE_SPLITS,
 };
-pub use fp8::{flash_attn_with_kvcache_fp8, CudaFp8Tensor};
+pub use fp8::{
+    flash_attn_fp8, flash_attn_varlen_fp8, flash_attn_with_kvcache_fp8, launch_description_fp8,
+    CudaFp8Tensor,
+};
 pub use key::{Arch, KernelKey, KernelKind, Tiles, HEAD_DIM_STEP};
 pub use nvrtc::{compile, version as nvrtc_version, CompiledKernel};
 
@@ -464,12 +467,15 @@ pub fn kernel_key(
     v: &CudaTensor,
     opts: &AttnOptions,
 ) -> Result<KernelKey> {
-    Ok(key_for(&params::batched(q, k, v, opts)?))
+    Ok(key_for(&params::batched(q, k, v, opts)?, false))
 }
 
-/// The kernel variant that serves validated `p` (strides decide the vector-load path).
-fn key_for(p: &Params) -> KernelKey {
-    let aligned = |x: usize| x.is_multiple_of(8);
+/// The kernel variant that serves validated `p` (strides decide the vector-load path), on FP8
+/// inputs when `fp8` (`p` then describes them as bf16, one byte per element).
+fn key_for(p: &Params, fp8: bool) -> KernelKey {
+    // The vector path moves 16 bytes at a time: 8 elements of 16 bits, 16 FP8 bytes.
+    let unit = if fp8 { 16 } else { 8 };
+    let aligned = |x: usize| x.is_multiple_of(unit);
     let layouts_aligned = [p.q, p.k, p.v]
         .iter()
         .all(|l| aligned(l.row_stride) && aligned(l.head_stride));
@@ -486,7 +492,7 @@ fn key_for(p: &Params) -> KernelKey {
         alibi: p.alibi.is_some(),
         dropout: p.dropout.is_some(),
         vec_load: p.dtype != DType::F32 && aligned(p.head_dim) && layouts_aligned && bases_aligned,
-        fp8_cache: false,
+        fp8,
     }
 }
 
@@ -495,10 +501,10 @@ pub(crate) fn check_launchable(
     dev: &CudaDevice,
     p: &Params,
     key: &KernelKey,
-    tensors: &[&CudaTensor],
+    contexts: &[&Arc<CudaContext>],
 ) -> Result<()> {
-    for t in tensors {
-        if !Arc::ptr_eq(t.buf.context(), &dev.ctx) {
+    for c in contexts {
+        if !Arc::ptr_eq(c, &dev.ctx) {
             return Err(ErrorKind::CudaUnsupported {
                 feature: "a tensor from another CUDA context",
                 detail: format!(" (the call runs on {})", dev.name),
@@ -547,8 +553,13 @@ fn forward(
     k: &CudaTensor,
     v: &CudaTensor,
 ) -> Result<CudaAttnOutput> {
-    let desc = LaunchDescription::new(p);
-    check_launchable(dev, p, &desc.key, &[q, k, v])?;
+    let desc = LaunchDescription::new(p, None);
+    check_launchable(
+        dev,
+        p,
+        &desc.key,
+        &[q.buf.context(), k.buf.context(), v.buf.context()],
+    )?;
     let (function, _) = dev.function(&desc.key)?;
     let s = &dev.stream;
     let plan = Plan::new(dev, desc)?;
@@ -604,6 +615,11 @@ pub struct LaunchDescription {
     /// Batched calls: seqlen_q, seqlen_k and the batch strides of q, k, v.
     pub batch_seqlens: (i32, i32),
     pub batch_strides: [i64; 3],
+    /// FP8 inputs: the score scale and the v factor per (launched sequence, kv head), 2 each
+    /// (common.cuh: FLASH_FWD_PARAMS); `None` (a null pointer) otherwise.
+    pub descale: Option<Vec<f32>>,
+    /// FP8 inputs: 1 for e5m2, 0 for e4m3 (and for 16-bit and f32 inputs).
+    pub fp8_e5m2: i32,
     pub dropout: DropoutArgs,
     pub out_len: usize,
     pub lse_len: usize,
@@ -650,8 +666,10 @@ impl DropoutArgs {
 }
 
 impl LaunchDescription {
-    fn new(p: &Params) -> LaunchDescription {
-        let key = key_for(p);
+    /// The launch of validated `p`; `fp8` names the format of FP8 inputs (their factors are
+    /// `p.descale`).
+    pub(crate) fn new(p: &Params, fp8: Option<crate::fp8::Fp8Format>) -> LaunchDescription {
+        let key = key_for(p, fp8.is_some());
         // Packed rows after the last sequence get out = 0 and lse = -inf, as on the CPU: they are
         // launched as one more sequence that sees no key (the kernels' fully-masked-row rule).
         let used = p.seqs.last().map_or(0, |s| s.out_row0 + s.seqlen_q);
@@ -688,6 +706,17 @@ impl LaunchDescription {
         // one; clamping keeps the kernels' 32-bit arithmetic exact (MAX_SEQLEN).
         let side = |w: Option<usize>| w.map_or(-1, |w| w.min(max_q + max_k) as i32);
         let stride = |f: fn(&crate::params::Seq) -> usize| p.seqs.get(1).map_or(0, f) as i64;
+        let descale = fp8.map(|_| {
+            let d = p.descale.as_ref().expect("FP8 params carry their factors");
+            let mut t: Vec<f32> = d
+                .score_scale
+                .iter()
+                .zip(&d.out_scale)
+                .flat_map(|(&s, &o)| [s, o])
+                .collect();
+            t.resize(2 * seqs.len() * p.heads_kv, 1.0); // the tail sequence's, never used
+            t
+        });
         LaunchDescription {
             grid: (
                 max_q.div_ceil(key.tiles().block_m) as u32,
@@ -719,6 +748,8 @@ impl LaunchDescription {
                 stride(|s| s.k_base),
                 stride(|s| s.v_base),
             ],
+            descale,
+            fp8_e5m2: (fp8 == Some(crate::fp8::Fp8Format::E5M2)) as i32,
             dropout: DropoutArgs::new(p.dropout),
             out_len: p.out_len(),
             lse_len: p.lse_len(),
@@ -748,32 +779,49 @@ pub fn launch_description(
         Some((cq, ck)) => params::varlen(q, k, v, cq, ck, opts)?,
         None => params::batched(q, k, v, opts)?,
     };
-    Ok(LaunchDescription::new(&p))
+    Ok(LaunchDescription::new(&p, None))
 }
 
 /// A [`LaunchDescription`] with its table and slopes on the device.
-struct Plan {
+pub(crate) struct Plan {
     d: LaunchDescription,
     table: Option<CudaSlice<i64>>,
     slopes: Option<CudaSlice<f32>>,
+    descale: Option<CudaSlice<f32>>,
 }
 
 impl Plan {
-    fn new(dev: &CudaDevice, d: LaunchDescription) -> Result<Plan> {
+    pub(crate) fn new(dev: &CudaDevice, d: LaunchDescription) -> Result<Plan> {
         let table = d.table.as_deref().map(|t| dev.htod(t)).transpose()?;
         let slopes = d.slopes.as_deref().map(|t| dev.htod(t)).transpose()?;
-        Ok(Plan { d, table, slopes })
+        let descale = d.descale.as_deref().map(|t| dev.htod(t)).transpose()?;
+        Ok(Plan {
+            d,
+            table,
+            slopes,
+            descale,
+        })
     }
 
-    fn launch<T>(
+    /// Queues the kernel: q, k and v of element type `TI` (the key's: f32, f16, bf16, or FP8
+    /// bytes), out of type `TO` (bf16 for FP8 inputs, else `TI`).
+    pub(crate) fn launch<TI, TO>(
         &self,
         dev: &CudaDevice,
         function: &CudaFunction,
-        (q, k, v): (&CudaSlice<T>, &CudaSlice<T>, &CudaSlice<T>),
-        out: &mut CudaSlice<T>,
+        (q, k, v): (&CudaSlice<TI>, &CudaSlice<TI>, &CudaSlice<TI>),
+        out: &mut CudaSlice<TO>,
         lse: &mut CudaSlice<f32>,
     ) -> Result<()> {
         let d = &self.d;
+        let out_size = if d.key.dtype == DType::F32 { 4 } else { 2 };
+        let in_size = if d.key.fp8 { 1 } else { out_size };
+        assert!(
+            std::mem::size_of::<TI>() == in_size
+                && std::mem::size_of::<TO>() == out_size
+                && d.descale.is_some() == d.key.fp8,
+            "the forward's element types and factors match its variant"
+        );
         if d.is_empty() {
             return Ok(());
         }
@@ -798,20 +846,28 @@ impl Plan {
         for s in &d.batch_strides {
             b.arg(s);
         }
+        match &self.descale {
+            Some(t) => b.arg(t),
+            None => b.arg(&null),
+        };
+        b.arg(&d.fp8_e5m2);
         d.dropout.push(&mut b);
         let cfg = LaunchConfig {
             grid_dim: d.grid,
             block_dim: (d.threads, 1, 1),
             shared_mem_bytes: d.smem_bytes,
         };
-        // SAFETY: the argument list matches `flash_fwd` in fwd.cu / fwd_f32.cu: pointers to T, T,
-        // T, T, f32, i64 (or null: batched), f32 (or null: no ALiBi, then never read); i32 x3;
-        // i64 x7; f32 x2; i32 x4; i64 x3; u32 x2, i64, f32 (a null pointer is pushed as a 64-bit
-        // zero). Params validated every view, so each element the kernels address (bases and
-        // row/head strides over the sequence table or the batch strides) lies inside q, k and v;
-        // out and lse hold
-        // out_len / lse_len elements, the table 7 per launched sequence, the slopes one row per
-        // launched sequence.
+        // SAFETY: the argument list matches `flash_fwd` in fwd.cu / fwd_f32.cu: pointers to TI,
+        // TI, TI, TO, f32, i64 (or null: batched), f32 (or null: no ALiBi, then never read);
+        // i32 x3; i64 x7; f32 x2; i32 x4; i64 x3; f32 pointer (or null), i32; u32 x2, i64, f32
+        // (a null pointer is pushed as a 64-bit zero). TI and TO are the element types the
+        // variant was compiled for: the callers pick the key from the same buffers (forward:
+        // one dtype, FA_FP8_INPUT off; forward_fp8: bytes in, bf16 out, FA_FP8_INPUT on), and a
+        // descale table is pushed exactly for FP8 keys. Params validated every view, so each
+        // element the kernels address (bases and row/head strides over the sequence table or the
+        // batch strides) lies inside q, k and v; out and lse hold out_len / lse_len elements, the
+        // table 7 per launched sequence, the slopes one row and the descale table 2 · heads_kv
+        // factors per launched sequence.
         unsafe { b.launch(cfg) }.map_err(driver_err("cuLaunchKernel"))?;
         Ok(())
     }
@@ -820,7 +876,7 @@ impl Plan {
 /// A new buffer filled with all-ones bytes (NaN in f32, f16 and bf16), as the CPU path poisons its
 /// outputs: the kernels write every element, and one they missed would read as NaN, not as a
 /// plausible stale value. (The memset moves O(N·d) bytes against the kernel's O(N²·d) work.)
-fn alloc_poisoned<T: cudarc::driver::DeviceRepr>(
+pub(crate) fn alloc_poisoned<T: cudarc::driver::DeviceRepr>(
     s: &Arc<CudaStream>,
     len: usize,
 ) -> Result<CudaSlice<T>> {

@@ -2,8 +2,8 @@
 //! forward, tests/decode.rs for decoding): the work folder, the g++ check, one emulation binary per
 //! kernel variant, and raw little-endian buffers in and out.
 
-use flashattn::cuda::KernelKey;
-use flashattn::{Buffer, DType, Slice};
+use flashattn::cuda::{KernelKey, LaunchDescription};
+use flashattn::{AttnOutput, Buffer, DType, Slice, Tensor};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -132,4 +132,123 @@ pub fn from_bytes(b: &[u8], dtype: DType) -> Buffer {
                 .collect(),
         ),
     }
+}
+
+const FWD_DRIVER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/cuda_emu/driver.cpp");
+
+/// The forward drivers' builds: fwd.cu or fwd_f32.cu, named to the driver by FA_KERNEL.
+pub fn forward_builds() -> Builds {
+    Builds::new(FWD_DRIVER, &[])
+}
+
+fn exe(builds: &mut Builds, key: &KernelKey) -> std::path::PathBuf {
+    let file = if key.dtype == DType::F32 {
+        "fwd_f32.cu"
+    } else {
+        "fwd.cu"
+    };
+    builds.get(key, &[format!("-DFA_KERNEL=\"{KERNELS}/{file}\"")])
+}
+
+/// Runs the emulated forward kernel of `d` on q, k and v (their buffers' raw little-endian bytes:
+/// elements of the key's dtype, or FP8 bytes for FP8 keys); `out` comes back in `out_dtype`.
+pub fn run_forward(
+    builds: &mut Builds,
+    d: &LaunchDescription,
+    [q, k, v]: [&[u8]; 3],
+    out_dtype: DType,
+    tag: &str,
+) -> AttnOutput {
+    let dir = work_dir().join(format!("case_{}_{tag}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let nums: Vec<String> = [
+        d.grid.0 as i64,
+        d.grid.1 as i64,
+        d.grid.2 as i64,
+        d.threads as i64,
+        d.smem_bytes as i64,
+        d.table.is_some() as i64,
+        d.slopes.is_some() as i64,
+        d.heads as i64,
+        d.heads_kv as i64,
+        d.head_dim as i64,
+    ]
+    .iter()
+    .map(|x| x.to_string())
+    .chain(d.strides.iter().map(|x| x.to_string()))
+    .chain([format!("{:e}", d.softmax_scale), format!("{:e}", d.softcap)])
+    .chain(
+        [
+            d.window.0 as i64,
+            d.window.1 as i64,
+            d.batch_seqlens.0 as i64,
+            d.batch_seqlens.1 as i64,
+        ]
+        .iter()
+        .map(|x| x.to_string()),
+    )
+    .chain(d.batch_strides.iter().map(|x| x.to_string()))
+    .chain([d.out_len.to_string(), d.lse_len.to_string()])
+    .chain(dropout_params(&d.dropout))
+    .chain([
+        (d.descale.is_some() as i32).to_string(),
+        d.fp8_e5m2.to_string(),
+    ])
+    .collect();
+    std::fs::write(dir.join("params.txt"), nums.join("\n")).unwrap();
+    std::fs::write(dir.join("q.bin"), q).unwrap();
+    std::fs::write(dir.join("k.bin"), k).unwrap();
+    std::fs::write(dir.join("v.bin"), v).unwrap();
+    if let Some(t) = &d.table {
+        std::fs::write(
+            dir.join("table.bin"),
+            t.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>(),
+        )
+        .unwrap();
+    }
+    for (name, t) in [("slopes.bin", &d.slopes), ("descale.bin", &d.descale)] {
+        if let Some(s) = t {
+            std::fs::write(
+                dir.join(name),
+                s.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>(),
+            )
+            .unwrap();
+        }
+    }
+    if !d.is_empty() {
+        let exe = exe(builds, &d.key);
+        let o = Command::new(&exe)
+            .arg(&dir)
+            .output()
+            .expect("run the emulation");
+        assert!(
+            o.status.success(),
+            "emulation of {} failed: {:?}",
+            d.key.name(),
+            o
+        );
+    }
+    let read = |name: &str| std::fs::read(dir.join(name)).unwrap_or_default();
+    let (ob, lb) = (read("out.bin"), read("lse.bin"));
+    let lse: Vec<f32> = lb
+        .chunks(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    let out = from_bytes(&ob, out_dtype);
+    let _ = std::fs::remove_dir_all(&dir);
+    // An empty description launched nothing and wrote no file: its shapes hold no element.
+    AttnOutput {
+        out: Tensor::from_buffer(out, &d.out_shape).expect("out length"),
+        lse: Tensor::from_vec(lse, &d.lse_shape).expect("lse length"),
+    }
+}
+
+/// The dropout arguments as the drivers read them: seed halves, threshold, scale.
+pub fn dropout_params(d: &flashattn::cuda::DropoutArgs) -> [String; 4] {
+    [
+        d.seed_lo.to_string(),
+        d.seed_hi.to_string(),
+        d.threshold.to_string(),
+        format!("{:e}", d.scale),
+    ]
 }

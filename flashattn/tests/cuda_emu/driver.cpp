@@ -2,15 +2,21 @@
 // Built by tests/cuda_emulated.rs: g++ -std=c++20 -DFA_HOST_EMULATION -D<variant defines>
 //   -DFA_KERNEL='"<path to fwd.cu or fwd_f32.cu>"' -I<kernels dir> driver.cpp
 // Usage: driver DIR. DIR holds params.txt (the launch, in the order read below) and q.bin, k.bin,
-// v.bin (raw elements), table.bin and slopes.bin when used; out.bin and lse.bin are written there.
+// v.bin (raw elements: FP8 bytes with FA_FP8_INPUT), table.bin, slopes.bin and descale.bin when
+// used; out.bin and lse.bin are written there.
 #include FA_KERNEL
 #include "io.h"
 #include <cstdio>
 
-#ifdef FA_TENSOR_CORE_KERNEL
-typedef u16 elem_t;
+#if defined(FA_FP8_INPUT)
+typedef unsigned char drv_in_t;
+typedef u16 drv_out_t;
+#elif defined(FA_TENSOR_CORE_KERNEL)
+typedef u16 drv_in_t;
+typedef u16 drv_out_t;
 #else
-typedef float elem_t;
+typedef float drv_in_t;
+typedef float drv_out_t;
 #endif
 
 int main(int argc, char** argv) {
@@ -29,24 +35,28 @@ int main(int argc, char** argv) {
     long long drop_lo, drop_hi, drop_threshold;
     float drop_scale;
     pf >> drop_lo >> drop_hi >> drop_threshold >> drop_scale;
+    long long has_descale, e5m2;
+    pf >> has_descale >> e5m2;
     if (!pf) return 3;
-    auto q = read<elem_t>(dir + "/q.bin");
-    auto k = read<elem_t>(dir + "/k.bin");
-    auto v = read<elem_t>(dir + "/v.bin");
+    auto q = read<drv_in_t>(dir + "/q.bin");
+    auto k = read<drv_in_t>(dir + "/k.bin");
+    auto v = read<drv_in_t>(dir + "/v.bin");
+    std::vector<float> descale =
+        has_descale ? read<float>(dir + "/descale.bin") : std::vector<float>();
     std::vector<i64> table = has_table ? read<i64>(dir + "/table.bin") : std::vector<i64>();
     std::vector<float> slopes = has_slopes ? read<float>(dir + "/slopes.bin") : std::vector<float>();
     // Poisoned like the library's outputs: all-ones bytes are NaN.
-    std::vector<elem_t> out(out_len);
+    std::vector<drv_out_t> out(out_len);
     std::vector<float> lse(lse_len);
-    std::memset(out.data(), 0xFF, out.size() * sizeof(elem_t));
+    std::memset(out.data(), 0xFF, out.size() * sizeof(drv_out_t));
     std::memset(lse.data(), 0xFF, lse.size() * sizeof(float));
     emu::launch({unsigned(gx), unsigned(gy), unsigned(gz)}, int(threads), size_t(smem), [&] {
         flash_fwd(q.data(), k.data(), v.data(), out.data(), lse.data(),
                   has_table ? table.data() : nullptr, has_slopes ? slopes.data() : nullptr,
                   int(heads), int(heads_kv), int(head_dim), st[0], st[1], st[2], st[3], st[4],
                   st[5], st[6], scale, softcap, int(window_left), int(window_right), int(bsq),
-                  int(bsk), bs[0], bs[1], bs[2], u32(drop_lo), u32(drop_hi), drop_threshold,
-                  drop_scale);
+                  int(bsk), bs[0], bs[1], bs[2], has_descale ? descale.data() : nullptr,
+                  int(e5m2), u32(drop_lo), u32(drop_hi), drop_threshold, drop_scale);
     });
     write(dir + "/out.bin", out.data(), out.size());
     write(dir + "/lse.bin", lse.data(), lse.size());

@@ -116,6 +116,23 @@ inline elem_t from_f32_elem(float x) {
 #endif  // FA_HOST_EMULATION
 #endif  // FA_CUDA_CORE_ELEM
 
+#if defined(FA_FP8_CACHE) || defined(FA_FP8_INPUT)
+// The value of FP8 byte `b` as f32, exactly. The magnitude's bits, shifted so that the format's
+// exponent field lands in f32's, read as an f32 whose exponent is off by the bias difference
+// (120 for e4m3, 112 for e5m2) and multiplied back by that power of two: exact for normal and
+// subnormal inputs alike (the shifted subnormals are f32 denormals; nothing here flushes them, as
+// NVRTC's default is -ftz=false and the files ask for no fast math). Specials: e4m3 (E4M3FN) has
+// no infinities and one NaN magnitude, 0x7f; e5m2's are IEEE's (exponent field 31).
+__device__ __forceinline__ float fp8_to_f32(u32 b, int e5m2) {
+    const u32 mag = b & 0x7fu;
+    float x = e5m2 ? __int_as_float((int)(mag << 21)) * __int_as_float(0x77800000)   // 2^112
+                   : __int_as_float((int)(mag << 20)) * __int_as_float(0x7b800000);  // 2^120
+    if (e5m2 ? mag >= 0x7cu : mag == 0x7fu)
+        x = e5m2 && mag == 0x7cu ? FA_INF : __int_as_float(0x7fc00000);
+    return (b & 0x80u) ? -x : x;
+}
+#endif
+
 // The visibility rule of blocks.rs: query row i sees key j iff lo(i) <= j < hi(i), with
 // offset = seqlen_k - seqlen_q (bottom-right alignment) and -1 meaning an unbounded side.
 // 32-bit arithmetic is exact: the launcher caps sequence lengths at 2^29 and clamps window sides to
@@ -198,21 +215,27 @@ __device__ __forceinline__ u32 pick_word(const u32 w[4], int sel) {
 #define FA_DROPOUT_PARAMS u32 drop_seed_lo, u32 drop_seed_hi, i64 drop_threshold, float drop_scale
 #define FA_DROPOUT_ARGS drop_seed_lo, drop_seed_hi, drop_threshold, drop_scale
 
-// The parameters of both forward kernels (cuda/mod.rs pushes them in this order).
-#define FLASH_FWD_PARAMS(T)                                                                       \
-    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,                    \
-        T *__restrict__ out, float *__restrict__ lse, const i64 *__restrict__ seqs,               \
+// The parameters of both forward kernels (cuda/mod.rs pushes them in this order): q, k and v of
+// element type TI (u16, f32, or FP8 bytes), out of type TO. `descale` (FP8 inputs, else null):
+// two factors per (launched sequence b, kv head hk) at 2 * (b * heads_kv + hk), the score scale
+// (softmax_scale · q_descale · k_descale, folded on the host and rounded once, as the CPU path
+// does), which replaces softmax_scale, and v_descale, which scales the finished rows; `fp8_e5m2`
+// picks the FP8 format (0: e4m3), so both formats share one compile.
+#define FLASH_FWD_PARAMS(TI, TO)                                                                  \
+    const TI *__restrict__ q, const TI *__restrict__ k, const TI *__restrict__ v,                 \
+        TO *__restrict__ out, float *__restrict__ lse, const i64 *__restrict__ seqs,              \
         const float *__restrict__ alibi_slopes, int heads, int heads_kv, int head_dim,            \
         i64 q_row_stride, i64 q_head_stride, i64 k_row_stride, i64 k_head_stride,                 \
         i64 v_row_stride, i64 v_head_stride, i64 lse_head_stride, float softmax_scale,            \
         float softcap, int window_left, int window_right, int batch_seqlen_q, int batch_seqlen_k, \
-        i64 q_batch_stride, i64 k_batch_stride, i64 v_batch_stride, FA_DROPOUT_PARAMS
+        i64 q_batch_stride, i64 k_batch_stride, i64 v_batch_stride,                               \
+        const float *__restrict__ descale, int fp8_e5m2, FA_DROPOUT_PARAMS
 
 #define FLASH_FWD_ARGS                                                                            \
     q, k, v, out, lse, seqs, alibi_slopes, heads, heads_kv, head_dim, q_row_stride, q_head_stride, \
         k_row_stride, k_head_stride, v_row_stride, v_head_stride, lse_head_stride, softmax_scale, \
         softcap, window_left, window_right, batch_seqlen_q, batch_seqlen_k, q_batch_stride,       \
-        k_batch_stride, v_batch_stride, FA_DROPOUT_ARGS
+        k_batch_stride, v_batch_stride, descale, fp8_e5m2, FA_DROPOUT_ARGS
 
 // What one CTA works on: its (sequence, head, query block), where that head's rows live, the
 // mask, the score modifiers and the key blocks it visits (blocks.rs: n_block_range).
@@ -224,6 +247,7 @@ struct CtaWork {
     Mask mask;
     ScoreMod mods;
     Dropout drop;
+    float out_scale;  // multiplies the finished rows: dropout's 1 / (1 - p) times v_descale
     int n_block_min, n_block_max;
 
     // Whether key block [n0, n0 + bn) needs the per-element mask: the end of the keys cuts it, or
@@ -235,8 +259,8 @@ struct CtaWork {
 };
 
 // Fills `w` for this CTA; false when its query block lies past the sequence (nothing to do).
-template <typename T, int BM, int BN>
-__device__ __forceinline__ bool cta_work(CtaWork<T>& w, FLASH_FWD_PARAMS(T)) {
+template <typename T, typename TO, int BM, int BN>
+__device__ __forceinline__ bool cta_work(CtaWork<T>& w, FLASH_FWD_PARAMS(T, TO)) {
     // Masked (causal) query blocks get more keys the later they come: launch those first, so the
     // longest CTAs do not start last and leave SMs idle at the end (as FlashAttention-2 does).
     const int m_block = IS_MASKED ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
@@ -258,8 +282,12 @@ __device__ __forceinline__ bool cta_work(CtaWork<T>& w, FLASH_FWD_PARAMS(T)) {
     w.out_row0 = seq.out_row0;
     w.lse_base = seq.lse_base;
     w.mask = Mask{w.seqlen_k, w.seqlen_k - w.seqlen_q, window_left, window_right};
-    w.mods.scale_log2 = softmax_scale * FA_LOG2E;
-    w.mods.cap_in = softmax_scale / softcap;
+    // FP8 inputs: the folded score scale of this (sequence, kv head) replaces softmax_scale.
+    const float* ds = descale != nullptr ? descale + 2 * ((i64)b * heads_kv + hk) : nullptr;
+    const float scale = ds != nullptr ? ds[0] : softmax_scale;
+    w.out_scale = (HAS_DROPOUT ? w.drop.scale : 1.f) * (ds != nullptr ? ds[1] : 1.f);
+    w.mods.scale_log2 = scale * FA_LOG2E;
+    w.mods.cap_in = scale / softcap;
     w.mods.cap_out = softcap * FA_LOG2E;
     w.mods.alibi_log2 = HAS_ALIBI ? alibi_slopes[b * heads + w.h] * FA_LOG2E : 0.f;
     w.mods.offset = w.mask.offset;

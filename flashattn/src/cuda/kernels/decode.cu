@@ -39,20 +39,7 @@
 #ifdef FA_FP8_CACHE
 typedef unsigned char cache_t;
 
-// The value of FP8 byte `b` as f32, exactly. The magnitude's bits, shifted so that the format's
-// exponent field lands in f32's, read as an f32 whose exponent is off by the bias difference
-// (120 for e4m3, 112 for e5m2) and multiplied back by that power of two: exact for normal and
-// subnormal inputs alike (the shifted subnormals are f32 denormals; nothing here flushes them, as
-// NVRTC's default is -ftz=false and the file asks for no fast math). Specials: e4m3 (E4M3FN) has
-// no infinities and one NaN magnitude, 0x7f; e5m2's are IEEE's (exponent field 31).
-__device__ __forceinline__ float fp8_to_f32(u32 b, int e5m2) {
-    const u32 mag = b & 0x7fu;
-    float x = e5m2 ? __int_as_float((int)(mag << 21)) * __int_as_float(0x77800000)   // 2^112
-                   : __int_as_float((int)(mag << 20)) * __int_as_float(0x7b800000);  // 2^120
-    if (e5m2 ? mag >= 0x7cu : mag == 0x7fu)
-        x = e5m2 && mag == 0x7cu ? FA_INF : __int_as_float(0x7fc00000);
-    return (b & 0x80u) ? -x : x;
-}
+// fp8_to_f32 (common.cuh) widens a byte exactly.
 
 // `x` rounded to nearest even in FP8, saturating (CUDA's __NV_SATFINITE and flashattn's
 // Fp8Format::quantise): magnitudes from the largest finite value up, infinities included, become

@@ -16,7 +16,16 @@
 //   FA_BF16 (else f16), HEAD_DIM (padded head_dim, multiple of 32), SMEM_ROW (row pitch in
 //   elements, multiple of 64), BLOCK_M, BLOCK_N, NUM_WARPS, IS_MASKED (causal or window),
 //   HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, VEC_LOAD (head_dim and every row/head stride a multiple of 8 elements
-//   and 16-byte-aligned bases: tiles move by cp.async 16 bytes at a time; else element by element).
+//   and 16-byte-aligned bases: tiles move by cp.async 16 bytes at a time; else element by element);
+//   FA_FP8_INPUT (with FA_BF16): q, k and v hold FP8 bytes (see below; VEC_LOAD then means
+//   head_dim, strides and bases multiples of 16 elements).
+//
+// FP8 inputs (flashattn::fp8::flash_attn_fp8 on the CPU): the kernel is the bf16 one, fed from
+// FP8 bytes. Every e4m3 and e5m2 value is a bf16 value, so the tiles are widened exactly: the raw
+// bytes of the next key block are staged in shared memory by cp.async (double-buffered, the same
+// overlap as the 16-bit kernel) and widened into single bf16 K and V tiles just before use. The
+// format is a launch argument (fp8_e5m2); the folded score scale and v_descale of each (sequence,
+// kv head) come from `descale` (common.cuh: FLASH_FWD_PARAMS). out is bf16.
 #define FA_TENSOR_CORE_KERNEL
 #define NUM_THREADS (NUM_WARPS * 32)
 #include "common.cuh"
@@ -26,19 +35,103 @@ static_assert(SMEM_ROW % 64 == 0 && SMEM_ROW >= HEAD_DIM, "SMEM_ROW: whole swizz
 static_assert(BLOCK_M == 16 * NUM_WARPS, "each warp owns 16 query rows");
 static_assert(BLOCK_N % 16 == 0, "key blocks are whole mma k-steps");
 
+#ifdef FA_FP8_INPUT
+#ifndef FA_BF16
+#error "FA_FP8_INPUT widens to bf16 tiles: compile with FA_BF16"
+#endif
+typedef unsigned char in_t;
+#define KV_BUFS 1  // bf16 K and V tiles; the double buffering is in the raw staging area
+static_assert(BLOCK_M <= 4 * BLOCK_N, "the q tile's bytes fit the staging area");
+
+// 16 bytes at p (16-byte aligned) as four words, the lower address in the low byte of w[0].
+__device__ __forceinline__ void ld16(u32 w[4], const void* p) {
+#ifdef FA_HOST_EMULATION
+    std::memcpy(w, p, 16);
+#else
+    const uint4 a = *reinterpret_cast<const uint4*>(p);
+    w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w;
+#endif
+}
+
+__device__ __forceinline__ void st16(void* p, const u32 w[4]) {
+#ifdef FA_HOST_EMULATION
+    std::memcpy(p, w, 16);
+#else
+    uint4 a;
+    a.x = w[0], a.y = w[1], a.z = w[2], a.w = w[3];
+    *reinterpret_cast<uint4*>(p) = a;
+#endif
+}
+
+// Two FP8 bytes as a bf16 pair (`lo` at the lower address), exactly: the f32 value's upper half.
+__device__ __forceinline__ u32 fp8x2_to_bf16x2(u32 lo, u32 hi, int e5m2) {
+    return (__float_as_uint(fp8_to_f32(lo, e5m2)) >> 16) |
+           (__float_as_uint(fp8_to_f32(hi, e5m2)) & 0xffff0000u);
+}
+
+// Copies `ROWS` rows of HEAD_DIM bytes (row r from src + (row0 + r) * row_stride) into the
+// unswizzled staging area `raw` ([ROWS][HEAD_DIM]); rows at or past `row_end` and columns at or
+// past `head_dim` become 0. VEC_LOAD: 16 bytes per cp.async, chunk c by thread c % NUM_THREADS
+// (widen_tile reads each chunk in the same thread); else byte by byte, synchronously.
+template <int ROWS>
+__device__ __forceinline__ void stage_tile(unsigned char* raw, const in_t* src, i64 row_stride,
+                                           int row0, int row_end, int head_dim) {
+#if VEC_LOAD
+    constexpr int CHUNKS = ROWS * (HEAD_DIM / 16);
+#pragma unroll
+    for (int c = threadIdx.x; c < CHUNKS; c += NUM_THREADS) {
+        int r = c / (HEAD_DIM / 16), col = (c % (HEAD_DIM / 16)) * 16;
+        bool ok = row0 + r < row_end && col < head_dim;
+        const in_t* g = ok ? src + (i64)(row0 + r) * row_stride + col : src;
+        cp_async16(smem_addr(raw + r * HEAD_DIM + col), g, ok ? 16 : 0);
+    }
+#else
+    constexpr int ELEMS = ROWS * HEAD_DIM;
+    for (int e = threadIdx.x; e < ELEMS; e += NUM_THREADS) {
+        int r = e / HEAD_DIM, col = e % HEAD_DIM;
+        bool ok = row0 + r < row_end && col < head_dim;
+        raw[e] = ok ? src[(i64)(row0 + r) * row_stride + col] : (in_t)0;
+    }
+#endif
+}
+
+// Widens the staged bytes of `ROWS` rows into the swizzled bf16 `tile`, 16 bytes per step (two
+// 16-byte chunks of the tile).
+template <int ROWS>
+__device__ __forceinline__ void widen_tile(u16* tile, const unsigned char* raw, int e5m2) {
+    constexpr int CHUNKS = ROWS * (HEAD_DIM / 16);
+#pragma unroll
+    for (int c = threadIdx.x; c < CHUNKS; c += NUM_THREADS) {
+        int r = c / (HEAD_DIM / 16), col = (c % (HEAD_DIM / 16)) * 16;
+        u32 w[4], o[8];
+        ld16(w, raw + r * HEAD_DIM + col);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            o[2 * i] = fp8x2_to_bf16x2(w[i] & 0xffu, (w[i] >> 8) & 0xffu, e5m2);
+            o[2 * i + 1] = fp8x2_to_bf16x2((w[i] >> 16) & 0xffu, w[i] >> 24, e5m2);
+        }
+        st16(tile + swz(r, col), o);
+        st16(tile + swz(r, col + 8), o + 4);
+    }
+}
+#else
+typedef u16 in_t;
+#define KV_BUFS 2
+#endif
+
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
-flash_fwd(FLASH_FWD_PARAMS(u16)) {
+flash_fwd(FLASH_FWD_PARAMS(in_t, u16)) {
     FA_DYNAMIC_SMEM(u16, smem);
     u16* q_tile = smem;
-    u16* k_tiles = q_tile + BLOCK_M * SMEM_ROW;      // 2 buffers
-    u16* v_tiles = k_tiles + 2 * BLOCK_N * SMEM_ROW; // 2 buffers
+    u16* k_tiles = q_tile + BLOCK_M * SMEM_ROW;            // KV_BUFS buffers
+    u16* v_tiles = k_tiles + KV_BUFS * BLOCK_N * SMEM_ROW;  // KV_BUFS buffers
 
-    CtaWork<u16> w;
-    if (!cta_work<u16, BLOCK_M, BLOCK_N>(w, FLASH_FWD_ARGS)) return;
+    CtaWork<in_t> w;
+    if (!cta_work<in_t, u16, BLOCK_M, BLOCK_N>(w, FLASH_FWD_ARGS)) return;
     const int h = w.h, m0 = w.m0, m_end = w.m_end, seqlen_q = w.seqlen_q, seqlen_k = w.seqlen_k;
-    const u16* q_g = w.q_g;
-    const u16* k_g = w.k_g;
-    const u16* v_g = w.v_g;
+    const in_t* q_g = w.q_g;
+    const in_t* k_g = w.k_g;
+    const in_t* v_g = w.v_g;
     const i64 out_row0 = w.out_row0, lse_base = w.lse_base;
     const Mask& mask = w.mask;
     const ScoreMod& mods = w.mods;
@@ -47,6 +140,24 @@ flash_fwd(FLASH_FWD_PARAMS(u16)) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;  // mma fragment row group and column pair
 
+#ifdef FA_FP8_INPUT
+    // Staging: [2 buffers][k, v][BLOCK_N][HEAD_DIM] bytes, after the bf16 tiles.
+    unsigned char* raw = reinterpret_cast<unsigned char*>(v_tiles + BLOCK_N * SMEM_ROW);
+    auto raw_k = [&](int b) { return raw + (2 * b) * BLOCK_N * HEAD_DIM; };
+    auto raw_v = [&](int b) { return raw + (2 * b + 1) * BLOCK_N * HEAD_DIM; };
+    // The q tile goes through the staging area first (it fits: BLOCK_M <= 4 * BLOCK_N).
+    stage_tile<BLOCK_M>(raw, q_g, q_row_stride, m0, seqlen_q, head_dim);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    widen_tile<BLOCK_M>(q_tile, raw, fp8_e5m2);
+    __syncthreads();  // the staging area is free again
+    if (n_block_min < n_block_max) {
+        stage_tile<BLOCK_N>(raw_k(0), k_g, k_row_stride, n_block_min * BLOCK_N, seqlen_k, head_dim);
+        stage_tile<BLOCK_N>(raw_v(0), v_g, v_row_stride, n_block_min * BLOCK_N, seqlen_k, head_dim);
+    }
+    cp_async_commit();
+#else
     load_tile<BLOCK_M>(q_tile, q_g, q_row_stride, m0, seqlen_q, head_dim);
     cp_async_commit();
     if (n_block_min < n_block_max) {
@@ -54,6 +165,7 @@ flash_fwd(FLASH_FWD_PARAMS(u16)) {
         load_tile<BLOCK_N>(v_tiles, v_g, v_row_stride, n_block_min * BLOCK_N, seqlen_k, head_dim);
     }
     cp_async_commit();
+#endif
 
     float acc_o[HEAD_DIM / 8][4];
 #pragma unroll
@@ -68,6 +180,30 @@ flash_fwd(FLASH_FWD_PARAMS(u16)) {
 
     for (int n_block = n_block_min; n_block < n_block_max; ++n_block) {
         const int buf = (n_block - n_block_min) & 1;
+#ifdef FA_FP8_INPUT
+        u16* k_tile = k_tiles;
+        u16* v_tile = v_tiles;
+        if (n_block + 1 < n_block_max) {
+            // The other staging buffer was last read before the previous iteration's final
+            // __syncthreads.
+            stage_tile<BLOCK_N>(raw_k(buf ^ 1), k_g, k_row_stride, (n_block + 1) * BLOCK_N,
+                                seqlen_k, head_dim);
+            stage_tile<BLOCK_N>(raw_v(buf ^ 1), v_g, v_row_stride, (n_block + 1) * BLOCK_N,
+                                seqlen_k, head_dim);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+#if !VEC_LOAD
+        __syncthreads();  // byte staging: other threads wrote the chunks this one widens
+#endif
+        // (With VEC_LOAD each thread widens the chunks its own cp.async filled, visible to it
+        // after the wait; the K and V tiles were released by the previous iteration's barrier.)
+        widen_tile<BLOCK_N>(k_tile, raw_k(buf), fp8_e5m2);
+        widen_tile<BLOCK_N>(v_tile, raw_v(buf), fp8_e5m2);
+        __syncthreads();
+#else
         u16* k_tile = k_tiles + buf * BLOCK_N * SMEM_ROW;
         u16* v_tile = v_tiles + buf * BLOCK_N * SMEM_ROW;
         if (n_block + 1 < n_block_max) {
@@ -82,6 +218,8 @@ flash_fwd(FLASH_FWD_PARAMS(u16)) {
             cp_async_wait<0>();
         }
         __syncthreads();
+
+#endif
 
         // S = Q·Kᵀ for this warp's 16 rows × BLOCK_N keys.
         float s[BLOCK_N / 8][4];
@@ -165,7 +303,7 @@ flash_fwd(FLASH_FWD_PARAMS(u16)) {
         float sum = row_sum[r];
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const float inv = sum == 0.f ? 0.f : (HAS_DROPOUT ? w.drop.scale : 1.f) / sum;
+        const float inv = sum == 0.f ? 0.f : w.out_scale / sum;
         const int i = row_i[r];
         if (i >= seqlen_q) continue;
         u16* o = out + ((out_row0 + i) * heads + h) * (i64)head_dim;

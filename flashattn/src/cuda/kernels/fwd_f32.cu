@@ -21,7 +21,7 @@ static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "HEAD_DIM: a multiple of 32
 static_assert(NUM_THREADS == 8 * BLOCK_M && BLOCK_N == 32, "8 threads per row, 4 keys each");
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
-flash_fwd(FLASH_FWD_PARAMS(float)) {
+flash_fwd(FLASH_FWD_PARAMS(float, float)) {
     FA_DYNAMIC_SMEM(float, smem_f);
     float* q_tile = smem_f;                      // [BLOCK_M][PITCH]
     float* k_tile = q_tile + BLOCK_M * PITCH;    // [BLOCK_N][PITCH]
@@ -29,7 +29,7 @@ flash_fwd(FLASH_FWD_PARAMS(float)) {
     float* p_tile = v_tile + BLOCK_N * HEAD_DIM; // [BLOCK_M][P_PITCH]
 
     CtaWork<float> w;
-    if (!cta_work<float, BLOCK_M, BLOCK_N>(w, FLASH_FWD_ARGS)) return;
+    if (!cta_work<float, float, BLOCK_M, BLOCK_N>(w, FLASH_FWD_ARGS)) return;
     const int h = w.h, m0 = w.m0, m_end = w.m_end, seqlen_q = w.seqlen_q, seqlen_k = w.seqlen_k;
     const float* q_g = w.q_g;
     const float* k_g = w.k_g;
@@ -122,7 +122,7 @@ flash_fwd(FLASH_FWD_PARAMS(float)) {
     }
 
     if (i < seqlen_q) {
-        const float inv = row_sum == 0.f ? 0.f : (HAS_DROPOUT ? w.drop.scale : 1.f) / row_sum;
+        const float inv = row_sum == 0.f ? 0.f : w.out_scale / row_sum;
         float* o = out + ((out_row0 + i) * heads + h) * (i64)head_dim;
 #pragma unroll
         for (int c = 0; c < HEAD_DIM / 8; ++c) {

@@ -91,6 +91,7 @@ inline uint16_t float_to_half(float x) { _Float16 v = _Float16(x); uint16_t h; s
 #define blockIdx (emu::block_idx)
 #define gridDim (emu::grid_dim)
 inline float __int_as_float(int i) { return emu::bits_to_float(uint32_t(i)); }
+inline unsigned __float_as_uint(float f) { return emu::float_to_bits(f); }
 inline long long __double_as_longlong(double x) { long long b; std::memcpy(&b, &x, 8); return b; }
 using std::fabs;
 using std::frexp;
