@@ -119,6 +119,27 @@ struct Measured {
 /// Rows sampled for the error check.
 const ERR_ROWS: usize = 16;
 
+/// The FP8 forward on GPU 0 of host FP8 views: upload, forward, download (out bf16, lse f32).
+pub fn compute_fp8(
+    q: &flashattn::fp8::Fp8TensorRef,
+    k: &flashattn::fp8::Fp8TensorRef,
+    v: &flashattn::fp8::Fp8TensorRef,
+    cu_seqlens: Option<(&[i32], &[i32])>,
+    descale: &flashattn::fp8::Descale,
+    opts: &AttnOptions,
+) -> Result<AttnOutput> {
+    let dev = CudaDevice::new(0)?;
+    let (dq, dk, dv) = (dev.upload_fp8(q)?, dev.upload_fp8(k)?, dev.upload_fp8(v)?);
+    let res = match cu_seqlens {
+        Some((cq, ck)) => cuda::flash_attn_varlen_fp8(&dev, &dq, &dk, &dv, cq, ck, descale, opts)?,
+        None => cuda::flash_attn_fp8(&dev, &dq, &dk, &dv, descale, opts)?,
+    };
+    Ok(AttnOutput {
+        out: res.out.to_host(&dev)?,
+        lse: res.lse.to_host(&dev)?,
+    })
+}
+
 /// Times the forward on GPU 0 with CUDA events around each call (allocation of out/lse and the
 /// launch included), after a warm-up, until `min_time` seconds and at least 10 calls; reports the
 /// median. FLOPs by `flashattn::flops::forward`.

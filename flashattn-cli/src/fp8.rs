@@ -132,12 +132,6 @@ pub fn decode_descale(name: &str, t: &TensorView) -> Result<Vec<f32>> {
 }
 
 pub fn run(args: &RunArgs) -> Result<()> {
-    if args.device == Device::Cuda {
-        return fail(
-            "FP8 q, k, v (the forward) run on the CPU only: the CUDA backend has no FP8 forward \
-             yet (drop --device cuda; FP8 KV caches do run on the GPU)",
-        );
-    }
     let shown = args.input.display();
     let bytes = st_io::read(&args.input)?;
     let st = st_io::parse(
@@ -187,11 +181,16 @@ pub fn run(args: &RunArgs) -> Result<()> {
         k.buf.view(&k.shape),
         v.buf.view(&v.shape),
     );
+    let cu = cu.as_ref().map(|(cq, ck)| (&cq[..], &ck[..]));
     write_atomically(&args.output, || {
-        let res = with_threads(args.threads, || match &cu {
-            Some((cq, ck)) => fp8::flash_attn_varlen_fp8(&qv, &kv, &vv, cq, ck, &d, &opts),
-            None => fp8::flash_attn_fp8(&qv, &kv, &vv, &d, &opts),
-        })??;
+        let res = if args.device == Device::Cuda {
+            crate::cuda::compute_fp8(&qv, &kv, &vv, cu, &d, &opts)?
+        } else {
+            with_threads(args.threads, || match cu {
+                Some((cq, ck)) => fp8::flash_attn_varlen_fp8(&qv, &kv, &vv, cq, ck, &d, &opts),
+                None => fp8::flash_attn_fp8(&qv, &kv, &vv, &d, &opts),
+            })??
+        };
         st_io::serialize(&res, None)
     })
 }

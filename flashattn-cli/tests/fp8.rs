@@ -144,6 +144,30 @@ fn batched_fp8_matches_library_and_reference() {
             "out[{i}]: {g} vs {w}"
         );
     }
+    // The same file on the GPU: out within bf16 rounding of the CPU's (the library's GPU tests
+    // hold the exact bound); without a GPU, a clean failure and no output file.
+    let gpu_output = dir.path().join("gpu.st");
+    let o = flashattn(&[
+        "run",
+        input.to_str().unwrap(),
+        gpu_output.to_str().unwrap(),
+        "--causal",
+        "--device",
+        "cuda",
+    ]);
+    if o.status.success() {
+        let gpu = bf16_values(&read_out(&gpu_output, "out").2);
+        assert_eq!(gpu.len(), got.len());
+        for (x, y) in got.iter().zip(&gpu) {
+            assert!(
+                (x - y).abs() <= 2.0 * 2f64.powi(-8) * scale,
+                "out: cpu {x} gpu {y}"
+            );
+        }
+    } else {
+        assert_clean_cuda_failure(&o, "run --device cuda on FP8 inputs");
+        assert!(!gpu_output.exists(), "a failed run wrote its output");
+    }
 }
 
 #[test]
@@ -232,7 +256,6 @@ fn bad_fp8_files_are_named() {
             vec![],
             vec!["`dout`", "forward pass only"],
         ),
-        (fp8_tensors(), vec!["--device", "cuda"], vec!["CPU only"]),
         (
             replace(fp8_tensors(), f32_raw("k", &[1, 6, 2, 8], &[0.5; 96])),
             vec![],
