@@ -226,10 +226,9 @@ struct Skipped {
 
 pub fn bench(args: &BenchArgs) -> Result<()> {
     if let Some(f) = args.dtype.and_then(DtypeArg::fp8) {
-        if args.backward || (args.device == crate::cuda::Device::Cuda && !args.decode) {
+        if args.backward {
             return fail(format!(
-                "--dtype {f}: FP8 runs forward and --decode (FP8 KV caches) on the CPU, and \
-                 --decode on the GPU; no --backward, no forward with --device cuda"
+                "--dtype {f}: FP8 runs the forward and --decode (FP8 KV caches); no --backward"
             ));
         }
     }
@@ -245,6 +244,7 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
             seqlens: cases,
             head_dim: args.head_dim(),
             dtype: args.dtype.unwrap_or(DtypeArg::F32).dtype(),
+            fp8: args.dtype.and_then(DtypeArg::fp8),
             causal: args.causal,
             backward: args.backward,
             min_time: args.min_time,
@@ -344,7 +344,7 @@ pub fn mem_available() -> Option<u64> {
 }
 
 /// Random FP8 values over the format's range.
-fn random_fp8(rng: &mut ChaCha8Rng, format: Fp8Format, n: usize) -> Fp8Buf {
+pub fn random_fp8(rng: &mut ChaCha8Rng, format: Fp8Format, n: usize) -> Fp8Buf {
     let max = format.max();
     Fp8Buf::quantize(format, (0..n).map(|_| rng.gen_range(-max..max)))
 }

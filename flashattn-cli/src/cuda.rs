@@ -70,6 +70,8 @@ pub struct BenchConfig {
     pub seqlens: Vec<(usize, usize)>,
     pub head_dim: usize,
     pub dtype: DType,
+    /// FP8 q, k and v of this format (`dtype` is then bf16, out's): `cuda::flash_attn_fp8`.
+    pub fp8: Option<flashattn::fp8::Fp8Format>,
     pub causal: bool,
     /// Time forward + backward (pass "fwd+bwd", FLOPs 3.5x the forward's).
     pub backward: bool,
@@ -162,7 +164,7 @@ pub fn bench(cfg: &BenchConfig) -> Result<()> {
             machine.arch,
             machine.sm_count,
             machine.nvrtc,
-            cfg.dtype,
+            cfg.fp8.map_or(cfg.dtype.name(), |f| f.name()),
             cfg.batch,
             cfg.heads,
             cfg.heads_kv,
@@ -206,11 +208,14 @@ fn measure(
     let (b, h, hkv, d) = (cfg.batch, cfg.heads, cfg.heads_kv, cfg.head_dim);
     let qs = [b, sq, h, d];
     let ks = [b, sk, hkv, d];
+    let opts = AttnOptions::default().causal(cfg.causal);
+    if let Some(f) = cfg.fp8 {
+        return measure_fp8(dev, cfg, f, (sq, sk), rng, &opts);
+    }
     let hq = random_buffer(rng, qs.iter().product(), cfg.dtype);
     let hk = random_buffer(rng, ks.iter().product(), cfg.dtype);
     let hv = random_buffer(rng, ks.iter().product(), cfg.dtype);
     let (q, k, v) = (view(&hq, &qs), view(&hk, &ks), view(&hv, &ks));
-    let opts = AttnOptions::default().causal(cfg.causal);
     let (dq, dk, dv) = (dev.upload(&q)?, dev.upload(&k)?, dev.upload(&v)?);
 
     // First use: the kernel is compiled by NVRTC or loaded from the disk cache.
@@ -233,18 +238,93 @@ fn measure(
     } else {
         (time_events(dev, cfg.min_time, run)?, fwd_flops, key.name())
     };
-    let (median_ms, min_ms, reps) = timing;
-
-    // Error of sampled rows against the f64 reference.
     let res = run()?;
     let out = res.out.to_host(dev)?.to_f64_vec();
+    finish(
+        cfg,
+        (sq, sk),
+        [&q, &k, &v],
+        &out,
+        &opts,
+        timing,
+        flops,
+        kernel,
+        &prepared,
+    )
+}
+
+/// [`measure`] for FP8 inputs (`bench --device cuda --dtype e4m3|e5m2`): random values over the
+/// format's range, one power-of-two factor per tensor (the CPU bench's), the reference on the
+/// dequantised values (exact in bf16).
+fn measure_fp8(
+    dev: &CudaDevice,
+    cfg: &BenchConfig,
+    format: flashattn::fp8::Fp8Format,
+    (sq, sk): (usize, usize),
+    rng: &mut ChaCha8Rng,
+    opts: &AttnOptions,
+) -> Result<Measured> {
+    let (b, h, hkv, d) = (cfg.batch, cfg.heads, cfg.heads_kv, cfg.head_dim);
+    let (qs, ks) = ([b, sq, h, d], [b, sk, hkv, d]);
+    let n = |s: &[usize]| s.iter().product::<usize>();
+    let hq = crate::bench::random_fp8(rng, format, n(&qs));
+    let hk = crate::bench::random_fp8(rng, format, n(&ks));
+    let hv = crate::bench::random_fp8(rng, format, n(&ks));
+    let s = crate::bench::fp8_descale(format);
+    let descale = flashattn::fp8::Descale::default().q(&s).k(&s).v(&s);
+    let (fq, fk, fv) = (hq.view(&qs), hk.view(&ks), hv.view(&ks));
+    let key = cuda::launch_description_fp8(&fq, &fk, &fv, None, &descale, opts)?.key;
+    let prepared = dev.prepare(&key)?;
+    let (dq, dk, dv) = (
+        dev.upload_fp8(&fq)?,
+        dev.upload_fp8(&fk)?,
+        dev.upload_fp8(&fv)?,
+    );
+    let run = || cuda::flash_attn_fp8(dev, &dq, &dk, &dv, &descale, opts);
+    let flops = flashattn::flops::forward(b, h, sq, sk, d, cfg.causal, (-1, -1));
+    let timing = time_events(dev, cfg.min_time, run)?;
+    let out = run()?.out.to_host(dev)?.to_f64_vec();
+    let (bq, bk, bv) = (
+        crate::bench::dequantized(&hq),
+        crate::bench::dequantized(&hk),
+        crate::bench::dequantized(&hv),
+    );
+    let (q, k, v) = (view(&bq, &qs), view(&bk, &ks), view(&bv, &ks));
+    finish(
+        cfg,
+        (sq, sk),
+        [&q, &k, &v],
+        &out,
+        opts,
+        timing,
+        flops,
+        key.name(),
+        &prepared,
+    )
+}
+
+/// The error of sampled rows of `out` against the f64 reference on `q, k, v`, and the row.
+#[allow(clippy::too_many_arguments)]
+fn finish(
+    cfg: &BenchConfig,
+    (sq, sk): (usize, usize),
+    [q, k, v]: [&TensorRef; 3],
+    out: &[f64],
+    opts: &AttnOptions,
+    (median_ms, min_ms, reps): (f64, f64, usize),
+    flops: f64,
+    kernel: String,
+    prepared: &cuda::Prepared,
+) -> Result<Measured> {
+    let (b, h, hkv, d) = (cfg.batch, cfg.heads, cfg.heads_kv, cfg.head_dim);
+    // Error of sampled rows against the f64 reference.
     let n = ERR_ROWS.min(b * h * sq);
     let mut max_abs_err = 0f64;
     for r in 0..n {
         let bh = r % (b * h);
         let i = if n > 1 { r * (sq - 1) / (n - 1) } else { 0 };
         let (bb, hh) = (bh / h, bh % h);
-        let (want, _) = flashattn::reference::attention_row(&q, &k, &v, &opts, bb, hh, i)?;
+        let (want, _) = flashattn::reference::attention_row(q, k, v, opts, bb, hh, i)?;
         let base = ((bb * sq + i) * h + hh) * d;
         for (x, w) in out[base..base + d].iter().zip(&want) {
             let e = (x - w).abs();
@@ -259,7 +339,7 @@ fn measure(
     Ok(Measured {
         kind: "measurement",
         implementation: "flashattn-cuda",
-        dtype: cfg.dtype.name(),
+        dtype: cfg.fp8.map_or(cfg.dtype.name(), |f| f.name()),
         batch: b,
         heads: h,
         heads_kv: hkv,

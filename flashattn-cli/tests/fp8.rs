@@ -351,16 +351,56 @@ fn bench_fp8_reports_and_refuses_other_modes() {
             .iter()
             .any(|l| l["impl"] == "naive" && l["dtype"] == "bf16"));
     }
-    for (flags, why) in [
-        (&["--backward"][..], "no --backward"),
-        (&["--device", "cuda"][..], "no forward with --device cuda"),
-    ] {
+    for flags in [&["--backward"][..], &["--backward", "--device", "cuda"][..]] {
         let mut args = vec!["bench", "--dtype", "e4m3", "--seqlen", "16", "--no-peak"];
         args.extend_from_slice(flags);
         let res = flashattn(&args);
         let stderr = String::from_utf8_lossy(&res.stderr);
         assert_eq!(res.status.code(), Some(1), "{flags:?}: {stderr}");
-        assert!(stderr.contains(why), "{stderr}");
+        assert!(stderr.contains("no --backward"), "{stderr}");
+    }
+}
+
+/// `bench --device cuda --dtype e4m3|e5m2` (the FP8 forward on the GPU): with a GPU, one
+/// measurement per length with the format's name and a bf16-sized error; without one, a clean
+/// failure.
+#[test]
+fn bench_fp8_forward_on_cuda_or_fails_cleanly() {
+    for format in ["e4m3", "e5m2"] {
+        let o = flashattn(&[
+            "bench",
+            "--device",
+            "cuda",
+            "--dtype",
+            format,
+            "--json",
+            "--seqlen",
+            "200",
+            "--heads",
+            "4",
+            "--head-dim",
+            "64",
+            "--causal",
+            "--min-time",
+            "0",
+        ]);
+        if !o.status.success() {
+            assert_clean_cuda_failure(&o, "bench --device cuda --dtype");
+            continue;
+        }
+        let stdout = String::from_utf8(o.stdout).unwrap();
+        let rows: Vec<serde_json::Value> = stdout
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .filter(|l: &serde_json::Value| l["kind"] == "measurement")
+            .collect();
+        assert_eq!(rows.len(), 1, "{stdout}");
+        let row = &rows[0];
+        assert_eq!(row["dtype"], format, "{row}");
+        assert!(row["kernel"].as_str().unwrap().ends_with("_fp8"), "{row}");
+        // Outputs lie within (-1.75, 1.75): a few bf16 units.
+        let err = row["max_abs_err"].as_f64().unwrap();
+        assert!(err > 0.0 && err < 2e-2, "{row}");
     }
 }
 
