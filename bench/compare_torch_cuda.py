@@ -12,6 +12,11 @@ Needs: a CUDA GPU, PyTorch with CUDA, and a release build of the `flashattn` bin
 elsewhere: `cargo build --release -p flashattn-cli`, copied next to this script or named by
 --binary). flashattn finds NVRTC by itself (PyTorch's wheel ships one); FLASHATTN_NVRTC overrides.
 
+`--dtype e4m3|e5m2` times flashattn's FP8 forward (`bench --device cuda --dtype e4m3`: q, k, v in
+FP8 with one power-of-two factor each, out bf16). PyTorch's SDPA takes no float8 tensors, so its
+route keeps q, k, v as float8 and converts them to bf16 times the factor before the bf16 SDPA
+(flash backend); the conversion is timed with it. Forward only.
+
     python3 bench/compare_torch_cuda.py --binary gpu-run/flashattn [--quick] [--out results.json]
 """
 import argparse
@@ -52,8 +57,23 @@ def torch_ms(b, h, s, d, causal, dtype, min_time, backward=False):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    dt = {"bf16": torch.bfloat16, "f16": torch.float16}[dtype]
     g = torch.Generator(device="cuda").manual_seed(s * 31 + d)
+    if dtype in ("e4m3", "e5m2"):
+        # The factor flashattn's bench uses (bench::fp8_descale); torch's float8 casts do not
+        # saturate, hence the clamp.
+        f8, scale = {"e4m3": (torch.float8_e4m3fn, 2.0 ** -8),
+                     "e5m2": (torch.float8_e5m2, 2.0 ** -15)}[dtype]
+        fmax = torch.finfo(f8).max
+        q8, k8, v8 = (torch.randn(b, h, s, d, device="cuda", generator=g).div(scale)
+                      .clamp(-fmax, fmax).to(f8) for _ in range(3))
+
+        def fp8_step():
+            q, k, v = (x.to(torch.bfloat16) * scale for x in (q8, k8, v8))
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return event_median_ms(fp8_step, min_time)
+    dt = {"bf16": torch.bfloat16, "f16": torch.float16}[dtype]
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dt, generator=g,
                            requires_grad=backward) for _ in range(3))
     dout = torch.randn(b, h, s, d, device="cuda", dtype=dt, generator=g)
@@ -90,7 +110,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--binary", default=os.path.join(os.path.dirname(__file__), "flashattn"))
     ap.add_argument("--quick", action="store_true", help="seqlen 512, 4096 and 16384 only, d=128")
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "f16"])
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "e4m3", "e5m2"])
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per shape")
     ap.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")
     ap.add_argument("--tokens", type=int, default=16384)
@@ -98,6 +118,8 @@ def main():
     ap.add_argument("--backward", action="store_true", help="time forward + backward")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
+    if args.backward and args.dtype in ("e4m3", "e5m2"):
+        ap.error("FP8 has a forward pass only")
 
     import torch
     seqlens = [512, 4096, 16384] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]

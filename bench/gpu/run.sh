@@ -12,7 +12,9 @@
 #   decode    bench/compare_torch_cuda_decode.py (bf16, f32), then with FP8 caches (e4m3, e5m2)
 #   forward   bench/compare_torch_cuda.py (flashattn vs PyTorch SDPA's flash backend)
 #   backward  bench/compare_torch_cuda.py --backward --quick
-#   all       the four in order
+#   fp8       bench/compare_torch_cuda.py --dtype e4m3 and e5m2 --quick (the FP8 forward against
+#             PyTorch's float8 -> bf16 conversion and SDPA)
+#   all       the five in order
 # Logs and JSON collect in $LOGS (default /tmp/flashattn-gpu-logs, which outlives the calls
 # while the machine stays warm; gpu-run/ itself is replaced by every carry). Each call ends by
 # packing them all into $OUT/gpu-logs.tgz and writing $OUT/summary.txt (the test results and
@@ -22,8 +24,8 @@ cd "$(dirname "$0")/../.."
 stage=${1:-all}
 [ $# -gt 0 ] && shift
 case "$stage" in
-    tests | decode | forward | backward | all) ;;
-    *) echo "unknown stage $stage (tests, decode, forward, backward, all)" >&2; exit 2 ;;
+    tests | decode | forward | backward | fp8 | all) ;;
+    *) echo "unknown stage $stage (tests, decode, forward, backward, fp8, all)" >&2; exit 2 ;;
 esac
 logs=${LOGS:-/tmp/flashattn-gpu-logs}
 mkdir -p "$logs"
@@ -70,12 +72,20 @@ run_backward() {
         --out "$logs/compare_cuda_bwd.json" 2>&1 | tee "$logs/compare_cuda_bwd.log"
 }
 
+run_fp8() {
+    for f in e4m3 e5m2; do
+        python3 bench/compare_torch_cuda.py --binary gpu-run/flashattn --dtype $f --quick --rounds 2 \
+            --out "$logs/compare_cuda_$f.json" 2>&1 | tee "$logs/compare_cuda_$f.log"
+    done
+}
+
 case "$stage" in
     tests) run_tests ;;
     decode) run_decode ;;
     forward) run_forward "$@" ;;
     backward) run_backward ;;
-    all) run_tests; run_decode; run_forward "$@"; run_backward ;;
+    fp8) run_fp8 ;;
+    all) run_tests; run_decode; run_forward "$@"; run_backward; run_fp8 ;;
 esac
 
 if [ -n "${OUT:-}" ]; then
