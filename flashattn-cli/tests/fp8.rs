@@ -145,8 +145,23 @@ fn batched_fp8_matches_library_and_reference() {
         );
     }
     // The same file on the GPU: out within bf16 rounding of the CPU's (the library's GPU tests
-    // hold the exact bound); without a GPU, a clean failure and no output file.
-    let gpu_output = dir.path().join("gpu.st");
+    // hold the exact bound).
+    if let Some(gpu_output) = run_on_gpu(&input, dir.path(), "FP8 inputs") {
+        let gpu = bf16_values(&read_out(&gpu_output, "out").2);
+        assert_eq!(gpu.len(), got.len());
+        for (x, y) in got.iter().zip(&gpu) {
+            assert!(
+                (x - y).abs() <= 2.0 * 2f64.powi(-8) * scale,
+                "out: cpu {x} gpu {y}"
+            );
+        }
+    }
+}
+
+/// `run INPUT DIR/gpu.st --causal --device cuda`: the output's path when it succeeded; without a
+/// GPU, asserts a clean failure that wrote nothing, and gives `None`.
+fn run_on_gpu(input: &Path, dir: &Path, what: &str) -> Option<std::path::PathBuf> {
+    let gpu_output = dir.join("gpu.st");
     let o = flashattn(&[
         "run",
         input.to_str().unwrap(),
@@ -156,18 +171,11 @@ fn batched_fp8_matches_library_and_reference() {
         "cuda",
     ]);
     if o.status.success() {
-        let gpu = bf16_values(&read_out(&gpu_output, "out").2);
-        assert_eq!(gpu.len(), got.len());
-        for (x, y) in got.iter().zip(&gpu) {
-            assert!(
-                (x - y).abs() <= 2.0 * 2f64.powi(-8) * scale,
-                "out: cpu {x} gpu {y}"
-            );
-        }
-    } else {
-        assert_clean_cuda_failure(&o, "run --device cuda on FP8 inputs");
-        assert!(!gpu_output.exists(), "a failed run wrote its output");
+        return Some(gpu_output);
     }
+    assert_clean_cuda_failure(&o, &format!("run --device cuda on {what}"));
+    assert!(!gpu_output.exists(), "a failed run wrote its output");
+    None
 }
 
 #[test]
@@ -536,16 +544,7 @@ fn run_fp8_kv_cache_matches_library() {
     // The same file on the GPU: the appended bytes equal the CPU's (no rotary: both divide the
     // same bf16 value by the same factor in f64 and round once), out within bf16 rounding; without
     // a GPU, a clean failure and no output file.
-    let gpu_output = dir.path().join("gpu.st");
-    let o = flashattn(&[
-        "run",
-        input.to_str().unwrap(),
-        gpu_output.to_str().unwrap(),
-        "--causal",
-        "--device",
-        "cuda",
-    ]);
-    if o.status.success() {
+    if let Some(gpu_output) = run_on_gpu(&input, dir.path(), "FP8 caches") {
         for (name, want) in [("k_cache", &k_lib), ("v_cache", &v_lib)] {
             assert_eq!(
                 read_out(&gpu_output, name).2,
@@ -563,9 +562,6 @@ fn run_fp8_kv_cache_matches_library() {
                 "out: cpu {x} gpu {y}"
             );
         }
-    } else {
-        assert_clean_cuda_failure(&o, "run --device cuda on FP8 caches");
-        assert!(!gpu_output.exists(), "a failed run wrote its output");
     }
     // Descale tensors with caches that are not FP8, and caches of two FP8 formats, fail by name.
     let f32_cache: Vec<f32> = vec![0.5; b * cap * hk * d];

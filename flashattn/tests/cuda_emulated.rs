@@ -127,7 +127,6 @@ mod backward {
     use flashattn::{naive, TensorRef};
     use rand::SeedableRng;
     use rand_chacha::ChaCha8Rng;
-    use std::process::Command;
 
     const DRIVER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/cuda_emu/bwd_driver.cpp");
 
@@ -193,15 +192,7 @@ mod backward {
             std::fs::write(dir.join("slopes.bin"), b).unwrap();
         }
         let exe = builds.get(&d.dq, &[]);
-        let o = Command::new(&exe)
-            .arg(&dir)
-            .output()
-            .expect("run the emulation");
-        assert!(
-            o.status.success(),
-            "emulation of {} failed: {o:?}",
-            d.dq.name()
-        );
+        super::common::emu::run_exe(&exe, &dir, &d.dq.name());
         let read = |name: &str, shape: &[usize]| {
             let b = std::fs::read(dir.join(name)).unwrap();
             Tensor::from_buffer(from_bytes(&b, q.dtype()), shape).expect("gradient length")

@@ -2618,11 +2618,7 @@ mod emulated {
             put("rot.bin", r.iter().flat_map(|x| x.to_le_bytes()).collect());
         }
         let exe = builds.get(&d.split, &[]);
-        let o = Command::new(&exe)
-            .arg(&dir)
-            .output()
-            .expect("run the emulation");
-        assert!(o.status.success(), "emulation {tag} failed: {o:?}");
+        common::emu::run_exe(&exe, &dir, tag);
         let read = |name: &str| std::fs::read(dir.join(name)).unwrap();
         let out = from_bytes(&read("out.bin"), dtype);
         let lse = from_bytes(&read("lse.bin"), DType::F32);

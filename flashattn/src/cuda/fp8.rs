@@ -8,8 +8,8 @@
 
 use super::decode::{prepare, queue, refuse_host_new_kv};
 use super::{
-    alloc_poisoned, check_launchable, driver_err, gather, CudaAttnOutput, CudaDevice, CudaTensor,
-    DeviceBuffer, LaunchDescription, Plan,
+    driver_err, gather, run_forward, CudaAttnOutput, CudaDevice, CudaTensor, DeviceBuffer,
+    LaunchDescription,
 };
 use crate::decode::KvCacheOptions;
 use crate::error::Result;
@@ -213,21 +213,7 @@ fn forward_fp8(
     p: &Params,
     [q, k, v]: [&CudaFp8Tensor; 3],
 ) -> Result<CudaAttnOutput> {
-    let desc = LaunchDescription::new(p, Some(q.format));
-    check_launchable(
-        dev,
-        p,
-        &desc.key,
-        &[q.buf.context(), k.buf.context(), v.buf.context()],
-    )?;
-    let (function, _) = dev.function(&desc.key)?;
-    let s = dev.stream();
-    let plan = Plan::new(dev, desc)?;
-    let mut lse = alloc_poisoned::<f32>(s, p.lse_len())?;
-    let mut out = alloc_poisoned::<bf16>(s, p.out_len())?;
-    plan.launch(dev, &function, (&q.buf, &k.buf, &v.buf), &mut out, &mut lse)?;
-    Ok(CudaAttnOutput {
-        out: CudaTensor::contiguous(DeviceBuffer::BF16(out), &p.out_shape),
-        lse: CudaTensor::contiguous(DeviceBuffer::F32(lse), &p.lse_shape),
-    })
+    let contexts = [q.buf.context(), k.buf.context(), v.buf.context()];
+    let qkv = (&q.buf, &k.buf, &v.buf);
+    run_forward::<u8, bf16>(dev, p, Some(q.format), contexts, qkv, DeviceBuffer::BF16)
 }

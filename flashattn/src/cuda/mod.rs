@@ -553,37 +553,42 @@ fn forward(
     k: &CudaTensor,
     v: &CudaTensor,
 ) -> Result<CudaAttnOutput> {
-    let desc = LaunchDescription::new(p, None);
-    check_launchable(
-        dev,
-        p,
-        &desc.key,
-        &[q.buf.context(), k.buf.context(), v.buf.context()],
-    )?;
+    let contexts = [q.buf.context(), k.buf.context(), v.buf.context()];
+    match (&q.buf, &k.buf, &v.buf) {
+        (DeviceBuffer::F32(qb), DeviceBuffer::F32(kb), DeviceBuffer::F32(vb)) => {
+            run_forward(dev, p, None, contexts, (qb, kb, vb), DeviceBuffer::F32)
+        }
+        (DeviceBuffer::F16(qb), DeviceBuffer::F16(kb), DeviceBuffer::F16(vb)) => {
+            run_forward(dev, p, None, contexts, (qb, kb, vb), DeviceBuffer::F16)
+        }
+        (DeviceBuffer::BF16(qb), DeviceBuffer::BF16(kb), DeviceBuffer::BF16(vb)) => {
+            run_forward(dev, p, None, contexts, (qb, kb, vb), DeviceBuffer::BF16)
+        }
+        _ => unreachable!("params checked that q, k and v share one dtype"),
+    }
+}
+
+/// Checks, compiles (or fetches) and queues the forward of validated `p` on q, k and v of element
+/// type `TI` (FP8 bytes when `fp8` names their format), into a new poisoned `out` of type `TO`
+/// (`wrap` names its dtype) and `lse`.
+pub(crate) fn run_forward<TI, TO: cudarc::driver::DeviceRepr>(
+    dev: &CudaDevice,
+    p: &Params,
+    fp8: Option<crate::fp8::Fp8Format>,
+    contexts: [&Arc<CudaContext>; 3],
+    qkv: (&CudaSlice<TI>, &CudaSlice<TI>, &CudaSlice<TI>),
+    wrap: fn(CudaSlice<TO>) -> DeviceBuffer,
+) -> Result<CudaAttnOutput> {
+    let desc = LaunchDescription::new(p, fp8);
+    check_launchable(dev, p, &desc.key, &contexts)?;
     let (function, _) = dev.function(&desc.key)?;
     let s = &dev.stream;
     let plan = Plan::new(dev, desc)?;
     let mut lse = alloc_poisoned::<f32>(s, p.lse_len())?;
-    let out = match (&q.buf, &k.buf, &v.buf) {
-        (DeviceBuffer::F32(qb), DeviceBuffer::F32(kb), DeviceBuffer::F32(vb)) => {
-            let mut out = alloc_poisoned::<f32>(s, p.out_len())?;
-            plan.launch(dev, &function, (qb, kb, vb), &mut out, &mut lse)?;
-            DeviceBuffer::F32(out)
-        }
-        (DeviceBuffer::F16(qb), DeviceBuffer::F16(kb), DeviceBuffer::F16(vb)) => {
-            let mut out = alloc_poisoned::<f16>(s, p.out_len())?;
-            plan.launch(dev, &function, (qb, kb, vb), &mut out, &mut lse)?;
-            DeviceBuffer::F16(out)
-        }
-        (DeviceBuffer::BF16(qb), DeviceBuffer::BF16(kb), DeviceBuffer::BF16(vb)) => {
-            let mut out = alloc_poisoned::<bf16>(s, p.out_len())?;
-            plan.launch(dev, &function, (qb, kb, vb), &mut out, &mut lse)?;
-            DeviceBuffer::BF16(out)
-        }
-        _ => unreachable!("params checked that q, k and v share one dtype"),
-    };
+    let mut out = alloc_poisoned::<TO>(s, p.out_len())?;
+    plan.launch(dev, &function, qkv, &mut out, &mut lse)?;
     Ok(CudaAttnOutput {
-        out: CudaTensor::contiguous(out, &p.out_shape),
+        out: CudaTensor::contiguous(wrap(out), &p.out_shape),
         lse: CudaTensor::contiguous(DeviceBuffer::F32(lse), &p.lse_shape),
     })
 }
@@ -783,7 +788,7 @@ pub fn launch_description(
 }
 
 /// A [`LaunchDescription`] with its table and slopes on the device.
-pub(crate) struct Plan {
+struct Plan {
     d: LaunchDescription,
     table: Option<CudaSlice<i64>>,
     slopes: Option<CudaSlice<f32>>,
@@ -791,7 +796,7 @@ pub(crate) struct Plan {
 }
 
 impl Plan {
-    pub(crate) fn new(dev: &CudaDevice, d: LaunchDescription) -> Result<Plan> {
+    fn new(dev: &CudaDevice, d: LaunchDescription) -> Result<Plan> {
         let table = d.table.as_deref().map(|t| dev.htod(t)).transpose()?;
         let slopes = d.slopes.as_deref().map(|t| dev.htod(t)).transpose()?;
         let descale = d.descale.as_deref().map(|t| dev.htod(t)).transpose()?;
@@ -805,7 +810,7 @@ impl Plan {
 
     /// Queues the kernel: q, k and v of element type `TI` (the key's: f32, f16, bf16, or FP8
     /// bytes), out of type `TO` (bf16 for FP8 inputs, else `TI`).
-    pub(crate) fn launch<TI, TO>(
+    fn launch<TI, TO>(
         &self,
         dev: &CudaDevice,
         function: &CudaFunction,
@@ -876,7 +881,7 @@ impl Plan {
 /// A new buffer filled with all-ones bytes (NaN in f32, f16 and bf16), as the CPU path poisons its
 /// outputs: the kernels write every element, and one they missed would read as NaN, not as a
 /// plausible stale value. (The memset moves O(N·d) bytes against the kernel's O(N²·d) work.)
-pub(crate) fn alloc_poisoned<T: cudarc::driver::DeviceRepr>(
+fn alloc_poisoned<T: cudarc::driver::DeviceRepr>(
     s: &Arc<CudaStream>,
     len: usize,
 ) -> Result<CudaSlice<T>> {

@@ -104,6 +104,15 @@ impl Drop for Builds {
     }
 }
 
+/// Runs an emulation binary on its work folder `dir`; a failure fails the test, naming `what`.
+pub fn run_exe(exe: &Path, dir: &Path, what: &str) {
+    let o = Command::new(exe)
+        .arg(dir)
+        .output()
+        .expect("run the emulation");
+    assert!(o.status.success(), "emulation of {what} failed: {o:?}");
+}
+
 /// A buffer's elements as little-endian bytes.
 pub fn bytes(s: Slice<'_>) -> Vec<u8> {
     match s {
@@ -217,16 +226,7 @@ pub fn run_forward(
     }
     if !d.is_empty() {
         let exe = exe(builds, &d.key);
-        let o = Command::new(&exe)
-            .arg(&dir)
-            .output()
-            .expect("run the emulation");
-        assert!(
-            o.status.success(),
-            "emulation of {} failed: {:?}",
-            d.key.name(),
-            o
-        );
+        run_exe(&exe, &dir, &d.key.name());
     }
     let read = |name: &str| std::fs::read(dir.join(name)).unwrap_or_default();
     let (ob, lb) = (read("out.bin"), read("lse.bin"));
