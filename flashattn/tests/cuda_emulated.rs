@@ -31,13 +31,10 @@ fn run(
     run_forward(builds, d, [&qb, &kb, &vb], q.dtype(), tag)
 }
 
-/// Reference work allowed per emulated case (the emulation runs ~1e3x slower than the CPU path);
-/// `FLASHATTN_EMU_BUDGET` overrides it.
+/// Reference work allowed per emulated grid case (the emulation runs ~1e3x slower than the CPU
+/// path).
 fn budget() -> usize {
-    std::env::var("FLASHATTN_EMU_BUDGET")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1_000_000)
+    common::emu::budget(1_000_000)
 }
 
 fn run_grid(dtype: DType) {

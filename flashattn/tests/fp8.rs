@@ -615,14 +615,6 @@ mod emulated {
     use common::emu::{forward_builds, have_compiler, run_forward};
     use flashattn::cuda::launch_description_fp8;
 
-    /// Score products allowed per emulated case; `FLASHATTN_EMU_BUDGET` overrides it.
-    fn budget() -> usize {
-        std::env::var("FLASHATTN_EMU_BUDGET")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(6_000_000)
-    }
-
     /// The CUDA path refuses what the CPU path refuses, with the same errors, before any launch.
     #[test]
     fn launch_description_refuses_bad_input_by_name() {
@@ -640,7 +632,8 @@ mod emulated {
         let mut ran = Vec::new();
         for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
             for (i, c) in cases(format).into_iter().enumerate() {
-                if c.cost() > budget() {
+                // Score products per case: 6e6 lets all 28 cases run (~60 s).
+                if c.cost() > common::emu::budget(6_000_000) {
                     continue;
                 }
                 let built = c.build();

@@ -104,6 +104,14 @@ impl Drop for Builds {
     }
 }
 
+/// Work allowed per emulated case, `default` unless `FLASHATTN_EMU_BUDGET` says otherwise.
+pub fn budget(default: usize) -> usize {
+    std::env::var("FLASHATTN_EMU_BUDGET")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 /// Runs an emulation binary on its work folder `dir`; a failure fails the test, naming `what`.
 pub fn run_exe(exe: &Path, dir: &Path, what: &str) {
     let o = Command::new(exe)
