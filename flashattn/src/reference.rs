@@ -265,6 +265,31 @@ pub fn attention(
     Ok(run(&p, q, k, v))
 }
 
+/// [`attention`] on f64 values: q `[batch, seqlen_q, heads, head_dim]`, k and v `[batch, seqlen_k,
+/// heads_kv, head_dim]`, contiguous. For inputs that are not exact in f32, such as FP8 values
+/// times a descale factor, or a rotated q: an oracle fed those rounded to f32 would carry an
+/// error of the size of f32 attention's own.
+pub fn attention_f64(
+    (q, q_shape): (&[f64], &[usize]),
+    (k, k_shape): (&[f64], &[usize]),
+    (v, v_shape): (&[f64], &[usize]),
+    opts: &AttnOptions,
+) -> Result<Reference> {
+    // The shapes are validated on f32 stand-ins of the same lengths (the values are unused).
+    let (qs, ks, vs) = (
+        vec![0f32; q.len()],
+        vec![0f32; k.len()],
+        vec![0f32; v.len()],
+    );
+    let p = params::batched(
+        &TensorRef::contiguous(&qs, q_shape),
+        &TensorRef::contiguous(&ks, k_shape),
+        &TensorRef::contiguous(&vs, v_shape),
+        opts,
+    )?;
+    Ok(forward_core(&p, &Inputs { q, k, v }))
+}
+
 /// Naive f64 attention, packed layout (same validation and errors as [`crate::flash_attn_varlen`]).
 pub fn attention_varlen(
     q: &TensorRef,

@@ -723,20 +723,11 @@ fn check_case_with(c: &DCase, mut call: impl FnMut(&Built, &DCase) -> CallResult
         if c.alibi {
             o = o.alibi_slopes(TensorRef::contiguous(slopes, &[h]));
         }
-        // The oracle sees exact values (f32 holds every f16/bf16 value; the rotated q is rounded
-        // to f32 only, 2^-24 relative); naive sees q rounded to the dtype, as a framework would.
-        let (q32, k32, v32): (Vec<f32>, Vec<f32>, Vec<f32>) = (
-            qb.iter().map(|&x| x as f32).collect(),
-            kb.iter().map(|&x| x as f32).collect(),
-            vb.iter().map(|&x| x as f32).collect(),
-        );
-        let r = reference::attention(
-            &TensorRef::contiguous(&q32, &qs),
-            &TensorRef::contiguous(&k32, &ks),
-            &TensorRef::contiguous(&v32, &ks),
-            &o,
-        )
-        .unwrap_or_else(|e| panic!("{c:?}: reference: {e}"));
+        // The oracle sees exact values: the rotated q and FP8 values times their factors in
+        // f64 (rounded to f32 they would carry an error as large as f32 attention's own); naive
+        // sees them rounded to the dtype, as a framework would.
+        let r = reference::attention_f64((&qb, &qs), (&kb, &ks), (&vb, &ks), &o)
+            .unwrap_or_else(|e| panic!("{c:?}: reference: {e}"));
         let (qn, kn, vn) = (
             to_buffer(&qb, c.dtype),
             to_buffer(&kb, c.dtype),
@@ -1434,6 +1425,39 @@ fn split_counts_agree() {
 }
 
 /// The portable scalar kernels (the twin of the AVX-512 ones) on the same cases.
+/// A split with no keys that starts at the end of a full cache (more splits than keys). Found by
+/// the property test below: the page of its first key was looked up although it reads none, which
+/// indexed past the block table (or a contiguous cache's one page) and panicked.
+#[test]
+fn empty_split_at_a_full_cache() {
+    for dtype in DTYPES {
+        for c in empty_split_cases(dtype) {
+            check_case(&c);
+        }
+    }
+}
+
+/// The cases of [`empty_split_at_a_full_cache`] (also run on the CUDA kernels under emulation).
+fn empty_split_cases(dtype: DType) -> Vec<DCase> {
+    [
+        (Store::Contiguous, 1, vec![0], 2),
+        (Store::Paged(1), 2, vec![1], 3),
+        (Store::Paged(3), 6, vec![0, 5, 3], 8),
+        (Store::BatchIdx, 4, vec![2, 3], 5),
+    ]
+    .into_iter()
+    .map(|(store, cap, lens, splits)| DCase {
+        dtype,
+        store,
+        cap,
+        lens,
+        new: Some(1),
+        splits: Some(splits),
+        ..DCase::default()
+    })
+    .collect()
+}
+
 #[test]
 fn every_isa() {
     let mut seed = 600;
@@ -2392,6 +2416,154 @@ fn query_blocks_of_unequal_size() {
 // The CUDA decode kernels, run on the CPU under host emulation
 // ---------------------------------------------------------------------------------------------
 
+/// Property tests: decode cases drawn by proptest over every option at once (dtypes, FP8 caches,
+/// GQA ratios, head dims, batch rows of different lengths, appends, left pads, masks, softcap,
+/// ALiBi, rotary, all four cache stores with any page size, split counts, instruction sets and
+/// value distributions), each checked by [`check_case`] (the caches afterwards and out/lse against
+/// the f64 reference). A failure shrinks to a small case and prints it.
+mod properties {
+    use super::*;
+    use crate::common::props::config;
+    use proptest::prelude::*;
+
+    /// The options of a case, drawn independently and made consistent by [`case`].
+    #[derive(Clone, Debug)]
+    struct Draw {
+        /// (dtype, fp8 format: 0 none, 1 e4m3, 2 e5m2).
+        dtype: (usize, usize),
+        /// (heads_kv, group, head dim index, seqlen_q).
+        shape: (usize, usize, usize, usize),
+        /// (capacity, appended keys, cache_seqlens as fractions of the room left, left pads as
+        /// fractions of each length).
+        cache: (usize, usize, Vec<u16>, Option<Vec<u16>>),
+        /// (causal, window left, window right, softcap, alibi).
+        mask: (bool, Option<u8>, Option<u8>, Option<u8>, bool),
+        layout: LayoutDraw,
+        /// (value distribution, seed).
+        values: (usize, u64),
+    }
+
+    /// (rotary: dim fraction and interleaved, store, page size, splits, isa index).
+    type LayoutDraw = (
+        Option<(u8, bool)>,
+        usize,
+        usize,
+        Option<usize>,
+        Option<usize>,
+    );
+
+    const HEAD_DIMS: [usize; 10] = [1, 2, 8, 16, 40, 59, 64, 111, 128, 256];
+
+    fn draws() -> impl Strategy<Value = Draw> {
+        (
+            (0..3usize, 0..3usize),
+            (1..=4usize, 1..=4usize, 0..HEAD_DIMS.len(), 1..=5usize),
+            (
+                1..=150usize,
+                0..=4usize,
+                prop::collection::vec(any::<u16>(), 1..=4),
+                prop::option::of(prop::collection::vec(any::<u16>(), 4)),
+            ),
+            (
+                any::<bool>(),
+                prop::option::of(0..48u8),
+                prop::option::of(0..48u8),
+                prop::option::of(1..=60u8),
+                any::<bool>(),
+            ),
+            (
+                prop::option::of((any::<u8>(), any::<bool>())),
+                0..4usize,
+                1..=40usize,
+                prop::option::of(1..=6usize),
+                prop::option::of(0..8usize),
+            ),
+            (0..3usize, any::<u64>()),
+        )
+            .prop_map(|(dtype, shape, cache, mask, layout, values)| Draw {
+                dtype,
+                shape,
+                cache,
+                mask,
+                layout,
+                values,
+            })
+    }
+
+    /// `x` of 2^16 spread over `0..=n`.
+    fn frac(x: u16, n: usize) -> usize {
+        (x as usize * (n + 1)) >> 16
+    }
+
+    /// The valid case a draw stands for.
+    fn case(dr: &Draw) -> DCase {
+        let (hkv, group, di, sq) = dr.shape;
+        let d = HEAD_DIMS[di];
+        let (cap, new, ref lens_raw, ref pads_raw) = dr.cache;
+        let new = new.min(cap);
+        let lens: Vec<usize> = lens_raw.iter().map(|&x| frac(x, cap - new)).collect();
+        let leftpad = pads_raw
+            .as_ref()
+            .map(|p| lens.iter().zip(p).map(|(&len, &x)| frac(x, len)).collect());
+        let (causal, left, right, softcap, alibi) = dr.mask;
+        let (rotary, store, page, splits, isa) = dr.layout;
+        let isas = flashattn::simd::available();
+        // Logits of ~30 (std) in f32: there the errors of flashattn and of naive both come from
+        // f32 sums of products of ~100 and from rounding scores of that size, and their ratio has
+        // a tail. Over 200 seeds of one such case (d = 256) the normalised error's median is 0.23
+        // and its maximum 0.6-1.0, with or without FP8 caches, rotary and softcap; 3 of ~40,000
+        // drawn cases went over the bound (1.12-1.22; d = 256, and d = 64 under a softcap of 1).
+        // The fixed cases keep huge logits in f32 (`awkward_shapes`); here they would make the
+        // property depend on the seed, so f32 draws take N(0, 1) instead.
+        let dist = match (dr.values.0, DTYPES[dr.dtype.0]) {
+            (2, DType::F32) => Dist::Normal,
+            (i, _) => [Dist::Uniform, Dist::Normal, Dist::Huge(30.0)][i],
+        };
+        DCase {
+            dtype: DTYPES[dr.dtype.0],
+            fp8: [None, Some(Fp8Format::E4M3), Some(Fp8Format::E5M2)][dr.dtype.1],
+            seqlen_q: sq,
+            heads: hkv * group,
+            heads_kv: hkv,
+            d,
+            cap,
+            lens,
+            leftpad,
+            new: (new > 0).then_some(new),
+            causal,
+            window: (
+                left.map_or(-1, |x| x as i64),
+                right.map_or(-1, |x| x as i64),
+            ),
+            softcap: softcap.map(|s| s as f32 * 0.5),
+            alibi,
+            // Rotary needs new keys and an even rotary_dim <= d.
+            rotary: rotary
+                .filter(|_| new > 0 && d >= 2)
+                .map(|(x, inter)| (2 * (1 + frac(x as u16 * 257, d / 2 - 1)), inter)),
+            store: [
+                Store::Contiguous,
+                Store::BatchIdx,
+                Store::Gaps,
+                Store::Paged(page),
+            ][store],
+            splits,
+            isa: isa.map(|i| isas[i % isas.len()]),
+            dist,
+            seed: dr.values.1,
+        }
+    }
+
+    proptest! {
+        #![proptest_config(config(256))]
+
+        #[test]
+        fn any_decode_case_matches_the_reference(dr in draws()) {
+            check_case(&case(&dr));
+        }
+    }
+}
+
 /// decode.cu (append, split, combine) compiled with g++ against `kernels/host_emulation.h` and run
 /// with the launches the GPU path would make (`flashattn::cuda::decode_launch_description`), then
 /// checked by `check_case_with` exactly as the CPU path: the caches afterwards and the result
@@ -2737,6 +2909,22 @@ mod emulated {
             }
         }
         eprintln!("{n} decode cases emulated, {} kernel builds", builds.len());
+    }
+
+    /// [`empty_split_cases`]: more splits than keys, the last ones empty and starting at the end
+    /// of a full cache.
+    #[test]
+    fn empty_splits_at_a_full_cache() {
+        if !have_compiler() {
+            return;
+        }
+        let mut builds = decode_builds();
+        for dtype in DTYPES {
+            for (i, c) in empty_split_cases(dtype).iter().enumerate() {
+                let tag = format!("{dtype}_empty{i}");
+                check_case_with(c, |bl, c| call(&mut builds, bl, c, &tag));
+            }
+        }
     }
 
     /// FP8 caches (`flashattn::cuda::flash_attn_with_kvcache_fp8`'s launches): [`kernel_cases`]

@@ -16,6 +16,7 @@ pub mod backward;
 #[cfg(feature = "cuda")]
 pub mod emu;
 pub mod grid;
+pub mod props;
 
 pub const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 
