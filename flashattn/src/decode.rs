@@ -244,11 +244,16 @@ pub struct KvCacheOptions<'a> {
     /// 2.x rejects that combination).
     pub cache_leftpad: Option<&'a [i32]>,
     pub rotary: Option<Rotary<'a>>,
-    /// Number of key splits (flash-decoding); `None`: chosen from the shape and the rayon pool's
-    /// thread count (see `cpu::decode::choose_splits`). Results agree across split counts up to
-    /// rounding; a fixed count gives bit-identical results on any number of threads.
+    /// Number of key splits (flash-decoding), 1 to [`MAX_NUM_SPLITS`]; `None`: chosen from the
+    /// shape and the rayon pool's thread count (see `cpu::decode::choose_splits`). Results agree
+    /// across split counts up to rounding; a fixed count gives bit-identical results on any
+    /// number of threads.
     pub num_splits: Option<usize>,
 }
+
+/// Most key splits a decode call may ask for (`KvCacheOptions::num_splits`), on either backend:
+/// each split adds a partial result per query row to the workspace (flash-attn allows 128).
+pub const MAX_NUM_SPLITS: usize = 256;
 
 impl<'a> KvCacheOptions<'a> {
     pub fn attn(mut self, attn: AttnOptions<'a>) -> Self {
@@ -762,8 +767,10 @@ pub(crate) fn validate<V: ViewDesc + ?Sized>(
         }
     };
 
-    if opts.num_splits == Some(0) {
-        return Err(ErrorKind::NumSplits { num_splits: 0 }.into());
+    if let Some(n) = opts.num_splits {
+        if n == 0 || n > MAX_NUM_SPLITS {
+            return Err(ErrorKind::NumSplits { num_splits: n }.into());
+        }
     }
 
     let q_layout = row_layout(q);

@@ -194,7 +194,10 @@ pub enum ErrorKind {
     CuSeqlensKNewWithoutNewKv,
     #[error("dropout is not available when decoding with a KV cache (dropout_p = {p}); use 0")]
     DropoutInDecode { p: f32 },
-    #[error("num_splits = {num_splits} is invalid: it must be at least 1 (unset: automatic)")]
+    #[error(
+        "num_splits = {num_splits} is invalid: it must be 1 to {max} (unset: automatic)",
+        max = crate::decode::MAX_NUM_SPLITS
+    )]
     NumSplits { num_splits: usize },
     #[error("merging attention partials needs at least one partial result")]
     NoPartials,

@@ -1897,6 +1897,17 @@ fn bad_input_is_a_typed_error_and_writes_nothing() {
         }),
         ErrorKind::NumSplits { num_splits: 0 }
     );
+    // More splits than any call may ask for: refused before anything is allocated (2^31 splits
+    // tried to allocate 80 GB of partial results; found by `changed_calls_fail_cleanly`).
+    for n in [flashattn::decode::MAX_NUM_SPLITS + 1, 1 << 31, usize::MAX] {
+        assert_eq!(
+            kind(Call {
+                opts: bl.opts(&c).num_splits(n),
+                ..base()
+            }),
+            ErrorKind::NumSplits { num_splits: n }
+        );
+    }
     let mut o = bl.opts(&c);
     o.attn = o.attn.dropout(0.1, 1);
     assert_eq!(
@@ -2563,6 +2574,240 @@ mod properties {
             check_case(&case(&dr));
         }
     }
+
+    /// One change to a valid call; most make it invalid.
+    #[derive(Clone, Debug)]
+    enum Change {
+        Lens(usize, i32),
+        LensCount(usize),
+        Table(usize, i32),
+        TableDims(usize, usize),
+        BatchIdx(usize, i32),
+        Leftpad(usize, i32),
+        CuSeqlensQ(Vec<i32>),
+        CuSeqlensKNew(Vec<i32>),
+        KShape(usize, usize),
+        KStride(usize, usize),
+        VShape(usize, usize),
+        QShape(usize, usize),
+        NewKvShape(usize, usize),
+        RotaryRows(usize, usize),
+        Splits(usize),
+        Window(i64, i64),
+        Softcap(f32),
+        Scale(f32),
+        Dropout(f32),
+    }
+
+    fn int() -> impl Strategy<Value = i32> {
+        prop_oneof![
+            -3..40i32,
+            Just(i32::MIN),
+            Just(i32::MAX),
+            Just(i32::MAX / 2 + 7),
+            any::<i32>()
+        ]
+    }
+
+    fn size() -> impl Strategy<Value = usize> {
+        prop_oneof![
+            0..40usize,
+            Just(usize::MAX),
+            Just(usize::MAX / 3),
+            Just(1 << 40),
+            Just(1 << 31)
+        ]
+    }
+
+    fn float() -> impl Strategy<Value = f32> {
+        prop_oneof![
+            Just(f32::NAN),
+            Just(f32::INFINITY),
+            Just(f32::NEG_INFINITY),
+            Just(0.0f32),
+            Just(-0.0f32),
+            Just(f32::MIN_POSITIVE),
+            Just(f32::MAX),
+            -2.0f32..2.0,
+        ]
+    }
+
+    fn wide() -> impl Strategy<Value = i64> {
+        prop_oneof![-3..40i64, Just(i64::MIN), Just(i64::MAX), any::<i64>()]
+    }
+
+    fn changes() -> impl Strategy<Value = Vec<Change>> {
+        let one = prop_oneof![
+            (0..4usize, int()).prop_map(|(i, v)| Change::Lens(i, v)),
+            (0..6usize).prop_map(Change::LensCount),
+            (0..64usize, int()).prop_map(|(i, v)| Change::Table(i, v)),
+            (0..5usize, size()).prop_map(|(b, m)| Change::TableDims(b, m)),
+            (0..4usize, int()).prop_map(|(i, v)| Change::BatchIdx(i, v)),
+            (0..4usize, int()).prop_map(|(i, v)| Change::Leftpad(i, v)),
+            prop::collection::vec(int(), 0..6).prop_map(Change::CuSeqlensQ),
+            prop::collection::vec(int(), 0..6).prop_map(Change::CuSeqlensKNew),
+            (0..5usize, size()).prop_map(|(d, v)| Change::KShape(d, v)),
+            (0..5usize, size()).prop_map(|(d, v)| Change::KStride(d, v)),
+            (0..5usize, size()).prop_map(|(d, v)| Change::VShape(d, v)),
+            (0..5usize, size()).prop_map(|(d, v)| Change::QShape(d, v)),
+            (0..5usize, size()).prop_map(|(d, v)| Change::NewKvShape(d, v)),
+            (size(), size()).prop_map(|(r, h)| Change::RotaryRows(r, h)),
+            size().prop_map(Change::Splits),
+            (wide(), wide()).prop_map(|(l, r)| Change::Window(l, r)),
+            float().prop_map(Change::Softcap),
+            float().prop_map(Change::Scale),
+            float().prop_map(Change::Dropout),
+        ];
+        prop::collection::vec(one, 1..=3)
+    }
+
+    /// `v[i % len] = x`, or `v` grown to `i + 1` entries when empty.
+    fn set<T: Copy + Default>(v: &mut Vec<T>, i: usize, x: T) {
+        if v.is_empty() {
+            v.resize(i + 1, T::default());
+        }
+        let n = v.len();
+        v[i % n] = x;
+    }
+
+    /// `shape[dim % (len + 1)] = x`, the extra position appending a dimension.
+    fn set_dim(shape: &mut Vec<usize>, dim: usize, x: usize) {
+        let i = dim % (shape.len() + 1);
+        if i == shape.len() {
+            shape.push(x);
+        } else {
+            shape[i] = x;
+        }
+    }
+
+    /// A call with the changes applied, on copies of the caches. It must not panic; when it is
+    /// refused, both caches must be bit-identical to before.
+    fn run_changed(c: &DCase, changes: &[Change]) {
+        let bl = build(c);
+        let (batch, sq, h, hkv, d) = (c.batch(), c.seqlen_q, c.heads, c.heads_kv, c.d);
+        let mut lens: Vec<i32> = c.lens.iter().map(|&x| x as i32).collect();
+        let mut table = bl.map.table.clone();
+        let (mut t_batch, mut t_blocks) = (batch, bl.map.max_blocks);
+        let mut idx = bl.map.batch_idx.clone();
+        let mut leftpad = bl.leftpad.clone();
+        let (mut cu_q, mut cu_k_new) = (None, None);
+        let (mut k_shape, mut k_strides) = (bl.map.shape.clone(), bl.map.strides.clone());
+        let mut v_shape = bl.map.shape.clone();
+        let mut q_shape = vec![batch, sq, h, d];
+        let mut new_shape = vec![batch, c.seqlen_new(), hkv, d];
+        let rot = c.rotary.map_or(0, |r| r.0);
+        let mut ro_shape = vec![bl.seqlen_ro, rot / 2];
+        let mut opts_changes = Vec::new();
+        for ch in changes {
+            match ch.clone() {
+                Change::Lens(i, v) => set(&mut lens, i, v),
+                Change::LensCount(n) => lens.resize(n, 3),
+                Change::Table(i, v) => set(&mut table, i, v),
+                Change::TableDims(b, m) => (t_batch, t_blocks) = (b, m),
+                Change::BatchIdx(i, v) => set(idx.get_or_insert_with(Vec::new), i, v),
+                Change::Leftpad(i, v) => {
+                    let lp = leftpad.get_or_insert_with(|| vec![0; batch]);
+                    set(lp, i, v)
+                }
+                Change::CuSeqlensQ(v) => cu_q = Some(v),
+                Change::CuSeqlensKNew(v) => cu_k_new = Some(v),
+                Change::KShape(i, v) => set_dim(&mut k_shape, i, v),
+                Change::KStride(i, v) => set_dim(&mut k_strides, i, v),
+                Change::VShape(i, v) => set_dim(&mut v_shape, i, v),
+                Change::QShape(i, v) => set_dim(&mut q_shape, i, v),
+                Change::NewKvShape(i, v) => set_dim(&mut new_shape, i, v),
+                Change::RotaryRows(r, hh) => ro_shape = vec![r, hh],
+                other => opts_changes.push(other),
+            }
+        }
+        let q_strides = flashattn::tensor::contiguous_strides(&q_shape);
+        let new_strides = flashattn::tensor::contiguous_strides(&new_shape);
+        let ro_strides = flashattn::tensor::contiguous_strides(&ro_shape);
+        let mut opts = bl.opts(c);
+        if let Store::Paged(_) = c.store {
+            opts.block_table = Some(BlockTable::new(&table, t_batch, t_blocks));
+        }
+        opts.cache_batch_idx = idx.as_deref();
+        opts.cache_leftpad = leftpad.as_deref();
+        opts.cu_seqlens_q = cu_q.as_deref();
+        opts.cu_seqlens_k_new = cu_k_new.as_deref();
+        if let (Some((kb, vb)), Some(_)) = (
+            bl.k_new
+                .as_ref()
+                .zip(bl.v_new.as_ref())
+                .map(|(k, v)| (&k.1, &v.1)),
+            opts.new_kv.as_ref(),
+        ) {
+            opts.new_kv = Some((
+                TensorRef::from_slice(kb.as_slice(), &new_shape, &new_strides),
+                TensorRef::from_slice(vb.as_slice(), &new_shape, &new_strides),
+            ));
+        }
+        if let (Some((cos, sin)), Some(r)) = (&bl.cos_sin, opts.rotary.as_mut()) {
+            r.cos = TensorRef::new(cos.as_slice(), &ro_shape, &ro_strides);
+            r.sin = TensorRef::new(sin.as_slice(), &ro_shape, &ro_strides);
+        }
+        for ch in opts_changes {
+            match ch {
+                Change::Splits(n) => opts.num_splits = Some(n),
+                Change::Window(l, r) => opts.attn.window = (l, r),
+                Change::Softcap(x) => opts.attn.softcap = Some(x),
+                Change::Scale(x) => opts.attn.softmax_scale = Some(x),
+                Change::Dropout(x) => opts.attn.dropout_p = x,
+                _ => unreachable!(),
+            }
+        }
+        let q = TensorRef::from_slice(bl.qb.as_slice(), &q_shape, &q_strides);
+        let (mut kc, mut vc) = (bl.k_cache.clone(), bl.v_cache.clone());
+        let v_strides = flashattn::tensor::contiguous_strides(&v_shape);
+        let res = {
+            let mut k = TensorMut::new(slice_mut(&mut kc), &k_shape, &k_strides);
+            let mut v = TensorMut::new(slice_mut(&mut vc), &v_shape, &v_strides);
+            flash_attn_with_kvcache(&q, &mut k, &mut v, &lens, &opts)
+        };
+        if let Err(e) = res {
+            assert!(!e.to_string().is_empty());
+            assert_eq!(buf_bits(&kc), buf_bits(&bl.k_cache), "k_cache changed: {e}");
+            assert_eq!(buf_bits(&vc), buf_bits(&bl.v_cache), "v_cache changed: {e}");
+        }
+    }
+
+    /// Small valid cases for [`run_changed`]: each store, appends, rotary, GQA.
+    fn bases() -> impl Strategy<Value = DCase> {
+        (0..4usize, any::<bool>(), 0..3usize, any::<u64>()).prop_map(|(store, rot, dt, seed)| {
+            DCase {
+                dtype: DTYPES[dt],
+                heads: 4,
+                heads_kv: 2,
+                d: 8,
+                seqlen_q: 2,
+                new: Some(2),
+                lens: vec![5, 0, 9],
+                cap: 12,
+                rotary: rot.then_some((4, false)),
+                store: [
+                    Store::Contiguous,
+                    Store::BatchIdx,
+                    Store::Gaps,
+                    Store::Paged(4),
+                ][store],
+                seed,
+                ..DCase::default()
+            }
+        })
+    }
+
+    proptest! {
+        #![proptest_config(config(512))]
+
+        /// Arbitrary changes to a valid call (indices, lengths, shapes, strides, options, any
+        /// integer or float including the extremes): never a panic, and a refused call writes
+        /// nothing.
+        #[test]
+        fn changed_calls_fail_cleanly(c in bases(), changes in changes()) {
+            run_changed(&c, &changes);
+        }
+    }
 }
 
 /// decode.cu (append, split, combine) compiled with g++ against `kernels/host_emulation.h` and run
@@ -3165,7 +3410,7 @@ mod emulated {
             .unwrap_err();
         assert_kind!(err.kind(), ErrorKind::CacheOverflow { .. });
         let c = DCase {
-            splits: Some(flashattn::cuda::MAX_DECODE_SPLITS + 1),
+            splits: Some(flashattn::decode::MAX_NUM_SPLITS + 1),
             ..DCase::default()
         };
         let bl = build(&c);
@@ -3173,7 +3418,7 @@ mod emulated {
         let vv = TensorRef::from_slice(bl.v_cache.as_slice(), &bl.map.shape, &bl.map.strides);
         let err = decode_launch_description(&bl.q_view(&c), &kv, &vv, &[50], &bl.opts(&c), 132)
             .unwrap_err();
-        assert_kind!(err.kind(), ErrorKind::CudaLimit { .. });
+        assert_kind!(err.kind(), ErrorKind::NumSplits { num_splits: 257 });
         // FP8 caches: the CPU's FP8 checks, before any launch is described.
         let c = DCase {
             fp8: Some(Fp8Format::E4M3),

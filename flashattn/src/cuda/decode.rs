@@ -19,8 +19,6 @@ use std::sync::Arc;
 pub const DECODE_FIELDS: usize = 10;
 /// Query rows of one decode CTA (decode.cu: BLOCK_M).
 const DECODE_ROWS: usize = 16;
-/// Most key splits a call may ask for (each adds a partial result per query row to the workspace).
-pub const MAX_DECODE_SPLITS: usize = 256;
 /// Automatic splits stop at this many keys per split: shorter ones spend more on the merge than
 /// they gain in parallelism. (A first choice, not yet measured on a GPU.)
 const MIN_SPLIT_KEYS_GPU: usize = 256;
@@ -202,10 +200,8 @@ impl DecodeLaunch {
         limit("seqlen_q · heads", max_q * p.heads, i32::MAX as usize / 2)?;
         let row_blocks = (max_q * group).div_ceil(DECODE_ROWS);
         let splits = match dp.num_splits {
-            Some(n) => {
-                limit("num_splits", n, MAX_DECODE_SPLITS)?;
-                n
-            }
+            // 1..=MAX_NUM_SPLITS, validated with the call.
+            Some(n) => n,
             None => choose_splits(batch * p.heads_kv * row_blocks, max_k, sm_count),
         };
         limit(
@@ -367,7 +363,7 @@ pub fn decode_launch_description_fp8(
 /// validated on the host and the rows a call uses are uploaded with it (flash-attn keeps them on
 /// the device). `opts.new_kv` must be `None`; `opts.num_splits` overrides the split count
 /// (default: enough CTAs for two per SM, splits of at least 256 keys; at most
-/// [`MAX_DECODE_SPLITS`]).
+/// [`crate::decode::MAX_NUM_SPLITS`]).
 ///
 /// As on the CPU, every input is validated before anything is queued: on error the caches are
 /// untouched. Appends run in batch order (one CTA per kv head), so a prefill-sized append is slow.

@@ -42,7 +42,7 @@ pub use backward::{
 pub use cudarc;
 pub use decode::{
     choose_splits, decode_launch_description, decode_launch_description_fp8,
-    flash_attn_with_kvcache, DecodeLaunch, DECODE_FIELDS, MAX_DECODE_SPLITS,
+    flash_attn_with_kvcache, DecodeLaunch, DECODE_FIELDS,
 };
 pub use fp8::{
     flash_attn_fp8, flash_attn_varlen_fp8, flash_attn_with_kvcache_fp8, launch_description_fp8,
