@@ -105,16 +105,27 @@ pub enum ErrorKind {
     #[error("window ({left}, {right}) is invalid: each side must be -1 (unbounded) or >= 0")]
     Window { left: i64, right: i64 },
     #[error(
-        "softcap {softcap} is invalid: it must be a finite number > 0 (leave it unset to disable)"
+        "softcap {softcap} is invalid: it must be a finite number > 0, with softcap · log2(e) \
+         finite and softmax_scale / softcap not below f32's smallest normal number (leave it unset \
+         to disable)"
     )]
     Softcap { softcap: f32 },
-    #[error("softmax_scale {scale} is invalid: it must be finite")]
+    #[error("softmax_scale {scale} is invalid: softmax_scale · log2(e) must be finite in f32")]
     Scale { scale: f32 },
     #[error("alibi_slopes has shape {got:?}, expected [{heads}] or [{batch}, {heads}]")]
     AlibiShape {
         got: Vec<usize>,
         batch: usize,
         heads: usize,
+    },
+    #[error(
+        "alibi_slopes: the slope of batch row {batch}, head {head} is {slope}; slope · log2(e) \
+         must be finite in f32"
+    )]
+    AlibiSlope {
+        batch: usize,
+        head: usize,
+        slope: f32,
     },
     #[error("`{tensor}` {problem}")]
     CuSeqlens {

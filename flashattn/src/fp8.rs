@@ -465,9 +465,17 @@ fn fold_descale(dq: &[f32], dk: &[f32], dv: Vec<f32>, p: &Params) -> Result<Desc
         .zip(dk)
         .map(|(&a, &b)| (scale * a as f64 * b as f64) as f32)
         .collect();
-    if let Some(&bad) = score_scale.iter().find(|s| !s.is_finite()) {
-        // Each factor is finite, but their product with the softmax scale overflowed f32.
-        return Err(ErrorKind::Scale { scale: bad }.into());
+    // Each factor is finite and > 0, but their product with the softmax scale may leave f32: it
+    // must pass the checks `params::check_options` makes of a softmax scale (`· log2(e)` finite;
+    // not underflowed, unless the scale is 0; over softcap, still a normal number).
+    let lost = |x: f32| scale != 0.0 && x.abs() < f32::MIN_POSITIVE;
+    for &s in &score_scale {
+        if !(s * crate::params::LOG2_E).is_finite() || lost(s) {
+            return Err(ErrorKind::Scale { scale: s }.into());
+        }
+        if let Some(softcap) = p.softcap.filter(|&c| lost(s / c)) {
+            return Err(ErrorKind::Softcap { softcap }.into());
+        }
     }
     Ok(Descales {
         score_scale,

@@ -390,14 +390,21 @@ pub(crate) struct CheckedOptions {
 
 pub(crate) fn check_options(opts: &AttnOptions, head_dim: usize) -> Result<CheckedOptions> {
     let softmax_scale = opts.softmax_scale.unwrap_or(1.0 / (head_dim as f32).sqrt());
-    if !softmax_scale.is_finite() {
+    // The kernels fold the options into f32 constants (scale · log2(e), scale / softcap,
+    // softcap · log2(e), slope · log2(e)): each must be finite, and scale / softcap not lost to
+    // underflow, or every score of the call would be NaN (inf · 0) or off.
+    if !(softmax_scale * LOG2_E).is_finite() {
         return Err(ErrorKind::Scale {
             scale: softmax_scale,
         }
         .into());
     }
     if let Some(softcap) = opts.softcap {
-        if !(softcap > 0.0 && softcap.is_finite()) {
+        let pre = (softmax_scale / softcap).abs();
+        if !(softcap > 0.0
+            && (softcap * LOG2_E).is_finite()
+            && (softmax_scale == 0.0 || pre >= f32::MIN_POSITIVE))
+        {
             return Err(ErrorKind::Softcap { softcap }.into());
         }
     }
@@ -462,7 +469,18 @@ pub(crate) fn check_alibi(
             } else {
                 h * st[0]
             };
-            out.push(data[idx]);
+            let slope = data[idx];
+            // A NaN or infinite slope (or one whose slope · log2(e) overflows) would make every
+            // score of its head NaN or infinite.
+            if !(slope * LOG2_E).is_finite() {
+                return Err(ErrorKind::AlibiSlope {
+                    batch: b,
+                    head: h,
+                    slope,
+                }
+                .into());
+            }
+            out.push(slope);
         }
     }
     Ok(Some(out))

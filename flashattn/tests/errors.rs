@@ -2,6 +2,8 @@
 //! carries, that the message names the offending tensor (or option), that nothing panics, and that
 //! `naive::` and `reference::` validate the same way as `flash_attn`.
 
+mod common;
+
 use flashattn::{
     flash_attn, flash_attn_varlen, naive, reference, AttnOptions, CuSeqlensProblem, DType, Error,
     ErrorKind, TensorRef,
@@ -588,6 +590,10 @@ fn softcap() {
         f32::NEG_INFINITY,
         f32::NAN,
         -f32::MIN_POSITIVE,
+        // softcap · log2(e) overflows f32 (this one was accepted and gave NaN everywhere).
+        f32::MAX,
+        // softmax_scale / softcap (1/√8 / 1e38) is below f32's smallest normal number.
+        1e38,
     ] {
         let e = batched_err(&q, &k, &k, &AttnOptions::default().softcap(cap));
         match e.kind() {
@@ -601,10 +607,22 @@ fn softcap() {
         }
         assert_names(&e, "softcap");
     }
-    // The smallest positive and the largest finite softcaps are valid.
-    for cap in [f32::MIN_POSITIVE, f32::MAX] {
-        assert!(flash_attn(&q, &k, &k, &AttnOptions::default().softcap(cap)).is_ok());
+    // The smallest positive softcap is valid, and so is one of 1e37 (no cap in effect), which
+    // gives the uncapped result up to rounding (its scores take a few more roundings).
+    for cap in [f32::MIN_POSITIVE, 1e37] {
+        let o = flash_attn(&q, &k, &k, &AttnOptions::default().softcap(cap)).unwrap();
+        assert!(
+            o.out.to_f64_vec().iter().all(|x| x.is_finite()),
+            "softcap {cap}"
+        );
     }
+    let plain = flash_attn(&q, &k, &k, &AttnOptions::default()).unwrap();
+    let huge = flash_attn(&q, &k, &k, &AttnOptions::default().softcap(1e37)).unwrap();
+    let (a, b) = (plain.out.to_f64_vec(), huge.out.to_f64_vec());
+    assert!(
+        a.iter().zip(&b).all(|(x, y)| (x - y).abs() <= 1e-6),
+        "softcap 1e37"
+    );
 }
 
 #[test]
@@ -612,7 +630,14 @@ fn scale() {
     let data = buf();
     let q = TensorRef::contiguous(&data, &qshape());
     let k = TensorRef::contiguous(&data, &kshape());
-    for s in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+    // f32::MAX: softmax_scale · log2(e) overflows (it was accepted and gave NaN).
+    for s in [
+        f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::MAX,
+        -f32::MAX,
+    ] {
         let e = batched_err(&q, &k, &k, &AttnOptions::default().softmax_scale(s));
         match e.kind() {
             ErrorKind::Scale { scale } => assert!(
@@ -731,6 +756,37 @@ fn alibi_dtype() {
             got: DType::BF16
         }
     );
+}
+
+/// A slope that is NaN or infinite (found by `properties::changed_calls_fail_cleanly`: a NaN slope
+/// was accepted and made its head's output NaN).
+#[test]
+fn alibi_slope_value() {
+    let data = buf();
+    let q = TensorRef::contiguous(&data, &qshape());
+    let k = TensorRef::contiguous(&data, &kshape());
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let mut s = [0.25f32; B * H];
+        s[H + 2] = bad;
+        let e = batched_err(
+            &q,
+            &k,
+            &k,
+            &AttnOptions::default().alibi_slopes(TensorRef::contiguous(&s, &[B, H])),
+        );
+        assert_eq!(
+            format!("{:?}", e.kind()),
+            format!(
+                "{:?}",
+                ErrorKind::AlibiSlope {
+                    batch: 1,
+                    head: 2,
+                    slope: bad
+                }
+            )
+        );
+        assert_names(&e, "alibi_slopes");
+    }
 }
 
 /// Every `CuSeqlensProblem`, on both arrays.
@@ -985,4 +1041,263 @@ fn isa_unavailable() {
         }
     }
     assert!(available().contains(&Isa::Scalar) && available().contains(&detected()));
+}
+
+/// Fuzzing the boundary: valid calls with arbitrary changes (shapes, strides, ranks, buffer
+/// lengths, dtypes, cu_seqlens, every option, ALiBi slopes, the backward's out/lse/dout), any
+/// integer or float including the extremes. No entry point may panic; flash_attn, naive and
+/// reference must refuse the same calls with the same error; an accepted call on finite inputs
+/// gives no NaN.
+mod properties {
+    use super::*;
+    use crate::common::props::config;
+    use flashattn::{flash_attn_backward, flash_attn_varlen_backward, AttnOutput, Slice};
+    use proptest::prelude::*;
+
+    #[derive(Clone, Debug)]
+    enum Change {
+        /// (tensor: q k v alibi out lse dout, dim, value).
+        Shape(usize, usize, usize),
+        Stride(usize, usize, usize),
+        Rank(usize, usize),
+        BufLen(usize, usize),
+        DType(usize, usize),
+        CuQ(Vec<i32>),
+        CuK(Vec<i32>),
+        Window(i64, i64),
+        Softcap(f32),
+        Scale(f32),
+        Dropout(f32),
+        Slope(usize, f32),
+        Causal,
+    }
+
+    fn size() -> impl Strategy<Value = usize> {
+        prop_oneof![
+            0..12usize,
+            Just(usize::MAX),
+            Just(usize::MAX / 2 + 1),
+            Just(1 << 33),
+            Just(4096)
+        ]
+    }
+
+    fn float() -> impl Strategy<Value = f32> {
+        prop_oneof![
+            Just(f32::NAN),
+            Just(f32::INFINITY),
+            Just(f32::NEG_INFINITY),
+            Just(0.0f32),
+            Just(-0.0f32),
+            Just(f32::MAX),
+            Just(f32::MIN_POSITIVE),
+            -3.0f32..3.0,
+        ]
+    }
+
+    fn int() -> impl Strategy<Value = i32> {
+        prop_oneof![-2..12i32, Just(i32::MIN), Just(i32::MAX), any::<i32>()]
+    }
+
+    fn wide() -> impl Strategy<Value = i64> {
+        prop_oneof![-3..12i64, Just(i64::MIN), Just(i64::MAX), any::<i64>()]
+    }
+
+    fn changes() -> impl Strategy<Value = Vec<Change>> {
+        let one = prop_oneof![
+            (0..7usize, 0..5usize, size()).prop_map(|(t, d, v)| Change::Shape(t, d, v)),
+            (0..7usize, 0..5usize, size()).prop_map(|(t, d, v)| Change::Stride(t, d, v)),
+            (0..7usize, 0..6usize).prop_map(|(t, r)| Change::Rank(t, r)),
+            (0..7usize, 0..5000usize).prop_map(|(t, n)| Change::BufLen(t, n)),
+            (0..7usize, 0..3usize).prop_map(|(t, d)| Change::DType(t, d)),
+            prop::collection::vec(int(), 0..5).prop_map(Change::CuQ),
+            prop::collection::vec(int(), 0..5).prop_map(Change::CuK),
+            (wide(), wide()).prop_map(|(l, r)| Change::Window(l, r)),
+            float().prop_map(Change::Softcap),
+            float().prop_map(Change::Scale),
+            float().prop_map(Change::Dropout),
+            (0..8usize, float()).prop_map(|(i, x)| Change::Slope(i, x)),
+            Just(Change::Causal),
+        ];
+        prop::collection::vec(one, 1..=3)
+    }
+
+    /// One tensor of a call: dtype (0 f32, 1 f16, 2 bf16), buffer length, shape, strides.
+    #[derive(Clone, Debug)]
+    struct T {
+        dtype: usize,
+        len: usize,
+        shape: Vec<usize>,
+        strides: Vec<usize>,
+    }
+
+    impl T {
+        fn new(dtype: usize, shape: &[usize]) -> Self {
+            T {
+                dtype,
+                len: shape.iter().product(),
+                shape: shape.to_vec(),
+                strides: flashattn::tensor::contiguous_strides(shape),
+            }
+        }
+    }
+
+    /// Buffers of every dtype, sized for every tensor's length.
+    struct Bufs(Vec<f32>, Vec<f16>, Vec<bf16>);
+
+    impl Bufs {
+        fn new() -> Self {
+            let x: Vec<f32> = (0..5000).map(|i| (i as f32 * 0.37).sin()).collect();
+            Bufs(
+                x.clone(),
+                x.iter().map(|&v| f16::from_f32(v)).collect(),
+                x.iter().map(|&v| bf16::from_f32(v)).collect(),
+            )
+        }
+        fn view(&self, t: &T) -> TensorRef<'_> {
+            let data = match t.dtype {
+                0 => Slice::F32(&self.0[..t.len]),
+                1 => Slice::F16(&self.1[..t.len]),
+                _ => Slice::BF16(&self.2[..t.len]),
+            };
+            TensorRef::from_slice(data, &t.shape, &t.strides)
+        }
+    }
+
+    fn apply(ts: &mut [T], ch: &Change) {
+        let set = |v: &mut Vec<usize>, d: usize, x: usize| {
+            let i = d % (v.len() + 1);
+            if i == v.len() {
+                v.push(x)
+            } else {
+                v[i] = x
+            }
+        };
+        match ch {
+            Change::Shape(t, d, x) => set(&mut ts[*t].shape, *d, *x),
+            Change::Stride(t, d, x) => set(&mut ts[*t].strides, *d, *x),
+            Change::Rank(t, r) => {
+                let t = &mut ts[*t];
+                t.shape.resize(*r, 2);
+                t.strides.resize(*r, 1);
+            }
+            Change::BufLen(t, n) => ts[*t].len = *n,
+            Change::DType(t, d) => ts[*t].dtype = *d,
+            _ => {}
+        }
+    }
+
+    fn no_nan(out: &AttnOutput) {
+        assert!(
+            out.out.to_f64_vec().iter().all(|x| !x.is_nan()),
+            "NaN in out"
+        );
+        assert!(
+            out.lse.to_f64_vec().iter().all(|x| !x.is_nan()),
+            "NaN in lse"
+        );
+    }
+
+    /// Runs `f` on every entry point of one layout and checks the property.
+    fn check(packed: bool, dtype: usize, changes: &[Change]) {
+        let (b, sq, sk, h, hk, d) = (2, 5, 7, 4, 2, 8);
+        let (qs, ks, ls): (Vec<usize>, Vec<usize>, Vec<usize>) = if packed {
+            (vec![sq, h, d], vec![sk, hk, d], vec![h, sq])
+        } else {
+            (vec![b, sq, h, d], vec![b, sk, hk, d], vec![b, h, sq])
+        };
+        // q k v alibi out lse dout.
+        let mut ts = vec![
+            T::new(dtype, &qs),
+            T::new(dtype, &ks),
+            T::new(dtype, &ks),
+            T::new(0, &[h]),
+            T::new(dtype, &qs),
+            T::new(0, &ls),
+            T::new(dtype, &qs),
+        ];
+        let (mut cq, mut ck) = (vec![0, 2, 5], vec![0, 7, 7]);
+        let mut slopes = [0.25f32, 0.5, 0.125, 1.0, 0.3, 0.7, 0.9, 0.05];
+        let mut opts_ch = Vec::new();
+        let mut alibi = false;
+        for ch in changes {
+            apply(&mut ts, ch);
+            match ch {
+                Change::CuQ(v) => cq = v.clone(),
+                Change::CuK(v) => ck = v.clone(),
+                Change::Slope(i, x) => {
+                    alibi = true;
+                    slopes[*i] = *x;
+                }
+                Change::Shape(3, ..) | Change::Stride(3, ..) | Change::Rank(3, _) => alibi = true,
+                Change::BufLen(3, _) | Change::DType(3, _) => alibi = true,
+                _ => opts_ch.push(ch.clone()),
+            }
+        }
+        let bufs = Bufs::new();
+        let slope_t = &mut ts[3];
+        slope_t.len = slope_t.len.min(slopes.len());
+        let slope_view = |t: &T| -> TensorRef<'_> {
+            TensorRef::from_slice(Slice::F32(&slopes[..t.len]), &t.shape, &t.strides)
+        };
+        let mut opts = AttnOptions::default();
+        if alibi {
+            opts = opts.alibi_slopes(slope_view(&ts[3]));
+        }
+        for ch in opts_ch {
+            match ch {
+                Change::Window(l, r) => opts.window = (l, r),
+                Change::Softcap(x) => opts.softcap = Some(x),
+                Change::Scale(x) => opts.softmax_scale = Some(x),
+                Change::Dropout(x) => opts.dropout_p = x,
+                Change::Causal => opts.causal = !opts.causal,
+                _ => {}
+            }
+        }
+        // Views whose buffers are shorter than asked for stay in bounds: the length is capped
+        // by the buffer (a longer request just names more of it).
+        for t in ts.iter_mut() {
+            t.len = t.len.min(5000);
+        }
+        let [q, k, v, _, out, lse, dout] = [0, 1, 2, 3, 4, 5, 6].map(|i| bufs.view(&ts[i]));
+        let same = |a: &Result<AttnOutput, Error>, b: Result<(), Error>, what: &str| match (a, b) {
+            (Err(x), Err(y)) => assert_eq!(format!("{x:?}"), format!("{y:?}"), "{what}"),
+            (Ok(_), Ok(())) => {}
+            (x, y) => panic!("{what}: flash {:?} but {y:?}", x.as_ref().map(drop)),
+        };
+        if packed {
+            let f = flash_attn_varlen(&q, &k, &v, &cq, &ck, &opts);
+            let n = naive::attention_varlen(&q, &k, &v, &cq, &ck, &opts).map(drop);
+            let r = reference::attention_varlen(&q, &k, &v, &cq, &ck, &opts).map(drop);
+            same(&f, n, "naive");
+            same(&f, r, "reference");
+            if let Ok(o) = &f {
+                no_nan(o);
+            }
+            let _ = flash_attn_varlen_backward(&q, &k, &v, &out, &lse, &dout, &cq, &ck, &opts);
+        } else {
+            let f = flash_attn(&q, &k, &v, &opts);
+            let n = naive::attention(&q, &k, &v, &opts).map(drop);
+            let r = reference::attention(&q, &k, &v, &opts).map(drop);
+            same(&f, n, "naive");
+            same(&f, r, "reference");
+            if let Ok(o) = &f {
+                no_nan(o);
+            }
+            let _ = flash_attn_backward(&q, &k, &v, &out, &lse, &dout, &opts);
+        }
+    }
+
+    proptest! {
+        #![proptest_config(config(512))]
+
+        #[test]
+        fn changed_calls_fail_cleanly(
+            packed in any::<bool>(),
+            dtype in 0..3usize,
+            changes in changes(),
+        ) {
+            check(packed, dtype, &changes);
+        }
+    }
 }

@@ -567,6 +567,23 @@ fn rejects_bad_input_with(call: Call) {
         err(Descale::default().q(&big).k(&big)),
         ErrorKind::Scale { .. }
     ));
+    // ... or underflows: every score would be 0 (uniform attention) or lose its precision.
+    let tiny = [1e-30f32];
+    assert!(matches!(
+        err(Descale::default().q(&tiny).k(&tiny)),
+        ErrorKind::Scale { .. }
+    ));
+    // ... or whose quotient by softcap underflows (the scale over softcap is a kernel constant).
+    let e = call(
+        &q,
+        &k,
+        &v,
+        None,
+        &Descale::default().q(&tiny),
+        &AttnOptions::default().softcap(1e10),
+    )
+    .unwrap_err();
+    assert!(matches!(e.kind(), ErrorKind::Softcap { .. }), "{e}");
     // The usual checks apply to FP8 views: shapes, bounds, options.
     let short = Fp8TensorRef::new(&k5[..10], &[2, 6, 2, 16], &[192, 32, 16, 1]);
     let e = call(&short, &short, &short, None, &Descale::default(), &opts).unwrap_err();
