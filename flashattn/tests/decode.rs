@@ -2435,11 +2435,12 @@ fn query_blocks_of_unequal_size() {
 mod properties {
     use super::*;
     use crate::common::props::config;
+    use crate::common::props::extremes::{f32s as float, i32s, i64s, usizes};
     use proptest::prelude::*;
 
     /// The options of a case, drawn independently and made consistent by [`case`].
     #[derive(Clone, Debug)]
-    struct Draw {
+    pub(super) struct Draw {
         /// (dtype, fp8 format: 0 none, 1 e4m3, 2 e5m2).
         dtype: (usize, usize),
         /// (heads_kv, group, head dim index, seqlen_q).
@@ -2465,7 +2466,7 @@ mod properties {
 
     const HEAD_DIMS: [usize; 10] = [1, 2, 8, 16, 40, 59, 64, 111, 128, 256];
 
-    fn draws() -> impl Strategy<Value = Draw> {
+    pub(super) fn draws() -> impl Strategy<Value = Draw> {
         (
             (0..3usize, 0..3usize),
             (1..=4usize, 1..=4usize, 0..HEAD_DIMS.len(), 1..=5usize),
@@ -2507,7 +2508,7 @@ mod properties {
     }
 
     /// The valid case a draw stands for.
-    fn case(dr: &Draw) -> DCase {
+    pub(super) fn case(dr: &Draw) -> DCase {
         let (hkv, group, di, sq) = dr.shape;
         let d = HEAD_DIMS[di];
         let (cap, new, ref lens_raw, ref pads_raw) = dr.cache;
@@ -2575,6 +2576,16 @@ mod properties {
         }
     }
 
+    fn int() -> impl Strategy<Value = i32> {
+        i32s(-3..40)
+    }
+    fn size() -> impl Strategy<Value = usize> {
+        usizes(0..40)
+    }
+    fn wide() -> impl Strategy<Value = i64> {
+        i64s(-3..40)
+    }
+
     /// One change to a valid call; most make it invalid.
     #[derive(Clone, Debug)]
     enum Change {
@@ -2597,43 +2608,6 @@ mod properties {
         Softcap(f32),
         Scale(f32),
         Dropout(f32),
-    }
-
-    fn int() -> impl Strategy<Value = i32> {
-        prop_oneof![
-            -3..40i32,
-            Just(i32::MIN),
-            Just(i32::MAX),
-            Just(i32::MAX / 2 + 7),
-            any::<i32>()
-        ]
-    }
-
-    fn size() -> impl Strategy<Value = usize> {
-        prop_oneof![
-            0..40usize,
-            Just(usize::MAX),
-            Just(usize::MAX / 3),
-            Just(1 << 40),
-            Just(1 << 31)
-        ]
-    }
-
-    fn float() -> impl Strategy<Value = f32> {
-        prop_oneof![
-            Just(f32::NAN),
-            Just(f32::INFINITY),
-            Just(f32::NEG_INFINITY),
-            Just(0.0f32),
-            Just(-0.0f32),
-            Just(f32::MIN_POSITIVE),
-            Just(f32::MAX),
-            -2.0f32..2.0,
-        ]
-    }
-
-    fn wide() -> impl Strategy<Value = i64> {
-        prop_oneof![-3..40i64, Just(i64::MIN), Just(i64::MAX), any::<i64>()]
     }
 
     fn changes() -> impl Strategy<Value = Vec<Change>> {
@@ -3171,6 +3145,26 @@ mod emulated {
                 check_case_with(c, |bl, c| call(&mut builds, bl, c, &tag));
             }
         }
+    }
+
+    /// The decode property test's draws (`properties::draws`: every option, FP8 caches, any
+    /// store and split count) through the kernels, checked as on the CPU.
+    #[test]
+    fn any_decode_case_on_the_kernels() {
+        use proptest::test_runner::TestRunner;
+        if !have_compiler() {
+            return;
+        }
+        let builds = std::cell::RefCell::new(decode_builds());
+        let mut runner = TestRunner::new(crate::common::props::config(24));
+        runner
+            .run(&super::properties::draws(), |dr| {
+                let c = super::properties::case(&dr);
+                check_case_with(&c, |bl, c| call(&mut builds.borrow_mut(), bl, c, "prop"));
+                Ok(())
+            })
+            .unwrap();
+        eprintln!("{} kernel builds", builds.borrow().len());
     }
 
     /// FP8 caches (`flashattn::cuda::flash_attn_with_kvcache_fp8`'s launches): [`kernel_cases`]

@@ -19,3 +19,48 @@ pub fn config(cases: u32) -> Config {
     }
     c
 }
+
+/// Integers, floats and sizes for changing valid calls: ordinary values in `normal`, and the
+/// extremes of the type (overflow, sign, NaN, infinities, subnormal edge).
+pub mod extremes {
+    use proptest::prelude::*;
+    use std::ops::Range;
+
+    pub fn f32s() -> impl Strategy<Value = f32> {
+        prop_oneof![
+            Just(f32::NAN),
+            Just(f32::INFINITY),
+            Just(f32::NEG_INFINITY),
+            Just(0.0f32),
+            Just(-0.0f32),
+            Just(f32::MIN_POSITIVE),
+            Just(f32::MAX),
+            -3.0f32..3.0,
+        ]
+    }
+
+    pub fn i32s(normal: Range<i32>) -> impl Strategy<Value = i32> {
+        prop_oneof![
+            normal,
+            Just(i32::MIN),
+            Just(i32::MAX),
+            Just(i32::MAX / 2 + 7),
+            any::<i32>()
+        ]
+    }
+
+    pub fn i64s(normal: Range<i64>) -> impl Strategy<Value = i64> {
+        prop_oneof![normal, Just(i64::MIN), Just(i64::MAX), any::<i64>()]
+    }
+
+    pub fn usizes(normal: Range<usize>) -> impl Strategy<Value = usize> {
+        prop_oneof![
+            normal,
+            Just(usize::MAX),
+            Just(usize::MAX / 2 + 1),
+            Just(usize::MAX / 3),
+            Just(1 << 31),
+            Just(1 << 40)
+        ]
+    }
+}
