@@ -2771,6 +2771,121 @@ mod properties {
         })
     }
 
+    /// LSE values for merges: ordinary ones, -inf (an empty partial), the f32 extremes, NaN and
+    /// +inf (refused).
+    fn lse_value() -> impl Strategy<Value = f32> {
+        prop_oneof![
+            4 => -30.0f32..30.0,
+            1 => Just(f32::NEG_INFINITY),
+            1 => Just(f32::INFINITY),
+            1 => Just(f32::NAN),
+            1 => Just(f32::MAX),
+            1 => Just(-f32::MAX),
+            1 => Just(87.0f32),
+        ]
+    }
+
+    /// Partials of `[batch, seqlen_q, heads, d]` (or packed `[total, heads, d]`) with arbitrary
+    /// LSEs, and an optional change of one partial's shape: the merge either refuses them or
+    /// matches the f64 merge (out to 1e-5, lse to 1e-5 relative).
+    fn run_merge(
+        packed: bool,
+        n: usize,
+        dims: (usize, usize, usize),
+        lses: &[f32],
+        change: Option<(usize, usize, usize)>,
+    ) {
+        let (sq, h, d) = dims;
+        let shape: Vec<usize> = if packed {
+            vec![sq, h, d]
+        } else {
+            vec![1, sq, h, d]
+        };
+        let lse_shape: Vec<usize> = if packed { vec![h, sq] } else { vec![1, h, sq] };
+        let rows = sq * h;
+        let mut shapes = vec![(shape.clone(), lse_shape.clone()); n];
+        if let (Some((p, dim, x)), true) = (change, n > 0) {
+            let (s, l) = &mut shapes[p % n];
+            let all = s.len() + l.len();
+            match dim % all {
+                i if i < s.len() => s[i] = x,
+                i => l[i - s.len()] = x,
+            }
+        }
+        let outs: Vec<Vec<f32>> = (0..n)
+            .map(|p| {
+                (0..rows * d)
+                    .map(|i| ((i * 7 + p * 13) as f32 * 0.31).sin())
+                    .collect()
+            })
+            .collect();
+        let lse_vals: Vec<Vec<f32>> = (0..n)
+            .map(|p| {
+                (0..rows)
+                    .map(|r| lses[(p * rows + r) % lses.len()])
+                    .collect()
+            })
+            .collect();
+        let views = |i: usize| -> Option<(TensorRef<'_>, TensorRef<'_>)> {
+            let (s, l) = &shapes[i];
+            let (ns, nl) = (s.iter().product::<usize>(), l.iter().product::<usize>());
+            (ns <= outs[i].len() && nl <= lse_vals[i].len()).then(|| {
+                (
+                    TensorRef::contiguous(&outs[i][..ns], s),
+                    TensorRef::contiguous(&lse_vals[i][..nl], l),
+                )
+            })
+        };
+        let Some(pairs) = (0..n).map(views).collect::<Option<Vec<_>>>() else {
+            return; // a shape larger than its buffer: not a view one can build
+        };
+        let (o, l): (Vec<_>, Vec<_>) = pairs.into_iter().unzip();
+        let Ok(m) = merge_attn_partials(&o, &l) else {
+            return;
+        };
+        if shapes
+            .iter()
+            .any(|s| s != &(shape.clone(), lse_shape.clone()))
+        {
+            return; // accepted with another (consistent) shape: no panic is the property
+        }
+        let (mo, ml) = (m.out.to_f64_vec(), m.lse.to_f64_vec());
+        for r in 0..rows {
+            let (t, hh) = (r / h, r % h);
+            let lse_at = hh * sq + t;
+            let ls: Vec<f64> = (0..n).map(|p| lse_vals[p][lse_at] as f64).collect();
+            let mx = ls.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let (want_lse, w): (f64, Vec<f64>) = if mx == f64::NEG_INFINITY {
+                (mx, vec![0.0; n])
+            } else {
+                // Weights relative to the largest LSE (near f32::MAX, `mx + ln(sum)` rounds back
+                // to `mx` even in f64).
+                let sum: f64 = ls.iter().map(|x| (x - mx).exp()).sum();
+                (
+                    mx + sum.ln(),
+                    ls.iter().map(|x| (x - mx).exp() / sum).collect(),
+                )
+            };
+            let got_lse = ml[lse_at];
+            if want_lse == f64::NEG_INFINITY {
+                assert_eq!(got_lse, f64::NEG_INFINITY, "row {r}");
+            } else {
+                assert!(
+                    (got_lse - want_lse).abs() <= 1e-5 * want_lse.abs().max(1.0),
+                    "row {r}: lse {got_lse} want {want_lse}"
+                );
+            }
+            for x in 0..d {
+                let want: f64 = (0..n).map(|p| w[p] * outs[p][r * d + x] as f64).sum();
+                let got = mo[r * d + x];
+                assert!(
+                    (got - want).abs() <= 1e-5,
+                    "row {r}, {x}: out {got} want {want}"
+                );
+            }
+        }
+    }
+
     proptest! {
         #![proptest_config(config(512))]
 
@@ -2780,6 +2895,19 @@ mod properties {
         #[test]
         fn changed_calls_fail_cleanly(c in bases(), changes in changes()) {
             run_changed(&c, &changes);
+        }
+
+        /// `merge_attn_partials` on any LSEs (and sometimes a partial of another shape):
+        /// refused, or equal to the f64 merge; never a panic.
+        #[test]
+        fn merges_of_any_partials(
+            packed in any::<bool>(),
+            n in 0..5usize,
+            dims in (1..6usize, 1..4usize, 1..9usize),
+            lses in prop::collection::vec(lse_value(), 1..40),
+            change in prop::option::weighted(0.2, (0..5usize, 0..7usize, 0..8usize)),
+        ) {
+            run_merge(packed, n, dims, &lses, change);
         }
     }
 }
