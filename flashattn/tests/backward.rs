@@ -210,11 +210,11 @@ mod properties {
         if let Some(p) = dropout {
             opts = opts.dropout(p as f32 / 10.0, seed ^ 0xd20f);
         }
-        // Scales in [-1, 1): with |scale| ~ 1.7 and d ~ 100 the logits reach tens, and f32
-        // gradients then reach 3-5x naive's error (three of twelve runs of 1,500 cases stopped
-        // on such a case, each f32 with |scale| >= 1.67): the forward's bound has a term for
-        // rounding large scores (`common::SCORE_UNITS`), the gradients' has none yet. The fixed
-        // grid keeps its case with logits of ~1e3 (`logit_scale` 6).
+        // Scales in [-1, 1). With |scale| ~ 1.7 and d ~ 100 the logits reach tens and f32
+        // gradients 3-5x naive's error (three of twelve runs of 1,500 cases stopped on such a
+        // case, each f32 with |scale| >= 1.67); the bound's term for rounding large scores
+        // (`GradData::check_cancel`) covers most, not all, of them. The fixed grid keeps its
+        // case with logits of ~1e3 (`logit_scale` 6).
         if let Some(s) = scale {
             opts = opts.softmax_scale(s as f32 / 128.0);
         }
