@@ -164,71 +164,25 @@ fn dropout_rejects_bad_probability() {
     let _ = Rng::gen::<u8>(&mut ChaCha8Rng::seed_from_u64(0));
 }
 
-/// Property test: forward and backward on shapes and options drawn by proptest (any sequence
-/// lengths up to 70 with seqlen_q ≠ seqlen_k both ways and empty ones, MHA/GQA/MQA, head dims
-/// 1-256, causal, windows, softcap, ALiBi, dropout, scales, every instruction set), out/lse and
-/// the three gradients each against the f64 reference with the grid's bounds. A failure shrinks
-/// to a small case and prints it.
+/// Property test: forward and backward on cases drawn by proptest
+/// (`common::backward::drawn`: any sequence lengths up to 70 with seqlen_q ≠ seqlen_k both ways
+/// and empty ones, MHA/GQA/MQA, head dims 1-256, causal, windows, softcap, ALiBi, dropout, scales)
+/// on every instruction set, out/lse and the three gradients each against the f64 reference. A
+/// failure shrinks to a small case and prints it.
 mod properties {
-    use super::common::backward::{GradCase, GradData};
+    use super::common::backward::drawn::{cases, Drawn};
+    use super::common::backward::GradData;
     use super::common::props::config;
-    use flashattn::{flash_attn, AttnOptions, Element, TensorRef};
+    use flashattn::{flash_attn, Element};
     use half::{bf16, f16};
     use proptest::prelude::*;
 
-    /// (batch, seqlen_q, seqlen_k, heads_kv, group, head_dim).
-    type ShapeDraw = (usize, usize, usize, usize, usize, usize);
-    /// (causal, window left, window right, softcap, alibi slopes, dropout p in tenths, scale).
-    type OptsDraw = (
-        bool,
-        Option<u8>,
-        Option<u8>,
-        Option<u8>,
-        bool,
-        Option<u8>,
-        Option<i8>,
-    );
-
-    fn run<T: Element>(shape: ShapeDraw, o: OptsDraw, isa: usize, seed: u64) {
-        let (batch, sq, sk, hkv, group, d) = shape;
-        // At most ~2M multiply-adds a product (the f64 reference and naive are quadratic).
-        let sq = sq.min(2_000_000 / (batch * sk.max(1) * hkv * group * d).max(1));
-        let shape = (batch, sq, sk, hkv * group, hkv, d);
-        let (causal, left, right, softcap, alibi, dropout, scale) = o;
-        let h = hkv * group;
-        let slopes: Vec<f32> = (0..h).map(|i| 0.05 + 0.3 * i as f32 / h as f32).collect();
-        let mut opts = AttnOptions::default().causal(causal).window(
-            left.map_or(-1, |x| x as i64),
-            right.map_or(-1, |x| x as i64),
-        );
-        if let Some(c) = softcap {
-            opts = opts.softcap(c as f32 * 0.5);
-        }
-        if alibi {
-            opts = opts.alibi_slopes(TensorRef::contiguous(&slopes, &[h]));
-        }
-        if let Some(p) = dropout {
-            opts = opts.dropout(p as f32 / 10.0, seed ^ 0xd20f);
-        }
-        // Scales in [-1, 1). With |scale| ~ 1.7 and d ~ 100 the logits reach tens and f32
-        // gradients 3-5x naive's error (three of twelve runs of 1,500 cases stopped on such a
-        // case, each f32 with |scale| >= 1.67); the bound's term for rounding large scores
-        // (`GradData::check_cancel`) covers most, not all, of them. The fixed grid keeps its
-        // case with logits of ~1e3 (`logit_scale` 6).
-        if let Some(s) = scale {
-            opts = opts.softmax_scale(s as f32 / 128.0);
-        }
+    fn run<T: Element>(dr: &Drawn, isa: usize) {
         let isas = flashattn::simd::available();
-        let opts = opts.isa(isas[isa % isas.len()]);
-        let case = GradCase {
-            seed,
-            shape,
-            opts: AttnOptions::default(),
-            logit_scale: 1.0,
-        };
-        let data = GradData::<T>::new(&case);
+        let opts = dr.opts().isa(isas[isa % isas.len()]);
+        let data = GradData::<T>::new(&dr.case);
         let [q, k, v, dout] = data.views();
-        let ctx = format!("seed={seed} opts={opts:?}");
+        let ctx = format!("seed={} opts={opts:?}", dr.case.seed);
         let fwd = flash_attn(&q, &k, &v, &opts).unwrap_or_else(|e| panic!("{ctx}: {e}"));
         data.check_forward(&fwd, &opts, &ctx);
         let g = fwd
@@ -237,44 +191,19 @@ mod properties {
         data.check_cancel([&g.dq, &g.dk, &g.dv], &data.expected(&opts), &opts, &ctx);
     }
 
-    fn shapes() -> impl Strategy<Value = ShapeDraw> {
-        (
-            1..=2usize,
-            0..=70usize,
-            0..=70usize,
-            1..=3usize,
-            1..=3usize,
-            prop::sample::select(vec![1usize, 2, 3, 8, 16, 24, 40, 59, 64, 111, 128, 256]),
-        )
-    }
-
-    fn options() -> impl Strategy<Value = OptsDraw> {
-        (
-            any::<bool>(),
-            prop::option::of(0..40u8),
-            prop::option::of(0..40u8),
-            prop::option::of(1..=60u8),
-            any::<bool>(),
-            prop::option::weighted(0.3, 1..=9u8),
-            prop::option::weighted(0.3, -128..=127i8),
-        )
-    }
-
     proptest! {
         #![proptest_config(config(64))]
 
         #[test]
         fn forward_and_backward_match_the_reference(
             dtype in 0..3usize,
-            shape in shapes(),
-            opts in options(),
+            dr in cases(2_000_000),
             isa in 0..8usize,
-            seed in any::<u64>(),
         ) {
             match dtype {
-                0 => run::<f32>(shape, opts, isa, seed),
-                1 => run::<f16>(shape, opts, isa, seed),
-                _ => run::<bf16>(shape, opts, isa, seed),
+                0 => run::<f32>(&dr, isa),
+                1 => run::<f16>(&dr, isa),
+                _ => run::<bf16>(&dr, isa),
             }
         }
     }

@@ -206,29 +206,67 @@ mod backward {
     /// One batched case: the emulated forward's out and lse (so the scores are recomputed in the
     /// forward's own order, as on a GPU), the emulated backward, the bound.
     fn case<T: Element>(builds: &mut [Builds; 2], c: &GradCase) {
+        case_with::<T>(builds, c, &c.opts, false);
+    }
+
+    /// [`case`] with options of the caller's (a drawn case's, checked with the drawn cases'
+    /// bound, `GradData::check_cancel`, when `drawn`).
+    fn case_with<T: Element>(
+        builds: &mut [Builds; 2],
+        c: &GradCase,
+        opts: &AttnOptions,
+        drawn: bool,
+    ) {
         let data = GradData::<T>::new(c);
         let [qt, kt, vt, dt] = data.views();
         let tag = format!("{}_{}", T::DTYPE, c.seed);
-        let fd = launch_description(&qt, &kt, &vt, None, &c.opts).unwrap();
+        let fd = launch_description(&qt, &kt, &vt, None, opts).unwrap();
         let fwd = super::run(&mut builds[0], &fd, &qt, &kt, &vt, &tag);
-        let fctx = format!(
-            "emulated {} seed={} opts={:?}",
-            fd.key.name(),
-            c.seed,
-            c.opts
-        );
-        data.check_forward(&fwd, &c.opts, &fctx);
+        let fctx = format!("emulated {} seed={} opts={:?}", fd.key.name(), c.seed, opts);
+        data.check_forward(&fwd, opts, &fctx);
         let (ov, lv) = (fwd.out.view(), fwd.lse.view());
-        let desc =
-            backward_launch_description(&qt, &kt, &vt, &ov, &lv, &dt, None, &c.opts).unwrap();
+        let desc = backward_launch_description(&qt, &kt, &vt, &ov, &lv, &dt, None, opts).unwrap();
         let [dq, dk, dv] = run(&mut builds[1], &desc, [&qt, &kt, &vt, &ov, &lv, &dt], &tag);
         let ctx = format!(
             "emulated {} seed={} opts={:?}",
             desc.dq.name(),
             c.seed,
-            c.opts
+            opts
         );
-        data.check([&dq, &dk, &dv], &data.expected(&c.opts), &ctx);
+        let expected = data.expected(opts);
+        if drawn {
+            data.check_cancel([&dq, &dk, &dv], &expected, opts, &ctx);
+        } else {
+            data.check([&dq, &dk, &dv], &expected, &ctx);
+        }
+    }
+
+    /// The backward property test's drawn cases (`common::backward::drawn`) through fwd.cu and
+    /// bwd.cu: any lengths, head dims, masks, softcap, ALiBi, dropout and scales.
+    #[test]
+    fn drawn_cases() {
+        use super::common::backward::drawn;
+        use proptest::test_runner::TestRunner;
+        if !have_compiler() {
+            return;
+        }
+        let builds = std::cell::RefCell::new([super::forward_builds(), builds()]);
+        let mut runner = TestRunner::new(super::common::props::config(12));
+        let strategy = (0..3usize, drawn::cases(300_000));
+        runner
+            .run(&strategy, |(dtype, dr)| {
+                let b = &mut builds.borrow_mut();
+                let opts = dr.opts();
+                match dtype {
+                    0 => case_with::<f32>(b, &dr.case, &opts, true),
+                    1 => case_with::<half::f16>(b, &dr.case, &opts, true),
+                    _ => case_with::<half::bf16>(b, &dr.case, &opts, true),
+                }
+                Ok(())
+            })
+            .unwrap();
+        let b = builds.borrow();
+        eprintln!("{} forward and {} backward builds", b[0].len(), b[1].len());
     }
 
     /// The CPU gradient grid (dropout included: the kernels regenerate the CPU path's mask), where
