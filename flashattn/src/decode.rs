@@ -728,9 +728,10 @@ pub(crate) fn validate<V: ViewDesc + ?Sized>(
             params::check_view("rotary_sin", &r.sin, 2, "[seqlen_ro, rotary_dim / 2]")?;
             params::check_shape("rotary_sin", &r.sin, r.cos.shape())?;
             let (seqlen_ro, half) = (r.cos.shape()[0], r.cos.shape()[1]);
-            if half == 0 || 2 * half > head_dim {
+            // `half > head_dim / 2` is `2 · half > head_dim` without overflow.
+            if half == 0 || half > head_dim / 2 {
                 return Err(ErrorKind::RotaryDim {
-                    rotary_dim: 2 * half,
+                    rotary_dim: half.saturating_mul(2),
                     head_dim,
                 }
                 .into());

@@ -1858,6 +1858,23 @@ fn bad_input_is_a_typed_error_and_writes_nothing() {
             head_dim: 16
         }
     );
+    // A table of no rows and usize::MAX columns: `2 · half` overflowed in the check (a panic
+    // with overflow checks on; found by `properties::changed_calls_fail_cleanly`).
+    let e = kind(Call {
+        opts: bl.opts(&c).rotary(
+            TensorRef::contiguous(&wide[..0], &[0, usize::MAX]),
+            TensorRef::contiguous(&wide[..0], &[0, usize::MAX]),
+            false,
+        ),
+        ..base()
+    });
+    assert_eq!(
+        e,
+        ErrorKind::RotaryDim {
+            rotary_dim: usize::MAX,
+            head_dim: 16
+        }
+    );
     let short = vec![0.5f32; 21 * 4];
     let e = kind(Call {
         opts: bl.opts(&c).rotary(
