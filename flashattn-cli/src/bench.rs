@@ -593,7 +593,7 @@ fn machine_line(m: &Machine) -> String {
     let peaks = match m.peak_runs {
         None => "peak not measured (--no-peak)".to_string(),
         Some(runs) => format!(
-            "measured peak f32 {}, bf16 dot {} (median of {runs} runs of {:.2} s on all threads); \
+            "measured peak f32 {}, bf16 dot {} (best of {runs} runs of {:.2} s on all threads); \
              % of peak against {}",
             rate(m.peak_f32_gflops, m.peak_f32_method),
             rate(m.peak_bf16_gflops, m.peak_bf16_method),
