@@ -265,6 +265,11 @@ pub enum ErrorKind {
          leave it unset"
     )]
     DescaleUnused { tensor: TensorName },
+    #[error(
+        "the FP8 descale factors let {what} reach {reach:e}, beyond f32's range: scale the \
+         inputs so that their factors are smaller"
+    )]
+    DescaleRange { what: &'static str, reach: f64 },
     #[error("`{tensor}`[{index}] = {value} is invalid: a descale factor must be finite and > 0")]
     DescaleValue {
         tensor: TensorName,

@@ -356,7 +356,8 @@ pub(crate) fn validate_forward<V: Fp8View>(
         Some((cq, ck)) => params::varlen(q, k, v, cq, ck, opts)?,
         None => params::batched(q, k, v, opts)?,
     };
-    p.descale = Some(check_descale(descale, &p)?);
+    let fmax = q.fp8_format().max() as f64;
+    p.descale = Some(check_descale(descale, &p, fmax)?);
     Ok(p)
 }
 
@@ -446,19 +447,28 @@ fn read_factors(tensor: TensorName, f: Option<&[f32]>, p: &Params) -> Result<Vec
         .collect())
 }
 
-/// Reads the three factor lists into one per (sequence, kv head), checked.
-fn check_descale(d: &Descale, p: &Params) -> Result<Descales> {
+/// Reads the three factor lists into one per (sequence, kv head), checked; `fmax` is the
+/// largest finite value of the inputs' format.
+fn check_descale(d: &Descale, p: &Params, fmax: f64) -> Result<Descales> {
     let (dq, dk, dv) = (
         read_factors("q_descale", d.q, p)?,
         read_factors("k_descale", d.k, p)?,
         read_factors("v_descale", d.v, p)?,
     );
-    fold_descale(&dq, &dk, dv, p)
+    fold_descale(&dq, &dk, dv, p, (fmax, fmax))
 }
 
 /// `softmax_scale · q_descale · k_descale` per (sequence, kv head), checked to fit f32, with the
-/// v factors.
-fn fold_descale(dq: &[f32], dk: &[f32], dv: Vec<f32>, p: &Params) -> Result<Descales> {
+/// v factors. `(q_max, kv_max)` bound the raw values of q and of the caches or k and v (their
+/// format's largest finite value; 1 for a q that is not FP8, whose values are the caller's
+/// data): with them the largest score and output element the factors allow must fit f32.
+fn fold_descale(
+    dq: &[f32],
+    dk: &[f32],
+    dv: Vec<f32>,
+    p: &Params,
+    (q_max, kv_max): (f64, f64),
+) -> Result<Descales> {
     let scale = p.softmax_scale as f64;
     let score_scale: Vec<f32> = dq
         .iter()
@@ -475,6 +485,26 @@ fn fold_descale(dq: &[f32], dk: &[f32], dv: Vec<f32>, p: &Params) -> Result<Desc
         }
         if let Some(softcap) = p.softcap.filter(|&c| lost(s / c)) {
             return Err(ErrorKind::Softcap { softcap }.into());
+        }
+        // A score is at most |s| · q_max · kv_max · head_dim (before the softcap, if any).
+        let reach = s.abs() as f64 * q_max * kv_max * p.head_dim as f64;
+        if reach * std::f64::consts::LOG2_E >= f32::MAX as f64 {
+            return Err(ErrorKind::DescaleRange {
+                what: "scores (softmax_scale · q_descale · k_descale · head_dim · the \
+                       largest q and k values)",
+                reach,
+            }
+            .into());
+        }
+    }
+    for &x in &dv {
+        let reach = x as f64 * kv_max;
+        if reach >= f32::MAX as f64 {
+            return Err(ErrorKind::DescaleRange {
+                what: "outputs (v_descale · the largest v value)",
+                reach,
+            }
+            .into());
         }
     }
     Ok(Descales {
@@ -640,7 +670,8 @@ pub(crate) fn validate_kvcache<C: Fp8View + ?Sized>(
     let dk = read_factors("k_descale", descale.k, &dp.p)?;
     let dv = read_factors("v_descale", descale.v, &dp.p)?;
     let ones = vec![1.0; dk.len()];
-    dp.p.descale = Some(fold_descale(&ones, &dk, dv, &dp.p)?);
+    let fmax = format.max() as f64;
+    dp.p.descale = Some(fold_descale(&ones, &dk, dv, &dp.p, (1.0, fmax))?);
     Ok((dp, dk))
 }
 

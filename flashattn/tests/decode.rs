@@ -3951,6 +3951,16 @@ fn fp8_bad_input_is_a_typed_error_and_writes_nothing() {
         run(&Descale::default().k(&[f32::MAX]), &big),
         ErrorKind::Scale { .. }
     );
+    // v_descale times the format's largest value leaves f32; so does a score of a unit q
+    // against the largest key.
+    assert_kind!(
+        run(&Descale::default().v(&[1e36]), &opts),
+        ErrorKind::DescaleRange { .. }
+    );
+    assert_kind!(
+        run(&Descale::default().k(&[1e36]), &opts),
+        ErrorKind::DescaleRange { .. }
+    );
     // New keys in another dtype than q.
     let kn: Vec<f32> = vec![0.5; c.heads_kv * c.d];
     let shape = [1, 1, c.heads_kv, c.d];
