@@ -476,16 +476,12 @@ fn fold_descale(
         .map(|(&a, &b)| (scale * a as f64 * b as f64) as f32)
         .collect();
     // Each factor is finite and > 0, but their product with the softmax scale may leave f32: it
-    // must pass the checks `params::check_options` makes of a softmax scale (`· log2(e)` finite;
-    // not underflowed, unless the scale is 0; over softcap, still a normal number).
-    let lost = |x: f32| scale != 0.0 && x.abs() < f32::MIN_POSITIVE;
+    // must not underflow (unless the softmax scale is 0), and must pass a softmax scale's checks.
     for &s in &score_scale {
-        if !(s * crate::params::LOG2_E).is_finite() || lost(s) {
+        if scale != 0.0 && s.abs() < f32::MIN_POSITIVE {
             return Err(ErrorKind::Scale { scale: s }.into());
         }
-        if let Some(softcap) = p.softcap.filter(|&c| lost(s / c)) {
-            return Err(ErrorKind::Softcap { softcap }.into());
-        }
+        params::check_score_scale(s, p.softcap)?;
         // A score is at most |s| · q_max · kv_max · head_dim (before the softcap, if any).
         let reach = s.abs() as f64 * q_max * kv_max * p.head_dim as f64;
         if reach * std::f64::consts::LOG2_E >= f32::MAX as f64 {

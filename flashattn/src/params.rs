@@ -388,26 +388,29 @@ pub(crate) struct CheckedOptions {
     pub kernels: &'static Kernels,
 }
 
-pub(crate) fn check_options(opts: &AttnOptions, head_dim: usize) -> Result<CheckedOptions> {
-    let softmax_scale = opts.softmax_scale.unwrap_or(1.0 / (head_dim as f32).sqrt());
-    // The kernels fold the options into f32 constants (scale · log2(e), scale / softcap,
-    // softcap · log2(e), slope · log2(e)): each must be finite, and scale / softcap not lost to
-    // underflow, or every score of the call would be NaN (inf · 0) or off.
-    if !(softmax_scale * LOG2_E).is_finite() {
-        return Err(ErrorKind::Scale {
-            scale: softmax_scale,
-        }
-        .into());
+/// A score scale (the softmax scale, or FP8's folded `softmax_scale · q_descale · k_descale`)
+/// with the softcap. The kernels fold them into f32 constants (scale · log2(e), scale / softcap,
+/// softcap · log2(e)): each must be finite, and scale / softcap not lost to underflow, or every
+/// score of the call would be NaN (inf · 0) or off.
+pub(crate) fn check_score_scale(scale: f32, softcap: Option<f32>) -> Result<()> {
+    if !(scale * LOG2_E).is_finite() {
+        return Err(ErrorKind::Scale { scale }.into());
     }
-    if let Some(softcap) = opts.softcap {
-        let pre = (softmax_scale / softcap).abs();
+    if let Some(softcap) = softcap {
+        let pre = (scale / softcap).abs();
         if !(softcap > 0.0
             && (softcap * LOG2_E).is_finite()
-            && (softmax_scale == 0.0 || pre >= f32::MIN_POSITIVE))
+            && (scale == 0.0 || pre >= f32::MIN_POSITIVE))
         {
             return Err(ErrorKind::Softcap { softcap }.into());
         }
     }
+    Ok(())
+}
+
+pub(crate) fn check_options(opts: &AttnOptions, head_dim: usize) -> Result<CheckedOptions> {
+    let softmax_scale = opts.softmax_scale.unwrap_or(1.0 / (head_dim as f32).sqrt());
+    check_score_scale(softmax_scale, opts.softcap)?;
     let (left, right) = opts.window;
     if left < -1 || right < -1 {
         return Err(ErrorKind::Window { left, right }.into());

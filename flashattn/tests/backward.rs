@@ -184,11 +184,12 @@ mod properties {
         let [q, k, v, dout] = data.views();
         let ctx = format!("seed={} opts={opts:?}", dr.case.seed);
         let fwd = flash_attn(&q, &k, &v, &opts).unwrap_or_else(|e| panic!("{ctx}: {e}"));
-        data.check_forward(&fwd, &opts, &ctx);
+        let r = data.check_forward(&fwd, &opts, &ctx);
         let g = fwd
             .backward(&q, &k, &v, &dout, &opts)
             .unwrap_or_else(|e| panic!("{ctx}: {e}"));
-        data.check_cancel([&g.dq, &g.dk, &g.dv], &data.expected(&opts), &opts, &ctx);
+        let expected = data.expected(&opts);
+        data.check_cancel([&g.dq, &g.dk, &g.dv], &expected, (&opts, &r), &ctx);
     }
 
     proptest! {

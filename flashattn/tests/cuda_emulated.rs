@@ -223,7 +223,7 @@ mod backward {
         let fd = launch_description(&qt, &kt, &vt, None, opts).unwrap();
         let fwd = super::run(&mut builds[0], &fd, &qt, &kt, &vt, &tag);
         let fctx = format!("emulated {} seed={} opts={:?}", fd.key.name(), c.seed, opts);
-        data.check_forward(&fwd, opts, &fctx);
+        let r = data.check_forward(&fwd, opts, &fctx);
         let (ov, lv) = (fwd.out.view(), fwd.lse.view());
         let desc = backward_launch_description(&qt, &kt, &vt, &ov, &lv, &dt, None, opts).unwrap();
         let [dq, dk, dv] = run(&mut builds[1], &desc, [&qt, &kt, &vt, &ov, &lv, &dt], &tag);
@@ -235,7 +235,7 @@ mod backward {
         );
         let expected = data.expected(opts);
         if drawn {
-            data.check_cancel([&dq, &dk, &dv], &expected, opts, &ctx);
+            data.check_cancel([&dq, &dk, &dv], &expected, (opts, &r), &ctx);
         } else {
             data.check([&dq, &dk, &dv], &expected, &ctx);
         }

@@ -1424,7 +1424,6 @@ fn split_counts_agree() {
     }
 }
 
-/// The portable scalar kernels (the twin of the AVX-512 ones) on the same cases.
 /// A split with no keys that starts at the end of a full cache (more splits than keys). Found by
 /// the property test below: the page of its first key was looked up although it reads none, which
 /// indexed past the block table (or a contiguous cache's one page) and panicked.
@@ -1458,6 +1457,7 @@ fn empty_split_cases(dtype: DType) -> Vec<DCase> {
     .collect()
 }
 
+/// The portable scalar kernels (the twin of the AVX-512 ones) on the same cases.
 #[test]
 fn every_isa() {
     let mut seed = 600;
@@ -2451,8 +2451,8 @@ fn query_blocks_of_unequal_size() {
 /// the f64 reference). A failure shrinks to a small case and prints it.
 mod properties {
     use super::*;
-    use crate::common::props::config;
     use crate::common::props::extremes::{f32s as float, i32s, i64s, usizes};
+    use crate::common::props::{config, set_dim};
     use proptest::prelude::*;
 
     /// The options of a case, drawn independently and made consistent by [`case`].
@@ -2593,16 +2593,6 @@ mod properties {
         }
     }
 
-    fn int() -> impl Strategy<Value = i32> {
-        i32s(-3..40)
-    }
-    fn size() -> impl Strategy<Value = usize> {
-        usizes(0..40)
-    }
-    fn wide() -> impl Strategy<Value = i64> {
-        i64s(-3..40)
-    }
-
     /// One change to a valid call; most make it invalid.
     #[derive(Clone, Debug)]
     enum Change {
@@ -2629,22 +2619,22 @@ mod properties {
 
     fn changes() -> impl Strategy<Value = Vec<Change>> {
         let one = prop_oneof![
-            (0..4usize, int()).prop_map(|(i, v)| Change::Lens(i, v)),
+            (0..4usize, i32s(-3..40)).prop_map(|(i, v)| Change::Lens(i, v)),
             (0..6usize).prop_map(Change::LensCount),
-            (0..64usize, int()).prop_map(|(i, v)| Change::Table(i, v)),
-            (0..5usize, size()).prop_map(|(b, m)| Change::TableDims(b, m)),
-            (0..4usize, int()).prop_map(|(i, v)| Change::BatchIdx(i, v)),
-            (0..4usize, int()).prop_map(|(i, v)| Change::Leftpad(i, v)),
-            prop::collection::vec(int(), 0..6).prop_map(Change::CuSeqlensQ),
-            prop::collection::vec(int(), 0..6).prop_map(Change::CuSeqlensKNew),
-            (0..5usize, size()).prop_map(|(d, v)| Change::KShape(d, v)),
-            (0..5usize, size()).prop_map(|(d, v)| Change::KStride(d, v)),
-            (0..5usize, size()).prop_map(|(d, v)| Change::VShape(d, v)),
-            (0..5usize, size()).prop_map(|(d, v)| Change::QShape(d, v)),
-            (0..5usize, size()).prop_map(|(d, v)| Change::NewKvShape(d, v)),
-            (size(), size()).prop_map(|(r, h)| Change::RotaryRows(r, h)),
-            size().prop_map(Change::Splits),
-            (wide(), wide()).prop_map(|(l, r)| Change::Window(l, r)),
+            (0..64usize, i32s(-3..40)).prop_map(|(i, v)| Change::Table(i, v)),
+            (0..5usize, usizes(0..40)).prop_map(|(b, m)| Change::TableDims(b, m)),
+            (0..4usize, i32s(-3..40)).prop_map(|(i, v)| Change::BatchIdx(i, v)),
+            (0..4usize, i32s(-3..40)).prop_map(|(i, v)| Change::Leftpad(i, v)),
+            prop::collection::vec(i32s(-3..40), 0..6).prop_map(Change::CuSeqlensQ),
+            prop::collection::vec(i32s(-3..40), 0..6).prop_map(Change::CuSeqlensKNew),
+            (0..5usize, usizes(0..40)).prop_map(|(d, v)| Change::KShape(d, v)),
+            (0..5usize, usizes(0..40)).prop_map(|(d, v)| Change::KStride(d, v)),
+            (0..5usize, usizes(0..40)).prop_map(|(d, v)| Change::VShape(d, v)),
+            (0..5usize, usizes(0..40)).prop_map(|(d, v)| Change::QShape(d, v)),
+            (0..5usize, usizes(0..40)).prop_map(|(d, v)| Change::NewKvShape(d, v)),
+            (usizes(0..40), usizes(0..40)).prop_map(|(r, h)| Change::RotaryRows(r, h)),
+            usizes(0..40).prop_map(Change::Splits),
+            (i64s(-3..40), i64s(-3..40)).prop_map(|(l, r)| Change::Window(l, r)),
             float().prop_map(Change::Softcap),
             float().prop_map(Change::Scale),
             float().prop_map(Change::Dropout),
@@ -2659,16 +2649,6 @@ mod properties {
         }
         let n = v.len();
         v[i % n] = x;
-    }
-
-    /// `shape[dim % (len + 1)] = x`, the extra position appending a dimension.
-    fn set_dim(shape: &mut Vec<usize>, dim: usize, x: usize) {
-        let i = dim % (shape.len() + 1);
-        if i == shape.len() {
-            shape.push(x);
-        } else {
-            shape[i] = x;
-        }
     }
 
     /// A call with the changes applied, on copies of the caches. It must not panic; when it is

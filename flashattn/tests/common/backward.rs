@@ -5,7 +5,7 @@
 //! is the standard unfused backward in the same precision ([`flashattn::naive`]); the floor covers
 //! one rounding of the result and inputs of unit scale (gradients that cancel to 0 keep O(eps)).
 
-use flashattn::reference::ReferenceGrads;
+use flashattn::reference::{Reference, ReferenceGrads};
 use flashattn::{
     flash_attn, flash_attn_varlen, flash_attn_varlen_backward, reference, AttnGrads, AttnOptions,
     DType, Element, Tensor, TensorRef,
@@ -191,8 +191,13 @@ impl<T: Element> GradData<T> {
     }
 
     /// A forward's out and lse against the f64 reference, with the forward tests' bound
-    /// ([`super::check_bound`]: 2x the naive forward's error plus a floor).
-    pub fn check_forward(&self, got: &flashattn::AttnOutput, opts: &AttnOptions, ctx: &str) {
+    /// ([`super::check_bound`]: 2x the naive forward's error plus a floor); returns the reference.
+    pub fn check_forward(
+        &self,
+        got: &flashattn::AttnOutput,
+        opts: &AttnOptions,
+        ctx: &str,
+    ) -> Reference {
         let [q, k, v, _] = self.views();
         let r = reference::attention(&q, &k, &v, opts).unwrap();
         let naive = flashattn::naive::attention(&q, &k, &v, opts).unwrap();
@@ -200,6 +205,7 @@ impl<T: Element> GradData<T> {
         let (b, sq, sk, h, hk, d) = self.shape;
         let what = format!("{} b={b} sq={sq} sk={sk} h={h}/{hk} d={d} {ctx}", T::DTYPE);
         super::check_bound(&what, T::DTYPE, got, &[naive], &r, v_max, sk);
+        r
     }
 
     /// dq, dk, dv against `expected`, with the bound of [`check`].
@@ -225,7 +231,7 @@ impl<T: Element> GradData<T> {
         &self,
         got: [&Tensor; 3],
         expected: &(ReferenceGrads, AttnGrads),
-        opts: &AttnOptions,
+        (opts, forward): (&AttnOptions, &Reference),
         ctx: &str,
     ) {
         let (_, sq, _, h, hk, d) = self.shape;
@@ -243,11 +249,10 @@ impl<T: Element> GradData<T> {
         // `eps_f32 · |lse|`, and rounds `s · scale · log2(e)` as the forward does; naive
         // normalises by its row maximum instead, which leaves the largest probabilities exact.
         // So each gradient may move by `SCORE_UNITS · eps_f32 · S` of its size, S bounding the
-        // largest score as in the forward's bound (`super::check_bound`).
-        let [q, k, v, _] = self.views();
-        let r = reference::attention(&q, &k, &v, opts).expect("validated by the forward");
+        // largest score as in the forward's bound (`super::check_bound`), from `forward` (the
+        // reference forward of these inputs and options, as `check_forward` returns it).
         let ln_keys = (self.shape.2.max(1) as f64).ln();
-        let s_max = r
+        let s_max = forward
             .lse
             .iter()
             .filter(|x| x.is_finite())

@@ -64,3 +64,19 @@ pub mod extremes {
         ]
     }
 }
+
+/// `v[i % (len + 1)] = x`, the extra position appending an entry (a dimension or a stride).
+pub fn set_dim(v: &mut Vec<usize>, i: usize, x: usize) {
+    let i = i % (v.len() + 1);
+    if i == v.len() {
+        v.push(x);
+    } else {
+        v[i] = x;
+    }
+}
+
+/// An accepted call's result holds no NaN (the fuzz tests' inputs are finite).
+pub fn assert_no_nan(o: &flashattn::AttnOutput) {
+    assert!(o.out.to_f64_vec().iter().all(|x| !x.is_nan()), "NaN in out");
+    assert!(o.lse.to_f64_vec().iter().all(|x| !x.is_nan()), "NaN in lse");
+}
