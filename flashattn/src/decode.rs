@@ -572,7 +572,6 @@ pub(crate) fn validate<V: ViewDesc + ?Sized>(
         }
         .into());
     }
-    let alibi = params::check_alibi(&opts.attn, batch, heads)?;
     let (out_shape, lse_shape) = if packed {
         (vec![total_q, heads, head_dim], vec![heads, total_q])
     } else {
@@ -773,6 +772,10 @@ pub(crate) fn validate<V: ViewDesc + ?Sized>(
             return Err(ErrorKind::NumSplits { num_splits: n }.into());
         }
     }
+
+    // ALiBi distances reach over the keys after the append (a left pad only shortens them).
+    let distance = params::alibi_distance((0..batch).map(|b| (q_lens[b], lens[b] + new_lens[b])));
+    let alibi = params::check_alibi(&opts.attn, batch, heads, distance)?;
 
     let q_layout = row_layout(q);
     let seqs = lens

@@ -119,13 +119,16 @@ pub enum ErrorKind {
         heads: usize,
     },
     #[error(
-        "alibi_slopes: the slope of batch row {batch}, head {head} is {slope}; slope · log2(e) \
-         must be finite in f32"
+        "alibi_slopes: the slope of batch row {batch}, head {head} is {slope}; its bias for the \
+         farthest key, slope · log2(e) · {max_distance}, must be finite in f32"
     )]
     AlibiSlope {
         batch: usize,
         head: usize,
         slope: f32,
+        /// The largest query-key distance of the call: max(seqlen_q, seqlen_k) - 1 over its
+        /// sequences.
+        max_distance: usize,
     },
     #[error("`{tensor}` {problem}")]
     CuSeqlens {

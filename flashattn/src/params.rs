@@ -18,7 +18,9 @@ pub const MAX_HEAD_DIM: usize = 256;
 /// The options of an attention call, as in flash-attn 2.x's `flash_attn_func`.
 #[derive(Clone, Debug)]
 pub struct AttnOptions<'a> {
-    /// Multiplies Q·Kᵀ. `None`: 1/sqrt(head_dim).
+    /// Multiplies Q·Kᵀ. `None`: 1/sqrt(head_dim). Scores are f32: a scale that takes the
+    /// data's scores past the f32 range gives non-finite results (not refused, as that depends
+    /// on the data).
     pub softmax_scale: Option<f32>,
     /// Causal mask aligned to the bottom-right corner: query i sees key j iff j <= i + seqlen_k - seqlen_q.
     /// Same as `window = (left, 0)`.
@@ -29,6 +31,8 @@ pub struct AttnOptions<'a> {
     /// Scores become `softcap * tanh(scores / softcap)` (after scaling, before masks and bias).
     pub softcap: Option<f32>,
     /// ALiBi slopes, f32, shape `[heads]` or `[batch, heads]`: bias `-slope * |i + sk - sq - j|`.
+    /// Each slope must be finite, with `slope · log2(e) · (max(sq, sk) - 1)` (its bias at the
+    /// farthest key) finite in f32; otherwise [`crate::ErrorKind::AlibiSlope`].
     pub alibi_slopes: Option<TensorRef<'a>>,
     /// Probability of dropping an attention probability, in `[0, 1)`; kept ones are scaled by
     /// `1 / (1 - p)`. The mask comes from Philox keyed by `seed` (see [`crate::dropout`]).
@@ -434,11 +438,14 @@ pub(crate) fn check_options(opts: &AttnOptions, head_dim: usize) -> Result<Check
     })
 }
 
-/// Reads ALiBi slopes into one f32 per (batch, head).
+/// Reads ALiBi slopes into one f32 per (batch, head). `max_distance` is the call's largest
+/// query-key distance |i + seqlen_k - seqlen_q - j|: max(seqlen_q, seqlen_k) - 1 over its
+/// sequences ([`alibi_distance`]).
 pub(crate) fn check_alibi(
     opts: &AttnOptions,
     batch: usize,
     heads: usize,
+    max_distance: usize,
 ) -> Result<Option<Vec<f32>>> {
     let Some(slopes) = &opts.alibi_slopes else {
         return Ok(None);
@@ -473,13 +480,18 @@ pub(crate) fn check_alibi(
                 h * st[0]
             };
             let slope = data[idx];
-            // A NaN or infinite slope (or one whose slope · log2(e) overflows) would make every
-            // score of its head NaN or infinite.
-            if !(slope * LOG2_E).is_finite() {
+            // The kernels subtract `slope · log2(e) · distance`, computed in f32 as here: a NaN
+            // or infinite slope, or one whose bias overflows for the farthest key, would make
+            // scores of its head infinite and the softmax NaN (+inf bias), or hide the only
+            // keys a row sees (-inf bias). The product grows with the distance, so the farthest
+            // key's is the one to check.
+            let slope_log2 = slope * LOG2_E;
+            if !slope_log2.is_finite() || !(slope_log2 * max_distance as f32).is_finite() {
                 return Err(ErrorKind::AlibiSlope {
                     batch: b,
                     head: h,
                     slope,
+                    max_distance,
                 }
                 .into());
             }
@@ -487,6 +499,14 @@ pub(crate) fn check_alibi(
         }
     }
     Ok(Some(out))
+}
+
+/// The largest ALiBi distance |i + seqlen_k - seqlen_q - j| of sequences with these lengths.
+pub(crate) fn alibi_distance(lens: impl IntoIterator<Item = (usize, usize)>) -> usize {
+    lens.into_iter()
+        .map(|(sq, sk)| sq.max(sk).saturating_sub(1))
+        .max()
+        .unwrap_or(0)
 }
 
 /// Validates a batched call: q `[batch, seqlen_q, heads, d]`, k/v `[batch, seqlen_k, heads_kv, d]`.
@@ -501,7 +521,7 @@ pub(crate) fn batched<V: ViewDesc + ?Sized>(
     let (heads, heads_kv, head_dim) = check_qkv(q, k, v, 4, LAYOUT)?;
     let (batch, seqlen_q, seqlen_k) = (q.shape()[0], q.shape()[1], k.shape()[1]);
     let o = check_options(opts, head_dim)?;
-    let alibi = check_alibi(opts, batch, heads)?;
+    let alibi = check_alibi(opts, batch, heads, alibi_distance([(seqlen_q, seqlen_k)]))?;
     let out_shape = vec![batch, seqlen_q, heads, head_dim];
     check_sizes(
         &out_shape,
@@ -614,7 +634,10 @@ pub(crate) fn varlen<V: ViewDesc + ?Sized>(
     )?;
     let batch = cu_seqlens_q.len() - 1;
     let o = check_options(opts, head_dim)?;
-    let alibi = check_alibi(opts, batch, heads)?;
+    let lens = |cu: &[i32], b: usize| (cu[b + 1] - cu[b]) as usize;
+    let distance =
+        alibi_distance((0..batch).map(|b| (lens(cu_seqlens_q, b), lens(cu_seqlens_k, b))));
+    let alibi = check_alibi(opts, batch, heads, distance)?;
     let total_q = q.shape()[0];
     let out_shape = vec![total_q, heads, head_dim];
     check_sizes(&out_shape, k.shape(), batch, heads, total_q)?;

@@ -291,6 +291,18 @@ fn buf_bits(b: &Buffer) -> Vec<u32> {
     bits(&Tensor::from_buffer(b.clone(), &[b.as_slice().len()]).unwrap())
 }
 
+/// `b` with its NaN elements (the poison of unused cache slots) replaced by 0.5.
+fn without_nan(b: &Buffer) -> Buffer {
+    fn fill<T: Copy>(v: &[T], is_nan: impl Fn(T) -> bool, x: T) -> Vec<T> {
+        v.iter().map(|&y| if is_nan(y) { x } else { y }).collect()
+    }
+    match b {
+        Buffer::F32(v) => Buffer::F32(fill(v, f32::is_nan, 0.5)),
+        Buffer::F16(v) => Buffer::F16(fill(v, |y| y.is_nan(), half::f16::from_f32(0.5))),
+        Buffer::BF16(v) => Buffer::BF16(fill(v, |y| y.is_nan(), half::bf16::from_f32(0.5))),
+    }
+}
+
 /// Everything a case needs to call the library, built once.
 struct Built {
     qb: Buffer,
@@ -1946,6 +1958,25 @@ fn bad_input_is_a_typed_error_and_writes_nothing() {
         kind(Call { opts: o, ..base() }),
         ErrorKind::AlibiShape { .. }
     ));
+    // A slope whose bias overflows at the farthest key: sequence 1 attends 20 + 2 keys, so the
+    // distance reaches 21 (slope · log2(e) · 21 overflows from |slope| ≈ 1.12e37 on).
+    for bad in [-1.2e37f32, 1.2e37, f32::NAN] {
+        let slopes = [0.1f32, 0.2, bad, 0.3];
+        let mut o = bl.opts(&c);
+        o.attn = o.attn.alibi_slopes(TensorRef::contiguous(&slopes, &[4]));
+        assert_eq!(
+            format!("{:?}", kind(Call { opts: o, ..base() })),
+            format!(
+                "{:?}",
+                ErrorKind::AlibiSlope {
+                    batch: 0,
+                    head: 2,
+                    slope: bad,
+                    max_distance: 21
+                }
+            )
+        );
+    }
     // q: heads not a multiple of heads_kv, head_dim mismatch.
     let q3 = vec![0.5f32; 2 * 2 * 3 * 16];
     let e = kind(Call {
@@ -2452,7 +2483,7 @@ fn query_blocks_of_unequal_size() {
 mod properties {
     use super::*;
     use crate::common::props::extremes::{f32s as float, i32s, i64s, usizes};
-    use crate::common::props::{config, set_dim};
+    use crate::common::props::{assert_no_nan, config, scores_may_overflow, set_dim};
     use proptest::prelude::*;
 
     /// The options of a case, drawn independently and made consistent by [`case`].
@@ -2615,6 +2646,8 @@ mod properties {
         Softcap(f32),
         Scale(f32),
         Dropout(f32),
+        /// ALiBi on, with slope `.1` of the `[batch, heads]` slopes set to `.0`.
+        Slope(usize, f32),
     }
 
     fn changes() -> impl Strategy<Value = Vec<Change>> {
@@ -2638,6 +2671,7 @@ mod properties {
             float().prop_map(Change::Softcap),
             float().prop_map(Change::Scale),
             float().prop_map(Change::Dropout),
+            (0..64usize, float()).prop_map(|(i, x)| Change::Slope(i, x)),
         ];
         prop::collection::vec(one, 1..=3)
     }
@@ -2669,6 +2703,12 @@ mod properties {
         let rot = c.rotary.map_or(0, |r| r.0);
         let mut ro_shape = vec![bl.seqlen_ro, rot / 2];
         let mut opts_changes = Vec::new();
+        let mut slopes = (c.alibi || changes.iter().any(|ch| matches!(ch, Change::Slope(..))))
+            .then(|| {
+                let mut s = bl.alibi.clone();
+                s.resize(batch * h, 0.5);
+                s
+            });
         for ch in changes {
             match ch.clone() {
                 Change::Lens(i, v) => set(&mut lens, i, v),
@@ -2688,6 +2728,11 @@ mod properties {
                 Change::QShape(i, v) => set_dim(&mut q_shape, i, v),
                 Change::NewKvShape(i, v) => set_dim(&mut new_shape, i, v),
                 Change::RotaryRows(r, hh) => ro_shape = vec![r, hh],
+                Change::Slope(i, x) => {
+                    let s = slopes.as_mut().expect("made for every Slope change");
+                    let n = s.len();
+                    s[i % n] = x;
+                }
                 other => opts_changes.push(other),
             }
         }
@@ -2700,6 +2745,9 @@ mod properties {
         }
         opts.cache_batch_idx = idx.as_deref();
         opts.cache_leftpad = leftpad.as_deref();
+        if let Some(s) = &slopes {
+            opts.attn.alibi_slopes = Some(TensorRef::contiguous(s, &[batch, h]));
+        }
         opts.cu_seqlens_q = cu_q.as_deref();
         opts.cu_seqlens_k_new = cu_k_new.as_deref();
         if let (Some((kb, vb)), Some(_)) = (
@@ -2729,17 +2777,32 @@ mod properties {
             }
         }
         let q = TensorRef::from_slice(bl.qb.as_slice(), &q_shape, &q_strides);
-        let (mut kc, mut vc) = (bl.k_cache.clone(), bl.v_cache.clone());
-        let v_strides = flashattn::tensor::contiguous_strides(&v_shape);
+        // The caches without their NaN poison: a changed call may read slots the case left
+        // empty, and its result must still be free of NaN.
+        let (k0, v0) = (without_nan(&bl.k_cache), without_nan(&bl.v_cache));
+        let (mut kc, mut vc) = (k0.clone(), v0.clone());
+        // v as the case lays it out (gaps included) unless its shape was changed.
+        let v_strides = if v_shape == bl.map.shape {
+            bl.map.strides.clone()
+        } else {
+            flashattn::tensor::contiguous_strides(&v_shape)
+        };
         let res = {
             let mut k = TensorMut::new(slice_mut(&mut kc), &k_shape, &k_strides);
             let mut v = TensorMut::new(slice_mut(&mut vc), &v_shape, &v_strides);
             flash_attn_with_kvcache(&q, &mut k, &mut v, &lens, &opts)
         };
-        if let Err(e) = res {
-            assert!(!e.to_string().is_empty());
-            assert_eq!(buf_bits(&kc), buf_bits(&bl.k_cache), "k_cache changed: {e}");
-            assert_eq!(buf_bits(&vc), buf_bits(&bl.v_cache), "v_cache changed: {e}");
+        match res {
+            Err(e) => {
+                assert!(!e.to_string().is_empty());
+                assert_eq!(buf_bits(&kc), buf_bits(&k0), "k_cache changed: {e}");
+                assert_eq!(buf_bits(&vc), buf_bits(&v0), "v_cache changed: {e}");
+            }
+            // Values in [-1, 1], rotated pairs up to sqrt(2): |q·k| <= 2 · head_dim.
+            Ok(o) if !scores_may_overflow(opts.attn.softmax_scale, 2.0 * d as f64) => {
+                assert_no_nan(&o)
+            }
+            Ok(_) => {}
         }
     }
 

@@ -21,7 +21,7 @@ pub fn config(cases: u32) -> Config {
 }
 
 /// Integers, floats and sizes for changing valid calls: ordinary values in `normal`, and the
-/// extremes of the type (overflow, sign, NaN, infinities, subnormal edge).
+/// extremes of the type (overflow, sign, NaN, infinities, subnormal edge, any normal float).
 pub mod extremes {
     use proptest::prelude::*;
     use std::ops::Range;
@@ -35,6 +35,11 @@ pub mod extremes {
             Just(-0.0f32),
             Just(f32::MIN_POSITIVE),
             Just(f32::MAX),
+            Just(1e38f32),
+            Just(-1e38f32),
+            // Any normal float of either sign: finite values whose products with the call's
+            // lengths and constants overflow (a slope of -1e38 times a distance).
+            prop::num::f32::POSITIVE | prop::num::f32::NEGATIVE,
             -3.0f32..3.0,
         ]
     }
@@ -73,6 +78,15 @@ pub fn set_dim(v: &mut Vec<usize>, i: usize, x: usize) {
     } else {
         v[i] = x;
     }
+}
+
+/// Whether `softmax_scale` can take a score whose dot products reach `max_dot` (|q·k| <= head_dim
+/// for values in [-1, 1]) past the f32 range in the kernels' log2 domain. Scores are f32, so
+/// such a call gives non-finite results, as any f32 attention would; it is not refused, because
+/// that depends on the data.
+pub fn scores_may_overflow(softmax_scale: Option<f32>, max_dot: f64) -> bool {
+    softmax_scale
+        .is_some_and(|s| s.abs() as f64 * max_dot * std::f64::consts::LOG2_E >= f32::MAX as f64)
 }
 
 /// An accepted call's result holds no NaN (the fuzz tests' inputs are finite).
