@@ -102,6 +102,18 @@ pub enum ErrorKind {
         needed: u128,
         len: usize,
     },
+    #[error(
+        "select({dim}, {index}) does not fit a view of shape {shape:?} and strides {strides:?} \
+         over {len} elements: dim must be below the rank, index below shape[dim], and \
+         index · strides[dim] within the buffer"
+    )]
+    Select {
+        dim: usize,
+        index: usize,
+        shape: Vec<usize>,
+        strides: Vec<usize>,
+        len: usize,
+    },
     #[error("window ({left}, {right}) is invalid: each side must be -1 (unbounded) or >= 0")]
     Window { left: i64, right: i64 },
     #[error(

@@ -324,6 +324,47 @@ impl<'a> TensorRef<'a> {
     pub fn typed<T: Element>(&self) -> Option<&'a [T]> {
         T::unwrap(self.data)
     }
+
+    /// The view with dimension `dim` fixed at `index`, one dimension fewer (PyTorch's
+    /// `x.select(dim, index)`); it borrows the same buffer from element `index · strides[dim]` on.
+    /// This is how flash-attn's packed layouts are passed: q, k and v of `qkv` `[batch, seqlen, 3,
+    /// heads, head_dim]` (`flash_attn_qkvpacked_func`) are `qkv.select(2, 0)`, `select(2, 1)` and
+    /// `select(2, 2)`; k and v of `kv` `[batch, seqlen_k, 2, heads_kv, head_dim]`
+    /// (`flash_attn_kvpacked_func`) `kv.select(2, 0)` and `select(2, 1)`; with packed sequences
+    /// (`[total, 3, heads, head_dim]`) the dimension is 1.
+    pub fn select(&self, dim: usize, index: usize) -> crate::Result<TensorRef<'a>> {
+        let offset = (dim < self.shape.len().min(self.strides.len()) && index < self.shape[dim])
+            .then(|| index.checked_mul(self.strides[dim]))
+            .flatten()
+            .filter(|&o| o <= self.data.len());
+        let Some(offset) = offset else {
+            return Err(crate::ErrorKind::Select {
+                dim,
+                index,
+                shape: self.shape.clone(),
+                strides: self.strides.clone(),
+                len: self.data.len(),
+            }
+            .into());
+        };
+        let data = match self.data {
+            Slice::F32(d) => Slice::F32(&d[offset..]),
+            Slice::F16(d) => Slice::F16(&d[offset..]),
+            Slice::BF16(d) => Slice::BF16(&d[offset..]),
+        };
+        let drop_dim = |v: &[usize]| -> Vec<usize> {
+            v.iter()
+                .enumerate()
+                .filter(|&(i, _)| i != dim)
+                .map(|(_, &x)| x)
+                .collect()
+        };
+        Ok(TensorRef {
+            data,
+            shape: drop_dim(&self.shape),
+            strides: drop_dim(&self.strides),
+        })
+    }
 }
 
 /// Row-major strides for `shape`. Saturating: a shape too large to address gets strides that the
