@@ -332,6 +332,18 @@ impl<'a> TensorRef<'a> {
     /// `select(2, 2)`; k and v of `kv` `[batch, seqlen_k, 2, heads_kv, head_dim]`
     /// (`flash_attn_kvpacked_func`) `kv.select(2, 0)` and `select(2, 1)`; with packed sequences
     /// (`[total, 3, heads, head_dim]`) the dimension is 1.
+    ///
+    /// ```
+    /// use flashattn::{flash_attn, AttnOptions, TensorRef};
+    /// let (b, s, h, d) = (1, 16, 2, 8);
+    /// let qkv: Vec<f32> = (0..b * s * 3 * h * d).map(|i| (i as f32 * 0.1).sin()).collect();
+    /// let qkv = TensorRef::contiguous(&qkv, &[b, s, 3, h, d]);
+    /// let (q, k, v) = (qkv.select(2, 0)?, qkv.select(2, 1)?, qkv.select(2, 2)?);
+    /// assert_eq!(q.shape(), &[b, s, h, d]);
+    /// let out = flash_attn(&q, &k, &v, &AttnOptions::default().causal(true))?.out;
+    /// assert_eq!(out.shape(), &[b, s, h, d]);
+    /// # Ok::<(), flashattn::Error>(())
+    /// ```
     pub fn select(&self, dim: usize, index: usize) -> crate::Result<TensorRef<'a>> {
         let offset = (dim < self.shape.len().min(self.strides.len()) && index < self.shape[dim])
             .then(|| index.checked_mul(self.strides[dim]))
