@@ -92,7 +92,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let inputs = st_io::load(&args.input)?;
     write_atomically(&args.output, || {
         let (res, grads) = with_threads(args.threads, || compute(&inputs, args))??;
-        st_io::serialize(&res, grads.as_ref())
+        st_io::serialize(&res, grads.as_ref().map(|g| (g, &inputs.qkv)))
     })
 }
 
@@ -130,7 +130,7 @@ pub fn write_atomically(output: &Path, produce: impl FnOnce() -> Result<Vec<u8>>
 /// Forward, and backward when the file holds `dout`.
 fn compute(inputs: &st_io::Inputs, args: &RunArgs) -> Result<(AttnOutput, Option<AttnGrads>)> {
     let opts = args.attn_options(inputs.alibi_slopes.as_ref());
-    let (q, k, v) = (inputs.q.view(), inputs.k.view(), inputs.v.view());
+    let [q, k, v] = inputs.qkv.views();
     let dout = inputs.dout.as_ref().map(|t| t.view());
     if args.device == Device::Cuda {
         let cu = inputs

@@ -9,10 +9,12 @@ use std::path::Path;
 
 /// Every tensor name `run` understands; anything else in the file is rejected rather than ignored,
 /// so a typo (`Q`, `cu_seqlen_q`) cannot silently change the computation.
-pub const ACCEPTED: [&str; 7] = [
+pub const ACCEPTED: [&str; 9] = [
     "q",
     "k",
     "v",
+    "qkv",
+    "kv",
     "dout",
     "alibi_slopes",
     "cu_seqlens_q",
@@ -32,11 +34,96 @@ impl Loaded {
     }
 }
 
+/// Where q, k and v come from: three tensors, or flash-attn's packed layouts, whose parts are
+/// strided views (`TensorRef::select`) along `dim` (2 batched, 1 with cu_seqlens).
+pub enum QkvSource {
+    Separate([Loaded; 3]),
+    /// `qkv` `[batch, seqlen, 3, heads, head_dim]` or `[total, 3, heads, head_dim]`.
+    QkvPacked {
+        qkv: Loaded,
+        dim: usize,
+    },
+    /// q, and `kv` `[batch, seqlen_k, 2, heads_kv, head_dim]` or `[total_k, 2, heads_kv, head_dim]`.
+    KvPacked {
+        q: Loaded,
+        kv: Loaded,
+        dim: usize,
+    },
+}
+
+impl QkvSource {
+    /// q, k and v as views (the packed dimension was checked when the file was read).
+    pub fn views(&self) -> [TensorRef<'_>; 3] {
+        fn part(t: &Loaded, dim: usize, i: usize) -> TensorRef<'_> {
+            t.view().select(dim, i).expect("checked by load")
+        }
+        match self {
+            QkvSource::Separate([q, k, v]) => [q.view(), k.view(), v.view()],
+            QkvSource::QkvPacked { qkv, dim } => [0, 1, 2].map(|i| part(qkv, *dim, i)),
+            QkvSource::KvPacked { q, kv, dim } => [q.view(), part(kv, *dim, 0), part(kv, *dim, 1)],
+        }
+    }
+
+    /// The gradients as output tensors: `dq`, `dk`, `dv`, or packed like the inputs (`dqkv`;
+    /// `dq` and `dkv`), as flash-attn's packed functions return them.
+    pub fn grads(&self, g: &AttnGrads) -> Vec<(&'static str, Buffer, Vec<usize>)> {
+        let own = |n, t: &Tensor| (n, t.buffer().clone(), t.shape().to_vec());
+        match self {
+            QkvSource::Separate(_) => vec![own("dq", &g.dq), own("dk", &g.dk), own("dv", &g.dv)],
+            QkvSource::QkvPacked { qkv, dim } => {
+                let buf = interleave(&[&g.dq, &g.dk, &g.dv], *dim);
+                vec![("dqkv", buf, qkv.shape.clone())]
+            }
+            QkvSource::KvPacked { kv, dim, .. } => vec![
+                own("dq", &g.dq),
+                ("dkv", interleave(&[&g.dk, &g.dv], *dim), kv.shape.clone()),
+            ],
+        }
+    }
+}
+
+/// Contiguous tensors of one shape `[lead.., rest..]` (`dim` leading dimensions) interleaved
+/// along a new dimension at `dim`: `[lead.., parts, rest..]`.
+fn interleave(parts: &[&Tensor], dim: usize) -> Buffer {
+    fn go<T: Copy>(parts: &[&[T]], chunk: usize) -> Vec<T> {
+        let rows = parts[0].len() / chunk.max(1);
+        let mut out = Vec::with_capacity(parts.len() * parts[0].len());
+        for r in 0..rows {
+            for p in parts {
+                out.extend_from_slice(&p[r * chunk..(r + 1) * chunk]);
+            }
+        }
+        out
+    }
+    let chunk: usize = parts[0].shape()[dim..].iter().product();
+    match parts[0].buffer() {
+        Buffer::F32(_) => Buffer::F32(go(
+            &parts
+                .iter()
+                .map(|t| t.as_slice::<f32>().unwrap())
+                .collect::<Vec<_>>(),
+            chunk,
+        )),
+        Buffer::F16(_) => Buffer::F16(go(
+            &parts
+                .iter()
+                .map(|t| t.as_slice::<f16>().unwrap())
+                .collect::<Vec<_>>(),
+            chunk,
+        )),
+        Buffer::BF16(_) => Buffer::BF16(go(
+            &parts
+                .iter()
+                .map(|t| t.as_slice::<bf16>().unwrap())
+                .collect::<Vec<_>>(),
+            chunk,
+        )),
+    }
+}
+
 /// The contents of an input file.
 pub struct Inputs {
-    pub q: Loaded,
-    pub k: Loaded,
-    pub v: Loaded,
+    pub qkv: QkvSource,
     pub alibi_slopes: Option<Loaded>,
     /// Gradient of the output; present means the backward pass runs too.
     pub dout: Option<Loaded>,
@@ -143,28 +230,84 @@ pub fn load(path: &Path) -> Result<Inputs> {
             )),
         }
     };
-    let q = required("q")?;
-    let k = required("k")?;
-    let v = required("v")?;
-    for (name, t) in [("k", &k), ("v", &v)] {
-        if t.buf.dtype() != q.buf.dtype() {
+    // flash-attn's packed layouts: `qkv` alone, or `q` with `kv`; the part dimension is 2 in
+    // the batched layout (rank 5) and 1 in the packed one (rank 4, with cu_seqlens).
+    let packed_part = |name: &str, parts: usize| -> Result<Option<(Loaded, usize)>> {
+        let Some(t) = get(name)? else {
+            return Ok(None);
+        };
+        let t = decode_float(name, &t)?;
+        let dim = match t.shape.len() {
+            5 => 2,
+            4 => 1,
+            _ => usize::MAX,
+        };
+        if t.shape.get(dim) != Some(&parts) {
             return fail(format!(
-                "tensor `{name}` has dtype {}, but `q` has {}; q, k and v must share one dtype",
-                t.buf.dtype(),
-                q.buf.dtype()
+                "tensor `{name}` has shape {:?}, expected [batch, seqlen, {parts}, heads, head_dim] \
+                 or, with cu_seqlens, [total, {parts}, heads, head_dim]",
+                t.shape
             ));
         }
-    }
+        Ok(Some((t, dim)))
+    };
+    let present = |name: &str| st.names().iter().any(|n| n.as_str() == name);
+    let qkv = match (packed_part("qkv", 3)?, packed_part("kv", 2)?) {
+        (Some(_), Some(_)) => {
+            return fail(format!(
+                "{shown}: tensors `qkv` and `kv` exclude each other"
+            ))
+        }
+        (Some((qkv, dim)), None) => {
+            if let Some(n) = ["q", "k", "v"].into_iter().find(|n| present(n)) {
+                return fail(format!(
+                    "{shown}: tensor `{n}` is present beside `qkv`, which holds q, k and v"
+                ));
+            }
+            QkvSource::QkvPacked { qkv, dim }
+        }
+        (None, Some((kv, dim))) => {
+            if let Some(n) = ["k", "v"].into_iter().find(|n| present(n)) {
+                return fail(format!(
+                    "{shown}: tensor `{n}` is present beside `kv`, which holds k and v"
+                ));
+            }
+            let q = required("q")?;
+            if kv.buf.dtype() != q.buf.dtype() {
+                return fail(format!(
+                    "tensor `kv` has dtype {}, but `q` has {}; q and kv must share one dtype",
+                    kv.buf.dtype(),
+                    q.buf.dtype()
+                ));
+            }
+            QkvSource::KvPacked { q, kv, dim }
+        }
+        (None, None) => {
+            let q = required("q")?;
+            let k = required("k")?;
+            let v = required("v")?;
+            for (name, t) in [("k", &k), ("v", &v)] {
+                if t.buf.dtype() != q.buf.dtype() {
+                    return fail(format!(
+                        "tensor `{name}` has dtype {}, but `q` has {}; q, k and v must share one dtype",
+                        t.buf.dtype(),
+                        q.buf.dtype()
+                    ));
+                }
+            }
+            QkvSource::Separate([q, k, v])
+        }
+    };
+    let q_dtype = qkv.views()[0].dtype();
     let dout = match get("dout")? {
         Some(t) => Some(decode_float("dout", &t)?),
         None => None,
     };
     if let Some(t) = &dout {
-        if t.buf.dtype() != q.buf.dtype() {
+        if t.buf.dtype() != q_dtype {
             return fail(format!(
-                "tensor `dout` has dtype {}, but `q` has {}; dout must have q's dtype",
+                "tensor `dout` has dtype {}, but `q` has {q_dtype}; dout must have q's dtype",
                 t.buf.dtype(),
-                q.buf.dtype()
             ));
         }
     }
@@ -183,9 +326,7 @@ pub fn load(path: &Path) -> Result<Inputs> {
         ),
     };
     Ok(Inputs {
-        q,
-        k,
-        v,
+        qkv,
         alibi_slopes,
         dout,
         cu_seqlens,
@@ -313,15 +454,14 @@ pub fn serialize_encoded(encoded: &[(&str, Dtype, &[usize], Vec<u8>)]) -> Result
         .map_err(|e| CliError(format!("cannot encode the output: {e:?}")))
 }
 
-/// The whole output file (`out`, `lse`, and `dq`, `dk`, `dv` when gradients were computed) in memory.
-pub fn serialize(res: &AttnOutput, grads: Option<&AttnGrads>) -> Result<Vec<u8>> {
-    let mut named: Vec<(&str, &Tensor)> = vec![("out", &res.out), ("lse", &res.lse)];
-    if let Some(g) = grads {
-        named.extend([("dq", &g.dq), ("dk", &g.dk), ("dv", &g.dv)]);
-    }
-    let named: Vec<(&str, &Buffer, &[usize])> = named
-        .iter()
-        .map(|(name, t)| (*name, t.buffer(), t.shape()))
-        .collect();
+/// The whole output file (`out`, `lse`, and the gradients when computed: `dq`, `dk`, `dv`, or
+/// packed as the inputs were, see [`QkvSource::grads`]) in memory.
+pub fn serialize(res: &AttnOutput, grads: Option<(&AttnGrads, &QkvSource)>) -> Result<Vec<u8>> {
+    let g = grads.map(|(g, qkv)| qkv.grads(g)).unwrap_or_default();
+    let mut named: Vec<(&str, &Buffer, &[usize])> = vec![
+        ("out", res.out.buffer(), res.out.shape()),
+        ("lse", res.lse.buffer(), res.lse.shape()),
+    ];
+    named.extend(g.iter().map(|(n, b, s)| (*n, b, &s[..])));
     serialize_named(&named)
 }
