@@ -31,7 +31,7 @@ use std::time::Instant;
 
 /// Tensor names of a KV-cache input file; anything else is rejected (a typo must not silently
 /// change the computation).
-pub const ACCEPTED: [&str; 16] = [
+pub const ACCEPTED: [&str; 17] = [
     "q",
     "k_cache",
     "v_cache",
@@ -46,6 +46,7 @@ pub const ACCEPTED: [&str; 16] = [
     "rotary_cos",
     "rotary_sin",
     "alibi_slopes",
+    "learnable_sink",
     "k_descale",
     "v_descale",
 ];
@@ -139,12 +140,15 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let v_new = float("v_new")?;
     let (cos, sin) = (float("rotary_cos")?, float("rotary_sin")?);
     let alibi = float("alibi_slopes")?;
-    if let Some(a) = &alibi {
-        if a.buf.dtype() != DType::F32 {
-            return fail(format!(
-                "tensor `alibi_slopes` has dtype {}, expected F32",
-                a.buf.dtype()
-            ));
+    let sink = float("learnable_sink")?;
+    for (name, t) in [("alibi_slopes", &alibi), ("learnable_sink", &sink)] {
+        if let Some(a) = t {
+            if a.buf.dtype() != DType::F32 {
+                return fail(format!(
+                    "tensor `{name}` has dtype {}, expected F32",
+                    a.buf.dtype()
+                ));
+            }
         }
     }
     // The optional I32 tensors: (shape, values).
@@ -159,7 +163,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let cu_q = index("cu_seqlens_q", 1, "[batch + 1]")?;
     let cu_new = index("cu_seqlens_k_new", 1, "[batch + 1]")?;
 
-    let mut opts = KvCacheOptions::default().attn(args.attn_options(alibi.as_ref()));
+    let mut opts = KvCacheOptions::default().attn(args.attn_options(alibi.as_ref(), sink.as_ref()));
     opts.num_splits = args.num_splits;
     match (&k_new, &v_new) {
         (Some(k), Some(v)) => opts = opts.new_kv(k.view(), v.view()),

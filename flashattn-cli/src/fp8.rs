@@ -170,7 +170,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
                 "the packed layout needs both `cu_seqlens_q` and `cu_seqlens_k`, the file has one",
             ),
         };
-    let opts = args.attn_options(alibi.as_ref());
+    let opts = args.attn_options(alibi.as_ref(), None);
     let d = Descale {
         q: dq.as_deref(),
         k: dk.as_deref(),

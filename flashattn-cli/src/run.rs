@@ -67,14 +67,20 @@ pub struct RunArgs {
 }
 
 impl RunArgs {
-    /// The attention options these flags ask for, with the file's ALiBi slopes.
-    pub fn attn_options<'a>(&self, alibi_slopes: Option<&'a st_io::Loaded>) -> AttnOptions<'a> {
+    /// The attention options these flags ask for, with the file's ALiBi slopes and learnable
+    /// sinks.
+    pub fn attn_options<'a>(
+        &self,
+        alibi_slopes: Option<&'a st_io::Loaded>,
+        learnable_sink: Option<&'a st_io::Loaded>,
+    ) -> AttnOptions<'a> {
         AttnOptions {
             softmax_scale: self.scale,
             causal: self.causal,
             window: (self.window_left, self.window_right),
             softcap: self.softcap,
             alibi_slopes: alibi_slopes.map(|a| a.view()),
+            learnable_sink: learnable_sink.map(|s| s.view()),
             dropout_p: self.dropout,
             seed: self.seed,
             isa: None,
@@ -129,7 +135,7 @@ pub fn write_atomically(output: &Path, produce: impl FnOnce() -> Result<Vec<u8>>
 
 /// Forward, and backward when the file holds `dout`.
 fn compute(inputs: &st_io::Inputs, args: &RunArgs) -> Result<(AttnOutput, Option<AttnGrads>)> {
-    let opts = args.attn_options(inputs.alibi_slopes.as_ref());
+    let opts = args.attn_options(inputs.alibi_slopes.as_ref(), inputs.learnable_sink.as_ref());
     let [q, k, v] = inputs.qkv.views();
     let dout = inputs.dout.as_ref().map(|t| t.view());
     if args.device == Device::Cuda {

@@ -9,7 +9,7 @@ use std::path::Path;
 
 /// Every tensor name `run` understands; anything else in the file is rejected rather than ignored,
 /// so a typo (`Q`, `cu_seqlen_q`) cannot silently change the computation.
-pub const ACCEPTED: [&str; 9] = [
+pub const ACCEPTED: [&str; 10] = [
     "q",
     "k",
     "v",
@@ -17,6 +17,7 @@ pub const ACCEPTED: [&str; 9] = [
     "kv",
     "dout",
     "alibi_slopes",
+    "learnable_sink",
     "cu_seqlens_q",
     "cu_seqlens_k",
 ];
@@ -65,10 +66,10 @@ impl QkvSource {
     }
 
     /// The gradients as output tensors: `dq`, `dk`, `dv`, or packed like the inputs (`dqkv`;
-    /// `dq` and `dkv`), as flash-attn's packed functions return them.
+    /// `dq` and `dkv`), as flash-attn's packed functions return them; and `dsink` with sinks.
     pub fn grads(&self, g: &AttnGrads) -> Vec<(&'static str, Buffer, Vec<usize>)> {
         let own = |n, t: &Tensor| (n, t.buffer().clone(), t.shape().to_vec());
-        match self {
+        let mut named = match self {
             QkvSource::Separate(_) => vec![own("dq", &g.dq), own("dk", &g.dk), own("dv", &g.dv)],
             QkvSource::QkvPacked { qkv, dim } => {
                 let buf = interleave(&[&g.dq, &g.dk, &g.dv], *dim);
@@ -78,7 +79,9 @@ impl QkvSource {
                 own("dq", &g.dq),
                 ("dkv", interleave(&[&g.dk, &g.dv], *dim), kv.shape.clone()),
             ],
-        }
+        };
+        named.extend(g.dsink.as_ref().map(|t| own("dsink", t)));
+        named
     }
 }
 
@@ -125,6 +128,8 @@ fn interleave(parts: &[&Tensor], dim: usize) -> Buffer {
 pub struct Inputs {
     pub qkv: QkvSource,
     pub alibi_slopes: Option<Loaded>,
+    /// Learnable sinks, F32 `[heads]`.
+    pub learnable_sink: Option<Loaded>,
     /// Gradient of the output; present means the backward pass runs too.
     pub dout: Option<Loaded>,
     /// `(cu_seqlens_q, cu_seqlens_k)`: present means the packed layout.
@@ -312,6 +317,16 @@ pub fn load(path: &Path) -> Result<Inputs> {
         }
     }
     let alibi_slopes = decode_alibi(get("alibi_slopes")?)?;
+    let learnable_sink = match get("learnable_sink")? {
+        Some(t) if t.dtype() != Dtype::F32 => {
+            return fail(format!(
+                "tensor `learnable_sink` has dtype {:?}, expected F32",
+                t.dtype()
+            ))
+        }
+        Some(t) => Some(decode_float("learnable_sink", &t)?),
+        None => None,
+    };
     let cu_seqlens = match (get("cu_seqlens_q")?, get("cu_seqlens_k")?) {
         (Some(cq), Some(ck)) => Some((
             decode_i32("cu_seqlens_q", &cq)?,
@@ -328,6 +343,7 @@ pub fn load(path: &Path) -> Result<Inputs> {
     Ok(Inputs {
         qkv,
         alibi_slopes,
+        learnable_sink,
         dout,
         cu_seqlens,
     })

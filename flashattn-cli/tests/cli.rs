@@ -430,6 +430,66 @@ fn packed_qkv_and_kv_match_separate_tensors() {
     }
 }
 
+/// A file's `learnable_sink` (F32 `[heads]`): out, lse and the gradients (`dsink` among them)
+/// are the library's bits.
+#[test]
+fn learnable_sinks_are_read_and_their_gradient_written() {
+    let (sq, sk, h, hk, d) = (6, 9, 4, 2, 8);
+    let mut rng = ChaCha8Rng::seed_from_u64(12);
+    let q = random(&mut rng, sq * h * d);
+    let (k, v) = (random(&mut rng, sk * hk * d), random(&mut rng, sk * hk * d));
+    let dout = random(&mut rng, sq * h * d);
+    let sinks = [0.3f32, -1.0, 2.0, 0.0];
+    let (qs, ks) = ([1, sq, h, d], [1, sk, hk, d]);
+    let named = run_tensors(
+        &[
+            f32_raw("q", &qs, &q),
+            f32_raw("k", &ks, &k),
+            f32_raw("v", &ks, &v),
+            f32_raw("dout", &qs, &dout),
+            f32_raw("learnable_sink", &[h], &sinks),
+        ],
+        &["--causal", "--threads", "1"],
+    );
+    let opts = AttnOptions::default()
+        .causal(true)
+        .learnable_sink(TensorRef::contiguous(&sinks, &[h]));
+    let (qt, kt, vt, dt) = (
+        TensorRef::contiguous(&q, &qs),
+        TensorRef::contiguous(&k, &ks),
+        TensorRef::contiguous(&v, &ks),
+        TensorRef::contiguous(&dout, &qs),
+    );
+    let f = flashattn::flash_attn(&qt, &kt, &vt, &opts).unwrap();
+    let g = f.backward(&qt, &kt, &vt, &dt, &opts).unwrap();
+    let dsink = g.dsink.as_ref().unwrap();
+    for (name, t) in [
+        ("out", &f.out),
+        ("lse", &f.lse),
+        ("dq", &g.dq),
+        ("dk", &g.dk),
+        ("dv", &g.dv),
+        ("dsink", dsink),
+    ] {
+        let got = named
+            .iter()
+            .find(|x| x.0 == name)
+            .unwrap_or_else(|| panic!("no {name}"));
+        assert_eq!(got.1, t.shape(), "{name}");
+        assert_eq!(got.2, f32_bytes(&t.to_f32_vec()), "{name}");
+    }
+    expect_failure(
+        with_tensors(vec![
+            f32_raw("q", &qs, &q),
+            f32_raw("k", &ks, &k),
+            f32_raw("v", &ks, &v),
+            f32_raw("learnable_sink", &[3], &sinks[..3]),
+        ]),
+        &[],
+        &["learnable_sink", "[3]", "[4]"],
+    );
+}
+
 #[test]
 fn packed_layout_problems_are_named() {
     let qkv = vec![0.5f32; 2 * 4 * 3 * 2 * 8];
@@ -568,7 +628,7 @@ fn unknown_tensor_is_named_with_accepted_list() {
         &[],
         &[
             "`extra`",
-            "q, k, v, qkv, kv, dout, alibi_slopes, cu_seqlens_q, cu_seqlens_k",
+            "q, k, v, qkv, kv, dout, alibi_slopes, learnable_sink, cu_seqlens_q, cu_seqlens_k",
         ],
     );
 }

@@ -305,6 +305,28 @@ fn run_contiguous_cache_without_new_keys() {
     assert_eq!(got.k_cache, bits(&kc), "nothing appended");
 }
 
+/// A file's `learnable_sink` (F32 `[heads]`) joins every row's normaliser: the library's bits,
+/// and a sequence with an empty cache gets lse = its head's sink instead of -inf.
+#[test]
+fn run_with_learnable_sinks() {
+    let (q, kc, vc) = random_inputs(10, 3);
+    let lens = [20, 0, 7];
+    let sinks: Vec<f32> = (0..H).map(|h| 0.5 * h as f32 - 1.0).collect();
+    let got = run_and_library(
+        vec![f32_raw("learnable_sink", &[H], &sinks)],
+        &[],
+        (&q, &[3, 1, H, D]),
+        (&kc, &vc),
+        &lens,
+        KvCacheOptions::default().attn(
+            flashattn::AttnOptions::default().learnable_sink(TensorRef::contiguous(&sinks, &[H])),
+        ),
+    );
+    assert_eq!(got.out, bits(&got.want.out.to_f32_vec()));
+    assert_eq!(got.lse, bits(&got.want.lse.to_f32_vec()));
+    assert_eq!(got.lse[H..2 * H], bits(&sinks)[..]);
+}
+
 #[test]
 fn run_packed_queries() {
     // Three sequences with 2, 0 and 3 queries, and one packed row after them; then the same

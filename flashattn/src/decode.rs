@@ -776,6 +776,7 @@ pub(crate) fn validate<V: ViewDesc + ?Sized>(
     // ALiBi distances reach over the keys after the append (a left pad only shortens them).
     let distance = params::alibi_distance((0..batch).map(|b| (q_lens[b], lens[b] + new_lens[b])));
     let alibi = params::check_alibi(&opts.attn, batch, heads, distance)?;
+    let sink = params::check_sink(&opts.attn, heads)?;
 
     let q_layout = row_layout(q);
     let seqs = lens
@@ -821,6 +822,7 @@ pub(crate) fn validate<V: ViewDesc + ?Sized>(
         window_left: o.window_left,
         window_right: o.window_right,
         alibi,
+        sink,
         dropout: None,
         packed,
         kernels: o.kernels,

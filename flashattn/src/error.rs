@@ -142,6 +142,12 @@ pub enum ErrorKind {
         /// sequences.
         max_distance: usize,
     },
+    #[error("learnable_sink has shape {got:?}, expected [{heads}] (one logit per query head)")]
+    SinkShape { got: Vec<usize>, heads: usize },
+    #[error(
+        "learnable_sink: the sink of head {head} is {value}; sink · log2(e) must be finite in f32"
+    )]
+    SinkValue { head: usize, value: f32 },
     #[error("`{tensor}` {problem}")]
     CuSeqlens {
         tensor: TensorName,

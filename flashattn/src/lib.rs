@@ -109,6 +109,8 @@ pub struct AttnGrads {
     pub dq: Tensor,
     pub dk: Tensor,
     pub dv: Tensor,
+    /// Gradient of [`AttnOptions::learnable_sink`], f32 `[heads]`, when the call has sinks.
+    pub dsink: Option<Tensor>,
 }
 
 impl AttnOutput {
@@ -239,10 +241,12 @@ fn backward(
     ) -> AttnGrads {
         let (dq, dk, dv) =
             cpu::backward::backward(p, g, data(q), data(k), data(v), data(out), data(dout));
+        let dsink = cpu::backward::sink_grad(p, g, data::<T>(out), data::<T>(dout));
         AttnGrads {
             dq: Tensor::new_unchecked(T::wrap_vec(dq), p.out_shape.clone()),
             dk: Tensor::new_unchecked(T::wrap_vec(dk), p.k_shape.clone()),
             dv: Tensor::new_unchecked(T::wrap_vec(dv), p.k_shape.clone()),
+            dsink: dsink.map(|s| Tensor::new_unchecked(Buffer::F32(s), vec![p.heads])),
         }
     }
     with_dtype!(p.dtype, T => typed::<T>(p, g, q, k, v, out, dout))

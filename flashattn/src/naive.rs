@@ -196,13 +196,18 @@ fn head<T: Element>(
                 || p.window_right.is_some_and(|r| j > diag + r as i128);
             *x = if hidden { f32::NEG_INFINITY } else { val };
         }
-        let max = srow.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        // A learnable sink is one more logit of the row, with no value.
+        let sink = p.sink.as_ref().map(|s| s[h]);
+        let max = srow
+            .iter()
+            .chain(&sink)
+            .fold(f32::NEG_INFINITY, |m, &x| m.max(x));
         let prow = &mut p_mat[i * sk..(i + 1) * sk];
         if max == f32::NEG_INFINITY {
             prow.fill(0.0);
             continue;
         }
-        let sum: f32 = srow.iter().map(|&x| (x - max).exp()).sum();
+        let sum: f32 = srow.iter().chain(&sink).map(|&x| (x - max).exp()).sum();
         for (pj, &x) in prow.iter_mut().zip(srow.iter()) {
             *pj = round::<T>((x - max).exp() / sum);
         }
@@ -275,7 +280,8 @@ fn backward_dispatch(
         dout: &TensorRef,
         layout: &params::QLike,
     ) -> crate::AttnGrads {
-        let (dq, dk, dv) = backward_run::<T>(p, data(q), data(k), data(v), data(dout), layout);
+        let (dq, dk, dv, dsink) =
+            backward_run::<T>(p, data(q), data(k), data(v), data(dout), layout);
         let wrap = |x: Vec<f32>, shape: &[usize]| {
             let mut t = vec![T::default(); x.len()];
             T::narrow(&x, &mut t);
@@ -285,6 +291,10 @@ fn backward_dispatch(
             dq: wrap(dq, &p.out_shape),
             dk: wrap(dk, &p.k_shape),
             dv: wrap(dv, &p.k_shape),
+            dsink: p
+                .sink
+                .as_ref()
+                .map(|_| Tensor::new_unchecked(crate::Buffer::F32(dsink), vec![p.heads])),
         }
     }
     Ok(with_dtype!(p.dtype, T => typed::<T>(p, q, k, v, dout, &layout)))
@@ -297,21 +307,23 @@ fn backward_run<T: Element>(
     v: &[T],
     dout: &[T],
     layout: &params::QLike,
-) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
     let d = p.head_dim;
     let scale = p.softmax_scale;
     let jobs: Vec<(usize, usize)> = (0..p.seqs.len())
         .flat_map(|b| (0..p.heads).map(move |h| (b, h)))
         .collect();
-    let per_head: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = jobs
+    let per_head: Vec<HeadGrads> = jobs
         .par_iter()
         .map(|&(b, h)| head_backward::<T>(p, q, k, v, dout, layout, b, h))
         .collect();
     let mut dq = vec![0f32; p.out_len()];
     let mut dk = vec![0f32; p.dk_len()];
     let mut dv = vec![0f32; p.dk_len()];
+    let mut dsink = vec![0f32; p.heads];
     // Per-head gradients (already rounded to T) summed over the GQA group in a fixed order.
-    for (&(b, h), (hdq, hdk, hdv)) in jobs.iter().zip(per_head) {
+    for (&(b, h), (hdq, hdk, hdv, hds)) in jobs.iter().zip(per_head) {
+        dsink[h] += hds;
         let (s, hk) = (p.seqs[b], p.kv_head(h));
         for i in 0..s.seqlen_q {
             let at = p.out_offset(b, i, h);
@@ -327,10 +339,14 @@ fn backward_run<T: Element>(
             }
         }
     }
-    (dq, dk, dv)
+    (dq, dk, dv, dsink)
 }
 
-/// Unscaled dQ/scale, dK/scale and dV of one (sequence, head).
+/// One (sequence, head)'s unscaled dQ/scale, dK/scale, dV and part of the sink gradient.
+type HeadGrads = (Vec<f32>, Vec<f32>, Vec<f32>, f32);
+
+/// Unscaled dQ/scale, dK/scale and dV of one (sequence, head), and its rows' part of the sink
+/// gradient, `-Σ_i P_sink,i · rowsum(P ∘ dP)_i` (0 without sinks).
 #[allow(clippy::too_many_arguments)]
 fn head_backward<T: Element>(
     p: &Params,
@@ -341,13 +357,15 @@ fn head_backward<T: Element>(
     layout: &params::QLike,
     b: usize,
     h: usize,
-) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+) -> HeadGrads {
     let (d, scale) = (p.head_dim, p.softmax_scale);
     let s = p.seqs[b];
     let (sq, sk) = (s.seqlen_q, s.seqlen_k);
     let hk = p.kv_head(h);
     let (mut s_mat, mut p_mat) = (vec![0f32; sq * sk], vec![0f32; sq * sk]);
-    head::<T>(p, (q, k, v), b, h, &mut s_mat, &mut p_mat, DotOrder::Lanes8);
+    let (_, lse) = head::<T>(p, (q, k, v), b, h, &mut s_mat, &mut p_mat, DotOrder::Lanes8);
+    let sink = p.sink.as_ref().map(|s| s[h]);
+    let mut dsink = 0f32;
     let row = |src: &[T], at: usize| -> Vec<f32> {
         let mut r = vec![0f32; d];
         T::widen(&src[at..at + d], &mut r);
@@ -386,6 +404,9 @@ fn head_backward<T: Element>(
             })
             .collect();
         let pdp = round::<T>(prow.iter().zip(&dp).map(|(a, b)| a * b).sum());
+        if let Some(s) = sink {
+            dsink -= (s - lse[i]).exp() * pdp;
+        }
         for j in 0..sk {
             let mut ds = round::<T>(prow[j] * (dp[j] - pdp));
             if let Some(cap) = p.softcap {
@@ -400,5 +421,5 @@ fn head_backward<T: Element>(
             crate::cpu::kernels::axpy(pdrop[j], &dor[i], &mut hdv[j * d..(j + 1) * d]);
         }
     }
-    (hdq, hdk, hdv)
+    (hdq, hdk, hdv, dsink)
 }

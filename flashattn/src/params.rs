@@ -34,6 +34,11 @@ pub struct AttnOptions<'a> {
     /// Each slope must be finite, with `slope · log2(e) · (max(sq, sk) - 1)` (its bias at the
     /// farthest key) finite in f32; otherwise [`crate::ErrorKind::AlibiSlope`].
     pub alibi_slopes: Option<TensorRef<'a>>,
+    /// Learnable attention sinks (gpt-oss): f32 `[heads]`, one logit per head that joins every
+    /// row's softmax normaliser without a value: `P_ij = exp(s_ij) / (Σ_j exp(s_ij) + exp(sink_h))`.
+    /// The LSE includes it (a row that sees no key: out 0, lse = sink); the backward also returns
+    /// its gradient ([`crate::AttnGrads::dsink`]). CPU only.
+    pub learnable_sink: Option<TensorRef<'a>>,
     /// Probability of dropping an attention probability, in `[0, 1)`; kept ones are scaled by
     /// `1 / (1 - p)`. The mask comes from Philox keyed by `seed` (see [`crate::dropout`]).
     pub dropout_p: f32,
@@ -52,6 +57,7 @@ impl Default for AttnOptions<'_> {
             window: (-1, -1),
             softcap: None,
             alibi_slopes: None,
+            learnable_sink: None,
             dropout_p: 0.0,
             seed: 0,
             isa: None,
@@ -74,6 +80,10 @@ impl<'a> AttnOptions<'a> {
     }
     pub fn softcap(mut self, softcap: f32) -> Self {
         self.softcap = Some(softcap);
+        self
+    }
+    pub fn learnable_sink(mut self, sink: TensorRef<'a>) -> Self {
+        self.learnable_sink = Some(sink);
         self
     }
     pub fn alibi_slopes(mut self, slopes: TensorRef<'a>) -> Self {
@@ -144,6 +154,8 @@ pub(crate) struct Params {
     pub window_right: Option<usize>,
     /// Slopes per (batch, head), `batch * heads` entries.
     pub alibi: Option<Vec<f32>>,
+    /// Learnable sink logits per head (natural log, like the scaled scores).
+    pub sink: Option<Vec<f32>>,
     pub dropout: Option<Dropout>,
     /// Whether q is packed (`[total_q, heads, d]`) rather than batched.
     pub packed: bool,
@@ -438,6 +450,33 @@ pub(crate) fn check_options(opts: &AttnOptions, head_dim: usize) -> Result<Check
     })
 }
 
+/// Reads the learnable sinks: f32 `[heads]`, each finite with `sink · log2(e)` finite.
+pub(crate) fn check_sink(opts: &AttnOptions, heads: usize) -> Result<Option<Vec<f32>>> {
+    let Some(t) = &opts.learnable_sink else {
+        return Ok(None);
+    };
+    check_dtype("learnable_sink", t, DType::F32)?;
+    if t.shape() != [heads] {
+        return Err(ErrorKind::SinkShape {
+            got: t.shape().to_vec(),
+            heads,
+        }
+        .into());
+    }
+    check_view("learnable_sink", t, 1, "[heads]")?;
+    let data = t.typed::<f32>().expect("dtype checked above");
+    let st = t.strides()[0];
+    let sinks: Vec<f32> = (0..heads).map(|h| data[h * st]).collect();
+    if let Some((head, &value)) = sinks
+        .iter()
+        .enumerate()
+        .find(|(_, s)| !(**s * LOG2_E).is_finite())
+    {
+        return Err(ErrorKind::SinkValue { head, value }.into());
+    }
+    Ok(Some(sinks))
+}
+
 /// Reads ALiBi slopes into one f32 per (batch, head). `max_distance` is the call's largest
 /// query-key distance |i + seqlen_k - seqlen_q - j|: max(seqlen_q, seqlen_k) - 1 over its
 /// sequences ([`alibi_distance`]).
@@ -522,6 +561,7 @@ pub(crate) fn batched<V: ViewDesc + ?Sized>(
     let (batch, seqlen_q, seqlen_k) = (q.shape()[0], q.shape()[1], k.shape()[1]);
     let o = check_options(opts, head_dim)?;
     let alibi = check_alibi(opts, batch, heads, alibi_distance([(seqlen_q, seqlen_k)]))?;
+    let sink = check_sink(opts, heads)?;
     let out_shape = vec![batch, seqlen_q, heads, head_dim];
     check_sizes(
         &out_shape,
@@ -562,6 +602,7 @@ pub(crate) fn batched<V: ViewDesc + ?Sized>(
         window_left: o.window_left,
         window_right: o.window_right,
         alibi,
+        sink,
         dropout: o.dropout,
         packed: PACKED,
         kernels: o.kernels,
@@ -638,6 +679,7 @@ pub(crate) fn varlen<V: ViewDesc + ?Sized>(
     let distance =
         alibi_distance((0..batch).map(|b| (lens(cu_seqlens_q, b), lens(cu_seqlens_k, b))));
     let alibi = check_alibi(opts, batch, heads, distance)?;
+    let sink = check_sink(opts, heads)?;
     let total_q = q.shape()[0];
     let out_shape = vec![total_q, heads, head_dim];
     check_sizes(&out_shape, k.shape(), batch, heads, total_q)?;
@@ -677,6 +719,7 @@ pub(crate) fn varlen<V: ViewDesc + ?Sized>(
         window_left: o.window_left,
         window_right: o.window_right,
         alibi,
+        sink,
         dropout: o.dropout,
         packed: PACKED,
         kernels: o.kernels,

@@ -27,6 +27,8 @@ pub struct ReferenceGrads {
     pub dq: Vec<f64>,
     pub dk: Vec<f64>,
     pub dv: Vec<f64>,
+    /// Gradient of the learnable sinks (`[heads]`), when the call has them.
+    pub dsink: Option<Vec<f64>>,
 }
 
 /// A whole buffer widened to f64, indexed as the original.
@@ -111,17 +113,25 @@ fn head(p: &Params, x: &Inputs, b: usize, h: usize, row_range: std::ops::Range<u
     }
     let mut probs = Vec::with_capacity(q.len());
     let mut lse = Vec::with_capacity(q.len());
+    // A learnable sink: one more logit of every row, with no value.
+    let sink = p.sink.as_ref().map(|s| s[h] as f64);
     for row in &scores {
         let max = row
             .iter()
             .flatten()
+            .chain(&sink)
             .fold(f64::NEG_INFINITY, |m, &x| m.max(x));
         if max == f64::NEG_INFINITY {
             probs.push(vec![0.0; sk]);
             lse.push(f64::NEG_INFINITY);
             continue;
         }
-        let sum: f64 = row.iter().flatten().map(|x| (x - max).exp()).sum();
+        let sum: f64 = row
+            .iter()
+            .flatten()
+            .chain(&sink)
+            .map(|x| (x - max).exp())
+            .sum();
         probs.push(
             row.iter()
                 .map(|x| x.map_or(0.0, |x| (x - max).exp() / sum))
@@ -207,6 +217,7 @@ pub(crate) fn backward_core(
     let mut dq = vec![0.0; p.out_len()];
     let mut dk = vec![0.0; p.dk_len()];
     let mut dv = vec![0.0; p.dk_len()];
+    let mut dsink = p.sink.as_ref().map(|_| vec![0.0; p.heads]);
     for b in 0..p.seqs.len() {
         for h in 0..p.heads {
             let hd = head(p, x, b, h, 0..p.seqs[b].seqlen_q);
@@ -224,6 +235,10 @@ pub(crate) fn backward_core(
                     })
                     .collect();
                 let pdp: f64 = (0..sk).map(|j| hd.p[i][j] * dp[j]).sum();
+                // The sink's probability exp(sink - lse) times d(out)/d(its logit) = -pdp.
+                if let (Some(ds), Some(s)) = (dsink.as_mut(), &p.sink) {
+                    ds[h] -= (s[h] as f64 - hd.lse[i]).exp() * pdp;
+                }
                 for j in 0..sk {
                     let dsc = hd.p[i][j] * (dp[j] - pdp) * hd.dscore[i][j] * scale;
                     for c in 0..d {
@@ -235,7 +250,7 @@ pub(crate) fn backward_core(
             }
         }
     }
-    ReferenceGrads { dq, dk, dv }
+    ReferenceGrads { dq, dk, dv, dsink }
 }
 
 fn run(p: &Params, q: &TensorRef, k: &TensorRef, v: &TensorRef) -> Reference {
@@ -477,6 +492,148 @@ mod tests {
                 }
             }
             assert!(worst < 1e-7, "causal={causal} window={window:?} softcap={softcap:?} alibi={alibi} dropout={dropout}: worst |fd - grad| = {worst:e}");
+        }
+    }
+
+    /// With learnable sinks: the forward against a direct softmax over the keys and the sink,
+    /// and the gradients of q, k, v and the sinks against central finite differences (with GQA, a
+    /// causal mask that leaves rows with no key, softcap, ALiBi and dropout).
+    #[test]
+    fn sink_forward_and_backward_match_finite_differences() {
+        let (b, sq, sk, h, hk, d) = (2usize, 6usize, 4usize, 4usize, 2usize, 3usize);
+        let mut seed = 19u64;
+        let mut gen = |n: usize| -> Vec<f32> { (0..n).map(|_| lcg(&mut seed)).collect() };
+        let (q, k, v, dout) = (
+            gen(b * sq * h * d),
+            gen(b * sk * hk * d),
+            gen(b * sk * hk * d),
+            gen(b * sq * h * d),
+        );
+        let sinks = [0.4f32, -1.3, 2.5, 0.0];
+        let slopes = [0.3f32, 0.1, 0.7, 0.2];
+        let qt = TensorRef::contiguous(&q, &[b, sq, h, d]);
+        let kt = TensorRef::contiguous(&k, &[b, sk, hk, d]);
+        let vt = TensorRef::contiguous(&v, &[b, sk, hk, d]);
+        let dt = TensorRef::contiguous(&dout, &[b, sq, h, d]);
+        for (window, softcap, alibi, dropout) in [
+            ((-1, -1), None, false, 0.0),
+            ((1, 0), Some(1.5f32), true, 0.0),
+            ((-1, 0), None, false, 0.3),
+        ] {
+            let mut opts = AttnOptions::default()
+                .window(window.0, window.1)
+                .dropout(dropout, 5)
+                .learnable_sink(TensorRef::contiguous(&sinks, &[h]));
+            opts.softcap = softcap;
+            if alibi {
+                opts.alibi_slopes = Some(TensorRef::contiguous(&slopes, &[h]));
+            }
+            let p = params::batched(&qt, &kt, &vt, &opts).unwrap();
+            let layout = params::q_like("dout", &dt, &p).unwrap();
+            let (q64, k64, v64, do64) = (
+                widen_all(qt.data()),
+                widen_all(kt.data()),
+                widen_all(vt.data()),
+                widen_all(dt.data()),
+            );
+            let inputs = Inputs {
+                q: &q64,
+                k: &k64,
+                v: &v64,
+            };
+            // Forward, no dropout: out = Σ_j e^{s_j} v_j / (Σ_j e^{s_j} + e^{sink}) over the
+            // visible keys; lse = log of that denominator (the sink alone for a row with none).
+            if dropout == 0.0 {
+                let r = forward_core(&p, &inputs);
+                let plain = params::batched(
+                    &qt,
+                    &kt,
+                    &vt,
+                    &AttnOptions {
+                        learnable_sink: None,
+                        ..opts.clone()
+                    },
+                )
+                .unwrap();
+                let r0 = forward_core(&plain, &inputs);
+                for bb in 0..b {
+                    for (hh, &sink) in sinks.iter().enumerate() {
+                        for i in 0..sq {
+                            let l0 = r0.lse[p.lse_offset(bb, hh, i)];
+                            let l = r.lse[p.lse_offset(bb, hh, i)];
+                            let s = sink as f64;
+                            let want = if l0 == f64::NEG_INFINITY {
+                                s
+                            } else {
+                                (l0.exp() + s.exp()).ln()
+                            };
+                            assert!((l - want).abs() < 1e-12, "lse {l} vs {want}");
+                            let o = p.out_offset(bb, i, hh);
+                            for c in 0..d {
+                                let w0 = r0.out[o + c] * (l0 - want).exp();
+                                assert!((r.out[o + c] - w0).abs() < 1e-12);
+                            }
+                        }
+                    }
+                }
+            }
+            let grads = backward_core(&p, &inputs, &do64, &layout);
+            let loss = |q: &[f64], k: &[f64], v: &[f64], sinks: &[f32]| -> f64 {
+                let mut p = p.clone();
+                p.sink = Some(sinks.to_vec());
+                let r = forward_core(&p, &Inputs { q, k, v });
+                r.out.iter().zip(&do64).map(|(a, b)| a * b).sum()
+            };
+            let eps = 1e-6;
+            let mut worst = 0f64;
+            for which in 0..3 {
+                let (base, grad) = match which {
+                    0 => (&q64, &grads.dq),
+                    1 => (&k64, &grads.dk),
+                    _ => (&v64, &grads.dv),
+                };
+                for idx in 0..base.len() {
+                    let (mut plus, mut minus) = (base.clone(), base.clone());
+                    plus[idx] += eps;
+                    minus[idx] -= eps;
+                    let (lp, lm) = match which {
+                        0 => (
+                            loss(&plus, &k64, &v64, &sinks),
+                            loss(&minus, &k64, &v64, &sinks),
+                        ),
+                        1 => (
+                            loss(&q64, &plus, &v64, &sinks),
+                            loss(&q64, &minus, &v64, &sinks),
+                        ),
+                        _ => (
+                            loss(&q64, &k64, &plus, &sinks),
+                            loss(&q64, &k64, &minus, &sinks),
+                        ),
+                    };
+                    worst = worst.max(((lp - lm) / (2.0 * eps) - grad[idx]).abs());
+                }
+            }
+            // The sinks are f32 in the options: step them by a power of two, exact in f32.
+            let dsink = grads.dsink.as_ref().expect("sinks give a sink gradient");
+            let step = 1.0 / 1024.0;
+            for hh in 0..h {
+                let (mut plus, mut minus) = (sinks, sinks);
+                plus[hh] += step;
+                minus[hh] -= step;
+                let fd = (loss(&q64, &k64, &v64, &plus) - loss(&q64, &k64, &v64, &minus))
+                    / (2.0 * step as f64);
+                // Central differences err by ~step² · (third derivative).
+                assert!(
+                    (fd - dsink[hh]).abs() < 1e-6,
+                    "dsink[{hh}]: fd {fd} vs {}, window {window:?}",
+                    dsink[hh]
+                );
+                assert!(dsink[hh] != 0.0, "a sink gradient of 0 tests nothing");
+            }
+            assert!(
+                worst < 1e-7,
+                "window={window:?}: worst |fd - grad| = {worst:e}"
+            );
         }
     }
 }

@@ -82,7 +82,10 @@ fn concurrent_calls_give_the_bits_of_serial_ones() {
     ];
     release_scratch();
     let serial: Vec<_> = jobs.iter().map(Job::run).collect();
-    assert!(release_scratch() > 0, "the calls kept no scratch: nothing shared");
+    assert!(
+        release_scratch() > 0,
+        "the calls kept no scratch: nothing shared"
+    );
     for round in 0..3 {
         let got: Vec<Vec<_>> = std::thread::scope(|s| {
             let handles: Vec<_> = jobs

@@ -617,6 +617,30 @@ fn write_dq_rows<T: Element>(
 }
 
 /// `delta[b, h, i] = dO_i · O_i`, in `lse` layout.
+/// The gradient of the learnable sinks, when the call has them: for head h, `-Σ_rows
+/// exp(sink_h - lse) · D` over every sequence's rows, where `exp(sink - lse)` is the row's sink
+/// probability and `D = rowsum(dO ∘ O)` (the same D as the kernels'), summed in f64 in row order
+/// (so the same for any thread count). An O(rows · d) pass beside the backward's O(rows · keys · d).
+pub(crate) fn sink_grad<T: Element>(
+    p: &Params,
+    g: &GradInputs,
+    out: &[T],
+    dout: &[T],
+) -> Option<Vec<f32>> {
+    let sinks = p.sink.as_ref()?;
+    let delta = compute_delta(p, g, out, dout);
+    let mut dsink = vec![0f64; p.heads];
+    for (h, (ds, &sink)) in dsink.iter_mut().zip(sinks).enumerate() {
+        for b in 0..p.seqs.len() {
+            for i in 0..p.seqs[b].seqlen_q {
+                let at = p.lse_offset(b, h, i);
+                *ds -= (sink as f64 - g.lse[at] as f64).exp() * delta[at] as f64;
+            }
+        }
+    }
+    Some(dsink.into_iter().map(|x| x as f32).collect())
+}
+
 fn compute_delta<T: Element>(p: &Params, g: &GradInputs, out: &[T], dout: &[T]) -> Vec<f32> {
     let d = p.head_dim;
     let jobs: Vec<(usize, usize)> = (0..p.seqs.len())

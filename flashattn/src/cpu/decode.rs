@@ -35,7 +35,7 @@
 use super::forward::ScoreMod;
 use super::fp8::widen;
 use super::simd::{pad_lanes, Isa, Kernels, LANES};
-use super::softmax::finalize;
+use super::softmax::{finalize, fold_sink};
 use crate::blocks::Mask;
 use crate::decode::{DecodeParams, SliceMut};
 use crate::fp8::Fp8Format;
@@ -409,7 +409,10 @@ fn attend<T: Element>(dp: &DecodeParams, q: &[T], kv: Kv<T>) -> (Vec<T>, Vec<f32
                     parts[s * d..(s + 1) * d].copy_from_slice(src);
                     part_lse[s] = part_lse_all[item * rows + r];
                 }
-                let row_lse = merge_row(&part_lse, &parts, d, &mut row);
+                let mut row_lse = merge_row(&part_lse, &parts, d, &mut row);
+                if let Some(s) = &p.sink {
+                    row_lse = fold_sink(&mut row, row_lse, s[h]);
+                }
                 let o = p.out_offset(b, i0 + il, h);
                 T::narrow(&row, &mut out[o..o + d]);
                 lse[p.lse_offset(b, h, i0 + il)] = row_lse;
@@ -713,9 +716,14 @@ fn run_item<T: Element>(
         let out_scale = p.out_descale(b, row / m_rows);
         lse[row] = finalize(acc_row, row_max[row], row_sum[row], out_scale);
         match &mut dst {
+            // A split's partial: the sink joins after the merge (see `attend`).
             ItemOut::Parts(out) => out[row * d..(row + 1) * d].copy_from_slice(acc_row),
+            // The item covers all of its rows' keys: the sink joins here.
             ItemOut::Rows(out) => {
                 let (h, il) = (row / m_rows, row % m_rows);
+                if let Some(s) = &p.sink {
+                    lse[row] = fold_sink(acc_row, lse[row], s[h]);
+                }
                 T::narrow(acc_row, &mut out[(il * p.heads + h) * d..][..d]);
             }
         }

@@ -13,7 +13,7 @@
 
 use super::reuse::{self, Slot};
 use super::simd::{pad_lanes, Gemm, Kernels, KC};
-use super::softmax::finalize;
+use super::softmax::{finalize, fold_sink};
 use super::{block_sizes, BlockSizes, Disjoint, Pass};
 use crate::blocks::Mask;
 use crate::dropout::Dropout;
@@ -817,7 +817,10 @@ fn forward_block<T: Element, S: Bf16Source>(
         for (x, o) in scr.row.iter_mut().enumerate() {
             *o = scr.ot[x * np + r];
         }
-        let row_lse = finalize(&mut scr.row, scr.row_max[r], scr.row_sum[r], out_scale);
+        let mut row_lse = finalize(&mut scr.row, scr.row_max[r], scr.row_sum[r], out_scale);
+        if let Some(s) = &p.sink {
+            row_lse = fold_sink(&mut scr.row, row_lse, s[h]);
+        }
         T::narrow(&scr.row, row_buf);
         // SAFETY: rows m0..m1 of head h of sequence b belong to this work item alone.
         unsafe {

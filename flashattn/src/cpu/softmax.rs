@@ -47,6 +47,19 @@ pub(crate) fn finalize(acc_row: &mut [f32], row_max: f32, row_sum: f32, out_scal
     (row_max + row_sum.log2()) * std::f32::consts::LN_2
 }
 
+/// Adds a learnable sink (a logit with no value) to a finalised row's normaliser: the row
+/// (normalised by its keys alone, LSE `lse`) becomes `row · exp(lse - lse')` with `lse' =
+/// log(exp(lse) + exp(sink))`, which is returned. A row that saw no key (0, lse -inf) stays 0
+/// with lse' = sink. Once per row, in f64, so only the final multiply rounds.
+pub(crate) fn fold_sink(row: &mut [f32], lse: f32, sink: f32) -> f32 {
+    let (l, s) = (lse as f64, sink as f64);
+    let m = l.max(s);
+    let total = m + ((l - m).exp() + (s - m).exp()).ln();
+    let factor = (l - total).exp() as f32;
+    row.iter_mut().for_each(|x| *x *= factor);
+    total as f32
+}
+
 #[cfg(test)]
 mod tests {
     use super::exp2;

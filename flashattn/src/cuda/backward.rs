@@ -244,6 +244,7 @@ pub fn backward_launch_description(
         None => params::batched(q, k, v, opts)?,
     };
     let (o, g, ls) = validate(&p, out, lse, dout)?;
+    super::refuse_sink(&p)?;
     Ok(BackwardLaunch::new(&p, &o, &g, &ls))
 }
 
@@ -260,6 +261,7 @@ pub fn backward_kernel_key(
     let out = params::q_like("out", dout, &p)?;
     let dout = params::q_like("dout", dout, &p)?;
     let lse_strides = crate::tensor::contiguous_strides(&p.lse_shape);
+    super::refuse_sink(&p)?;
     Ok(BackwardLaunch::new(&p, &out, &dout, &lse_strides).dq)
 }
 

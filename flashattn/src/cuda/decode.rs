@@ -151,6 +151,7 @@ impl DecodeLaunch {
         fp8: Option<(Fp8Format, &[f32])>,
     ) -> Result<DecodeLaunch> {
         let p = &dp.p;
+        super::refuse_sink(p)?;
         let batch = p.seqs.len();
         let group = p.heads / p.heads_kv;
         // Packed rows after the last sequence: one more sequence that sees no key (out 0,

@@ -467,7 +467,9 @@ pub fn kernel_key(
     v: &CudaTensor,
     opts: &AttnOptions,
 ) -> Result<KernelKey> {
-    Ok(key_for(&params::batched(q, k, v, opts)?, false))
+    let p = params::batched(q, k, v, opts)?;
+    refuse_sink(&p)?;
+    Ok(key_for(&p, false))
 }
 
 /// The kernel variant that serves validated `p` (strides decide the vector-load path), on FP8
@@ -496,6 +498,19 @@ fn key_for(p: &Params, fp8: bool) -> KernelKey {
     }
 }
 
+/// The CUDA kernels have no learnable sinks (the CPU path has): refused before any launch is
+/// described.
+pub(crate) fn refuse_sink(p: &Params) -> Result<()> {
+    if p.sink.is_some() {
+        return Err(ErrorKind::CudaUnsupported {
+            feature: "learnable_sink",
+            detail: " (the CPU path computes it)".into(),
+        }
+        .into());
+    }
+    Ok(())
+}
+
 /// Checks what the kernels cannot do or address, before anything is allocated or queued.
 pub(crate) fn check_launchable(
     dev: &CudaDevice,
@@ -503,6 +518,7 @@ pub(crate) fn check_launchable(
     key: &KernelKey,
     contexts: &[&Arc<CudaContext>],
 ) -> Result<()> {
+    refuse_sink(p)?;
     for c in contexts {
         if !Arc::ptr_eq(c, &dev.ctx) {
             return Err(ErrorKind::CudaUnsupported {
@@ -784,6 +800,7 @@ pub fn launch_description(
         Some((cq, ck)) => params::varlen(q, k, v, cq, ck, opts)?,
         None => params::batched(q, k, v, opts)?,
     };
+    refuse_sink(&p)?;
     Ok(LaunchDescription::new(&p, None))
 }
 
