@@ -371,7 +371,7 @@ pub fn varlen_case<T: Element>() {
 
 /// Forward+backward cases drawn by proptest: any sequence lengths up to 70 (seqlen_q ≠ seqlen_k
 /// both ways, empty ones), MHA/GQA/MQA, head dims 1-256, causal, windows, softcap, ALiBi,
-/// dropout and scales.
+/// dropout, scales and learnable sinks.
 pub mod drawn {
     use super::GradCase;
     use flashattn::{AttnOptions, TensorRef};
@@ -387,6 +387,7 @@ pub mod drawn {
         slopes: Option<Vec<f32>>,
         dropout: Option<f32>,
         scale: Option<f32>,
+        sinks: Option<Vec<f32>>,
     }
 
     impl Drawn {
@@ -401,6 +402,9 @@ pub mod drawn {
             }
             if let Some(p) = self.dropout {
                 o = o.dropout(p, self.case.seed ^ 0xd20f);
+            }
+            if let Some(s) = &self.sinks {
+                o = o.learnable_sink(TensorRef::contiguous(s, &[s.len()]));
             }
             o
         }
@@ -424,12 +428,13 @@ pub mod drawn {
             any::<bool>(),
             prop::option::weighted(0.3, 1..=9u8),
             prop::option::weighted(0.3, -128..=127i8),
+            prop::option::weighted(0.3, -80..=80i8),
         );
         (shape, opts, any::<u64>()).prop_map(move |(shape, o, seed)| {
             let (batch, sq, sk, hkv, group, d) = shape;
             let sq = sq.min(work / (batch * sk.max(1) * hkv * group * d).max(1));
             let h = hkv * group;
-            let (causal, left, right, softcap, alibi, dropout, scale) = o;
+            let (causal, left, right, softcap, alibi, dropout, scale, sink) = o;
             Drawn {
                 case: GradCase {
                     seed,
@@ -448,6 +453,8 @@ pub mod drawn {
                 // large scores (`GradData::check_cancel`) covers most, not all, of them. The
                 // fixed grid keeps its case with logits of ~1e3 (`logit_scale` 6).
                 scale: scale.map(|s| s as f32 / 128.0),
+                // Sinks in [-10, 10], a different one per head.
+                sinks: sink.map(|x| (0..h).map(|i| x as f32 / 8.0 + 0.37 * i as f32).collect()),
             }
         })
     }
