@@ -1127,6 +1127,10 @@ mod properties {
         Scale(f32),
         Dropout(f32),
         Slope(usize, f32),
+        /// Learnable sinks on, `[heads]` of them with sink `.0 % heads` set to `.1`.
+        Sink(usize, f32),
+        /// Learnable sinks on, of this many entries (a wrong shape unless `heads`).
+        SinkLen(usize),
         Causal,
     }
 
@@ -1144,6 +1148,8 @@ mod properties {
             float().prop_map(Change::Scale),
             float().prop_map(Change::Dropout),
             (0..8usize, float()).prop_map(|(i, x)| Change::Slope(i, x)),
+            (0..8usize, float()).prop_map(|(i, x)| Change::Sink(i, x)),
+            (0..9usize).prop_map(Change::SinkLen),
             Just(Change::Causal),
         ];
         prop::collection::vec(one, 1..=3)
@@ -1228,6 +1234,8 @@ mod properties {
         let mut slopes = [0.25f32, 0.5, 0.125, 1.0, 0.3, 0.7, 0.9, 0.05];
         let mut opts_ch = Vec::new();
         let mut alibi = false;
+        let mut sinks = [0.5f32, -1.0, 2.0, 0.25, 7.0, -3.0, 0.0, 1.5];
+        let mut sink_len = None;
         for ch in changes {
             apply(&mut ts, ch);
             match ch {
@@ -1237,6 +1245,11 @@ mod properties {
                     alibi = true;
                     slopes[*i] = *x;
                 }
+                Change::Sink(i, x) => {
+                    sinks[*i % h] = *x;
+                    sink_len.get_or_insert(h);
+                }
+                Change::SinkLen(n) => sink_len = Some(*n),
                 Change::Shape(3, ..) | Change::Stride(3, ..) | Change::Rank(3, _) => alibi = true,
                 Change::BufLen(3, _) | Change::DType(3, _) => alibi = true,
                 _ => opts_ch.push(ch.clone()),
@@ -1251,6 +1264,9 @@ mod properties {
         let mut opts = AttnOptions::default();
         if alibi {
             opts = opts.alibi_slopes(slope_view(&ts[3]));
+        }
+        if let Some(n) = sink_len {
+            opts = opts.learnable_sink(TensorRef::contiguous(&sinks[..n], &[n]));
         }
         for ch in opts_ch {
             match ch {

@@ -616,7 +616,6 @@ fn write_dq_rows<T: Element>(
     }
 }
 
-/// `delta[b, h, i] = dO_i · O_i`, in `lse` layout.
 /// The gradient of the learnable sinks, when the call has them: for head h, `-Σ_rows
 /// exp(sink_h - lse) · D` over every sequence's rows, where `exp(sink - lse)` is the row's sink
 /// probability and `D = rowsum(dO ∘ O)` (the same D as the kernels'), summed in f64 in row order
@@ -641,6 +640,7 @@ pub(crate) fn sink_grad<T: Element>(
     Some(dsink.into_iter().map(|x| x as f32).collect())
 }
 
+/// `delta[b, h, i] = dO_i · O_i`, in `lse` layout.
 fn compute_delta<T: Element>(p: &Params, g: &GradInputs, out: &[T], dout: &[T]) -> Vec<f32> {
     let d = p.head_dim;
     let jobs: Vec<(usize, usize)> = (0..p.seqs.len())
