@@ -72,6 +72,8 @@ struct DCase {
     window: (i64, i64),
     softcap: Option<f32>,
     alibi: bool,
+    /// Learnable sinks, one per query head (`Built::sinks`).
+    sink: bool,
     /// (rotary_dim, interleaved).
     rotary: Option<(usize, bool)>,
     store: Store,
@@ -100,6 +102,7 @@ impl Default for DCase {
             window: (-1, -1),
             softcap: None,
             alibi: false,
+            sink: false,
             rotary: None,
             store: Store::Contiguous,
             splits: None,
@@ -312,6 +315,9 @@ struct Built {
     v_new: Option<(Vec<f64>, Buffer)>,
     map: CacheMap,
     alibi: Vec<f32>,
+    /// Learnable sinks `[heads]` in [-3, 6) (from their own generator: the other draws stay
+    /// as they were).
+    sinks: Vec<f32>,
     cos_sin: Option<(Vec<f32>, Vec<f32>)>,
     seqlen_ro: usize,
     leftpad: Option<Vec<i32>>,
@@ -478,6 +484,8 @@ fn build(c: &DCase) -> Built {
         .map(|_| rng.gen_range(0.01f32..0.5))
         .collect();
     let seqlen_ro = c.cap + sq + 3;
+    let mut sink_rng = common::rng(c.seed ^ 0x51c5);
+    let sinks = (0..h).map(|_| sink_rng.gen_range(-3.0f32..6.0)).collect();
     Built {
         qb: to_buffer(&q, c.dtype),
         k_cache,
@@ -486,6 +494,7 @@ fn build(c: &DCase) -> Built {
         v_new,
         map,
         alibi,
+        sinks,
         cos_sin: c.rotary.map(|(rot, _)| rotary_tables(rot, seqlen_ro)),
         seqlen_ro,
         leftpad: c
@@ -504,6 +513,9 @@ impl Built {
         o.softcap = c.softcap;
         if c.alibi {
             o = o.alibi_slopes(TensorRef::contiguous(&self.alibi, &[c.batch(), c.heads]));
+        }
+        if c.sink {
+            o = o.learnable_sink(TensorRef::contiguous(&self.sinks, &[c.heads]));
         }
         o
     }
@@ -734,6 +746,9 @@ fn check_case_with(c: &DCase, mut call: impl FnMut(&Built, &DCase) -> CallResult
         o.softcap = c.softcap;
         if c.alibi {
             o = o.alibi_slopes(TensorRef::contiguous(slopes, &[h]));
+        }
+        if c.sink {
+            o = o.learnable_sink(TensorRef::contiguous(&bl.sinks, &[h]));
         }
         // The oracle sees exact values: the rotated q and FP8 values times their factors in
         // f64 (rounded to f32 they would carry an error as large as f32 attention's own); naive
@@ -2496,8 +2511,8 @@ mod properties {
         /// (capacity, appended keys, cache_seqlens as fractions of the room left, left pads as
         /// fractions of each length).
         cache: (usize, usize, Vec<u16>, Option<Vec<u16>>),
-        /// (causal, window left, window right, softcap, alibi).
-        mask: (bool, Option<u8>, Option<u8>, Option<u8>, bool),
+        /// (causal, window left, window right, softcap, alibi, learnable sinks).
+        mask: (bool, Option<u8>, Option<u8>, Option<u8>, bool, bool),
         layout: LayoutDraw,
         /// (value distribution, seed).
         values: (usize, u64),
@@ -2529,6 +2544,7 @@ mod properties {
                 prop::option::of(0..48u8),
                 prop::option::of(0..48u8),
                 prop::option::of(1..=60u8),
+                any::<bool>(),
                 any::<bool>(),
             ),
             (
@@ -2565,7 +2581,7 @@ mod properties {
         let leftpad = pads_raw
             .as_ref()
             .map(|p| lens.iter().zip(p).map(|(&len, &x)| frac(x, len)).collect());
-        let (causal, left, right, softcap, alibi) = dr.mask;
+        let (causal, left, right, softcap, alibi, sink) = dr.mask;
         let (rotary, store, page, splits, isa) = dr.layout;
         let isas = flashattn::simd::available();
         // Logits of ~30 (std) in f32: there the errors of flashattn and of naive both come from
@@ -2598,6 +2614,7 @@ mod properties {
             ),
             softcap: softcap.map(|s| s as f32 * 0.5),
             alibi,
+            sink,
             // Rotary needs new keys and an even rotary_dim <= d.
             rotary: rotary
                 .filter(|_| new > 0 && d >= 2)
@@ -3347,7 +3364,11 @@ mod emulated {
         let mut runner = TestRunner::new(crate::common::props::config(24));
         runner
             .run(&super::properties::draws(), |dr| {
-                let c = super::properties::case(&dr);
+                // The CUDA kernels have no learnable sinks (refused, `tests/sink.rs`).
+                let c = DCase {
+                    sink: false,
+                    ..super::properties::case(&dr)
+                };
                 check_case_with(&c, |bl, c| call(&mut builds.borrow_mut(), bl, c, "prop"));
                 Ok(())
             })
