@@ -415,6 +415,34 @@ mod tests {
     use crate::tensor::TensorRef;
     use crate::test_util::lcg;
 
+    /// The largest |central finite difference - gradient| over every element of q, k and v, for
+    /// `loss(q, k, v)` and its gradients `grads`.
+    fn worst_fd_error(
+        [q, k, v]: [&[f64]; 3],
+        grads: &ReferenceGrads,
+        loss: impl Fn(&[f64], &[f64], &[f64]) -> f64,
+    ) -> f64 {
+        let eps = 1e-6;
+        let mut worst = 0f64;
+        for (which, (base, grad)) in [(q, &grads.dq), (k, &grads.dk), (v, &grads.dv)]
+            .into_iter()
+            .enumerate()
+        {
+            for idx in 0..base.len() {
+                let (mut plus, mut minus) = (base.to_vec(), base.to_vec());
+                plus[idx] += eps;
+                minus[idx] -= eps;
+                let (lp, lm) = match which {
+                    0 => (loss(&plus, k, v), loss(&minus, k, v)),
+                    1 => (loss(q, &plus, v), loss(q, &minus, v)),
+                    _ => (loss(q, k, &plus), loss(q, k, &minus)),
+                };
+                worst = worst.max(((lp - lm) / (2.0 * eps) - grad[idx]).abs());
+            }
+        }
+        worst
+    }
+
     /// The reference backward agrees with central finite differences of the reference forward,
     /// with every option on (GQA, window, softcap, ALiBi, dropout, seqlen_q != seqlen_k).
     #[test]
@@ -469,28 +497,7 @@ mod tests {
                 let r = forward_core(&p, &Inputs { q, k, v });
                 r.out.iter().zip(&do64).map(|(a, b)| a * b).sum()
             };
-            let eps = 1e-6;
-            let mut worst = 0f64;
-            for which in 0..3 {
-                let (base, grad) = match which {
-                    0 => (&q64, &grads.dq),
-                    1 => (&k64, &grads.dk),
-                    _ => (&v64, &grads.dv),
-                };
-                for idx in 0..base.len() {
-                    let mut plus = base.clone();
-                    let mut minus = base.clone();
-                    plus[idx] += eps;
-                    minus[idx] -= eps;
-                    let (lp, lm) = match which {
-                        0 => (loss(&plus, &k64, &v64), loss(&minus, &k64, &v64)),
-                        1 => (loss(&q64, &plus, &v64), loss(&q64, &minus, &v64)),
-                        _ => (loss(&q64, &k64, &plus), loss(&q64, &k64, &minus)),
-                    };
-                    let fd = (lp - lm) / (2.0 * eps);
-                    worst = worst.max((fd - grad[idx]).abs());
-                }
-            }
+            let worst = worst_fd_error([&q64, &k64, &v64], &grads, loss);
             assert!(worst < 1e-7, "causal={causal} window={window:?} softcap={softcap:?} alibi={alibi} dropout={dropout}: worst |fd - grad| = {worst:e}");
         }
     }
@@ -584,35 +591,7 @@ mod tests {
                 let r = forward_core(&p, &Inputs { q, k, v });
                 r.out.iter().zip(&do64).map(|(a, b)| a * b).sum()
             };
-            let eps = 1e-6;
-            let mut worst = 0f64;
-            for which in 0..3 {
-                let (base, grad) = match which {
-                    0 => (&q64, &grads.dq),
-                    1 => (&k64, &grads.dk),
-                    _ => (&v64, &grads.dv),
-                };
-                for idx in 0..base.len() {
-                    let (mut plus, mut minus) = (base.clone(), base.clone());
-                    plus[idx] += eps;
-                    minus[idx] -= eps;
-                    let (lp, lm) = match which {
-                        0 => (
-                            loss(&plus, &k64, &v64, &sinks),
-                            loss(&minus, &k64, &v64, &sinks),
-                        ),
-                        1 => (
-                            loss(&q64, &plus, &v64, &sinks),
-                            loss(&q64, &minus, &v64, &sinks),
-                        ),
-                        _ => (
-                            loss(&q64, &k64, &plus, &sinks),
-                            loss(&q64, &k64, &minus, &sinks),
-                        ),
-                    };
-                    worst = worst.max(((lp - lm) / (2.0 * eps) - grad[idx]).abs());
-                }
-            }
+            let worst = worst_fd_error([&q64, &k64, &v64], &grads, |q, k, v| loss(q, k, v, &sinks));
             // The sinks are f32 in the options: step them by a power of two, exact in f32.
             let dsink = grads.dsink.as_ref().expect("sinks give a sink gradient");
             let step = 1.0 / 1024.0;
