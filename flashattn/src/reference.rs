@@ -415,6 +415,20 @@ mod tests {
     use crate::tensor::TensorRef;
     use crate::test_util::lcg;
 
+    /// q, k, v and dout of shape (b, sq, sk, h, hk, d) from the LCG seeded with `seed`.
+    fn lcg_inputs(
+        (b, sq, sk, h, hk, d): (usize, usize, usize, usize, usize, usize),
+        mut seed: u64,
+    ) -> [Vec<f32>; 4] {
+        [
+            b * sq * h * d,
+            b * sk * hk * d,
+            b * sk * hk * d,
+            b * sq * h * d,
+        ]
+        .map(|n| (0..n).map(|_| lcg(&mut seed)).collect())
+    }
+
     /// The largest |central finite difference - gradient| over every element of q, k and v, for
     /// `loss(q, k, v)` and its gradients `grads`.
     fn worst_fd_error(
@@ -448,14 +462,7 @@ mod tests {
     #[test]
     fn backward_matches_finite_differences() {
         let (b, sq, sk, h, hk, d) = (2usize, 5usize, 7usize, 4usize, 2usize, 3usize);
-        let mut seed = 7u64;
-        let mut gen = |n: usize| -> Vec<f32> { (0..n).map(|_| lcg(&mut seed)).collect() };
-        let (q, k, v, dout) = (
-            gen(b * sq * h * d),
-            gen(b * sk * hk * d),
-            gen(b * sk * hk * d),
-            gen(b * sq * h * d),
-        );
+        let [q, k, v, dout] = lcg_inputs((b, sq, sk, h, hk, d), 7);
         let slopes = [0.3f32, 0.1, 0.7, 0.2];
         for (causal, window, softcap, alibi, dropout) in [
             (false, (-1, -1), None, false, 0.0),
@@ -477,12 +484,7 @@ mod tests {
             let p = params::batched(&qt, &kt, &vt, &opts).unwrap();
             let dt = TensorRef::contiguous(&dout, &[b, sq, h, d]);
             let layout = params::q_like("dout", &dt, &p).unwrap();
-            let (q64, k64, v64, do64) = (
-                widen_all(qt.data()),
-                widen_all(kt.data()),
-                widen_all(vt.data()),
-                widen_all(dt.data()),
-            );
+            let [q64, k64, v64, do64] = [&qt, &kt, &vt, &dt].map(|t| widen_all(t.data()));
             let grads = backward_core(
                 &p,
                 &Inputs {
@@ -508,14 +510,7 @@ mod tests {
     #[test]
     fn sink_forward_and_backward_match_finite_differences() {
         let (b, sq, sk, h, hk, d) = (2usize, 6usize, 4usize, 4usize, 2usize, 3usize);
-        let mut seed = 19u64;
-        let mut gen = |n: usize| -> Vec<f32> { (0..n).map(|_| lcg(&mut seed)).collect() };
-        let (q, k, v, dout) = (
-            gen(b * sq * h * d),
-            gen(b * sk * hk * d),
-            gen(b * sk * hk * d),
-            gen(b * sq * h * d),
-        );
+        let [q, k, v, dout] = lcg_inputs((b, sq, sk, h, hk, d), 19);
         let sinks = [0.4f32, -1.3, 2.5, 0.0];
         let slopes = [0.3f32, 0.1, 0.7, 0.2];
         let qt = TensorRef::contiguous(&q, &[b, sq, h, d]);
@@ -537,12 +532,7 @@ mod tests {
             }
             let p = params::batched(&qt, &kt, &vt, &opts).unwrap();
             let layout = params::q_like("dout", &dt, &p).unwrap();
-            let (q64, k64, v64, do64) = (
-                widen_all(qt.data()),
-                widen_all(kt.data()),
-                widen_all(vt.data()),
-                widen_all(dt.data()),
-            );
+            let [q64, k64, v64, do64] = [&qt, &kt, &vt, &dt].map(|t| widen_all(t.data()));
             let inputs = Inputs {
                 q: &q64,
                 k: &k64,
