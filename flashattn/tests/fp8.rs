@@ -63,6 +63,8 @@ struct Case {
     strided: bool,
     /// Dropout probability (seed = the case's seed).
     dropout: f32,
+    /// Learnable sinks, one per query head (CPU only: the CUDA kernels refuse them).
+    sink: bool,
     seed: u64,
 }
 
@@ -91,6 +93,7 @@ impl Case {
             huge: false,
             strided: false,
             dropout: 0.0,
+            sink: false,
             seed: 1,
         }
     }
@@ -263,6 +266,9 @@ impl Built {
         if c.dropout > 0.0 {
             o = o.dropout(c.dropout, c.seed);
         }
+        if c.sink {
+            o = o.learnable_sink(TensorRef::contiguous(&SINKS[..c.heads], &[c.heads]));
+        }
         o
     }
 
@@ -373,6 +379,9 @@ impl Case {
     }
 }
 
+/// Sinks of up to 8 heads, from -3 to 5.
+static SINKS: [f32; 8] = [0.5, -3.0, 2.0, 5.0, -0.5, 1.0, 3.5, 0.0];
+
 fn cases(format: Fp8Format) -> Vec<Case> {
     let mut out = Vec::new();
     // (batch, seqlen_q, seqlen_k, (heads, heads_kv), head_dim)
@@ -427,6 +436,15 @@ fn cases(format: Fp8Format) -> Vec<Case> {
         (c.packed, c.causal, c.seed) = (true, causal, 9 + i as u64);
         out.push(c);
     }
+    // Learnable sinks: causal with seqlen_q > seqlen_k (rows with no key), and packed.
+    let mut c = Case::new(format, 2, 50, 31, (8, 2), 64);
+    (c.sink, c.causal, c.seed) = (true, true, 13);
+    out.push(c);
+    let mut c = Case::new(format, 1, 1, 1, (4, 2), 40);
+    c.lens_q = vec![9, 40];
+    c.lens_k = vec![3, 41];
+    (c.packed, c.sink, c.causal, c.seed) = (true, true, true, 14);
+    out.push(c);
     out
 }
 
@@ -661,7 +679,8 @@ mod emulated {
         let mut builds = forward_builds();
         let mut ran = Vec::new();
         for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
-            for (i, c) in cases(format).into_iter().enumerate() {
+            // The kernels refuse learnable sinks (`tests/sink.rs`).
+            for (i, c) in cases(format).into_iter().filter(|c| !c.sink).enumerate() {
                 // Score products per case: 6e6 lets all 28 cases run (~60 s).
                 if c.cost() > common::emu::budget(6_000_000) {
                     continue;
@@ -720,7 +739,8 @@ mod gpu {
         };
         let mut ran = 0;
         for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
-            for c in cases(format) {
+            // The kernels refuse learnable sinks (`tests/sink.rs`).
+            for c in cases(format).into_iter().filter(|c| !c.sink) {
                 let built = c.build();
                 let opts = built.opts();
                 let [q, k, v] = [0, 1, 2].map(|t| upload(&dev, &built, t));
