@@ -534,8 +534,14 @@ fn run_item<T: Element>(
         }
     });
     // Many rows per kv head (MQA, several tokens per step) on AVX-512: q also transposed, for
-    // the outer-product score kernel.
-    let qt = QTrans::for_item(kern.isa, &qf, qb.as_deref(), (heads_kv, rows, d, dpad));
+    // the outer-product score kernel; bf16 keys on AVX2: q in even-odd order.
+    let bf16_keys = T::DTYPE == DType::BF16;
+    let qt = QTrans::for_item(
+        kern.isa,
+        &qf,
+        (qb.as_deref(), bf16_keys),
+        (heads_kv, rows, d, dpad),
+    );
     let mut acc = vec![0f32; all_rows * dpad];
     let mut row_max = vec![f32::NEG_INFINITY; np];
     let mut row_sum = vec![0f32; np];
@@ -944,6 +950,14 @@ impl Stream {
             let end = self.runs.r[i].1;
             let stop = end.min(next + bytes);
             bytes -= stop - next;
+            // Four lines an iteration: the loop's own instructions were three of every four
+            // (~6% of a bf16 step's instructions on AVX2).
+            while next + 4 * CACHE_LINE <= stop {
+                for l in 0..4 {
+                    prefetch_line(next + l * CACHE_LINE);
+                }
+                next += 4 * CACHE_LINE;
+            }
             while next < stop {
                 prefetch_line(next);
                 next += CACHE_LINE;
@@ -1031,11 +1045,15 @@ pub(crate) struct QRows<'a> {
 /// 16): element `((b · d / 16 + s) · 2 + h) · 16 + 8u + t` is the pair of dims `16s + 2t,
 /// 16s + 2t + 1` of row `4b + 2h + u`, so one vector holds 8 pairs of each of 2 rows (one per
 /// 256-bit half); rows past `rows` zero.
+///
+/// `EvenOdd` (AVX2, bf16 keys): rows of `dpad` f32 with each whole 16-dim chunk stored even
+/// dims first ([`avx2::even_odd`]), the order in which the AVX2 kernel widens bf16 pairs.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum QTrans<'a> {
     F32 { qt: &'a [f32], ld: usize },
     Pairs { qt: &'a [u32], ld: usize },
     Quads { qt: &'a [u32] },
+    EvenOdd { qt: &'a [f32] },
 }
 
 /// Fewest query rows per kv head for which bf16 scores take q in the `Quads` form
@@ -1061,14 +1079,23 @@ impl QTrans<'_> {
     /// q in the form `isa`'s score kernel takes for this many rows per kv group, for all of an
     /// item's groups: transposed for the outer-product kernel from [`bcast_min_rows`] on (as
     /// bf16 pairs where [`QTrans::build`] makes them), in 4-row blocks of bf16 pairs for
-    /// [`scores_quad_avx512_bf16`] from [`QUAD_MIN_ROWS`] on; `None` for plain rows.
+    /// [`scores_quad_avx512_bf16`] from [`QUAD_MIN_ROWS`] on; on AVX2 with bf16 keys
+    /// (`bf16_keys`), in even-odd order for any number of rows; `None` for plain rows.
     pub fn for_item(
         isa: Isa,
         q: &[f32],
-        qb: Option<&[u32]>,
-        shape @ (_, rows, d, _): (usize, usize, usize, usize),
+        (qb, bf16_keys): (Option<&[u32]>, bool),
+        shape @ (heads_kv, rows, d, dpad): (usize, usize, usize, usize),
     ) -> Option<QTransBuf> {
         let pairs = qb.is_some() && d.is_multiple_of(2);
+        #[cfg(target_arch = "x86_64")]
+        if isa == Isa::Avx2 && bf16_keys {
+            return Some(QTransBuf::EvenOdd {
+                t: avx2::even_odd(q, heads_kv * rows, d, dpad),
+                stride: rows * dpad,
+            });
+        }
+        let _ = bf16_keys;
         if isa != Isa::Avx512 {
             return None;
         }
@@ -1156,6 +1183,10 @@ pub(crate) enum QTransBuf {
         t: Vec<u32>,
         stride: usize,
     },
+    EvenOdd {
+        t: Vec<f32>,
+        stride: usize,
+    },
 }
 
 impl QTransBuf {
@@ -1171,6 +1202,9 @@ impl QTransBuf {
                 ld: *ld,
             },
             QTransBuf::Quads { t, stride } => QTrans::Quads {
+                qt: &t[g * stride..(g + 1) * stride],
+            },
+            QTransBuf::EvenOdd { t, stride } => QTrans::EvenOdd {
                 qt: &t[g * stride..(g + 1) * stride],
             },
         }
@@ -1208,6 +1242,7 @@ pub(crate) fn scores<T: Element>(
             QTrans::F32 { qt, ld } => ld >= lanes && qt.len() >= kr.d * ld,
             QTrans::Pairs { qt, ld } => ld >= lanes && qt.len() >= kr.d / 2 * ld,
             QTrans::Quads { qt } => qt.len() >= rows.div_ceil(4) * (kr.d / 16) * 32,
+            QTrans::EvenOdd { qt } => qt.len() >= rows * dpad,
         };
         assert!(fits, "decode scores: transposed q too short");
     }
@@ -1246,8 +1281,17 @@ pub(crate) fn scores<T: Element>(
     }
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2 {
-        // SAFETY: a kernel table of Isa::Avx2 exists only on a CPU with AVX2 and FMA.
-        return unsafe { scores_avx2(q.f32, rows, dpad, src, kr, st, np, ahead) };
+        // bf16 keys take q in even-odd order (`avx2::even_odd`), other dtypes as rows.
+        let qf = match (q.t, T::DTYPE) {
+            (Some(QTrans::EvenOdd { qt }), DType::BF16) => qt,
+            (_, DType::BF16) => {
+                return scores_portable(q.f32, rows, dpad, src, kr, st, np, ahead);
+            }
+            _ => q.f32,
+        };
+        // SAFETY: a kernel table of Isa::Avx2 exists only on a CPU with AVX2 and FMA; bounds
+        // checked above.
+        return unsafe { avx2::scores(qf, rows, dpad, src, kr, st, np, ahead) };
     }
     let _ = isa;
     scores_portable(q.f32, rows, dpad, src, kr, st, np, ahead);
@@ -1317,123 +1361,8 @@ macro_rules! score_blocks {
     }};
 }
 
-/// [`scores`] in AVX2: f32 and bf16 in register tiles of 2 keys × 4 rows (8 ymm accumulators,
-/// 4 of q, 1 of k: 13 of 16 registers), one `hadd` reduction per 4 scores; f16 (whose widening
-/// needs F16C, which the AVX2 kernel table does not require) through [`scores_portable`]
-/// compiled for AVX2.
-///
-/// # Safety
-/// AVX2 and FMA present; operands as checked by [`scores`].
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn scores_avx2<T: Element>(
-    q: &[f32],
-    rows: usize,
-    dpad: usize,
-    src: &[T],
-    kr: KeyRows,
-    st: &mut [f32],
-    np: usize,
-    ahead: &mut Ahead,
-) {
-    if T::DTYPE == DType::F16 {
-        return scores_portable(q, rows, dpad, src, kr, st, np, ahead);
-    }
-    // SAFETY (all calls): the caller's contract; every block stays inside rows × cols.
-    score_blocks!((kr, 2), rows, ahead, |c0, r0, kb, rb| {
-        let at = (q, r0, dpad, src, kr, c0, &mut *st, np);
-        by_tile!(kb, rb, |A, B| unsafe { scores_tile_avx2::<A, B, T>(at) });
-    });
-}
-
-/// 8 elements at `p` as f32: a load (f32) or zero-extension and a shift into the high half
-/// (bf16, exact); f16 element by element (not used on the hot path).
-///
-/// # Safety
-/// AVX2 present; 8 elements readable at `p`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-unsafe fn load8<T: Element>(p: *const T) -> std::arch::x86_64::__m256 {
-    use std::arch::x86_64::*;
-    // SAFETY: the caller's contract.
-    unsafe {
-        match T::DTYPE {
-            DType::F32 => _mm256_loadu_ps(p.cast::<f32>()),
-            DType::BF16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
-                _mm_loadu_si128(p.cast()),
-            ))),
-            DType::F16 => {
-                let w: [f32; 8] = std::array::from_fn(|i| (*p.add(i)).to_f32());
-                _mm256_loadu_ps(w.as_ptr())
-            }
-        }
-    }
-}
-
-/// The horizontal sums of 4 ymm vectors, `[Σ a[0], Σ a[1], Σ a[2], Σ a[3]]`.
-///
-/// # Safety
-/// AVX2 present.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-unsafe fn reduce4_avx2(a: [std::arch::x86_64::__m256; 4]) -> std::arch::x86_64::__m128 {
-    use std::arch::x86_64::*;
-    // Per 128-bit half: [Σ a0, Σ a1, Σ a2, Σ a3] of that half's 4 lanes.
-    let h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h))
-}
-
-/// Keys `c0..c0 + K` × rows `r0..r0 + R` of [`scores_avx2`].
-///
-/// # Safety
-/// As [`scores_avx2`]; `c0 + K <= cols`, `r0 + R <= rows`, `R <= 4`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-unsafe fn scores_tile_avx2<const K: usize, const R: usize, T: Element>(at: ScoresAt<T>) {
-    use std::arch::x86_64::*;
-    let (q, r0, dpad, src, kr, c0, st, np) = at;
-    let full = kr.d / 8 * 8;
-    // SAFETY: the caller's contract.
-    unsafe {
-        let qp = q.as_ptr().add(r0 * dpad);
-        let kp: [*const T; K] = std::array::from_fn(|j| src.as_ptr().add(kr.at(c0 + j)));
-        let mut acc = [[_mm256_setzero_ps(); R]; K];
-        for x in (0..full).step_by(8) {
-            let qv: [__m256; R] = std::array::from_fn(|i| _mm256_loadu_ps(qp.add(i * dpad + x)));
-            for (aj, kj) in acc.iter_mut().zip(&kp) {
-                let kv = load8(kj.add(x));
-                for (a, qi) in aj.iter_mut().zip(&qv) {
-                    *a = _mm256_fmadd_ps(*qi, kv, *a);
-                }
-            }
-        }
-        for (j, (aj, kj)) in acc.iter().zip(&kp).enumerate() {
-            let mut sums = [0f32; 4];
-            if R == 4 {
-                let a4: [__m256; 4] = std::array::from_fn(|i| aj[i]);
-                _mm_storeu_ps(sums.as_mut_ptr(), reduce4_avx2(a4));
-            } else {
-                for (sm, a) in sums.iter_mut().zip(aj) {
-                    let h = _mm_add_ps(_mm256_castps256_ps128(*a), _mm256_extractf128_ps::<1>(*a));
-                    let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-                    *sm = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-                }
-            }
-            let out = st.as_mut_ptr().add((c0 + j) * np + r0);
-            for (i, &sm) in sums.iter().take(R).enumerate() {
-                let mut sm = sm;
-                for x in full..kr.d {
-                    sm += *qp.add(i * dpad + x) * (*kj.add(x)).to_f32();
-                }
-                *out.add(i) = sm;
-            }
-        }
-    }
-}
+mod avx2;
 
 /// [`scores`] without intrinsics: one key row widened to f32, then 16 lane sums per query row.
 #[inline(always)]
@@ -1525,93 +1454,12 @@ pub(crate) fn pv_acc<T: Element>(
     }
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2 {
-        // SAFETY: a kernel table of Isa::Avx2 exists only on a CPU with AVX2 and FMA.
-        return unsafe { pv_avx2(p.f32, np, rows, src, vr, acc, dpad, ahead) };
+        // SAFETY: a kernel table of Isa::Avx2 exists only on a CPU with AVX2 and FMA; bounds
+        // checked above.
+        return unsafe { avx2::pv(p.f32, np, rows, src, vr, acc, dpad, ahead) };
     }
     let _ = isa;
     pv_portable(p.f32, np, rows, src, vr, acc, dpad, ahead);
-}
-
-/// [`pv_acc`] in AVX2: f32 and bf16 in register tiles of 4 rows × 3 vectors (24 dims; 12 ymm
-/// accumulators + 3 of v + a broadcast p: all 16 registers) over all keys; f16 through
-/// [`pv_portable`] compiled for AVX2 (as in [`scores_avx2`]). The `d % 8` tail element by
-/// element.
-///
-/// # Safety
-/// AVX2 and FMA present; operands as checked by [`pv_acc`].
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn pv_avx2<T: Element>(
-    st: &[f32],
-    np: usize,
-    rows: usize,
-    src: &[T],
-    vr: KeyRows,
-    acc: &mut [f32],
-    dpad: usize,
-    ahead: &mut Ahead,
-) {
-    if T::DTYPE == DType::F16 {
-        return pv_portable(st, np, rows, src, vr, acc, dpad, ahead);
-    }
-    let nv = vr.d / 8;
-    let mut first = Some(ahead);
-    // SAFETY: the caller's contract; every tile below stays inside rows × d.
-    unsafe {
-        let mut r0 = 0;
-        while r0 < rows {
-            let rb = (rows - r0).min(4);
-            let mut x0 = 0;
-            while x0 < nv {
-                let xv = (nv - x0).min(3);
-                let at = (st, np, r0, src, vr, x0, &mut *acc, dpad, first.take());
-                by_tile!(rb, xv, |A, B| pv_tile_avx2::<A, B, T>(at));
-                x0 += xv;
-            }
-            // The tail dims d - d % 8..d (and every key's step when there was no tile: d < 8).
-            pv_tail(st, np, (r0, rb), src, vr, acc, dpad, nv * 8, first.take());
-            r0 += rb;
-        }
-    }
-}
-
-/// Rows `r0..r0 + R`, vectors `x0..x0 + V` (dims `8·x0..8·(x0 + V)`) of [`pv_avx2`].
-///
-/// # Safety
-/// As [`pv_avx2`]; `r0 + R <= rows`, `8 · (x0 + V) <= d`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-unsafe fn pv_tile_avx2<const R: usize, const V: usize, T: Element>(at: PvAt<f32, T>) {
-    use std::arch::x86_64::*;
-    let (st, np, r0, src, vr, x0, acc, dpad, mut ahead) = at;
-    // SAFETY: the caller's contract.
-    unsafe {
-        let mut a = [[_mm256_setzero_ps(); V]; R];
-        let sp = st.as_ptr().add(r0);
-        for c in 0..vr.cols() {
-            if let Some(ah) = ahead.as_deref_mut() {
-                ah.step(1);
-            }
-            let row = src.as_ptr().add(vr.at(c) + x0 * 8);
-            let vv: [__m256; V] = std::array::from_fn(|j| load8(row.add(j * 8)));
-            let pc = sp.add(c * np);
-            for (i, ai) in a.iter_mut().enumerate() {
-                let p = _mm256_broadcast_ss(&*pc.add(i));
-                for (x, vx) in ai.iter_mut().zip(&vv) {
-                    *x = _mm256_fmadd_ps(p, *vx, *x);
-                }
-            }
-        }
-        let ap = acc.as_mut_ptr();
-        for (i, ai) in a.iter().enumerate() {
-            for (j, x) in ai.iter().enumerate() {
-                let at = ap.add((r0 + i) * dpad + (x0 + j) * 8);
-                _mm256_storeu_ps(at, _mm256_add_ps(_mm256_loadu_ps(at), *x));
-            }
-        }
-    }
 }
 
 /// The tail of a P·V row block, element by element: `acc[r][x] += p[c][r] · v[c][x]` for rows
@@ -2677,7 +2525,11 @@ mod tests {
                     let qtq = (bf && kr.d.is_multiple_of(16))
                         .then(|| QTrans::quads(&pairs, (1, rows, kr.d, dpad)));
                     let quads = qtq.as_ref().map(|b| b.group(0));
-                    for t in [None, Some(qt.group(0)), Some(qtp.group(0)), quads] {
+                    // and, for AVX2 with bf16 keys, in even-odd order (other ISAs ignore it;
+                    // AVX2 takes the portable kernel for bf16 keys without it).
+                    let qeo = QTrans::for_item(Isa::Avx2, q, (None, bf), (1, rows, kr.d, dpad));
+                    let eo = qeo.as_ref().map(|b| b.group(0));
+                    for t in [None, Some(qt.group(0)), Some(qtp.group(0)), quads, eo] {
                         let qr = QRows {
                             f32: q,
                             bf16_pairs: bf.then_some(&pairs[..]),
@@ -2697,6 +2549,7 @@ mod tests {
                                 Some(QTrans::F32 { .. }) => "transposed, f32",
                                 Some(QTrans::Pairs { .. }) => "transposed, bf16 pairs",
                                 Some(QTrans::Quads { .. }) => "bf16 pairs in blocks of 4 rows",
+                                Some(QTrans::EvenOdd { .. }) => "even-odd order",
                             }
                         );
                         for c in 0..kr.cols() {

@@ -1,0 +1,86 @@
+//! Times one decoding step at issue 6's shape (B = 1, 32 / 8 heads, d = 128) on the current
+//! rayon pool, for quick A/B runs and profiling: `cargo run --release -p flashattn --example
+//! decode_step -- [f32|bf16] [cache_len] [reps]`. `flashattn bench --decode` is the benchmark of
+//! record (bandwidth measured beside it, accuracy checked); this only repeats the call.
+use flashattn::decode::{flash_attn_with_kvcache, KvCacheOptions, TensorMut};
+use flashattn::TensorRef;
+use half::bf16;
+use std::time::Instant;
+
+fn lcg(s: &mut u64) -> f32 {
+    *s = s
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    ((*s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+}
+
+fn run<T: flashattn::tensor::Element>(cap: usize, reps: usize, conv: fn(f32) -> T, cfgs: &[String])
+where
+    for<'a> flashattn::decode::SliceMut<'a>: From<&'a mut [T]>,
+{
+    let (heads, heads_kv, d) = (32, 8, 128);
+    let mut s = 7u64;
+    let q: Vec<T> = (0..heads * d).map(|_| conv(lcg(&mut s))).collect();
+    let n = cap * heads_kv * d;
+    let mut k: Vec<T> = (0..n).map(|_| conv(lcg(&mut s))).collect();
+    let mut v: Vec<T> = (0..n).map(|_| conv(lcg(&mut s))).collect();
+    let shape = [1, cap, heads_kv, d];
+    let qv = TensorRef::contiguous(&q, &[1, 1, heads, d]);
+    let lens = [cap as i32];
+    let opts = KvCacheOptions::default();
+    // Configurations (environment settings, `A=1 B=2` each) alternate call by call, so that a
+    // shared host's slow phases fall on all of them alike.
+    let mut times = vec![Vec::new(); cfgs.len()];
+    for rep in 0..reps + 1 {
+        for (ci, cfg) in cfgs.iter().enumerate() {
+            for kv in cfg.split_whitespace() {
+                if let Some((k, v)) = kv.split_once('=') {
+                    // SAFETY (edition 2021: safe): no other thread reads the environment now.
+                    std::env::set_var(k, v);
+                }
+            }
+            let mut kc = TensorMut::contiguous(&mut k[..], &shape);
+            let mut vc = TensorMut::contiguous(&mut v[..], &shape);
+            let mut opts = opts.clone();
+            opts.num_splits = std::env::var("SPLITS").ok().and_then(|x| x.parse().ok());
+            let t = Instant::now();
+            let r = flash_attn_with_kvcache(&qv, &mut kc, &mut vc, &lens, &opts).unwrap();
+            if rep > 0 {
+                times[ci].push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            std::hint::black_box(r);
+            for kv in cfg.split_whitespace() {
+                if let Some((k, _)) = kv.split_once('=') {
+                    std::env::remove_var(k);
+                }
+            }
+        }
+    }
+    let bytes = 2.0 * n as f64 * std::mem::size_of::<T>() as f64;
+    for (cfg, mut times) in cfgs.iter().zip(times) {
+        times.sort_by(f64::total_cmp);
+        let med = times[times.len() / 2];
+        println!(
+            "{:>5} cap {cap} [{cfg}]: median {med:.4} ms, min {:.4} ms, {:.1} GB/s, {:.0} ns/key/thread",
+            std::any::type_name::<T>().rsplit("::").next().unwrap_or(""),
+            times[0],
+            bytes / med / 1e6,
+            med * 1e6 / cap as f64 * rayon::current_num_threads() as f64
+        );
+    }
+}
+
+fn main() {
+    let a: Vec<String> = std::env::args().collect();
+    let dt = a.get(1).map(String::as_str).unwrap_or("f32");
+    let cap = a.get(2).and_then(|x| x.parse().ok()).unwrap_or(32768);
+    let reps = a.get(3).and_then(|x| x.parse().ok()).unwrap_or(20);
+    let mut cfgs: Vec<String> = a.iter().skip(4).cloned().collect();
+    if cfgs.is_empty() {
+        cfgs.push(String::new());
+    }
+    match dt {
+        "bf16" => run::<bf16>(cap, reps, bf16::from_f32, &cfgs),
+        _ => run::<f32>(cap, reps, |x| x, &cfgs),
+    }
+}

@@ -1,0 +1,357 @@
+//! The decode products in AVX2 + FMA (8 f32 lanes, 16 ymm registers): [`scores`] and [`pv`],
+//! for f32 and bf16 caches (f16, whose widening needs F16C, which the AVX2 kernel table does not
+//! require, takes the portable kernels compiled for AVX2).
+//!
+//! Without AVX-512 there is no bf16 dot product, and one token of GQA 4 (4 query rows per kv
+//! head) does 2 · 4 multiply-adds per cache element: at AVX2's 16 f32 FMAs a cycle per core the
+//! arithmetic of a bf16 step takes about as long as its read at ~44 GB/s (2 cores; see
+//! docs/PERFORMANCE.md), so the kernels are written to keep both FMA units busy:
+//! - bf16 rows are widened in pairs: one 256-bit load holds 16 values as 8 u32 lanes `(even,
+//!   odd)`; a shift left by 16 gives the even values as f32, a mask of the high halves the odd
+//!   ones, exactly. Two integer instructions per 16 values, where zero-extending 8 at a time takes
+//!   a cross-lane `vpmovzxwd` and a shift per 8. The products then see each 16-dim chunk in the
+//!   order `0, 2, .., 14, 1, 3, .., 15`: q is stored in that order ([`even_odd`]), and the P·V
+//!   accumulators are put back in dim order as they are added to `acc` (four shuffles per row and
+//!   chunk, once per call).
+//! - register tiles sized for 16 registers: scores 2 keys × 4 rows (8 accumulators, 4 of k, one
+//!   of q, the mask: 14), P·V 4 rows × 16 dims (8 accumulators, 2 of v, a broadcast, the mask:
+//!   12). The earlier P·V tile of 4 rows × 24 dims needed all 16 registers, and LLVM kept two
+//!   accumulators on the stack and moved the others round each key (~6 instructions per FMA).
+//!
+//! Dims past the last whole chunk of 16 go element by element (d = 40, 59, ...).
+//!
+//! Safety: every function here needs AVX2 and FMA (the kernel table of [`Isa::Avx2`] exists only
+//! on such a CPU) and operands that passed the bounds checks of [`super::scores`] and
+//! [`super::pv_acc`].
+//!
+//! [`Isa::Avx2`]: crate::cpu::simd::Isa::Avx2
+
+use super::{pv_portable, pv_tail, scores_portable, Ahead, KeyRows};
+use crate::tensor::{DType, Element};
+use std::arch::x86_64::*;
+
+/// Dims per chunk: one 256-bit load of bf16, two of f32.
+pub(crate) const CHUNK: usize = 16;
+
+/// `rows` rows of `dpad` f32 (`q`) with each whole 16-dim chunk of the first `d` dims stored even
+/// dims first: `q[16c + 0], q[16c + 2], .., q[16c + 14], q[16c + 1], .., q[16c + 15]`, the form
+/// [`scores`] takes q in for bf16 keys. Dims from `d / 16 · 16` on stay in order.
+pub(crate) fn even_odd(q: &[f32], rows: usize, d: usize, dpad: usize) -> Vec<f32> {
+    let mut t = q[..rows * dpad].to_vec();
+    for r in 0..rows {
+        let row = &q[r * dpad..r * dpad + d / CHUNK * CHUNK];
+        let dst = &mut t[r * dpad..];
+        for (c, chunk) in row.chunks_exact(CHUNK).enumerate() {
+            for i in 0..CHUNK / 2 {
+                dst[c * CHUNK + i] = chunk[2 * i];
+                dst[c * CHUNK + CHUNK / 2 + i] = chunk[2 * i + 1];
+            }
+        }
+    }
+    t
+}
+
+/// The 16 values of a chunk at `p` as two f32 vectors: bf16 as (even dims, odd dims), widened
+/// exactly (a shift and a mask); f32 as (dims 0..8, dims 8..16).
+///
+/// # Safety
+/// AVX2 present; 16 elements readable at `p`; `T` is f32 or bf16.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn load_chunk<T: Element>(p: *const T, high: __m256i) -> (__m256, __m256) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        if T::DTYPE == DType::BF16 {
+            let raw = _mm256_loadu_si256(p.cast());
+            (
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(raw)),
+                _mm256_castsi256_ps(_mm256_and_si256(raw, high)),
+            )
+        } else {
+            let p = p.cast::<f32>();
+            (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
+        }
+    }
+}
+
+/// The 32-bit mask of the high halves (bf16 odd dims).
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn high_halves() -> __m256i {
+    _mm256_set1_epi32(0xffff_0000u32 as i32)
+}
+
+/// `st[c · np + r] = Σ_x q[r][x] · k[c][x]`, as [`super::scores`] for [`super::Isa::Avx2`]: q as
+/// rows of `dpad` f32, in [`even_odd`] order when `T` is bf16 (and in dim order for f32).
+///
+/// Register tiles of 2 keys × up to 4 rows (8 accumulators; per 16 dims 2 loads of k, for bf16
+/// their widening, 8 loads of q, 16 FMAs), then one horizontal reduction per key and one 128-bit
+/// store for 4 rows: `st`'s rows of a key are adjacent. The bound here is the loads (2 of 256
+/// bits a cycle): q read by the FMAs from memory (1 key × 4 rows, 9 loads per 8 FMAs) ran at
+/// 0.5-0.8 of the FMA peak in a micro-benchmark, this tile at 0.65-0.85.
+///
+/// # Safety
+/// AVX2 and FMA present; operands as checked by [`super::scores`].
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn scores<T: Element>(
+    q: &[f32],
+    rows: usize,
+    dpad: usize,
+    src: &[T],
+    kr: KeyRows,
+    st: &mut [f32],
+    np: usize,
+    ahead: &mut Ahead,
+) {
+    if T::DTYPE == DType::F16 {
+        return scores_portable(q, rows, dpad, src, kr, st, np, ahead);
+    }
+    ahead.step(kr.cols());
+    let cols = kr.cols();
+    let mut r0 = 0;
+    // SAFETY: the caller's contract; every block stays inside rows × cols.
+    unsafe {
+        while r0 < rows {
+            let mut c0 = 0;
+            while c0 < cols {
+                let at = (q, r0, dpad, src, kr, c0, &mut *st, np);
+                // The usual head dims with q rows unpadded (dpad = d) have the dim loop
+                // unrolled and q at constant offsets.
+                let nc = if dpad == kr.d { kr.d / CHUNK } else { 0 };
+                match (cols - c0 >= 2, rows - r0, nc) {
+                    (true, 4.., 8) => scores_tile::<2, 4, 8, T>(at),
+                    (true, 4.., 4) => scores_tile::<2, 4, 4, T>(at),
+                    (true, 4.., _) => scores_tile::<2, 4, 0, T>(at),
+                    (true, 3, _) => scores_tile::<2, 3, 0, T>(at),
+                    (true, 2, _) => scores_tile::<2, 2, 0, T>(at),
+                    (true, _, _) => scores_tile::<2, 1, 0, T>(at),
+                    (false, 4.., _) => scores_tile::<1, 4, 0, T>(at),
+                    (false, 3, _) => scores_tile::<1, 3, 0, T>(at),
+                    (false, 2, _) => scores_tile::<1, 2, 0, T>(at),
+                    (false, _, _) => scores_tile::<1, 1, 0, T>(at),
+                }
+                c0 += 2;
+            }
+            r0 += 4;
+        }
+    }
+}
+
+/// The horizontal sums of 4 vectors, `[Σ a[0], Σ a[1], Σ a[2], Σ a[3]]`.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn reduce4(a: [__m256; 4]) -> __m128 {
+    // Per 128-bit half: [Σ a0, Σ a1, Σ a2, Σ a3] of that half's 4 lanes.
+    let h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h))
+}
+
+/// Keys `c0..c0 + K` × rows `r0..r0 + R` of [`scores`]; `NC > 0`: d = dpad = 16 · NC.
+///
+/// # Safety
+/// As [`scores`]; `c0 + K <= cols`, `r0 + R <= rows`, `R <= 4`; `NC` is 0 or `d / 16` with
+/// `dpad == d`.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn scores_tile<const K: usize, const R: usize, const NC: usize, T: Element>(
+    at: super::ScoresAt<T>,
+) {
+    let (q, r0, dpad, src, kr, c0, st, np) = at;
+    let (d, full, dpad) = if NC > 0 {
+        (NC * CHUNK, NC * CHUNK, NC * CHUNK)
+    } else {
+        (kr.d, kr.d / CHUNK * CHUNK, dpad)
+    };
+    let high = high_halves();
+    // SAFETY: the caller's contract: q rows r0..r0 + R of dpad >= d values, k rows of d values
+    // at kr's offsets, st rows of np >= r0 + R lanes per key.
+    unsafe {
+        let qp = q.as_ptr().add(r0 * dpad);
+        let kp: [*const T; K] = std::array::from_fn(|j| src.as_ptr().add(kr.at(c0 + j)));
+        let mut acc = [[_mm256_setzero_ps(); R]; K];
+        for x in (0..full).step_by(CHUNK) {
+            let kv: [(__m256, __m256); K] = std::array::from_fn(|j| load_chunk(kp[j].add(x), high));
+            // Row i's q against both keys: acc is indexed [key][row], the loop runs by row.
+            #[allow(clippy::needless_range_loop)]
+            for i in 0..R {
+                let q0 = _mm256_loadu_ps(qp.add(i * dpad + x));
+                for j in 0..K {
+                    acc[j][i] = _mm256_fmadd_ps(q0, kv[j].0, acc[j][i]);
+                }
+                let q1 = _mm256_loadu_ps(qp.add(i * dpad + x + 8));
+                for j in 0..K {
+                    acc[j][i] = _mm256_fmadd_ps(q1, kv[j].1, acc[j][i]);
+                }
+            }
+        }
+        // Rows past R summed as zeros; all 4 lanes stored when there are 4 rows and no tail
+        // (kept apart from the general case: LLVM otherwise left the accumulators on the
+        // stack and looped over them).
+        let zero = _mm256_setzero_ps();
+        let sums: [__m128; K] = std::array::from_fn(|j| {
+            reduce4(std::array::from_fn(|i| {
+                if i < R {
+                    acc[j][i.min(R - 1)]
+                } else {
+                    zero
+                }
+            }))
+        });
+        let out = st.as_mut_ptr().add(c0 * np + r0);
+        if R == 4 && full == d {
+            for (j, s) in sums.into_iter().enumerate() {
+                _mm_storeu_ps(out.add(j * np), s);
+            }
+        } else {
+            score_tails::<K, R, T>(sums, (qp, dpad), kp, (full, d), (out, np));
+        }
+    }
+}
+
+/// Writes the `K` keys × `R` rows of scores `sums[j][i]` (lane i) to `out[j · np + i]`, each
+/// plus `q[i][x] · k[j][x]` over the tail dims `full..d` (q row i at `qp + i · dpad`, k row j at
+/// `kp[j]`).
+///
+/// # Safety
+/// As [`scores_tile`].
+#[target_feature(enable = "avx2,fma")]
+#[inline(never)]
+unsafe fn score_tails<const K: usize, const R: usize, T: Element>(
+    sums: [__m128; K],
+    (qp, dpad): (*const f32, usize),
+    kp: [*const T; K],
+    (full, d): (usize, usize),
+    (out, np): (*mut f32, usize),
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        for (j, (s, kj)) in sums.into_iter().zip(kp).enumerate() {
+            let mut v = [0f32; 4];
+            _mm_storeu_ps(v.as_mut_ptr(), s);
+            for (i, &s) in v.iter().take(R).enumerate() {
+                let mut s = s;
+                for x in full..d {
+                    s += *qp.add(i * dpad + x) * (*kj.add(x)).to_f32();
+                }
+                *out.add(j * np + i) = s;
+            }
+        }
+    }
+}
+
+/// `acc[r · dpad + x] += Σ_c p[c][r] · v[c][x]`, as [`super::pv_acc`] for [`super::Isa::Avx2`].
+///
+/// Register tiles of up to 4 rows × 16 dims (8 accumulators; per key one load of v, for bf16 its
+/// two widening instructions, 4 broadcasts of p, 8 FMAs: 5 loads per 8 FMAs) over all keys; the
+/// dims past the last whole chunk element by element. In a micro-benchmark this tile ran at
+/// 0.75-0.95 of the FMA peak; p read by the FMAs from a buffer of broadcast vectors (9 loads per
+/// 8 FMAs) at 0.65-0.8, and the earlier 4 rows × 24 dims needed all 16 registers, so LLVM kept
+/// two accumulators on the stack. `ahead` is stepped by the keys' count on entry.
+///
+/// # Safety
+/// AVX2 and FMA present; operands as checked by [`super::pv_acc`].
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn pv<T: Element>(
+    st: &[f32],
+    np: usize,
+    rows: usize,
+    src: &[T],
+    vr: KeyRows,
+    acc: &mut [f32],
+    dpad: usize,
+    ahead: &mut Ahead,
+) {
+    if T::DTYPE == DType::F16 {
+        return pv_portable(st, np, rows, src, vr, acc, dpad, ahead);
+    }
+    ahead.step(vr.cols());
+    let full = vr.d / CHUNK * CHUNK;
+    let mut r0 = 0;
+    // SAFETY: the caller's contract; every tile below stays inside rows × d.
+    unsafe {
+        while r0 < rows {
+            let rb = (rows - r0).min(4);
+            for x0 in (0..full).step_by(CHUNK) {
+                let at = (st, np, r0, src, vr, x0, &mut *acc, dpad);
+                match rb {
+                    4 => pv_tile::<4, T>(at),
+                    3 => pv_tile::<3, T>(at),
+                    2 => pv_tile::<2, T>(at),
+                    _ => pv_tile::<1, T>(at),
+                }
+            }
+            // The tail dims full..d.
+            pv_tail(st, np, (r0, rb), src, vr, acc, dpad, full, None);
+            r0 += rb;
+        }
+    }
+}
+
+/// Operands of one [`pv_tile`]: p, np, the first row, the cache, its rows, the first dim, acc,
+/// dpad.
+type PvTileAt<'a, T> = (
+    &'a [f32],
+    usize,
+    usize,
+    &'a [T],
+    KeyRows<'a>,
+    usize,
+    &'a mut [f32],
+    usize,
+);
+
+/// Rows `r0..r0 + R`, dims `x0..x0 + 16` of [`pv`] (`x0` is a multiple of 16).
+///
+/// # Safety
+/// As [`pv`]; `r0 + R <= rows`, `x0 + 16 <= d`.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn pv_tile<const R: usize, T: Element>(at: PvTileAt<T>) {
+    let (st, np, r0, src, vr, x0, acc, dpad) = at;
+    let high = high_halves();
+    // SAFETY: the caller's contract.
+    unsafe {
+        // bf16: a[i] = (even dims, odd dims) of the chunk; f32: (dims 0..8, dims 8..16).
+        let mut a = [(_mm256_setzero_ps(), _mm256_setzero_ps()); R];
+        let base = src.as_ptr().add(x0 + vr.head);
+        let mut pc = st.as_ptr().add(r0);
+        let mut step = |key: usize, pc: *const f32| {
+            let (v0, v1) = load_chunk(base.add(key), high);
+            for (i, ai) in a.iter_mut().enumerate() {
+                let p = _mm256_broadcast_ss(&*pc.add(i));
+                ai.0 = _mm256_fmadd_ps(p, v0, ai.0);
+                ai.1 = _mm256_fmadd_ps(p, v1, ai.1);
+            }
+        };
+        // Two keys an iteration: the loop's own instructions are a fifth of a key's.
+        let pairs = vr.keys.chunks_exact(2);
+        let last = pairs.remainder();
+        for k2 in pairs {
+            step(k2[0], pc);
+            step(k2[1], pc.add(np));
+            pc = pc.add(2 * np);
+        }
+        if let [key] = last {
+            step(*key, pc);
+        }
+        let ap = acc.as_mut_ptr();
+        for (i, &(a0, a1)) in a.iter().enumerate() {
+            let (y0, y1) = if T::DTYPE == DType::BF16 {
+                // [0 1 2 3 | 8 9 10 11] and [4 5 6 7 | 12 13 14 15], then the halves regrouped.
+                let lo = _mm256_unpacklo_ps(a0, a1);
+                let hi = _mm256_unpackhi_ps(a0, a1);
+                (
+                    _mm256_permute2f128_ps::<0x20>(lo, hi),
+                    _mm256_permute2f128_ps::<0x31>(lo, hi),
+                )
+            } else {
+                (a0, a1)
+            };
+            let at = ap.add((r0 + i) * dpad + x0);
+            _mm256_storeu_ps(at, _mm256_add_ps(_mm256_loadu_ps(at), y0));
+            _mm256_storeu_ps(at.add(8), _mm256_add_ps(_mm256_loadu_ps(at.add(8)), y1));
+        }
+    }
+}
