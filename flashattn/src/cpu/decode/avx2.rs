@@ -107,7 +107,6 @@ pub(crate) unsafe fn scores<T: Element>(
     if T::DTYPE == DType::F16 {
         return scores_portable(q, rows, dpad, src, kr, st, np, ahead);
     }
-    ahead.step(kr.cols());
     let cols = kr.cols();
     let mut r0 = 0;
     // SAFETY: the caller's contract; every block stays inside rows × cols.
@@ -115,6 +114,11 @@ pub(crate) unsafe fn scores<T: Element>(
         while r0 < rows {
             let mut c0 = 0;
             while c0 < cols {
+                // The prefetches spread over the first row block's keys, two at a time: the
+                // tile's ask at once filled the miss buffers and held up its own loads.
+                if r0 == 0 {
+                    ahead.step((cols - c0).min(2));
+                }
                 let at = (q, r0, dpad, src, kr, c0, &mut *st, np);
                 // The usual head dims with q rows unpadded (dpad = d) have the dim loop
                 // unrolled and q at constant offsets.
@@ -266,15 +270,15 @@ pub(crate) unsafe fn pv<T: Element>(
     if T::DTYPE == DType::F16 {
         return pv_portable(st, np, rows, src, vr, acc, dpad, ahead);
     }
-    ahead.step(vr.cols());
     let full = vr.d / CHUNK * CHUNK;
+    let mut first = Some(ahead);
     let mut r0 = 0;
     // SAFETY: the caller's contract; every tile below stays inside rows × d.
     unsafe {
         while r0 < rows {
             let rb = (rows - r0).min(4);
             for x0 in (0..full).step_by(CHUNK) {
-                let at = (st, np, r0, src, vr, x0, &mut *acc, dpad);
+                let at = (st, np, r0, src, vr, x0, &mut *acc, dpad, first.take());
                 match rb {
                     4 => pv_tile::<4, T>(at),
                     3 => pv_tile::<3, T>(at),
@@ -282,15 +286,15 @@ pub(crate) unsafe fn pv<T: Element>(
                     _ => pv_tile::<1, T>(at),
                 }
             }
-            // The tail dims full..d.
-            pv_tail(st, np, (r0, rb), src, vr, acc, dpad, full, None);
+            // The tail dims full..d (and every key's step when there was no tile: d < 16).
+            pv_tail(st, np, (r0, rb), src, vr, acc, dpad, full, first.take());
             r0 += rb;
         }
     }
 }
 
 /// Operands of one [`pv_tile`]: p, np, the first row, the cache, its rows, the first dim, acc,
-/// dpad.
+/// dpad, and the prefetcher to step (first tile only).
 type PvTileAt<'a, T> = (
     &'a [f32],
     usize,
@@ -300,6 +304,7 @@ type PvTileAt<'a, T> = (
     usize,
     &'a mut [f32],
     usize,
+    Option<&'a mut Ahead>,
 );
 
 /// Rows `r0..r0 + R`, dims `x0..x0 + 16` of [`pv`] (`x0` is a multiple of 16).
@@ -309,7 +314,7 @@ type PvTileAt<'a, T> = (
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 unsafe fn pv_tile<const R: usize, T: Element>(at: PvTileAt<T>) {
-    let (st, np, r0, src, vr, x0, acc, dpad) = at;
+    let (st, np, r0, src, vr, x0, acc, dpad, mut ahead) = at;
     let high = high_halves();
     // SAFETY: the caller's contract.
     unsafe {
@@ -329,11 +334,18 @@ unsafe fn pv_tile<const R: usize, T: Element>(at: PvTileAt<T>) {
         let pairs = vr.keys.chunks_exact(2);
         let last = pairs.remainder();
         for k2 in pairs {
+            // The prefetches spread over the first tile's keys (see `scores`).
+            if let Some(ah) = ahead.as_deref_mut() {
+                ah.step(2);
+            }
             step(k2[0], pc);
             step(k2[1], pc.add(np));
             pc = pc.add(2 * np);
         }
         if let [key] = last {
+            if let Some(ah) = ahead {
+                ah.step(1);
+            }
             step(*key, pc);
         }
         let ap = acc.as_mut_ptr();
