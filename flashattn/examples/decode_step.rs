@@ -81,6 +81,7 @@ fn main() {
     }
     match dt {
         "bf16" => run::<bf16>(cap, reps, bf16::from_f32, &cfgs),
+        "f16" => run::<half::f16>(cap, reps, half::f16::from_f32, &cfgs),
         _ => run::<f32>(cap, reps, |x| x, &cfgs),
     }
 }

@@ -1280,7 +1280,7 @@ pub(crate) fn scores<T: Element>(
         return unsafe { scores_avx512(q.f32, rows, dpad, src, kr, st, np, ahead) };
     }
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
+    if isa == Isa::Avx2 && avx2::has_f16c() {
         // bf16 keys take q in even-odd order (`avx2::even_odd`), other dtypes as rows.
         let qf = match (q.t, T::DTYPE) {
             (Some(QTrans::EvenOdd { qt }), DType::BF16) => qt,
@@ -1289,8 +1289,8 @@ pub(crate) fn scores<T: Element>(
             }
             _ => q.f32,
         };
-        // SAFETY: a kernel table of Isa::Avx2 exists only on a CPU with AVX2 and FMA; bounds
-        // checked above.
+        // SAFETY: a kernel table of Isa::Avx2 exists only on a CPU with AVX2 and FMA, F16C
+        // checked; bounds checked above.
         return unsafe { avx2::scores(qf, rows, dpad, src, kr, st, np, ahead) };
     }
     let _ = isa;
@@ -1453,9 +1453,9 @@ pub(crate) fn pv_acc<T: Element>(
         return unsafe { pv_avx512(p.f32, np, rows, src, vr, acc, dpad, 0, Some(ahead)) };
     }
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
-        // SAFETY: a kernel table of Isa::Avx2 exists only on a CPU with AVX2 and FMA; bounds
-        // checked above.
+    if isa == Isa::Avx2 && avx2::has_f16c() {
+        // SAFETY: a kernel table of Isa::Avx2 exists only on a CPU with AVX2 and FMA, F16C
+        // checked; bounds checked above.
         return unsafe { avx2::pv(p.f32, np, rows, src, vr, acc, dpad, ahead) };
     }
     let _ = isa;

@@ -1,6 +1,6 @@
-//! The decode products in AVX2 + FMA (8 f32 lanes, 16 ymm registers): [`scores`] and [`pv`],
-//! for f32 and bf16 caches (f16, whose widening needs F16C, which the AVX2 kernel table does not
-//! require, takes the portable kernels compiled for AVX2).
+//! The decode products in AVX2 + FMA + F16C (8 f32 lanes, 16 ymm registers): [`scores`] and
+//! [`pv`], for f32, f16 and bf16 caches. (F16C comes with AVX2 on every x86 CPU that has both; the
+//! callers check it, and a CPU without it takes the portable kernels.)
 //!
 //! Without AVX-512 there is no bf16 dot product, and one token of GQA 4 (4 query rows per kv
 //! head) does 2 · 4 multiply-adds per cache element: at AVX2's 16 f32 FMAs a cycle per core the
@@ -20,13 +20,13 @@
 //!
 //! Dims past the last whole chunk of 16 go element by element (d = 40, 59, ...).
 //!
-//! Safety: every function here needs AVX2 and FMA (the kernel table of [`Isa::Avx2`] exists only
-//! on such a CPU) and operands that passed the bounds checks of [`super::scores`] and
+//! Safety: every function here needs AVX2, FMA and F16C (the kernel table of [`Isa::Avx2`] exists
+//! only on a CPU with the first two; the callers check the third) and operands that passed the bounds checks of [`super::scores`] and
 //! [`super::pv_acc`].
 //!
 //! [`Isa::Avx2`]: crate::cpu::simd::Isa::Avx2
 
-use super::{pv_portable, pv_tail, scores_portable, Ahead, KeyRows};
+use super::{pv_tail, Ahead, KeyRows};
 use crate::tensor::{DType, Element};
 use std::arch::x86_64::*;
 
@@ -52,11 +52,12 @@ pub(crate) fn even_odd(q: &[f32], rows: usize, d: usize, dpad: usize) -> Vec<f32
 }
 
 /// The 16 values of a chunk at `p` as two f32 vectors: bf16 as (even dims, odd dims), widened
-/// exactly (a shift and a mask); f32 as (dims 0..8, dims 8..16).
+/// exactly (a shift and a mask); f32 as (dims 0..8, dims 8..16); f16 the same, widened exactly
+/// by `vcvtph2ps`.
 ///
 /// # Safety
-/// AVX2 present; 16 elements readable at `p`; `T` is f32 or bf16.
-#[target_feature(enable = "avx2,fma")]
+/// AVX2 and F16C present; 16 elements readable at `p`.
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn load_chunk<T: Element>(p: *const T, high: __m256i) -> (__m256, __m256) {
     // SAFETY: the caller's contract.
@@ -67,6 +68,12 @@ unsafe fn load_chunk<T: Element>(p: *const T, high: __m256i) -> (__m256, __m256)
                 _mm256_castsi256_ps(_mm256_slli_epi32::<16>(raw)),
                 _mm256_castsi256_ps(_mm256_and_si256(raw, high)),
             )
+        } else if T::DTYPE == DType::F16 {
+            let p = p.cast::<__m128i>();
+            (
+                _mm256_cvtph_ps(_mm_loadu_si128(p)),
+                _mm256_cvtph_ps(_mm_loadu_si128(p.add(1))),
+            )
         } else {
             let p = p.cast::<f32>();
             (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
@@ -74,8 +81,14 @@ unsafe fn load_chunk<T: Element>(p: *const T, high: __m256i) -> (__m256, __m256)
     }
 }
 
+/// Whether this CPU has F16C, which the kernels here need beside the AVX2 table's AVX2 and FMA
+/// (`is_x86_feature_detected!` caches its answer).
+pub(crate) fn has_f16c() -> bool {
+    std::arch::is_x86_feature_detected!("f16c")
+}
+
 /// The 32-bit mask of the high halves (bf16 odd dims).
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn high_halves() -> __m256i {
     _mm256_set1_epi32(0xffff_0000u32 as i32)
@@ -91,8 +104,8 @@ fn high_halves() -> __m256i {
 /// 0.5-0.8 of the FMA peak in a micro-benchmark, this tile at 0.65-0.85.
 ///
 /// # Safety
-/// AVX2 and FMA present; operands as checked by [`super::scores`].
-#[target_feature(enable = "avx2,fma")]
+/// AVX2, FMA and F16C present; operands as checked by [`super::scores`].
+#[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn scores<T: Element>(
     q: &[f32],
@@ -104,9 +117,6 @@ pub(crate) unsafe fn scores<T: Element>(
     np: usize,
     ahead: &mut Ahead,
 ) {
-    if T::DTYPE == DType::F16 {
-        return scores_portable(q, rows, dpad, src, kr, st, np, ahead);
-    }
     let cols = kr.cols();
     let mut r0 = 0;
     // SAFETY: the caller's contract; every block stays inside rows × cols.
@@ -114,10 +124,9 @@ pub(crate) unsafe fn scores<T: Element>(
         while r0 < rows {
             let mut c0 = 0;
             while c0 < cols {
-                // The prefetches spread over the first row block's keys, two at a time: the
-                // tile's ask at once filled the miss buffers and held up its own loads.
-                if r0 == 0 {
-                    ahead.step((cols - c0).min(2));
+                // The prefetches spread over the first row block's keys, four at a time.
+                if r0 == 0 && c0 % PF_KEYS == 0 {
+                    ahead.step((cols - c0).min(PF_KEYS));
                 }
                 let at = (q, r0, dpad, src, kr, c0, &mut *st, np);
                 // The usual head dims with q rows unpadded (dpad = d) have the dim loop
@@ -142,8 +151,13 @@ pub(crate) unsafe fn scores<T: Element>(
     }
 }
 
+/// Keys per prefetch step of the products (the next tile's lines asked for a few keys at a
+/// time; see [`Ahead`]): every key's step took ~600 instructions a key (bf16, 8 kv heads), a
+/// sixth of all, and the whole call's at once held up the call's own loads.
+const PF_KEYS: usize = 4;
+
 /// The horizontal sums of 4 vectors, `[Σ a[0], Σ a[1], Σ a[2], Σ a[3]]`.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn reduce4(a: [__m256; 4]) -> __m128 {
     // Per 128-bit half: [Σ a0, Σ a1, Σ a2, Σ a3] of that half's 4 lanes.
@@ -156,7 +170,7 @@ fn reduce4(a: [__m256; 4]) -> __m128 {
 /// # Safety
 /// As [`scores`]; `c0 + K <= cols`, `r0 + R <= rows`, `R <= 4`; `NC` is 0 or `d / 16` with
 /// `dpad == d`.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn scores_tile<const K: usize, const R: usize, const NC: usize, T: Element>(
     at: super::ScoresAt<T>,
@@ -219,7 +233,7 @@ unsafe fn scores_tile<const K: usize, const R: usize, const NC: usize, T: Elemen
 ///
 /// # Safety
 /// As [`scores_tile`].
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline(never)]
 unsafe fn score_tails<const K: usize, const R: usize, T: Element>(
     sums: [__m128; K],
@@ -254,8 +268,8 @@ unsafe fn score_tails<const K: usize, const R: usize, T: Element>(
 /// two accumulators on the stack. `ahead` is stepped by the keys' count on entry.
 ///
 /// # Safety
-/// AVX2 and FMA present; operands as checked by [`super::pv_acc`].
-#[target_feature(enable = "avx2,fma")]
+/// AVX2, FMA and F16C present; operands as checked by [`super::pv_acc`].
+#[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn pv<T: Element>(
     st: &[f32],
@@ -267,9 +281,6 @@ pub(crate) unsafe fn pv<T: Element>(
     dpad: usize,
     ahead: &mut Ahead,
 ) {
-    if T::DTYPE == DType::F16 {
-        return pv_portable(st, np, rows, src, vr, acc, dpad, ahead);
-    }
     let full = vr.d / CHUNK * CHUNK;
     let mut first = Some(ahead);
     let mut r0 = 0;
@@ -311,10 +322,10 @@ type PvTileAt<'a, T> = (
 ///
 /// # Safety
 /// As [`pv`]; `r0 + R <= rows`, `x0 + 16 <= d`.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn pv_tile<const R: usize, T: Element>(at: PvTileAt<T>) {
-    let (st, np, r0, src, vr, x0, acc, dpad, mut ahead) = at;
+    let (st, np, r0, src, vr, x0, acc, dpad, ahead) = at;
     let high = high_halves();
     // SAFETY: the caller's contract.
     unsafe {
@@ -330,23 +341,30 @@ unsafe fn pv_tile<const R: usize, T: Element>(at: PvTileAt<T>) {
                 ai.1 = _mm256_fmadd_ps(p, v1, ai.1);
             }
         };
-        // Two keys an iteration: the loop's own instructions are a fifth of a key's.
-        let pairs = vr.keys.chunks_exact(2);
-        let last = pairs.remainder();
-        for k2 in pairs {
-            // The prefetches spread over the first tile's keys (see `scores`).
-            if let Some(ah) = ahead.as_deref_mut() {
-                ah.step(2);
+        // Two keys an iteration: the loop's own instructions are a fifth of a key's. The first
+        // tile steps the prefetches every PF_KEYS keys, in a loop of its own (a check per
+        // iteration in the common loop cost it 7 of its 38 instructions).
+        let mut keys = |ks: &[usize], pc: &mut *const f32| {
+            let pairs = ks.chunks_exact(2);
+            let last = pairs.remainder();
+            for k2 in pairs {
+                step(k2[0], *pc);
+                step(k2[1], pc.add(np));
+                *pc = pc.add(2 * np);
             }
-            step(k2[0], pc);
-            step(k2[1], pc.add(np));
-            pc = pc.add(2 * np);
-        }
-        if let [key] = last {
-            if let Some(ah) = ahead {
-                ah.step(1);
+            if let [key] = last {
+                step(*key, *pc);
+                *pc = pc.add(np);
             }
-            step(*key, pc);
+        };
+        match ahead {
+            Some(ah) => {
+                for ks in vr.keys.chunks(PF_KEYS) {
+                    ah.step(ks.len());
+                    keys(ks, &mut pc);
+                }
+            }
+            None => keys(vr.keys, &mut pc),
         }
         let ap = acc.as_mut_ptr();
         for (i, &(a0, a1)) in a.iter().enumerate() {
