@@ -1,7 +1,11 @@
 //! AVX2 + FMA microkernels (8 f32 lanes).
 //!
-//! Register budget of the product tile: MR = 4 rows × 2 ymm (16 lanes) = 8 accumulators, + 2 ymm of
-//! B per k, + 1 broadcast = 11 of the 16 ymm registers; per k step 2 loads, 4 broadcasts, 8 FMAs.
+//! Register budget of the product tile: MR = 6 rows × 2 ymm (16 lanes) = 12 accumulators, + 2 ymm
+//! of B per k, + 1 broadcast = 15 of the 16 ymm registers; per k step 2 loads, 6 broadcasts, 12
+//! FMAs (the shape of BLIS's Haswell kernel). 4 rows (8 accumulators: the two FMA units' latency
+//! of 4 cycles with no slack) ran the f32 forward at 76-84 GFLOP/s against 88-99 for 6 rows
+//! (N = 1024 and 4096, d = 128, 16 heads, 2 threads, alternating runs, 2026-11-26, AVX2-only
+//! Zen 4 host; docs/PERFORMANCE.md).
 //!
 //! Safety: as in `x86_avx512`: the CPU has the features of each `target_feature` attribute, and the
 //! operands passed [`super::Kernels`]'s bounds checks.
@@ -9,7 +13,7 @@
 use super::Gemm;
 use std::arch::x86_64::*;
 
-const MR: usize = 4;
+const MR: usize = 6;
 const W: usize = 8;
 
 #[target_feature(enable = "avx2,fma")]
@@ -22,6 +26,8 @@ pub(crate) unsafe fn gemm(g: &Gemm<f32>, c: &mut [f32], c_rs: usize) {
             i += MR;
         }
         match g.m - i {
+            5 => tile::<5>(g, cp, c_rs, i, j),
+            4 => tile::<4>(g, cp, c_rs, i, j),
             3 => tile::<3>(g, cp, c_rs, i, j),
             2 => tile::<2>(g, cp, c_rs, i, j),
             1 => tile::<1>(g, cp, c_rs, i, j),
