@@ -26,7 +26,8 @@
 //!   each v element is loaded once per 4 rows (up to 6 with more than 4 rows per kv head).
 //!
 //! bf16 on a CPU with AVX512_BF16 multiplies bf16 pairs with `vdpbf16ps` in both products (q·k
-//! exact; P rounded to bf16 for P·V, as the forward and flash-attn do).
+//! exact; P rounded to bf16 for P·V, as the forward and flash-attn do). Without AVX-512 the
+//! products are those of `decode/avx2.rs` (bf16 widened in even/odd pairs, f16 by F16C).
 //!
 //! Each split ends with a normalised partial `(out, lse)` per row; [`merge_row`] combines a row's
 //! splits (`lse = log Σ exp(lse_s)`, `out = Σ exp(lse_s - lse) · out_s`). With one split the merge

@@ -1,6 +1,6 @@
 //! The decode products in AVX2 + FMA + F16C (8 f32 lanes, 16 ymm registers): [`scores`] and
-//! [`pv`], for f32, f16 and bf16 caches. (F16C comes with AVX2 on every x86 CPU that has both; the
-//! callers check it, and a CPU without it takes the portable kernels.)
+//! [`pv`], for f32, f16 (widened by `vcvtph2ps`) and bf16 caches. The AVX2 kernel table needs only
+//! AVX2 and FMA, so the callers check F16C, and a CPU without it takes the portable kernels.
 //!
 //! Without AVX-512 there is no bf16 dot product, and one token of GQA 4 (4 query rows per kv
 //! head) does 2 · 4 multiply-adds per cache element: at AVX2's 16 f32 FMAs a cycle per core the
@@ -21,8 +21,8 @@
 //! Dims past the last whole chunk of 16 go element by element (d = 40, 59, ...).
 //!
 //! Safety: every function here needs AVX2, FMA and F16C (the kernel table of [`Isa::Avx2`] exists
-//! only on a CPU with the first two; the callers check the third) and operands that passed the bounds checks of [`super::scores`] and
-//! [`super::pv_acc`].
+//! only on a CPU with the first two; the callers check the third) and operands that passed the
+//! bounds checks of [`super::scores`] and [`super::pv_acc`].
 //!
 //! [`Isa::Avx2`]: crate::cpu::simd::Isa::Avx2
 
@@ -304,27 +304,14 @@ pub(crate) unsafe fn pv<T: Element>(
     }
 }
 
-/// Operands of one [`pv_tile`]: p, np, the first row, the cache, its rows, the first dim, acc,
-/// dpad, and the prefetcher to step (first tile only).
-type PvTileAt<'a, T> = (
-    &'a [f32],
-    usize,
-    usize,
-    &'a [T],
-    KeyRows<'a>,
-    usize,
-    &'a mut [f32],
-    usize,
-    Option<&'a mut Ahead>,
-);
-
-/// Rows `r0..r0 + R`, dims `x0..x0 + 16` of [`pv`] (`x0` is a multiple of 16).
+/// Rows `r0..r0 + R`, dims `x0..x0 + 16` of [`pv`] (`x0`, the operands' first dim, a multiple of
+/// 16; the operands as [`super::PvAt`]).
 ///
 /// # Safety
 /// As [`pv`]; `r0 + R <= rows`, `x0 + 16 <= d`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn pv_tile<const R: usize, T: Element>(at: PvTileAt<T>) {
+unsafe fn pv_tile<const R: usize, T: Element>(at: super::PvAt<f32, T>) {
     let (st, np, r0, src, vr, x0, acc, dpad, ahead) = at;
     let high = high_halves();
     // SAFETY: the caller's contract.
