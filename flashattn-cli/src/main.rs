@@ -4,6 +4,7 @@
 
 mod alloc;
 mod bench;
+mod compile;
 mod cuda;
 mod decode;
 mod error;
@@ -53,6 +54,9 @@ enum Command {
     /// Draw GFLOP/s against sequence length from JSON results (bench/compare_torch.py's output or
     /// `bench --json` lines) into an SVG file.
     Plot(plot::PlotArgs),
+    /// Compile CUDA kernel variants with NVRTC into the kernel disk cache ahead of time (no GPU
+    /// needed), so that runs on a GPU of that architecture load them instead of compiling.
+    Compile(compile::CompileArgs),
 }
 
 fn main() -> ExitCode {
@@ -62,6 +66,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => bench::bench(args),
         Command::Peak(args) => peak::peak(args),
         Command::Plot(args) => plot::plot(args),
+        Command::Compile(args) => compile::compile(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

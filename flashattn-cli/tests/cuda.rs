@@ -203,3 +203,53 @@ fn bench_decode_on_cuda_reports_or_fails_cleanly() {
         );
     }
 }
+
+/// `flashattn compile` fills a kernel cache directory with one cubin per variant, and a second run
+/// finds them all there. Needs NVRTC only (CI has it and sets FLASHATTN_REQUIRE_NVRTC=1); without
+/// NVRTC it fails cleanly, naming it.
+#[test]
+fn compile_fills_the_disk_cache_or_fails_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = || {
+        Command::new(bin())
+            .args(["compile", "--arch", "sm_80", "--filter", "decode_combine"])
+            .env("FLASHATTN_CACHE_DIR", dir.path())
+            .output()
+            .expect("run flashattn")
+    };
+    let first = run();
+    if !first.status.success() {
+        let required = std::env::var("FLASHATTN_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
+        let stderr = String::from_utf8_lossy(&first.stderr);
+        assert!(!required, "FLASHATTN_REQUIRE_NVRTC=1 but: {stderr}");
+        assert!(!stderr.contains("panicked"), "panicked: {stderr}");
+        assert!(
+            stderr.starts_with("error: ") && stderr.contains("NVRTC"),
+            "{stderr}"
+        );
+        return;
+    }
+    // One decode_combine variant per dtype.
+    let stdout = String::from_utf8_lossy(&first.stdout);
+    assert!(
+        stdout.contains("3 variants for sm_80: 3 compiled, 0 already cached, 0 failed"),
+        "{stdout}"
+    );
+    let cubins = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter(|e| {
+            let name = e.as_ref().unwrap().file_name();
+            let name = name.to_string_lossy();
+            name.starts_with("decode_combine_") && name.ends_with(".cubin")
+        })
+        .count();
+    assert_eq!(cubins, 3, "{stdout}");
+    let second = run();
+    let stdout = String::from_utf8_lossy(&second.stdout);
+    assert!(
+        second.status.success(),
+        "{}",
+        String::from_utf8_lossy(&second.stderr)
+    );
+    assert!(stdout.contains("0 compiled, 3 already cached"), "{stdout}");
+}

@@ -8,7 +8,7 @@
 use super::key::{Arch, KernelKey, COMMON_CUH};
 use std::path::{Path, PathBuf};
 
-fn dir() -> Option<PathBuf> {
+pub(crate) fn dir() -> Option<PathBuf> {
     if let Some(d) = std::env::var_os("FLASHATTN_CACHE_DIR") {
         return (!d.is_empty()).then(|| PathBuf::from(d));
     }

@@ -100,6 +100,51 @@ pub struct Prepared {
     pub time: Duration,
 }
 
+/// What [`precompile`] did for one kernel variant.
+#[derive(Clone, Debug)]
+pub struct Precompiled {
+    pub key: KernelKey,
+    /// The compile time, `Ok(None)` for a variant already in the cache, or the compile error.
+    pub compiled: std::result::Result<Option<Duration>, crate::Error>,
+}
+
+/// Compiles `keys` for `arch` into the disk cache (see [`KernelOrigin::Disk`]) on all cores,
+/// skipping variants whose cubin is already there, so that later processes on a GPU of that
+/// architecture load kernels instead of compiling them. Needs NVRTC only, no GPU: a cache filled on
+/// one machine serves another with the same NVRTC major.minor. Errors only when NVRTC is missing
+/// or no cache directory is configured; per-variant compile errors are in the returned list.
+pub fn precompile(keys: &[KernelKey], arch: Arch) -> Result<Vec<Precompiled>> {
+    use rayon::prelude::*;
+    let version = nvrtc::version()?;
+    if cache::dir().is_none() {
+        return Err(ErrorKind::CudaUnavailable {
+            reason: "no kernel cache directory (FLASHATTN_CACHE_DIR is empty and HOME is unset)"
+                .into(),
+        }
+        .into());
+    }
+    Ok(keys
+        .par_iter()
+        .map(|key| {
+            let path = cache::path(key, arch, version).expect("checked above");
+            if cache::load(&path).is_some() {
+                return Precompiled {
+                    key: *key,
+                    compiled: Ok(None),
+                };
+            }
+            let compiled = nvrtc::compile(key, arch).map(|c| {
+                cache::store(&path, &c.cubin);
+                Some(c.compile_time)
+            });
+            Precompiled {
+                key: *key,
+                compiled,
+            }
+        })
+        .collect())
+}
+
 /// One GPU (a CUDA context) and the stream flashattn launches on.
 #[derive(Clone)]
 pub struct CudaDevice {

@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# One device call that does what a short GPU lease can afford, most important first, each stage
+# under its own time limit so the script ends (and packs its logs) before the tool's limit:
+#
+#   1. the environment: GPU, driver, which NVRTC (the kernel disk cache carried in
+#      gpu-run/cache_sm90a.tgz was filled here with NVRTC 13.0 by `flashattn compile`; it is used
+#      when the NVRTC found there is 13.0 too, else the kernels compile on the 16 cores first);
+#   2. the CUDA tests, the binaries side by side (the correctness record);
+#   3. flashattn vs PyTorch SDPA: forward (bf16, d = 128, --quick), the decode step (bf16, f32),
+#      forward + backward (--quick), as the time left allows;
+#   4. NVRTC's own compile rate there (a few variants into an empty cache).
+#
+# Here: bash bench/gpu/prepare.sh && the cache (see docs/GPU.md); there (carry gpu-run):
+#   bash bench/gpu/session.sh [SECONDS] [decode]
+# SECONDS: the budget for the whole script (500). `decode`: after the tests, only the decode
+# comparison, a split-count sweep at the issue's shape and an Nsight Compute summary of the split
+# kernel (for work on decode.cu).
+# $OUT/summary.txt grows as stages end; $OUT/logs.tgz holds every log at the end.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+budget=${1:-500}
+mode=${2:-all}
+t0=$(date +%s)
+left() { echo $((budget - ($(date +%s) - t0))); }
+out=${OUT:-/tmp/flashattn-out}
+logs=/tmp/flashattn-gpu-logs
+mkdir -p "$out" "$logs"
+summary=$out/summary.txt
+: >"$summary"
+say() { echo "$*" | tee -a "$summary"; }
+export PYTHONUNBUFFERED=1
+export FLASHATTN_CACHE_DIR=/tmp/flashattn-cache
+bin=$PWD/gpu-run/flashattn
+export FLASHATTN_BIN=$bin
+
+say "== $(date -u +%FT%TZ) environment"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 | tee -a "$summary"
+nproc | sed 's/^/cpus: /' | tee -a "$summary"
+python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)' 2>&1 | tee -a "$summary"
+
+# NVRTC: the first library that reports 13.0 (what the carried cache was built with).
+nvrtc=""
+for cand in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+    $(python3 -c 'import nvidia, os; [print(os.path.join(p, "cu13", "lib")) for p in nvidia.__path__]' 2>/dev/null); do
+    [ -e "$cand" ] || continue
+    v=$(FLASHATTN_NVRTC=$cand FLASHATTN_CACHE_DIR=/tmp/none "$bin" compile --filter no-such-kernel 2>&1 | head -1)
+    say "nvrtc candidate $cand: $v"
+    if [ -z "$nvrtc" ] && [[ $v == "NVRTC 13.0:"* ]]; then nvrtc=$cand; fi
+done
+if [ -n "$nvrtc" ]; then
+    export FLASHATTN_NVRTC=$nvrtc
+    mkdir -p "$FLASHATTN_CACHE_DIR"
+    tar xzf gpu-run/cache_sm90a.tgz -C "$FLASHATTN_CACHE_DIR" && say "cache: $(ls "$FLASHATTN_CACHE_DIR" | wc -l) cubins unpacked, NVRTC $nvrtc"
+else
+    say "no NVRTC 13.0 found: compiling every variant here first"
+    timeout 200 "$bin" compile 2>&1 | tail -5 | tee -a "$summary"
+fi
+
+say "== $(date -u +%T) tests ($(left) s left)"
+tl=$(( $(left) - 220 )); [ $tl -gt 280 ] && tl=280; [ $tl -lt 60 ] && tl=60
+run_test() { # name, args...
+    local name=$1; shift
+    (timeout "$tl" "gpu-run/$name" "$@" >"$logs/$name.log" 2>&1; echo "exit $?" >>"$logs/$name.log") &
+}
+run_test cuda_tests_flashattn --test-threads 4 --nocapture
+run_test cuda_tests_flashattn-cli --test-threads 2
+run_test decode_tests_flashattn gpu:: --test-threads 1 --nocapture
+run_test fp8_tests_flashattn gpu:: --test-threads 1 --nocapture
+run_test decode_tests_flashattn-cli cuda --test-threads 2
+run_test fp8_tests_flashattn-cli run_fp8_kv_cache bench_decode_fp8_caches_on_cuda --test-threads 2
+wait
+for f in "$logs"/*_tests_*.log; do
+    say "-- $(basename "$f")"
+    grep -E "^test |test result|panicked|CUDA device|skipping|cases on|^exit " "$f" | head -60 | tee -a "$summary"
+done
+
+stage() { # seconds wanted, name, command...
+    local want=$1 name=$2; shift 2
+    local l; l=$(left)
+    if [ "$l" -lt $((want / 2 + 20)) ]; then say "== skipped $name ($l s left)"; return; fi
+    [ "$want" -gt $((l - 20)) ] && want=$((l - 20))
+    say "== $(date -u +%T) $name (limit $want s)"
+    timeout "$want" "$@" >"$logs/$name.log" 2>&1
+    echo "exit $?" >>"$logs/$name.log"
+    grep -vE "^\s*$" "$logs/$name.log" | tail -25 | tee -a "$summary"
+}
+if [ "$mode" = decode ]; then
+    stage 80 compare_decode python3 bench/compare_torch_cuda_decode.py --binary "$bin" --rounds 2 \
+        --min-time 0.2 --out "$logs/compare_cuda_decode.json"
+    for sp in 8 16 33 66 132; do
+        stage 15 "splits_$sp" "$bin" bench --decode --device cuda --dtype bf16 --batch 1 --heads 32 \
+            --heads-kv 8 --head-dim 128 --cache-len 32768 --min-time 0.3 --num-splits $sp
+    done
+    stage 60 ncu_decode ncu --kernel-name regex:decode_split --launch-skip 3 --launch-count 1 \
+        --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+        "$bin" bench --decode --device cuda --dtype bf16 --batch 1 --heads 32 --heads-kv 8 \
+        --head-dim 128 --cache-len 32768 --min-time 0.01
+    say "== $(date -u +%T) done, $(left) s of $budget left"
+    tar czf "$out/logs.tgz" -C "$logs" . 2>/dev/null
+    cp "$logs"/*.json "$out"/ 2>/dev/null || true
+    exit 0
+fi
+stage 100 compare_fwd python3 bench/compare_torch_cuda.py --binary "$bin" --quick --rounds 2 \
+    --min-time 0.2 --out "$logs/compare_cuda_fwd.json"
+stage 80 compare_decode python3 bench/compare_torch_cuda_decode.py --binary "$bin" --rounds 2 \
+    --min-time 0.2 --out "$logs/compare_cuda_decode.json"
+stage 60 compare_bwd python3 bench/compare_torch_cuda.py --binary "$bin" --backward --quick --rounds 1 \
+    --min-time 0.2 --out "$logs/compare_cuda_bwd.json"
+stage 30 nvrtc_rate env FLASHATTN_CACHE_DIR=/tmp/flashattn-empty-cache "$bin" compile --filter fwd_bf16_d128
+
+say "== $(date -u +%T) done, $(left) s of $budget left"
+tar czf "$out/logs.tgz" -C "$logs" . 2>/dev/null
+cp "$logs"/*.json "$out"/ 2>/dev/null || true
