@@ -118,13 +118,17 @@ impl DecodeLaunch {
     }
 }
 
-/// The number of key splits when the call names none: enough CTAs for two per SM, but no split
-/// shorter than 256 keys (`MIN_SPLIT_KEYS_GPU`) of the longest sequence.
+/// CTAs per SM that automatic splits aim for. The first GPU run (H200, 2026-11-26) had two:
+/// 264 CTAs of 4 warps for the shape, 12% achieved occupancy, bound by memory latency.
+const CTAS_PER_SM: usize = 4;
+
+/// The number of key splits when the call names none: enough CTAs for `CTAS_PER_SM` per SM, but
+/// no split shorter than 256 keys (`MIN_SPLIT_KEYS_GPU`) of the longest sequence.
 pub fn choose_splits(ctas: usize, max_keys: usize, sm_count: usize) -> usize {
     if ctas == 0 {
         return 1;
     }
-    let want = (2 * sm_count).div_ceil(ctas);
+    let want = CTAS_PER_SM * sm_count / ctas;
     let by_len = (max_keys / MIN_SPLIT_KEYS_GPU).max(1);
     want.min(by_len).clamp(1, 128)
 }
@@ -363,7 +367,7 @@ pub fn decode_launch_description_fp8(
 /// cache_leftpad), the rotary cos/sin tables and the ALiBi slopes are host data: they are
 /// validated on the host and the rows a call uses are uploaded with it (flash-attn keeps them on
 /// the device). `opts.new_kv` must be `None`; `opts.num_splits` overrides the split count
-/// (default: enough CTAs for two per SM, splits of at least 256 keys; at most
+/// (default: about four CTAs per SM, splits of at least 256 keys; at most
 /// [`crate::decode::MAX_NUM_SPLITS`]).
 ///
 /// As on the CPU, every input is validated before anything is queued: on error the caches are
@@ -654,8 +658,8 @@ mod tests {
 
     #[test]
     fn split_count_rule() {
-        // The shape on an H100 (132 SMs): 8 CTAs without splits; 33 fill two per SM.
-        assert_eq!(choose_splits(8, 32768, 132), 33);
+        // The shape on an H100 (132 SMs): 8 CTAs without splits; 66 fill four per SM.
+        assert_eq!(choose_splits(8, 32768, 132), 66);
         // A short cache keeps splits of at least 256 keys.
         assert_eq!(choose_splits(8, 1000, 132), 3);
         assert_eq!(choose_splits(8, 100, 132), 1);

@@ -171,11 +171,11 @@ impl KernelKey {
         let t = self.tiles();
         match self.kind {
             KernelKind::Forward => {}
-            // decode.cu: q [16][d] and p [16][128] in f32, two [4 warps][16] reductions, then
-            // 5 + 3 per-row statistics of 4 bytes.
+            // decode.cu: the tile's v row offsets [128] (i64), q [16][d] and p [16][128] in
+            // f32, two [4 warps][16] reductions, then 5 + 3 per-row statistics of 4 bytes.
             KernelKind::DecodeSplit => {
-                return 4
-                    * (t.block_m * self.head_dim
+                return 8 * t.block_n
+                    + 4 * (t.block_m * self.head_dim
                         + t.block_m * t.block_n
                         + 2 * t.num_warps * t.block_m
                         + 8 * t.block_m)

@@ -73,6 +73,8 @@ __device__ __forceinline__ float cache_to_f32(cache_t x, int) { return to_f32(x)
 #define NUM_WARPS (NUM_THREADS / 32)
 #define TILE NUM_THREADS                              // keys per tile: one per thread
 #define NCOL ((HEAD_DIM + NUM_THREADS - 1) / NUM_THREADS)  // output columns per thread
+#define PV_UNROLL 8                                   // keys of P·V whose v loads go out together
+#define KEY_CHUNKS 4                                  // 8-element key loads in flight per thread
 
 static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "HEAD_DIM: a multiple of 32, at most 256");
 
@@ -140,6 +142,17 @@ __device__ __forceinline__ void load8(const cache_t* p, int n, bool vec, int e5m
     for (int i = 0; i < 8; ++i) out[i] = i < n ? cache_to_f32(p[i], e5m2) : 0.f;
 }
 
+// Four consecutive probabilities of a row of p_s (16-byte aligned: p_s is, TILE and the offset
+// are multiples of 4): one shared-memory load instead of four.
+__device__ __forceinline__ void load_p4(const float* p, float out[4]) {
+#ifndef FA_HOST_EMULATION
+    const float4 a = *reinterpret_cast<const float4*>(p);
+    out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w;
+#else
+    for (int i = 0; i < 4; ++i) out[i] = p[i];
+#endif
+}
+
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
     for (int m = 16; m >= 1; m /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, m));
@@ -174,7 +187,8 @@ decode_split(const elem_t* __restrict__ q, const cache_t* __restrict__ k_cache,
              int window_right, int rot_half, int rot_interleaved, int rot_npos, i64 total_rows,
              int vec_loads, const float* __restrict__ descale, int e5m2) {
     FA_DYNAMIC_SMEM(float, smem_f);
-    float* q_s = smem_f;                       // [MAX_ROWS][HEAD_DIM], rows of q (f32, rotated)
+    i64* vrow_s = (i64*)smem_f;                // [TILE] offset of each key's v row in v_cache
+    float* q_s = smem_f + 2 * TILE;            // [MAX_ROWS][HEAD_DIM], rows of q (f32, rotated)
     float* p_s = q_s + MAX_ROWS * HEAD_DIM;    // [MAX_ROWS][TILE], the tile's probabilities
     float* red_max = p_s + MAX_ROWS * TILE;    // [NUM_WARPS][MAX_ROWS]
     float* red_sum = red_max + NUM_WARPS * MAX_ROWS;
@@ -258,20 +272,31 @@ decode_split(const elem_t* __restrict__ q, const cache_t* __restrict__ k_cache,
         float sc[MAX_ROWS];
 #pragma unroll
         for (int r = 0; r < MAX_ROWS; ++r) sc[r] = 0.f;
+        // Where key j's v row is, for the P·V loop (read after the barriers below).
+        vrow_s[tid] = 0;
         if (tid < n) {
             const i64 page = pages[(i64)b * max_blocks + j / page_size];
+            vrow_s[tid] = page * v_page_stride + (i64)(j % page_size) * v_row_stride +
+                          (i64)hk * v_head_stride;
             const cache_t* kr = k_cache + page * k_page_stride + (i64)(j % page_size) * k_row_stride +
                                 (i64)hk * k_head_stride;
-            for (int x0 = 0; x0 < HEAD_DIM && x0 < head_dim; x0 += 8) {
-                float kf[8];
-                load8(kr + x0, head_dim - x0, vec_loads != 0, e5m2, kf);
+            // KEY_CHUNKS x 8 elements of the key loaded before their FMAs (several loads in
+            // flight); past head_dim they read as 0, as do q's padded columns. Each score adds
+            // its products in element order, as one chunk at a time did.
+            for (int x0 = 0; x0 < HEAD_DIM && x0 < head_dim; x0 += 8 * KEY_CHUNKS) {
+                float kf[KEY_CHUNKS][8];
+#pragma unroll
+                for (int g = 0; g < KEY_CHUNKS; ++g)
+                    load8(kr + x0 + 8 * g, head_dim - x0 - 8 * g, vec_loads != 0, e5m2, kf[g]);
 #pragma unroll
                 for (int r = 0; r < MAX_ROWS; ++r) {
                     if (r < nrows) {
                         const float* qr = q_s + r * HEAD_DIM + x0;
                         float d = sc[r];
 #pragma unroll
-                        for (int u = 0; u < 8; ++u) d = fmaf(qr[u], kf[u], d);
+                        for (int g = 0; g < KEY_CHUNKS; ++g)
+#pragma unroll
+                            for (int u = 0; u < 8; ++u) d = fmaf(qr[8 * g + u], kf[g][u], d);
                         sc[r] = d;
                     }
                 }
@@ -326,18 +351,37 @@ decode_split(const elem_t* __restrict__ q, const cache_t* __restrict__ k_cache,
                 for (int c = 0; c < NCOL; ++c) acc[r][c] *= a;
             }
         }
-        // The tile's v rows, walked page by page: one division per tile, not per key.
-        int page_blk = n0 / page_size, page_row = n0 % page_size;
-        const cache_t* vp = v_cache + (i64)pages[(i64)b * max_blocks + page_blk] * v_page_stride +
-                            (i64)hk * v_head_stride;
-        for (int jj = 0; jj < n; ++jj, ++page_row) {
-            if (page_row == page_size) {
-                page_row = 0;
-                ++page_blk;
-                vp = v_cache + (i64)pages[(i64)b * max_blocks + page_blk] * v_page_stride +
-                     (i64)hk * v_head_stride;
+        // The tile's v rows, PV_UNROLL keys at a time: all their loads issued before their FMAs,
+        // so that many loads are in flight per thread (one at a time left the kernel waiting on
+        // memory latency, ~4% of the H200's bandwidth). Each acc[r][c] still adds its keys in
+        // order, so the sum is the same as one key at a time.
+        int jj = 0;
+        for (; jj + PV_UNROLL <= n; jj += PV_UNROLL) {
+            float vv[PV_UNROLL][NCOL];
+#pragma unroll
+            for (int u = 0; u < PV_UNROLL; ++u) {
+                const cache_t* vr = v_cache + vrow_s[jj + u];
+#pragma unroll
+                for (int c = 0; c < NCOL; ++c) {
+                    const int col = tid + c * NUM_THREADS;
+                    vv[u][c] = col < head_dim ? cache_to_f32(vr[col], e5m2) : 0.f;
+                }
             }
-            const cache_t* vr = vp + (i64)page_row * v_row_stride;
+#pragma unroll
+            for (int r = 0; r < MAX_ROWS; ++r) {
+                if (r < nrows) {
+                    float pr[PV_UNROLL];
+#pragma unroll
+                    for (int u = 0; u < PV_UNROLL; u += 4) load_p4(p_s + r * TILE + jj + u, pr + u);
+#pragma unroll
+                    for (int u = 0; u < PV_UNROLL; ++u)
+#pragma unroll
+                        for (int c = 0; c < NCOL; ++c) acc[r][c] = fmaf(pr[u], vv[u][c], acc[r][c]);
+                }
+            }
+        }
+        for (; jj < n; ++jj) {
+            const cache_t* vr = v_cache + vrow_s[jj];
             float vv[NCOL];
 #pragma unroll
             for (int c = 0; c < NCOL; ++c) {
