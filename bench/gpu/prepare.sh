@@ -3,7 +3,13 @@
 # gpu-run/ (git-ignored): the release `flashattn` binary and the CUDA test binaries, stripped so
 # the folder stays far below the 64 MiB carry limit. Then, on the device machine:
 #
-#   bash bench/gpu/run.sh          # GPU tests, then flashattn vs PyTorch SDPA (flash backend)
+#   bash bench/gpu/session.sh 500  # one call: the GPU tests, then flashattn vs PyTorch SDPA
+#   bash bench/gpu/run.sh STAGE    # or stage by stage
+#
+# `prepare.sh --cache` also compiles every kernel variant for sm_90a (H100/H200) with NVRTC into a
+# fresh cache and packs it as gpu-run/cache_sm90a.tgz (~40 MB; ~20 min on 2 cores; needs NVRTC
+# 13.0, e.g. FLASHATTN_NVRTC=target/nvrtc/nvidia/cu13/lib as .ci/run installs it). session.sh
+# unpacks it there, so the lease loads kernels instead of compiling them.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 rm -rf gpu-run && mkdir -p gpu-run
@@ -27,3 +33,10 @@ for line in sys.stdin:
 '
 strip gpu-run/* 2>/dev/null || true
 du -sh gpu-run
+if [ "${1:-}" = --cache ]; then
+    cache=$(mktemp -d)
+    FLASHATTN_CACHE_DIR=$cache target/release/flashattn compile --arch sm_90a
+    tar czf gpu-run/cache_sm90a.tgz -C "$cache" .
+    rm -rf "$cache"
+    du -sh gpu-run
+fi
