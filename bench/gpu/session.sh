@@ -100,11 +100,11 @@ if [ "$mode" = decode ]; then
     cp "$logs"/*.json "$out"/ 2>/dev/null || true
     exit 0
 fi
-stage 100 compare_fwd python3 bench/compare_torch_cuda.py --binary "$bin" --quick --rounds 2 \
+stage 140 compare_fwd python3 bench/compare_torch_cuda.py --binary "$bin" --quick --rounds 2 \
     --min-time 0.2 --out "$logs/compare_cuda_fwd.json"
 stage 80 compare_decode python3 bench/compare_torch_cuda_decode.py --binary "$bin" --rounds 2 \
     --min-time 0.2 --out "$logs/compare_cuda_decode.json"
-stage 60 compare_bwd python3 bench/compare_torch_cuda.py --binary "$bin" --backward --quick --rounds 1 \
+stage 90 compare_bwd python3 bench/compare_torch_cuda.py --binary "$bin" --backward --quick --rounds 1 \
     --min-time 0.2 --out "$logs/compare_cuda_bwd.json"
 stage 30 nvrtc_rate env FLASHATTN_CACHE_DIR=/tmp/flashattn-empty-cache "$bin" compile --filter fwd_bf16_d128
 
