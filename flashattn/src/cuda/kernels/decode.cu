@@ -74,7 +74,14 @@ __device__ __forceinline__ float cache_to_f32(cache_t x, int) { return to_f32(x)
 #define TILE NUM_THREADS                              // keys per tile: one per thread
 #define NCOL ((HEAD_DIM + NUM_THREADS - 1) / NUM_THREADS)  // output columns per thread
 #define PV_UNROLL 8                                   // keys of P·V whose v loads go out together
-#define KEY_CHUNKS 4                                  // 8-element key loads in flight per thread
+// 8-element key loads in flight per thread in the scores: 4 where the H200 timed it (head_dim
+// 128, f32/f16/bf16 caches; 2026-11-26), 2 elsewhere, which compiles in ~60% of the time (the
+// 16 unrolled rows make each extra chunk 128 more FMAs for ptxas; CI compiles every variant).
+#if HEAD_DIM == 128 && !defined(FA_FP8_CACHE)
+#define KEY_CHUNKS 4
+#else
+#define KEY_CHUNKS 2
+#endif
 
 static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "HEAD_DIM: a multiple of 32, at most 256");
 
