@@ -13,8 +13,9 @@
 # Here: bash bench/gpu/prepare.sh && the cache (see docs/GPU.md); there (carry gpu-run):
 #   bash bench/gpu/session.sh [SECONDS] [decode]
 # SECONDS: the budget for the whole script (500). `decode`: after the tests, only the decode
-# comparison, a split-count sweep at the issue's shape and an Nsight Compute summary of the split
-# kernel (for work on decode.cu).
+# comparisons (the default CUDA-core split kernel, then the tensor-core one with
+# FLASHATTN_CUDA_DECODE=tc), an Nsight Compute summary of each split kernel and a split-count sweep
+# of the tensor-core one at the issue's shape (for work on decode.cu).
 # $OUT/summary.txt grows as stages end; $OUT/logs.tgz holds every log at the end.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -65,6 +66,9 @@ run_test() { # name, args...
 run_test cuda_tests_flashattn --test-threads 4 --nocapture
 run_test cuda_tests_flashattn-cli --test-threads 2
 run_test decode_tests_flashattn gpu:: --test-threads 1 --nocapture
+# The same decode cases through the tensor-core split kernel where a case allows it (opt-in).
+(FLASHATTN_CUDA_DECODE=tc timeout "$tl" gpu-run/decode_tests_flashattn gpu:: --test-threads 1 \
+    --nocapture >"$logs/decode_tests_flashattn_tc.log" 2>&1; echo "exit $?" >>"$logs/decode_tests_flashattn_tc.log") &
 run_test fp8_tests_flashattn gpu:: --test-threads 1 --nocapture
 run_test decode_tests_flashattn-cli cuda --test-threads 2
 run_test fp8_tests_flashattn-cli run_fp8_kv_cache bench_decode_fp8_caches_on_cuda --test-threads 2
@@ -87,14 +91,20 @@ stage() { # seconds wanted, name, command...
 if [ "$mode" = decode ]; then
     stage 80 compare_decode python3 bench/compare_torch_cuda_decode.py --binary "$bin" --rounds 2 \
         --min-time 0.2 --out "$logs/compare_cuda_decode.json"
-    for sp in 8 16 33 66 132; do
-        stage 15 "splits_$sp" "$bin" bench --decode --device cuda --dtype bf16 --batch 1 --heads 32 \
-            --heads-kv 8 --head-dim 128 --cache-len 32768 --min-time 0.3 --num-splits $sp
+    stage 80 compare_decode_tc env FLASHATTN_CUDA_DECODE=tc python3 bench/compare_torch_cuda_decode.py \
+        --binary "$bin" --rounds 2 --min-time 0.2 --out "$logs/compare_cuda_decode_tc.json"
+    for kernel in tc cuda-core; do
+        stage 60 "ncu_decode_$kernel" env FLASHATTN_CUDA_DECODE=$kernel ncu --kernel-name regex:decode_split \
+            --launch-skip 3 --launch-count 1 \
+            --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+            "$bin" bench --decode --device cuda --dtype bf16 --batch 1 --heads 32 --heads-kv 8 \
+            --head-dim 128 --cache-len 32768 --min-time 0.01
     done
-    stage 60 ncu_decode ncu --kernel-name regex:decode_split --launch-skip 3 --launch-count 1 \
-        --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
-        "$bin" bench --decode --device cuda --dtype bf16 --batch 1 --heads 32 --heads-kv 8 \
-        --head-dim 128 --cache-len 32768 --min-time 0.01
+    for sp in 16 33 49 66 132; do
+        stage 15 "splits_tc_$sp" env FLASHATTN_CUDA_DECODE=tc "$bin" bench --decode --device cuda \
+            --dtype bf16 --batch 1 --heads 32 --heads-kv 8 --head-dim 128 --cache-len 32768 \
+            --min-time 0.3 --num-splits $sp
+    done
     say "== $(date -u +%T) done, $(left) s of $budget left"
     tar czf "$out/logs.tgz" -C "$logs" . 2>/dev/null
     cp "$logs"/*.json "$out"/ 2>/dev/null || true
@@ -104,6 +114,8 @@ stage 140 compare_fwd python3 bench/compare_torch_cuda.py --binary "$bin" --quic
     --min-time 0.2 --out "$logs/compare_cuda_fwd.json"
 stage 80 compare_decode python3 bench/compare_torch_cuda_decode.py --binary "$bin" --rounds 2 \
     --min-time 0.2 --out "$logs/compare_cuda_decode.json"
+stage 80 compare_decode_tc env FLASHATTN_CUDA_DECODE=tc python3 bench/compare_torch_cuda_decode.py \
+    --binary "$bin" --rounds 2 --min-time 0.2 --out "$logs/compare_cuda_decode_tc.json"
 stage 90 compare_bwd python3 bench/compare_torch_cuda.py --binary "$bin" --backward --quick --rounds 1 \
     --min-time 0.2 --out "$logs/compare_cuda_bwd.json"
 stage 30 nvrtc_rate env FLASHATTN_CACHE_DIR=/tmp/flashattn-empty-cache "$bin" compile --filter fwd_bf16_d128

@@ -579,13 +579,15 @@ pub fn bench_decode(args: &crate::bench::BenchArgs, sqs: &[usize]) -> Result<()>
                             k.to_host(&dev)?.into_buffer(),
                             v.to_host(&dev)?.into_buffer(),
                         );
-                        let launch = cuda::decode_launch_description(
+                        // The launches the step made: the same device shape and split kernel.
+                        let launch = cuda::decode_launch_description_with(
                             &view(&hq, &qs),
                             &view(&hk, &cs),
                             &view(&hv, &cs),
                             &lens,
                             &opts,
-                            dev.sm_count(),
+                            dev.shape(),
+                            cuda::DecodeKernel::from_env(),
                         );
                         (hk, hv, launch)
                     }

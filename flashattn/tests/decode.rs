@@ -3000,8 +3000,8 @@ mod emulated {
     use super::*;
     use crate::common::emu::{bytes, from_bytes, have_compiler, work_dir, Builds};
     use flashattn::cuda::{
-        decode_launch_description, decode_launch_description_fp8, DecodeLaunch, KernelKey,
-        KernelKind,
+        decode_launch_description, decode_launch_description_fp8, decode_launch_description_with,
+        DecodeKernel, DecodeLaunch, GpuShape, KernelKey, KernelKind,
     };
     use flashattn::fp8::Fp8TensorRef;
     use std::process::Command;
@@ -3102,6 +3102,22 @@ mod emulated {
         run(builds, &bl.q_view(c), bl, &lens, &bl.opts(c), tag)
     }
 
+    /// [`call`] through the tensor-core split kernel (`FLASHATTN_CUDA_DECODE=tc`), which the case
+    /// must allow (f16/bf16, aligned caches): a call that falls back to the CUDA-core kernel fails
+    /// the test.
+    fn call_tc(builds: &mut Builds, bl: &Built, c: &DCase, tag: &str) -> CallResult {
+        let lens: Vec<i32> = c.lens.iter().map(|&x| x as i32).collect();
+        run_with(
+            builds,
+            &bl.q_view(c),
+            bl,
+            &lens,
+            &bl.opts(c),
+            tag,
+            DecodeKernel::TensorCore,
+        )
+    }
+
     /// A call on copies of `f`'s FP8 caches: the launches of
     /// `flashattn::cuda::flash_attn_with_kvcache_fp8`, run by the FA_FP8_CACHE build of the
     /// kernels; returns the caches afterwards as their raw values (as `Built::call`).
@@ -3145,14 +3161,34 @@ mod emulated {
         opts: &KvCacheOptions,
         tag: &str,
     ) -> CallResult {
+        run_with(builds, q, bl, lens, opts, tag, DecodeKernel::CudaCore)
+    }
+
+    /// [`run`] with the split kernel `kernel` (the tensor-core one must then be what runs).
+    fn run_with(
+        builds: &mut Builds,
+        q: &TensorRef,
+        bl: &Built,
+        lens: &[i32],
+        opts: &KvCacheOptions,
+        tag: &str,
+        kernel: DecodeKernel,
+    ) -> CallResult {
         let dtype = q.dtype();
         let (kc, vc) = (bl.k_cache.clone(), bl.v_cache.clone());
         let kv = TensorRef::from_slice(kc.as_slice(), &bl.map.shape, &bl.map.strides);
         let vv = TensorRef::from_slice(vc.as_slice(), &bl.map.shape, &bl.map.strides);
-        let d = match decode_launch_description(q, &kv, &vv, lens, opts, SM_COUNT) {
+        let gpu = GpuShape {
+            sm_count: SM_COUNT,
+            ..GpuShape::HOPPER
+        };
+        let d = match decode_launch_description_with(q, &kv, &vv, lens, opts, gpu, kernel) {
             Ok(d) => d,
             Err(e) => return (Err(e), kc, vc),
         };
+        if kernel == DecodeKernel::TensorCore {
+            assert!(d.split.decode_tc(), "{tag}: not the tensor-core kernel");
+        }
         let (kb, vb) = (bytes(kc.as_slice()), bytes(vc.as_slice()));
         let (res, k_after, v_after) = execute(builds, q, &d, opts, (&kb, &vb), tag);
         (
@@ -3334,6 +3370,63 @@ mod emulated {
             }
         }
         eprintln!("{n} decode cases emulated, {} kernel builds", builds.len());
+    }
+
+    /// Cases for the tensor-core split kernel (f16/bf16, head_dim and cache strides multiples of
+    /// 8): [`kernel_cases`] with aligned head dims (64 and 40 padded to 64; 256 on a contiguous
+    /// cache for the fourth), several row blocks (GQA 8 with 3 query tokens: 24 rows), splits
+    /// automatic, 1, 5 and more than the keys over pages of 7 rows.
+    fn tc_cases(dtype: DType) -> Vec<DCase> {
+        let mut k = kernel_cases(dtype);
+        k[1].d = 64;
+        k[3].d = 256;
+        k[3].store = Store::Contiguous;
+        let mut cases = k.clone();
+        cases.push(DCase {
+            heads: 16,
+            heads_kv: 2,
+            seqlen_q: 3,
+            new: Some(3),
+            d: 96,
+            lens: vec![130, 71],
+            leftpad: Some(vec![29, 3]),
+            cap: 140,
+            causal: true,
+            softcap: Some(20.0),
+            store: Store::Paged(32),
+            seed: 5,
+            ..k[0].clone()
+        });
+        for splits in [None, Some(1), Some(5), Some(100)] {
+            cases.push(DCase {
+                splits,
+                store: Store::Paged(7),
+                ..k[0].clone()
+            });
+        }
+        cases
+    }
+
+    /// The tensor-core split kernel (decode.cu, DECODE_TC) on [`tc_cases`], checked as every
+    /// other decode call.
+    #[test]
+    fn tensor_core_decode_kernel_against_reference() {
+        if !have_compiler() {
+            return;
+        }
+        let mut builds = decode_builds();
+        let mut n = 0;
+        for dtype in [DType::F16, DType::BF16] {
+            for (i, c) in tc_cases(dtype).iter().enumerate() {
+                let tag = format!("tc_{dtype}_{i}");
+                check_case_with(c, |bl, c| call_tc(&mut builds, bl, c, &tag));
+                n += 1;
+            }
+        }
+        eprintln!(
+            "{n} tensor-core decode cases emulated, {} kernel builds",
+            builds.len()
+        );
     }
 
     /// [`empty_split_cases`]: more splits than keys, the last ones empty and starting at the end
@@ -3593,6 +3686,61 @@ mod emulated {
                     assert!((0..h).all(|hh| lse[hh * total + r] == f64::NEG_INFINITY));
                 }
             }
+        }
+    }
+
+    /// The tensor-core split kernel is chosen only when asked for and when the call allows it
+    /// (f16/bf16, head_dim and both caches' strides multiples of 8), and its automatic split
+    /// count fills one wave of the CTAs its shared memory lets an SM hold (3 at head_dim 128 on a
+    /// Hopper's 227 KiB, against 4 of the CUDA-core kernel).
+    #[test]
+    fn tensor_core_kernel_choice() {
+        let gpu = GpuShape {
+            sm_count: 8,
+            ..GpuShape::HOPPER
+        };
+        let describe = |c: &DCase, kernel| {
+            let bl = build(c);
+            let kv = TensorRef::from_slice(bl.k_cache.as_slice(), &bl.map.shape, &bl.map.strides);
+            let vv = TensorRef::from_slice(bl.v_cache.as_slice(), &bl.map.shape, &bl.map.strides);
+            let lens: Vec<i32> = c.lens.iter().map(|&x| x as i32).collect();
+            decode_launch_description_with(&bl.q_view(c), &kv, &vv, &lens, &bl.opts(c), gpu, kernel)
+                .unwrap()
+        };
+        let c = DCase {
+            dtype: DType::BF16,
+            d: 128,
+            lens: vec![4096],
+            cap: 4100,
+            splits: None,
+            ..DCase::default()
+        };
+        let tc = describe(&c, DecodeKernel::TensorCore);
+        assert!(tc.split.decode_tc());
+        assert!(tc.split.name().contains("_tc"), "{}", tc.split.name());
+        // 8 SMs x 3 CTAs over 2 kv heads; the CUDA-core kernel 8 x 4.
+        assert_eq!(tc.splits, 12);
+        let cc = describe(&c, DecodeKernel::CudaCore);
+        assert!(!cc.split.decode_tc());
+        assert_eq!(cc.splits, 16);
+        for c in [
+            DCase {
+                dtype: DType::F32,
+                ..c.clone()
+            },
+            DCase {
+                d: 124,
+                ..c.clone()
+            },
+            DCase {
+                store: Store::Gaps,
+                ..c.clone()
+            },
+        ] {
+            assert!(
+                !describe(&c, DecodeKernel::TensorCore).split.decode_tc(),
+                "{c:?}"
+            );
         }
     }
 

@@ -118,17 +118,65 @@ impl DecodeLaunch {
     }
 }
 
-/// CTAs per SM that automatic splits aim for. The first GPU run (H200, 2026-11-26) had two:
-/// 264 CTAs of 4 warps for the shape, 12% achieved occupancy, bound by memory latency.
+/// Which `decode_split` kernel a call runs where both could: the CUDA-core one (the default,
+/// timed on an H200) or the tensor-core one (f16/bf16 caches, not FP8, head_dim and cache strides
+/// multiples of 8 elements; compiled and tested under host emulation, not yet run on a GPU).
+/// `FLASHATTN_CUDA_DECODE=tc` picks the second (read once per process).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[doc(hidden)]
+pub enum DecodeKernel {
+    #[default]
+    CudaCore,
+    TensorCore,
+}
+
+impl DecodeKernel {
+    /// `FLASHATTN_CUDA_DECODE`: `tc` for [`DecodeKernel::TensorCore`]; unset or anything else the
+    /// default.
+    pub fn from_env() -> DecodeKernel {
+        static KERNEL: std::sync::OnceLock<DecodeKernel> = std::sync::OnceLock::new();
+        *KERNEL.get_or_init(|| match std::env::var("FLASHATTN_CUDA_DECODE").as_deref() {
+            Ok("tc") => DecodeKernel::TensorCore,
+            _ => DecodeKernel::CudaCore,
+        })
+    }
+}
+
+/// What the launch choices need to know of the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[doc(hidden)]
+pub struct GpuShape {
+    pub sm_count: usize,
+    /// Shared memory one block may opt in to, bytes.
+    pub smem_optin: usize,
+}
+
+impl GpuShape {
+    /// An H100 / H200 (SXM): 132 SMs, 227 KiB of shared memory per block.
+    pub const HOPPER: GpuShape = GpuShape {
+        sm_count: 132,
+        smem_optin: 227 * 1024,
+    };
+}
+
+/// CTAs per SM that automatic splits aim for with the CUDA-core split kernel (4 fit an SM by its
+/// registers). The first GPU run (H200, 2026-11-26) had two: 264 CTAs of 4 warps for the issue's
+/// shape, 12% achieved occupancy, bound by memory latency.
 const CTAS_PER_SM: usize = 4;
 
 /// The number of key splits when the call names none: enough CTAs for `CTAS_PER_SM` per SM, but
 /// no split shorter than 256 keys (`MIN_SPLIT_KEYS_GPU`) of the longest sequence.
 pub fn choose_splits(ctas: usize, max_keys: usize, sm_count: usize) -> usize {
+    choose_splits_for(ctas, max_keys, sm_count * CTAS_PER_SM)
+}
+
+/// [`choose_splits`] for a kernel of which `slots` CTAs fit the whole device at once (the
+/// tensor-core split kernel is held to fewer per SM by its shared memory): one wave of CTAs.
+pub fn choose_splits_for(ctas: usize, max_keys: usize, slots: usize) -> usize {
     if ctas == 0 {
         return 1;
     }
-    let want = CTAS_PER_SM * sm_count / ctas;
+    let want = slots / ctas;
     let by_len = (max_keys / MIN_SPLIT_KEYS_GPU).max(1);
     want.min(by_len).clamp(1, 128)
 }
@@ -146,13 +194,15 @@ fn limit(what: &'static str, value: usize, limit: usize) -> Result<()> {
 }
 
 impl DecodeLaunch {
-    /// The launches of validated `dp`, on a device of `sm_count` SMs (FP8 caches: their format
-    /// and the k factors per (sequence, kv head); the score scales and v factors are in
-    /// `dp.p.descale`); a typed error when a size is beyond what the kernels address.
+    /// The launches of validated `dp`, on a device of shape `gpu`, with the split kernel `kernel`
+    /// where the call allows it (FP8 caches: their format and the k factors per (sequence, kv
+    /// head); the score scales and v factors are in `dp.p.descale`); a typed error when a size is
+    /// beyond what the kernels address.
     pub(crate) fn new(
         dp: &DecodeParams,
-        sm_count: usize,
+        gpu: GpuShape,
         fp8: Option<(Fp8Format, &[f32])>,
+        kernel: DecodeKernel,
     ) -> Result<DecodeLaunch> {
         let p = &dp.p;
         super::refuse_sink(p)?;
@@ -204,10 +254,45 @@ impl DecodeLaunch {
         limit("heads_kv", p.heads_kv, MAX_GRID_YZ)?;
         limit("seqlen_q · heads", max_q * p.heads, i32::MAX as usize / 2)?;
         let row_blocks = (max_q * group).div_ceil(DECODE_ROWS);
+        let masked = p.window_left.is_some() || p.window_right.is_some();
+        // The tensor-core split kernel copies whole 16-byte chunks of both caches' rows.
+        let aligned = [
+            p.head_dim,
+            dp.cache.k_page_stride,
+            dp.cache.k.row_stride,
+            dp.cache.k.head_stride,
+            dp.cache.v_page_stride,
+            dp.cache.v.row_stride,
+            dp.cache.v.head_stride,
+        ]
+        .iter()
+        .all(|x| x.is_multiple_of(8));
+        let split = KernelKey {
+            kind: KernelKind::DecodeSplit,
+            dtype: p.dtype,
+            head_dim: KernelKey::padded_head_dim(p.head_dim),
+            masked,
+            softcap: p.softcap.is_some(),
+            alibi: p.alibi.is_some(),
+            dropout: false,
+            vec_load: kernel == DecodeKernel::TensorCore
+                && p.dtype != DType::F32
+                && fp8.is_none()
+                && aligned,
+            fp8: fp8.is_some(),
+        };
+        // CTAs of the split kernel resident per SM: 4 by registers, fewer where shared memory
+        // holds them back (an SM has 1 KiB more than a block may opt in to, and keeps 1 KiB per
+        // block).
+        let per_sm = ((gpu.smem_optin + 1024) / (split.smem_bytes() + 1024)).clamp(1, CTAS_PER_SM);
         let splits = match dp.num_splits {
             // 1..=MAX_NUM_SPLITS, validated with the call.
             Some(n) => n,
-            None => choose_splits(batch * p.heads_kv * row_blocks, max_k, sm_count),
+            None => choose_splits_for(
+                batch * p.heads_kv * row_blocks,
+                max_k,
+                gpu.sm_count * per_sm,
+            ),
         };
         limit(
             "query row blocks · splits",
@@ -233,18 +318,6 @@ impl DecodeLaunch {
             a.resize(seqs * p.heads, 0.0); // the tail sequence's row, never used
             a
         });
-        let masked = p.window_left.is_some() || p.window_right.is_some();
-        let split = KernelKey {
-            kind: KernelKind::DecodeSplit,
-            dtype: p.dtype,
-            head_dim: KernelKey::padded_head_dim(p.head_dim),
-            masked,
-            softcap: p.softcap.is_some(),
-            alibi: p.alibi.is_some(),
-            dropout: false,
-            vec_load: false,
-            fp8: fp8.is_some(),
-        };
         // FP8 factors per (launched sequence, kv head); the tail sequence attends nothing.
         let descale = fp8.map(|(_, dk)| {
             let folded = p.descale.as_ref().expect("FP8 calls fold their factors");
@@ -329,9 +402,36 @@ pub fn decode_launch_description(
     opts: &KvCacheOptions,
     sm_count: usize,
 ) -> Result<DecodeLaunch> {
+    let gpu = GpuShape {
+        sm_count,
+        ..GpuShape::HOPPER
+    };
+    decode_launch_description_with(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        opts,
+        gpu,
+        DecodeKernel::CudaCore,
+    )
+}
+
+/// [`decode_launch_description`] on a device of shape `gpu`, with the split kernel `kernel` where
+/// the call allows it.
+#[doc(hidden)]
+pub fn decode_launch_description_with(
+    q: &TensorRef,
+    k_cache: &TensorRef,
+    v_cache: &TensorRef,
+    cache_seqlens: &[i32],
+    opts: &KvCacheOptions,
+    gpu: GpuShape,
+    kernel: DecodeKernel,
+) -> Result<DecodeLaunch> {
     let new_kv = opts.new_kv.as_ref().map(|(k, v)| (k, v));
     let dp = crate::decode::validate(q, k_cache, v_cache, new_kv, cache_seqlens, opts)?;
-    DecodeLaunch::new(&dp, sm_count, None)
+    DecodeLaunch::new(&dp, gpu, None, kernel)
 }
 
 /// [`decode_launch_description`] for FP8 caches (the launches of
@@ -356,7 +456,16 @@ pub fn decode_launch_description_fp8(
         descale,
         opts,
     )?;
-    DecodeLaunch::new(&dp, sm_count, Some((k_cache.format(), &dk)))
+    let gpu = GpuShape {
+        sm_count,
+        ..GpuShape::HOPPER
+    };
+    DecodeLaunch::new(
+        &dp,
+        gpu,
+        Some((k_cache.format(), &dk)),
+        DecodeKernel::CudaCore,
+    )
 }
 
 /// [`crate::flash_attn_with_kvcache`] on the GPU, queued on `dev`'s stream (returns without
@@ -448,7 +557,7 @@ pub(crate) fn prepare(
         }
         .into());
     }
-    let d = DecodeLaunch::new(dp, dev.sm_count, fp8)?;
+    let d = DecodeLaunch::new(dp, dev.shape(), fp8, DecodeKernel::from_env())?;
     limit(
         "shared memory per block (bytes)",
         d.split.smem_bytes(),

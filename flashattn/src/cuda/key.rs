@@ -64,7 +64,9 @@ pub struct KernelKey {
     /// the seed, never stored).
     pub dropout: bool,
     /// f16/bf16 only: head_dim and every row/head/batch stride a multiple of 8 elements, so tiles
-    /// move 16 bytes at a time by cp.async (otherwise element by element).
+    /// move 16 bytes at a time by cp.async (otherwise element by element). On
+    /// [`KernelKind::DecodeSplit`] it names the tensor-core split kernel ([`Self::decode_tc`]),
+    /// which needs that of both caches.
     pub vec_load: bool,
     /// FP8 bytes (e4m3 or e5m2, chosen at launch) with dequantisation factors. Decode split and
     /// append: the KV caches, while q, the new keys and out keep `dtype`. Forward (`dtype` bf16):
@@ -125,6 +127,14 @@ impl KernelKey {
             }
             _ => {}
         }
+        if self.decode_tc() {
+            // decode.cu, DECODE_TC: 16 query rows (one mma tile), 64-key stages, 4 warps of 16 keys.
+            return Tiles {
+                block_m: 16,
+                block_n: 64,
+                num_warps: 4,
+            };
+        }
         if self.kind != KernelKind::Forward {
             // decode.cu: 16 query rows, 128-key tiles (a key per thread), 4 warps.
             return Tiles {
@@ -173,6 +183,12 @@ impl KernelKey {
             KernelKind::Forward => {}
             // decode.cu: the tile's v row offsets [128] (i64), q [16][d] and p [16][128] in
             // f32, two [4 warps][16] reductions, then 5 + 3 per-row statistics of 4 bytes.
+            // decode.cu, DECODE_TC: the q tile and double-buffered k and v tiles in the cache's
+            // 16-bit type, then a maximum and a sum per (warp, row) in f32.
+            KernelKind::DecodeSplit if self.decode_tc() => {
+                return 2 * (t.block_m + 4 * t.block_n) * self.smem_row()
+                    + 4 * 2 * t.num_warps * t.block_m
+            }
             KernelKind::DecodeSplit => {
                 return 8 * t.block_n
                     + 4 * (t.block_m * self.head_dim
@@ -216,6 +232,12 @@ impl KernelKey {
             // q [block_m], k and v double-buffered [2][block_n]
             _ => 2 * (t.block_m + 4 * t.block_n) * self.smem_row(),
         }
+    }
+
+    /// Whether this is decode.cu's tensor-core split kernel (`DECODE_TC`): f16/bf16 caches (not
+    /// FP8) whose head_dim and strides are multiples of 8 elements.
+    pub fn decode_tc(&self) -> bool {
+        self.kind == KernelKind::DecodeSplit && self.vec_load
     }
 
     /// Whether `bwd_dq` / `bwd_dkdv` of this key run on tensor cores (f16/bf16, head_dim up to
@@ -294,6 +316,11 @@ impl KernelKey {
             if self.fp8 {
                 d.push(("FA_FP8_CACHE", "1".into()));
             }
+            if self.decode_tc() {
+                d.push(("DECODE_TC", "1".into()));
+                d.push(("SMEM_ROW", self.smem_row().to_string()));
+                d.push(("VEC_LOAD", "1".into()));
+            }
             return d;
         }
         if self.dtype != DType::F32 {
@@ -323,7 +350,12 @@ impl KernelKey {
                 "fwd_{}_d{}_m{}n{}w{}",
                 self.dtype, self.head_dim, t.block_m, t.block_n, t.num_warps
             ),
-            KernelKind::DecodeSplit => format!("decode_{}_d{}", self.dtype, self.head_dim),
+            KernelKind::DecodeSplit => format!(
+                "decode_{}_d{}{}",
+                self.dtype,
+                self.head_dim,
+                if self.decode_tc() { "_tc" } else { "" }
+            ),
             KernelKind::DecodeCombine => return format!("decode_combine_{}", self.dtype),
             KernelKind::DecodeAppend if self.fp8 => {
                 return format!("decode_append_{}_fp8", self.dtype)
@@ -343,7 +375,10 @@ impl KernelKey {
             (self.softcap, "_softcap"),
             (self.alibi, "_alibi"),
             (self.dropout, "_dropout"),
-            (self.vec_load && self.dtype != DType::F32, "_vec"),
+            (
+                self.vec_load && self.dtype != DType::F32 && !self.decode_tc(),
+                "_vec",
+            ),
             (self.fp8, "_fp8"),
         ] {
             if on {
@@ -394,6 +429,23 @@ impl KernelKey {
                         dropout: false,
                         vec_load: false,
                         fp8: bits & 8 != 0,
+                    });
+                }
+                // The tensor-core split kernel: f16/bf16 caches, not FP8.
+                for bits in 0..8u32 {
+                    if dtype == DType::F32 {
+                        break;
+                    }
+                    keys.push(KernelKey {
+                        kind: KernelKind::DecodeSplit,
+                        dtype,
+                        head_dim,
+                        masked: bits & 1 != 0,
+                        softcap: bits & 2 != 0,
+                        alibi: bits & 4 != 0,
+                        dropout: false,
+                        vec_load: true,
+                        fp8: false,
                     });
                 }
             }

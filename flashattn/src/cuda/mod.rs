@@ -41,8 +41,9 @@ pub use backward::{
 /// matching types.
 pub use cudarc;
 pub use decode::{
-    choose_splits, decode_launch_description, decode_launch_description_fp8,
-    flash_attn_with_kvcache, DecodeLaunch, DECODE_FIELDS,
+    choose_splits, choose_splits_for, decode_launch_description, decode_launch_description_fp8,
+    decode_launch_description_with, flash_attn_with_kvcache, DecodeKernel, DecodeLaunch, GpuShape,
+    DECODE_FIELDS,
 };
 pub use fp8::{
     flash_attn_fp8, flash_attn_varlen_fp8, flash_attn_with_kvcache_fp8, launch_description_fp8,
@@ -229,6 +230,13 @@ impl CudaDevice {
     }
     pub fn sm_count(&self) -> usize {
         self.sm_count
+    }
+    /// The SM count and shared memory per block that launch choices depend on.
+    pub fn shape(&self) -> GpuShape {
+        GpuShape {
+            sm_count: self.sm_count,
+            smem_optin: self.smem_optin,
+        }
     }
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream

@@ -33,6 +33,18 @@
 // Keys and values are widened exactly to f32 as they are loaded; the score scale replaces
 // softmax_scale, v_descale scales each finished row, and the append divides each new key (rotated
 // first) and value by its factor in f64 and rounds once to FP8, saturating.
+//
+// DECODE_TC (f16/bf16 caches that are not FP8, head_dim and every cache stride a multiple of 8
+// elements): decode_split is the tensor-core kernel below instead, with SMEM_ROW and VEC_LOAD = 1
+// for common.cuh's mma/ldmatrix/cp.async pieces. Opt-in (FLASHATTN_CUDA_DECODE=tc) until a GPU has
+// timed it against the CUDA-core one.
+#define NUM_THREADS 128
+#if DECODE_TC
+#if !(defined(FA_BF16) || defined(FA_F16)) || defined(FA_FP8_CACHE)
+#error "DECODE_TC needs f16 or bf16 caches"
+#endif
+#define FA_TENSOR_CORE_KERNEL
+#endif
 #define FA_CUDA_CORE_ELEM
 #include "common.cuh"
 
@@ -69,7 +81,6 @@ __device__ __forceinline__ float cache_to_f32(cache_t x, int) { return to_f32(x)
 
 #define DECODE_FIELDS 10
 #define MAX_ROWS 16
-#define NUM_THREADS 128
 #define NUM_WARPS (NUM_THREADS / 32)
 #define TILE NUM_THREADS                              // keys per tile: one per thread
 #define NCOL ((HEAD_DIM + NUM_THREADS - 1) / NUM_THREADS)  // output columns per thread
@@ -106,7 +117,7 @@ __device__ __forceinline__ float rotated(const elem_t* src, int x, const float* 
     return x == i0 ? x0 * c - x1 * s : x0 * s + x1 * c;
 }
 
-#if FA_DECODE_ENTRY == 1 || FA_DECODE_ENTRY == 0
+#if (FA_DECODE_ENTRY == 1 || FA_DECODE_ENTRY == 0) && !DECODE_TC
 // 8 elements of a cache row at `p` as f32: one 16-byte load (two for f32, one 8-byte load for FP8)
 // when `vec` (the launcher checked head_dim, every cache stride and so every row start are
 // multiples of 8 elements; device buffers start 256-byte aligned), else element by element.
@@ -428,6 +439,257 @@ decode_split(const elem_t* __restrict__ q, const cache_t* __restrict__ k_cache,
     }
 }
 #endif  // FA_DECODE_ENTRY == 1
+
+#if (FA_DECODE_ENTRY == 1 || FA_DECODE_ENTRY == 0) && DECODE_TC
+// The tensor-core split kernel: FlashAttention-2's forward with the query rows of one kv head
+// packed into a single 16-row mma tile (all NUM_WARPS warps share it) and the key tiles split
+// between the warps. Per stage TC_BLOCK_N keys of k and v are copied by cp.async into swizzled
+// shared memory while the warps compute the previous stage; warp w takes keys 16w..16w+15 of each
+// stage:
+//   S = Q·Kᵀ   16 rows x 16 keys, mma.sync m16n8k16 (common.cuh: mma_abt);
+//   softmax    online, in registers, per warp (its own row_max, row_sum, acc_o);
+//   acc_o     += P·V with P rounded to the cache's type as the A operand (mma_xb), as
+//               flash-attn's kernels and the CPU's bf16 path do.
+// At the end the four warps' partial rows are merged exactly through their maxima and sums (one
+// pass through shared memory) into the split's normalised partial output and LSE, the same
+// workspace rows the CUDA-core kernel writes. q is rotated in f32 and rounded once to the cache's
+// type (as flash-attn rotates q in its dtype). The CUDA-core kernel loads every key once per
+// thread from global memory with a handful of loads in flight; here the whole next stage (32 KiB
+// at head_dim 128) is in flight while the current one is computed.
+#define TC_BLOCK_N 64  // keys per stage, 16 per warp
+#define TC_WARP_N (TC_BLOCK_N / NUM_WARPS)
+#define TC_MIN_BLOCKS (HEAD_DIM <= 128 ? 3 : 1)  // 70 KiB of shared memory at head_dim 128
+static_assert(TC_WARP_N == 16, "each warp takes one mma k-step of keys per stage");
+static_assert(MAX_ROWS == 16, "the query rows are one mma tile");
+static_assert(VEC_LOAD == 1, "the tensor-core kernel copies 16 bytes at a time");
+
+// Copies keys n0 .. n0 + TC_BLOCK_N of kv head hk of sequence b (page lookups per row) into the
+// swizzled k and v tiles by cp.async; keys at or past n_end and columns at or past head_dim become
+// 0 (nothing is read for them).
+__device__ __forceinline__ void tc_load_kv(u16* k_tile, u16* v_tile, const u16* k_cache,
+                                           const u16* v_cache, const int* pages, int b, int hk,
+                                           int n0, int n_end, int head_dim, i64 k_page_stride,
+                                           i64 k_row_stride, i64 k_head_stride,
+                                           i64 v_page_stride, i64 v_row_stride,
+                                           i64 v_head_stride, int page_size, int max_blocks) {
+    constexpr int CH = HEAD_DIM / 8;  // 16-byte chunks per row
+#pragma unroll
+    for (int c = threadIdx.x; c < TC_BLOCK_N * CH; c += NUM_THREADS) {
+        const int r = c / CH, col = (c % CH) * 8, j = n0 + r;
+        const bool ok = j < n_end && col < head_dim;
+        const u16* kg = k_cache;
+        const u16* vg = v_cache;
+        if (ok) {
+            const i64 page = pages[(i64)b * max_blocks + j / page_size];
+            const i64 row = j % page_size;
+            kg = k_cache + page * k_page_stride + row * k_row_stride + (i64)hk * k_head_stride + col;
+            vg = v_cache + page * v_page_stride + row * v_row_stride + (i64)hk * v_head_stride + col;
+        }
+        cp_async16(smem_addr(k_tile + swz(r, col)), kg, ok ? 16 : 0);
+        cp_async16(smem_addr(v_tile + swz(r, col)), vg, ok ? 16 : 0);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, TC_MIN_BLOCKS)
+decode_split(const elem_t* __restrict__ q, const cache_t* __restrict__ k_cache,
+             const cache_t* __restrict__ v_cache, float* __restrict__ ws_o,
+             float* __restrict__ ws_lse, const i64* __restrict__ seqs,
+             const int* __restrict__ pages, const float* __restrict__ alibi_slopes,
+             const float* __restrict__ rot, int heads, int heads_kv, int head_dim, int splits,
+             i64 q_row_stride, i64 q_head_stride, i64 k_page_stride, i64 k_row_stride,
+             i64 k_head_stride, i64 v_page_stride, i64 v_row_stride, i64 v_head_stride,
+             int page_size, int max_blocks, float softmax_scale, float softcap, int window_left,
+             int window_right, int rot_half, int rot_interleaved, int rot_npos, i64 total_rows,
+             int vec_loads, const float* __restrict__ descale, int e5m2) {
+    FA_DYNAMIC_SMEM(u16, smem);
+    u16* q_tile = smem;                                   // [MAX_ROWS][SMEM_ROW]
+    u16* k_tiles = q_tile + MAX_ROWS * SMEM_ROW;          // [2][TC_BLOCK_N][SMEM_ROW]
+    u16* v_tiles = k_tiles + 2 * TC_BLOCK_N * SMEM_ROW;   // [2][TC_BLOCK_N][SMEM_ROW]
+    float* m_part = (float*)(v_tiles + 2 * TC_BLOCK_N * SMEM_ROW);  // [NUM_WARPS][MAX_ROWS]
+    float* l_part = m_part + NUM_WARPS * MAX_ROWS;                  // [NUM_WARPS][MAX_ROWS]
+    // After the key loop the stages hold the warps' rows: [NUM_WARPS][MAX_ROWS][HEAD_DIM] f32.
+    float* o_part = (float*)k_tiles;
+
+    const int b = blockIdx.z, hk = blockIdx.y;
+    const int rb = blockIdx.x / splits, sp = blockIdx.x % splits;
+    const i64* s = seqs + DECODE_FIELDS * b;
+    const int seqlen_q = (int)s[0], seqlen_k = (int)s[1], leftpad = (int)s[2];
+    const i64 q_base = s[3], out_row0 = s[4];
+    const int group = heads / heads_kv;
+    const int rows = seqlen_q * group;
+    const int r0 = rb * MAX_ROWS;
+    if (r0 >= rows) return;
+    const int nrows = min(MAX_ROWS, rows - r0);
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int g = lane / 4, t = lane % 4;  // mma fragment row group and column pair
+
+    // This split's keys, as the CUDA-core kernel computes them.
+    const Mask mask{seqlen_k, seqlen_k - seqlen_q, window_left, window_right};
+    const int lo = max(mask.lo(r0 / group), leftpad);
+    const int hi = max(mask.hi((r0 + nrows - 1) / group), lo);
+    const int chunk = (hi - lo + splits - 1) / splits;
+    const int n_lo = min(lo + sp * chunk, hi), n_hi = min(lo + (sp + 1) * chunk, hi);
+    const int ntiles = (n_hi - n_lo + TC_BLOCK_N - 1) / TC_BLOCK_N;
+
+    ScoreMod mods;
+    mods.scale_log2 = softmax_scale * FA_LOG2E;
+    mods.cap_in = softmax_scale / softcap;
+    mods.cap_out = softcap * FA_LOG2E;
+    mods.offset = mask.offset;
+    // This thread's two rows of the tile, g and g + 8: query position, visible keys, ALiBi slope
+    // (rows past nrows see no key).
+    int pos[2], row_lo[2], row_hi[2];
+    float slope[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int rr = g + 8 * r;
+        const bool valid = rr < nrows;
+        const int i = (r0 + rr) / group, h = hk * group + (r0 + rr) % group;
+        pos[r] = valid ? i : 0;
+        row_lo[r] = valid ? max(mask.lo(i), leftpad) : 0;
+        row_hi[r] = valid ? mask.hi(i) : 0;
+        slope[r] = HAS_ALIBI && valid ? alibi_slopes[b * heads + h] * FA_LOG2E : 0.f;
+    }
+
+    // The first stage's copies go out before q is prepared.
+    if (ntiles > 0)
+        tc_load_kv(k_tiles, v_tiles, k_cache, v_cache, pages, b, hk, n_lo, n_hi, head_dim,
+                   k_page_stride, k_row_stride, k_head_stride, v_page_stride, v_row_stride,
+                   v_head_stride, page_size, max_blocks);
+    cp_async_commit();
+    // q rows, rotated in f32 at flash-attn's positions (as the CUDA-core kernel), rounded once to
+    // the cache's type; rows past nrows and columns past head_dim are 0.
+    for (int e = tid; e < MAX_ROWS * HEAD_DIM; e += NUM_THREADS) {
+        const int rr = e / HEAD_DIM, col = e % HEAD_DIM;
+        float x = 0.f;
+        if (rr < nrows && col < head_dim && ntiles > 0) {
+            const int ir = (r0 + rr) / group, hr = hk * group + (r0 + rr) % group;
+            const elem_t* src = q + q_base + (i64)ir * q_row_stride + (i64)hr * q_head_stride;
+            const float* cs =
+                rot == nullptr ? nullptr
+                               : rot + ((i64)b * rot_npos + (IS_MASKED ? ir : 0)) * 2 * rot_half;
+            x = rotated(src, col, cs, rot_half, rot_interleaved);
+        }
+        q_tile[swz(rr, col)] = from_f32(x);
+    }
+
+    float acc_o[HEAD_DIM / 8][4];
+#pragma unroll
+    for (int i = 0; i < HEAD_DIM / 8; ++i)
+        acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
+    float row_max[2] = {-FA_INF, -FA_INF}, row_sum[2] = {0.f, 0.f};
+
+    for (int it = 0; it < ntiles; ++it) {
+        const int buf = it & 1;
+        cp_async_wait<0>();
+        // Stage `buf` (this thread's copies done above) is complete for every thread, q is
+        // written, and every warp has finished the previous stage, so its buffer can be refilled.
+        __syncthreads();
+        if (it + 1 < ntiles) {
+            tc_load_kv(k_tiles + (buf ^ 1) * TC_BLOCK_N * SMEM_ROW,
+                       v_tiles + (buf ^ 1) * TC_BLOCK_N * SMEM_ROW, k_cache, v_cache, pages, b, hk,
+                       n_lo + (it + 1) * TC_BLOCK_N, n_hi, head_dim, k_page_stride, k_row_stride,
+                       k_head_stride, v_page_stride, v_row_stride, v_head_stride, page_size,
+                       max_blocks);
+            cp_async_commit();
+        }
+        // This warp's 16 keys (a multiple of 8 rows into the tile, so the swizzle is the tile's).
+        const int koff = (buf * TC_BLOCK_N + warp * TC_WARP_N) * SMEM_ROW;
+        float sc[TC_WARP_N / 8][4];
+        mma_abt<TC_WARP_N>(sc, q_tile, k_tiles + koff, 0, lane);
+
+        // Scores to the log2 domain; keys outside the row's range or past this split's end
+        // (zero-filled rows) become -inf.
+        const int n0 = n_lo + it * TC_BLOCK_N + warp * TC_WARP_N;
+#pragma unroll
+        for (int nt = 0; nt < TC_WARP_N / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e >> 1, j = n0 + nt * 8 + 2 * t + (e & 1);
+                mods.alibi_log2 = slope[r];
+                float x = mods.apply(sc[nt][e], pos[r], j);
+                if (j >= n_hi || j < row_lo[r] || j >= row_hi[r]) x = -FA_INF;
+                sc[nt][e] = x;
+            }
+        }
+
+        // Online softmax over this warp's keys (fwd.cu's steps).
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = row_max[r];
+#pragma unroll
+            for (int nt = 0; nt < TC_WARP_N / 8; ++nt)
+                mx = fmaxf(mx, fmaxf(sc[nt][2 * r], sc[nt][2 * r + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_use = mx == -FA_INF ? 0.f : mx;
+            const float alpha = fa_exp2(row_max[r] - m_use);
+            row_max[r] = mx;
+            float sum = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < TC_WARP_N / 8; ++nt) {
+                sc[nt][2 * r] = fa_exp2(sc[nt][2 * r] - m_use);
+                sc[nt][2 * r + 1] = fa_exp2(sc[nt][2 * r + 1] - m_use);
+                sum += sc[nt][2 * r] + sc[nt][2 * r + 1];
+            }
+            row_sum[r] = row_sum[r] * alpha + sum;
+#pragma unroll
+            for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
+                acc_o[dt][2 * r] *= alpha;
+                acc_o[dt][2 * r + 1] *= alpha;
+            }
+        }
+        mma_xb<TC_WARP_N>(acc_o, sc, v_tiles + koff, lane);
+    }
+    cp_async_wait<0>();  // an empty split committed an empty group
+
+    // The warps' partial rows into shared memory (the stages are free once every warp is done).
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
+        row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int rr = g + 8 * r;
+        if (t == 0) {
+            m_part[warp * MAX_ROWS + rr] = row_max[r];
+            l_part[warp * MAX_ROWS + rr] = row_sum[r];
+        }
+        float* o = o_part + (warp * MAX_ROWS + rr) * HEAD_DIM;
+#pragma unroll
+        for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
+            o[dt * 8 + 2 * t] = acc_o[dt][2 * r];
+            o[dt * 8 + 2 * t + 1] = acc_o[dt][2 * r + 1];
+        }
+    }
+    __syncthreads();
+
+    // Each row merged over the warps and normalised: partial out (f32) and LSE into this split's
+    // workspace, as the CUDA-core kernel writes them.
+    for (int e = tid; e < nrows * HEAD_DIM; e += NUM_THREADS) {
+        const int rr = e / HEAD_DIM, col = e % HEAD_DIM;
+        if (col >= head_dim) continue;
+        float mx = -FA_INF;
+#pragma unroll
+        for (int w = 0; w < NUM_WARPS; ++w) mx = fmaxf(mx, m_part[w * MAX_ROWS + rr]);
+        const float m_use = mx == -FA_INF ? 0.f : mx;
+        float l = 0.f, o = 0.f;
+#pragma unroll
+        for (int w = 0; w < NUM_WARPS; ++w) {
+            const float f = fa_exp2(m_part[w * MAX_ROWS + rr] - m_use);
+            l += l_part[w * MAX_ROWS + rr] * f;
+            o += o_part[(w * MAX_ROWS + rr) * HEAD_DIM + col] * f;
+        }
+        const int i = (r0 + rr) / group, h = hk * group + (r0 + rr) % group;
+        const i64 row = (out_row0 + i) * heads + h;
+        ws_o[((i64)sp * total_rows + row) * head_dim + col] = l == 0.f ? 0.f : o / l;
+        if (col == 0)
+            ws_lse[(i64)sp * total_rows + row] = l == 0.f ? -FA_INF : (mx + log2f(l)) * FA_LN2;
+    }
+}
+#endif  // FA_DECODE_ENTRY == 1, DECODE_TC
 
 #if FA_DECODE_ENTRY == 2 || FA_DECODE_ENTRY == 0
 // grid (ceil(seqlen_q * heads / 4), 1, sequences), 128 threads: warp w merges row
