@@ -35,22 +35,15 @@ export FLASHATTN_BIN=$PWD/gpu-run/flashattn
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$logs/gpu.txt"
 
 run_tests() {
-    for t in gpu-run/cuda_tests_*; do
-        echo "== $t"
-        "$t" --test-threads 1 --nocapture 2>&1 | tee "$logs/$(basename "$t").log" \
-            | grep -E "^test |test result|panicked|CUDA device|skipping"
+    # shellcheck source=bench/gpu/tests.sh
+    . bench/gpu/tests.sh
+    for entry in "${GPU_TESTS[@]}"; do
+        local name=${entry%%|*}
+        echo "== $name"
+        # shellcheck disable=SC2086 # the command's words
+        ${entry#*|} 2>&1 | tee "$logs/$name.log" \
+            | grep -E "^test |test result|panicked|CUDA device|skipping|cases on"
     done
-    echo "== the library's decode tests (the GPU decode test only)"
-    gpu-run/decode_tests_flashattn gpu:: --test-threads 1 --nocapture 2>&1 \
-        | tee "$logs/decode_tests_flashattn.log" | grep -E "^test |test result|panicked|skipping"
-    echo "== the library's FP8 tests (the GPU FP8 forward test only)"
-    gpu-run/fp8_tests_flashattn gpu:: --test-threads 1 --nocapture 2>&1 \
-        | tee "$logs/fp8_tests_flashattn.log" | grep -E "^test |test result|panicked|skipping|cases on"
-    echo "== the CLI's decode and FP8 tests that use --device cuda"
-    gpu-run/decode_tests_flashattn-cli cuda --test-threads 1 2>&1 | tee "$logs/decode_tests_cli.log" \
-        | grep -E "^test |test result|panicked"
-    gpu-run/fp8_tests_flashattn-cli run_fp8_kv_cache bench_decode_fp8_caches_on_cuda --test-threads 1 \
-        2>&1 | tee "$logs/fp8_tests_cli.log" | grep -E "^test |test result|panicked"
 }
 
 run_decode() {

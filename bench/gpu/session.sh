@@ -59,19 +59,13 @@ fi
 
 say "== $(date -u +%T) tests ($(left) s left)"
 tl=$(( $(left) - 220 )); [ $tl -gt 280 ] && tl=280; [ $tl -lt 60 ] && tl=60
-run_test() { # name, args...
-    local name=$1; shift
-    (timeout "$tl" "gpu-run/$name" "$@" >"$logs/$name.log" 2>&1; echo "exit $?" >>"$logs/$name.log") &
-}
-run_test cuda_tests_flashattn --test-threads 4 --nocapture
-run_test cuda_tests_flashattn-cli --test-threads 2
-run_test decode_tests_flashattn gpu:: --test-threads 1 --nocapture
-# The same decode cases through the tensor-core split kernel where a case allows it (opt-in).
-(FLASHATTN_CUDA_DECODE=tc timeout "$tl" gpu-run/decode_tests_flashattn gpu:: --test-threads 1 \
-    --nocapture >"$logs/decode_tests_flashattn_tc.log" 2>&1; echo "exit $?" >>"$logs/decode_tests_flashattn_tc.log") &
-run_test fp8_tests_flashattn gpu:: --test-threads 1 --nocapture
-run_test decode_tests_flashattn-cli cuda --test-threads 2
-run_test fp8_tests_flashattn-cli run_fp8_kv_cache bench_decode_fp8_caches_on_cuda --test-threads 2
+# shellcheck source=bench/gpu/tests.sh
+. bench/gpu/tests.sh
+for entry in "${GPU_TESTS[@]}"; do
+    name=${entry%%|*}
+    # shellcheck disable=SC2086 # the command's words
+    (timeout "$tl" ${entry#*|} >"$logs/$name.log" 2>&1; echo "exit $?" >>"$logs/$name.log") &
+done
 wait
 for f in "$logs"/*_tests_*.log; do
     say "-- $(basename "$f")"

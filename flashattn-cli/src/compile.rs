@@ -26,9 +26,9 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
         .filter(|k| k.name().contains(&args.filter))
         .collect();
     let start = Instant::now();
-    let results = cuda::precompile(&keys, arch)?;
+    let report = cuda::precompile(&keys, arch)?;
     let (mut cached, mut built, mut failed) = (0, 0, 0);
-    for r in &results {
+    for r in &report.variants {
         match &r.compiled {
             Ok(None) => cached += 1,
             Ok(Some(_)) => built += 1,
@@ -38,7 +38,7 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
             }
         }
     }
-    let (major, minor) = cuda::nvrtc_version()?;
+    let (major, minor) = report.nvrtc;
     println!(
         "NVRTC {major}.{minor}: {} variants for {arch}: {built} compiled, {cached} already cached, {failed} failed, {:.1} s",
         keys.len(),

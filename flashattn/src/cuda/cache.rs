@@ -49,6 +49,11 @@ pub(crate) fn load(path: &Path) -> Option<Vec<u8>> {
     std::fs::read(path).ok().filter(|b| !b.is_empty())
 }
 
+/// Whether [`load`] would find a cubin at `path` (without reading it).
+pub(crate) fn exists(path: &Path) -> bool {
+    std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.len() > 0)
+}
+
 pub(crate) fn store(path: &Path, cubin: &[u8]) {
     let Some(parent) = path.parent() else { return };
     if std::fs::create_dir_all(parent).is_err() {
@@ -62,7 +67,7 @@ pub(crate) fn store(path: &Path, cubin: &[u8]) {
 
 #[cfg(test)]
 mod tests {
-    use super::{fnv1a, load, path, store};
+    use super::{exists, fnv1a, load, path, store};
     use crate::cuda::{Arch, KernelKey};
 
     #[test]
@@ -71,7 +76,13 @@ mod tests {
         let file = dir.join("x.cubin");
         store(&file, b"cubin bytes");
         assert_eq!(load(&file).as_deref(), Some(&b"cubin bytes"[..]));
+        assert!(exists(&file));
         assert_eq!(load(&dir.join("missing.cubin")), None);
+        assert!(!exists(&dir.join("missing.cubin")));
+        // An empty file (a cut-off write by another tool) counts as missing, for both.
+        std::fs::write(dir.join("empty.cubin"), b"").unwrap();
+        assert_eq!(load(&dir.join("empty.cubin")), None);
+        assert!(!exists(&dir.join("empty.cubin")));
         let _ = std::fs::remove_dir_all(&dir);
 
         // Different variants, architectures and NVRTC versions never share a file.

@@ -281,10 +281,14 @@ impl DecodeLaunch {
                 && aligned,
             fp8: fp8.is_some(),
         };
-        // CTAs of the split kernel resident per SM: 4 by registers, fewer where shared memory
-        // holds them back (an SM has 1 KiB more than a block may opt in to, and keeps 1 KiB per
-        // block).
-        let per_sm = ((gpu.smem_optin + 1024) / (split.smem_bytes() + 1024)).clamp(1, CTAS_PER_SM);
+        // CTAs of the split kernel resident per SM: the CUDA-core kernel 4 (by its registers);
+        // the tensor-core one what this device's shared memory holds (an SM has 1 KiB more than
+        // a block may opt in to and keeps 1 KiB per block), at most what it was compiled for.
+        let per_sm = if split.decode_tc() {
+            ((gpu.smem_optin + 1024) / (split.smem_bytes() + 1024)).clamp(1, split.min_blocks())
+        } else {
+            CTAS_PER_SM
+        };
         let splits = match dp.num_splits {
             // 1..=MAX_NUM_SPLITS, validated with the call.
             Some(n) => n,

@@ -240,6 +240,16 @@ impl KernelKey {
         self.kind == KernelKind::DecodeSplit && self.vec_load
     }
 
+    /// CTAs per SM the kernel is compiled for (`__launch_bounds__`' second value, which caps its
+    /// registers): for the tensor-core decode split kernel as many as its shared memory lets an
+    /// H100/H200 SM hold (228 KiB, 1 KiB of it kept per CTA), at most 4; 1 for the others.
+    pub fn min_blocks(&self) -> usize {
+        if !self.decode_tc() {
+            return 1;
+        }
+        ((228 * 1024) / (self.smem_bytes() + 1024)).clamp(1, 4)
+    }
+
     /// Whether `bwd_dq` / `bwd_dkdv` of this key run on tensor cores (f16/bf16, head_dim up to
     /// 128: two head_dim-wide accumulators per thread fit the registers there).
     pub fn bwd_tensor_cores(&self) -> bool {
@@ -320,6 +330,7 @@ impl KernelKey {
                 d.push(("DECODE_TC", "1".into()));
                 d.push(("SMEM_ROW", self.smem_row().to_string()));
                 d.push(("VEC_LOAD", "1".into()));
+                d.push(("TC_MIN_BLOCKS", self.min_blocks().to_string()));
             }
             return d;
         }

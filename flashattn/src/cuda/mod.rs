@@ -109,12 +109,20 @@ pub struct Precompiled {
     pub compiled: std::result::Result<Option<Duration>, crate::Error>,
 }
 
+/// What [`precompile`] did: the NVRTC version it compiled with (part of every cache file's key)
+/// and the outcome per variant.
+#[derive(Clone, Debug)]
+pub struct Precompile {
+    pub nvrtc: (i32, i32),
+    pub variants: Vec<Precompiled>,
+}
+
 /// Compiles `keys` for `arch` into the disk cache (see [`KernelOrigin::Disk`]) on all cores,
 /// skipping variants whose cubin is already there, so that later processes on a GPU of that
 /// architecture load kernels instead of compiling them. Needs NVRTC only, no GPU: a cache filled on
 /// one machine serves another with the same NVRTC major.minor. Errors only when NVRTC is missing
 /// or no cache directory is configured; per-variant compile errors are in the returned list.
-pub fn precompile(keys: &[KernelKey], arch: Arch) -> Result<Vec<Precompiled>> {
+pub fn precompile(keys: &[KernelKey], arch: Arch) -> Result<Precompile> {
     use rayon::prelude::*;
     let version = nvrtc::version()?;
     if cache::dir().is_none() {
@@ -124,11 +132,11 @@ pub fn precompile(keys: &[KernelKey], arch: Arch) -> Result<Vec<Precompiled>> {
         }
         .into());
     }
-    Ok(keys
+    let variants = keys
         .par_iter()
         .map(|key| {
             let path = cache::path(key, arch, version).expect("checked above");
-            if cache::load(&path).is_some() {
+            if cache::exists(&path) {
                 return Precompiled {
                     key: *key,
                     compiled: Ok(None),
@@ -143,7 +151,11 @@ pub fn precompile(keys: &[KernelKey], arch: Arch) -> Result<Vec<Precompiled>> {
                 compiled,
             }
         })
-        .collect())
+        .collect();
+    Ok(Precompile {
+        nvrtc: version,
+        variants,
+    })
 }
 
 /// One GPU (a CUDA context) and the stream flashattn launches on.

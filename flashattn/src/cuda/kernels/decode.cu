@@ -458,10 +458,13 @@ decode_split(const elem_t* __restrict__ q, const cache_t* __restrict__ k_cache,
 // at head_dim 128) is in flight while the current one is computed.
 #define TC_BLOCK_N 64  // keys per stage, 16 per warp
 #define TC_WARP_N (TC_BLOCK_N / NUM_WARPS)
-#define TC_MIN_BLOCKS (HEAD_DIM <= 128 ? 3 : 1)  // 70 KiB of shared memory at head_dim 128
+// TC_MIN_BLOCKS (from cuda/key.rs): the CTAs per SM this variant's shared memory allows (4 up to
+// head_dim 64, 3 up to 128 (70 KiB), 2 up to 192, else 1), so ptxas keeps the registers to that
+// many; the automatic split count counts on it.
 static_assert(TC_WARP_N == 16, "each warp takes one mma k-step of keys per stage");
 static_assert(MAX_ROWS == 16, "the query rows are one mma tile");
 static_assert(VEC_LOAD == 1, "the tensor-core kernel copies 16 bytes at a time");
+static_assert(TC_MIN_BLOCKS >= 1 && TC_MIN_BLOCKS <= 4, "TC_MIN_BLOCKS: CTAs per SM");
 
 // Copies keys n0 .. n0 + TC_BLOCK_N of kv head hk of sequence b (page lookups per row) into the
 // swizzled k and v tiles by cp.async; keys at or past n_end and columns at or past head_dim become

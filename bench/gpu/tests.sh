@@ -1,0 +1,13 @@
+# The GPU test runs of bench/gpu/session.sh (side by side) and bench/gpu/run.sh (one after
+# another), in one list: "log name|command", the command run from the repository root with the
+# binaries bench/gpu/prepare.sh put in gpu-run/. Sourced, not run.
+GPU_TESTS=(
+    "cuda_tests_flashattn|gpu-run/cuda_tests_flashattn --test-threads 4 --nocapture"
+    "cuda_tests_flashattn-cli|gpu-run/cuda_tests_flashattn-cli --test-threads 2"
+    "decode_tests_flashattn|gpu-run/decode_tests_flashattn gpu:: --test-threads 1 --nocapture"
+    # The same decode cases through the tensor-core split kernel where a case allows it (opt-in).
+    "decode_tests_flashattn_tc|env FLASHATTN_CUDA_DECODE=tc gpu-run/decode_tests_flashattn gpu:: --test-threads 1 --nocapture"
+    "fp8_tests_flashattn|gpu-run/fp8_tests_flashattn gpu:: --test-threads 1 --nocapture"
+    "decode_tests_flashattn-cli|gpu-run/decode_tests_flashattn-cli cuda --test-threads 2"
+    "fp8_tests_flashattn-cli|gpu-run/fp8_tests_flashattn-cli run_fp8_kv_cache bench_decode_fp8_caches_on_cuda --test-threads 2"
+)
