@@ -2,6 +2,8 @@
 //! forward pass's inner loop (block of 64 keys × 64 query lanes):
 //!
 //! - `gemm/<isa>/scores/d`: S = K·Qᵀ, m = 64 keys, n = 64 lanes, k = d (overwrite, chunk `KC`);
+//! - `gemm/<isa>/scores_kc8/d`: the same in chunks of `KC_SCORES` (each half of `gemm_scores`'
+//!   fallback);
 //! - `gemm_scores/<isa>/d`: the same product through `gemm_scores` (what the forward pass calls);
 //! - `gemm/<isa>/pv/d`: O += V·P, m = d, n = 64 lanes, k = 64 keys (accumulate);
 //! - `gemm_bf16/<isa>/{scores,pv}/d`: the same two products over bf16 pairs (k/2 pairs), where the
@@ -16,7 +18,7 @@
 //! subset, e.g. `cargo bench -p flashattn --bench kernels -- avx512`.
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use flashattn::simd::{self, Gemm, Kernels, KC};
+use flashattn::simd::{self, Gemm, Kernels, KC, KC_SCORES};
 use std::time::Duration;
 
 /// Keys per block and query lanes per block of the forward pass.
@@ -76,6 +78,11 @@ fn gemm(c: &mut Criterion, kern: &Kernels) {
         group.throughput(flops(m, n, k));
         group.bench_function(BenchmarkId::new("scores", d), |bch| {
             bch.iter(|| kern.gemm(black_box(&g), black_box(&mut out), n))
+        });
+        // The same in chunks of KC_SCORES (what each half of gemm_scores' fallback runs).
+        let g8 = Gemm { kc: KC_SCORES, ..g };
+        group.bench_function(BenchmarkId::new("scores_kc8", d), |bch| {
+            bch.iter(|| kern.gemm(black_box(&g8), black_box(&mut out), n))
         });
 
         // P·V: ot[x][r] += Σ_c v[c][x] · p[c][r]; A = V read transposed (a_rs = 1, a_cs = d).
