@@ -3723,6 +3723,26 @@ mod emulated {
         let cc = describe(&c, DecodeKernel::CudaCore);
         assert!(!cc.split.decode_tc());
         assert_eq!(cc.splits, 16);
+        // A device whose blocks may have less shared memory than the kernel's 70 KiB at d = 128
+        // keeps the CUDA-core kernel.
+        let small = GpuShape {
+            smem_optin: 64 * 1024,
+            ..gpu
+        };
+        let bl = build(&c);
+        let kv = TensorRef::from_slice(bl.k_cache.as_slice(), &bl.map.shape, &bl.map.strides);
+        let vv = TensorRef::from_slice(bl.v_cache.as_slice(), &bl.map.shape, &bl.map.strides);
+        let d = decode_launch_description_with(
+            &bl.q_view(&c),
+            &kv,
+            &vv,
+            &[4096],
+            &bl.opts(&c),
+            small,
+            DecodeKernel::TensorCore,
+        )
+        .unwrap();
+        assert!(!d.split.decode_tc());
         for c in [
             DCase {
                 dtype: DType::F32,

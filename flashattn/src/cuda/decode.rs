@@ -267,7 +267,7 @@ impl DecodeLaunch {
         ]
         .iter()
         .all(|x| x.is_multiple_of(8));
-        let split = KernelKey {
+        let mut split = KernelKey {
             kind: KernelKind::DecodeSplit,
             dtype: p.dtype,
             head_dim: KernelKey::padded_head_dim(p.head_dim),
@@ -281,6 +281,11 @@ impl DecodeLaunch {
                 && aligned,
             fp8: fp8.is_some(),
         };
+        if split.smem_bytes() > gpu.smem_optin {
+            // A device with less shared memory than the tensor-core kernel's stages need at this
+            // head_dim keeps the CUDA-core kernel.
+            split.vec_load = false;
+        }
         // CTAs of the split kernel resident per SM: the CUDA-core kernel 4 (by its registers);
         // the tensor-core one what this device's shared memory holds (an SM has 1 KiB more than
         // a block may opt in to and keeps 1 KiB per block), at most what it was compiled for.

@@ -341,6 +341,15 @@ impl CudaDevice {
             key.smem_bytes() as i32,
         )
         .map_err(driver_err("cuFuncSetAttribute"))?;
+        if key.min_blocks() > 1 {
+            // Several CTAs of tens of KiB per SM (the tensor-core decode kernel): ask for the
+            // largest shared-memory carve-out of the SM's L1 (a hint, in percent).
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                100,
+            )
+            .map_err(driver_err("cuFuncSetAttribute"))?;
+        }
         Ok(f)
     }
 }
