@@ -3,7 +3,7 @@
 # under its own time limit so the script ends (and packs its logs) before the tool's limit:
 #
 #   1. the environment: GPU, driver, which NVRTC (the kernel disk cache carried in
-#      gpu-run/cache_sm90a.tgz was filled here with NVRTC 13.0 by `flashattn compile`; it is used
+#      gpu-run/cache_sm90a.tar.xz was filled here with NVRTC 13.0 by `flashattn compile`; it is used
 #      when the NVRTC found there is 13.0 too, else the kernels compile on the 16 cores first);
 #   2. the CUDA tests, the binaries side by side (the correctness record);
 #   3. flashattn vs PyTorch SDPA: forward (bf16, d = 128, --quick), the decode step (bf16, f32),
@@ -51,7 +51,15 @@ done
 if [ -n "$nvrtc" ]; then
     export FLASHATTN_NVRTC=$nvrtc
     mkdir -p "$FLASHATTN_CACHE_DIR"
-    tar xzf gpu-run/cache_sm90a.tgz -C "$FLASHATTN_CACHE_DIR" && say "cache: $(ls "$FLASHATTN_CACHE_DIR" | wc -l) cubins unpacked, NVRTC $nvrtc"
+    # Python's tarfile reads xz whether or not the machine has the xz tool.
+    python3 - gpu-run/cache_sm90a.tar.xz "$FLASHATTN_CACHE_DIR" <<'PY' && say "cache: $(ls "$FLASHATTN_CACHE_DIR" | wc -l) cubins unpacked, NVRTC $nvrtc"
+import sys, tarfile
+with tarfile.open(sys.argv[1]) as t:
+    try:
+        t.extractall(sys.argv[2], filter="data")
+    except TypeError:  # a Python without extraction filters
+        t.extractall(sys.argv[2])
+PY
 else
     say "no NVRTC 13.0 found: compiling every variant here first"
     timeout 200 "$bin" compile 2>&1 | tail -5 | tee -a "$summary"
