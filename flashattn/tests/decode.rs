@@ -3699,7 +3699,7 @@ mod emulated {
             sm_count: 8,
             ..GpuShape::HOPPER
         };
-        let describe = |c: &DCase, kernel| {
+        let describe = |c: &DCase, gpu, kernel| {
             let bl = build(c);
             let kv = TensorRef::from_slice(bl.k_cache.as_slice(), &bl.map.shape, &bl.map.strides);
             let vv = TensorRef::from_slice(bl.v_cache.as_slice(), &bl.map.shape, &bl.map.strides);
@@ -3715,12 +3715,12 @@ mod emulated {
             splits: None,
             ..DCase::default()
         };
-        let tc = describe(&c, DecodeKernel::TensorCore);
+        let tc = describe(&c, gpu, DecodeKernel::TensorCore);
         assert!(tc.split.decode_tc());
         assert!(tc.split.name().contains("_tc"), "{}", tc.split.name());
         // 8 SMs x 3 CTAs over 2 kv heads; the CUDA-core kernel 8 x 4.
         assert_eq!(tc.splits, 12);
-        let cc = describe(&c, DecodeKernel::CudaCore);
+        let cc = describe(&c, gpu, DecodeKernel::CudaCore);
         assert!(!cc.split.decode_tc());
         assert_eq!(cc.splits, 16);
         // A device whose blocks may have less shared memory than the kernel's 70 KiB at d = 128
@@ -3729,20 +3729,9 @@ mod emulated {
             smem_optin: 64 * 1024,
             ..gpu
         };
-        let bl = build(&c);
-        let kv = TensorRef::from_slice(bl.k_cache.as_slice(), &bl.map.shape, &bl.map.strides);
-        let vv = TensorRef::from_slice(bl.v_cache.as_slice(), &bl.map.shape, &bl.map.strides);
-        let d = decode_launch_description_with(
-            &bl.q_view(&c),
-            &kv,
-            &vv,
-            &[4096],
-            &bl.opts(&c),
-            small,
-            DecodeKernel::TensorCore,
-        )
-        .unwrap();
-        assert!(!d.split.decode_tc());
+        assert!(!describe(&c, small, DecodeKernel::TensorCore)
+            .split
+            .decode_tc());
         for c in [
             DCase {
                 dtype: DType::F32,
@@ -3758,7 +3747,9 @@ mod emulated {
             },
         ] {
             assert!(
-                !describe(&c, DecodeKernel::TensorCore).split.decode_tc(),
+                !describe(&c, gpu, DecodeKernel::TensorCore)
+                    .split
+                    .decode_tc(),
                 "{c:?}"
             );
         }

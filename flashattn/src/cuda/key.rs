@@ -429,23 +429,11 @@ impl KernelKey {
         }
         for dtype in [DType::F16, DType::BF16, DType::F32] {
             for head_dim in (HEAD_DIM_STEP..=crate::MAX_HEAD_DIM).step_by(HEAD_DIM_STEP) {
-                for bits in 0..16u32 {
-                    keys.push(KernelKey {
-                        kind: KernelKind::DecodeSplit,
-                        dtype,
-                        head_dim,
-                        masked: bits & 1 != 0,
-                        softcap: bits & 2 != 0,
-                        alibi: bits & 4 != 0,
-                        dropout: false,
-                        vec_load: false,
-                        fp8: bits & 8 != 0,
-                    });
-                }
-                // The tensor-core split kernel: f16/bf16 caches, not FP8.
-                for bits in 0..8u32 {
-                    if dtype == DType::F32 {
-                        break;
+                for bits in 0..32u32 {
+                    // bit 16: the tensor-core split kernel, f16/bf16 caches, not FP8.
+                    let (fp8, tc) = (bits & 8 != 0, bits & 16 != 0);
+                    if tc && (fp8 || dtype == DType::F32) {
+                        continue;
                     }
                     keys.push(KernelKey {
                         kind: KernelKind::DecodeSplit,
@@ -455,8 +443,8 @@ impl KernelKey {
                         softcap: bits & 2 != 0,
                         alibi: bits & 4 != 0,
                         dropout: false,
-                        vec_load: true,
-                        fp8: false,
+                        vec_load: tc,
+                        fp8,
                     });
                 }
             }

@@ -117,6 +117,57 @@ __device__ __forceinline__ float rotated(const elem_t* src, int x, const float* 
     return x == i0 ? x0 * c - x1 * s : x0 * s + x1 * c;
 }
 
+#if FA_DECODE_ENTRY == 1 || FA_DECODE_ENTRY == 0
+// The parameters of decode_split, either kernel (cuda/decode.rs pushes them in this order).
+#define DECODE_SPLIT_PARAMS                                                                       \
+    const elem_t *__restrict__ q, const cache_t *__restrict__ k_cache,                            \
+        const cache_t *__restrict__ v_cache, float *__restrict__ ws_o,                            \
+        float *__restrict__ ws_lse, const i64 *__restrict__ seqs, const int *__restrict__ pages,  \
+        const float *__restrict__ alibi_slopes, const float *__restrict__ rot, int heads,         \
+        int heads_kv, int head_dim, int splits, i64 q_row_stride, i64 q_head_stride,              \
+        i64 k_page_stride, i64 k_row_stride, i64 k_head_stride, i64 v_page_stride,                \
+        i64 v_row_stride, i64 v_head_stride, int page_size, int max_blocks, float softmax_scale,  \
+        float softcap, int window_left, int window_right, int rot_half, int rot_interleaved,      \
+        int rot_npos, i64 total_rows, int vec_loads, const float *__restrict__ descale, int e5m2
+
+// What one decode_split CTA works on: grid (row blocks x splits, kv heads, sequences); its
+// sequence's table row, its MAX_ROWS query rows (r = i * group + h % group of kv head hk), and
+// this split's share of the keys those rows see (both ends of a row's window grow with its
+// position, and nothing before leftpad is seen).
+struct SplitWork {
+    int b, hk, sp, group, r0, nrows, leftpad;
+    i64 q_base, out_row0;
+    Mask mask;
+    int n_lo, n_hi;
+};
+
+// Fills `w` for this CTA; false when its row block lies past the sequence's rows.
+__device__ __forceinline__ bool split_work(SplitWork& w, const i64* seqs, int heads, int heads_kv,
+                                           int splits, int window_left, int window_right) {
+    w.b = blockIdx.z;
+    w.hk = blockIdx.y;
+    const int rb = blockIdx.x / splits;
+    w.sp = blockIdx.x % splits;
+    const i64* s = seqs + DECODE_FIELDS * w.b;
+    const int seqlen_q = (int)s[0], seqlen_k = (int)s[1];
+    w.leftpad = (int)s[2];
+    w.q_base = s[3];
+    w.out_row0 = s[4];
+    w.group = heads / heads_kv;
+    const int rows = seqlen_q * w.group;
+    w.r0 = rb * MAX_ROWS;
+    if (w.r0 >= rows) return false;
+    w.nrows = min(MAX_ROWS, rows - w.r0);
+    w.mask = Mask{seqlen_k, seqlen_k - seqlen_q, window_left, window_right};
+    const int lo = max(w.mask.lo(w.r0 / w.group), w.leftpad);
+    const int hi = max(w.mask.hi((w.r0 + w.nrows - 1) / w.group), lo);
+    const int chunk = (hi - lo + splits - 1) / splits;
+    w.n_lo = min(lo + w.sp * chunk, hi);
+    w.n_hi = min(lo + (w.sp + 1) * chunk, hi);
+    return true;
+}
+#endif
+
 #if (FA_DECODE_ENTRY == 1 || FA_DECODE_ENTRY == 0) && !DECODE_TC
 // 8 elements of a cache row at `p` as f32: one 16-byte load (two for f32, one 8-byte load for FP8)
 // when `vec` (the launcher checked head_dim, every cache stride and so every row start are
@@ -194,16 +245,7 @@ __device__ __forceinline__ float warp_sum(float x) {
 //   P·V     thread t owns columns t and t + 128 of every row (accumulators in registers) and reads
 //           v row by row, each warp 32 consecutive elements of a row; P as 16-byte broadcasts.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
-decode_split(const elem_t* __restrict__ q, const cache_t* __restrict__ k_cache,
-             const cache_t* __restrict__ v_cache, float* __restrict__ ws_o,
-             float* __restrict__ ws_lse, const i64* __restrict__ seqs,
-             const int* __restrict__ pages, const float* __restrict__ alibi_slopes,
-             const float* __restrict__ rot, int heads, int heads_kv, int head_dim, int splits,
-             i64 q_row_stride, i64 q_head_stride, i64 k_page_stride, i64 k_row_stride,
-             i64 k_head_stride, i64 v_page_stride, i64 v_row_stride, i64 v_head_stride,
-             int page_size, int max_blocks, float softmax_scale, float softcap, int window_left,
-             int window_right, int rot_half, int rot_interleaved, int rot_npos, i64 total_rows,
-             int vec_loads, const float* __restrict__ descale, int e5m2) {
+decode_split(DECODE_SPLIT_PARAMS) {
     FA_DYNAMIC_SMEM(float, smem_f);
     i64* vrow_s = (i64*)smem_f;                // [TILE] offset of each key's v row in v_cache
     float* q_s = smem_f + 2 * TILE;            // [MAX_ROWS][HEAD_DIM], rows of q (f32, rotated)
@@ -219,25 +261,13 @@ decode_split(const elem_t* __restrict__ q, const cache_t* __restrict__ k_cache,
     int* hi_s = lo_s + MAX_ROWS;                  // one past the last
     int* pos_s = hi_s + MAX_ROWS;                 // query position i
 
-    const int b = blockIdx.z, hk = blockIdx.y;
-    const int rb = blockIdx.x / splits, sp = blockIdx.x % splits;
-    const i64* s = seqs + DECODE_FIELDS * b;
-    const int seqlen_q = (int)s[0], seqlen_k = (int)s[1], leftpad = (int)s[2];
-    const i64 q_base = s[3], out_row0 = s[4];
-    const int group = heads / heads_kv;
-    const int rows = seqlen_q * group;
-    const int r0 = rb * MAX_ROWS;
-    if (r0 >= rows) return;
-    const int nrows = min(MAX_ROWS, rows - r0);
+    SplitWork w;
+    if (!split_work(w, seqs, heads, heads_kv, splits, window_left, window_right)) return;
+    const int b = w.b, hk = w.hk, sp = w.sp, group = w.group, r0 = w.r0, nrows = w.nrows;
+    const int leftpad = w.leftpad, n_lo = w.n_lo, n_hi = w.n_hi;
+    const i64 q_base = w.q_base, out_row0 = w.out_row0;
+    const Mask& mask = w.mask;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-
-    // Keys this CTA's rows see (both ends of a row's window grow with its position), from the
-    // first visible one at leftpad on; this split's share of them.
-    const Mask mask{seqlen_k, seqlen_k - seqlen_q, window_left, window_right};
-    const int lo = max(mask.lo(r0 / group), leftpad);
-    const int hi = max(mask.hi((r0 + nrows - 1) / group), lo);
-    const int chunk = (hi - lo + splits - 1) / splits;
-    const int n_lo = min(lo + sp * chunk, hi), n_hi = min(lo + (sp + 1) * chunk, hi);
 
     // FP8 caches: this (sequence, kv head)'s score scale replaces softmax_scale; its v factor
     // scales the finished rows.
@@ -494,16 +524,7 @@ __device__ __forceinline__ void tc_load_kv(u16* k_tile, u16* v_tile, const u16* 
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, TC_MIN_BLOCKS)
-decode_split(const elem_t* __restrict__ q, const cache_t* __restrict__ k_cache,
-             const cache_t* __restrict__ v_cache, float* __restrict__ ws_o,
-             float* __restrict__ ws_lse, const i64* __restrict__ seqs,
-             const int* __restrict__ pages, const float* __restrict__ alibi_slopes,
-             const float* __restrict__ rot, int heads, int heads_kv, int head_dim, int splits,
-             i64 q_row_stride, i64 q_head_stride, i64 k_page_stride, i64 k_row_stride,
-             i64 k_head_stride, i64 v_page_stride, i64 v_row_stride, i64 v_head_stride,
-             int page_size, int max_blocks, float softmax_scale, float softcap, int window_left,
-             int window_right, int rot_half, int rot_interleaved, int rot_npos, i64 total_rows,
-             int vec_loads, const float* __restrict__ descale, int e5m2) {
+decode_split(DECODE_SPLIT_PARAMS) {
     FA_DYNAMIC_SMEM(u16, smem);
     u16* q_tile = smem;                                   // [MAX_ROWS][SMEM_ROW]
     u16* k_tiles = q_tile + MAX_ROWS * SMEM_ROW;          // [2][TC_BLOCK_N][SMEM_ROW]
@@ -513,25 +534,15 @@ decode_split(const elem_t* __restrict__ q, const cache_t* __restrict__ k_cache,
     // After the key loop the stages hold the warps' rows: [NUM_WARPS][MAX_ROWS][HEAD_DIM] f32.
     float* o_part = (float*)k_tiles;
 
-    const int b = blockIdx.z, hk = blockIdx.y;
-    const int rb = blockIdx.x / splits, sp = blockIdx.x % splits;
-    const i64* s = seqs + DECODE_FIELDS * b;
-    const int seqlen_q = (int)s[0], seqlen_k = (int)s[1], leftpad = (int)s[2];
-    const i64 q_base = s[3], out_row0 = s[4];
-    const int group = heads / heads_kv;
-    const int rows = seqlen_q * group;
-    const int r0 = rb * MAX_ROWS;
-    if (r0 >= rows) return;
-    const int nrows = min(MAX_ROWS, rows - r0);
+    SplitWork w;
+    if (!split_work(w, seqs, heads, heads_kv, splits, window_left, window_right)) return;
+    const int b = w.b, hk = w.hk, sp = w.sp, group = w.group, r0 = w.r0, nrows = w.nrows;
+    const int leftpad = w.leftpad, n_lo = w.n_lo, n_hi = w.n_hi;
+    const i64 q_base = w.q_base, out_row0 = w.out_row0;
+    const Mask& mask = w.mask;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;  // mma fragment row group and column pair
 
-    // This split's keys, as the CUDA-core kernel computes them.
-    const Mask mask{seqlen_k, seqlen_k - seqlen_q, window_left, window_right};
-    const int lo = max(mask.lo(r0 / group), leftpad);
-    const int hi = max(mask.hi((r0 + nrows - 1) / group), lo);
-    const int chunk = (hi - lo + splits - 1) / splits;
-    const int n_lo = min(lo + sp * chunk, hi), n_hi = min(lo + (sp + 1) * chunk, hi);
     const int ntiles = (n_hi - n_lo + TC_BLOCK_N - 1) / TC_BLOCK_N;
 
     ScoreMod mods;
