@@ -247,7 +247,8 @@ impl KernelKey {
         if !self.decode_tc() {
             return 1;
         }
-        ((228 * 1024) / (self.smem_bytes() + 1024)).clamp(1, 4)
+        let sm = super::GpuShape::HOPPER.smem_optin + 1024;
+        (sm / (self.smem_bytes() + 1024)).clamp(1, 4)
     }
 
     /// Whether `bwd_dq` / `bwd_dkdv` of this key run on tensor cores (f16/bf16, head_dim up to
