@@ -6,7 +6,7 @@
 //! tests. This checks the kernels' indexing, fragment layouts, swizzle, masking, pipelining and
 //! online softmax on a machine without a GPU; it cannot check timing or true hardware races.
 //!
-//! Needs g++ (C++20). Without it the test says why it skips; CI sets FLASHATTN_REQUIRE_EMULATION=1,
+//! Needs g++ (C++17). Without it the test says why it skips; CI sets FLASHATTN_REQUIRE_EMULATION=1,
 //! which makes a missing compiler a failure.
 #![cfg(feature = "cuda")]
 
@@ -31,8 +31,8 @@ fn run(
     run_forward(builds, d, [&qb, &kb, &vb], q.dtype(), tag)
 }
 
-/// Reference work allowed per emulated grid case (the emulation runs ~1e3x slower than the CPU
-/// path).
+/// Reference work allowed per emulated grid case (the emulation runs ~1e2-1e3x slower than the
+/// CPU path).
 fn budget() -> usize {
     common::emu::budget(1_000_000)
 }

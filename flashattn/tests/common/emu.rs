@@ -68,7 +68,7 @@ impl Builds {
         let n = BUILD.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let exe = work_dir().join(format!("{}_{}_{n}", key.name(), std::process::id()));
         let mut cmd = Command::new("g++");
-        cmd.args(["-std=c++20", "-O1", "-pthread", "-DFA_HOST_EMULATION"])
+        cmd.args(["-std=c++17", "-O1", "-DFA_HOST_EMULATION"])
             .arg(format!("-I{KERNELS}"))
             .args(extra);
         for (k, v) in key.defines() {

@@ -1,6 +1,6 @@
 // Runs the backward kernels of bwd.cu (bwd_prep, bwd_dq, bwd_dkdv) on the CPU through
 // host_emulation.h, with the launches cuda/backward.rs computes.
-// Built by tests/cuda_emulated.rs: g++ -std=c++20 -DFA_HOST_EMULATION -DFA_BWD_ENTRY=0
+// Built by tests/cuda_emulated.rs: g++ -std=c++17 -DFA_HOST_EMULATION -DFA_BWD_ENTRY=0
 //   -D<variant defines> -I<kernels dir> bwd_driver.cpp
 // Usage: driver DIR. DIR holds params.txt (read below) and q, k, v, out, dout (elements), lse
 // (f32, the caller's view buffer), table (i64) and slopes (f32, when used) as .bin files; dq.bin,
@@ -10,8 +10,8 @@
 
 int main(int argc, char** argv) {
     if (argc != 2) return 2;
-    std::string dir = argv[1];
-    std::ifstream pf(dir + "/params.txt");
+    const Dir dir{argv[1]};
+    Numbers pf(dir + "/params.txt");
     long long pg[3], rg[3], kg[3], smem_dq, smem_dkdv, has_slopes, heads, heads_kv, head_dim;
     long long st[13], window_left, window_right, dq_len, dk_len, lse_len;
     float scale, softcap;

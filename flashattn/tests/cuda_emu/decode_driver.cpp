@@ -1,5 +1,5 @@
 // Runs flashattn's CUDA decode kernels (decode.cu: append, split, combine) on the CPU through
-// host_emulation.h. Built by tests/decode.rs: g++ -std=c++20 -DFA_HOST_EMULATION
+// host_emulation.h. Built by tests/decode.rs: g++ -std=c++17 -DFA_HOST_EMULATION
 // -DFA_DECODE_ENTRY=0 -D<variant defines> -I<kernels dir> decode_driver.cpp
 // Usage: decode_driver DIR. DIR holds params.txt (the launch, in the order read below) and q.bin,
 // k.bin, v.bin (the caches: FP8 bytes when built with FA_FP8_CACHE), table.bin, pages.bin, and
@@ -11,8 +11,8 @@
 
 int main(int argc, char** argv) {
     if (argc != 2) return 2;
-    std::string dir = argv[1];
-    std::ifstream pf(dir + "/params.txt");
+    const Dir dir{argv[1]};
+    Numbers pf(dir + "/params.txt");
     long long split_grid[3], combine_grid[3], append_grid[3], smem, has_append, has_slopes,
         has_rot, batch, heads, heads_kv, head_dim, splits, qs[2], ks[3], vs[3], kns[2], vns[2],
         page_size, max_blocks, window_left, window_right, rot_half, rot_inter, rot_npos,

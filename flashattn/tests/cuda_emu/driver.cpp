@@ -1,5 +1,5 @@
 // Runs one flashattn CUDA kernel variant on the CPU through host_emulation.h.
-// Built by tests/cuda_emulated.rs: g++ -std=c++20 -DFA_HOST_EMULATION -D<variant defines>
+// Built by tests/cuda_emulated.rs: g++ -std=c++17 -DFA_HOST_EMULATION -D<variant defines>
 //   -DFA_KERNEL='"<path to fwd.cu or fwd_f32.cu>"' -I<kernels dir> driver.cpp
 // Usage: driver DIR. DIR holds params.txt (the launch, in the order read below) and q.bin, k.bin,
 // v.bin (raw elements: FP8 bytes with FA_FP8_INPUT), table.bin, slopes.bin and descale.bin when
@@ -21,8 +21,8 @@ typedef float drv_out_t;
 
 int main(int argc, char** argv) {
     if (argc != 2) return 2;
-    std::string dir = argv[1];
-    std::ifstream pf(dir + "/params.txt");
+    const Dir dir{argv[1]};
+    Numbers pf(dir + "/params.txt");
     long long gx, gy, gz, threads, smem, has_table, has_slopes, heads, heads_kv, head_dim;
     long long st[7], window_left, window_right, bsq, bsk, bs[3], out_len, lse_len;
     float scale, softcap;

@@ -1,24 +1,74 @@
-// File input and output of the emulation drivers (driver.cpp, decode_driver.cpp): raw
-// little-endian element arrays, read whole, written whole.
+// File input and output of the emulation drivers (driver.cpp, decode_driver.cpp, ...): raw
+// little-endian element arrays, read whole, written whole, and the whitespace-separated numbers
+// of params.txt. C stdio only: <fstream> and <string> alone took a quarter of a driver's compile.
 #pragma once
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <iterator>
-#include <string>
 #include <vector>
 
-// The file's elements, plus one spare (an empty file still gives a valid data pointer).
+// The work folder given on the command line; `dir + "/q.bin"` names a file in it.
+struct Dir {
+    const char* s;
+};
+struct Path {
+    char s[4096];
+};
+static Path operator+(Dir d, const char* name) {
+    Path p;
+    if (std::snprintf(p.s, sizeof p.s, "%s%s", d.s, name) >= int(sizeof p.s)) {
+        std::fprintf(stderr, "path too long: %s%s\n", d.s, name);
+        std::exit(4);
+    }
+    return p;
+}
+
+// The file's elements, plus one spare (an empty file still gives a valid data pointer). A
+// missing file reads as empty, as with the streams this replaced.
 template <typename T>
-static std::vector<T> read(const std::string& path) {
-    std::ifstream f(path, std::ios::binary);
-    std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+static std::vector<T> read(const Path& path) {
+    std::vector<char> bytes;
+    if (FILE* f = std::fopen(path.s, "rb")) {
+        char buf[1 << 16];
+        size_t n;
+        while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) bytes.insert(bytes.end(), buf, buf + n);
+        std::fclose(f);
+    }
     std::vector<T> v(bytes.size() / sizeof(T) + 1);
     std::memcpy(v.data(), bytes.data(), bytes.size());
     return v;
 }
 
 template <typename T>
-static void write(const std::string& path, const T* p, size_t n) {
-    std::ofstream f(path, std::ios::binary);
-    f.write(reinterpret_cast<const char*>(p), n * sizeof(T));
+static void write(const Path& path, const T* p, size_t n) {
+    FILE* f = std::fopen(path.s, "wb");
+    if (!f || std::fwrite(p, sizeof(T), n, f) != n) {
+        std::fprintf(stderr, "cannot write %s\n", path.s);
+        std::exit(5);
+    }
+    std::fclose(f);
 }
+
+// params.txt, read number by number with `>>`; false once a read failed (as a stream would be).
+struct Numbers {
+    FILE* f;
+    bool good;
+    explicit Numbers(const Path& path) : f(std::fopen(path.s, "r")), good(f != nullptr) {}
+    ~Numbers() {
+        if (f) std::fclose(f);
+    }
+    Numbers(const Numbers&) = delete;
+    Numbers& operator=(const Numbers&) = delete;
+    Numbers& operator>>(long long& x) { return scan("%lld", &x); }
+    Numbers& operator>>(int& x) { return scan("%d", &x); }
+    Numbers& operator>>(float& x) { return scan("%f", &x); }
+    Numbers& operator>>(double& x) { return scan("%lf", &x); }
+    bool operator!() const { return !good; }
+
+  private:
+    template <typename T>
+    Numbers& scan(const char* fmt, T* x) {
+        good = good && std::fscanf(f, fmt, x) == 1;
+        return *this;
+    }
+};

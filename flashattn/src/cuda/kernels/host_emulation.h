@@ -1,22 +1,21 @@
 // Host emulation of the CUDA primitives the kernels use, so the kernel sources themselves can run
 // on a CPU (built with g++ -DFA_HOST_EMULATION; see flashattn/tests/cuda_emulated.rs). Each CUDA
-// thread of a block is a std::thread; warp-collective instructions (ldmatrix, mma.sync, shfl) meet
+// thread of a block is a fiber (see launch below); warp-collective instructions (ldmatrix, mma.sync, shfl) meet
 // at a per-warp barrier, exchange operands through per-warp slots, and meet again; __syncthreads
 // is a block barrier. Fragment layouts follow the PTX ISA (mma.m16n8k16 with f16/bf16 inputs and
 // f32 accumulators; ldmatrix .x4 and .x4.trans of 8x8 b16 matrices). This checks the kernels'
 // indexing, masking, pipelining and online softmax on any machine; what it cannot check is the
 // hardware's own behaviour (timing, races the emulation's barriers would hide).
 #pragma once
-#include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
-#include <functional>
-#include <memory>
-#include <thread>
+#if !defined(__x86_64__)
+#include <ucontext.h>
+#endif
 #include <vector>
-#include <algorithm>
 
 #define __global__
 #define __device__
@@ -27,50 +26,221 @@
 
 namespace emu {
 struct Dim3 { unsigned x = 0, y = 0, z = 0; };
+
+// The CUDA threads of a block are fibers (user-mode contexts, each with its own stack) run by one
+// OS thread, one at a time: the running fiber goes on until it must wait at a barrier, and then the
+// first runnable fiber in order runs. A barrier releases its waiters once every participant has
+// arrived. Any order that respects the barriers is a valid CUDA execution; this one is
+// deterministic and lets a warp run as far ahead of the others as the barriers allow, so a missing
+// barrier shows up as a wrong result (a read of shared memory another warp has not yet written, or
+// a write over data another warp has not yet read). Blocks alternate the order (thread 0 first,
+// then the last thread first) so that both directions of such a race are exercised. (One OS thread
+// per CUDA thread, as before, spent most of its time in the kernel's futex calls.)
+struct Barrier;
+struct Fiber {
+    void* sp = nullptr;  // saved stack pointer while suspended (x86-64 switch)
+#if !defined(__x86_64__)
+    ucontext_t ctx;
+#endif
+    char* stack = nullptr;  // kStack bytes, owned by the Scheduler
+    const Barrier* wait = nullptr;  // the barrier it waits at, and that barrier's generation
+    unsigned long wait_gen = 0;
+    bool done = false;
+};
+struct Scheduler {
+    std::vector<Fiber> fibers;
+    void* main_sp = nullptr;
+#if !defined(__x86_64__)
+    ucontext_t main_ctx;
+#endif
+    int current = -1;  // the running fiber's position in `fibers`
+    int hint = 0;      // every fiber before this position waits or is done
+    void (*run)(void*) = nullptr;  // runs the kernel lambda at `arg`
+    void* arg = nullptr;
+    Scheduler() = default;
+    Scheduler(const Scheduler&) = delete;
+    Scheduler& operator=(const Scheduler&) = delete;
+    ~Scheduler() {
+        for (auto& f : fibers) std::free(f.stack);
+    }
+};
+inline thread_local Scheduler* sched = nullptr;
+
+#if defined(__x86_64__)
+// fa_emu_switch(save, to): saves the callee-saved registers, MXCSR and the x87 control word on the
+// current stack, stores the stack pointer in *save, and resumes the context whose stack pointer is
+// `to` (System V: rdi, rsi).
+extern "C" void fa_emu_switch(void** save, void* to);
+asm(R"(
+    .text
+    .globl fa_emu_switch
+    .type fa_emu_switch, @function
+fa_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size fa_emu_switch, .-fa_emu_switch
+)");
+#endif
+
+// Suspends the running fiber and returns to the scheduler.
+inline void yield() {
+    Fiber& f = sched->fibers[sched->current];
+#if defined(__x86_64__)
+    fa_emu_switch(&f.sp, sched->main_sp);
+#else
+    swapcontext(&f.ctx, &sched->main_ctx);
+#endif
+}
+
+struct Barrier {
+    int expected;
+    int count = 0;
+    int first = 0;  // the lowest position among the fibers waiting here
+    unsigned long gen = 0;
+    explicit Barrier(int n) : expected(n) {}
+    void arrive_and_wait() {
+        const int pos = sched->current;
+        first = count == 0 || pos < first ? pos : first;
+        if (++count == expected) {  // the last to arrive releases the others and goes on
+            count = 0;
+            ++gen;
+            if (first < sched->hint) sched->hint = first;
+            return;
+        }
+        Fiber& f = sched->fibers[pos];
+        f.wait = this;
+        f.wait_gen = gen;
+        yield();
+    }
+};
 struct Warp {
-    std::barrier<> bar{32};
+    Barrier bar{32};
     uint32_t u[32][6];
     float f[32];
 };
 struct Block {
-    std::barrier<> bar;
-    std::vector<std::unique_ptr<Warp>> warps;
+    Barrier bar;
+    std::vector<Warp> warps;
     std::vector<unsigned char> smem;
-    Block(int threads, size_t smem_bytes) : bar(threads), smem(smem_bytes + 16) {
-        for (int w = 0; w < threads / 32; ++w) warps.emplace_back(new Warp);
-    }
+    Block(int threads, size_t smem_bytes)
+        : bar(threads), warps(size_t(threads / 32)), smem(smem_bytes + 16) {}
 };
 inline thread_local Dim3 thread_idx, block_idx, grid_dim;
 inline thread_local Block* block = nullptr;
-inline Warp& warp() { return *block->warps[thread_idx.x / 32]; }
+inline Warp& warp() { return block->warps[thread_idx.x / 32]; }
 inline int lane() { return thread_idx.x % 32; }
 inline unsigned char* smem_base() { return block->smem.data(); }
 
-// Runs `kernel` over the grid, one block after another, each block's threads in parallel (the
-// same OS threads for every block: creating hundreds of threads per block dominated the run time).
-template <typename F>
-void launch(Dim3 grid, int threads, size_t smem_bytes, F kernel) {
-    Block b(threads, smem_bytes);
-    std::vector<std::thread> ts;
-    for (int t = 0; t < threads; ++t)
-        ts.emplace_back([&, t] {
-            thread_idx = {unsigned(t), 0, 0};
-            grid_dim = grid;
-            block = &b;
-            for (unsigned z = 0; z < grid.z; ++z)
-                for (unsigned y = 0; y < grid.y; ++y)
-                    for (unsigned x = 0; x < grid.x; ++x) {
-                        // Uninitialised shared memory reads as garbage on a GPU: poison it here.
-                        if (t == 0) std::memset(b.smem.data(), 0xAB, b.smem.size());
-                        b.bar.arrive_and_wait();
-                        block_idx = {x, y, z};
-                        kernel();
-                        b.bar.arrive_and_wait();  // every thread has left the block
-                    }
-        });
-    for (auto& t : ts) t.join();
+// A fiber's first frame: runs the kernel, marks the fiber done and returns to the scheduler for
+// good.
+inline void fiber_main() {
+    sched->run(sched->arg);
+    sched->fibers[sched->current].done = true;
+    yield();
+    std::abort();  // a finished fiber is never resumed
 }
 
+// Runs `kernel` over the grid, one block after another; each block's threads are fibers.
+template <typename F>
+void launch(Dim3 grid, int threads, size_t smem_bytes, F kernel) {
+    constexpr size_t kStack = size_t(1) << 20;  // per fiber; pages are touched only when used
+    Scheduler s;
+    s.run = [](void* k) { (*static_cast<F*>(k))(); };
+    s.arg = &kernel;
+    s.fibers.resize(threads);
+    for (auto& f : s.fibers) {
+        // malloc leaves the pages untouched (and uncommitted) until the fiber uses them.
+        f.stack = static_cast<char*>(std::malloc(kStack));
+        if (!f.stack) std::abort();
+    }
+    Scheduler* outer = sched;
+    sched = &s;
+    grid_dim = grid;
+    Block b(threads, smem_bytes);
+    block = &b;
+    unsigned long linear = 0;
+    for (unsigned z = 0; z < grid.z; ++z)
+        for (unsigned y = 0; y < grid.y; ++y)
+            for (unsigned x = 0; x < grid.x; ++x, ++linear) {
+                block_idx = {x, y, z};
+                // Uninitialised shared memory reads as garbage on a GPU: poison it here.
+                std::memset(b.smem.data(), 0xAB, b.smem.size());
+                for (auto& f : s.fibers) {
+                    f.done = false;
+                    f.wait = nullptr;
+#if defined(__x86_64__)
+                    // The initial frame fa_emu_switch pops: MXCSR and x87 control word (defaults),
+                    // six zeroed registers, then fiber_main as the return address, entered with
+                    // the stack aligned as at a call (rsp + 8 a multiple of 16).
+                    uintptr_t top = (uintptr_t(f.stack) + kStack) & ~uintptr_t(15);
+                    auto* sp = reinterpret_cast<uint64_t*>(top) - 9;
+                    std::memset(sp, 0, 9 * sizeof(uint64_t));
+                    uint32_t csr[2] = {0x1F80u, 0x037Fu};
+                    std::memcpy(sp, csr, sizeof csr);
+                    sp[7] = uint64_t(uintptr_t(&fiber_main));
+                    f.sp = sp;
+#else
+                    getcontext(&f.ctx);
+                    f.ctx.uc_stack.ss_sp = f.stack;
+                    f.ctx.uc_stack.ss_size = kStack;
+                    f.ctx.uc_link = nullptr;
+                    makecontext(&f.ctx, &fiber_main, 0);
+#endif
+                }
+                b.bar.count = 0;
+                for (auto& w : b.warps) w.bar.count = 0;
+                // Fiber p runs CUDA thread p in even blocks, thread threads-1-p in odd ones.
+                const bool reversed = linear % 2;
+                s.hint = 0;
+                int left = threads;
+                while (left > 0) {
+                    int p = s.hint;
+                    while (p < threads && (s.fibers[p].done || (s.fibers[p].wait &&
+                                                                s.fibers[p].wait->gen ==
+                                                                    s.fibers[p].wait_gen)))
+                        ++p;
+                    if (p == threads) {
+                        std::fprintf(stderr,
+                                     "emulation: block (%u,%u,%u) deadlocked: a barrier that not "
+                                     "every thread reaches\n",
+                                     x, y, z);
+                        std::abort();
+                    }
+                    s.hint = p;
+                    Fiber& f = s.fibers[p];
+                    f.wait = nullptr;
+                    thread_idx = {unsigned(reversed ? threads - 1 - p : p), 0, 0};
+                    s.current = p;
+#if defined(__x86_64__)
+                    fa_emu_switch(&s.main_sp, f.sp);
+#else
+                    swapcontext(&s.main_ctx, &f.ctx);
+#endif
+                    if (f.done) --left;
+                }
+            }
+    block = nullptr;
+    sched = outer;
+}
 inline float bits_to_float(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
 inline uint32_t float_to_bits(float f) { uint32_t b; std::memcpy(&b, &f, 4); return b; }
 #if defined(FA_BF16)
@@ -108,8 +278,11 @@ inline float __shfl_xor_sync(unsigned, float v, int mask) {
     w.bar.arrive_and_wait();
     return r;
 }
-using std::max;
-using std::min;
+// CUDA's integer and float max/min, with std::max/min's semantics (a NaN operand is not special).
+template <typename T>
+inline T max(T a, T b) { return a < b ? b : a; }
+template <typename T>
+inline T min(T a, T b) { return b < a ? b : a; }
 #define FA_DYNAMIC_SMEM(T, name) T* name = reinterpret_cast<T*>(emu::smem_base())
 
 // --- the kernels' primitives -------------------------------------------------------------------
