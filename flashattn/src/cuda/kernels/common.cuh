@@ -423,6 +423,43 @@ __device__ __forceinline__ void mma_xb(float (&acc)[HEAD_DIM / 8][4], const floa
     }
 }
 
+// One online-softmax step over this warp's NK keys of a 16-row tile: `s` holds the scores (in
+// log2 units) of this thread's rows g and g + 8, as an m16n8 accumulator tile per 8 keys. The row
+// maxima move to cover the new keys (across the quad's 4 threads), `s` becomes the probabilities,
+// this thread's partial row sums (a quarter of each row; summed across the quad at the end, which
+// is exact since the rescaling is linear) and `acc_o` are rescaled by the change of maximum and
+// the sums gain the new probabilities. A row that has seen only masked keys keeps max -inf and
+// subtracts 0 (not -inf - -inf). Shared by the forward and the tensor-core decode kernel.
+template <int NK>
+__device__ __forceinline__ void online_softmax_step(float (&s)[NK / 8][4], float (&row_max)[2],
+                                                    float (&row_sum)[2],
+                                                    float (&acc_o)[HEAD_DIM / 8][4]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float mx = row_max[r];
+#pragma unroll
+        for (int nt = 0; nt < NK / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_use = mx == -FA_INF ? 0.f : mx;
+        const float alpha = fa_exp2(row_max[r] - m_use);
+        row_max[r] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NK / 8; ++nt) {
+            s[nt][2 * r] = fa_exp2(s[nt][2 * r] - m_use);
+            s[nt][2 * r + 1] = fa_exp2(s[nt][2 * r + 1] - m_use);
+            sum += s[nt][2 * r] + s[nt][2 * r + 1];
+        }
+        row_sum[r] = row_sum[r] * alpha + sum;
+#pragma unroll
+        for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
+            acc_o[dt][2 * r] *= alpha;
+            acc_o[dt][2 * r + 1] *= alpha;
+        }
+    }
+}
+
 // Loads `rows` rows (row r from src + (row0 + r) * row_stride) of HEAD_DIM columns into a
 // swizzled tile; rows at or past `row_end` and columns at or past `head_dim` become 0.
 template <int ROWS>

@@ -627,32 +627,8 @@ decode_split(DECODE_SPLIT_PARAMS) {
             }
         }
 
-        // Online softmax over this warp's keys (fwd.cu's steps).
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = row_max[r];
-#pragma unroll
-            for (int nt = 0; nt < TC_WARP_N / 8; ++nt)
-                mx = fmaxf(mx, fmaxf(sc[nt][2 * r], sc[nt][2 * r + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_use = mx == -FA_INF ? 0.f : mx;
-            const float alpha = fa_exp2(row_max[r] - m_use);
-            row_max[r] = mx;
-            float sum = 0.f;
-#pragma unroll
-            for (int nt = 0; nt < TC_WARP_N / 8; ++nt) {
-                sc[nt][2 * r] = fa_exp2(sc[nt][2 * r] - m_use);
-                sc[nt][2 * r + 1] = fa_exp2(sc[nt][2 * r + 1] - m_use);
-                sum += sc[nt][2 * r] + sc[nt][2 * r + 1];
-            }
-            row_sum[r] = row_sum[r] * alpha + sum;
-#pragma unroll
-            for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
-                acc_o[dt][2 * r] *= alpha;
-                acc_o[dt][2 * r + 1] *= alpha;
-            }
-        }
+        // Online softmax over this warp's keys.
+        online_softmax_step<TC_WARP_N>(sc, row_max, row_sum, acc_o);
         mma_xb<TC_WARP_N>(acc_o, sc, v_tiles + koff, lane);
     }
     cp_async_wait<0>();  // an empty split committed an empty group

@@ -246,33 +246,7 @@ flash_fwd(FLASH_FWD_PARAMS(in_t, u16)) {
         }
 
         // Online softmax: max_get_scale, then probabilities and row_sum, then rescale_o.
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = row_max[r];
-#pragma unroll
-            for (int nt = 0; nt < BLOCK_N / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            // A row that has seen only masked keys keeps max -inf; subtract 0 then (not -inf - -inf).
-            const float m_use = mx == -FA_INF ? 0.f : mx;
-            const float alpha = fa_exp2(row_max[r] - m_use);
-            row_max[r] = mx;
-            float sum = 0.f;
-#pragma unroll
-            for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
-                s[nt][2 * r] = fa_exp2(s[nt][2 * r] - m_use);
-                s[nt][2 * r + 1] = fa_exp2(s[nt][2 * r + 1] - m_use);
-                sum += s[nt][2 * r] + s[nt][2 * r + 1];
-            }
-            // row_sum stays a per-thread partial (a quarter of the row); summed across the quad at
-            // the end, which is exact since the rescaling is linear.
-            row_sum[r] = row_sum[r] * alpha + sum;
-#pragma unroll
-            for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
-                acc_o[dt][2 * r] *= alpha;
-                acc_o[dt][2 * r + 1] *= alpha;
-            }
-        }
+        online_softmax_step<BLOCK_N>(s, row_max, row_sum, acc_o);
 
 #if HAS_DROPOUT
         // Dropout zeroes probabilities for P·V only (row_sum above keeps them); 1/(1-p) is applied
