@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstdio>
 #include <cstring>
+#include <sys/mman.h>
 #if !defined(__x86_64__)
 #include <ucontext.h>
 #endif
@@ -36,13 +37,15 @@ struct Dim3 { unsigned x = 0, y = 0, z = 0; };
 // a write over data another warp has not yet read). Blocks alternate the order (thread 0 first,
 // then the last thread first) so that both directions of such a race are exercised. (One OS thread
 // per CUDA thread, as before, spent most of its time in the kernel's futex calls.)
+constexpr size_t kStack = size_t(1) << 20;  // per fiber
+constexpr size_t kGuard = 4096;
 struct Barrier;
 struct Fiber {
     void* sp = nullptr;  // saved stack pointer while suspended (x86-64 switch)
 #if !defined(__x86_64__)
     ucontext_t ctx;
 #endif
-    char* stack = nullptr;  // kStack bytes, owned by the Scheduler
+    char* stack = nullptr;  // kStack usable bytes above a guard page, owned by the Scheduler
     const Barrier* wait = nullptr;  // the barrier it waits at, and that barrier's generation
     unsigned long wait_gen = 0;
     bool done = false;
@@ -61,7 +64,8 @@ struct Scheduler {
     Scheduler(const Scheduler&) = delete;
     Scheduler& operator=(const Scheduler&) = delete;
     ~Scheduler() {
-        for (auto& f : fibers) std::free(f.stack);
+        for (auto& f : fibers)
+            if (f.stack) munmap(f.stack - kGuard, kStack + kGuard);
     }
 };
 inline thread_local Scheduler* sched = nullptr;
@@ -162,15 +166,17 @@ inline void fiber_main() {
 // Runs `kernel` over the grid, one block after another; each block's threads are fibers.
 template <typename F>
 void launch(Dim3 grid, int threads, size_t smem_bytes, F kernel) {
-    constexpr size_t kStack = size_t(1) << 20;  // per fiber; pages are touched only when used
     Scheduler s;
     s.run = [](void* k) { (*static_cast<F*>(k))(); };
     s.arg = &kernel;
     s.fibers.resize(threads);
     for (auto& f : s.fibers) {
-        // malloc leaves the pages untouched (and uncommitted) until the fiber uses them.
-        f.stack = static_cast<char*>(std::malloc(kStack));
-        if (!f.stack) std::abort();
+        // Pages are committed only when the fiber touches them; an overflow hits the guard page
+        // (a segmentation fault) instead of the next fiber's stack.
+        void* m = mmap(nullptr, kStack + kGuard, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (m == MAP_FAILED || mprotect(m, kGuard, PROT_NONE) != 0) std::abort();
+        f.stack = static_cast<char*>(m) + kGuard;
     }
     Scheduler* outer = sched;
     sched = &s;
