@@ -27,15 +27,20 @@ static Path operator+(Dir d, const char* name) {
 // missing file reads as empty, as with the streams this replaced.
 template <typename T>
 static std::vector<T> read(const Path& path) {
-    std::vector<char> bytes;
+    std::vector<T> v(1);
     if (FILE* f = std::fopen(path.s, "rb")) {
-        char buf[1 << 16];
-        size_t n;
-        while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) bytes.insert(bytes.end(), buf, buf + n);
+        std::fseek(f, 0, SEEK_END);
+        const long bytes = std::ftell(f);
+        std::fseek(f, 0, SEEK_SET);
+        if (bytes > 0) {
+            v.resize(size_t(bytes) / sizeof(T) + 1);
+            if (std::fread(v.data(), 1, size_t(bytes), f) != size_t(bytes)) {
+                std::fprintf(stderr, "cannot read %s\n", path.s);
+                std::exit(5);
+            }
+        }
         std::fclose(f);
     }
-    std::vector<T> v(bytes.size() / sizeof(T) + 1);
-    std::memcpy(v.data(), bytes.data(), bytes.size());
     return v;
 }
 

@@ -1,8 +1,8 @@
 // Host emulation of the CUDA primitives the kernels use, so the kernel sources themselves can run
 // on a CPU (built with g++ -DFA_HOST_EMULATION; see flashattn/tests/cuda_emulated.rs). Each CUDA
-// thread of a block is a fiber (see launch below); warp-collective instructions (ldmatrix, mma.sync, shfl) meet
-// at a per-warp barrier, exchange operands through per-warp slots, and meet again; __syncthreads
-// is a block barrier. Fragment layouts follow the PTX ISA (mma.m16n8k16 with f16/bf16 inputs and
+// thread of a block is a fiber (see launch below); warp-collective instructions (ldmatrix,
+// mma.sync, shfl) meet at a per-warp barrier, exchange operands through per-warp slots, and meet
+// again; __syncthreads is a block barrier. Fragment layouts follow the PTX ISA (mma.m16n8k16 with f16/bf16 inputs and
 // f32 accumulators; ldmatrix .x4 and .x4.trans of 8x8 b16 matrices). This checks the kernels'
 // indexing, masking, pipelining and online softmax on any machine; what it cannot check is the
 // hardware's own behaviour (timing, races the emulation's barriers would hide).
@@ -39,36 +39,6 @@ struct Dim3 { unsigned x = 0, y = 0, z = 0; };
 // per CUDA thread, as before, spent most of its time in the kernel's futex calls.)
 constexpr size_t kStack = size_t(1) << 20;  // per fiber
 constexpr size_t kGuard = 4096;
-struct Barrier;
-struct Fiber {
-    void* sp = nullptr;  // saved stack pointer while suspended (x86-64 switch)
-#if !defined(__x86_64__)
-    ucontext_t ctx;
-#endif
-    char* stack = nullptr;  // kStack usable bytes above a guard page, owned by the Scheduler
-    const Barrier* wait = nullptr;  // the barrier it waits at, and that barrier's generation
-    unsigned long wait_gen = 0;
-    bool done = false;
-};
-struct Scheduler {
-    std::vector<Fiber> fibers;
-    void* main_sp = nullptr;
-#if !defined(__x86_64__)
-    ucontext_t main_ctx;
-#endif
-    int current = -1;  // the running fiber's position in `fibers`
-    int hint = 0;      // every fiber before this position waits or is done
-    void (*run)(void*) = nullptr;  // runs the kernel lambda at `arg`
-    void* arg = nullptr;
-    Scheduler() = default;
-    Scheduler(const Scheduler&) = delete;
-    Scheduler& operator=(const Scheduler&) = delete;
-    ~Scheduler() {
-        for (auto& f : fibers)
-            if (f.stack) munmap(f.stack - kGuard, kStack + kGuard);
-    }
-};
-inline thread_local Scheduler* sched = nullptr;
 
 #if defined(__x86_64__)
 // fa_emu_switch(save, to): saves the callee-saved registers, MXCSR and the x87 control word on the
@@ -105,15 +75,74 @@ fa_emu_switch:
 )");
 #endif
 
-// Suspends the running fiber and returns to the scheduler.
-inline void yield() {
-    Fiber& f = sched->fibers[sched->current];
+// A suspended execution context: fa_emu_switch's saved stack pointer on x86-64, a ucontext_t
+// elsewhere. The only platform-specific code of the emulation.
+struct Context {
 #if defined(__x86_64__)
-    fa_emu_switch(&f.sp, sched->main_sp);
+    void* sp = nullptr;
 #else
-    swapcontext(&f.ctx, &sched->main_ctx);
+    ucontext_t uc;
 #endif
-}
+    // A context that, when first switched to, runs `entry` (which never returns) on the kStack
+    // bytes at `stack`.
+    void start(char* stack, void (*entry)()) {
+#if defined(__x86_64__)
+        // The frame fa_emu_switch pops: MXCSR and x87 control word (defaults), six zeroed
+        // registers, then `entry` as the return address, entered with the stack aligned as at a
+        // call (rsp + 8 a multiple of 16).
+        uintptr_t top = (uintptr_t(stack) + kStack) & ~uintptr_t(15);
+        auto* frame = reinterpret_cast<uint64_t*>(top) - 9;
+        std::memset(frame, 0, 9 * sizeof(uint64_t));
+        uint32_t csr[2] = {0x1F80u, 0x037Fu};
+        std::memcpy(frame, csr, sizeof csr);
+        frame[7] = uint64_t(uintptr_t(entry));
+        sp = frame;
+#else
+        getcontext(&uc);
+        uc.uc_stack.ss_sp = stack;
+        uc.uc_stack.ss_size = kStack;
+        uc.uc_link = nullptr;
+        makecontext(&uc, entry, 0);
+#endif
+    }
+    // Saves the running context into `this` and resumes `to`.
+    void switch_to(Context& to) {
+#if defined(__x86_64__)
+        fa_emu_switch(&sp, to.sp);
+#else
+        swapcontext(&uc, &to.uc);
+#endif
+    }
+};
+
+struct Barrier;
+struct Fiber {
+    Context ctx;
+    char* stack = nullptr;  // kStack usable bytes above a guard page, owned by the Scheduler
+    const Barrier* wait = nullptr;  // the barrier it waits at, and that barrier's generation
+    unsigned long wait_gen = 0;
+    bool done = false;
+    inline bool runnable() const;
+};
+struct Scheduler {
+    std::vector<Fiber> fibers;
+    Context main;
+    int current = -1;  // the running fiber's position in `fibers`
+    int hint = 0;      // every fiber before this position waits or is done
+    void (*run)(void*) = nullptr;  // runs the kernel lambda at `arg`
+    void* arg = nullptr;
+    Scheduler() = default;
+    Scheduler(const Scheduler&) = delete;
+    Scheduler& operator=(const Scheduler&) = delete;
+    ~Scheduler() {
+        for (auto& f : fibers)
+            if (f.stack) munmap(f.stack - kGuard, kStack + kGuard);
+    }
+};
+inline thread_local Scheduler* sched = nullptr;
+
+// Suspends the running fiber and returns to the scheduler.
+inline void yield() { sched->fibers[sched->current].ctx.switch_to(sched->main); }
 
 struct Barrier {
     int expected;
@@ -136,6 +165,7 @@ struct Barrier {
         yield();
     }
 };
+inline bool Fiber::runnable() const { return !done && !(wait && wait->gen == wait_gen); }
 struct Warp {
     Barrier bar{32};
     uint32_t u[32][6];
@@ -190,40 +220,19 @@ void launch(Dim3 grid, int threads, size_t smem_bytes, F kernel) {
                 block_idx = {x, y, z};
                 // Uninitialised shared memory reads as garbage on a GPU: poison it here.
                 std::memset(b.smem.data(), 0xAB, b.smem.size());
+                // Every barrier is at count 0 here: the previous block ran to its end.
                 for (auto& f : s.fibers) {
                     f.done = false;
                     f.wait = nullptr;
-#if defined(__x86_64__)
-                    // The initial frame fa_emu_switch pops: MXCSR and x87 control word (defaults),
-                    // six zeroed registers, then fiber_main as the return address, entered with
-                    // the stack aligned as at a call (rsp + 8 a multiple of 16).
-                    uintptr_t top = (uintptr_t(f.stack) + kStack) & ~uintptr_t(15);
-                    auto* sp = reinterpret_cast<uint64_t*>(top) - 9;
-                    std::memset(sp, 0, 9 * sizeof(uint64_t));
-                    uint32_t csr[2] = {0x1F80u, 0x037Fu};
-                    std::memcpy(sp, csr, sizeof csr);
-                    sp[7] = uint64_t(uintptr_t(&fiber_main));
-                    f.sp = sp;
-#else
-                    getcontext(&f.ctx);
-                    f.ctx.uc_stack.ss_sp = f.stack;
-                    f.ctx.uc_stack.ss_size = kStack;
-                    f.ctx.uc_link = nullptr;
-                    makecontext(&f.ctx, &fiber_main, 0);
-#endif
+                    f.ctx.start(f.stack, &fiber_main);
                 }
-                b.bar.count = 0;
-                for (auto& w : b.warps) w.bar.count = 0;
                 // Fiber p runs CUDA thread p in even blocks, thread threads-1-p in odd ones.
                 const bool reversed = linear % 2;
                 s.hint = 0;
                 int left = threads;
                 while (left > 0) {
                     int p = s.hint;
-                    while (p < threads && (s.fibers[p].done || (s.fibers[p].wait &&
-                                                                s.fibers[p].wait->gen ==
-                                                                    s.fibers[p].wait_gen)))
-                        ++p;
+                    while (p < threads && !s.fibers[p].runnable()) ++p;
                     if (p == threads) {
                         std::fprintf(stderr,
                                      "emulation: block (%u,%u,%u) deadlocked: a barrier that not "
@@ -236,11 +245,7 @@ void launch(Dim3 grid, int threads, size_t smem_bytes, F kernel) {
                     f.wait = nullptr;
                     thread_idx = {unsigned(reversed ? threads - 1 - p : p), 0, 0};
                     s.current = p;
-#if defined(__x86_64__)
-                    fa_emu_switch(&s.main_sp, f.sp);
-#else
-                    swapcontext(&s.main_ctx, &f.ctx);
-#endif
+                    s.main.switch_to(f.ctx);
                     if (f.done) --left;
                 }
             }
