@@ -13,7 +13,12 @@
 #include <cstdio>
 #include <cstring>
 #include <sys/mman.h>
-#if !defined(__x86_64__)
+// Fibers switch by a few instructions of assembly on x86-64, by ucontext elsewhere (or when
+// FA_EMU_UCONTEXT is defined, which is how that path is tested on x86-64).
+#if defined(__x86_64__) && !defined(FA_EMU_UCONTEXT)
+#define FA_EMU_ASM_SWITCH 1
+#else
+#define FA_EMU_ASM_SWITCH 0
 #include <ucontext.h>
 #endif
 #include <vector>
@@ -40,7 +45,7 @@ struct Dim3 { unsigned x = 0, y = 0, z = 0; };
 constexpr size_t kStack = size_t(1) << 20;  // per fiber
 constexpr size_t kGuard = 4096;
 
-#if defined(__x86_64__)
+#if FA_EMU_ASM_SWITCH
 // fa_emu_switch(save, to): saves the callee-saved registers, MXCSR and the x87 control word on the
 // current stack, stores the stack pointer in *save, and resumes the context whose stack pointer is
 // `to` (System V: rdi, rsi).
@@ -78,7 +83,7 @@ fa_emu_switch:
 // A suspended execution context: fa_emu_switch's saved stack pointer on x86-64, a ucontext_t
 // elsewhere. The only platform-specific code of the emulation.
 struct Context {
-#if defined(__x86_64__)
+#if FA_EMU_ASM_SWITCH
     void* sp = nullptr;
 #else
     ucontext_t uc;
@@ -86,7 +91,7 @@ struct Context {
     // A context that, when first switched to, runs `entry` (which never returns) on the kStack
     // bytes at `stack`.
     void start(char* stack, void (*entry)()) {
-#if defined(__x86_64__)
+#if FA_EMU_ASM_SWITCH
         // The frame fa_emu_switch pops: MXCSR and x87 control word (defaults), six zeroed
         // registers, then `entry` as the return address, entered with the stack aligned as at a
         // call (rsp + 8 a multiple of 16).
@@ -107,7 +112,7 @@ struct Context {
     }
     // Saves the running context into `this` and resumes `to`.
     void switch_to(Context& to) {
-#if defined(__x86_64__)
+#if FA_EMU_ASM_SWITCH
         fa_emu_switch(&sp, to.sp);
 #else
         swapcontext(&uc, &to.uc);
