@@ -24,6 +24,11 @@ repeated to 32 heads beforehand, outside the timing, as code without GQA support
 appends inside torch's timing (its cache is a ready tensor), which favours torch by the cost of
 one row copy.
 
+Huge pages: flashattn's caches are allocated as `flashattn::memory::kv_cache_vec` allocates them,
+advised for transparent huge pages (Linux), and torch runs with `THP_MEM_ALLOC_ENABLE=1`, which
+makes its CPU allocator give the same advice for buffers of 2 MiB or more; `--no-huge-pages`
+runs both in ordinary 4 KiB pages.
+
 GB/s: the bytes of k and v one step must read, 2 * B * cache_len * heads_kv * head_dim * element
 size (the same figure for every implementation; the repeated variant reads 4x that), over the
 median time. The machine's memory bandwidth is measured in every round, by the flashattn run
@@ -89,8 +94,16 @@ def main() -> None:
     ap.add_argument("--heads-kv", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no-huge-pages", action="store_true",
+                    help="caches in 4 KiB pages on both sides (flashattn --no-huge-pages; torch "
+                         "without THP_MEM_ALLOC_ENABLE)")
     args = ap.parse_args()
 
+    # Read by torch's CPU allocator at its first allocation, so set before the import.
+    if args.no_huge_pages:
+        os.environ.pop("THP_MEM_ALLOC_ENABLE", None)
+    else:
+        os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
     import torch
     import torch.nn.functional as F
 
@@ -105,6 +118,7 @@ def main() -> None:
     common = [
         "--batch", str(args.batch), "--heads", str(args.heads), "--heads-kv", str(args.heads_kv),
         "--head-dim", str(args.head_dim), "--threads", str(args.threads),
+        *(["--no-huge-pages"] if args.no_huge_pages else []),
     ]
     machine = None
     read_gbps: list[float] = []
@@ -186,7 +200,8 @@ def main() -> None:
         "argv": sys.argv,
         "machine": {**machine, "read_gbps_rounds": read_gbps, "torch_version": torch.__version__,
                     "loadavg_end": os.getloadavg()},
-        "settings": {"rounds": args.rounds, "min_time": args.min_time},
+        "settings": {"rounds": args.rounds, "min_time": args.min_time,
+                     "huge_pages": not args.no_huge_pages},
         "results": results,
     }, indent=1))
     log(f"wrote {out}")

@@ -128,6 +128,12 @@ pub struct BenchArgs {
     /// --decode: number of key splits (default: chosen from the shape and thread count).
     #[arg(long)]
     pub num_splits: Option<usize>,
+    /// --decode: keep the KV caches (and the 1 GiB buffer the read bandwidth is measured on) in
+    /// ordinary 4 KiB pages. By default they are advised for transparent huge pages, as
+    /// `flashattn::memory::kv_cache_vec` allocates a cache (Linux; PyTorch does the same with
+    /// THP_MEM_ALLOC_ENABLE=1).
+    #[arg(long)]
+    pub no_huge_pages: bool,
     /// --decode: skip measuring the memory bandwidth (about 3 s at the start and ~0.15 s around
     /// each measurement) and the "% of bandwidth" column.
     #[arg(long)]
@@ -365,11 +371,27 @@ pub fn dequantized(x: &Fp8Buf) -> Buffer {
 }
 
 pub fn random_buffer(rng: &mut ChaCha8Rng, n: usize, dtype: DType) -> Buffer {
+    random_cache(rng, n, dtype, false)
+}
+
+/// `n` values of `x` in a buffer for a KV cache: advised for transparent huge pages before its
+/// first write when `huge` ([`flashattn::memory::kv_cache_vec`]), else an ordinary one.
+pub fn cache_vec<T: Copy + Default>(huge: bool, n: usize, x: impl Iterator<Item = T>) -> Vec<T> {
+    if !huge {
+        return x.take(n).collect();
+    }
+    let mut v = flashattn::memory::kv_cache_vec(n);
+    v.iter_mut().zip(x).for_each(|(d, s)| *d = s);
+    v
+}
+
+/// [`random_buffer`] as a KV cache buffer, in huge pages when `huge` (see [`cache_vec`]).
+pub fn random_cache(rng: &mut ChaCha8Rng, n: usize, dtype: DType, huge: bool) -> Buffer {
     let vals = (0..n).map(|_| rng.gen_range(-1.0f32..1.0));
     match dtype {
-        DType::F32 => Buffer::F32(vals.collect()),
-        DType::F16 => Buffer::F16(vals.map(f16::from_f32).collect()),
-        DType::BF16 => Buffer::BF16(vals.map(bf16::from_f32).collect()),
+        DType::F32 => Buffer::F32(cache_vec(huge, n, vals)),
+        DType::F16 => Buffer::F16(cache_vec(huge, n, vals.map(f16::from_f32))),
+        DType::BF16 => Buffer::BF16(cache_vec(huge, n, vals.map(bf16::from_f32))),
     }
 }
 

@@ -352,8 +352,10 @@ pub struct ReadProbe {
 const AROUND_RUNS: usize = 2;
 
 impl ReadProbe {
-    pub fn new() -> ReadProbe {
-        let mut src = vec![0u64; BW_BYTES / 8];
+    /// `huge`: the buffer advised for transparent huge pages, as the KV caches are (a
+    /// sequential read measured as fast in either kind of page; see flashattn::memory).
+    pub fn new(huge: bool) -> ReadProbe {
+        let mut src = crate::bench::cache_vec(huge, BW_BYTES / 8, std::iter::repeat(0u64));
         src.par_chunks_mut(BW_CHUNK).enumerate().for_each(|(i, c)| {
             c.iter_mut()
                 .enumerate()
@@ -462,14 +464,18 @@ struct Measured {
     peak_extra_bytes: u64,
     /// Largest |out - f64 reference| over a few sampled rows (contiguous caches only).
     max_abs_err: Option<f64>,
+    /// Bytes of huge pages backing the k and v caches' mappings (Linux `/proc/self/smaps`);
+    /// `null` where unknown. 0 with --no-huge-pages unless the system gives huge pages to every
+    /// mapping (THP `always`).
+    huge_page_bytes: Option<usize>,
 }
 
 const TABLE_HEADER: &str =
-    "dtype   cache_len  seqlen_q    median ms   KV GB/s  % of read bw  max abs err";
+    "dtype   cache_len  seqlen_q    median ms   KV GB/s  % of read bw  max abs err  huge pages";
 
 fn table_row(m: &Measured) -> String {
     format!(
-        "{:<6} {:>10} {:>9} {:>12.3} {:>9.2} {:>13} {:>12}",
+        "{:<6} {:>10} {:>9} {:>12.3} {:>9.2} {:>13} {:>12} {:>11}",
         m.dtype,
         m.cache_len,
         m.seqlen_q,
@@ -478,6 +484,11 @@ fn table_row(m: &Measured) -> String {
         m.bandwidth_fraction
             .map_or("n/a".into(), |f| format!("{:.1}%", 100.0 * f)),
         m.max_abs_err.map_or("n/a".into(), |e| format!("{e:.2e}")),
+        // The share of the k/v bytes in huge pages (a mapping can reach past a small cache).
+        m.huge_page_bytes.map_or("n/a".into(), |b| format!(
+            "{:.0}%",
+            (100.0 * b as f64 / m.kv_bytes).min(100.0)
+        )),
     )
 }
 
@@ -518,7 +529,7 @@ fn bench_in_pool(args: &BenchArgs, sqs: &[usize]) -> Result<()> {
     let threads = rayon::current_num_threads();
     let cases = dtypes.len() * args.cache_len.len() * sqs.len();
     let pb = bench::progress(cases as u64);
-    let probe = (!args.no_bandwidth).then(ReadProbe::new);
+    let probe = (!args.no_bandwidth).then(|| ReadProbe::new(!args.no_huge_pages));
     let bandwidth = probe.as_ref().map(|p| {
         pb.set_message("measuring the memory bandwidth (1 GiB read and copy)");
         measure_bandwidth(p)
@@ -629,12 +640,14 @@ fn bench_one(
     // FP8 caches: random values over the format's range, dequantised by a power of two to
     // [-1.75, 1.75] (so the accuracy check reads them exactly in bf16).
     let fp8 = args.dtype.and_then(DtypeArg::fp8);
+    let huge = !args.no_huge_pages;
     let descale = fp8.map(bench::fp8_descale);
     let mut caches8 = fp8.map(|f| {
         let n = cache_shape.iter().product();
         let mut draw = || {
             let max = f.max();
-            Fp8Buf::quantize(f, (0..n).map(|_| rng.gen_range(-max..max)))
+            let x = (0..n).map(|_| rng.gen_range(-max..max));
+            Fp8Buf::quantize_cache(f, n, x, huge)
         };
         (draw(), draw())
     });
@@ -642,10 +655,16 @@ fn bench_one(
         (Buffer::BF16(Vec::new()), Buffer::BF16(Vec::new()))
     } else {
         (
-            bench::random_buffer(&mut rng, numel(&cache_shape)?, dtype),
-            bench::random_buffer(&mut rng, numel(&cache_shape)?, dtype),
+            bench::random_cache(&mut rng, numel(&cache_shape)?, dtype, huge),
+            bench::random_cache(&mut rng, numel(&cache_shape)?, dtype, huge),
         )
     };
+    // How much of the caches the kernel backed with huge pages (Linux; a hint it may not honour).
+    let huge_page_bytes = match &caches8 {
+        Some((k8, v8)) => k8.huge_page_bytes().zip(v8.huge_page_bytes()),
+        None => huge_page_bytes(&kc).zip(huge_page_bytes(&vc)),
+    }
+    .map(|(k, v)| k + v);
     let lens = vec![(cap - sq) as i32; batch];
     let attn = AttnOptions::default().causal(args.causal);
     let mut opts = KvCacheOptions::default()
@@ -732,7 +751,17 @@ fn bench_one(
         bandwidth_fraction: read_gbps_around.map(|r| gbps / r),
         peak_extra_bytes: timing.peak_extra as u64,
         max_abs_err,
+        huge_page_bytes,
     })
+}
+
+/// Bytes of huge pages backing a buffer (see [`flashattn::memory::huge_page_bytes`]).
+fn huge_page_bytes(b: &Buffer) -> Option<usize> {
+    match b {
+        Buffer::F32(d) => flashattn::memory::huge_page_bytes(d),
+        Buffer::F16(d) => flashattn::memory::huge_page_bytes(d),
+        Buffer::BF16(d) => flashattn::memory::huge_page_bytes(d),
+    }
 }
 
 /// The largest |out - f64 reference| over three heads (first, middle, last) of the last query of

@@ -48,6 +48,27 @@ impl Fp8Buf {
             Fp8Format::E5M2 => Fp8Buf::E5M2(x.map(F8E5M2::from_f32).collect()),
         }
     }
+    /// [`Fp8Buf::quantize`] of `n` values into a KV cache buffer, in huge pages when `huge`
+    /// (see [`crate::bench::cache_vec`]).
+    pub fn quantize_cache(
+        format: Fp8Format,
+        n: usize,
+        x: impl Iterator<Item = f32>,
+        huge: bool,
+    ) -> Self {
+        use crate::bench::cache_vec;
+        match format {
+            Fp8Format::E4M3 => Fp8Buf::E4M3(cache_vec(huge, n, x.map(F8E4M3::from_f32))),
+            Fp8Format::E5M2 => Fp8Buf::E5M2(cache_vec(huge, n, x.map(F8E5M2::from_f32))),
+        }
+    }
+    /// Bytes of huge pages backing the buffer's memory (see [`flashattn::memory::huge_page_bytes`]).
+    pub fn huge_page_bytes(&self) -> Option<usize> {
+        match self {
+            Fp8Buf::E4M3(d) => flashattn::memory::huge_page_bytes(d),
+            Fp8Buf::E5M2(d) => flashattn::memory::huge_page_bytes(d),
+        }
+    }
     pub fn format(&self) -> Fp8Format {
         match self {
             Fp8Buf::E4M3(_) => Fp8Format::E4M3,

@@ -527,6 +527,12 @@ fn bench_decode_json_lines_have_the_fields() {
         let err = l["max_abs_err"].as_f64().unwrap();
         let tol = if dtype == "f32" { 1e-5 } else { 2e-2 };
         assert!(err < tol, "{l}");
+        // Read from /proc/self/smaps on Linux (how much the kernel granted varies).
+        assert_eq!(
+            l["huge_page_bytes"].is_u64(),
+            cfg!(target_os = "linux"),
+            "{l}"
+        );
     }
 }
 

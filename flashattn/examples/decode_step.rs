@@ -1,6 +1,7 @@
 //! Times one decoding step at issue 6's shape (B = 1, 32 / 8 heads, d = 128) on the current
 //! rayon pool, for quick A/B runs and profiling: `cargo run --release -p flashattn --example
-//! decode_step -- [f32|bf16] [cache_len] [reps]`. `flashattn bench --decode` is the benchmark of
+//! decode_step -- [f32|bf16] [cache_len] [reps] [configurations]`, e.g. `HUGE_PAGES=1 ...
+//! decode_step -- f32 32768 40 "" USE_HUGE=1` for 4 KiB against huge pages. `flashattn bench --decode` is the benchmark of
 //! record (bandwidth measured beside it, accuracy checked); this only repeats the call.
 use flashattn::decode::{flash_attn_with_kvcache, KvCacheOptions, TensorMut};
 use flashattn::TensorRef;
@@ -22,8 +23,23 @@ where
     let mut s = 7u64;
     let q: Vec<T> = (0..heads * d).map(|_| conv(lcg(&mut s))).collect();
     let n = cap * heads_kv * d;
+    let s0 = s;
     let mut k: Vec<T> = (0..n).map(|_| conv(lcg(&mut s))).collect();
     let mut v: Vec<T> = (0..n).map(|_| conv(lcg(&mut s))).collect();
+    // `HUGE_PAGES=1`: a second copy of the caches as `kv_cache_vec` allocates them (transparent
+    // huge pages), which the configurations select with `USE_HUGE=1`.
+    let huge = |s: &mut u64| {
+        let mut x = flashattn::memory::kv_cache_vec::<T>(n);
+        x.iter_mut().for_each(|e| *e = conv(lcg(s)));
+        x
+    };
+    let (mut kh, mut vh) = match std::env::var_os("HUGE_PAGES") {
+        Some(_) => {
+            let mut s = s0;
+            (huge(&mut s), huge(&mut s))
+        }
+        None => (Vec::new(), Vec::new()),
+    };
     let shape = [1, cap, heads_kv, d];
     let qv = TensorRef::contiguous(&q, &[1, 1, heads, d]);
     let lens = [cap as i32];
@@ -39,8 +55,12 @@ where
                     std::env::set_var(k, v);
                 }
             }
-            let mut kc = TensorMut::contiguous(&mut k[..], &shape);
-            let mut vc = TensorMut::contiguous(&mut v[..], &shape);
+            let (kb, vb) = match std::env::var_os("USE_HUGE") {
+                Some(_) if !kh.is_empty() => (&mut kh, &mut vh),
+                _ => (&mut k, &mut v),
+            };
+            let mut kc = TensorMut::contiguous(&mut kb[..], &shape);
+            let mut vc = TensorMut::contiguous(&mut vb[..], &shape);
             let mut opts = opts.clone();
             opts.num_splits = std::env::var("SPLITS").ok().and_then(|x| x.parse().ok());
             let t = Instant::now();

@@ -38,6 +38,7 @@ pub mod dropout;
 pub mod error;
 pub mod flops;
 pub mod fp8;
+pub mod memory;
 pub mod naive;
 pub(crate) mod params;
 pub mod reference;
