@@ -464,8 +464,8 @@ struct Measured {
     peak_extra_bytes: u64,
     /// Largest |out - f64 reference| over a few sampled rows (contiguous caches only).
     max_abs_err: Option<f64>,
-    /// Bytes of huge pages backing the k and v caches' mappings (Linux `/proc/self/smaps`);
-    /// `null` where unknown. 0 with --no-huge-pages unless the system gives huge pages to every
+    /// Bytes of huge pages backing the k and v caches' mappings, each counted once (Linux
+    /// `/proc/self/smaps`); `null` where unknown. 0 with --no-huge-pages unless the system gives huge pages to every
     /// mapping (THP `always`).
     huge_page_bytes: Option<usize>,
 }
@@ -660,11 +660,10 @@ fn bench_one(
         )
     };
     // How much of the caches the kernel backed with huge pages (Linux; a hint it may not honour).
-    let huge_page_bytes = match &caches8 {
-        Some((k8, v8)) => k8.huge_page_bytes().zip(v8.huge_page_bytes()),
-        None => huge_page_bytes(&kc).zip(huge_page_bytes(&vc)),
-    }
-    .map(|(k, v)| k + v);
+    let huge_page_bytes = flashattn::memory::huge_page_bytes_in(&match &caches8 {
+        Some((k8, v8)) => [k8.byte_range(), v8.byte_range()],
+        None => [byte_range(&kc), byte_range(&vc)],
+    });
     let lens = vec![(cap - sq) as i32; batch];
     let attn = AttnOptions::default().causal(args.causal);
     let mut opts = KvCacheOptions::default()
@@ -755,12 +754,12 @@ fn bench_one(
     })
 }
 
-/// Bytes of huge pages backing a buffer (see [`flashattn::memory::huge_page_bytes`]).
-fn huge_page_bytes(b: &Buffer) -> Option<usize> {
+/// The address range of a buffer's bytes (see [`flashattn::memory::huge_page_bytes_in`]).
+fn byte_range(b: &Buffer) -> std::ops::Range<usize> {
     match b {
-        Buffer::F32(d) => flashattn::memory::huge_page_bytes(d),
-        Buffer::F16(d) => flashattn::memory::huge_page_bytes(d),
-        Buffer::BF16(d) => flashattn::memory::huge_page_bytes(d),
+        Buffer::F32(d) => flashattn::memory::byte_range(d),
+        Buffer::F16(d) => flashattn::memory::byte_range(d),
+        Buffer::BF16(d) => flashattn::memory::byte_range(d),
     }
 }
 

@@ -62,11 +62,11 @@ impl Fp8Buf {
             Fp8Format::E5M2 => Fp8Buf::E5M2(cache_vec(huge, n, x.map(F8E5M2::from_f32))),
         }
     }
-    /// Bytes of huge pages backing the buffer's memory (see [`flashattn::memory::huge_page_bytes`]).
-    pub fn huge_page_bytes(&self) -> Option<usize> {
+    /// The address range of the buffer's bytes (see [`flashattn::memory::huge_page_bytes_in`]).
+    pub fn byte_range(&self) -> std::ops::Range<usize> {
         match self {
-            Fp8Buf::E4M3(d) => flashattn::memory::huge_page_bytes(d),
-            Fp8Buf::E5M2(d) => flashattn::memory::huge_page_bytes(d),
+            Fp8Buf::E4M3(d) => flashattn::memory::byte_range(d),
+            Fp8Buf::E5M2(d) => flashattn::memory::byte_range(d),
         }
     }
     pub fn format(&self) -> Fp8Format {

@@ -59,14 +59,25 @@ fn advise_huge_pages(_addr: usize, _bytes: usize) {}
 /// `/proc/self/smaps`), or `None` where that file cannot be read (not Linux). A mapping may reach
 /// past `buf`, so this can exceed its size for a buffer inside a larger mapping.
 pub fn huge_page_bytes<T>(buf: &[T]) -> Option<usize> {
-    let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+    huge_page_bytes_in(&[byte_range(buf)])
+}
+
+/// The address range of `buf`'s bytes (for [`huge_page_bytes_in`]).
+pub fn byte_range<T>(buf: &[T]) -> std::ops::Range<usize> {
     let lo = buf.as_ptr() as usize;
-    smaps_huge_bytes(&smaps, lo, lo + std::mem::size_of_val(buf))
+    lo..lo + std::mem::size_of_val(buf)
+}
+
+/// As [`huge_page_bytes`] for several address ranges (e.g. a k and a v cache), each mapping that
+/// overlaps any of them counted once.
+pub fn huge_page_bytes_in(ranges: &[std::ops::Range<usize>]) -> Option<usize> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+    smaps_huge_bytes(&smaps, ranges)
 }
 
 /// The `AnonHugePages` bytes of the mappings in `smaps` (the text of `/proc/<pid>/smaps`) that
-/// overlap `[lo, hi)`; `None` if such a line does not parse.
-fn smaps_huge_bytes(smaps: &str, lo: usize, hi: usize) -> Option<usize> {
+/// overlap any of `ranges`; `None` if such a line does not parse.
+fn smaps_huge_bytes(smaps: &str, ranges: &[std::ops::Range<usize>]) -> Option<usize> {
     let mut total = 0;
     let mut inside = false;
     for line in smaps.lines() {
@@ -79,7 +90,7 @@ fn smaps_huge_bytes(smaps: &str, lo: usize, hi: usize) -> Option<usize> {
             ))
         });
         if let Some((a, b)) = range {
-            inside = a < hi && lo < b;
+            inside = ranges.iter().any(|r| a < r.end && r.start < b);
         } else if let Some(kb) = line.strip_prefix("AnonHugePages:") {
             if inside {
                 total += kb
@@ -124,13 +135,20 @@ AnonHugePages:      8192 kB
 AnonHugePages:         0 kB
 ";
         let m = |a: usize| 0x7f00_0000_0000 + a;
-        let huge = |lo, hi| smaps_huge_bytes(smaps, m(lo), m(hi));
+        let huge = |lo, hi| smaps_huge_bytes(smaps, std::slice::from_ref(&(m(lo)..m(hi))));
         assert_eq!(huge(0, 0x10), Some(2048 << 10));
         assert_eq!(huge(0x3f_0000, 0x41_0000), Some(10240 << 10));
         assert_eq!(huge(0x40_0000, 0xe0_0000), Some(8192 << 10));
         assert_eq!(huge(0xe0_0000, 0xf0_0000), Some(0));
         let bad = "1000-2000 rw-p 0 00:00 0\nAnonHugePages: x kB\n";
-        assert_eq!(smaps_huge_bytes(bad, 0x1000, 0x1001), None);
+        assert_eq!(
+            smaps_huge_bytes(bad, std::slice::from_ref(&(0x1000..0x1001))),
+            None
+        );
+        // Two ranges in one mapping count it once; in two, both.
+        let two = |a, b, c, d| smaps_huge_bytes(smaps, &[m(a)..m(b), m(c)..m(d)]);
+        assert_eq!(two(0, 0x10, 0x100, 0x110), Some(2048 << 10));
+        assert_eq!(two(0, 0x10, 0x50_0000, 0x50_0010), Some(10240 << 10));
     }
 
     /// On Linux the buffer's mappings are found; whether the kernel gave them huge pages
