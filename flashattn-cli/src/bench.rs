@@ -374,24 +374,23 @@ pub fn random_buffer(rng: &mut ChaCha8Rng, n: usize, dtype: DType) -> Buffer {
     random_cache(rng, n, dtype, false)
 }
 
-/// `n` values of `x` in a buffer for a KV cache: advised for transparent huge pages before its
-/// first write when `huge` ([`flashattn::memory::kv_cache_vec`]), else an ordinary one.
-pub fn cache_vec<T: Copy + Default>(huge: bool, n: usize, x: impl Iterator<Item = T>) -> Vec<T> {
-    if !huge {
-        return x.take(n).collect();
+/// The values of `x` in a buffer for a KV cache: advised for transparent huge pages before its
+/// first write when `huge` ([`flashattn::memory::kv_cache_from_iter`]), else an ordinary one.
+pub fn cache_vec<T>(huge: bool, x: impl ExactSizeIterator<Item = T>) -> Vec<T> {
+    if huge {
+        flashattn::memory::kv_cache_from_iter(x)
+    } else {
+        x.collect()
     }
-    let mut v = flashattn::memory::kv_cache_vec(n);
-    v.iter_mut().zip(x).for_each(|(d, s)| *d = s);
-    v
 }
 
 /// [`random_buffer`] as a KV cache buffer, in huge pages when `huge` (see [`cache_vec`]).
 pub fn random_cache(rng: &mut ChaCha8Rng, n: usize, dtype: DType, huge: bool) -> Buffer {
     let vals = (0..n).map(|_| rng.gen_range(-1.0f32..1.0));
     match dtype {
-        DType::F32 => Buffer::F32(cache_vec(huge, n, vals)),
-        DType::F16 => Buffer::F16(cache_vec(huge, n, vals.map(f16::from_f32))),
-        DType::BF16 => Buffer::BF16(cache_vec(huge, n, vals.map(bf16::from_f32))),
+        DType::F32 => Buffer::F32(cache_vec(huge, vals)),
+        DType::F16 => Buffer::F16(cache_vec(huge, vals.map(f16::from_f32))),
+        DType::BF16 => Buffer::BF16(cache_vec(huge, vals.map(bf16::from_f32))),
     }
 }
 

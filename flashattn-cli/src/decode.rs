@@ -355,13 +355,11 @@ impl ReadProbe {
     /// `huge`: the buffer advised for transparent huge pages, as the KV caches are (a
     /// sequential read measured as fast in either kind of page; see flashattn::memory).
     pub fn new(huge: bool) -> ReadProbe {
-        let mut src = crate::bench::cache_vec(huge, BW_BYTES / 8, std::iter::repeat(0u64));
-        src.par_chunks_mut(BW_CHUNK).enumerate().for_each(|(i, c)| {
-            c.iter_mut()
-                .enumerate()
-                .for_each(|(j, x)| *x = (i ^ j) as u64 | 1)
-        });
-        ReadProbe { src }
+        // Element j of chunk i (BW_CHUNK elements each) holds (i ^ j) | 1, written once.
+        let values = (0..BW_BYTES / 8).map(|x| ((x / BW_CHUNK) ^ (x % BW_CHUNK)) as u64 | 1);
+        ReadProbe {
+            src: crate::bench::cache_vec(huge, values),
+        }
     }
 
     /// One timed sum of the buffer: GB/s.
@@ -647,7 +645,7 @@ fn bench_one(
         let mut draw = || {
             let max = f.max();
             let x = (0..n).map(|_| rng.gen_range(-max..max));
-            Fp8Buf::quantize_cache(f, n, x, huge)
+            Fp8Buf::quantize_cache(f, x, huge)
         };
         (draw(), draw())
     });

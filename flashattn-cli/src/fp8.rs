@@ -42,24 +42,20 @@ pub enum Fp8Buf {
 
 impl Fp8Buf {
     /// `x` rounded to `format` (nearest even, saturating at its max).
-    pub fn quantize(format: Fp8Format, x: impl Iterator<Item = f32>) -> Self {
-        match format {
-            Fp8Format::E4M3 => Fp8Buf::E4M3(x.map(F8E4M3::from_f32).collect()),
-            Fp8Format::E5M2 => Fp8Buf::E5M2(x.map(F8E5M2::from_f32).collect()),
-        }
+    pub fn quantize(format: Fp8Format, x: impl ExactSizeIterator<Item = f32>) -> Self {
+        Self::quantize_cache(format, x, false)
     }
-    /// [`Fp8Buf::quantize`] of `n` values into a KV cache buffer, in huge pages when `huge`
-    /// (see [`crate::bench::cache_vec`]).
+    /// [`Fp8Buf::quantize`] into a KV cache buffer, in huge pages when `huge` (see
+    /// [`crate::bench::cache_vec`]).
     pub fn quantize_cache(
         format: Fp8Format,
-        n: usize,
-        x: impl Iterator<Item = f32>,
+        x: impl ExactSizeIterator<Item = f32>,
         huge: bool,
     ) -> Self {
         use crate::bench::cache_vec;
         match format {
-            Fp8Format::E4M3 => Fp8Buf::E4M3(cache_vec(huge, n, x.map(F8E4M3::from_f32))),
-            Fp8Format::E5M2 => Fp8Buf::E5M2(cache_vec(huge, n, x.map(F8E5M2::from_f32))),
+            Fp8Format::E4M3 => Fp8Buf::E4M3(cache_vec(huge, x.map(F8E4M3::from_f32))),
+            Fp8Format::E5M2 => Fp8Buf::E5M2(cache_vec(huge, x.map(F8E5M2::from_f32))),
         }
     }
     /// The address range of the buffer's bytes (see [`flashattn::memory::huge_page_bytes_in`]).

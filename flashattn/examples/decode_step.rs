@@ -28,11 +28,7 @@ where
     let mut v: Vec<T> = (0..n).map(|_| conv(lcg(&mut s))).collect();
     // `HUGE_PAGES=1`: a second copy of the caches as `kv_cache_vec` allocates them (transparent
     // huge pages), which the configurations select with `USE_HUGE=1`.
-    let huge = |s: &mut u64| {
-        let mut x = flashattn::memory::kv_cache_vec::<T>(n);
-        x.iter_mut().for_each(|e| *e = conv(lcg(s)));
-        x
-    };
+    let huge = |s: &mut u64| flashattn::memory::kv_cache_from_iter((0..n).map(|_| conv(lcg(s))));
     let (mut kh, mut vh) = match std::env::var_os("HUGE_PAGES") {
         Some(_) => {
             let mut s = s0;

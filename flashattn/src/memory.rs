@@ -28,9 +28,23 @@ pub const HUGE_PAGE: usize = 2 << 20;
 /// elsewhere, and under `HUGE_PAGE` bytes, an ordinary `vec!`). Use it for caches that decoding
 /// reads every step: see the module docs for what it measured.
 pub fn kv_cache_vec<T: Copy + Default>(len: usize) -> Vec<T> {
-    let mut v: Vec<T> = Vec::with_capacity(len);
-    advise_huge_pages(v.as_mut_ptr() as usize, len * std::mem::size_of::<T>());
-    v.resize(len, T::default());
+    kv_cache_from_iter(std::iter::repeat_n(T::default(), len))
+}
+
+/// The values of `iter` in a buffer for a KV cache, advised as [`kv_cache_vec`]'s before they are
+/// written (each element once: a cache filled from a file or a generator needs no zeroing first).
+pub fn kv_cache_from_iter<T, I>(iter: I) -> Vec<T>
+where
+    I: IntoIterator<Item = T>,
+    I::IntoIter: ExactSizeIterator,
+{
+    let iter = iter.into_iter();
+    let mut v: Vec<T> = Vec::with_capacity(iter.len());
+    advise_huge_pages(
+        v.as_mut_ptr() as usize,
+        iter.len() * std::mem::size_of::<T>(),
+    );
+    v.extend(iter);
     v
 }
 
@@ -121,6 +135,10 @@ mod tests {
         }
         let b = kv_cache_vec::<half::bf16>(HUGE_PAGE);
         assert!(b.iter().all(|x| x.to_bits() == 0));
+        let n = HUGE_PAGE + 3;
+        let c = kv_cache_from_iter((0..n).map(|i| i as u32));
+        assert_eq!(c.len(), n);
+        assert!(c.iter().enumerate().all(|(i, &x)| x == i as u32));
     }
 
     #[test]
