@@ -11,7 +11,7 @@
 #   4. NVRTC's own compile rate there (a few variants into an empty cache).
 #
 # Here: bash bench/gpu/prepare.sh && the cache (see docs/GPU.md); there (carry gpu-run):
-#   bash bench/gpu/session.sh [SECONDS] [decode]
+#   bash bench/gpu/session.sh [SECONDS] [decode|h100|ab|quick]
 # SECONDS: the budget for the whole script (500). `decode`: after the tests, only the decode
 # comparisons (the default CUDA-core split kernel, then the tensor-core one with
 # FLASHATTN_CUDA_DECODE=tc), an Nsight Compute summary of each split kernel and a split-count sweep
@@ -71,6 +71,8 @@ tl=$(( $(left) - 220 )); [ $tl -gt 280 ] && tl=280; [ $tl -lt 60 ] && tl=60
 . bench/gpu/tests.sh
 for entry in "${GPU_TESTS[@]}"; do
     name=${entry%%|*}
+    # `quick`: only the decode and FP8 test runs (seconds each), not the forward/backward grids.
+    if [ "$mode" = quick ] && [[ $name != decode_* && $name != fp8_* ]]; then continue; fi
     # shellcheck disable=SC2086 # the command's words
     (timeout "$tl" ${entry#*|} >"$logs/$name.log" 2>&1; echo "exit $?" >>"$logs/$name.log") &
 done
@@ -107,6 +109,82 @@ if [ "$mode" = decode ]; then
             --dtype bf16 --batch 1 --heads 32 --heads-kv 8 --head-dim 128 --cache-len 32768 \
             --min-time 0.3 --num-splits $sp
     done
+    say "== $(date -u +%T) done, $(left) s of $budget left"
+    tar czf "$out/logs.tgz" -C "$logs" . 2>/dev/null
+    cp "$logs"/*.json "$out"/ 2>/dev/null || true
+    exit 0
+fi
+if [ "$mode" = quick ]; then
+    # A short lease's last minutes: the decode tests above, this build against gpu-run/old (two
+    # rounds), the decode kernels' durations under Nsight Compute, one round against SDPA.
+    for round in 1 2; do
+        for which in old new; do
+            b=$bin; [ $which = old ] && b=$PWD/gpu-run/old/flashattn
+            [ -x "$b" ] || continue
+            stage 12 "ab_${which}_$round" env FLASHATTN_CUDA_DECODE=tc "$b" bench --decode \
+                --device cuda --batch 1 --heads 32 --heads-kv 8 --head-dim 128 \
+                --cache-len 4096,32768 --min-time 0.2
+        done
+    done
+    stage 30 ncu_decode_all ncu --kernel-name regex:decode --launch-skip 9 --launch-count 3 \
+        --section SpeedOfLight "$bin" bench --decode --device cuda \
+        --dtype bf16 --batch 1 --heads 32 --heads-kv 8 --head-dim 128 --cache-len 32768 --min-time 0.01
+    stage 50 compare_decode python3 bench/compare_torch_cuda_decode.py --binary "$bin" --rounds 1 \
+        --min-time 0.2 --out "$logs/compare_cuda_decode.json"
+    say "== $(date -u +%T) done, $(left) s of $budget left"
+    tar czf "$out/logs.tgz" -C "$logs" . 2>/dev/null
+    cp "$logs"/*.json "$out"/ 2>/dev/null || true
+    exit 0
+fi
+if [ "$mode" = ab ]; then
+    # A build against the one before it (gpu-run/old/flashattn, carried beside), call by call on the
+    # same warm GPU: the decode step at issue 6's shape and a small cache, both dtypes, 3 rounds.
+    if [ -x gpu-run/old/flashattn ]; then
+        for round in 1 2 3; do
+            for which in old new; do
+                b=$bin; [ $which = old ] && b=$PWD/gpu-run/old/flashattn
+                stage 12 "ab_${which}_$round" env FLASHATTN_CUDA_DECODE=tc "$b" bench --decode \
+                    --device cuda --batch 1 --heads 32 --heads-kv 8 --head-dim 128 \
+                    --cache-len 4096,32768 --min-time 0.2
+            done
+        done
+    fi
+    stage 70 compare_decode python3 bench/compare_torch_cuda_decode.py --binary "$bin" --rounds 2 \
+        --min-time 0.2 --out "$logs/compare_cuda_decode.json"
+    stage 35 ncu_decode_all ncu --kernel-name regex:decode --launch-skip 9 --launch-count 3 \
+        --section SpeedOfLight --section LaunchStats "$bin" bench --decode --device cuda \
+        --dtype bf16 --batch 1 --heads 32 --heads-kv 8 --head-dim 128 --cache-len 32768 --min-time 0.01
+    stage 100 compare_bwd python3 bench/compare_torch_cuda.py --binary "$bin" --backward --quick \
+        --rounds 1 --min-time 0.2 --out "$logs/compare_cuda_bwd.json"
+    say "== $(date -u +%T) done, $(left) s of $budget left"
+    tar czf "$out/logs.tgz" -C "$logs" . 2>/dev/null
+    cp "$logs"/*.json "$out"/ 2>/dev/null || true
+    exit 0
+fi
+if [ "$mode" = h100 ]; then
+    # The tensor-core decode kernel's first GPU run first, the default beside it, a split sweep,
+    # then the forward against SDPA and one Nsight Compute summary of each (for offline work).
+    stage 70 compare_decode_tc env FLASHATTN_CUDA_DECODE=tc python3 bench/compare_torch_cuda_decode.py \
+        --binary "$bin" --rounds 2 --min-time 0.2 --out "$logs/compare_cuda_decode_tc.json"
+    stage 70 compare_decode python3 bench/compare_torch_cuda_decode.py --binary "$bin" --rounds 2 \
+        --min-time 0.2 --out "$logs/compare_cuda_decode.json"
+    for sp in 33 49 66 98; do
+        stage 12 "splits_tc_$sp" env FLASHATTN_CUDA_DECODE=tc "$bin" bench --decode --device cuda \
+            --dtype bf16 --batch 1 --heads 32 --heads-kv 8 --head-dim 128 --cache-len 32768 \
+            --min-time 0.3 --num-splits $sp
+    done
+    stage 45 ncu_decode_tc env FLASHATTN_CUDA_DECODE=tc ncu --kernel-name regex:decode_split \
+        --launch-skip 3 --launch-count 1 --section SpeedOfLight --section Occupancy \
+        --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis \
+        "$bin" bench --decode --device cuda --dtype bf16 --batch 1 --heads 32 --heads-kv 8 \
+        --head-dim 128 --cache-len 32768 --min-time 0.01
+    stage 110 compare_fwd python3 bench/compare_torch_cuda.py --binary "$bin" --quick --rounds 2 \
+        --min-time 0.2 --out "$logs/compare_cuda_fwd.json"
+    stage 45 ncu_fwd ncu --kernel-name regex:flash_fwd --launch-skip 2 --launch-count 1 \
+        --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+        --section MemoryWorkloadAnalysis --section SchedulerStats --section ComputeWorkloadAnalysis \
+        "$bin" bench --device cuda --dtype bf16 --batch 4 --heads 16 --head-dim 128 --seqlen 4096 \
+        --no-naive --min-time 0.01
     say "== $(date -u +%T) done, $(left) s of $budget left"
     tar czf "$out/logs.tgz" -C "$logs" . 2>/dev/null
     cp "$logs"/*.json "$out"/ 2>/dev/null || true

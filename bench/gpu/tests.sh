@@ -5,8 +5,9 @@ GPU_TESTS=(
     "cuda_tests_flashattn|gpu-run/cuda_tests_flashattn --test-threads 4 --nocapture"
     "cuda_tests_flashattn-cli|gpu-run/cuda_tests_flashattn-cli --test-threads 2"
     "decode_tests_flashattn|gpu-run/decode_tests_flashattn gpu:: --test-threads 1 --nocapture"
-    # The same decode cases through the tensor-core split kernel where a case allows it (opt-in).
-    "decode_tests_flashattn_tc|env FLASHATTN_CUDA_DECODE=tc gpu-run/decode_tests_flashattn gpu:: --test-threads 1 --nocapture"
+    # The same decode cases with every call on the CUDA-core split kernel (the tensor-core one is
+    # the default where a call allows it).
+    "decode_tests_flashattn_cc|env FLASHATTN_CUDA_DECODE=cuda-core gpu-run/decode_tests_flashattn gpu:: --test-threads 1 --nocapture"
     "fp8_tests_flashattn|gpu-run/fp8_tests_flashattn gpu:: --test-threads 1 --nocapture"
     "decode_tests_flashattn-cli|gpu-run/decode_tests_flashattn-cli cuda --test-threads 2"
     "fp8_tests_flashattn-cli|gpu-run/fp8_tests_flashattn-cli run_fp8_kv_cache bench_decode_fp8_caches_on_cuda --test-threads 2"

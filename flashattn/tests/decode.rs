@@ -3102,7 +3102,7 @@ mod emulated {
         run(builds, &bl.q_view(c), bl, &lens, &bl.opts(c), tag)
     }
 
-    /// [`call`] through the tensor-core split kernel (`FLASHATTN_CUDA_DECODE=tc`), which the case
+    /// [`call`] through the tensor-core split kernel (the GPU path's default), which the case
     /// must allow (f16/bf16, aligned caches): a call that falls back to the CUDA-core kernel fails
     /// the test.
     fn call_tc(builds: &mut Builds, bl: &Built, c: &DCase, tag: &str) -> CallResult {

@@ -11,7 +11,7 @@ use crate::error::{ErrorKind, Result};
 use crate::fp8::{Descale, Fp8Format, Fp8TensorRef};
 use crate::tensor::{DType, TensorRef, ViewInfo};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use std::sync::Arc;
 
@@ -95,10 +95,10 @@ impl DecodeLaunch {
             self.seqs as u32,
         )
     }
-    /// Grid of `decode_combine` (a warp per output row).
+    /// Grid of `decode_combine` (a block per output row).
     pub fn combine_grid(&self) -> (u32, u32, u32) {
         (
-            (self.max_q * self.heads as usize).div_ceil(4) as u32,
+            (self.max_q * self.heads as usize) as u32,
             1,
             self.seqs as u32,
         )
@@ -118,26 +118,27 @@ impl DecodeLaunch {
     }
 }
 
-/// Which `decode_split` kernel a call runs where both could: the CUDA-core one (the default,
-/// timed on an H200) or the tensor-core one (f16/bf16 caches, not FP8, head_dim and cache strides
-/// multiples of 8 elements; compiled and tested under host emulation, not yet run on a GPU).
-/// `FLASHATTN_CUDA_DECODE=tc` picks the second (read once per process).
+/// Which `decode_split` kernel a call runs where both could: the tensor-core one (the default
+/// since it beat the CUDA-core one at every timed bf16 shape on an H100, 2026-11-26: 1.3-1.6x;
+/// f16/bf16 caches, not FP8, head_dim and cache strides multiples of 8 elements) or the CUDA-core
+/// one (every other call). `FLASHATTN_CUDA_DECODE=cuda-core` keeps every call on the second (read
+/// once per process).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[doc(hidden)]
 pub enum DecodeKernel {
-    #[default]
     CudaCore,
+    #[default]
     TensorCore,
 }
 
 impl DecodeKernel {
-    /// `FLASHATTN_CUDA_DECODE`: `tc` for [`DecodeKernel::TensorCore`]; unset or anything else the
-    /// default.
+    /// `FLASHATTN_CUDA_DECODE`: `cuda-core` for [`DecodeKernel::CudaCore`]; unset or anything
+    /// else (`tc`) the default.
     pub fn from_env() -> DecodeKernel {
         static KERNEL: std::sync::OnceLock<DecodeKernel> = std::sync::OnceLock::new();
         *KERNEL.get_or_init(|| match std::env::var("FLASHATTN_CUDA_DECODE").as_deref() {
-            Ok("tc") => DecodeKernel::TensorCore,
-            _ => DecodeKernel::CudaCore,
+            Ok("cuda-core") => DecodeKernel::CudaCore,
+            _ => DecodeKernel::TensorCore,
         })
     }
 }
@@ -602,11 +603,7 @@ pub(crate) fn queue<C: DeviceRepr>(
     let s = &dev.stream;
     let (ws_o_len, ws_lse_len) = d.workspace_len();
     let up = Uploads {
-        table: dev.htod(&d.table)?,
-        pages: dev.htod(&d.pages)?,
-        slopes: d.slopes.as_deref().map(|x| dev.htod(x)).transpose()?,
-        rot: d.rot.as_deref().map(|x| dev.htod(x)).transpose()?,
-        descale: d.descale.as_deref().map(|x| dev.htod(x)).transpose()?,
+        tables: PackedTables::upload(dev, d)?,
         ws_o: alloc_poisoned::<f32>(s, ws_o_len)?,
         ws_lse: alloc_poisoned::<f32>(s, ws_lse_len)?,
         lse: alloc_poisoned::<f32>(s, d.lse_len)?,
@@ -647,14 +644,55 @@ struct Kernels {
 
 /// The call's tables on the device, its workspace and its lse.
 struct Uploads {
-    table: CudaSlice<i64>,
-    pages: CudaSlice<i32>,
-    slopes: Option<CudaSlice<f32>>,
-    rot: Option<CudaSlice<f32>>,
-    descale: Option<CudaSlice<f32>>,
+    tables: PackedTables,
     ws_o: CudaSlice<f32>,
     ws_lse: CudaSlice<f32>,
     lse: CudaSlice<f32>,
+}
+
+/// The call's host tables (sequence table, pages, and the slopes, rotary table and FP8 factors
+/// where the call has them) in one device buffer: one allocation and one copy per call instead of
+/// one each. The kernels get their device addresses; an absent table is the null address.
+struct PackedTables {
+    /// Kept until the launches are queued; its stream-ordered free follows them.
+    _buf: CudaSlice<u8>,
+    table: u64,
+    pages: u64,
+    slopes: u64,
+    rot: u64,
+    descale: u64,
+}
+
+impl PackedTables {
+    /// Each table starts at a multiple of 16 bytes of the buffer (whose start the driver aligns
+    /// to at least 256 bytes).
+    const ALIGN: usize = 16;
+
+    fn upload(dev: &CudaDevice, d: &DecodeLaunch) -> Result<PackedTables> {
+        let mut bytes: Vec<u8> = Vec::new();
+        let mut put = |part: &[u8]| {
+            bytes.resize(bytes.len().next_multiple_of(Self::ALIGN), 0);
+            let at = bytes.len();
+            bytes.extend_from_slice(part);
+            at
+        };
+        let table = put(bytemuck::cast_slice(&d.table));
+        let pages = put(bytemuck::cast_slice(&d.pages));
+        let mut opt = |t: &Option<Vec<f32>>| t.as_deref().map(|x| put(bytemuck::cast_slice(x)));
+        let (slopes, rot, descale) = (opt(&d.slopes), opt(&d.rot), opt(&d.descale));
+        let buf = dev.htod(&bytes)?;
+        let (base, sync) = buf.device_ptr(&dev.stream);
+        drop(sync);
+        let addr = |at: Option<usize>| at.map_or(0, |at| base + at as u64);
+        Ok(PackedTables {
+            table: addr(Some(table)),
+            pages: addr(Some(pages)),
+            slopes: addr(slopes),
+            rot: addr(rot),
+            descale: addr(descale),
+            _buf: buf,
+        })
+    }
 }
 
 /// q, then the caches (elements of q's type, or FP8 bytes).
@@ -670,7 +708,6 @@ fn launch<T, C>(
     new: Option<(&CudaSlice<T>, &CudaSlice<T>)>,
     out: &mut CudaSlice<T>,
 ) -> Result<CudaSlice<f32>> {
-    let null: u64 = 0;
     let cfg = |grid: (u32, u32, u32), smem: usize| LaunchConfig {
         grid_dim: grid,
         block_dim: (128, 1, 1),
@@ -682,11 +719,9 @@ fn launch<T, C>(
             let batch = d.batch as i32;
             let mut b = dev.stream.launch_builder(fa);
             b.arg(kn).arg(vn).arg(&mut *k).arg(&mut *v);
-            b.arg(&up.table).arg(&up.pages);
-            match &up.rot {
-                Some(r) => b.arg(r),
-                None => b.arg(&null),
-            };
+            b.arg(&up.tables.table)
+                .arg(&up.tables.pages)
+                .arg(&up.tables.rot);
             b.arg(&batch).arg(&d.head_dim);
             for x in d.kn_strides.iter().chain(&d.vn_strides) {
                 b.arg(x);
@@ -696,10 +731,7 @@ fn launch<T, C>(
             }
             b.arg(&page_size).arg(&max_blocks);
             b.arg(&d.rot_half).arg(&d.rot_interleaved).arg(&d.rot_npos);
-            match &up.descale {
-                Some(t) => b.arg(t),
-                None => b.arg(&null),
-            };
+            b.arg(&up.tables.descale);
             b.arg(&d.e5m2);
             // SAFETY: the arguments match `decode_append` in decode.cu (pointers to T, T, C, C,
             // i64, i32, f32 or null; i32 x2; i64 x10; i32 x5; f32 or null; i32), C being u8
@@ -721,13 +753,8 @@ fn launch<T, C>(
         .arg(&*v)
         .arg(&mut up.ws_o)
         .arg(&mut up.ws_lse);
-    b.arg(&up.table).arg(&up.pages);
-    for x in [&up.slopes, &up.rot] {
-        match x {
-            Some(t) => b.arg(t),
-            None => b.arg(&null),
-        };
-    }
+    b.arg(&up.tables.table).arg(&up.tables.pages);
+    b.arg(&up.tables.slopes).arg(&up.tables.rot);
     b.arg(&d.heads)
         .arg(&d.heads_kv)
         .arg(&d.head_dim)
@@ -740,10 +767,7 @@ fn launch<T, C>(
     b.arg(&d.window.0).arg(&d.window.1);
     b.arg(&d.rot_half).arg(&d.rot_interleaved).arg(&d.rot_npos);
     b.arg(&d.total_rows).arg(&d.vec_loads);
-    match &up.descale {
-        Some(t) => b.arg(t),
-        None => b.arg(&null),
-    };
+    b.arg(&up.tables.descale);
     b.arg(&d.e5m2);
     // SAFETY: the arguments match `decode_split` in decode.cu (pointers to T, C x2, f32 x2, i64,
     // i32, f32 or null x2; i32 x4; i64 x8; i32 x2; f32 x2; i32 x5; i64; i32; f32 or null; i32),
@@ -760,7 +784,7 @@ fn launch<T, C>(
         .arg(&up.ws_lse)
         .arg(out)
         .arg(&mut up.lse)
-        .arg(&up.table);
+        .arg(&up.tables.table);
     b.arg(&d.heads).arg(&d.head_dim).arg(&splits);
     b.arg(&d.lse_head_stride).arg(&d.total_rows);
     // SAFETY: the arguments match `decode_combine` (pointers to f32 x2, T, f32, i64; i32 x3;

@@ -184,6 +184,12 @@ impl CudaDevice {
     /// Opens GPU `ordinal` with a new stream. Without a driver, without a device, or with a bad
     /// ordinal this returns [`ErrorKind::CudaUnavailable`] / [`ErrorKind::CudaDriver`]; it never
     /// panics and prints nothing.
+    ///
+    /// The context is opened without cudarc's per-buffer event tracking
+    /// (`CudaContext::disable_event_tracking`): flashattn queues everything on this device's one
+    /// stream, which orders every use already. Buffers made through this device and then used on
+    /// another stream are the caller's to synchronize; [`CudaDevice::with_stream`] keeps the
+    /// tracking settings of the caller's context.
     pub fn new(ordinal: usize) -> Result<CudaDevice> {
         probe::driver()?;
         let ctx = CudaContext::new(ordinal).map_err(|e| {
@@ -200,6 +206,15 @@ impl CudaDevice {
                 .into()
             }
         })?;
+        // SAFETY: called on the context this function just made, before any buffer exists in
+        // it (the flag covers buffers made afterwards). Every allocation, copy and launch of
+        // flashattn through this device goes on its one stream, so the stream's order already
+        // orders every use of every buffer; cudarc's per-buffer events would only add two
+        // driver calls per buffer per launch (measured on an H100: most of a decode step's
+        // ~100 us of host overhead). A caller who uses these buffers on streams of their own
+        // synchronizes them (documented on `CudaDevice::new`); `with_stream` leaves the
+        // caller's context as it is.
+        unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(driver_err("cuStreamCreate"))?;
         Self::from_parts(ctx, stream)
     }
@@ -969,16 +984,34 @@ impl Plan {
     }
 }
 
-/// A new buffer filled with all-ones bytes (NaN in f32, f16 and bf16), as the CPU path poisons its
-/// outputs: the kernels write every element, and one they missed would read as NaN, not as a
-/// plausible stale value. (The memset moves O(N·d) bytes against the kernel's O(N²·d) work.)
+/// Whether [`alloc_poisoned`] poisons: in debug builds (the tests) always, in release builds when
+/// `FLASHATTN_POISON=1` (read once per process). A poisoned buffer costs one memset on the stream
+/// per output and workspace: nothing at the forward's scale, but ~2-3 us of GPU time each in a
+/// decode step that reads its cache in tens of microseconds.
+pub(crate) fn poison_device_outputs() -> bool {
+    static POISON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *POISON.get_or_init(|| match std::env::var("FLASHATTN_POISON").as_deref() {
+        Ok("1") => true,
+        Ok("0") => false,
+        _ => cfg!(debug_assertions),
+    })
+}
+
+/// A new buffer for a kernel's output or workspace. Where [`poison_device_outputs`] says so it is
+/// filled with all-ones bytes (NaN in f32, f16 and bf16), as the CPU path poisons its outputs: the
+/// kernels write every element, and one they missed would read as NaN, not as a plausible stale
+/// value; the tests run that way.
 fn alloc_poisoned<T: cudarc::driver::DeviceRepr>(
     s: &Arc<CudaStream>,
     len: usize,
 ) -> Result<CudaSlice<T>> {
-    // SAFETY: the memory is filled by the memset below before anything reads it; T is a plain
-    // float type for which every bit pattern is a valid value.
+    // SAFETY: T is a plain float type for which every bit pattern is a valid value; the kernels
+    // that take the buffer write every element before anything reads it (the debug-build tests
+    // check this with the memset below), and where the memset runs it is queued first.
     let mut buf = unsafe { s.alloc::<T>(len.max(1)) }.map_err(driver_err("cuMemAllocAsync"))?;
+    if !poison_device_outputs() {
+        return Ok(buf);
+    }
     let bytes = len.max(1) * std::mem::size_of::<T>();
     let (ptr, record) = buf.device_ptr_mut(s);
     // SAFETY: `ptr` addresses `bytes` bytes owned by `buf`, alive for the call; the memset is

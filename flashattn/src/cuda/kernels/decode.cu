@@ -36,8 +36,8 @@
 //
 // DECODE_TC (f16/bf16 caches that are not FP8, head_dim and every cache stride a multiple of 8
 // elements): decode_split is the tensor-core kernel below instead, with SMEM_ROW and VEC_LOAD = 1
-// for common.cuh's mma/ldmatrix/cp.async pieces. Opt-in (FLASHATTN_CUDA_DECODE=tc) until a GPU has
-// timed it against the CUDA-core one.
+// for common.cuh's mma/ldmatrix/cp.async pieces. The default where a call allows it since an H100
+// timed it 1.3-1.6x faster than the CUDA-core one (FLASHATTN_CUDA_DECODE=cuda-core keeps that).
 #define NUM_THREADS 128
 #if DECODE_TC
 #if !(defined(FA_BF16) || defined(FA_F16)) || defined(FA_FP8_CACHE)
@@ -168,6 +168,18 @@ __device__ __forceinline__ bool split_work(SplitWork& w, const i64* seqs, int he
 }
 #endif
 
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int m = 16; m >= 1; m /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, m));
+    return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int m = 16; m >= 1; m /= 2) x += __shfl_xor_sync(0xffffffffu, x, m);
+    return x;
+}
+
 #if (FA_DECODE_ENTRY == 1 || FA_DECODE_ENTRY == 0) && !DECODE_TC
 // 8 elements of a cache row at `p` as f32: one 16-byte load (two for f32, one 8-byte load for FP8)
 // when `vec` (the launcher checked head_dim, every cache stride and so every row start are
@@ -220,18 +232,6 @@ __device__ __forceinline__ void load_p4(const float* p, float out[4]) {
 #else
     for (int i = 0; i < 4; ++i) out[i] = p[i];
 #endif
-}
-
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-    for (int m = 16; m >= 1; m /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, m));
-    return x;
-}
-
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-    for (int m = 16; m >= 1; m /= 2) x += __shfl_xor_sync(0xffffffffu, x, m);
-    return x;
 }
 
 // One CTA: up to MAX_ROWS query rows (r = i * group + h % group of kv head hk) against this split's
@@ -682,8 +682,12 @@ decode_split(DECODE_SPLIT_PARAMS) {
 #endif  // FA_DECODE_ENTRY == 1, DECODE_TC
 
 #if FA_DECODE_ENTRY == 2 || FA_DECODE_ENTRY == 0
-// grid (ceil(seqlen_q * heads / 4), 1, sequences), 128 threads: warp w merges row
-// blockIdx.x * 4 + w = (query i, head h) of sequence blockIdx.z.
+// grid (seqlen_q * heads of the longest sequence, 1, sequences), 128 threads: block x merges row
+// x = (query i, head h) of sequence blockIdx.z. Every warp finds the splits' largest lse and the
+// sum of their weights (lanes over splits); thread t then writes dims t, t + 128, reading the
+// splits' partial rows in batches of independent loads. (The first version, a warp per row with
+// the splits read one after another, took 91 us for issue 6's shape on an H100, longer than the
+// 62 us split kernel: 32 warps on the whole GPU, each waiting on one load at a time.)
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 decode_combine(const float* __restrict__ ws_o, const float* __restrict__ ws_lse,
                elem_t* __restrict__ out, float* __restrict__ lse, const i64* __restrict__ seqs,
@@ -691,32 +695,36 @@ decode_combine(const float* __restrict__ ws_o, const float* __restrict__ ws_lse,
     const i64* s = seqs + DECODE_FIELDS * blockIdx.z;
     const int seqlen_q = (int)s[0];
     const i64 out_row0 = s[4], lse_base = s[5];
-    const int idx = blockIdx.x * (NUM_THREADS / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int idx = blockIdx.x, lane = threadIdx.x % 32;
     if (idx >= seqlen_q * heads) return;
     const int i = idx / heads, h = idx % heads;
     const i64 row = (out_row0 + i) * heads + h;
     float mx = -FA_INF;
-    for (int sp = 0; sp < splits; ++sp) mx = fmaxf(mx, ws_lse[(i64)sp * total_rows + row]);
+    for (int sp = lane; sp < splits; sp += 32) mx = fmaxf(mx, ws_lse[(i64)sp * total_rows + row]);
+    mx = warp_max(mx);
     elem_t* o = out + row * head_dim;
     if (mx == -FA_INF) {
         // No split saw a key: 0 and -inf, as the CPU path's fully-masked-row rule.
-        for (int x = lane; x < head_dim; x += 32) o[x] = from_f32_elem(0.f);
-        if (lane == 0) lse[lse_base + (i64)h * lse_head_stride + i] = -FA_INF;
+        for (int x = threadIdx.x; x < head_dim; x += NUM_THREADS) o[x] = from_f32_elem(0.f);
+        if (threadIdx.x == 0) lse[lse_base + (i64)h * lse_head_stride + i] = -FA_INF;
         return;
     }
     float sum = 0.f;
-    for (int sp = 0; sp < splits; ++sp) sum += expf(ws_lse[(i64)sp * total_rows + row] - mx);
+    for (int sp = lane; sp < splits; sp += 32) sum += expf(ws_lse[(i64)sp * total_rows + row] - mx);
+    sum = warp_sum(sum);
     const float inv = 1.f / sum;
-    for (int x = lane; x < head_dim; x += 32) {
+    for (int x = threadIdx.x; x < head_dim; x += NUM_THREADS) {
         float acc = 0.f;
+#pragma unroll 8
         for (int sp = 0; sp < splits; ++sp) {
             const float l = ws_lse[(i64)sp * total_rows + row];
-            if (l == -FA_INF) continue;  // whatever such a split holds cannot leak in
-            acc += expf(l - mx) * inv * ws_o[((i64)sp * total_rows + row) * head_dim + x];
+            const float v = ws_o[((i64)sp * total_rows + row) * head_dim + x];
+            // A split that saw no key (lse -inf) adds nothing, whatever its row holds.
+            acc = l == -FA_INF ? acc : fmaf(expf(l - mx) * inv, v, acc);
         }
         o[x] = from_f32_elem(acc);
     }
-    if (lane == 0) lse[lse_base + (i64)h * lse_head_stride + i] = mx + logf(sum);
+    if (threadIdx.x == 0) lse[lse_base + (i64)h * lse_head_stride + i] = mx + logf(sum);
 }
 #endif  // FA_DECODE_ENTRY == 2
 
