@@ -95,11 +95,11 @@ impl DecodeLaunch {
             self.seqs as u32,
         )
     }
-    /// Grid of `decode_combine` (a block per output row).
+    /// Grid of `decode_combine` (a block per output row and 32 dims).
     pub fn combine_grid(&self) -> (u32, u32, u32) {
         (
             (self.max_q * self.heads as usize) as u32,
-            1,
+            (self.head_dim as usize).div_ceil(32) as u32,
             self.seqs as u32,
         )
     }

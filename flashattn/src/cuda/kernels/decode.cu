@@ -682,12 +682,14 @@ decode_split(DECODE_SPLIT_PARAMS) {
 #endif  // FA_DECODE_ENTRY == 1, DECODE_TC
 
 #if FA_DECODE_ENTRY == 2 || FA_DECODE_ENTRY == 0
-// grid (seqlen_q * heads of the longest sequence, 1, sequences), 128 threads: block x merges row
-// x = (query i, head h) of sequence blockIdx.z. Every warp finds the splits' largest lse and the
-// sum of their weights (lanes over splits); thread t then writes dims t, t + 128, reading the
-// splits' partial rows in batches of independent loads. (The first version, a warp per row with
-// the splits read one after another, took 91 us for issue 6's shape on an H100, longer than the
-// 62 us split kernel: 32 warps on the whole GPU, each waiting on one load at a time.)
+// grid (seqlen_q * heads of the longest sequence, ceil(head_dim / 32), sequences), 128 threads:
+// block (x, y, z) merges dims 32y .. 32y + 32 of row x = (query i, head h) of sequence z. Every
+// warp finds the splits' largest lse and the sum of their weights (lanes over splits); then warp
+// w takes dims 32y + 8w .. + 8, its lane 8g + j dim j of them over the splits g, g + 4, g + 8, ..
+// (independent loads, a 32-byte sector per split and group), and the four groups' sums are added
+// by shuffles. History, issue 6's shape on an H100: a warp per row reading the 49 splits one
+// after another took 91 us (the split kernel 62 us); a block per row with a thread per dim 27 us;
+// this layout spreads the same loads over 4x the blocks and 4x the loads in flight per thread.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 decode_combine(const float* __restrict__ ws_o, const float* __restrict__ ws_lse,
                elem_t* __restrict__ out, float* __restrict__ lse, const i64* __restrict__ seqs,
@@ -695,36 +697,42 @@ decode_combine(const float* __restrict__ ws_o, const float* __restrict__ ws_lse,
     const i64* s = seqs + DECODE_FIELDS * blockIdx.z;
     const int seqlen_q = (int)s[0];
     const i64 out_row0 = s[4], lse_base = s[5];
-    const int idx = blockIdx.x, lane = threadIdx.x % 32;
+    const int idx = blockIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     if (idx >= seqlen_q * heads) return;
     const int i = idx / heads, h = idx % heads;
     const i64 row = (out_row0 + i) * heads + h;
+    const int g = lane / 8, x = blockIdx.y * 32 + warp * 8 + lane % 8;
+    const bool writes = g == 0 && x < head_dim;
+    const bool first = blockIdx.y == 0 && threadIdx.x == 0;
     float mx = -FA_INF;
     for (int sp = lane; sp < splits; sp += 32) mx = fmaxf(mx, ws_lse[(i64)sp * total_rows + row]);
     mx = warp_max(mx);
     elem_t* o = out + row * head_dim;
     if (mx == -FA_INF) {
         // No split saw a key: 0 and -inf, as the CPU path's fully-masked-row rule.
-        for (int x = threadIdx.x; x < head_dim; x += NUM_THREADS) o[x] = from_f32_elem(0.f);
-        if (threadIdx.x == 0) lse[lse_base + (i64)h * lse_head_stride + i] = -FA_INF;
+        if (writes) o[x] = from_f32_elem(0.f);
+        if (first) lse[lse_base + (i64)h * lse_head_stride + i] = -FA_INF;
         return;
     }
     float sum = 0.f;
     for (int sp = lane; sp < splits; sp += 32) sum += expf(ws_lse[(i64)sp * total_rows + row] - mx);
     sum = warp_sum(sum);
     const float inv = 1.f / sum;
-    for (int x = threadIdx.x; x < head_dim; x += NUM_THREADS) {
-        float acc = 0.f;
-#pragma unroll 8
-        for (int sp = 0; sp < splits; ++sp) {
+    float acc = 0.f;
+    if (x < head_dim) {
+#pragma unroll 4
+        for (int sp = g; sp < splits; sp += 4) {
             const float l = ws_lse[(i64)sp * total_rows + row];
             const float v = ws_o[((i64)sp * total_rows + row) * head_dim + x];
             // A split that saw no key (lse -inf) adds nothing, whatever its row holds.
             acc = l == -FA_INF ? acc : fmaf(expf(l - mx) * inv, v, acc);
         }
-        o[x] = from_f32_elem(acc);
     }
-    if (threadIdx.x == 0) lse[lse_base + (i64)h * lse_head_stride + i] = mx + logf(sum);
+    // Every lane takes part (the shuffles name the whole warp); lanes past head_dim add zeros.
+    acc += __shfl_xor_sync(0xffffffffu, acc, 8);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 16);
+    if (writes) o[x] = from_f32_elem(acc);
+    if (first) lse[lse_base + (i64)h * lse_head_stride + i] = mx + logf(sum);
 }
 #endif  // FA_DECODE_ENTRY == 2
 
