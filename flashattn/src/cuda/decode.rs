@@ -664,8 +664,8 @@ struct PackedTables {
 }
 
 impl PackedTables {
-    /// Each table starts at a multiple of 16 bytes of the buffer (whose start the driver aligns
-    /// to at least 256 bytes).
+    /// Each table starts at a multiple of 16 bytes from the buffer's start (which the driver
+    /// aligns far more coarsely), so every i64 and f32 the kernels read is aligned.
     const ALIGN: usize = 16;
 
     fn upload(dev: &CudaDevice, d: &DecodeLaunch) -> Result<PackedTables> {

@@ -210,8 +210,9 @@ impl CudaDevice {
         // it (the flag covers buffers made afterwards). Every allocation, copy and launch of
         // flashattn through this device goes on its one stream, so the stream's order already
         // orders every use of every buffer; cudarc's per-buffer events would only add two
-        // driver calls per buffer per launch (measured on an H100: most of a decode step's
-        // ~100 us of host overhead). A caller who uses these buffers on streams of their own
+        // driver calls per buffer per launch (a decode launch passes ~10 buffers; with the
+        // release-build memsets and the separate uploads this took ~20-25 us off a decode
+        // step on an H100, docs/GPU.md run 5). A caller who uses these buffers on streams of their own
         // synchronizes them (documented on `CudaDevice::new`); `with_stream` leaves the
         // caller's context as it is.
         unsafe { ctx.disable_event_tracking() };
@@ -984,8 +985,8 @@ impl Plan {
     }
 }
 
-/// Whether [`alloc_poisoned`] poisons: in debug builds (the tests) always, in release builds when
-/// `FLASHATTN_POISON=1` (read once per process). A poisoned buffer costs one memset on the stream
+/// Whether [`alloc_poisoned`] poisons: by default in debug builds (the tests) and not in release
+/// builds; `FLASHATTN_POISON=1` or `0` says so for either (read once per process). A poisoned buffer costs one memset on the stream
 /// per output and workspace: nothing at the forward's scale, but ~2-3 us of GPU time each in a
 /// decode step that reads its cache in tens of microseconds.
 pub(crate) fn poison_device_outputs() -> bool {
