@@ -173,14 +173,41 @@ pub fn choose_splits(ctas: usize, max_keys: usize, sm_count: usize) -> usize {
 
 /// [`choose_splits`] for a kernel of which `slots` CTAs fit the whole device at once (the
 /// tensor-core split kernel is held to fewer per SM by its shared memory): one wave of CTAs.
+///
+/// When the CTAs without splits already fill more than one wave, the last wave may run mostly
+/// empty (a batch of 64 sequences x 8 kv heads is 512 CTAs against the tensor-core kernel's 396
+/// slots on an H100: two waves, the second 29% full). Then, of the counts up to
+/// `MAX_WAVE_SPLITS` whose waves per unit of work, `ceil(ctas · s / slots) / s`, are within 5% of
+/// the fewest, the smallest is taken if it saves a tenth or more against no split (512 CTAs: 3
+/// splits, 4 waves of a third of the work each, 1.33 against 2). (Decided without a GPU: not yet
+/// timed.)
 pub fn choose_splits_for(ctas: usize, max_keys: usize, slots: usize) -> usize {
-    if ctas == 0 {
+    if ctas == 0 || slots == 0 {
         return 1;
     }
-    let want = slots / ctas;
     let by_len = (max_keys / MIN_SPLIT_KEYS_GPU).max(1);
-    want.min(by_len).clamp(1, 128)
+    if ctas <= slots {
+        return (slots / ctas).min(by_len).clamp(1, 128);
+    }
+    // Time per split count in units of one unsplit CTA's: waves x the work of one CTA.
+    let time = |s: usize| (ctas * s).div_ceil(slots) as f64 / s as f64;
+    let counts = 1..=by_len.min(MAX_WAVE_SPLITS);
+    let fastest = counts.clone().map(time).fold(f64::INFINITY, f64::min);
+    // The fewest splits within 5% of the fastest: each split adds fixed work the count ignores.
+    let best = counts
+        .into_iter()
+        .find(|&s| time(s) <= 1.05 * fastest)
+        .unwrap_or(1);
+    if time(best) <= 0.9 * time(1) {
+        best
+    } else {
+        1
+    }
 }
+
+/// Most splits [`choose_splits_for`] takes to even out the last wave of a call that fills the
+/// GPU without splits (each split adds a partial row per query row to write and merge).
+const MAX_WAVE_SPLITS: usize = 8;
 
 fn limit(what: &'static str, value: usize, limit: usize) -> Result<()> {
     if value > limit {
@@ -796,7 +823,7 @@ fn launch<T, C>(
 
 #[cfg(test)]
 mod tests {
-    use super::choose_splits;
+    use super::{choose_splits, choose_splits_for};
 
     #[test]
     fn split_count_rule() {
@@ -805,8 +832,23 @@ mod tests {
         // A short cache keeps splits of at least 256 keys.
         assert_eq!(choose_splits(8, 1000, 132), 3);
         assert_eq!(choose_splits(8, 100, 132), 1);
-        // A batch of 64 sequences already fills the GPU.
+        // A batch of 64 sequences already fills the GPU (528 slots of the CUDA-core kernel).
         assert_eq!(choose_splits(64 * 8, 2048, 132), 1);
+        // The tensor-core kernel's 396 slots: two waves, the second 29% full; 3 splits make 4
+        // waves of a third of the work each (1.33 against 2 unsplit CTA times).
+        assert_eq!(choose_splits_for(64 * 8, 2048, 396), 3);
+        // Not when the sequences are too short to split (256 keys at least per split)...
+        assert_eq!(choose_splits_for(64 * 8, 300, 396), 1);
+        // 800 CTAs on 396 slots: 3 waves unsplit, the last 2% full; 8 splits would take 2.125,
+        // 5 splits 11 waves of a fifth (2.2) is the fewest within 5% of that.
+        assert_eq!(choose_splits_for(800, 4096, 396), 5);
+        // 1000 CTAs: 3 waves (84% full); 7 splits 2.571, 3 splits 8 / 3 = 2.667 within 5%.
+        assert_eq!(choose_splits_for(1000, 4096, 396), 3);
+        // 790 CTAs: 2 waves nearly full; no count does better.
+        assert_eq!(choose_splits_for(790, 4096, 396), 1);
+        // The gain must be a tenth: 713 CTAs, 2 waves (90% full); 6 splits 11 / 6 = 1.833,
+        // 0.92 of 2: not taken.
+        assert_eq!(choose_splits_for(713, 4096, 396), 1);
         // Never more than 128, never 0.
         assert_eq!(choose_splits(1, 1 << 24, 1000), 128);
         assert_eq!(choose_splits(0, 0, 132), 1);
