@@ -92,6 +92,25 @@ stage() { # seconds wanted, name, command...
     echo "exit $?" >>"$logs/$name.log"
     grep -vE "^\s*$" "$logs/$name.log" | tail -25 | tee -a "$summary"
 }
+finish() { # the summary's last line, every log packed, the JSON beside it; ends the script
+    say "== $(date -u +%T) done, $(left) s of $budget left"
+    tar czf "$out/logs.tgz" -C "$logs" . 2>/dev/null
+    cp "$logs"/*.json "$out"/ 2>/dev/null || true
+    exit 0
+}
+ab_rounds() { # rounds: this build against gpu-run/old/flashattn (when carried), call by call on
+    # the same warm GPU: the decode step at issue 6's shape and a 4k cache, both dtypes
+    local round which b
+    for round in $(seq "$1"); do
+        for which in old new; do
+            b=$bin; [ $which = old ] && b=$PWD/gpu-run/old/flashattn
+            [ -x "$b" ] || continue
+            stage 12 "ab_${which}_$round" env FLASHATTN_CUDA_DECODE=tc "$b" bench --decode \
+                --device cuda --batch 1 --heads 32 --heads-kv 8 --head-dim 128 \
+                --cache-len 4096,32768 --min-time 0.2
+        done
+    done
+}
 if [ "$mode" = decode ]; then
     stage 80 compare_decode python3 bench/compare_torch_cuda_decode.py --binary "$bin" --rounds 2 \
         --min-time 0.2 --out "$logs/compare_cuda_decode.json"
@@ -109,46 +128,23 @@ if [ "$mode" = decode ]; then
             --dtype bf16 --batch 1 --heads 32 --heads-kv 8 --head-dim 128 --cache-len 32768 \
             --min-time 0.3 --num-splits $sp
     done
-    say "== $(date -u +%T) done, $(left) s of $budget left"
-    tar czf "$out/logs.tgz" -C "$logs" . 2>/dev/null
-    cp "$logs"/*.json "$out"/ 2>/dev/null || true
-    exit 0
+    finish
 fi
 if [ "$mode" = quick ]; then
     # A short lease's last minutes: the decode tests above, this build against gpu-run/old (two
     # rounds), the decode kernels' durations under Nsight Compute, one round against SDPA.
-    for round in 1 2; do
-        for which in old new; do
-            b=$bin; [ $which = old ] && b=$PWD/gpu-run/old/flashattn
-            [ -x "$b" ] || continue
-            stage 12 "ab_${which}_$round" env FLASHATTN_CUDA_DECODE=tc "$b" bench --decode \
-                --device cuda --batch 1 --heads 32 --heads-kv 8 --head-dim 128 \
-                --cache-len 4096,32768 --min-time 0.2
-        done
-    done
+    ab_rounds 2
     stage 30 ncu_decode_all ncu --kernel-name regex:decode --launch-skip 9 --launch-count 3 \
         --section SpeedOfLight "$bin" bench --decode --device cuda \
         --dtype bf16 --batch 1 --heads 32 --heads-kv 8 --head-dim 128 --cache-len 32768 --min-time 0.01
     stage 50 compare_decode python3 bench/compare_torch_cuda_decode.py --binary "$bin" --rounds 1 \
         --min-time 0.2 --out "$logs/compare_cuda_decode.json"
-    say "== $(date -u +%T) done, $(left) s of $budget left"
-    tar czf "$out/logs.tgz" -C "$logs" . 2>/dev/null
-    cp "$logs"/*.json "$out"/ 2>/dev/null || true
-    exit 0
+    finish
 fi
 if [ "$mode" = ab ]; then
-    # A build against the one before it (gpu-run/old/flashattn, carried beside), call by call on the
-    # same warm GPU: the decode step at issue 6's shape and a small cache, both dtypes, 3 rounds.
-    if [ -x gpu-run/old/flashattn ]; then
-        for round in 1 2 3; do
-            for which in old new; do
-                b=$bin; [ $which = old ] && b=$PWD/gpu-run/old/flashattn
-                stage 12 "ab_${which}_$round" env FLASHATTN_CUDA_DECODE=tc "$b" bench --decode \
-                    --device cuda --batch 1 --heads 32 --heads-kv 8 --head-dim 128 \
-                    --cache-len 4096,32768 --min-time 0.2
-            done
-        done
-    fi
+    # A build against the one before it (gpu-run/old/flashattn, carried beside), 3 rounds, then
+    # decode vs SDPA, the three decode kernels under Nsight Compute, forward + backward vs SDPA.
+    ab_rounds 3
     stage 70 compare_decode python3 bench/compare_torch_cuda_decode.py --binary "$bin" --rounds 2 \
         --min-time 0.2 --out "$logs/compare_cuda_decode.json"
     stage 35 ncu_decode_all ncu --kernel-name regex:decode --launch-skip 9 --launch-count 3 \
@@ -156,10 +152,7 @@ if [ "$mode" = ab ]; then
         --dtype bf16 --batch 1 --heads 32 --heads-kv 8 --head-dim 128 --cache-len 32768 --min-time 0.01
     stage 100 compare_bwd python3 bench/compare_torch_cuda.py --binary "$bin" --backward --quick \
         --rounds 1 --min-time 0.2 --out "$logs/compare_cuda_bwd.json"
-    say "== $(date -u +%T) done, $(left) s of $budget left"
-    tar czf "$out/logs.tgz" -C "$logs" . 2>/dev/null
-    cp "$logs"/*.json "$out"/ 2>/dev/null || true
-    exit 0
+    finish
 fi
 if [ "$mode" = h100 ]; then
     # The tensor-core decode kernel's first GPU run first, the default beside it, a split sweep,
@@ -185,10 +178,7 @@ if [ "$mode" = h100 ]; then
         --section MemoryWorkloadAnalysis --section SchedulerStats --section ComputeWorkloadAnalysis \
         "$bin" bench --device cuda --dtype bf16 --batch 4 --heads 16 --head-dim 128 --seqlen 4096 \
         --no-naive --min-time 0.01
-    say "== $(date -u +%T) done, $(left) s of $budget left"
-    tar czf "$out/logs.tgz" -C "$logs" . 2>/dev/null
-    cp "$logs"/*.json "$out"/ 2>/dev/null || true
-    exit 0
+    finish
 fi
 stage 140 compare_fwd python3 bench/compare_torch_cuda.py --binary "$bin" --quick --rounds 2 \
     --min-time 0.2 --out "$logs/compare_cuda_fwd.json"
@@ -200,6 +190,4 @@ stage 90 compare_bwd python3 bench/compare_torch_cuda.py --binary "$bin" --backw
     --min-time 0.2 --out "$logs/compare_cuda_bwd.json"
 stage 30 nvrtc_rate env FLASHATTN_CACHE_DIR=/tmp/flashattn-empty-cache "$bin" compile --filter fwd_bf16_d128
 
-say "== $(date -u +%T) done, $(left) s of $budget left"
-tar czf "$out/logs.tgz" -C "$logs" . 2>/dev/null
-cp "$logs"/*.json "$out"/ 2>/dev/null || true
+finish

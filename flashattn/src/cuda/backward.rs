@@ -6,7 +6,7 @@
 //! and kv head, summing the heads of its group). No atomics: the gradients are bit-identical from
 //! run to run.
 
-use super::{alloc_poisoned, check_launchable, driver_err, CudaDevice, CudaTensor, DeviceBuffer};
+use super::{alloc_output, check_launchable, driver_err, CudaDevice, CudaTensor, DeviceBuffer};
 use super::{DropoutArgs, KernelKey, KernelKind};
 use crate::error::Result;
 use crate::params::{self, AttnOptions, Params, QLike};
@@ -344,8 +344,8 @@ fn backward(dev: &CudaDevice, p: &Params, t: [&CudaTensor; 6]) -> Result<CudaAtt
     let table = dev.htod(&d.table)?;
     let slopes = d.slopes.as_deref().map(|x| dev.htod(x)).transpose()?;
     let mut ws = [
-        alloc_poisoned::<f32>(s, d.lse_len)?,
-        alloc_poisoned::<f32>(s, d.lse_len)?,
+        alloc_output::<f32>(s, d.lse_len)?,
+        alloc_output::<f32>(s, d.lse_len)?,
     ];
     let DeviceBuffer::F32(lse_b) = &lse.buf else {
         unreachable!("lse was validated as f32")
@@ -364,9 +364,9 @@ fn backward(dev: &CudaDevice, p: &Params, t: [&CudaTensor; 6]) -> Result<CudaAtt
                 unreachable!("q, k, v, out and dout were validated to share one dtype")
             };
             let mut grads = [
-                alloc_poisoned::<$t>(s, d.dq_len)?,
-                alloc_poisoned::<$t>(s, d.dk_len)?,
-                alloc_poisoned::<$t>(s, d.dk_len)?,
+                alloc_output::<$t>(s, d.dq_len)?,
+                alloc_output::<$t>(s, d.dk_len)?,
+                alloc_output::<$t>(s, d.dk_len)?,
             ];
             let ins = [qb, kb, vb, ob, gb];
             launch(

@@ -4,7 +4,7 @@
 //! rotated, and values into the caches), one CTA per (query row block, key split, kv head,
 //! sequence) writing partial results, and the merge of the splits through their LSEs.
 
-use super::{alloc_poisoned, driver_err, CudaAttnOutput, CudaDevice, CudaTensor, DeviceBuffer};
+use super::{alloc_output, driver_err, CudaAttnOutput, CudaDevice, CudaTensor, DeviceBuffer};
 use super::{KernelKey, KernelKind, MAX_GRID_YZ, MAX_SEQLEN};
 use crate::decode::{DecodeParams, KvCacheOptions};
 use crate::error::{ErrorKind, Result};
@@ -191,13 +191,10 @@ pub fn choose_splits_for(ctas: usize, max_keys: usize, slots: usize) -> usize {
     }
     // Time per split count in units of one unsplit CTA's: waves x the work of one CTA.
     let time = |s: usize| (ctas * s).div_ceil(slots) as f64 / s as f64;
-    let counts = 1..=by_len.min(MAX_WAVE_SPLITS);
+    let mut counts = 1..=by_len.min(MAX_WAVE_SPLITS);
     let fastest = counts.clone().map(time).fold(f64::INFINITY, f64::min);
     // The fewest splits within 5% of the fastest: each split adds fixed work the count ignores.
-    let best = counts
-        .into_iter()
-        .find(|&s| time(s) <= 1.05 * fastest)
-        .unwrap_or(1);
+    let best = counts.find(|&s| time(s) <= 1.05 * fastest).unwrap_or(1);
     if time(best) <= 0.9 * time(1) {
         best
     } else {
@@ -429,7 +426,9 @@ impl DecodeLaunch {
 }
 
 /// The launches a decode call with these host views and options would make (validated as the
-/// call would be), on a device of `sm_count` SMs. For the host emulation test of the kernels.
+/// call would be) on a device of `sm_count` SMs with the CUDA-core split kernel, which the GPU
+/// path runs where the tensor-core one cannot (the rest: [`decode_launch_description_with`]). For
+/// the host emulation test of the kernels.
 #[doc(hidden)]
 pub fn decode_launch_description(
     q: &TensorRef,
@@ -631,9 +630,9 @@ pub(crate) fn queue<C: DeviceRepr>(
     let (ws_o_len, ws_lse_len) = d.workspace_len();
     let up = Uploads {
         tables: PackedTables::upload(dev, d)?,
-        ws_o: alloc_poisoned::<f32>(s, ws_o_len)?,
-        ws_lse: alloc_poisoned::<f32>(s, ws_lse_len)?,
-        lse: alloc_poisoned::<f32>(s, d.lse_len)?,
+        ws_o: alloc_output::<f32>(s, ws_o_len)?,
+        ws_lse: alloc_output::<f32>(s, ws_lse_len)?,
+        lse: alloc_output::<f32>(s, d.lse_len)?,
     };
     macro_rules! typed {
         ($variant:ident, $t:ty) => {{
@@ -647,7 +646,7 @@ pub(crate) fn queue<C: DeviceRepr>(
                 },
                 None => None,
             };
-            let mut out = alloc_poisoned::<$t>(s, d.out_len)?;
+            let mut out = alloc_output::<$t>(s, d.out_len)?;
             let lse = launch(dev, d, &kernels, up, (qb, k, v), new, &mut out)?;
             (DeviceBuffer::$variant(out), lse)
         }};

@@ -690,8 +690,8 @@ pub(crate) fn run_forward<TI, TO: cudarc::driver::DeviceRepr>(
     let (function, _) = dev.function(&desc.key)?;
     let s = &dev.stream;
     let plan = Plan::new(dev, desc)?;
-    let mut lse = alloc_poisoned::<f32>(s, p.lse_len())?;
-    let mut out = alloc_poisoned::<TO>(s, p.out_len())?;
+    let mut lse = alloc_output::<f32>(s, p.lse_len())?;
+    let mut out = alloc_output::<TO>(s, p.out_len())?;
     plan.launch(dev, &function, qkv, &mut out, &mut lse)?;
     Ok(CudaAttnOutput {
         out: CudaTensor::contiguous(wrap(out), &p.out_shape),
@@ -985,11 +985,11 @@ impl Plan {
     }
 }
 
-/// Whether [`alloc_poisoned`] poisons: by default in debug builds (the tests) and not in release
+/// Whether [`alloc_output`] poisons: by default in debug builds (the tests) and not in release
 /// builds; `FLASHATTN_POISON=1` or `0` says so for either (read once per process). A poisoned buffer costs one memset on the stream
 /// per output and workspace: nothing at the forward's scale, but ~2-3 us of GPU time each in a
 /// decode step that reads its cache in tens of microseconds.
-pub(crate) fn poison_device_outputs() -> bool {
+fn poison_device_outputs() -> bool {
     static POISON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *POISON.get_or_init(|| match std::env::var("FLASHATTN_POISON").as_deref() {
         Ok("1") => true,
@@ -1002,7 +1002,7 @@ pub(crate) fn poison_device_outputs() -> bool {
 /// filled with all-ones bytes (NaN in f32, f16 and bf16), as the CPU path poisons its outputs: the
 /// kernels write every element, and one they missed would read as NaN, not as a plausible stale
 /// value; the tests run that way.
-fn alloc_poisoned<T: cudarc::driver::DeviceRepr>(
+fn alloc_output<T: cudarc::driver::DeviceRepr>(
     s: &Arc<CudaStream>,
     len: usize,
 ) -> Result<CudaSlice<T>> {
