@@ -14,8 +14,8 @@
 //!   accumulators are put back in dim order as they are added to `acc` (four shuffles per row and
 //!   chunk, once per call).
 //! - register tiles sized for 16 registers: scores 2 keys × 4 rows (8 accumulators, 4 of k, one
-//!   of q, the mask: 14), P·V 4 rows × 16 dims (8 accumulators, 2 of v, a broadcast, the mask:
-//!   12). The earlier P·V tile of 4 rows × 24 dims needed all 16 registers, and LLVM kept two
+//!   of q, the mask: 14), for f32 keys at d = 128 3 keys × 4 rows (12 accumulators, 3 of k, one
+//!   of q: 16), P·V 4 rows × 16 dims (8 accumulators, 2 of v, a broadcast, the mask: 12). The earlier P·V tile of 4 rows × 24 dims needed all 16 registers, and LLVM kept two
 //!   accumulators on the stack and moved the others round each key (~6 instructions per FMA).
 //!
 //! Dims past the last whole chunk of 16 go element by element (d = 40, 59, ...).
@@ -98,8 +98,9 @@ fn high_halves() -> __m256i {
 /// rows of `dpad` f32, in [`even_odd`] order when `T` is bf16 (and in dim order for f32).
 ///
 /// Register tiles of 2 keys × up to 4 rows (8 accumulators; per 16 dims 2 loads of k, for bf16
-/// their widening, 8 loads of q, 16 FMAs), then one horizontal reduction per key and one 128-bit
-/// store for 4 rows: `st`'s rows of a key are adjacent. The bound here is the loads (2 of 256
+/// their widening, 8 loads of q, 16 FMAs), or 3 keys × 4 rows for f32 keys at d = 128, then one
+/// horizontal reduction per key and one 128-bit store for 4 rows: `st`'s rows of a key are
+/// adjacent. The bound here is the loads (2 of 256
 /// bits a cycle): q read by the FMAs from memory (1 key × 4 rows, 9 loads per 8 FMAs) ran at
 /// 0.5-0.8 of the FMA peak in a micro-benchmark, this tile at 0.65-0.85.
 ///
@@ -122,16 +123,28 @@ pub(crate) unsafe fn scores<T: Element>(
     // SAFETY: the caller's contract; every block stays inside rows × cols.
     unsafe {
         while r0 < rows {
-            let mut c0 = 0;
+            let (mut c0, mut pf_at) = (0, 0);
             while c0 < cols {
                 // The prefetches spread over the first row block's keys, four at a time.
-                if r0 == 0 && c0 % PF_KEYS == 0 {
+                if r0 == 0 && c0 >= pf_at {
                     ahead.step((cols - c0).min(PF_KEYS));
+                    pf_at = c0 + PF_KEYS;
                 }
                 let at = (q, r0, dpad, src, kr, c0, &mut *st, np);
                 // The usual head dims with q rows unpadded (dpad = d) have the dim loop
                 // unrolled and q at constant offsets.
                 let nc = if dpad == kr.d { kr.d / CHUNK } else { 0 };
+                // f32 keys need no mask register: 3 keys × 4 rows (12 accumulators, 3 of k,
+                // one of q) fit the 16 registers, with 12 FMA chains where the 2 × 4 tile's 8
+                // just cover the FMA latency, and 7 loads per 12 FMAs against 6 per 8. The
+                // product alone on one sub-block: 63-66% -> 68-71% of the FMA peak; the whole
+                // step with the cache in L2/L3 ~2% faster, at 32k keys no change (see
+                // docs/PERFORMANCE.md, 2026-11-26).
+                if T::DTYPE == DType::F32 && cols - c0 >= 3 && rows - r0 >= 4 && nc == 8 {
+                    scores_tile::<3, 4, 8, T>(at);
+                    c0 += 3;
+                    continue;
+                }
                 match (cols - c0 >= 2, rows - r0, nc) {
                     (true, 4.., 8) => scores_tile::<2, 4, 8, T>(at),
                     (true, 4.., 4) => scores_tile::<2, 4, 4, T>(at),
