@@ -1,8 +1,11 @@
 //! Times one decoding step at issue 6's shape (B = 1, 32 / 8 heads, d = 128) on the current
 //! rayon pool, for quick A/B runs and profiling: `cargo run --release -p flashattn --example
 //! decode_step -- [f32|bf16] [cache_len] [reps] [configurations]`, e.g. `HUGE_PAGES=1 ...
-//! decode_step -- f32 32768 40 "" USE_HUGE=1` for 4 KiB against huge pages. `flashattn bench --decode` is the benchmark of
-//! record (bandwidth measured beside it, accuracy checked); this only repeats the call.
+//! decode_step -- f32 32768 40 "" USE_HUGE=1` for 4 KiB against huge pages, or `PAD=16 ...
+//! decode_step -- f32 128 3000 "" USE_PAD=1` for key rows 16 elements further apart than the
+//! contiguous cache's (a strided view; f32 rows of issue 6's shape are 4 KiB apart, L1's way
+//! size). `flashattn bench --decode` is the benchmark of record (bandwidth measured beside it,
+//! accuracy checked); this only repeats the call.
 use flashattn::decode::{flash_attn_with_kvcache, KvCacheOptions, TensorMut};
 use flashattn::TensorRef;
 use half::bf16;
@@ -36,7 +39,27 @@ where
         }
         None => (Vec::new(), Vec::new()),
     };
+    // `PAD=E`: a second copy of the caches whose key rows are E elements further apart than
+    // heads_kv · d (strided views), which the configurations select with `USE_PAD=1`.
+    let pad: usize = std::env::var("PAD")
+        .ok()
+        .and_then(|x| x.parse().ok())
+        .unwrap_or(0);
+    let rs = heads_kv * d + pad;
+    let padded = |src: &[T]| -> Vec<T> {
+        let mut out = flashattn::memory::kv_cache_from_iter((0..cap * rs).map(|_| conv(0.0)));
+        for (o, i) in out.chunks_exact_mut(rs).zip(src.chunks_exact(heads_kv * d)) {
+            o[..heads_kv * d].copy_from_slice(i);
+        }
+        out
+    };
+    let (mut kp, mut vp) = if pad > 0 {
+        (padded(&k), padded(&v))
+    } else {
+        (Vec::new(), Vec::new())
+    };
     let shape = [1, cap, heads_kv, d];
+    let pstrides = [cap * rs, rs, d, 1];
     let qv = TensorRef::contiguous(&q, &[1, 1, heads, d]);
     let lens = [cap as i32];
     let opts = KvCacheOptions::default();
@@ -51,12 +74,23 @@ where
                     std::env::set_var(k, v);
                 }
             }
+            let use_pad = std::env::var_os("USE_PAD").is_some() && !kp.is_empty();
             let (kb, vb) = match std::env::var_os("USE_HUGE") {
+                _ if use_pad => (&mut kp, &mut vp),
                 Some(_) if !kh.is_empty() => (&mut kh, &mut vh),
                 _ => (&mut k, &mut v),
             };
-            let mut kc = TensorMut::contiguous(&mut kb[..], &shape);
-            let mut vc = TensorMut::contiguous(&mut vb[..], &shape);
+            let (mut kc, mut vc) = if use_pad {
+                (
+                    TensorMut::new(&mut kb[..], &shape, &pstrides),
+                    TensorMut::new(&mut vb[..], &shape, &pstrides),
+                )
+            } else {
+                (
+                    TensorMut::contiguous(&mut kb[..], &shape),
+                    TensorMut::contiguous(&mut vb[..], &shape),
+                )
+            };
             let mut opts = opts.clone();
             opts.num_splits = std::env::var("SPLITS").ok().and_then(|x| x.parse().ok());
             let t = Instant::now();
