@@ -15,7 +15,8 @@
 //!   chunk, once per call).
 //! - register tiles sized for 16 registers: scores 2 keys × 4 rows (8 accumulators, 4 of k, one
 //!   of q, the mask: 14), for f32 keys at d = 128 3 keys × 4 rows (12 accumulators, 3 of k, one
-//!   of q: 16), P·V 4 rows × 16 dims (8 accumulators, 2 of v, a broadcast, the mask: 12). The earlier P·V tile of 4 rows × 24 dims needed all 16 registers, and LLVM kept two
+//!   of q: 16), P·V 4 rows × 16 dims (8 accumulators, 2 of v, a broadcast, the mask: 12). The
+//!   earlier P·V tile of 4 rows × 24 dims needed all 16 registers, and LLVM kept two
 //!   accumulators on the stack and moved the others round each key (~6 instructions per FMA).
 //!
 //! Dims past the last whole chunk of 16 go element by element (d = 40, 59, ...).
@@ -100,9 +101,9 @@ fn high_halves() -> __m256i {
 /// Register tiles of 2 keys × up to 4 rows (8 accumulators; per 16 dims 2 loads of k, for bf16
 /// their widening, 8 loads of q, 16 FMAs), or 3 keys × 4 rows for f32 keys at d = 128, then one
 /// horizontal reduction per key and one 128-bit store for 4 rows: `st`'s rows of a key are
-/// adjacent. The bound here is the loads (2 of 256
-/// bits a cycle): q read by the FMAs from memory (1 key × 4 rows, 9 loads per 8 FMAs) ran at
-/// 0.5-0.8 of the FMA peak in a micro-benchmark, this tile at 0.65-0.85.
+/// adjacent. The bound here is the loads (2 of 256 bits a cycle): q read by the FMAs from memory
+/// (1 key × 4 rows, 9 loads per 8 FMAs) ran at 0.5-0.8 of the FMA peak in a micro-benchmark, this
+/// tile at 0.65-0.85.
 ///
 /// # Safety
 /// AVX2, FMA and F16C present; operands as checked by [`super::scores`].
