@@ -1,10 +1,10 @@
 //! Times one decoding step at issue 6's shape (B = 1, 32 / 8 heads, d = 128) on the current
 //! rayon pool, for quick A/B runs and profiling: `cargo run --release -p flashattn --example
 //! decode_step -- [f32|bf16] [cache_len] [reps] [configurations]`, e.g. `HUGE_PAGES=1 ...
-//! decode_step -- f32 32768 40 "" USE_HUGE=1` for 4 KiB against huge pages, or `PAD=16 ...
-//! decode_step -- f32 128 3000 "" USE_PAD=1` for key rows 16 elements further apart than the
-//! contiguous cache's (a strided view; f32 rows of issue 6's shape are 4 KiB apart, L1's way
-//! size). `flashattn bench --decode` is the benchmark of record (bandwidth measured beside it,
+//! decode_step -- f32 32768 40 "" USE_HUGE=1` for 4 KiB against huge pages, or `PAD=16
+//! HUGE_PAGES=1 ... decode_step -- f32 128 3000 USE_HUGE=1 USE_PAD=1` for key rows 16 elements
+//! further apart than the contiguous cache's (a strided view, in huge pages as the `USE_HUGE`
+//! copy; f32 rows of issue 6's shape are 4 KiB apart, L1's way size). `flashattn bench --decode` is the benchmark of record (bandwidth measured beside it,
 //! accuracy checked); this only repeats the call.
 use flashattn::decode::{flash_attn_with_kvcache, KvCacheOptions, TensorMut};
 use flashattn::TensorRef;
@@ -59,7 +59,6 @@ where
         (Vec::new(), Vec::new())
     };
     let shape = [1, cap, heads_kv, d];
-    let pstrides = [cap * rs, rs, d, 1];
     let qv = TensorRef::contiguous(&q, &[1, 1, heads, d]);
     let lens = [cap as i32];
     let opts = KvCacheOptions::default();
@@ -75,22 +74,16 @@ where
                 }
             }
             let use_pad = std::env::var_os("USE_PAD").is_some() && !kp.is_empty();
-            let (kb, vb) = match std::env::var_os("USE_HUGE") {
-                _ if use_pad => (&mut kp, &mut vp),
-                Some(_) if !kh.is_empty() => (&mut kh, &mut vh),
-                _ => (&mut k, &mut v),
-            };
-            let (mut kc, mut vc) = if use_pad {
-                (
-                    TensorMut::new(&mut kb[..], &shape, &pstrides),
-                    TensorMut::new(&mut vb[..], &shape, &pstrides),
-                )
+            let ((kb, vb), row) = if use_pad {
+                ((&mut kp, &mut vp), rs)
+            } else if std::env::var_os("USE_HUGE").is_some() && !kh.is_empty() {
+                ((&mut kh, &mut vh), heads_kv * d)
             } else {
-                (
-                    TensorMut::contiguous(&mut kb[..], &shape),
-                    TensorMut::contiguous(&mut vb[..], &shape),
-                )
+                ((&mut k, &mut v), heads_kv * d)
             };
+            let strides = [cap * row, row, d, 1];
+            let mut kc = TensorMut::new(&mut kb[..], &shape, &strides);
+            let mut vc = TensorMut::new(&mut vb[..], &shape, &strides);
             let mut opts = opts.clone();
             opts.num_splits = std::env::var("SPLITS").ok().and_then(|x| x.parse().ok());
             let t = Instant::now();

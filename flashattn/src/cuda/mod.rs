@@ -986,9 +986,9 @@ impl Plan {
 }
 
 /// Whether [`alloc_output`] poisons: by default in debug builds (the tests) and not in release
-/// builds; `FLASHATTN_POISON=1` or `0` says so for either (read once per process). A poisoned buffer costs one memset on the stream
-/// per output and workspace: nothing at the forward's scale, but ~2-3 us of GPU time each in a
-/// decode step that reads its cache in tens of microseconds.
+/// builds; `FLASHATTN_POISON=1` or `0` says so for either (read once per process). A poisoned
+/// buffer costs one memset on the stream per output and workspace: nothing at the forward's scale,
+/// but ~2-3 us of GPU time each in a decode step that reads its cache in tens of microseconds.
 fn poison_device_outputs() -> bool {
     static POISON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *POISON.get_or_init(|| match std::env::var("FLASHATTN_POISON").as_deref() {
