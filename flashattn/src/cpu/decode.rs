@@ -904,14 +904,26 @@ impl Runs {
 /// Two tiles ahead measured no better (see [`TILE_KEYS`]). Every line is asked for: every
 /// second (leaving the other to the adjacent-line prefetcher) measured 12.8-16.1 ms against
 /// 11.4-12.9 ms (f32, 2 threads). `prefetcht1` (into L2): a tile is 64-128 KiB, more than the
-/// 32 KiB L1.
+/// 32 KiB L1. k and v are asked for in turns of [`TURN_BYTES`].
 pub(crate) struct Ahead {
     /// Byte addresses still to ask for in k and in v: runs `[i..n)`, the first from `next`;
     /// never dereferenced.
     k: Stream,
     v: Stream,
     lines_per_step: usize,
+    /// Whose turn it is (v's when true), and the bytes left of it.
+    on_v: bool,
+    turn_left: usize,
 }
+
+/// Bytes of k's lines asked for before v's, and the other way round. Each step used to ask for
+/// `lines_per_step` lines of each (turns of 256 bytes of f32 at issue 6's shape, 128 of bf16);
+/// turns of 512 bytes took 0.91-0.97 of that time in f32 and 0.94-0.99 in bf16 (two threads, 32k
+/// keys, six runs of `examples/decode_step` alternating the two, 2026-11-27, AVX-512 host);
+/// turns of 1 KiB 0.95-0.99 / 0.94-1.00, 2 KiB 1.02-1.06 / 1.06-1.12, 4-64 KiB (64 KiB: k's whole
+/// tile, then v's) 1.03-1.09. One thread: 0.94-1.02 / 0.92-0.96. With the cache in L3 (2048 f32
+/// or 4096 bf16 keys, two threads) 512-byte turns took 1.02-1.06 of the time.
+const TURN_BYTES: usize = 512;
 
 #[derive(Default)]
 struct Stream {
@@ -939,6 +951,12 @@ impl Stream {
         }
         (self.i, self.next) = (0, self.runs.r[0].0);
         bytes
+    }
+
+    /// Whether every run has been asked for.
+    #[inline(always)]
+    fn done(&self) -> bool {
+        self.i >= self.runs.n
     }
 
     /// Asks for up to `bytes` more bytes.
@@ -981,6 +999,8 @@ impl Ahead {
             k: Stream::default(),
             v: Stream::default(),
             lines_per_step: 0,
+            on_v: true,
+            turn_left: 0,
         }
     }
 
@@ -997,14 +1017,33 @@ impl Ahead {
         let kb = self.k.set(k, kk, kl, shape);
         let vb = self.v.set(v, vk, vl, shape);
         self.lines_per_step = kb.max(vb).div_ceil(CACHE_LINE).div_ceil(steps.max(1));
+        // k's turn first.
+        (self.on_v, self.turn_left) = (true, 0);
     }
 
-    /// Asks for the lines of k and of v that `steps` steps are due.
+    /// Asks for the lines of k and of v that `steps` steps are due: as many bytes as
+    /// `lines_per_step` lines of each, from k and v in turns of [`TURN_BYTES`] (all of them from
+    /// one stream once the other has none left).
     #[inline(always)]
     pub fn step(&mut self, steps: usize) {
-        let bytes = steps * self.lines_per_step * CACHE_LINE;
-        self.k.step(bytes);
-        self.v.step(bytes);
+        let mut bytes = 2 * steps * self.lines_per_step * CACHE_LINE;
+        while bytes > 0 {
+            if self.turn_left == 0 {
+                (self.on_v, self.turn_left) = (!self.on_v, TURN_BYTES);
+            }
+            let (this, other) = match self.on_v {
+                true => (&mut self.v, &mut self.k),
+                false => (&mut self.k, &mut self.v),
+            };
+            if this.done() {
+                other.step(bytes);
+                return;
+            }
+            let x = bytes.min(self.turn_left);
+            this.step(x);
+            bytes -= x;
+            self.turn_left -= x;
+        }
     }
 }
 
@@ -2708,6 +2747,62 @@ mod tests {
         assert_eq!(got.len(), RUNS_CAP);
         assert_eq!(got[0], (39 * 2 * d, 39 * 2 * d + d));
         assert_eq!(got[40], (4096 * d + 39 * 2 * d, 4096 * d + 39 * 2 * d + d));
+    }
+
+    /// The prefetcher asks for k and v in turns of TURN_BYTES, and for every line of both by the
+    /// last step, also when v's tile is shorter than k's.
+    #[test]
+    fn prefetch_takes_turns_and_asks_for_every_line() {
+        use crate::params::RowLayout;
+        let (heads_kv, d) = (8, 128);
+        let dense = RowLayout {
+            row_stride: heads_kv * d,
+            head_stride: d,
+        };
+        let buf = vec![0f32; 64 * heads_kv * d];
+        let (k, v) = buf.split_at(32 * heads_kv * d);
+        let keys: Vec<usize> = (0..16).map(|j| j * heads_kv * d).collect();
+        // Bytes asked for so far.
+        let asked = |s: &Stream| {
+            let done: usize = s.runs.r[..s.i].iter().map(|r| r.1 - r.0).sum();
+            done + if s.done() {
+                0
+            } else {
+                s.next - s.runs.r[s.i].0
+            }
+        };
+        let steps = 2 * heads_kv * keys.len();
+        let mut ah = Ahead::none();
+        ah.set((k, &keys, dense), (v, &keys, dense), (heads_kv, d), steps);
+        // 16 keys × 4 KiB of each over 256 steps: 4 lines of each a step, 512 bytes in all.
+        assert_eq!(ah.lines_per_step, 4);
+        ah.step(1);
+        assert_eq!((asked(&ah.k), asked(&ah.v)), (TURN_BYTES, 0));
+        ah.step(1);
+        assert_eq!((asked(&ah.k), asked(&ah.v)), (TURN_BYTES, TURN_BYTES));
+        for _ in 2..steps {
+            ah.step(1);
+        }
+        assert!(ah.k.done() && ah.v.done());
+        // v's run a quarter of k's: both get 512 bytes in turns until v's 16 KiB are asked for
+        // (step 64), then k takes every step's 512 bytes: its other 48 KiB by step 160.
+        let mut ah = Ahead::none();
+        ah.set(
+            (k, &keys, dense),
+            (v, &keys[..4], dense),
+            (heads_kv, d),
+            steps,
+        );
+        for _ in 0..64 {
+            ah.step(1);
+        }
+        assert!(ah.v.done() && asked(&ah.k) == 16 << 10);
+        for _ in 64..159 {
+            ah.step(1);
+        }
+        assert!(!ah.k.done());
+        ah.step(1);
+        assert!(ah.k.done());
     }
 
     /// The kernels' bound check covers every key's row, not only the first or last one.
