@@ -2696,17 +2696,23 @@ mod tests {
         assert!((dst[0] - 2.0).abs() < 1e-6 && (dst[1] - 3.0).abs() < 1e-6);
     }
 
+    /// Issue 6's kv heads and head dim, and flash-attn's cache layout for them.
+    fn issue_layout() -> ((usize, usize), crate::params::RowLayout) {
+        let (heads_kv, d) = (8, 128);
+        let dense = crate::params::RowLayout {
+            row_stride: heads_kv * d,
+            head_stride: d,
+        };
+        ((heads_kv, d), dense)
+    }
+
     /// The prefetch runs of a tile: one for consecutive keys of a contiguous cache, one per page
     /// of a paged cache (keys on one page merged, pages in any order), one per kv head (and page)
     /// for a head-major layout, capped at RUNS_CAP.
     #[test]
     fn prefetch_runs_follow_pages() {
         use crate::params::RowLayout;
-        let (heads_kv, d) = (8, 128);
-        let dense = RowLayout {
-            row_stride: heads_kv * d,
-            head_stride: d,
-        };
+        let ((heads_kv, d), dense) = issue_layout();
         let runs = |keys: &[usize], l| {
             let mut r = Runs::default();
             r.fill(keys, l, heads_kv, d);
@@ -2753,12 +2759,7 @@ mod tests {
     /// last step, also when v's tile is shorter than k's.
     #[test]
     fn prefetch_takes_turns_and_asks_for_every_line() {
-        use crate::params::RowLayout;
-        let (heads_kv, d) = (8, 128);
-        let dense = RowLayout {
-            row_stride: heads_kv * d,
-            head_stride: d,
-        };
+        let ((heads_kv, d), dense) = issue_layout();
         let buf = vec![0f32; 64 * heads_kv * d];
         let (k, v) = buf.split_at(32 * heads_kv * d);
         let keys: Vec<usize> = (0..16).map(|j| j * heads_kv * d).collect();
