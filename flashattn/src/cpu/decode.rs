@@ -1135,7 +1135,8 @@ impl QTrans<'_> {
                 stride: rows * dpad,
             });
         }
-        let _ = bf16_keys;
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (bf16_keys, heads_kv, dpad);
         if isa != Isa::Avx512 {
             return None;
         }
@@ -1223,6 +1224,8 @@ pub(crate) enum QTransBuf {
         t: Vec<u32>,
         stride: usize,
     },
+    /// AVX2 only (x86-64).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     EvenOdd {
         t: Vec<f32>,
         stride: usize,
