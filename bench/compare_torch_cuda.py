@@ -18,6 +18,10 @@ route keeps q, k, v as float8 and converts them to bf16 times the factor before 
 (flash backend); the conversion is timed with it. Forward only.
 
     python3 bench/compare_torch_cuda.py --binary gpu-run/flashattn [--quick] [--out results.json]
+
+`--variant LABEL=BINARY[,ENV=VALUE...]` (repeatable) times further flashattn builds or settings in
+the same rounds, call after call with the main one (an A/B of a kernel change on one warm GPU);
+their medians and their time over the main binary's go into the table and the JSON.
 """
 import argparse
 import datetime
@@ -87,9 +91,9 @@ def torch_ms(b, h, s, d, causal, dtype, min_time, backward=False):
         return event_median_ms(step, min_time)
 
 
-def run_json(cmd):
+def run_json(cmd, env=None):
     """Runs a `flashattn ... --json` command: its machine line and first measurement line."""
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise SystemExit(f"flashattn failed: {' '.join(cmd)}\n{r.stderr}")
     lines = [json.loads(l) for l in r.stdout.splitlines() if l.strip()]
@@ -98,12 +102,21 @@ def run_json(cmd):
     return machine, m
 
 
-def flash(binary, b, h, s, d, causal, dtype, min_time, backward=False):
+def flash(binary, b, h, s, d, causal, dtype, min_time, backward=False, env=None):
     cmd = [binary, "bench", "--device", "cuda", "--dtype", dtype, "--batch", str(b),
            "--heads", str(h), "--head-dim", str(d), "--seqlen", str(s), "--json",
            "--min-time", str(min_time)] + (["--causal"] if causal else []) \
         + (["--backward"] if backward else [])
-    return run_json(cmd)
+    return run_json(cmd, env)
+
+
+def parse_variant(text):
+    """LABEL=BINARY[,ENV=VALUE...] -> (label, binary, environment)."""
+    label, _, rest = text.partition("=")
+    binary, *settings = rest.split(",")
+    if not label or not binary or any("=" not in x for x in settings):
+        raise SystemExit(f"--variant {text!r}: expected LABEL=BINARY[,ENV=VALUE...]")
+    return label, binary, dict(os.environ, **dict(x.split("=", 1) for x in settings))
 
 
 def main():
@@ -117,21 +130,30 @@ def main():
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--backward", action="store_true", help="time forward + backward")
     ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="LABEL=BINARY[,ENV=VALUE...]: another build or setting, timed alongside")
+    ap.add_argument("--seqlens", help="comma-separated sequence lengths (overrides --quick's)")
+    ap.add_argument("--causal", choices=["both", "no", "yes"], default="both")
     args = ap.parse_args()
+    variants = [parse_variant(v) for v in args.variant]
     if args.backward and args.dtype in ("e4m3", "e5m2"):
         ap.error("FP8 has a forward pass only")
 
     import torch
     seqlens = [512, 4096, 16384] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
+    if args.seqlens:
+        seqlens = [int(x) for x in args.seqlens.split(",")]
+    causals = {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]
     dims = [128] if args.quick else [64, 128]
     rows, machine = [], None
     for d in dims:
         h = args.hidden // d
-        for causal in (False, True):
+        for causal in causals:
             for s in seqlens:
                 b = max(1, args.tokens // s)
                 flops = 4.0 * b * h * d * pairs(s, causal) * (3.5 if args.backward else 1.0)
                 t_ms, f_ms, fm = [], [], None
+                v_ms = {label: [] for label, _, _ in variants}
                 for _ in range(args.rounds):
                     t_ms.append(torch_ms(b, h, s, d, causal, args.dtype, args.min_time,
                                          args.backward))
@@ -139,18 +161,27 @@ def main():
                                               args.min_time, args.backward)
                     fm = fm or fm_round  # the first round's kernel origin (compile or disk)
                     f_ms.append(fm_round["median_ms"])
+                    for label, binary, env in variants:
+                        _, vm = flash(binary, b, h, s, d, causal, args.dtype, args.min_time,
+                                      args.backward, env)
+                        v_ms[label].append(vm["median_ms"])
                 t, f = statistics.median(t_ms), statistics.median(f_ms)
                 row = dict(pass_="fwd+bwd" if args.backward else "fwd", dtype=args.dtype, batch=b, heads=h, seqlen=s, head_dim=d, causal=causal,
                            torch_ms=t, flashattn_ms=f, torch_tflops=flops / t / 1e9,
                            flashattn_tflops=flops / f / 1e9, speedup=t / f,
                            flashattn_max_abs_err=fm["max_abs_err"], kernel=fm["kernel"],
                            first_use=fm["kernel_origin"], first_use_ms=fm["prepare_ms"],
-                           torch_round_ms=t_ms, flashattn_round_ms=f_ms)
+                           torch_round_ms=t_ms, flashattn_round_ms=f_ms,
+                           variants={label: dict(ms=statistics.median(ms), round_ms=ms,
+                                                 time_over_main=statistics.median(ms) / f)
+                                     for label, ms in v_ms.items()})
                 rows.append(row)
                 print(f"d={d:3} causal={causal!s:5} s={s:5} b={b:2} h={h:2}: torch {t:8.3f} ms "
                       f"{row['torch_tflops']:6.1f} TF/s | flashattn {f:8.3f} ms "
                       f"{row['flashattn_tflops']:6.1f} TF/s | x{row['speedup']:.2f} | "
-                      f"err {fm['max_abs_err']:.1e} | {fm['kernel_origin']} {fm['prepare_ms']:.0f} ms",
+                      f"err {fm['max_abs_err']:.1e} | {fm['kernel_origin']} {fm['prepare_ms']:.0f} ms"
+                      + "".join(f" | {label} {v['ms']:.3f} ms ({v['time_over_main']:.2f})"
+                                for label, v in row["variants"].items()),
                       flush=True)
     speedups = [r["speedup"] for r in rows]
     geo = statistics.geometric_mean(speedups)

@@ -11,7 +11,7 @@
 #   4. NVRTC's own compile rate there (a few variants into an empty cache).
 #
 # Here: bash bench/gpu/prepare.sh && the cache (see docs/GPU.md); there (carry gpu-run):
-#   bash bench/gpu/session.sh [SECONDS] [decode|h100|ab|quick]
+#   bash bench/gpu/session.sh [SECONDS] [decode|h100|ab|quick|fwd]
 # SECONDS: the budget for the whole script (500). `decode`: after the tests, only the decode
 # comparisons (the default CUDA-core split kernel, then the tensor-core one with
 # FLASHATTN_CUDA_DECODE=tc), an Nsight Compute summary of each split kernel and a split-count sweep
@@ -152,6 +152,20 @@ if [ "$mode" = ab ]; then
         --dtype bf16 --batch 1 --heads 32 --heads-kv 8 --head-dim 128 --cache-len 32768 --min-time 0.01
     stage 100 compare_bwd python3 bench/compare_torch_cuda.py --binary "$bin" --backward --quick \
         --rounds 1 --min-time 0.2 --out "$logs/compare_cuda_bwd.json"
+    finish
+fi
+if [ "$mode" = fwd ]; then
+    # A forward kernel change: after the tests, this build against gpu-run/old/flashattn (when
+    # carried) and FLASHATTN_FWD_ALT (ENV=VALUE, an alternative setting of this build, when set)
+    # call by call beside SDPA (d = 64 and 128, 512 to 16k tokens, causal or not), then the decode
+    # step against SDPA.
+    variants=()
+    [ -x gpu-run/old/flashattn ] && variants+=(--variant "old=$PWD/gpu-run/old/flashattn")
+    [ -n "${FLASHATTN_FWD_ALT:-}" ] && variants+=(--variant "alt=$bin,$FLASHATTN_FWD_ALT")
+    stage 150 compare_fwd_ab python3 bench/compare_torch_cuda.py --binary "$bin" --rounds 2 \
+        --seqlens 512,4096,16384 --min-time 0.2 "${variants[@]}" --out "$logs/compare_cuda_fwd_ab.json"
+    stage 60 compare_decode python3 bench/compare_torch_cuda_decode.py --binary "$bin" --rounds 1 \
+        --min-time 0.2 --out "$logs/compare_cuda_decode.json"
     finish
 fi
 if [ "$mode" = h100 ]; then

@@ -149,6 +149,16 @@ impl KernelKey {
                 block_n: 32,
                 num_warps: 4,
             },
+            // Four warps of two 16-row blocks each (fwd.cu: M_TILES), as FlashAttention-2: each K
+            // and V fragment read from shared memory feeds two mma blocks, and two CTAs share an
+            // SM. Up to head_dim 64 that fits 255 registers; at 96 and 128 (two blocks' acc_o
+            // alone take 96 or 128), and with dropout's Philox rounds at any size, it spilled
+            // 8-150 bytes (NVRTC 13.0, sm_80 and sm_90a), so those keep eight warps of one.
+            (_, d) if d <= 64 && !self.dropout => Tiles {
+                block_m: 128,
+                block_n: 64,
+                num_warps: 4,
+            },
             (_, d) if d <= 128 => Tiles {
                 block_m: 128,
                 block_n: 64,

@@ -1,8 +1,10 @@
 // FlashAttention-2 forward for f16 / bf16 on sm_80 and newer, accumulation in f32.
 //
-// One CTA computes BLOCK_M query rows of one (sequence, head); each of its NUM_WARPS warps owns 16
-// rows. For every key block the CTA can see (the key range comes from the mask rule, so blocks a
-// causal or windowed CTA cannot see are never loaded):
+// One CTA computes BLOCK_M query rows of one (sequence, head); each of its NUM_WARPS warps owns
+// M_TILES blocks of 16 rows (key.rs picks 2 where the registers allow, as FlashAttention-2's 4
+// warps x 32 rows: every K and V fragment read from shared memory then feeds two mma blocks).
+// For every key block the CTA can see (the key range comes from the mask rule, so blocks a causal
+// or windowed CTA cannot see are never loaded):
 //   S = Q·Kᵀ     tensor cores, mma.sync m16n8k16, operands from shared memory by ldmatrix;
 //   mask/mods    scale, softcap, ALiBi, mask (the per-element mask only on blocks it cuts);
 //   softmax      online, in registers: row_max / row_sum per row, acc_o rescaled by alpha;
@@ -32,8 +34,83 @@
 
 static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "HEAD_DIM: a multiple of 32, at most 256");
 static_assert(SMEM_ROW % 64 == 0 && SMEM_ROW >= HEAD_DIM, "SMEM_ROW: whole swizzle groups");
-static_assert(BLOCK_M == 16 * NUM_WARPS, "each warp owns 16 query rows");
+#define M_TILES (BLOCK_M / (16 * NUM_WARPS))
+static_assert(BLOCK_M == 16 * NUM_WARPS * M_TILES && M_TILES >= 1,
+              "each warp owns whole 16-row tiles");
 static_assert(BLOCK_N % 16 == 0, "key blocks are whole mma k-steps");
+
+// Shared-memory addressing of the products' ldmatrix reads. A lane's x4 read at 16-row block 0 and
+// k-step 0 starts at (row, chunk c in 0..1) of a swizzled tile (common.cuh: swz); at k-step kk
+// its chunk is 2kk + c, whose byte offset is that of k-step 0 with bits 4-6 XORed by
+// 16 · (2kk mod 8), plus 128 bytes per 8 chunks (rows are whole 128-byte swizzle groups, so
+// row · row_bytes has bits 4-6 clear); another 16-row block adds 16 rows, which keeps row % 8.
+// Every read is then a base register plus one XOR and an immediate, so the compiler need not keep
+// an address per (k-step, block) live across the key loop.
+#define ROW_BYTES (2 * SMEM_ROW)
+__device__ __forceinline__ u32 frag_offset(int row, int c) {
+    return (u32)(row * ROW_BYTES + ((c ^ (row & 7)) << 4));
+}
+__device__ __forceinline__ u32 kstep_offset(u32 off, int kk) {
+    return (off ^ (u32)((2 * kk & 7) << 4)) + (u32)((kk >> 2) * 128);
+}
+
+// x[t][·][NCOLS] = A·Bᵀ for MT 16-row blocks of the tile at `a` (this lane's offset a_off) and
+// the NCOLS rows of the tile at `b` (b_off): S = Q·Kᵀ. Each K fragment feeds all MT blocks.
+template <int MT, int NCOLS>
+__device__ __forceinline__ void mma_abt_mt(float (&x)[MT][NCOLS / 8][4], u32 a, u32 a_off, u32 b,
+                                           u32 b_off) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int i = 0; i < NCOLS / 8; ++i)
+            x[mt][i][0] = x[mt][i][1] = x[mt][i][2] = x[mt][i][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        u32 af[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+            ldsm_x4(af[mt], a + kstep_offset(a_off, kk) + mt * 16 * ROW_BYTES);
+#pragma unroll
+        for (int np = 0; np < NCOLS / 16; ++np) {
+            u32 bf[4];
+            ldsm_x4(bf, b + kstep_offset(b_off, kk) + np * 16 * ROW_BYTES);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma16816(x[mt][2 * np], af[mt], bf[0], bf[1]);
+                mma16816(x[mt][2 * np + 1], af[mt], bf[2], bf[3]);
+            }
+        }
+    }
+}
+
+// acc[t][·][HEAD_DIM] += X_t·B for MT blocks: X_t the t-th 16 x NK block of accumulators (rounded
+// to the input type as the A operand) and B the tile at `b` ([NK][HEAD_DIM], read transposed;
+// this lane's offset b_off): O += P·V. Each V fragment feeds all MT blocks.
+template <int MT, int NK>
+__device__ __forceinline__ void mma_xb_mt(float (&acc)[MT][HEAD_DIM / 8][4],
+                                          const float (&x)[MT][NK / 8][4], u32 b, u32 b_off) {
+#pragma unroll
+    for (int j = 0; j < NK / 16; ++j) {
+        u32 af[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            af[mt][0] = pack2(x[mt][2 * j][0], x[mt][2 * j][1]);
+            af[mt][1] = pack2(x[mt][2 * j][2], x[mt][2 * j][3]);
+            af[mt][2] = pack2(x[mt][2 * j + 1][0], x[mt][2 * j + 1][1]);
+            af[mt][3] = pack2(x[mt][2 * j + 1][2], x[mt][2 * j + 1][3]);
+        }
+#pragma unroll
+        for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
+            u32 bf[4];
+            ldsm_x4_trans(bf, b + kstep_offset(b_off, dp) + j * 16 * ROW_BYTES);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma16816(acc[mt][2 * dp], af[mt], bf[0], bf[1]);
+                mma16816(acc[mt][2 * dp + 1], af[mt], bf[2], bf[3]);
+            }
+        }
+    }
+}
 
 #ifdef FA_FP8_INPUT
 #ifndef FA_BF16
@@ -139,6 +216,11 @@ flash_fwd(FLASH_FWD_PARAMS(in_t, u16)) {
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;  // mma fragment row group and column pair
+    // This lane's ldmatrix offsets: q rows of its warp (A), k rows (B), v rows read transposed.
+    const u32 q_off =
+        frag_offset(warp * 16 * M_TILES + (lane & 7) + ((lane >> 3) & 1) * 8, lane >> 4);
+    const u32 k_off = frag_offset((lane & 7) + (lane >> 4) * 8, (lane >> 3) & 1);
+    const u32 v_off = frag_offset((lane & 7) + ((lane >> 3) & 1) * 8, lane >> 4);
 
 #ifdef FA_FP8_INPUT
     // Staging: [2 buffers][k, v][BLOCK_N][HEAD_DIM] bytes, after the bf16 tiles.
@@ -167,16 +249,25 @@ flash_fwd(FLASH_FWD_PARAMS(in_t, u16)) {
     cp_async_commit();
 #endif
 
-    float acc_o[HEAD_DIM / 8][4];
+    float acc_o[M_TILES][HEAD_DIM / 8][4];
+    // This thread's two rows of each tile mt: warp * 16 * M_TILES + 16 * mt + g and + 8; the keys
+    // each row sees, lo..hi (the mask of blocks.rs, once per row).
+    float row_max[M_TILES][2], row_sum[M_TILES][2];
+    int row_i[M_TILES][2], row_lo[M_TILES][2], row_hi[M_TILES][2];
 #pragma unroll
-    for (int i = 0; i < HEAD_DIM / 8; ++i)
-        acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
-    // This thread's two rows: warp * 16 + g and + 8.
-    float row_max[2] = {-FA_INF, -FA_INF}, row_sum[2] = {0.f, 0.f};
-    const int row_i[2] = {m0 + warp * 16 + g, m0 + warp * 16 + g + 8};
-    // The keys each of the two rows sees, lo..hi (the mask of blocks.rs, once per row).
-    const int row_lo[2] = {mask.lo(row_i[0]), mask.lo(row_i[1])};
-    const int row_hi[2] = {mask.hi(row_i[0]), mask.hi(row_i[1])};
+    for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+        for (int i = 0; i < HEAD_DIM / 8; ++i)
+            acc_o[mt][i][0] = acc_o[mt][i][1] = acc_o[mt][i][2] = acc_o[mt][i][3] = 0.f;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            row_max[mt][r] = -FA_INF;
+            row_sum[mt][r] = 0.f;
+            row_i[mt][r] = m0 + (warp * M_TILES + mt) * 16 + g + 8 * r;
+            row_lo[mt][r] = mask.lo(row_i[mt][r]);
+            row_hi[mt][r] = mask.hi(row_i[mt][r]);
+        }
+    }
 
     for (int n_block = n_block_min; n_block < n_block_max; ++n_block) {
         const int buf = (n_block - n_block_min) & 1;
@@ -221,80 +312,97 @@ flash_fwd(FLASH_FWD_PARAMS(in_t, u16)) {
 
 #endif
 
-        // S = Q·Kᵀ for this warp's 16 rows × BLOCK_N keys.
-        float s[BLOCK_N / 8][4];
-        mma_abt<BLOCK_N>(s, q_tile, k_tile, warp, lane);
+        // S = Q·Kᵀ for this warp's 16 * M_TILES rows × BLOCK_N keys.
+        float s[M_TILES][BLOCK_N / 8][4];
+        mma_abt_mt<M_TILES, BLOCK_N>(s, smem_addr(q_tile), q_off, smem_addr(k_tile), k_off);
 
         // Scores to the log2 domain; the per-element mask only where this block needs it.
         const int n0 = n_block * BLOCK_N;
         const bool need_mask = w.needs_mask(n0, BLOCK_N);
 #pragma unroll
-        for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                s[nt][e] = mods.apply(s[nt][e], row_i[e >> 1], n0 + nt * 8 + 2 * t + (e & 1));
-        }
-        if (need_mask) {
+        for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
             for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int j = n0 + nt * 8 + 2 * t + (e & 1);
-                    if (j < row_lo[e >> 1] || j >= row_hi[e >> 1]) s[nt][e] = -FA_INF;
+                for (int e = 0; e < 4; ++e)
+                    s[mt][nt][e] = mods.apply(s[mt][nt][e], row_i[mt][e >> 1],
+                                              n0 + nt * 8 + 2 * t + (e & 1));
+            }
+        }
+        if (need_mask) {
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+                for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int j = n0 + nt * 8 + 2 * t + (e & 1);
+                        if (j < row_lo[mt][e >> 1] || j >= row_hi[mt][e >> 1])
+                            s[mt][nt][e] = -FA_INF;
+                    }
                 }
             }
         }
 
-        // Online softmax: max_get_scale, then probabilities and row_sum, then rescale_o.
-        online_softmax_step<BLOCK_N>(s, row_max, row_sum, acc_o);
+        // Online softmax, tile by tile: max_get_scale, then probabilities and row_sum, then
+        // rescale_o.
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+            online_softmax_step<BLOCK_N>(s[mt], row_max[mt], row_sum[mt], acc_o[mt]);
 
 #if HAS_DROPOUT
         // Dropout zeroes probabilities for P·V only (row_sum above keeps them); 1/(1-p) is applied
         // once, at the end. This thread's keys 2t, 2t+1 of an 8-key tile are words 2(t & 1) and
         // 2(t & 1) + 1 of one Philox group.
 #pragma unroll
-        for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
-            const int j = n0 + nt * 8 + 2 * t;
+        for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                u32 wd[4];
-                w.drop.words(wd, j >> 2, row_i[r], h, w.b);
-                if (!w.drop.kept(pick_word(wd, 2 * (t & 1)))) s[nt][2 * r] = 0.f;
-                if (!w.drop.kept(pick_word(wd, 2 * (t & 1) + 1))) s[nt][2 * r + 1] = 0.f;
+            for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
+                const int j = n0 + nt * 8 + 2 * t;
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    u32 wd[4];
+                    w.drop.words(wd, j >> 2, row_i[mt][r], h, w.b);
+                    if (!w.drop.kept(pick_word(wd, 2 * (t & 1)))) s[mt][nt][2 * r] = 0.f;
+                    if (!w.drop.kept(pick_word(wd, 2 * (t & 1) + 1))) s[mt][nt][2 * r + 1] = 0.f;
+                }
             }
         }
 #endif
 
         // acc_o += P·V: the accumulators of key tiles 2j, 2j+1 form the A fragment of k-step j.
-        mma_xb<BLOCK_N>(acc_o, s, v_tile, lane);
+        mma_xb_mt<M_TILES, BLOCK_N>(acc_o, s, smem_addr(v_tile), v_off);
         __syncthreads();
     }
     cp_async_wait<0>();  // a CTA that saw no key block still has its q tile in flight
 
     // finalize: divide by row_sum once; fully masked rows (row_sum 0) give 0 and lse -inf.
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float sum = row_sum[r];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const float inv = sum == 0.f ? 0.f : w.out_scale / sum;
-        const int i = row_i[r];
-        if (i >= seqlen_q) continue;
-        u16* o = out + ((out_row0 + i) * heads + h) * (i64)head_dim;
+    for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
-        for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
-            const int col = dt * 8 + 2 * t;
-            const float x0 = acc_o[dt][2 * r] * inv, x1 = acc_o[dt][2 * r + 1] * inv;
+        for (int r = 0; r < 2; ++r) {
+            float sum = row_sum[mt][r];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            const float inv = sum == 0.f ? 0.f : w.out_scale / sum;
+            const int i = row_i[mt][r];
+            if (i >= seqlen_q) continue;
+            u16* o = out + ((out_row0 + i) * heads + h) * (i64)head_dim;
+#pragma unroll
+            for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
+                const int col = dt * 8 + 2 * t;
+                const float x0 = acc_o[mt][dt][2 * r] * inv, x1 = acc_o[mt][dt][2 * r + 1] * inv;
 #if VEC_LOAD
-            // head_dim is even, so a pair is either wholly inside the row or wholly past it.
-            if (col < head_dim) *reinterpret_cast<u32*>(o + col) = pack2(x0, x1);
+                // head_dim is even, so a pair is either wholly inside the row or wholly past it.
+                if (col < head_dim) *reinterpret_cast<u32*>(o + col) = pack2(x0, x1);
 #else
-            if (col < head_dim) o[col] = from_f32(x0);
-            if (col + 1 < head_dim) o[col + 1] = from_f32(x1);
+                if (col < head_dim) o[col] = from_f32(x0);
+                if (col + 1 < head_dim) o[col + 1] = from_f32(x1);
 #endif
+            }
+            if (t == 0)
+                lse[lse_base + (i64)h * lse_head_stride + i] =
+                    sum == 0.f ? -FA_INF : (row_max[mt][r] + log2f(sum)) * FA_LN2;
         }
-        if (t == 0)
-            lse[lse_base + (i64)h * lse_head_stride + i] =
-                sum == 0.f ? -FA_INF : (row_max[r] + log2f(sum)) * FA_LN2;
     }
 }
