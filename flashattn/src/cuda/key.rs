@@ -151,12 +151,18 @@ impl KernelKey {
             },
             // Four warps of two 16-row blocks each (fwd.cu: M_TILES), as FlashAttention-2: each K
             // and V fragment read from shared memory feeds two mma blocks, and two CTAs share an
-            // SM. Up to head_dim 64 that fits 255 registers; at 96 and 128 (two blocks' acc_o
-            // alone take 96 or 128), and with dropout's Philox rounds at any size, it spilled
-            // 8-150 bytes (NVRTC 13.0, sm_80 and sm_90a), so those keep eight warps of one.
+            // SM. Past head_dim 64 the two blocks' acc_o take 96 or 128 registers: 64-key blocks
+            // then spilled, 32-key blocks fit, except with FP8 widening at 128 (NVRTC 13.0,
+            // sm_80 and sm_90a; the compile test checks every variant). With dropout's Philox
+            // rounds it spilled at every size: those keep eight warps of one block.
             (_, d) if d <= 64 && !self.dropout => Tiles {
                 block_m: 128,
                 block_n: 64,
+                num_warps: 4,
+            },
+            (_, d) if d <= 128 && !self.dropout && !(self.fp8 && d > 96) => Tiles {
+                block_m: 128,
+                block_n: 32,
                 num_warps: 4,
             },
             (_, d) if d <= 128 => Tiles {

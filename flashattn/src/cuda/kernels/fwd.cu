@@ -250,10 +250,11 @@ flash_fwd(FLASH_FWD_PARAMS(in_t, u16)) {
 #endif
 
     float acc_o[M_TILES][HEAD_DIM / 8][4];
-    // This thread's two rows of each tile mt: warp * 16 * M_TILES + 16 * mt + g and + 8; the keys
-    // each row sees, lo..hi (the mask of blocks.rs, once per row).
+    // This thread's two rows of each tile mt: warp * 16 * M_TILES + 16 * mt + g and + 8. (The keys
+    // each row sees come from the mask where a block needs it: kept in registers for the whole
+    // loop, those bounds made two blocks of 16 rows at head_dim 128 spill.)
     float row_max[M_TILES][2], row_sum[M_TILES][2];
-    int row_i[M_TILES][2], row_lo[M_TILES][2], row_hi[M_TILES][2];
+    int row_i[M_TILES][2];
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
@@ -264,8 +265,6 @@ flash_fwd(FLASH_FWD_PARAMS(in_t, u16)) {
             row_max[mt][r] = -FA_INF;
             row_sum[mt][r] = 0.f;
             row_i[mt][r] = m0 + (warp * M_TILES + mt) * 16 + g + 8 * r;
-            row_lo[mt][r] = mask.lo(row_i[mt][r]);
-            row_hi[mt][r] = mask.hi(row_i[mt][r]);
         }
     }
 
@@ -337,8 +336,8 @@ flash_fwd(FLASH_FWD_PARAMS(in_t, u16)) {
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int j = n0 + nt * 8 + 2 * t + (e & 1);
-                        if (j < row_lo[mt][e >> 1] || j >= row_hi[mt][e >> 1])
-                            s[mt][nt][e] = -FA_INF;
+                        const int i = row_i[mt][e >> 1];
+                        if (j < mask.lo(i) || j >= mask.hi(i)) s[mt][nt][e] = -FA_INF;
                     }
                 }
             }
