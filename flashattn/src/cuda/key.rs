@@ -89,9 +89,10 @@ impl KernelKey {
         head_dim.div_ceil(HEAD_DIM_STEP) * HEAD_DIM_STEP
     }
 
-    /// Tile sizes, chosen so that acc_o (head_dim / 2 f32 registers per thread on the tensor-core
-    /// path) plus the scores (block_n / 2) stay within 255 registers without spills; checked for
-    /// every variant by the compile test.
+    /// Tile sizes, chosen so that acc_o (head_dim / 2 f32 registers per thread and 16-row block on
+    /// the tensor-core path; a forward warp owns block_m / (16 · num_warps) blocks) plus the scores
+    /// (block_n / 2 per block) stay within 255 registers without spills; checked for every
+    /// variant by the compile test.
     pub fn tiles(&self) -> Tiles {
         match self.kind {
             // bwd.cu on tensor cores: 64 query rows per CTA and 64 keys a step (dkdv: 64 keys
