@@ -54,6 +54,18 @@ __device__ __forceinline__ u32 kstep_offset(u32 off, int kk) {
     return (off ^ (u32)((2 * kk & 7) << 4)) + (u32)((kk >> 2) * 128);
 }
 
+// c[t][n] and c[t][n + 1] += the t-th A fragment times the two n8 halves of one x4 B fragment,
+// for every block t: each B fragment read from shared memory feeds all MT blocks.
+template <int MT, int N>
+__device__ __forceinline__ void mma_x4_mt(float (&c)[MT][N][4], int n, const u32 (&af)[MT][4],
+                                          const u32 (&bf)[4]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        mma16816(c[mt][n], af[mt], bf[0], bf[1]);
+        mma16816(c[mt][n + 1], af[mt], bf[2], bf[3]);
+    }
+}
+
 // x[t][·][NCOLS] = A·Bᵀ for MT 16-row blocks of the tile at `a` (this lane's offset a_off) and
 // the NCOLS rows of the tile at `b` (b_off): S = Q·Kᵀ. Each K fragment feeds all MT blocks.
 template <int MT, int NCOLS>
@@ -74,11 +86,7 @@ __device__ __forceinline__ void mma_abt_mt(float (&x)[MT][NCOLS / 8][4], u32 a, 
         for (int np = 0; np < NCOLS / 16; ++np) {
             u32 bf[4];
             ldsm_x4(bf, b + kstep_offset(b_off, kk) + np * 16 * ROW_BYTES);
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                mma16816(x[mt][2 * np], af[mt], bf[0], bf[1]);
-                mma16816(x[mt][2 * np + 1], af[mt], bf[2], bf[3]);
-            }
+            mma_x4_mt(x, 2 * np, af, bf);
         }
     }
 }
@@ -103,11 +111,7 @@ __device__ __forceinline__ void mma_xb_mt(float (&acc)[MT][HEAD_DIM / 8][4],
         for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
             u32 bf[4];
             ldsm_x4_trans(bf, b + kstep_offset(b_off, dp) + j * 16 * ROW_BYTES);
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                mma16816(acc[mt][2 * dp], af[mt], bf[0], bf[1]);
-                mma16816(acc[mt][2 * dp + 1], af[mt], bf[2], bf[3]);
-            }
+            mma_x4_mt(acc, 2 * dp, af, bf);
         }
     }
 }
