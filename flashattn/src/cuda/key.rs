@@ -153,19 +153,26 @@ impl KernelKey {
             // Four warps of two 16-row blocks each (fwd.cu: M_TILES), as FlashAttention-2: each K
             // and V fragment read from shared memory feeds two mma blocks, and two CTAs share an
             // SM. Past head_dim 64 the two blocks' acc_o take 96 or 128 registers: 64-key blocks
-            // then spilled, 32-key blocks fit, except with FP8 widening at 128 (NVRTC 13.0,
-            // sm_80 and sm_90a; the compile test checks every variant). With dropout's Philox
-            // rounds it spilled at every size: those keep eight warps of one block.
+            // then spilled, 32-key blocks fit, except at 128 with FP8 widening or with softcap and
+            // ALiBi together (64 bytes on sm_90a without vector loads; NVRTC 13.0, sm_80 and
+            // sm_90a; the compile test checks every variant). With dropout's Philox rounds it
+            // spilled at every size: those keep eight warps of one block.
             (_, d) if d <= 64 && !self.dropout => Tiles {
                 block_m: 128,
                 block_n: 64,
                 num_warps: 4,
             },
-            (_, d) if d <= 128 && !self.dropout && !(self.fp8 && d > 96) => Tiles {
-                block_m: 128,
-                block_n: 32,
-                num_warps: 4,
-            },
+            (_, d)
+                if d <= 128
+                    && !self.dropout
+                    && !(d > 96 && (self.fp8 || (self.softcap && self.alibi))) =>
+            {
+                Tiles {
+                    block_m: 128,
+                    block_n: 32,
+                    num_warps: 4,
+                }
+            }
             (_, d) if d <= 128 => Tiles {
                 block_m: 128,
                 block_n: 64,
