@@ -133,6 +133,7 @@ def main():
     ap.add_argument("--variant", action="append", default=[],
                     help="LABEL=BINARY[,ENV=VALUE...]: another build or setting, timed alongside")
     ap.add_argument("--seqlens", help="comma-separated sequence lengths (overrides --quick's)")
+    ap.add_argument("--dims", help="comma-separated head dims (overrides --quick's)")
     ap.add_argument("--causal", choices=["both", "no", "yes"], default="both")
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variant]
@@ -145,6 +146,8 @@ def main():
         seqlens = [int(x) for x in args.seqlens.split(",")]
     causals = {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]
     dims = [128] if args.quick else [64, 128]
+    if args.dims:
+        dims = [int(x) for x in args.dims.split(",")]
     rows, machine = [], None
     for d in dims:
         h = args.hidden // d

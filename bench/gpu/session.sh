@@ -156,14 +156,12 @@ if [ "$mode" = ab ]; then
 fi
 if [ "$mode" = fwd ]; then
     # A forward kernel change: after the tests, this build against gpu-run/old/flashattn (when
-    # carried) and FLASHATTN_FWD_ALT (ENV=VALUE, an alternative setting of this build, when set)
-    # call by call beside SDPA (d = 128, 512 to 16k tokens, causal or not; one round, as each
-    # flashattn call with its data set-up and error check takes ~10 s there: on 2026-11-27 two
-    # rounds of d = 64 and 128 got through 3 of 12 shapes in 150 s), then the decode step against
-    # SDPA.
+    # carried) call by call beside SDPA (d = 128, 512 to 16k tokens, causal or not; one round, as
+    # each flashattn call with its data set-up and error check takes ~10 s there: on 2026-11-27
+    # two rounds of d = 64 and 128 got through 3 of 12 shapes in 150 s), then the decode step
+    # against SDPA.
     variants=()
     [ -x gpu-run/old/flashattn ] && variants+=(--variant "old=$PWD/gpu-run/old/flashattn")
-    [ -n "${FLASHATTN_FWD_ALT:-}" ] && variants+=(--variant "alt=$bin,$FLASHATTN_FWD_ALT")
     stage 180 compare_fwd_ab python3 bench/compare_torch_cuda.py --binary "$bin" --quick --rounds 1 \
         --min-time 0.2 "${variants[@]}" --out "$logs/compare_cuda_fwd_ab.json"
     stage 60 compare_decode python3 bench/compare_torch_cuda_decode.py --binary "$bin" --rounds 1 \
