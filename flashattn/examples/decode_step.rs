@@ -4,8 +4,11 @@
 //! decode_step -- f32 32768 40 "" USE_HUGE=1` for 4 KiB against huge pages, or `PAD=16
 //! HUGE_PAGES=1 ... decode_step -- f32 128 3000 USE_HUGE=1 USE_PAD=1` for key rows 16 elements
 //! further apart than the contiguous cache's (a strided view, in huge pages as the `USE_HUGE`
-//! copy; f32 rows of issue 6's shape are 4 KiB apart, L1's way size). `flashattn bench --decode` is the benchmark of record (bandwidth measured beside it,
-//! accuracy checked); this only repeats the call.
+//! copy; f32 rows of issue 6's shape are 4 KiB apart, L1's way size). A configuration with
+//! `READ=1` sums the caches' bytes on all threads instead of calling (e.g. `HUGE_PAGES=1 ...
+//! decode_step -- f32 32768 30 USE_HUGE=1 "USE_HUGE=1 READ=1"`): the step against a plain read of
+//! the same memory, alternated call by call. `flashattn bench --decode` is the benchmark of record
+//! (bandwidth measured beside it, accuracy checked); this only repeats the call.
 use flashattn::decode::{flash_attn_with_kvcache, KvCacheOptions, TensorMut};
 use flashattn::TensorRef;
 use half::bf16;
@@ -87,6 +90,35 @@ where
             let mut opts = opts.clone();
             opts.num_splits = std::env::var("SPLITS").ok().and_then(|x| x.parse().ok());
             let t = Instant::now();
+            // `READ=1`: instead of the step, sum the caches' bytes on all threads, in 4 MiB
+            // chunks (as `flashattn bench --decode` measures the read rate), for a ratio of the
+            // step's time to a plain read of the same memory in the same alternation.
+            if std::env::var("READ").as_deref() == Ok("1") {
+                let s: u64 = [&kb[..], &vb[..]]
+                    .into_iter()
+                    .map(|b| {
+                        use rayon::prelude::*;
+                        // SAFETY: any initialised T is readable as bytes; u8 has alignment 1.
+                        let by = unsafe {
+                            std::slice::from_raw_parts(
+                                b.as_ptr().cast::<u8>(),
+                                std::mem::size_of_val(b),
+                            )
+                        };
+                        by.par_chunks(4 << 20).map(sum_bytes).sum::<u64>()
+                    })
+                    .sum();
+                if rep > 0 {
+                    times[ci].push(t.elapsed().as_secs_f64() * 1e3);
+                }
+                std::hint::black_box(s);
+                for kv in cfg.split_whitespace() {
+                    if let Some((k, _)) = kv.split_once('=') {
+                        std::env::remove_var(k);
+                    }
+                }
+                continue;
+            }
             let r = flash_attn_with_kvcache(&qv, &mut kc, &mut vc, &lens, &opts).unwrap();
             if rep > 0 {
                 times[ci].push(t.elapsed().as_secs_f64() * 1e3);
@@ -111,6 +143,19 @@ where
             med * 1e6 / cap as f64 * rayon::current_num_threads() as f64
         );
     }
+}
+
+/// The wrapping sum of a chunk's bytes as u64 words (vectorised by the compiler).
+fn sum_bytes(c: &[u8]) -> u64 {
+    let mut acc = [0u64; 8];
+    let mut it = c.chunks_exact(64);
+    for x in &mut it {
+        for (a, y) in acc.iter_mut().zip(x.chunks_exact(8)) {
+            *a = a.wrapping_add(u64::from_le_bytes(y.try_into().unwrap()));
+        }
+    }
+    let tail: u64 = it.remainder().iter().map(|&b| b as u64).sum();
+    acc.iter().fold(tail, |s, y| s.wrapping_add(*y))
 }
 
 fn main() {
