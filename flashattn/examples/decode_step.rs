@@ -89,41 +89,18 @@ where
             let mut vc = TensorMut::new(&mut vb[..], &shape, &strides);
             let mut opts = opts.clone();
             opts.num_splits = std::env::var("SPLITS").ok().and_then(|x| x.parse().ok());
+            // `READ=1`: instead of the step, a plain read of the same caches (see `read`).
+            let plain_read = std::env::var("READ").as_deref() == Ok("1");
             let t = Instant::now();
-            // `READ=1`: instead of the step, sum the caches' bytes on all threads, in 4 MiB
-            // chunks (as `flashattn bench --decode` measures the read rate), for a ratio of the
-            // step's time to a plain read of the same memory in the same alternation.
-            if std::env::var("READ").as_deref() == Ok("1") {
-                let s: u64 = [&kb[..], &vb[..]]
-                    .into_iter()
-                    .map(|b| {
-                        use rayon::prelude::*;
-                        // SAFETY: any initialised T is readable as bytes; u8 has alignment 1.
-                        let by = unsafe {
-                            std::slice::from_raw_parts(
-                                b.as_ptr().cast::<u8>(),
-                                std::mem::size_of_val(b),
-                            )
-                        };
-                        by.par_chunks(4 << 20).map(sum_bytes).sum::<u64>()
-                    })
-                    .sum();
-                if rep > 0 {
-                    times[ci].push(t.elapsed().as_secs_f64() * 1e3);
-                }
-                std::hint::black_box(s);
-                for kv in cfg.split_whitespace() {
-                    if let Some((k, _)) = kv.split_once('=') {
-                        std::env::remove_var(k);
-                    }
-                }
-                continue;
+            if plain_read {
+                std::hint::black_box(read(&kb[..], &vb[..]));
+            } else {
+                let r = flash_attn_with_kvcache(&qv, &mut kc, &mut vc, &lens, &opts).unwrap();
+                std::hint::black_box(r);
             }
-            let r = flash_attn_with_kvcache(&qv, &mut kc, &mut vc, &lens, &opts).unwrap();
             if rep > 0 {
                 times[ci].push(t.elapsed().as_secs_f64() * 1e3);
             }
-            std::hint::black_box(r);
             for kv in cfg.split_whitespace() {
                 if let Some((k, _)) = kv.split_once('=') {
                     std::env::remove_var(k);
@@ -143,6 +120,22 @@ where
             med * 1e6 / cap as f64 * rayon::current_num_threads() as f64
         );
     }
+}
+
+/// The caches' bytes summed on all threads in 4 MiB chunks (as `flashattn bench --decode`
+/// measures the read rate on its own buffer): the step's time against a plain read of the same
+/// memory, in the same alternation.
+fn read<T: flashattn::tensor::Element>(k: &[T], v: &[T]) -> u64 {
+    use rayon::prelude::*;
+    let bytes = |b: &[T]| {
+        // SAFETY: the element types (f32, f16, bf16) have no padding, so every byte of an
+        // initialised slice is initialised; u8 has alignment 1.
+        unsafe { std::slice::from_raw_parts(b.as_ptr().cast::<u8>(), std::mem::size_of_val(b)) }
+    };
+    [k, v]
+        .into_iter()
+        .map(|b| bytes(b).par_chunks(4 << 20).map(sum_bytes).sum::<u64>())
+        .fold(0, u64::wrapping_add)
 }
 
 /// The wrapping sum of a chunk's bytes as u64 words (vectorised by the compiler).
