@@ -134,7 +134,12 @@ fn read<T: flashattn::tensor::Element>(k: &[T], v: &[T]) -> u64 {
     };
     [k, v]
         .into_iter()
-        .map(|b| bytes(b).par_chunks(4 << 20).map(sum_bytes).sum::<u64>())
+        .map(|b| {
+            bytes(b)
+                .par_chunks(4 << 20)
+                .map(sum_bytes)
+                .reduce(|| 0, u64::wrapping_add)
+        })
         .fold(0, u64::wrapping_add)
 }
 
