@@ -13,6 +13,8 @@
 //! slow phases fall on all of them alike:
 //! - order 0: each tile in sub-blocks of 8 keys, kv head by kv head (the kernel's f32 order: 8
 //!   rows 4 KiB apart, 512 bytes each); order 1: the same in 4-key blocks; order 2: memory order;
+//!   order 3: all of k, then all of v, in memory order (one stream at a time, as `flashattn
+//!   bench --decode` reads its buffer to measure the read rate; the stride is ignored);
 //! - stride: 0, no software prefetch; else a `prefetcht1` every `stride` bytes of the next tile,
 //!   spread over the current one with k and v in turns of 512 bytes (as `cpu::decode::Ahead`);
 //!   `TOUCH=1` turns those prefetches into one-byte loads; `BURST=n` asks for n steps' lines at
@@ -150,6 +152,17 @@ unsafe fn pass<const W: usize>(
     let mut acc = [_mm512_setzero_ps(); 8];
     let tb = TILE_KEYS * ROW;
     let tiles = k.len() / tb;
+    if order == 3 {
+        // All of k, then all of v, in memory order, no prefetch: one stream at a time.
+        for buf in [k, v] {
+            // SAFETY: the whole region, read in memory order.
+            unsafe { read::<W>(buf.as_ptr(), tiles * tb, &mut acc, &mut None) };
+        }
+        let s = acc
+            .iter()
+            .fold(_mm512_setzero_ps(), |s, a| _mm512_add_ps(s, *a));
+        return _mm512_reduce_add_ps(s);
+    }
     for t in 0..tiles {
         let mut ahead = (stride > 0 && t + 1 < tiles).then(|| {
             let (k0, v0) = (
