@@ -367,6 +367,14 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
 }
 #endif  // FA_HOST_EMULATION
 
+// c0 += A·B[:, 0..8] and c1 += A·B[:, 8..16]: one x4 B fragment from ldmatrix holds both n8
+// halves of a 16-column block, so every product below issues its mma.sync in these pairs.
+__device__ __forceinline__ void mma_x4(float (&c0)[4], float (&c1)[4], const u32 (&af)[4],
+                                       const u32 (&bf)[4]) {
+    mma16816(c0, af, bf[0], bf[1]);
+    mma16816(c1, af, bf[2], bf[3]);
+}
+
 // Element offset of (row, col) in a swizzled tile: the 16-byte chunk index is XORed with row % 8
 // inside each group of 8 chunks (SMEM_ROW is a multiple of 64 elements, so groups are whole).
 __device__ __forceinline__ int swz(int row, int col) {
@@ -393,8 +401,7 @@ __device__ __forceinline__ void mma_abt(float (&x)[NCOLS / 8][4], const u16* a, 
             u32 bf[4];
             ldsm_x4(bf, smem_addr(b + swz(np * 16 + (lane & 7) + (lane >> 4) * 8,
                                           kk * 16 + ((lane >> 3) & 1) * 8)));
-            mma16816(x[2 * np], af, bf[0], bf[1]);
-            mma16816(x[2 * np + 1], af, bf[2], bf[3]);
+            mma_x4(x[2 * np], x[2 * np + 1], af, bf);
         }
     }
 }
@@ -417,8 +424,7 @@ __device__ __forceinline__ void mma_xb(float (&acc)[HEAD_DIM / 8][4], const floa
             u32 bf[4];
             ldsm_x4_trans(bf, smem_addr(b + swz(j * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
                                                 dp * 16 + (lane >> 4) * 8)));
-            mma16816(acc[2 * dp], af, bf[0], bf[1]);
-            mma16816(acc[2 * dp + 1], af, bf[2], bf[3]);
+            mma_x4(acc[2 * dp], acc[2 * dp + 1], af, bf);
         }
     }
 }

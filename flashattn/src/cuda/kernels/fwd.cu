@@ -54,16 +54,14 @@ __device__ __forceinline__ u32 kstep_offset(u32 off, int kk) {
     return (off ^ (u32)((2 * kk & 7) << 4)) + (u32)((kk >> 2) * 128);
 }
 
-// c[t][n] and c[t][n + 1] += the t-th A fragment times the two n8 halves of one x4 B fragment,
-// for every block t: each B fragment read from shared memory feeds all MT blocks.
+// c[t][n] and c[t][n + 1] += the t-th A fragment times the two n8 halves of one x4 B fragment
+// (common.cuh: mma_x4), for every block t: each B fragment read from shared memory feeds all MT
+// blocks.
 template <int MT, int N>
 __device__ __forceinline__ void mma_x4_mt(float (&c)[MT][N][4], int n, const u32 (&af)[MT][4],
                                           const u32 (&bf)[4]) {
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-        mma16816(c[mt][n], af[mt], bf[0], bf[1]);
-        mma16816(c[mt][n + 1], af[mt], bf[2], bf[3]);
-    }
+    for (int mt = 0; mt < MT; ++mt) mma_x4(c[mt][n], c[mt][n + 1], af[mt], bf);
 }
 
 // x[t][·][NCOLS] = A·Bᵀ for MT 16-row blocks of the tile at `a` (this lane's offset a_off) and
