@@ -43,11 +43,22 @@ struct Ahead {
     on_v: bool,
     turn_left: usize,
     per: usize,
-    /// Steps (of 256 bytes read) between prefetch bursts.
+    /// Steps (of 256 bytes read) between prefetch bursts, and those left until the next.
     burst: usize,
+    wait: usize,
 }
 
 impl Ahead {
+    /// One step of 256 bytes read: a burst of `per` bytes' lines every `burst` steps.
+    #[inline(always)]
+    fn tick(&mut self) {
+        if self.wait == 0 {
+            self.wait = self.burst;
+            self.step();
+        }
+        self.wait -= 1;
+    }
+
     #[inline(always)]
     fn step(&mut self) {
         let mut bytes = self.per;
@@ -95,9 +106,7 @@ unsafe fn read<const W: usize>(
     let mut i = 0;
     while i < bytes {
         if let Some(a) = ahead.as_mut() {
-            if (i / 256) % a.burst == 0 {
-                a.step();
-            }
+            a.tick();
         }
         for l in 0..4 {
             // SAFETY: the caller's contract.
@@ -182,6 +191,7 @@ unsafe fn pass<const W: usize>(
                 // current tile's 2 · tb / 256 steps.
                 per: 256 * 64 / stride * burst,
                 burst,
+                wait: 0,
             }
         });
         // SAFETY: tile t lies inside both regions.
