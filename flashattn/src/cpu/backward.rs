@@ -319,7 +319,7 @@ pub(crate) fn backward<T: Element>(
         p.descale.is_none(),
         "the backward has no FP8 descale factors"
     );
-    let bs = block_sizes(Pass::Backward);
+    let bs = block_sizes(Pass::Backward, p.kernels.isa);
     let delta = compute_delta(p, g, out, dout);
     let bf_in = bf16_inputs(p, q, k, v);
     let bf = bf_in.map(|(_, kb, vb)| Bf {

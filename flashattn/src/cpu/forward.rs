@@ -497,11 +497,12 @@ fn forward_with<T: Element, S: Bf16Source>(
     (q, k, v): (&[T], &[T], &[T]),
     bf: Option<(S, S, S)>,
 ) -> (Vec<T>, Vec<f32>) {
-    let bs = block_sizes(if bf.is_some() {
+    let pass = if bf.is_some() {
         Pass::ForwardBf16Dot
     } else {
         Pass::ForwardF32
-    });
+    };
+    let bs = block_sizes(pass, p.kernels.isa);
     // Poisoned: every element is written below (rows of no sequence explicitly), and tests check.
     let mut out = vec![T::from_f32(f32::NAN); p.out_len()];
     let mut lse = vec![f32::NAN; p.lse_len()];
