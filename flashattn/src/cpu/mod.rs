@@ -44,12 +44,12 @@ pub(crate) enum Pass {
 /// 128, d = 128, N = 2048) and keeps 64; the backward was equal within noise (111-127 GFLOP/s
 /// either way) and keeps 64, which halves its per-thread scratch.
 ///
-/// AVX2 (16 ymm registers, 16-lane strips of the 6-row tile) runs the f32 forward with 96 rows:
-/// A/B in one process, alternating call by call, f32, 16 heads, d = 128, 2 threads, AVX2
-/// kernels on the Zen 4 host, 2026-11-27; docs/PERFORMANCE.md), GFLOP/s of 96 rows against
-/// 128: d = 128 at N = 512, 1024, 2048, 4096: 1.13, 1.07, 1.09-1.11, 1.15; d = 64: 1.07, 1.05
-/// (N = 1024, 4096); d = 256: 1.10, 1.12 (N = 2048). 64 to 112 rows all beat 128, 144 was
-/// slower; the AVX-512 kernels measured 96 to 128 rows level (d = 128) and keep 128.
+/// AVX2 runs the f32 forward with 96 rows (A/B in one process, alternating call by call, f32, 16
+/// heads, 2 threads, AVX2 kernels on the Zen 4 host, 2026-11-27; docs/PERFORMANCE.md), GFLOP/s
+/// of 96 rows against 128: d = 128 at N = 512, 1024, 2048, 4096: 1.13, 1.07, 1.09-1.11, 1.15;
+/// d = 64: 1.07, 1.05 (N = 1024, 4096); d = 256: 1.10, 1.12 (N = 2048). 64 to 112 rows all
+/// beat 128, 144 was slower; the AVX-512 kernels measured 96 to 128 rows level (d = 128) and
+/// keep 128.
 pub(crate) fn block_sizes(pass: Pass, isa: Isa) -> BlockSizes {
     let block_m = match pass {
         Pass::ForwardF32 if isa == Isa::Avx2 => 96,
