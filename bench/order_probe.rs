@@ -167,37 +167,34 @@ unsafe fn pass<const W: usize>(
             // SAFETY: the whole region, read in memory order.
             unsafe { read::<W>(buf.as_ptr(), tiles * tb, &mut acc, &mut None) };
         }
-        let s = acc
-            .iter()
-            .fold(_mm512_setzero_ps(), |s, a| _mm512_add_ps(s, *a));
-        return _mm512_reduce_add_ps(s);
-    }
-    for t in 0..tiles {
-        let mut ahead = (stride > 0 && t + 1 < tiles).then(|| {
-            let (k0, v0) = (
-                k.as_ptr() as usize + (t + 1) * tb,
-                v.as_ptr() as usize + (t + 1) * tb,
-            );
-            Ahead {
-                stride,
-                touch,
-                k: k0,
-                k_end: k0 + tb,
-                v: v0,
-                v_end: v0 + tb,
-                on_v: true,
-                turn_left: 0,
-                // The next tile's k and v (2 · tb bytes, one line each `stride`) over the
-                // current tile's 2 · tb / 256 steps.
-                per: 256 * 64 / stride * burst,
-                burst,
-                wait: 0,
+    } else {
+        for t in 0..tiles {
+            let mut ahead = (stride > 0 && t + 1 < tiles).then(|| {
+                let (k0, v0) = (
+                    k.as_ptr() as usize + (t + 1) * tb,
+                    v.as_ptr() as usize + (t + 1) * tb,
+                );
+                Ahead {
+                    stride,
+                    touch,
+                    k: k0,
+                    k_end: k0 + tb,
+                    v: v0,
+                    v_end: v0 + tb,
+                    on_v: true,
+                    turn_left: 0,
+                    // The next tile's k and v (2 · tb bytes, one line each `stride`) over the
+                    // current tile's 2 · tb / 256 steps.
+                    per: 256 * 64 / stride * burst,
+                    burst,
+                    wait: 0,
+                }
+            });
+            // SAFETY: tile t lies inside both regions.
+            unsafe {
+                tile::<W>(k.as_ptr().add(t * tb), order, &mut acc, &mut ahead);
+                tile::<W>(v.as_ptr().add(t * tb), order, &mut acc, &mut ahead);
             }
-        });
-        // SAFETY: tile t lies inside both regions.
-        unsafe {
-            tile::<W>(k.as_ptr().add(t * tb), order, &mut acc, &mut ahead);
-            tile::<W>(v.as_ptr().add(t * tb), order, &mut acc, &mut ahead);
         }
     }
     let s = acc
