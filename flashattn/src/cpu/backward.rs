@@ -756,7 +756,13 @@ impl<T: Element> Ctx<'_, T> {
         };
         // Sᵀ = K·Qᵀ, then P = exp2(S·scale_log2 - lse_log2).
         match tiles {
-            QTiles::F32([qt, ..]) => kern.gemm_scores(&product(&scr.k, qt), pt, np, &mut scr.tmp),
+            QTiles::F32([qt, ..]) => kern.scores(
+                &product(&scr.k, qt),
+                pt,
+                np,
+                &mut scr.tmp,
+                p.softcap.is_some(),
+            ),
             QTiles::Bf16([qt, ..]) => kern.gemm_bf16(&product2(&scr.k2, qt), pt, np),
         }
         let score_mod = ScoreMod::new(p, b, h);

@@ -716,7 +716,7 @@ fn forward_block<T: Element, S: Bf16Source>(
                     }
                 };
                 let a_rs = d;
-                kern.gemm_scores(
+                kern.scores(
                     &Gemm {
                         m: cols,
                         n: np,
@@ -732,6 +732,7 @@ fn forward_block<T: Element, S: Bf16Source>(
                     st,
                     np,
                     &mut scr.st2,
+                    p.softcap.is_some(),
                 );
             }
         }
