@@ -12,7 +12,10 @@
 #
 # Here: bash bench/gpu/prepare.sh && the cache (see docs/GPU.md); there (carry gpu-run):
 #   bash bench/gpu/session.sh [SECONDS] [decode|h100|ab|quick|fwd]
-# SECONDS: the budget for the whole script (500). `decode`: after the tests, only the decode
+# SECONDS: the budget for the whole script (500). `bwd`: after the tests, forward + backward
+# against SDPA (this build beside gpu-run/old/flashattn when carried) and the backward kernels under
+# Nsight Compute; `bwdprobe`: the same without the tests (a profile to work from); `bwdab`: no
+# tests, the default dQ against --atomic-dq (and the old binary) in one run. `decode`: after the tests, only the decode
 # comparisons (the default CUDA-core split kernel, then the tensor-core one with
 # FLASHATTN_CUDA_DECODE=tc), an Nsight Compute summary of each split kernel and a split-count sweep
 # of the tensor-core one at the issue's shape (for work on decode.cu).
@@ -65,6 +68,7 @@ else
     timeout 200 "$bin" compile 2>&1 | tail -5 | tee -a "$summary"
 fi
 
+if [ "$mode" != bwdprobe ] && [ "$mode" != bwdab ]; then
 say "== $(date -u +%T) tests ($(left) s left)"
 tl=$(( $(left) - 220 )); [ $tl -gt 280 ] && tl=280; [ $tl -lt 60 ] && tl=60
 # shellcheck source=bench/gpu/tests.sh
@@ -81,6 +85,7 @@ for f in "$logs"/*_tests_*.log; do
     say "-- $(basename "$f")"
     grep -E "^test |test result|panicked|CUDA device|skipping|cases on|^exit " "$f" | head -60 | tee -a "$summary"
 done
+fi
 
 stage() { # seconds wanted, name, command...
     local want=$1 name=$2; shift 2
@@ -111,6 +116,33 @@ ab_rounds() { # rounds: this build against gpu-run/old/flashattn (when carried),
         done
     done
 }
+if [ "$mode" = bwdab ]; then
+    # The backward's two dQ paths side by side: this build's default (deterministic), the same
+    # build with --atomic-dq, and gpu-run/old/flashattn when carried.
+    stage 40 cli_cuda_tests gpu-run/cuda_tests_flashattn-cli --test-threads 2
+    variants=(--variant "atomic=$bin,--atomic-dq")
+    [ -x gpu-run/old/flashattn ] && variants+=(--variant "old=$PWD/gpu-run/old/flashattn")
+    stage 260 compare_bwd_ab python3 bench/compare_torch_cuda.py --binary "$bin" --backward --quick \
+        --rounds 1 --min-time 0.1 "${variants[@]}" --out "$logs/compare_cuda_bwd_ab.json"
+    finish
+fi
+if [ "$mode" = bwd ] || [ "$mode" = bwdprobe ]; then
+    variants=()
+    [ -x gpu-run/old/flashattn ] && variants+=(--variant "old=$PWD/gpu-run/old/flashattn")
+    stage 150 compare_bwd python3 bench/compare_torch_cuda.py --binary "$bin" --backward --quick \
+        --rounds 1 --min-time 0.2 "${variants[@]}" --out "$logs/compare_cuda_bwd.json"
+    # One forward + backward at 4 x 4096 tokens, 16 heads, d = 128: prep, dq and dkdv (or the
+    # fused kernels), each kernel's summary.
+    for c in no yes; do
+        cflag=(); [ $c = yes ] && cflag=(--causal)
+        stage 60 "ncu_bwd_causal_$c" ncu --kernel-name regex:bwd_ --launch-count 4 \
+            --section SpeedOfLight --section Occupancy --section WarpStateStats \
+            --section LaunchStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+            "$bin" bench --device cuda --dtype bf16 --batch 4 --heads 16 --head-dim 128 \
+            --seqlen 4096 "${cflag[@]}" --backward --no-naive --min-time 0.01
+    done
+    finish
+fi
 if [ "$mode" = decode ]; then
     stage 80 compare_decode python3 bench/compare_torch_cuda_decode.py --binary "$bin" --rounds 2 \
         --min-time 0.2 --out "$logs/compare_cuda_decode.json"

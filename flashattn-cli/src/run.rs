@@ -84,6 +84,7 @@ impl RunArgs {
             dropout_p: self.dropout,
             seed: self.seed,
             isa: None,
+            atomic_dq: false,
         }
     }
 }

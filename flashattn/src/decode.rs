@@ -831,6 +831,7 @@ pub(crate) fn validate<V: ViewDesc + ?Sized>(
         packed,
         kernels: o.kernels,
         descale: None,
+        atomic_dq: false,
     };
     Ok(DecodeParams {
         cache: CacheLayout {

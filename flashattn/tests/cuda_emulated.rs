@@ -170,6 +170,7 @@ mod backward {
                 .map(|x| x.to_string()),
             )
             .chain(super::common::emu::dropout_params(&d.dropout))
+            .chain([(d.dq_atomic as i64).to_string()])
             .collect();
         std::fs::write(dir.join("params.txt"), nums.join("\n")).unwrap();
         for (name, t) in [
@@ -203,14 +204,9 @@ mod backward {
         g
     }
 
-    /// One batched case: the emulated forward's out and lse (so the scores are recomputed in the
-    /// forward's own order, as on a GPU), the emulated backward, the bound.
-    fn case<T: Element>(builds: &mut [Builds; 2], c: &GradCase) {
-        case_with::<T>(builds, c, &c.opts, false);
-    }
-
-    /// [`case`] with options of the caller's (a drawn case's, checked with the drawn cases'
-    /// bound, `GradData::check_cancel`, when `drawn`).
+    /// One batched case with options of the caller's: the emulated forward's out and lse (so the
+    /// scores are recomputed in the forward's own order, as on a GPU), the emulated backward, the
+    /// bound (a drawn case's, `GradData::check_cancel`, when `drawn`).
     fn case_with<T: Element>(
         builds: &mut [Builds; 2],
         c: &GradCase,
@@ -273,15 +269,21 @@ mod backward {
 
     /// The CPU gradient grid (dropout included: the kernels regenerate the CPU path's mask), where
     /// a case fits the emulation's budget (all but the 150 x 300 shape with 8 heads); the emulated
-    /// forward's out and lse are checked too.
-    fn grid<T: Element>() {
+    /// forward's out and lse are checked too. Every other case asks for the atomic dQ (`parity`
+    /// picks which), which the tensor-core kernels then take.
+    fn grid<T: Element>(parity: usize) {
         if !have_compiler() {
             return;
         }
         let mut builds = [super::forward_builds(), builds()];
         let mut ran = 0;
-        for c in cases(true).iter().filter(|c| c.cost() <= 12_000_000) {
-            case::<T>(&mut builds, c);
+        for (i, c) in cases(true)
+            .iter()
+            .filter(|c| c.cost() <= 12_000_000)
+            .enumerate()
+        {
+            let opts = c.opts.clone().atomic_dq(i % 2 == parity);
+            case_with::<T>(&mut builds, c, &opts, false);
             ran += 1;
         }
         assert_eq!(ran, 32, "the emulated gradient grid lost cases");
@@ -289,37 +291,50 @@ mod backward {
 
     #[test]
     fn gradients_f32() {
-        grid::<f32>();
+        grid::<f32>(0);
     }
 
     #[test]
     fn gradients_f16() {
-        grid::<half::f16>();
+        grid::<half::f16>(0);
     }
 
     #[test]
     fn gradients_bf16() {
-        grid::<half::bf16>();
+        grid::<half::bf16>(1);
     }
 
     /// Packed sequences (one without keys, one without queries, spare query and key rows after
-    /// the last sequence, which get zero gradients), with out, dout and lse as strided views.
+    /// the last sequence, which get zero gradients), with out, dout and lse as strided views; in
+    /// f32 (CUDA cores) and bf16 (tensor cores: the deterministic dQ, and the atomic one).
     #[test]
     fn varlen_and_strided_views() {
         if !have_compiler() {
             return;
         }
         let mut builds = builds();
+        varlen::<f32>(&mut builds, true);
+        varlen::<half::bf16>(&mut builds, false);
+        varlen::<half::bf16>(&mut builds, true);
+    }
+
+    fn varlen<T: Element>(builds: &mut Builds, atomic_dq: bool) {
         let (h, hk, d) = (4usize, 2usize, 24usize);
         let cu_q = [0, 5, 75, 75, 140];
         let cu_k = [0, 0, 90, 120, 200];
         let (tq, tk) = (150usize, 210usize);
         let mut rng = ChaCha8Rng::seed_from_u64(77);
-        let q: Vec<f32> = data(&mut rng, tq * h * d, 1.0);
-        let k: Vec<f32> = data(&mut rng, tk * hk * d, 1.0);
-        let v: Vec<f32> = data(&mut rng, tk * hk * d, 1.0);
+        let mut draw = |n: usize| -> Vec<T> {
+            data(&mut rng, n, 1.0)
+                .into_iter()
+                .map(T::from_f32)
+                .collect()
+        };
+        let q = draw(tq * h * d);
+        let k = draw(tk * hk * d);
+        let v = draw(tk * hk * d);
         // dout inside a wider buffer: rows of h * (d + 3) elements.
-        let dout_buf: Vec<f32> = data(&mut rng, tq * h * (d + 3), 1.0);
+        let dout_buf = draw(tq * h * (d + 3));
         let (qt, kt, vt) = (
             TensorRef::contiguous(&q, &[tq, h, d]),
             TensorRef::contiguous(&k, &[tk, hk, d]),
@@ -327,13 +342,14 @@ mod backward {
         );
         let dt = TensorRef::new(&dout_buf, &[tq, h, d], &[h * (d + 3), d + 3, 1]);
         for (n, opts) in [AttnOptions::default(), AttnOptions::default().causal(true)]
-            .iter()
+            .into_iter()
             .enumerate()
         {
-            let fwd = flash_attn_varlen(&qt, &kt, &vt, &cu_q, &cu_k, opts).unwrap();
+            let opts = opts.atomic_dq(atomic_dq);
+            let fwd = flash_attn_varlen(&qt, &kt, &vt, &cu_q, &cu_k, &opts).unwrap();
             // out as a view with a head stride of d + 5, lse with a head stride of total_q + 7.
-            let o = fwd.out.as_slice::<f32>().unwrap();
-            let mut out_buf = vec![f32::NAN; tq * h * (d + 5)];
+            let o = fwd.out.as_slice::<T>().unwrap();
+            let mut out_buf = vec![T::from_f32(f32::NAN); tq * h * (d + 5)];
             for (r, row) in o.chunks(d).enumerate() {
                 out_buf[r * (d + 5)..r * (d + 5) + d].copy_from_slice(row);
             }
@@ -345,26 +361,33 @@ mod backward {
             }
             let lt = TensorRef::new(&lse_buf, &[h, tq], &[tq + 7, 1]);
             let cu = Some((&cu_q[..], &cu_k[..]));
-            let desc = backward_launch_description(&qt, &kt, &vt, &ot, &lt, &dt, cu, opts).unwrap();
+            let desc =
+                backward_launch_description(&qt, &kt, &vt, &ot, &lt, &dt, cu, &opts).unwrap();
+            assert_eq!(
+                desc.dq_atomic,
+                T::DTYPE != flashattn::DType::F32 && atomic_dq,
+                "which dQ"
+            );
             let [dq, dk, dv] = run(
-                &mut builds,
+                builds,
                 &desc,
                 [&qt, &kt, &vt, &ot, &lt, &dt],
-                &format!("varlen{n}"),
+                &format!("varlen{n}_{}_{atomic_dq}", T::DTYPE),
             );
-            let want = reference::attention_varlen_backward(&qt, &kt, &vt, &dt, &cu_q, &cu_k, opts)
-                .unwrap();
+            let want =
+                reference::attention_varlen_backward(&qt, &kt, &vt, &dt, &cu_q, &cu_k, &opts)
+                    .unwrap();
             let nv =
-                naive::attention_varlen_backward(&qt, &kt, &vt, &dt, &cu_q, &cu_k, opts).unwrap();
-            let ctx = format!("emulated varlen {opts:?}");
-            check("dq", &dq, &nv.dq, &want.dq, flashattn::DType::F32, &ctx);
-            check("dk", &dk, &nv.dk, &want.dk, flashattn::DType::F32, &ctx);
-            check("dv", &dv, &nv.dv, &want.dv, flashattn::DType::F32, &ctx);
+                naive::attention_varlen_backward(&qt, &kt, &vt, &dt, &cu_q, &cu_k, &opts).unwrap();
+            let ctx = format!("emulated varlen {} {opts:?}", desc.dkdv.name());
+            check("dq", &dq, &nv.dq, &want.dq, T::DTYPE, &ctx);
+            check("dk", &dk, &nv.dk, &want.dk, T::DTYPE, &ctx);
+            check("dv", &dv, &nv.dv, &want.dv, T::DTYPE, &ctx);
             // The spare rows after the last sequence: exactly zero.
-            let dq = dq.as_slice::<f32>().unwrap();
-            assert!(dq[140 * h * d..].iter().all(|&x| x == 0.0));
-            let dk = dk.as_slice::<f32>().unwrap();
-            assert!(dk[200 * hk * d..].iter().all(|&x| x == 0.0));
+            let dq = dq.as_slice::<T>().unwrap();
+            assert!(dq[140 * h * d..].iter().all(|&x| x.to_f32() == 0.0));
+            let dk = dk.as_slice::<T>().unwrap();
+            assert!(dk[200 * hk * d..].iter().all(|&x| x.to_f32() == 0.0));
         }
     }
 }

@@ -358,6 +358,10 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_byt
     // head_dim).
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
+// 4 bytes (both addresses 4-byte aligned), through L1.
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
@@ -402,6 +406,36 @@ __device__ __forceinline__ void mma_abt(float (&x)[NCOLS / 8][4], const u16* a, 
             ldsm_x4(bf, smem_addr(b + swz(np * 16 + (lane & 7) + (lane >> 4) * 8,
                                           kk * 16 + ((lane >> 3) & 1) * 8)));
             mma_x4(x[2 * np], x[2 * np + 1], af, bf);
+        }
+    }
+}
+
+// This warp's 16 x NK accumulators rounded to the input type as the A fragments of NK / 16
+// k-steps (the accumulators of key tiles 2j, 2j + 1 form k-step j).
+template <int NK>
+__device__ __forceinline__ void pack_a(u32 (&a)[NK / 16][4], const float (&x)[NK / 8][4]) {
+#pragma unroll
+    for (int j = 0; j < NK / 16; ++j) {
+        a[j][0] = pack2(x[2 * j][0], x[2 * j][1]);
+        a[j][1] = pack2(x[2 * j][2], x[2 * j][3]);
+        a[j][2] = pack2(x[2 * j + 1][0], x[2 * j + 1][1]);
+        a[j][3] = pack2(x[2 * j + 1][2], x[2 * j + 1][3]);
+    }
+}
+
+// acc[·][HEAD_DIM] += X·B, X given as its packed A fragments (pack_a) and B the tile `b`
+// ([NK][HEAD_DIM], swizzled).
+template <int NK>
+__device__ __forceinline__ void mma_pb(float (&acc)[HEAD_DIM / 8][4], const u32 (&a)[NK / 16][4],
+                                       const u16* b, int lane) {
+#pragma unroll
+    for (int j = 0; j < NK / 16; ++j) {
+#pragma unroll
+        for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
+            u32 bf[4];
+            ldsm_x4_trans(bf, smem_addr(b + swz(j * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                dp * 16 + (lane >> 4) * 8)));
+            mma_x4(acc[2 * dp], acc[2 * dp + 1], a[j], bf);
         }
     }
 }

@@ -373,6 +373,9 @@ inline void cp_async16(uint32_t dst, const void* src, int src_bytes) {
     std::memset(emu::smem_base() + dst, 0, 16);
     if (src_bytes > 0) std::memcpy(emu::smem_base() + dst, src, src_bytes);
 }
+inline void cp_async4(uint32_t dst, const void* src) {
+    std::memcpy(emu::smem_base() + dst, src, 4);
+}
 inline void cp_async_commit() {}
 template <int N>
 inline void cp_async_wait() {}
