@@ -19,8 +19,7 @@ route keeps q, k, v as float8 and converts them to bf16 times the factor before 
 
     python3 bench/compare_torch_cuda.py --binary gpu-run/flashattn [--quick] [--out results.json]
 
-`--variant LABEL=BINARY[,ENV=VALUE|--FLAG...]` (repeatable; a --FLAG goes to that binary's
-`bench`, e.g. `atomic=gpu-run/flashattn,--atomic-dq`) times further flashattn builds or settings in
+`--variant LABEL=BINARY[,ENV=VALUE...]` (repeatable) times further flashattn builds or settings in
 the same rounds, call after call with the main one (an A/B of a kernel change on one warm GPU);
 their medians and their time over the main binary's go into the table and the JSON.
 """
@@ -103,23 +102,21 @@ def run_json(cmd, env=None):
     return machine, m
 
 
-def flash(binary, b, h, s, d, causal, dtype, min_time, backward=False, env=None, extra=()):
+def flash(binary, b, h, s, d, causal, dtype, min_time, backward=False, env=None):
     cmd = [binary, "bench", "--device", "cuda", "--dtype", dtype, "--batch", str(b),
            "--heads", str(h), "--head-dim", str(d), "--seqlen", str(s), "--json",
            "--min-time", str(min_time)] + (["--causal"] if causal else []) \
-        + (["--backward"] if backward else []) + list(extra)
+        + (["--backward"] if backward else [])
     return run_json(cmd, env)
 
 
 def parse_variant(text):
-    """LABEL=BINARY[,ENV=VALUE|--FLAG...] -> (label, binary, environment, extra bench flags)."""
+    """LABEL=BINARY[,ENV=VALUE...] -> (label, binary, environment)."""
     label, _, rest = text.partition("=")
     binary, *settings = rest.split(",")
-    flags = [x for x in settings if x.startswith("--")]
-    settings = [x for x in settings if not x.startswith("--")]
     if not label or not binary or any("=" not in x for x in settings):
-        raise SystemExit(f"--variant {text!r}: expected LABEL=BINARY[,ENV=VALUE|--FLAG...]")
-    return label, binary, dict(os.environ, **dict(x.split("=", 1) for x in settings)), flags
+        raise SystemExit(f"--variant {text!r}: expected LABEL=BINARY[,ENV=VALUE...]")
+    return label, binary, dict(os.environ, **dict(x.split("=", 1) for x in settings))
 
 
 def main():
@@ -159,7 +156,7 @@ def main():
                 b = max(1, args.tokens // s)
                 flops = 4.0 * b * h * d * pairs(s, causal) * (3.5 if args.backward else 1.0)
                 t_ms, f_ms, fm = [], [], None
-                v_ms = {label: [] for label, _, _, _ in variants}
+                v_ms = {label: [] for label, _, _ in variants}
                 for _ in range(args.rounds):
                     t_ms.append(torch_ms(b, h, s, d, causal, args.dtype, args.min_time,
                                          args.backward))
@@ -167,9 +164,9 @@ def main():
                                               args.min_time, args.backward)
                     fm = fm or fm_round  # the first round's kernel origin (compile or disk)
                     f_ms.append(fm_round["median_ms"])
-                    for label, binary, env, extra in variants:
+                    for label, binary, env in variants:
                         _, vm = flash(binary, b, h, s, d, causal, args.dtype, args.min_time,
-                                      args.backward, env, extra)
+                                      args.backward, env)
                         v_ms[label].append(vm["median_ms"])
                 t, f = statistics.median(t_ms), statistics.median(f_ms)
                 row = dict(pass_="fwd+bwd" if args.backward else "fwd", dtype=args.dtype, batch=b, heads=h, seqlen=s, head_dim=d, causal=causal,

@@ -11,12 +11,11 @@
 #   4. NVRTC's own compile rate there (a few variants into an empty cache).
 #
 # Here: bash bench/gpu/prepare.sh && the cache (see docs/GPU.md); there (carry gpu-run):
-#   bash bench/gpu/session.sh [SECONDS] [decode|h100|ab|quick|fwd]
+#   bash bench/gpu/session.sh [SECONDS] [decode|h100|ab|quick|fwd|bwd|bwdprobe]
 # SECONDS: the budget for the whole script (500). `bwd`: after the tests, forward + backward
-# against SDPA (this build beside gpu-run/old/flashattn when carried) and the backward kernels under
-# Nsight Compute; `bwdprobe`: the same without the tests (a profile to work from); `bwdab`: no
-# tests, the default dQ against --atomic-dq (and the old binary) in one run. `decode`: after the tests, only the decode
-# comparisons (the default CUDA-core split kernel, then the tensor-core one with
+# against SDPA (this build beside gpu-run/old/flashattn when carried) and the backward kernels
+# under Nsight Compute; `bwdprobe`: the same without the tests (a profile to work from).
+# `decode`: after the tests, only the decode comparisons (the default CUDA-core split kernel, then the tensor-core one with
 # FLASHATTN_CUDA_DECODE=tc), an Nsight Compute summary of each split kernel and a split-count sweep
 # of the tensor-core one at the shape (for work on decode.cu).
 # $OUT/summary.txt grows as stages end; $OUT/logs.tgz holds every log at the end.
@@ -68,7 +67,7 @@ else
     timeout 200 "$bin" compile 2>&1 | tail -5 | tee -a "$summary"
 fi
 
-if [ "$mode" != bwdprobe ] && [ "$mode" != bwdab ]; then
+if [ "$mode" != bwdprobe ]; then
 say "== $(date -u +%T) tests ($(left) s left)"
 tl=$(( $(left) - 220 )); [ $tl -gt 280 ] && tl=280; [ $tl -lt 60 ] && tl=60
 # shellcheck source=bench/gpu/tests.sh
@@ -116,23 +115,13 @@ ab_rounds() { # rounds: this build against gpu-run/old/flashattn (when carried),
         done
     done
 }
-if [ "$mode" = bwdab ]; then
-    # The backward's two dQ paths side by side: this build's default (deterministic), the same
-    # build with --atomic-dq, and gpu-run/old/flashattn when carried.
-    stage 40 cli_cuda_tests gpu-run/cuda_tests_flashattn-cli --test-threads 2
-    variants=(--variant "atomic=$bin,--atomic-dq")
-    [ -x gpu-run/old/flashattn ] && variants+=(--variant "old=$PWD/gpu-run/old/flashattn")
-    stage 260 compare_bwd_ab python3 bench/compare_torch_cuda.py --binary "$bin" --backward --quick \
-        --rounds 1 --min-time 0.1 "${variants[@]}" --out "$logs/compare_cuda_bwd_ab.json"
-    finish
-fi
 if [ "$mode" = bwd ] || [ "$mode" = bwdprobe ]; then
     variants=()
     [ -x gpu-run/old/flashattn ] && variants+=(--variant "old=$PWD/gpu-run/old/flashattn")
     stage 150 compare_bwd python3 bench/compare_torch_cuda.py --binary "$bin" --backward --quick \
         --rounds 1 --min-time 0.2 "${variants[@]}" --out "$logs/compare_cuda_bwd.json"
-    # One forward + backward at 4 x 4096 tokens, 16 heads, d = 128: prep, dq and dkdv (or the
-    # fused kernels), each kernel's summary.
+    # One forward + backward at 4 x 4096 tokens, 16 heads, d = 128: bwd_prep, bwd_dq and
+    # bwd_dkdv, each kernel's summary.
     for c in no yes; do
         cflag=(); [ $c = yes ] && cflag=(--causal)
         stage 60 "ncu_bwd_causal_$c" ncu --kernel-name regex:bwd_ --launch-count 4 \

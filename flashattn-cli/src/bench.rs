@@ -97,10 +97,6 @@ pub struct BenchArgs {
     /// Time forward + backward (pass "fwd+bwd", FLOPs 3.5x the forward's) instead of the forward.
     #[arg(long)]
     pub backward: bool,
-    /// With --backward --device cuda: FlashAttention-2's atomic dQ (`AttnOptions::atomic_dq`;
-    /// f16/bf16 up to head_dim 128, dQ's last bits then vary from run to run).
-    #[arg(long)]
-    pub atomic_dq: bool,
     /// Seconds of timed repeats to aim for per measurement (at least 3 repeats, or 1 when a single
     /// call already takes this long), after one warm-up call.
     #[arg(long, default_value_t = 0.5)]
@@ -235,11 +231,6 @@ struct Skipped {
 }
 
 pub fn bench(args: &BenchArgs) -> Result<()> {
-    if args.atomic_dq && !(args.backward && args.device == crate::cuda::Device::Cuda) {
-        return fail(
-            "--atomic-dq chooses the CUDA backward's dQ: it needs --backward --device cuda",
-        );
-    }
     if let Some(f) = args.dtype.and_then(DtypeArg::fp8) {
         if args.backward {
             return fail(format!(
@@ -262,7 +253,6 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
             fp8: args.dtype.and_then(DtypeArg::fp8),
             causal: args.causal,
             backward: args.backward,
-            atomic_dq: args.atomic_dq,
             min_time: args.min_time,
             seed: args.seed,
             json: args.json,

@@ -76,8 +76,6 @@ pub struct BenchConfig {
     pub causal: bool,
     /// Time forward + backward (pass "fwd+bwd", FLOPs 3.5x the forward's).
     pub backward: bool,
-    /// The backward's dQ by atomic adds ([`AttnOptions::atomic_dq`]).
-    pub atomic_dq: bool,
     pub min_time: f64,
     pub seed: u64,
     pub json: bool,
@@ -211,9 +209,7 @@ fn measure(
     let (b, h, hkv, d) = (cfg.batch, cfg.heads, cfg.heads_kv, cfg.head_dim);
     let qs = [b, sq, h, d];
     let ks = [b, sk, hkv, d];
-    let opts = AttnOptions::default()
-        .causal(cfg.causal)
-        .atomic_dq(cfg.atomic_dq);
+    let opts = AttnOptions::default().causal(cfg.causal);
     if let Some(f) = cfg.fp8 {
         return measure_fp8(dev, cfg, f, (sq, sk), rng, &opts);
     }
@@ -239,12 +235,7 @@ fn measure(
         let timing = time_events(dev, cfg.min_time, fwd_bwd)?;
         let flops = fwd_flops + flashattn::flops::backward(fwd_flops);
         let bwd = cuda::backward_kernel_key(&dq, &dk, &dv, &dd, &opts)?;
-        let atomic = if cfg.atomic_dq { " (atomic dQ)" } else { "" };
-        (
-            timing,
-            flops,
-            format!("{} + {}{atomic}", key.name(), bwd.name()),
-        )
+        (timing, flops, format!("{} + {}", key.name(), bwd.name()))
     } else {
         (time_events(dev, cfg.min_time, run)?, fwd_flops, key.name())
     };

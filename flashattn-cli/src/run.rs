@@ -84,7 +84,6 @@ impl RunArgs {
             dropout_p: self.dropout,
             seed: self.seed,
             isa: None,
-            atomic_dq: false,
         }
     }
 }

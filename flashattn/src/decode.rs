@@ -831,7 +831,6 @@ pub(crate) fn validate<V: ViewDesc + ?Sized>(
         packed,
         kernels: o.kernels,
         descale: None,
-        atomic_dq: false,
     };
     Ok(DecodeParams {
         cache: CacheLayout {

@@ -47,15 +47,6 @@ pub struct AttnOptions<'a> {
     /// CPU instruction set of the kernels. `None`: [`crate::simd::active`] (the best this CPU has,
     /// or `FLASHATTN_ISA`). Naming one the CPU lacks is an error.
     pub isa: Option<Isa>,
-    /// The CUDA backward's dQ the way of flash-attn's `deterministic=False`: on tensor cores
-    /// (f16/bf16, head_dim up to 128; not at 97-128 with a mask and softcap together) dQ is summed
-    /// with atomic adds in the dK/dV kernel, five block products instead of seven, and its last
-    /// bits may differ from run to run. `false` (the default): a kernel of its own sums dQ in a
-    /// fixed order, bit-identical from run to run. On an H100 (2026-11-27, bf16, d = 128) the
-    /// atomic dQ took 0.92-0.95 of the time of forward + backward at 4k and 16k tokens, 1.01 at
-    /// 512, and 1.21 at 512 with causal masking (docs/GPU.md, run 10). dK and dV, and every CPU result, are bit-identical
-    /// either way.
-    pub atomic_dq: bool,
 }
 
 impl Default for AttnOptions<'_> {
@@ -70,7 +61,6 @@ impl Default for AttnOptions<'_> {
             dropout_p: 0.0,
             seed: 0,
             isa: None,
-            atomic_dq: false,
         }
     }
 }
@@ -103,11 +93,6 @@ impl<'a> AttnOptions<'a> {
     pub fn dropout(mut self, p: f32, seed: u64) -> Self {
         self.dropout_p = p;
         self.seed = seed;
-        self
-    }
-    /// Lets the CUDA backward sum dQ with atomic adds (see [`AttnOptions::atomic_dq`]).
-    pub fn atomic_dq(mut self, atomic_dq: bool) -> Self {
-        self.atomic_dq = atomic_dq;
         self
     }
     /// Forces the CPU kernels of one instruction set (tests, benchmarks).
@@ -178,8 +163,6 @@ pub(crate) struct Params {
     pub kernels: &'static Kernels,
     /// FP8 dequantisation factors (forward only; see [`crate::fp8`]).
     pub descale: Option<Descales>,
-    /// [`AttnOptions::atomic_dq`] (the CUDA backward's dQ).
-    pub atomic_dq: bool,
 }
 
 /// The FP8 descale factors, folded: per (sequence b, kv head hk), at `b * heads_kv + hk`.
@@ -621,7 +604,6 @@ pub(crate) fn batched<V: ViewDesc + ?Sized>(
         alibi,
         sink,
         dropout: o.dropout,
-        atomic_dq: opts.atomic_dq,
         packed: PACKED,
         kernels: o.kernels,
         descale: None,
@@ -739,7 +721,6 @@ pub(crate) fn varlen<V: ViewDesc + ?Sized>(
         alibi,
         sink,
         dropout: o.dropout,
-        atomic_dq: opts.atomic_dq,
         packed: PACKED,
         kernels: o.kernels,
         descale: None,

@@ -170,7 +170,6 @@ mod backward {
                 .map(|x| x.to_string()),
             )
             .chain(super::common::emu::dropout_params(&d.dropout))
-            .chain([(d.dq_atomic as i64).to_string()])
             .collect();
         std::fs::write(dir.join("params.txt"), nums.join("\n")).unwrap();
         for (name, t) in [
@@ -204,9 +203,14 @@ mod backward {
         g
     }
 
-    /// One batched case with options of the caller's: the emulated forward's out and lse (so the
-    /// scores are recomputed in the forward's own order, as on a GPU), the emulated backward, the
-    /// bound (a drawn case's, `GradData::check_cancel`, when `drawn`).
+    /// One batched case: the emulated forward's out and lse (so the scores are recomputed in the
+    /// forward's own order, as on a GPU), the emulated backward, the bound.
+    fn case<T: Element>(builds: &mut [Builds; 2], c: &GradCase) {
+        case_with::<T>(builds, c, &c.opts, false);
+    }
+
+    /// [`case`] with options of the caller's (a drawn case's, checked with the drawn cases'
+    /// bound, `GradData::check_cancel`, when `drawn`).
     fn case_with<T: Element>(
         builds: &mut [Builds; 2],
         c: &GradCase,
@@ -269,21 +273,15 @@ mod backward {
 
     /// The CPU gradient grid (dropout included: the kernels regenerate the CPU path's mask), where
     /// a case fits the emulation's budget (all but the 150 x 300 shape with 8 heads); the emulated
-    /// forward's out and lse are checked too. Every other case asks for the atomic dQ (`parity`
-    /// picks which), which the tensor-core kernels then take.
-    fn grid<T: Element>(parity: usize) {
+    /// forward's out and lse are checked too.
+    fn grid<T: Element>() {
         if !have_compiler() {
             return;
         }
         let mut builds = [super::forward_builds(), builds()];
         let mut ran = 0;
-        for (i, c) in cases(true)
-            .iter()
-            .filter(|c| c.cost() <= 12_000_000)
-            .enumerate()
-        {
-            let opts = c.opts.clone().atomic_dq(i % 2 == parity);
-            case_with::<T>(&mut builds, c, &opts, false);
+        for c in cases(true).iter().filter(|c| c.cost() <= 12_000_000) {
+            case::<T>(&mut builds, c);
             ran += 1;
         }
         assert_eq!(ran, 32, "the emulated gradient grid lost cases");
@@ -291,34 +289,33 @@ mod backward {
 
     #[test]
     fn gradients_f32() {
-        grid::<f32>(0);
+        grid::<f32>();
     }
 
     #[test]
     fn gradients_f16() {
-        grid::<half::f16>(0);
+        grid::<half::f16>();
     }
 
     #[test]
     fn gradients_bf16() {
-        grid::<half::bf16>(1);
+        grid::<half::bf16>();
     }
 
     /// Packed sequences (one without keys, one without queries, spare query and key rows after
     /// the last sequence, which get zero gradients), with out, dout and lse as strided views; in
-    /// f32 (CUDA cores) and bf16 (tensor cores: the deterministic dQ, and the atomic one).
+    /// f32 (CUDA cores) and bf16 (tensor cores).
     #[test]
     fn varlen_and_strided_views() {
         if !have_compiler() {
             return;
         }
         let mut builds = builds();
-        varlen::<f32>(&mut builds, true);
-        varlen::<half::bf16>(&mut builds, false);
-        varlen::<half::bf16>(&mut builds, true);
+        varlen::<f32>(&mut builds);
+        varlen::<half::bf16>(&mut builds);
     }
 
-    fn varlen<T: Element>(builds: &mut Builds, atomic_dq: bool) {
+    fn varlen<T: Element>(builds: &mut Builds) {
         let (h, hk, d) = (4usize, 2usize, 24usize);
         let cu_q = [0, 5, 75, 75, 140];
         let cu_k = [0, 0, 90, 120, 200];
@@ -345,7 +342,6 @@ mod backward {
             .into_iter()
             .enumerate()
         {
-            let opts = opts.atomic_dq(atomic_dq);
             let fwd = flash_attn_varlen(&qt, &kt, &vt, &cu_q, &cu_k, &opts).unwrap();
             // out as a view with a head stride of d + 5, lse with a head stride of total_q + 7.
             let o = fwd.out.as_slice::<T>().unwrap();
@@ -363,16 +359,11 @@ mod backward {
             let cu = Some((&cu_q[..], &cu_k[..]));
             let desc =
                 backward_launch_description(&qt, &kt, &vt, &ot, &lt, &dt, cu, &opts).unwrap();
-            assert_eq!(
-                desc.dq_atomic,
-                T::DTYPE != flashattn::DType::F32 && atomic_dq,
-                "which dQ"
-            );
             let [dq, dk, dv] = run(
                 builds,
                 &desc,
                 [&qt, &kt, &vt, &ot, &lt, &dt],
-                &format!("varlen{n}_{}_{atomic_dq}", T::DTYPE),
+                &format!("varlen{n}_{}", T::DTYPE),
             );
             let want =
                 reference::attention_varlen_backward(&qt, &kt, &vt, &dt, &cu_q, &cu_k, &opts)

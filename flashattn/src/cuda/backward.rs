@@ -1,12 +1,10 @@
 //! The backward pass on the GPU: [`flash_attn_backward`] and [`flash_attn_varlen_backward`], the
-//! CPU calls' semantics (same validation) with every tensor in GPU memory. Kernels of
+//! CPU calls' semantics (same validation) with every tensor in GPU memory. Three kernels of
 //! `kernels/bwd.cu` run on the device's stream (on tensor cores for f16/bf16 up to head_dim 128,
-//! on CUDA cores otherwise): `bwd_prep` (dO·O per row and the LSE in the log2 domain), then
-//! either `bwd_dq` (one CTA per query block) and `bwd_dkdv` (one CTA per key block and kv head,
-//! summing the heads of its group): no atomics, gradients bit-identical from run to run; or, on
-//! tensor cores with [`AttnOptions::atomic_dq`], FlashAttention-2's way: `bwd_dkdv` also adds
-//! dQ's share of its keys into a zeroed f32 workspace with atomic adds, and `bwd_dq_convert`
-//! rounds it into dq (dQ's last bits then vary from run to run).
+//! on CUDA cores otherwise): `bwd_prep` (dO·O per row and the LSE
+//! in the log2 domain), `bwd_dq` (one CTA per query block) and `bwd_dkdv` (one CTA per key block
+//! and kv head, summing the heads of its group). No atomics: the gradients are bit-identical from
+//! run to run.
 
 use super::{alloc_output, check_launchable, driver_err, CudaDevice, CudaTensor, DeviceBuffer};
 use super::{DropoutArgs, KernelKey, KernelKind};
@@ -29,11 +27,6 @@ pub struct BackwardLaunch {
     pub prep: KernelKey,
     pub dq: KernelKey,
     pub dkdv: KernelKey,
-    /// `bwd_dq_convert`'s key (launched only with `dq_atomic`).
-    pub convert: KernelKey,
-    /// dQ by atomic adds in `bwd_dkdv` (then `bwd_dq` does not run): a call with
-    /// [`AttnOptions::atomic_dq`] whose `bwd_dkdv` variant has it ([`KernelKey::bwd_atomic_dq`]).
-    pub dq_atomic: bool,
     /// Launched sequences: the batch, plus packed query rows after the last sequence and packed
     /// keys after the last sequence, each launched as a sequence of its own that sees nothing.
     pub seqs: usize,
@@ -157,13 +150,10 @@ impl BackwardLaunch {
         });
         let side = |w: Option<usize>| w.map_or(-1, |w| w.min(max_q + max_k) as i32);
         let table: Vec<i64> = table.iter().map(|&x| x as i64).collect();
-        let dkdv = dkey(KernelKind::BackwardDkDv);
         BackwardLaunch {
             prep: KernelKey::backward_prep(p.dtype),
             dq: dkey(KernelKind::BackwardDq),
-            dkdv,
-            convert: KernelKey::backward_helper(KernelKind::BackwardDqConvert, p.dtype),
-            dq_atomic: p.atomic_dq && dkdv.bwd_atomic_dq(),
+            dkdv: dkey(KernelKind::BackwardDkDv),
             seqs,
             max_q,
             max_k,
@@ -205,19 +195,9 @@ impl BackwardLaunch {
         self.grid(self.max_q, PREP_ROWS, self.heads)
     }
 
-    /// Grid of `bwd_dq` (None: no query row, or dQ by atomics).
+    /// Grid of `bwd_dq` (None: no query row).
     pub fn dq_grid(&self) -> Option<(u32, u32, u32)> {
-        if self.dq_atomic {
-            return None;
-        }
         self.grid(self.max_q, self.dq.tiles().block_m, self.heads)
-    }
-
-    /// Grid of `bwd_dq_convert` (None: dQ not by atomics, or no dq element); it strides over
-    /// the rest.
-    pub fn convert_grid(&self) -> Option<(u32, u32, u32)> {
-        let blocks = self.dq_len.div_ceil(self.convert.threads()).min(1 << 16);
-        (self.dq_atomic && blocks > 0).then_some((blocks as u32, 1, 1))
     }
 
     /// Grid of `bwd_dkdv` (None: no key).
@@ -354,12 +334,10 @@ fn backward(dev: &CudaDevice, p: &Params, t: [&CudaTensor; 6]) -> Result<CudaAtt
     let d = BackwardLaunch::new(p, &o, &g, &ls);
     let contexts = t.map(|x| x.buf.context());
     check_launchable(dev, p, &d.dkdv, &contexts)?;
-    // The second kernel: bwd_dq, or with the atomic dQ bwd_dq_convert (bwd_dq is not compiled).
-    let second = if d.dq_atomic { &d.convert } else { &d.dq };
-    check_launchable(dev, p, second, &contexts)?;
+    check_launchable(dev, p, &d.dq, &contexts)?;
     let f = [
         dev.function(&d.prep)?.0,
-        dev.function(second)?.0,
+        dev.function(&d.dq)?.0,
         dev.function(&d.dkdv)?.0,
     ];
     let s = &dev.stream;
@@ -369,12 +347,6 @@ fn backward(dev: &CudaDevice, p: &Params, t: [&CudaTensor; 6]) -> Result<CudaAtt
         alloc_output::<f32>(s, d.lse_len)?,
         alloc_output::<f32>(s, d.lse_len)?,
     ];
-    // The atomic dQ's workspace starts at zero (the adds are its only writes).
-    let mut dq_accum = d
-        .dq_atomic
-        .then(|| s.alloc_zeros::<f32>(d.dq_len.max(1)))
-        .transpose()
-        .map_err(driver_err("cuMemAllocAsync"))?;
     let DeviceBuffer::F32(lse_b) = &lse.buf else {
         unreachable!("lse was validated as f32")
     };
@@ -398,16 +370,7 @@ fn backward(dev: &CudaDevice, p: &Params, t: [&CudaTensor; 6]) -> Result<CudaAtt
             ];
             let ins = [qb, kb, vb, ob, gb];
             launch(
-                dev,
-                &d,
-                &f,
-                ins,
-                lse_b,
-                &mut ws,
-                &mut grads,
-                dq_accum.as_mut(),
-                &table,
-                &slopes,
+                dev, &d, &f, ins, lse_b, &mut ws, &mut grads, &table, &slopes,
             )?;
             let [dq, dk, dv] = grads;
             [
@@ -429,10 +392,9 @@ fn backward(dev: &CudaDevice, p: &Params, t: [&CudaTensor; 6]) -> Result<CudaAtt
     })
 }
 
-/// Queues `bwd_prep`, `bwd_dq` and `bwd_dkdv` (`f`: their functions), or with `dq_accum`
-/// (`d.dq_atomic`) `bwd_prep`, `bwd_dkdv` and `bwd_dq_convert` (`f[1]`).
+/// Queues `bwd_prep`, `bwd_dq` and `bwd_dkdv`.
 #[allow(clippy::too_many_arguments)]
-fn launch<T: cudarc::driver::DeviceRepr>(
+fn launch<T>(
     dev: &CudaDevice,
     d: &BackwardLaunch,
     f: &[CudaFunction; 3],
@@ -440,7 +402,6 @@ fn launch<T: cudarc::driver::DeviceRepr>(
     lse: &CudaSlice<f32>,
     ws: &mut [CudaSlice<f32>; 2],
     grads: &mut [CudaSlice<T>; 3],
-    mut dq_accum: Option<&mut CudaSlice<f32>>,
     table: &CudaSlice<i64>,
     slopes: &Option<CudaSlice<f32>>,
 ) -> Result<()> {
@@ -461,10 +422,6 @@ fn launch<T: cudarc::driver::DeviceRepr>(
         b.arg(lse2).arg(dsum);
         let [dq, dk, dv] = grads;
         b.arg(dq).arg(dk).arg(dv);
-        match dq_accum.as_deref_mut() {
-            Some(a) => b.arg(a),
-            None => b.arg(&null),
-        };
         b.arg(table);
         match slopes {
             Some(t) => b.arg(t),
@@ -483,26 +440,12 @@ fn launch<T: cudarc::driver::DeviceRepr>(
             shared_mem_bytes: key.smem_bytes() as u32,
         };
         // SAFETY: the arguments match FLASH_BWD_PARAMS in bwd.cu: pointers to T x5, f32 x3, T x3,
-        // f32 (dq_accum, or null: then never read or written), i64, f32 (or null: no ALiBi, then
-        // never read); i32 x3; i64 x13; f32 x2; i32 x2; u32 x2, i64, f32.
+        // i64, f32 (or null: no ALiBi, then never read); i32 x3; i64 x13; f32 x2; i32 x2; u32 x2,
+        // i64, f32.
         // Validation checked that every row each table entry names (bases, strides and lengths
         // of q, k, v, out, dout and the caller's lse) lies inside its buffer; the workspaces hold
-        // lse_len elements indexed as the forward's contiguous lse, dq and dq_accum dq_len and
-        // dk/dv dk_len elements indexed by token, head and column, each written by the one CTA
-        // that owns it (dq_accum: added into by atomic adds only).
-        unsafe { b.launch(cfg) }.map_err(driver_err("cuLaunchKernel"))?;
-    }
-    if let (Some(accum), Some(grid)) = (dq_accum, d.convert_grid()) {
-        let n = d.dq_len as i64;
-        let mut b = dev.stream.launch_builder(&f[1]);
-        b.arg(&*accum).arg(&mut grads[0]).arg(&n);
-        let cfg = LaunchConfig {
-            grid_dim: grid,
-            block_dim: (d.convert.threads() as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: bwd_dq_convert(const float*, elem_t*, i64 n): dq_accum and dq hold dq_len
-        // elements each (dq_accum at least one), of f32 and of T (the kernel's elem_t).
+        // lse_len elements indexed as the forward's contiguous lse, dq dq_len and dk/dv dk_len
+        // elements indexed by token, head and column, each written by the one CTA that owns it.
         unsafe { b.launch(cfg) }.map_err(driver_err("cuLaunchKernel"))?;
     }
     Ok(())

@@ -36,22 +36,15 @@ pub enum KernelKind {
     BackwardPrep,
     /// `bwd_dq` (bwd.cu): dQ of one query block.
     BackwardDq,
-    /// `bwd_dkdv` (bwd.cu): dK and dV of one key block and kv head (on tensor cores, given an
-    /// f32 workspace, also dQ's share of its keys, added atomically).
+    /// `bwd_dkdv` (bwd.cu): dK and dV of one key block and kv head.
     BackwardDkDv,
-    /// `bwd_dq_convert` (bwd.cu): the atomic dQ's f32 workspace rounded into dq. As
-    /// `BackwardPrep`, only the dtype matters.
-    BackwardDqConvert,
 }
 
 impl KernelKind {
     pub(crate) fn is_backward(self) -> bool {
         matches!(
             self,
-            KernelKind::BackwardPrep
-                | KernelKind::BackwardDq
-                | KernelKind::BackwardDkDv
-                | KernelKind::BackwardDqConvert
+            KernelKind::BackwardPrep | KernelKind::BackwardDq | KernelKind::BackwardDkDv
         )
     }
 }
@@ -119,7 +112,7 @@ impl KernelKey {
                 }
             }
             // bwd.cu: 16 query rows per CTA, 32 keys per step (dkdv: 16 keys, 32 rows a step).
-            KernelKind::BackwardPrep | KernelKind::BackwardDq | KernelKind::BackwardDqConvert => {
+            KernelKind::BackwardPrep | KernelKind::BackwardDq => {
                 return Tiles {
                     block_m: 16,
                     block_n: 32,
@@ -227,18 +220,17 @@ impl KernelKey {
                         + 2 * t.num_warps * t.block_m
                         + 8 * t.block_m)
             }
-            KernelKind::DecodeCombine
-            | KernelKind::DecodeAppend
-            | KernelKind::BackwardPrep
-            | KernelKind::BackwardDqConvert => return 0,
+            KernelKind::DecodeCombine | KernelKind::DecodeAppend | KernelKind::BackwardPrep => {
+                return 0
+            }
             // bwd.cu on tensor cores: q and dO tiles of the rows, k and v tiles of the keys, in
-            // the input type; the tiles a CTA walks through double-buffered; dkdv's dS tile of a
-            // step's rows (used by the atomic dQ).
+            // the input type; the tiles a CTA walks through double-buffered; dkdv's lse2 and dsum
+            // of a step's rows, double-buffered, in f32.
             KernelKind::BackwardDq if self.bwd_tensor_cores() => {
                 return 2 * (2 * t.block_m + 4 * t.block_n) * self.smem_row()
             }
             KernelKind::BackwardDkDv if self.bwd_tensor_cores() => {
-                return 2 * (2 * t.block_n + 5 * t.block_m) * self.smem_row() + 4 * 4 * t.block_m
+                return 2 * (2 * t.block_n + 4 * t.block_m) * self.smem_row() + 4 * 4 * t.block_m
             }
             // bwd.cu: q and dO [block_m][d+1], k and v [block_n][d+1], P and dX
             // [block_m][block_n+1], two per-row statistics, all f32.
@@ -292,13 +284,6 @@ impl KernelKey {
             && self.head_dim <= 128
     }
 
-    /// Whether this key's bwd.cu build has FlashAttention-2's atomic dQ in `bwd_dkdv`
-    /// (`BWD_ATOMIC_DQ`): the tensor-core kernels, except at head_dim 128 with a mask and softcap
-    /// together, where it spilled 4 bytes on sm_90a (NVRTC 13.0).
-    pub fn bwd_atomic_dq(&self) -> bool {
-        self.bwd_tensor_cores() && !(self.head_dim > 96 && self.softcap && self.masked)
-    }
-
     pub fn threads(&self) -> usize {
         self.tiles().num_warps * 32
     }
@@ -327,7 +312,6 @@ impl KernelKey {
             KernelKind::BackwardPrep => "bwd_prep",
             KernelKind::BackwardDq => "bwd_dq",
             KernelKind::BackwardDkDv => "bwd_dkdv",
-            KernelKind::BackwardDqConvert => "bwd_dq_convert",
         }
     }
 
@@ -345,7 +329,6 @@ impl KernelKey {
             let entry = match self.kind {
                 KernelKind::DecodeSplit | KernelKind::BackwardPrep => 1,
                 KernelKind::DecodeCombine | KernelKind::BackwardDq => 2,
-                KernelKind::BackwardDqConvert => 4,
                 _ => 3,
             };
             let define = if self.kind.is_backward() {
@@ -359,7 +342,6 @@ impl KernelKey {
                 if self.bwd_tensor_cores() {
                     d.push(("SMEM_ROW", self.smem_row().to_string()));
                     d.push(("VEC_LOAD", flag(self.vec_load)));
-                    d.push(("BWD_ATOMIC_DQ", flag(self.bwd_atomic_dq())));
                 }
             }
             match self.dtype {
@@ -417,7 +399,6 @@ impl KernelKey {
             }
             KernelKind::DecodeAppend => return format!("decode_append_{}", self.dtype),
             KernelKind::BackwardPrep => return format!("bwd_prep_{}", self.dtype),
-            KernelKind::BackwardDqConvert => return format!("bwd_dq_convert_{}", self.dtype),
             KernelKind::BackwardDq | KernelKind::BackwardDkDv => format!(
                 "{}_{}_d{}{}",
                 self.entry(),
@@ -523,25 +504,14 @@ impl KernelKey {
                 }
             }
             keys.push(KernelKey::backward_prep(dtype));
-            if dtype != DType::F32 {
-                keys.push(KernelKey::backward_helper(
-                    KernelKind::BackwardDqConvert,
-                    dtype,
-                ));
-            }
         }
         keys
     }
 
     /// The key of [`KernelKind::BackwardPrep`] for `dtype` (only the dtype matters).
     pub fn backward_prep(dtype: DType) -> KernelKey {
-        KernelKey::backward_helper(KernelKind::BackwardPrep, dtype)
-    }
-
-    /// The key of [`KernelKind::BackwardPrep`] or [`KernelKind::BackwardDqConvert`] for `dtype`.
-    pub fn backward_helper(kind: KernelKind, dtype: DType) -> KernelKey {
         KernelKey {
-            kind,
+            kind: KernelKind::BackwardPrep,
             ..KernelKey::decode_helper(KernelKind::DecodeCombine, dtype)
         }
     }

@@ -1,6 +1,5 @@
-// Runs the backward kernels of bwd.cu (bwd_prep, bwd_dq, bwd_dkdv; with the atomic dQ bwd_prep,
-// bwd_dkdv and bwd_dq_convert) on the CPU through host_emulation.h, with the launches
-// cuda/backward.rs computes.
+// Runs the backward kernels of bwd.cu (bwd_prep, bwd_dq, bwd_dkdv) on the CPU through
+// host_emulation.h, with the launches cuda/backward.rs computes.
 // Built by tests/cuda_emulated.rs: g++ -std=c++17 -DFA_HOST_EMULATION -DFA_BWD_ENTRY=0
 //   -D<variant defines> -I<kernels dir> bwd_driver.cpp
 // Usage: driver DIR. DIR holds params.txt (read below) and q, k, v, out, dout (elements), lse
@@ -25,8 +24,6 @@ int main(int argc, char** argv) {
     long long drop_lo, drop_hi, drop_threshold;
     float drop_scale;
     pf >> drop_lo >> drop_hi >> drop_threshold >> drop_scale;
-    long long dq_atomic;
-    pf >> dq_atomic;
     if (!pf) return 3;
     auto q = read<elem_t>(dir + "/q.bin");
     auto k = read<elem_t>(dir + "/k.bin");
@@ -39,13 +36,11 @@ int main(int argc, char** argv) {
     // Poisoned like the library's outputs and workspaces: all-ones bytes are NaN.
     std::vector<elem_t> dq(dq_len), dk(dk_len), dv(dk_len);
     std::vector<float> lse2(lse_len), dsum(lse_len);
-    std::vector<float> dq_accum(dq_atomic ? dq_len : 0);  // zeroed, as the library allocates it
     for (auto* b : {&dq, &dk, &dv}) std::memset(b->data(), 0xFF, b->size() * sizeof(elem_t));
     for (auto* b : {&lse2, &dsum}) std::memset(b->data(), 0xFF, b->size() * sizeof(float));
     auto call = [&](auto kernel) {
         kernel(q.data(), k.data(), v.data(), out.data(), dout.data(), lse.data(), lse2.data(),
-               dsum.data(), dq.data(), dk.data(), dv.data(),
-               dq_atomic ? dq_accum.data() : nullptr, table.data(),
+               dsum.data(), dq.data(), dk.data(), dv.data(), table.data(),
                has_slopes ? slopes.data() : nullptr, int(heads), int(heads_kv), int(head_dim), st[0],
                st[1], st[2], st[3], st[4], st[5], st[6], st[7], st[8], st[9], st[10], st[11], st[12],
                scale, softcap, int(window_left), int(window_right), u32(drop_lo), u32(drop_hi),
@@ -54,15 +49,11 @@ int main(int argc, char** argv) {
     const emu::Dim3 prep_grid{unsigned(pg[0]), unsigned(pg[1]), unsigned(pg[2])};
     const emu::Dim3 row_grid{unsigned(rg[0]), unsigned(rg[1]), unsigned(rg[2])};
     const emu::Dim3 key_grid{unsigned(kg[0]), unsigned(kg[1]), unsigned(kg[2])};
-    if (pg[0] > 0) emu::launch(prep_grid, NUM_THREADS, 0, [&] { call(bwd_prep); });
-    if (rg[0] > 0) emu::launch(row_grid, NUM_THREADS, size_t(smem_dq), [&] { call(bwd_dq); });
-    if (kg[0] > 0) emu::launch(key_grid, NUM_THREADS, size_t(smem_dkdv), [&] { call(bwd_dkdv); });
-    if (dq_atomic && dq_len > 0) {
-        // Fewer blocks than elements / NUM_THREADS, so the kernel's grid stride runs too.
-        const unsigned blocks = unsigned((dq_len + 4 * NUM_THREADS - 1) / (4 * NUM_THREADS));
-        emu::launch(emu::Dim3{blocks, 1, 1}, NUM_THREADS, 0,
-                    [&] { bwd_dq_convert(dq_accum.data(), dq.data(), dq_len); });
+    if (rg[0] > 0) {
+        emu::launch(prep_grid, NUM_THREADS, 0, [&] { call(bwd_prep); });
+        emu::launch(row_grid, NUM_THREADS, size_t(smem_dq), [&] { call(bwd_dq); });
     }
+    if (kg[0] > 0) emu::launch(key_grid, NUM_THREADS, size_t(smem_dkdv), [&] { call(bwd_dkdv); });
     write(dir + "/dq.bin", dq.data(), dq.size());
     write(dir + "/dk.bin", dk.data(), dk.size());
     write(dir + "/dv.bin", dv.data(), dv.size());

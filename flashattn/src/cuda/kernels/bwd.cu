@@ -16,14 +16,6 @@
 // so that no kernel needs atomics: every gradient element is summed by one thread in a fixed
 // order, and the results are bit-identical from run to run (as the CPU path's).
 //
-// Or, on tensor cores when the caller asks for it (AttnOptions::atomic_dq, flash-attn's
-// deterministic=False), FlashAttention-2's way: bwd_dkdv also forms dQ's share of its keys, dS·K for each step's query
-// rows (dS through shared memory, so the four warps' keys meet in one product), and adds it into
-// an f32 workspace `dq_accum` (zeroed first) with atomic adds; bwd_dq does not run, and
-//   4 bwd_dq_convert  rounds dq_accum into dq.
-// Five block products instead of seven, one kernel fewer over the keys; the order of the adds,
-// and so dQ's last bits, varies from run to run. dK and dV are summed as before.
-//
 // With x = q·k, s = scale·x (or softcap·tanh(scale·x / softcap)) plus the ALiBi bias, P = exp(s -
 // lse), dP = dO·V and dS = P ∘ (dP - dsum): dV += Pᵀ·dO, and with dX = dS · ds/dx (scale, or
 // scale·(1 - tanh²) under softcap) dQ += dX·K, dK += dXᵀ·Q.
@@ -43,8 +35,7 @@
 //
 // Defines: FA_BWD_ENTRY; FA_BF16 or FA_F16 (else f32); HEAD_DIM (padded head_dim, a multiple of
 // 32), IS_MASKED (causal or window), HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT; BWD_TENSOR_CORES, and
-// with it SMEM_ROW, VEC_LOAD (as fwd.cu) and BWD_ATOMIC_DQ (bwd_dkdv has the atomic dQ; without
-// it the kernel ignores dq_accum, and the host never passes one).
+// with it SMEM_ROW and VEC_LOAD (as fwd.cu).
 #define FA_CUDA_CORE_ELEM
 #define NUM_THREADS 128
 #if BWD_TENSOR_CORES
@@ -68,7 +59,6 @@ static_assert(BLOCK_Q * STEP_K == 4 * NUM_THREADS && STEP_Q * BLOCK_K == 4 * NUM
         const elem_t *__restrict__ out, const elem_t *__restrict__ dout,                          \
         const float *__restrict__ lse, float *__restrict__ lse2, float *__restrict__ dsum,        \
         elem_t *__restrict__ dq, elem_t *__restrict__ dk, elem_t *__restrict__ dv,                \
-        float *__restrict__ dq_accum,                                                             \
         const i64 *__restrict__ seqs, const float *__restrict__ alibi_slopes, int heads,          \
         int heads_kv, int head_dim, i64 q_row_stride, i64 q_head_stride, i64 k_row_stride,        \
         i64 k_head_stride, i64 v_row_stride, i64 v_head_stride, i64 out_row_stride,               \
@@ -514,95 +504,16 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dq(FLASH_BWD_PA
 #endif  // BWD_TENSOR_CORES && FA_BWD_ENTRY == 2
 
 #if BWD_TENSOR_CORES && (FA_BWD_ENTRY == 3 || FA_BWD_ENTRY == 0)
-// p[0] += a and, when `both`, p[1] += b, as relaxed atomic adds whose result nothing reads (PTX
-// red; on sm_90 one vector red for the pair, p then 8-byte aligned).
-__device__ __forceinline__ void red_add2(float* p, float a, float b, bool both) {
-#ifdef FA_HOST_EMULATION
-    p[0] += a;  // the emulation runs one block at a time and switches threads only at barriers
-    if (both) p[1] += b;
-#else
-#if __CUDA_ARCH__ >= 900
-    if (both) {
-        asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
-        return;
-    }
-#endif
-    asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(a) : "memory");
-    if (both) asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p + 1), "f"(b) : "memory");
-#endif
-}
-
-static_assert(TC_KV_M == 32 && NUM_THREADS == 128,
-              "a step's dQ: two 16-row blocks x two column halves over the four warps");
-
-// dQ's share of one step (FlashAttention-2's atomic dQ): dS (the step's TC_KV_M query rows x the
-// CTA's TC_KV_N keys, in the input type, in `ds_tile`) times the key tile, added into dq_accum.
-// Warp w forms rows 16 (w % 2) .. + 16 and columns (w / 2) HEAD_DIM / 2 .. + HEAD_DIM / 2.
-// `row0`: dq_accum's index of the step's first row at column 0; `row_step` between rows;
-// `rows`: the step's rows inside the sequence.
-__device__ __forceinline__ void dq_step_atomic(float* dq_accum, const u16* ds_tile,
-                                               const u16* k_tile, i64 row0, i64 row_step, int rows,
-                                               int head_dim, int warp, int lane) {
-    constexpr int HALF = HEAD_DIM / 2;  // a multiple of 16
-    // At head_dim 128 the half goes in two passes of 32 columns: 16 accumulators live beside
-    // dK's and dV's 128 instead of 32 (with 32 some variants spilled 4-12 bytes).
-    constexpr int PASSES = HALF % 32 == 0 && HALF >= 64 ? 2 : 1;
-    constexpr int COLS = HALF / PASSES;
-    const int rb = (warp & 1) * 16, g = lane / 4, t = lane % 4;
-    // An even head_dim keeps every pair inside a row and 8-byte aligned.
-    const bool pairs = (head_dim & 1) == 0;
-#pragma unroll
-    for (int pass = 0; pass < PASSES; ++pass) {
-        const int c0 = (warp >> 1) * HALF + pass * COLS;
-        float acc[COLS / 8][4];
-#pragma unroll
-        for (int i = 0; i < COLS / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < TC_KV_N / 16; ++kk) {
-            u32 af[4];
-            ldsm_x4(af, smem_addr(ds_tile + swz(rb + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                kk * 16 + (lane >> 4) * 8)));
-#pragma unroll
-            for (int dp = 0; dp < COLS / 16; ++dp) {
-                u32 bf[4];
-                ldsm_x4_trans(bf,
-                              smem_addr(k_tile + swz(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                     c0 + dp * 16 + (lane >> 4) * 8)));
-                mma_x4(acc[2 * dp], acc[2 * dp + 1], af, bf);
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int i = rb + g + 8 * r;
-            if (i >= rows) continue;
-            float* o = dq_accum + row0 + i * row_step;
-#pragma unroll
-            for (int nt = 0; nt < COLS / 8; ++nt) {
-                const int col = c0 + nt * 8 + 2 * t;
-                if (col >= head_dim) continue;
-                if (pairs) {
-                    red_add2(o + col, acc[nt][2 * r], acc[nt][2 * r + 1], true);
-                } else {
-                    red_add2(o + col, acc[nt][2 * r], 0.f, false);
-                    if (col + 1 < head_dim) red_add2(o + col + 1, acc[nt][2 * r + 1], 0.f, false);
-                }
-            }
-        }
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dkdv(FLASH_BWD_PARAMS) {
     FA_DYNAMIC_SMEM(u16, smem);
     u16* k_tile = smem;                               // [TC_KV_N][SMEM_ROW]
     u16* v_tile = k_tile + TC_KV_N * SMEM_ROW;        // [TC_KV_N]
     u16* q_tiles = v_tile + TC_KV_N * SMEM_ROW;       // 2 x [TC_KV_M]
     u16* do_tiles = q_tiles + 2 * TC_KV_M * SMEM_ROW; // 2 x [TC_KV_M]
-    // dS of the step, [TC_KV_M][SMEM_ROW] (TC_KV_N <= SMEM_ROW columns used): atomic dQ only.
-    u16* ds_tile = do_tiles + 2 * TC_KV_M * SMEM_ROW;
     // lse2 and dsum of the step's rows, 2 x [2][TC_KV_M] f32, copied with the q and dO tiles
-    // (read from global memory in the step, the compiler kept them in registers through the
-    // products, and the head_dim 128 variants with the atomic dQ spilled).
-    float* stats = reinterpret_cast<float*>(ds_tile + TC_KV_M * SMEM_ROW);
+    // (read from global memory in the step, they were loaded early and held in registers through
+    // the products).
+    float* stats = reinterpret_cast<float*>(do_tiles + 2 * TC_KV_M * SMEM_ROW);
 
     const int b = blockIdx.z, hk = blockIdx.y;
     const BwdSeq seq(seqs + BWD_FIELDS * b);
@@ -713,32 +624,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dkdv(FLASH_BWD_
         pack_a<TC_KV_M>(pa, st);
         pack_a<TC_KV_M>(da, dpt);
         mma_pb<TC_KV_M>(acc_v, pa, do_tile, lane);
-#if BWD_ATOMIC_DQ
-        if (dq_accum != nullptr) {
-            // dS untransposed (rows: the step's query rows; columns: the CTA's keys), the values
-            // dK's product takes. Word q of k-step j holds key row g + 8 (q & 1) and query rows
-            // 16j + 8 (q >> 1) + 2t, + 1. The previous step's dQ product finished reading ds_tile
-            // before the barrier that ended that step.
-#pragma unroll
-            for (int j = 0; j < TC_KV_M / 16; ++j)
-#pragma unroll
-                for (int q = 0; q < 4; ++q)
-#pragma unroll
-                    for (int c = 0; c < 2; ++c)
-                        ds_tile[swz(16 * j + 8 * (q >> 1) + 2 * t + c, warp * 16 + g + 8 * (q & 1))] =
-                            (u16)(da[j][q] >> (16 * c));
-        }
-#endif
         mma_pb<TC_KV_M>(acc_k, da, q_tile, lane);
-#if BWD_ATOMIC_DQ
-        if (dq_accum != nullptr) {  // the same for every thread of the CTA
-            __syncthreads();         // every warp's keys of dS are in ds_tile
-            const i64 rs = (i64)heads * head_dim;
-            dq_step_atomic(dq_accum, ds_tile, k_tile,
-                           ((seq.out_row0 + m0) * heads + h) * (i64)head_dim, rs,
-                           min(TC_KV_M, seq.seqlen_q - m0), head_dim, warp, lane);
-        }
-#endif
         __syncthreads();
     }
     cp_async_wait<0>();
@@ -756,12 +642,3 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dkdv(FLASH_BWD_
     store_rows(acc_v, rows, t, head_dim);
 }
 #endif  // BWD_TENSOR_CORES && FA_BWD_ENTRY == 3
-
-#if FA_BWD_ENTRY == 4 || FA_BWD_ENTRY == 0
-// The atomic dQ's last step: dq = dq_accum rounded once to the element type, n elements.
-extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
-bwd_dq_convert(const float* __restrict__ dq_accum, elem_t* __restrict__ dq, i64 n) {
-    for (i64 e = (i64)blockIdx.x * NUM_THREADS + threadIdx.x; e < n; e += (i64)gridDim.x * NUM_THREADS)
-        dq[e] = from_f32_elem(dq_accum[e]);
-}
-#endif  // FA_BWD_ENTRY == 4
