@@ -15,9 +15,10 @@
 # SECONDS: the budget for the whole script (500). `bwd`: after the tests, forward + backward
 # against SDPA (this build beside gpu-run/old/flashattn when carried) and the backward kernels
 # under Nsight Compute; `bwdprobe`: the same without the tests (a profile to work from).
-# `decode`: after the tests, only the decode comparisons (the default CUDA-core split kernel, then the tensor-core one with
-# FLASHATTN_CUDA_DECODE=tc), an Nsight Compute summary of each split kernel and a split-count sweep
-# of the tensor-core one at the issue's shape (for work on decode.cu).
+# `decode`: after the tests, only the decode comparisons (the default CUDA-core split kernel,
+# then the tensor-core one with FLASHATTN_CUDA_DECODE=tc), an Nsight Compute summary of each split
+# kernel and a split-count sweep of the tensor-core one at the issue's shape (for work on
+# decode.cu).
 # $OUT/summary.txt grows as stages end; $OUT/logs.tgz holds every log at the end.
 set -uo pipefail
 cd "$(dirname "$0")/../.."

@@ -410,16 +410,33 @@ __device__ __forceinline__ void mma_abt(float (&x)[NCOLS / 8][4], const u16* a, 
     }
 }
 
-// This warp's 16 x NK accumulators rounded to the input type as the A fragments of NK / 16
-// k-steps (the accumulators of key tiles 2j, 2j + 1 form k-step j).
+// The A fragment of k-step j from this warp's 16 x NK accumulators, rounded to the input type:
+// the accumulators of key tiles 2j and 2j + 1.
+template <int NK>
+__device__ __forceinline__ void pack_kstep(u32 (&a)[4], const float (&x)[NK / 8][4], int j) {
+    a[0] = pack2(x[2 * j][0], x[2 * j][1]);
+    a[1] = pack2(x[2 * j][2], x[2 * j][3]);
+    a[2] = pack2(x[2 * j + 1][0], x[2 * j + 1][1]);
+    a[3] = pack2(x[2 * j + 1][2], x[2 * j + 1][3]);
+}
+
+// All NK / 16 A fragments of this warp's 16 x NK accumulators (pack_kstep), packed at once.
 template <int NK>
 __device__ __forceinline__ void pack_a(u32 (&a)[NK / 16][4], const float (&x)[NK / 8][4]) {
 #pragma unroll
-    for (int j = 0; j < NK / 16; ++j) {
-        a[j][0] = pack2(x[2 * j][0], x[2 * j][1]);
-        a[j][1] = pack2(x[2 * j][2], x[2 * j][3]);
-        a[j][2] = pack2(x[2 * j + 1][0], x[2 * j + 1][1]);
-        a[j][3] = pack2(x[2 * j + 1][2], x[2 * j + 1][3]);
+    for (int j = 0; j < NK / 16; ++j) pack_kstep<NK>(a[j], x, j);
+}
+
+// acc[·][HEAD_DIM] += A·B_j for k-step j: `a` the packed A fragment of keys 16j .. 16j + 16 and
+// B_j those rows of the tile `b` ([NK][HEAD_DIM], swizzled), read transposed.
+__device__ __forceinline__ void mma_kstep_b(float (&acc)[HEAD_DIM / 8][4], const u32 (&a)[4],
+                                            const u16* b, int j, int lane) {
+#pragma unroll
+    for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
+        u32 bf[4];
+        ldsm_x4_trans(bf, smem_addr(b + swz(j * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                            dp * 16 + (lane >> 4) * 8)));
+        mma_x4(acc[2 * dp], acc[2 * dp + 1], a, bf);
     }
 }
 
@@ -429,15 +446,7 @@ template <int NK>
 __device__ __forceinline__ void mma_pb(float (&acc)[HEAD_DIM / 8][4], const u32 (&a)[NK / 16][4],
                                        const u16* b, int lane) {
 #pragma unroll
-    for (int j = 0; j < NK / 16; ++j) {
-#pragma unroll
-        for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
-            u32 bf[4];
-            ldsm_x4_trans(bf, smem_addr(b + swz(j * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                dp * 16 + (lane >> 4) * 8)));
-            mma_x4(acc[2 * dp], acc[2 * dp + 1], a[j], bf);
-        }
-    }
+    for (int j = 0; j < NK / 16; ++j) mma_kstep_b(acc, a[j], b, j, lane);
 }
 
 // acc[·][HEAD_DIM] += X·B, X this warp's 16 x NK accumulators (rounded to the input type as the
@@ -452,17 +461,8 @@ __device__ __forceinline__ void mma_xb(float (&acc)[HEAD_DIM / 8][4], const floa
 #pragma unroll
     for (int j = 0; j < NK / 16; ++j) {
         u32 af[4];
-        af[0] = pack2(x[2 * j][0], x[2 * j][1]);
-        af[1] = pack2(x[2 * j][2], x[2 * j][3]);
-        af[2] = pack2(x[2 * j + 1][0], x[2 * j + 1][1]);
-        af[3] = pack2(x[2 * j + 1][2], x[2 * j + 1][3]);
-#pragma unroll
-        for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
-            u32 bf[4];
-            ldsm_x4_trans(bf, smem_addr(b + swz(j * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                dp * 16 + (lane >> 4) * 8)));
-            mma_x4(acc[2 * dp], acc[2 * dp + 1], af, bf);
-        }
+        pack_kstep<NK>(af, x, j);
+        mma_kstep_b(acc, af, b, j, lane);
     }
 }
 

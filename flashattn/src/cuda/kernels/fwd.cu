@@ -99,12 +99,7 @@ __device__ __forceinline__ void mma_xb_mt(float (&acc)[MT][HEAD_DIM / 8][4],
     for (int j = 0; j < NK / 16; ++j) {
         u32 af[MT][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            af[mt][0] = pack2(x[mt][2 * j][0], x[mt][2 * j][1]);
-            af[mt][1] = pack2(x[mt][2 * j][2], x[mt][2 * j][3]);
-            af[mt][2] = pack2(x[mt][2 * j + 1][0], x[mt][2 * j + 1][1]);
-            af[mt][3] = pack2(x[mt][2 * j + 1][2], x[mt][2 * j + 1][3]);
-        }
+        for (int mt = 0; mt < MT; ++mt) pack_kstep<NK>(af[mt], x[mt], j);
 #pragma unroll
         for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
             u32 bf[4];
