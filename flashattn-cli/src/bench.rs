@@ -5,7 +5,10 @@ use crate::error::{fail, CliError, Result};
 use crate::fp8::Fp8Buf;
 use crate::peak::{self, Peak};
 use crate::threads::with_threads;
+use flashattn::decode::SliceMut;
 use flashattn::fp8::{self, Fp8Format};
+use flashattn::memory::CacheBuf;
+use flashattn::tensor::Slice;
 use flashattn::{flops, naive, reference, AttnOptions, AttnOutput, Buffer, DType, TensorRef};
 use half::{bf16, f16};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -371,26 +374,64 @@ pub fn dequantized(x: &Fp8Buf) -> Buffer {
 }
 
 pub fn random_buffer(rng: &mut ChaCha8Rng, n: usize, dtype: DType) -> Buffer {
-    random_cache(rng, n, dtype, false)
-}
-
-/// The values of `x` in a buffer for a KV cache: advised for transparent huge pages before its
-/// first write when `huge` ([`flashattn::memory::kv_cache_from_iter`]), else an ordinary one.
-pub fn cache_vec<T>(huge: bool, x: impl ExactSizeIterator<Item = T>) -> Vec<T> {
-    if huge {
-        flashattn::memory::kv_cache_from_iter(x)
-    } else {
-        x.collect()
+    let vals = (0..n).map(|_| rng.gen_range(-1.0f32..1.0));
+    match dtype {
+        DType::F32 => Buffer::F32(vals.collect()),
+        DType::F16 => Buffer::F16(vals.map(f16::from_f32).collect()),
+        DType::BF16 => Buffer::BF16(vals.map(bf16::from_f32).collect()),
     }
 }
 
-/// [`random_buffer`] as a KV cache buffer, in huge pages when `huge` (see [`cache_vec`]).
-pub fn random_cache(rng: &mut ChaCha8Rng, n: usize, dtype: DType, huge: bool) -> Buffer {
+/// The values of `x` in a buffer for a KV cache ([`flashattn::memory::CacheBuf`]: on a 2 MiB
+/// boundary), advised for transparent huge pages before its first write when `huge`.
+pub fn cache_vec<T: Copy>(huge: bool, x: impl ExactSizeIterator<Item = T>) -> CacheBuf<T> {
+    CacheBuf::from_iter_advised(x, huge)
+}
+
+/// A KV cache of the benchmarks in its dtype (see [`cache_vec`]).
+pub enum CacheBuffer {
+    F32(CacheBuf<f32>),
+    F16(CacheBuf<f16>),
+    BF16(CacheBuf<bf16>),
+}
+
+impl CacheBuffer {
+    /// An empty buffer (a placeholder where the caches are FP8).
+    pub fn empty() -> Self {
+        CacheBuffer::BF16(cache_vec(false, std::iter::empty()))
+    }
+    pub fn as_slice(&self) -> Slice<'_> {
+        match self {
+            CacheBuffer::F32(d) => Slice::F32(d),
+            CacheBuffer::F16(d) => Slice::F16(d),
+            CacheBuffer::BF16(d) => Slice::BF16(d),
+        }
+    }
+    pub fn slice_mut(&mut self) -> SliceMut<'_> {
+        match self {
+            CacheBuffer::F32(d) => SliceMut::F32(d),
+            CacheBuffer::F16(d) => SliceMut::F16(d),
+            CacheBuffer::BF16(d) => SliceMut::BF16(d),
+        }
+    }
+    /// The address range of the buffer's bytes (see [`flashattn::memory::huge_page_bytes_in`]).
+    pub fn byte_range(&self) -> std::ops::Range<usize> {
+        match self {
+            CacheBuffer::F32(d) => flashattn::memory::byte_range(d),
+            CacheBuffer::F16(d) => flashattn::memory::byte_range(d),
+            CacheBuffer::BF16(d) => flashattn::memory::byte_range(d),
+        }
+    }
+}
+
+/// [`random_buffer`]'s values as a KV cache buffer, in huge pages when `huge` (see
+/// [`cache_vec`]).
+pub fn random_cache(rng: &mut ChaCha8Rng, n: usize, dtype: DType, huge: bool) -> CacheBuffer {
     let vals = (0..n).map(|_| rng.gen_range(-1.0f32..1.0));
     match dtype {
-        DType::F32 => Buffer::F32(cache_vec(huge, vals)),
-        DType::F16 => Buffer::F16(cache_vec(huge, vals.map(f16::from_f32))),
-        DType::BF16 => Buffer::BF16(cache_vec(huge, vals.map(bf16::from_f32))),
+        DType::F32 => CacheBuffer::F32(cache_vec(huge, vals)),
+        DType::F16 => CacheBuffer::F16(cache_vec(huge, vals.map(f16::from_f32))),
+        DType::BF16 => CacheBuffer::BF16(cache_vec(huge, vals.map(bf16::from_f32))),
     }
 }
 

@@ -345,7 +345,7 @@ fn sum_chunk(c: &[u64]) -> u64 {
 /// read rate: once at the start ([`measure_bandwidth`]), and again around each measurement
 /// ([`ReadProbe::around`]), since a shared host's rate drifts over seconds.
 pub struct ReadProbe {
-    src: Vec<u64>,
+    src: flashattn::memory::CacheBuf<u64>,
 }
 
 /// Read samples taken just before and just after each decode measurement (each ~35-40 ms).
@@ -650,7 +650,7 @@ fn bench_one(
         (draw(), draw())
     });
     let (mut kc, mut vc) = if fp8.is_some() {
-        (Buffer::BF16(Vec::new()), Buffer::BF16(Vec::new()))
+        (bench::CacheBuffer::empty(), bench::CacheBuffer::empty())
     } else {
         (
             bench::random_cache(&mut rng, numel(&cache_shape)?, dtype, huge),
@@ -660,7 +660,7 @@ fn bench_one(
     // How much of the caches the kernel backed with huge pages (Linux; a hint it may not honour).
     let huge_page_bytes = flashattn::memory::huge_page_bytes_in(&match &caches8 {
         Some((k8, v8)) => [k8.byte_range(), v8.byte_range()],
-        None => [byte_range(&kc), byte_range(&vc)],
+        None => [kc.byte_range(), vc.byte_range()],
     });
     let lens = vec![(cap - sq) as i32; batch];
     let attn = AttnOptions::default().causal(args.causal);
@@ -683,8 +683,8 @@ fn bench_one(
                 })
             }
             _ => {
-                let mut k = TensorMut::new(slice_mut(&mut kc), &cache_shape, &cache_strides);
-                let mut v = TensorMut::new(slice_mut(&mut vc), &cache_shape, &cache_strides);
+                let mut k = TensorMut::new(kc.slice_mut(), &cache_shape, &cache_strides);
+                let mut v = TensorMut::new(vc.slice_mut(), &cache_shape, &cache_strides);
                 bench::measure(args.min_time, || {
                     flash_attn_with_kvcache(&q, &mut k, &mut v, &lens, &opts)
                 })
@@ -699,17 +699,20 @@ fn bench_one(
         }
     };
     // FP8: the caches as appended by the calls, dequantised (exactly, in bf16).
-    if let Some((k8, v8)) = &caches8 {
-        (kc, vc) = (bench::dequantized(k8), bench::dequantized(v8));
-    }
+    let deq = caches8
+        .as_ref()
+        .map(|(k8, v8)| (bench::dequantized(k8), bench::dequantized(v8)));
+    let (ks, vs) = match &deq {
+        Some((k, v)) => (k.as_slice(), v.as_slice()),
+        None => (kc.as_slice(), vc.as_slice()),
+    };
     // Accuracy: a few rows against the f64 reference, reading the cache (appended to by the
     // calls) as plain k/v `[batch, cap, heads_kv, d]` through the same strides.
     let max_abs_err = if args.page_size.is_none() {
-        let strided =
-            |b| flashattn::TensorRef::from_slice(Buffer::as_slice(b), &cache_shape, &cache_strides);
+        let strided = |b| flashattn::TensorRef::from_slice(b, &cache_shape, &cache_strides);
         Some(last_rows_error(
             &q,
-            (&strided(&kc), &strided(&vc)),
+            (&strided(ks), &strided(vs)),
             &attn,
             &timing.first.out.to_f64_vec(),
         )?)
@@ -750,15 +753,6 @@ fn bench_one(
         max_abs_err,
         huge_page_bytes,
     })
-}
-
-/// The address range of a buffer's bytes (see [`flashattn::memory::huge_page_bytes_in`]).
-fn byte_range(b: &Buffer) -> std::ops::Range<usize> {
-    match b {
-        Buffer::F32(d) => flashattn::memory::byte_range(d),
-        Buffer::F16(d) => flashattn::memory::byte_range(d),
-        Buffer::BF16(d) => flashattn::memory::byte_range(d),
-    }
 }
 
 /// The largest |out - f64 reference| over three heads (first, middle, last) of the last query of

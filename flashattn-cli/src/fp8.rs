@@ -1,12 +1,14 @@
 //! `flashattn run` on FP8 inputs: q, k and v stored as F8_E4M3 or F8_E5M2, with optional
 //! descale factors (forward only; `out` is BF16).
 
+use crate::bench::cache_vec;
 use crate::cuda::Device;
 use crate::error::{fail, Result};
 use crate::run::{write_atomically, RunArgs};
 use crate::st_io;
 use crate::threads::with_threads;
 use flashattn::fp8::{self, Descale, Fp8Format, Fp8TensorRef, F8E4M3, F8E5M2};
+use flashattn::memory::CacheBuf;
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use std::path::Path;
@@ -34,10 +36,11 @@ pub fn is_fp8_file(path: &Path) -> bool {
         .unwrap_or(false)
 }
 
-/// An owned FP8 buffer (a file's tensor, or the bench's random inputs).
+/// An owned FP8 buffer (a file's tensor, or the bench's random inputs), aligned as a KV cache
+/// ([`crate::bench::cache_vec`]).
 pub enum Fp8Buf {
-    E4M3(Vec<F8E4M3>),
-    E5M2(Vec<F8E5M2>),
+    E4M3(CacheBuf<F8E4M3>),
+    E5M2(CacheBuf<F8E5M2>),
 }
 
 impl Fp8Buf {
@@ -52,7 +55,6 @@ impl Fp8Buf {
         x: impl ExactSizeIterator<Item = f32>,
         huge: bool,
     ) -> Self {
-        use crate::bench::cache_vec;
         match format {
             Fp8Format::E4M3 => Fp8Buf::E4M3(cache_vec(huge, x.map(F8E4M3::from_f32))),
             Fp8Format::E5M2 => Fp8Buf::E5M2(cache_vec(huge, x.map(F8E5M2::from_f32))),
@@ -81,15 +83,15 @@ impl Fp8Buf {
     /// A mutable view of `shape` with element `strides` (a KV cache).
     pub fn view_mut(&mut self, shape: &[usize], strides: &[usize]) -> fp8::Fp8TensorMut<'_> {
         match self {
-            Fp8Buf::E4M3(d) => fp8::Fp8TensorMut::new(d, shape, strides),
-            Fp8Buf::E5M2(d) => fp8::Fp8TensorMut::new(d, shape, strides),
+            Fp8Buf::E4M3(d) => fp8::Fp8TensorMut::new(&mut d[..], shape, strides),
+            Fp8Buf::E5M2(d) => fp8::Fp8TensorMut::new(&mut d[..], shape, strides),
         }
     }
     /// A contiguous view of `shape`.
     pub fn view(&self, shape: &[usize]) -> Fp8TensorRef<'_> {
         match self {
-            Fp8Buf::E4M3(d) => Fp8TensorRef::contiguous(d, shape),
-            Fp8Buf::E5M2(d) => Fp8TensorRef::contiguous(d, shape),
+            Fp8Buf::E4M3(d) => Fp8TensorRef::contiguous(&d[..], shape),
+            Fp8Buf::E5M2(d) => Fp8TensorRef::contiguous(&d[..], shape),
         }
     }
 }
@@ -107,8 +109,14 @@ impl Fp8Buf {
     /// Values of `format` from their bytes.
     pub fn from_bits(format: Fp8Format, bytes: &[u8]) -> Self {
         match format {
-            Fp8Format::E4M3 => Fp8Buf::E4M3(bytes.iter().map(|&b| F8E4M3::from_bits(b)).collect()),
-            Fp8Format::E5M2 => Fp8Buf::E5M2(bytes.iter().map(|&b| F8E5M2::from_bits(b)).collect()),
+            Fp8Format::E4M3 => Fp8Buf::E4M3(cache_vec(
+                false,
+                bytes.iter().map(|&b| F8E4M3::from_bits(b)),
+            )),
+            Fp8Format::E5M2 => Fp8Buf::E5M2(cache_vec(
+                false,
+                bytes.iter().map(|&b| F8E5M2::from_bits(b)),
+            )),
         }
     }
     /// The safetensors dtype and bytes.

@@ -32,15 +32,17 @@ where
     let s0 = s;
     let mut k: Vec<T> = (0..n).map(|_| conv(lcg(&mut s))).collect();
     let mut v: Vec<T> = (0..n).map(|_| conv(lcg(&mut s))).collect();
-    // `HUGE_PAGES=1`: a second copy of the caches as `kv_cache_vec` allocates them (transparent
-    // huge pages), which the configurations select with `USE_HUGE=1`.
+    // `HUGE_PAGES=1`: a second copy of the caches as `kv_cache_vec` allocates them (advised for
+    // transparent huge pages, starting on a 2 MiB boundary, where the `Vec`s above start 16 bytes
+    // past a page with glibc), which the configurations select with `USE_HUGE=1`.
     let huge = |s: &mut u64| flashattn::memory::kv_cache_from_iter((0..n).map(|_| conv(lcg(s))));
+    let empty = || flashattn::memory::CacheBuf::from_iter_advised(std::iter::empty(), false);
     let (mut kh, mut vh) = match std::env::var_os("HUGE_PAGES") {
         Some(_) => {
             let mut s = s0;
             (huge(&mut s), huge(&mut s))
         }
-        None => (Vec::new(), Vec::new()),
+        None => (empty(), empty()),
     };
     // `PAD=E`: a second copy of the caches whose key rows are E elements further apart than
     // heads_kv · d (strided views), which the configurations select with `USE_PAD=1`.
@@ -49,7 +51,7 @@ where
         .and_then(|x| x.parse().ok())
         .unwrap_or(0);
     let rs = heads_kv * d + pad;
-    let padded = |src: &[T]| -> Vec<T> {
+    let padded = |src: &[T]| -> flashattn::memory::CacheBuf<T> {
         let mut out = flashattn::memory::kv_cache_from_iter((0..cap * rs).map(|_| conv(0.0)));
         for (o, i) in out.chunks_exact_mut(rs).zip(src.chunks_exact(heads_kv * d)) {
             o[..heads_kv * d].copy_from_slice(i);
@@ -59,7 +61,7 @@ where
     let (mut kp, mut vp) = if pad > 0 {
         (padded(&k), padded(&v))
     } else {
-        (Vec::new(), Vec::new())
+        (empty(), empty())
     };
     let shape = [1, cap, heads_kv, d];
     let qv = TensorRef::contiguous(&q, &[1, 1, heads, d]);
@@ -78,11 +80,11 @@ where
             }
             let use_pad = std::env::var_os("USE_PAD").is_some() && !kp.is_empty();
             let ((kb, vb), row) = if use_pad {
-                ((&mut kp, &mut vp), rs)
+                ((&mut kp[..], &mut vp[..]), rs)
             } else if std::env::var_os("USE_HUGE").is_some() && !kh.is_empty() {
-                ((&mut kh, &mut vh), heads_kv * d)
+                ((&mut kh[..], &mut vh[..]), heads_kv * d)
             } else {
-                ((&mut k, &mut v), heads_kv * d)
+                ((&mut k[..], &mut v[..]), heads_kv * d)
             };
             let strides = [cap * row, row, d, 1];
             let mut kc = TensorMut::new(&mut kb[..], &shape, &strides);

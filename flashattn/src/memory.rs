@@ -17,35 +17,152 @@
 //! when `THP_MEM_ALLOC_ENABLE=1` is set, NumPy for arrays of 4 MiB or more. It is a hint: where
 //! the kernel has no huge page free, or on other systems, the buffer is an ordinary one and
 //! everything computes the same. [`huge_page_bytes`] tells how much of a buffer the kernel did
-//! back with huge pages.
+//! back with huge pages. The buffers are [`CacheBuf`]s, which start on a 2 MiB boundary (see
+//! there for why that is not a `Vec`).
 
 /// The huge page size the advice asks for (x86-64 and most aarch64 kernels): buffers smaller
 /// than this are not advised.
 pub const HUGE_PAGE: usize = 2 << 20;
 
+/// Where a [`CacheBuf`] of `bytes` bytes starts: on a [`HUGE_PAGE`] boundary from one huge page
+/// up (so the kernel can back all of it with huge pages, not only the whole huge pages inside
+/// it), else on a 64-byte cache line.
+fn cache_align(bytes: usize) -> usize {
+    if bytes >= HUGE_PAGE {
+        HUGE_PAGE
+    } else {
+        64
+    }
+}
+
+/// An owned buffer of `T` for a KV cache, allocated on a [`HUGE_PAGE`] boundary (64 bytes
+/// below one huge page) and, unless asked not to, advised for transparent huge pages before its
+/// first write. It dereferences to `[T]`, so `&mut buf[..]` is what
+/// [`crate::TensorMut::new`] takes.
+///
+/// Why not a `Vec`: glibc returns a large allocation 16 bytes past a page boundary (its chunk
+/// header), so every 64-byte vector load of the decode kernels straddles two cache lines, and
+/// its bytes before the first and after the last 2 MiB boundary cannot be huge pages. A decoding step over caches
+/// starting on a 2 MiB boundary against the same caches 16 bytes further on (issue 6's shape, B
+/// = 1, 32 / 8 heads, d = 128, Zen 4, alternating call by call, medians): with the cache in L2
+/// (256 keys, one thread) bf16 0.92-0.94 and f32 0.90-0.91 of the time; at 32k keys on two
+/// threads, bound by memory, bf16 0.92-1.01 over nine runs (median 0.97), f32 0.97-1.06 (no
+/// clear change) (docs/PERFORMANCE.md). PyTorch's CPU tensors start on 64-byte boundaries.
+pub struct CacheBuf<T: Copy> {
+    /// Start of the allocation (dangling when `layout.size() == 0`).
+    ptr: std::ptr::NonNull<T>,
+    /// Initialised elements from `ptr`: all of them, or fewer if an iterator stopped early.
+    len: usize,
+    layout: std::alloc::Layout,
+}
+
+// SAFETY: a CacheBuf owns its elements as a Box<[T]> does; no other handle to them exists.
+unsafe impl<T: Copy + Send> Send for CacheBuf<T> {}
+// SAFETY: shared access only reads, as through &[T].
+unsafe impl<T: Copy + Sync> Sync for CacheBuf<T> {}
+
+impl<T: Copy> CacheBuf<T> {
+    /// The values of `iter` (at most `iter.len()` of them), advised for transparent huge pages
+    /// before they are written when `huge_pages`.
+    ///
+    /// # Panics
+    /// If `iter.len()` elements of `T` exceed `isize::MAX` bytes, or on allocation failure
+    /// (`handle_alloc_error`), as `Vec::with_capacity` does.
+    pub fn from_iter_advised<I>(iter: I, huge_pages: bool) -> Self
+    where
+        I: IntoIterator<Item = T>,
+        I::IntoIter: ExactSizeIterator,
+    {
+        let iter = iter.into_iter();
+        let cap = iter.len();
+        let size = cap
+            .checked_mul(std::mem::size_of::<T>())
+            .expect("CacheBuf: size overflow");
+        let align = cache_align(size).max(std::mem::align_of::<T>());
+        let layout = std::alloc::Layout::from_size_align(size, align).expect("CacheBuf: layout");
+        let ptr = if size == 0 {
+            // Aligned for T and non-null; never read or freed (no element occupies bytes).
+            std::ptr::NonNull::<T>::dangling()
+        } else {
+            // SAFETY: `layout` has a non-zero size.
+            let raw = unsafe { std::alloc::alloc(layout) };
+            match std::ptr::NonNull::new(raw.cast::<T>()) {
+                Some(p) => p,
+                None => std::alloc::handle_alloc_error(layout),
+            }
+        };
+        if huge_pages {
+            advise_huge_pages(ptr.as_ptr() as usize, size);
+        }
+        let mut len = 0;
+        // `take(cap)`: an ExactSizeIterator that yields more than it said writes no further.
+        for x in iter.take(cap) {
+            // SAFETY: len < cap, so slot `len` lies inside the allocation of `cap` elements,
+            // aligned for T; T is Copy, so overwriting the uninitialised slot drops nothing.
+            unsafe { ptr.as_ptr().add(len).write(x) };
+            len += 1;
+        }
+        CacheBuf { ptr, len, layout }
+    }
+}
+
+impl<T: Copy> std::ops::Deref for CacheBuf<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        // SAFETY: the first `len` elements from `ptr` are initialised and owned by self.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl<T: Copy> std::ops::DerefMut for CacheBuf<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        // SAFETY: as in `deref`, and &mut self makes this the only access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl<T: Copy> Drop for CacheBuf<T> {
+    fn drop(&mut self) {
+        if self.layout.size() > 0 {
+            // SAFETY: allocated in `from_iter_advised` with this very layout; T is Copy, so no
+            // element needs dropping.
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr().cast(), self.layout) };
+        }
+    }
+}
+
+impl<T: Copy> Clone for CacheBuf<T> {
+    /// A copy in a new buffer, aligned and advised alike.
+    fn clone(&self) -> Self {
+        Self::from_iter_advised(self.iter().copied(), true)
+    }
+}
+
+impl<T: Copy + std::fmt::Debug> std::fmt::Debug for CacheBuf<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
 /// A buffer of `len` copies of `T::default()` (zero for every element type of this crate) for a
-/// KV cache, advised to the kernel for transparent huge pages before its first write (Linux;
-/// elsewhere, and under `HUGE_PAGE` bytes, an ordinary `vec!`). Use it for caches that decoding
-/// reads every step: see the module docs for what it measured.
-pub fn kv_cache_vec<T: Copy + Default>(len: usize) -> Vec<T> {
+/// KV cache: a [`CacheBuf`], starting on a 2 MiB boundary and advised to the kernel for
+/// transparent huge pages before its first write (Linux; elsewhere an ordinary aligned
+/// allocation). Use it for caches that decoding reads every step: see the module docs and
+/// [`CacheBuf`] for what it measured.
+pub fn kv_cache_vec<T: Copy + Default>(len: usize) -> CacheBuf<T> {
     kv_cache_from_iter(std::iter::repeat_n(T::default(), len))
 }
 
-/// The values of `iter` in a buffer for a KV cache, advised as [`kv_cache_vec`]'s before they are
-/// written (each element once: a cache filled from a file or a generator needs no zeroing first).
-pub fn kv_cache_from_iter<T, I>(iter: I) -> Vec<T>
+/// The values of `iter` in a buffer for a KV cache, aligned and advised as [`kv_cache_vec`]'s
+/// before they are written (each element once: a cache filled from a file or a generator needs
+/// no zeroing first).
+pub fn kv_cache_from_iter<T, I>(iter: I) -> CacheBuf<T>
 where
+    T: Copy,
     I: IntoIterator<Item = T>,
     I::IntoIter: ExactSizeIterator,
 {
-    let iter = iter.into_iter();
-    let mut v: Vec<T> = Vec::with_capacity(iter.len());
-    advise_huge_pages(
-        v.as_mut_ptr() as usize,
-        iter.len() * std::mem::size_of::<T>(),
-    );
-    v.extend(iter);
-    v
+    CacheBuf::from_iter_advised(iter, true)
 }
 
 /// Advises the whole 4 KiB pages of `[addr, addr + bytes)` for transparent huge pages.
@@ -139,6 +256,67 @@ mod tests {
         let c = kv_cache_from_iter((0..n).map(|i| i as u32));
         assert_eq!(c.len(), n);
         assert!(c.iter().enumerate().all(|(i, &x)| x == i as u32));
+    }
+
+    #[test]
+    fn cache_buf_is_aligned_and_holds_what_the_iterator_gave() {
+        for (len, align) in [
+            (1, 64),
+            (1000, 64),
+            (HUGE_PAGE / 4, HUGE_PAGE),
+            (HUGE_PAGE, HUGE_PAGE),
+        ] {
+            for huge in [false, true] {
+                let b = CacheBuf::from_iter_advised((0..len).map(|i| i as f32), huge);
+                assert_eq!(b.len(), len);
+                assert_eq!(
+                    b.as_ptr() as usize % align,
+                    0,
+                    "{len} elements, huge {huge}"
+                );
+                assert!(b.iter().enumerate().all(|(i, &x)| x == i as f32));
+                let c = b.clone();
+                assert_eq!(&c[..], &b[..]);
+                assert_ne!(c.as_ptr(), b.as_ptr());
+            }
+        }
+        // Empty, and zero-sized elements: no allocation, nothing to read.
+        let e = CacheBuf::<f32>::from_iter_advised(std::iter::empty(), true);
+        assert!(e.is_empty());
+        let z = CacheBuf::from_iter_advised(std::iter::repeat_n((), 5), true);
+        assert_eq!(z.len(), 5);
+        assert_eq!(
+            format!("{:?}", CacheBuf::from_iter_advised([1u8, 2], false)),
+            "[1, 2]"
+        );
+    }
+
+    /// An ExactSizeIterator whose `len` is wrong (a safe trait may lie): the buffer holds what
+    /// it yielded, up to the length it announced, never uninitialised elements.
+    #[test]
+    fn cache_buf_survives_a_lying_iterator() {
+        struct Lying {
+            said: usize,
+            gives: usize,
+        }
+        impl Iterator for Lying {
+            type Item = u16;
+            fn next(&mut self) -> Option<u16> {
+                (self.gives > 0).then(|| {
+                    self.gives -= 1;
+                    7
+                })
+            }
+        }
+        impl ExactSizeIterator for Lying {
+            fn len(&self) -> usize {
+                self.said
+            }
+        }
+        let short = CacheBuf::from_iter_advised(Lying { said: 10, gives: 4 }, false);
+        assert_eq!(&short[..], &[7; 4]);
+        let long = CacheBuf::from_iter_advised(Lying { said: 3, gives: 50 }, false);
+        assert_eq!(&long[..], &[7; 3]);
     }
 
     #[test]
