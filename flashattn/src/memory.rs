@@ -51,8 +51,13 @@ fn cache_align(bytes: usize) -> usize {
 pub struct CacheBuf<T: Copy> {
     /// Start of the allocation (dangling when `layout.size() == 0`).
     ptr: std::ptr::NonNull<T>,
-    /// Initialised elements from `ptr`: all of them, or fewer if an iterator stopped early.
+    /// Elements in use from `ptr`.
     len: usize,
+    /// Initialised elements from `ptr` (at least `len`): all that `from_iter_advised` wrote, or
+    /// `len` at its largest since.
+    init: usize,
+    /// Elements the allocation holds.
+    cap: usize,
     layout: std::alloc::Layout,
 }
 
@@ -102,7 +107,45 @@ impl<T: Copy> CacheBuf<T> {
             unsafe { ptr.as_ptr().add(len).write(x) };
             len += 1;
         }
-        CacheBuf { ptr, len, layout }
+        CacheBuf {
+            ptr,
+            len,
+            init: len,
+            cap,
+            layout,
+        }
+    }
+}
+
+impl<T: Copy> CacheBuf<T> {
+    /// An empty buffer, no allocation (for statics).
+    pub(crate) const fn empty() -> Self {
+        CacheBuf {
+            ptr: std::ptr::NonNull::dangling(),
+            len: 0,
+            init: 0,
+            cap: 0,
+            layout: std::alloc::Layout::new::<()>(),
+        }
+    }
+
+    /// Elements the buffer can hold without a new allocation.
+    pub(crate) fn capacity(&self) -> usize {
+        self.cap
+    }
+
+    /// Makes the buffer `len` elements long (`len <= capacity()`): all of them `fill`, or, with
+    /// `overwrite`, only those never initialised (the caller writes every element before it
+    /// reads it).
+    pub(crate) fn reset(&mut self, len: usize, fill: T, overwrite: bool) {
+        assert!(len <= self.cap, "CacheBuf::reset past the capacity");
+        let from = if overwrite { self.init.min(len) } else { 0 };
+        for i in from..len {
+            // SAFETY: i < len <= cap: inside the allocation, aligned for T; T is Copy.
+            unsafe { self.ptr.as_ptr().add(i).write(fill) };
+        }
+        self.len = len;
+        self.init = self.init.max(len);
     }
 }
 
@@ -128,6 +171,13 @@ impl<T: Copy> Drop for CacheBuf<T> {
             // element needs dropping.
             unsafe { std::alloc::dealloc(self.ptr.as_ptr().cast(), self.layout) };
         }
+    }
+}
+
+impl<T: Copy> Default for CacheBuf<T> {
+    /// An empty buffer (no allocation).
+    fn default() -> Self {
+        Self::empty()
     }
 }
 

@@ -27,7 +27,7 @@ use super::forward::{
     ScoreMod, WorkItem,
 };
 use super::simd::{pad_lanes, Gemm, KC};
-use super::{block_sizes, reuse, BlockSizes, Disjoint, Pass};
+use super::{block_sizes, buf, reuse, BlockSizes, Buf, Disjoint, Pass};
 use crate::blocks::Mask;
 use crate::error::{ErrorKind, Result};
 use crate::params::{GradInputs, Params, LOG2_E};
@@ -40,34 +40,34 @@ use std::sync::OnceLock;
 /// head_dim padded, the lane count of the row-major query-side tiles and of the dK/dV accumulators.
 struct Scratch {
     /// k and v tiles, `[cols][d]`.
-    k: Vec<f32>,
-    v: Vec<f32>,
+    k: Buf<f32>,
+    v: Buf<f32>,
     /// Scores, then probabilities P̃ (after dropout), `[cols][np]`.
-    pt: Vec<f32>,
+    pt: Buf<f32>,
     /// dP, then dS, `[cols][np]`.
-    dst: Vec<f32>,
+    dst: Buf<f32>,
     /// The second half-sum of the scores.
-    tmp: Vec<f32>,
+    tmp: Buf<f32>,
     /// Softcap's derivative `1 - tanh²` per element, `[cols][np]`.
-    dtanh: Vec<f32>,
-    lse_log2: Vec<f32>,
-    delta: Vec<f32>,
+    dtanh: Buf<f32>,
+    lse_log2: Buf<f32>,
+    delta: Buf<f32>,
     /// Ones and a sink: the online-softmax kernel's alpha and row_sum when it only exponentiates.
-    ones: Vec<f32>,
-    sink: Vec<f32>,
+    ones: Buf<f32>,
+    sink: Buf<f32>,
     /// Dropout mask of the tile, `[rows][cols]`.
-    keep: Vec<bool>,
+    keep: Buf<bool>,
     /// dK and dV `[cols][dp]` (pass 1), or dQᵀ `[d][np]` (pass 2).
-    acc_a: Vec<f32>,
-    acc_b: Vec<f32>,
-    row: Vec<f32>,
+    acc_a: Buf<f32>,
+    acc_b: Buf<f32>,
+    row: Buf<f32>,
     /// bf16 path: k and v as pairs along d (`[cols][d2]`), dS as pairs of keys
     /// (`[cols / 2][np]`); for dK and dV, P̃ᵀ and dSᵀ as pairs of rows (`[cols][np / 2]`).
-    k2: Vec<u32>,
-    v2: Vec<u32>,
-    ds2: Vec<u32>,
-    pt2: Vec<u32>,
-    dst2: Vec<u32>,
+    k2: Buf<u32>,
+    v2: Buf<u32>,
+    ds2: Buf<u32>,
+    pt2: Buf<u32>,
+    dst2: Buf<u32>,
 }
 
 impl Scratch {
@@ -75,25 +75,25 @@ impl Scratch {
         let (np, bn, dp) = (pad_lanes(bs.block_m), bs.block_n, pad_lanes(d));
         let big = (bn * dp).max(d * np);
         Scratch {
-            k: vec![0.0; bn * d],
-            v: vec![0.0; bn * d],
-            pt: vec![0.0; bn * np],
-            dst: vec![0.0; bn * np],
-            tmp: vec![0.0; bn * np],
-            dtanh: vec![0.0; bn * np],
-            lse_log2: vec![0.0; np],
-            delta: vec![0.0; np],
-            ones: vec![1.0; np],
-            sink: vec![0.0; np],
-            keep: vec![true; bs.block_m * bn],
-            acc_a: vec![0.0; big],
-            acc_b: vec![0.0; big],
-            row: vec![0.0; d],
-            k2: vec![0; bn * d.div_ceil(2)],
-            v2: vec![0; bn * d.div_ceil(2)],
-            ds2: vec![0; bn.div_ceil(2) * np],
-            pt2: vec![0; bn * np / 2],
-            dst2: vec![0; bn * np / 2],
+            k: buf(0.0, bn * d),
+            v: buf(0.0, bn * d),
+            pt: buf(0.0, bn * np),
+            dst: buf(0.0, bn * np),
+            tmp: buf(0.0, bn * np),
+            dtanh: buf(0.0, bn * np),
+            lse_log2: buf(0.0, np),
+            delta: buf(0.0, np),
+            ones: buf(1.0, np),
+            sink: buf(0.0, np),
+            keep: buf(true, bs.block_m * bn),
+            acc_a: buf(0.0, big),
+            acc_b: buf(0.0, big),
+            row: buf(0.0, d),
+            k2: buf(0, bn * d.div_ceil(2)),
+            v2: buf(0, bn * d.div_ceil(2)),
+            ds2: buf(0, bn.div_ceil(2) * np),
+            pt2: buf(0, bn * np / 2),
+            dst2: buf(0, bn * np / 2),
         }
     }
 }
@@ -134,8 +134,8 @@ enum QTiles<'a> {
 /// instead (the B operands of S and dP), and q and dO as pairs of rows `[rows / 2][dp]` (the B
 /// operands of dK and dV; loading and packing them per key block took ~10% of the bf16 backward).
 struct QueryTiles {
-    data: Vec<f32>,
-    pairs: Vec<u32>,
+    data: Buf<f32>,
+    pairs: Buf<u32>,
     /// Start of each tile pair (qt, then dot) in `data` or `pairs`, in `work_items` order.
     offsets: Vec<usize>,
     /// Index of the first work item of each sequence.
@@ -198,7 +198,7 @@ impl QueryTiles {
             let do_base = g.dout.offset(it.b, m0, it.h);
             (q_base, do_base, rows(it))
         };
-        let (mut data, mut pairs) = (Vec::new(), Vec::new());
+        let (mut data, mut pairs) = (Buf::empty(), Buf::empty());
         if let Some((qb, dob)) = bf16_qdo {
             pairs = reuse::QUERY_PAIRS.take(total, 0);
             split_at_offsets(&mut pairs, &offsets)
@@ -423,7 +423,7 @@ struct DqPartials {
     chunks: usize,
     /// Region `(c · seqs + b) · heads_kv + hk` is `data[offsets[i]..offsets[i + 1]]`.
     offsets: Vec<usize>,
-    data: Vec<f32>,
+    data: Buf<f32>,
     npb: usize,
 }
 

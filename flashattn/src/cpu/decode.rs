@@ -37,6 +37,7 @@ use super::forward::ScoreMod;
 use super::fp8::widen;
 use super::simd::{pad_lanes, Isa, Kernels, LANES};
 use super::softmax::{finalize, fold_sink};
+use super::{buf, Buf};
 use crate::blocks::Mask;
 use crate::decode::{DecodeParams, SliceMut};
 use crate::fp8::Fp8Format;
@@ -490,7 +491,7 @@ fn run_item<T: Element>(
     let mask = Mask::new(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
 
     // q in f32, rotated, rows of `dpad` (padding 0).
-    let mut qf = vec![0f32; all_rows * dpad];
+    let mut qf = buf(0f32, all_rows * dpad);
     let masked = p.window_left.is_some() || p.window_right.is_some();
     for h in 0..p.heads {
         for i in i0..i1 {
@@ -506,13 +507,13 @@ fn run_item<T: Element>(
     }
     // bf16 with `vdpbf16ps`: q also as bf16 pairs (exact for bf16 inputs; a rotated q is rounded
     // to bf16 here, as flash-attn rounds it to the input dtype), rows of dpad / 2 pairs.
-    let qb: Option<Vec<u32>> = (T::DTYPE == DType::BF16 && kern.has_bf16_dot()).then(|| {
+    let qb: Option<Buf<u32>> = (T::DTYPE == DType::BF16 && kern.has_bf16_dot()).then(|| {
         let pair = |a: bf16, b: bf16| a.to_bits() as u32 | (b.to_bits() as u32) << 16;
         match T::wrap(q) {
             // Unrotated bf16 q: its own bits, as rounding its f32 widening would give back
             // (~7% of a 64 × 128-key bf16 step when rounded element by element).
             Slice::BF16(qs) if dp.rotary.is_none() => {
-                let mut qb = vec![0u32; all_rows * dpad / 2];
+                let mut qb = buf(0u32, all_rows * dpad / 2);
                 for h in 0..p.heads {
                     for i in i0..i1 {
                         let src = &qs[seq.q_base + i * p.q.row_stride + h * p.q.head_stride..][..d];
@@ -528,10 +529,11 @@ fn run_item<T: Element>(
                 }
                 qb
             }
-            _ => qf
-                .chunks_exact(2)
-                .map(|x| pair(bf16::from_f32(x[0]), bf16::from_f32(x[1])))
-                .collect(),
+            _ => Buf::from_iter_advised(
+                qf.chunks_exact(2)
+                    .map(|x| pair(bf16::from_f32(x[0]), bf16::from_f32(x[1]))),
+                false,
+            ),
         }
     });
     // Many rows per kv head (MQA, several tokens per step) on AVX-512: q also transposed, for
@@ -543,17 +545,17 @@ fn run_item<T: Element>(
         (qb.as_deref(), bf16_keys),
         (heads_kv, rows, d, dpad),
     );
-    let mut acc = vec![0f32; all_rows * dpad];
+    let mut acc = buf(0f32, all_rows * dpad);
     let mut row_max = vec![f32::NEG_INFINITY; np];
     let mut row_sum = vec![0f32; np];
     let (mut alpha, mut m_sub) = (vec![0f32; np], vec![0f32; np]);
     // Lanes all_rows..np are never written by the products; zero here, they stay finite through
     // the softmax and are never read back.
-    let mut st = vec![0f32; TILE_KEYS_MAX * np];
+    let mut st = buf(0f32, TILE_KEYS_MAX * np);
     // bf16 with `vdpbf16ps`: P as bf16 pairs of keys for the P·V product.
-    let mut pp: Option<Vec<u32>> = qb
+    let mut pp: Option<Buf<u32>> = qb
         .is_some()
-        .then(|| vec![0u32; TILE_KEYS_MAX.div_ceil(2) * np]);
+        .then(|| buf(0u32, TILE_KEYS_MAX.div_ceil(2) * np));
     let mods: Vec<ScoreMod> = (0..p.heads).map(|h| ScoreMod::new(p, b, h)).collect();
     // One score scale for all heads, unless FP8 k descale factors differ between kv heads: then
     // each head's rows are scaled by `ScoreMod::apply`.
@@ -1153,7 +1155,7 @@ impl QTrans<'_> {
         debug_assert!(d.is_multiple_of(16));
         let (blocks, steps) = (rows.div_ceil(4), d / 16);
         let stride = blocks * steps * 32;
-        let mut t = vec![0u32; heads_kv * stride];
+        let mut t = buf(0u32, heads_kv * stride);
         for g in 0..heads_kv {
             for r in 0..rows {
                 let row = &qb[(g * rows + r) * dpad / 2..][..d / 2];
@@ -1181,8 +1183,8 @@ impl QTrans<'_> {
         fn transpose<E: Copy + Default>(
             src: &[E],
             (groups, rows, n, w, ld): (usize, usize, usize, usize, usize),
-        ) -> Vec<E> {
-            let mut t = vec![E::default(); groups * n * ld];
+        ) -> Buf<E> {
+            let mut t = buf(E::default(), groups * n * ld);
             for g in 0..groups {
                 for r in 0..rows {
                     let row = &src[(g * rows + r) * w..][..n];
@@ -1211,23 +1213,23 @@ impl QTrans<'_> {
 /// The buffer behind [`QTrans`] for all kv groups of an item (`stride` elements a group).
 pub(crate) enum QTransBuf {
     F32 {
-        t: Vec<f32>,
+        t: Buf<f32>,
         ld: usize,
         stride: usize,
     },
     Pairs {
-        t: Vec<u32>,
+        t: Buf<u32>,
         ld: usize,
         stride: usize,
     },
     Quads {
-        t: Vec<u32>,
+        t: Buf<u32>,
         stride: usize,
     },
     /// AVX2 only (x86-64).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     EvenOdd {
-        t: Vec<f32>,
+        t: Buf<f32>,
         stride: usize,
     },
 }

@@ -14,7 +14,7 @@
 use super::reuse::{self, Slot};
 use super::simd::{pad_lanes, Gemm, Kernels, KC};
 use super::softmax::{finalize, fold_sink};
-use super::{block_sizes, BlockSizes, Disjoint, Pass};
+use super::{block_sizes, buf, BlockSizes, Buf, Disjoint, Pass};
 use crate::blocks::Mask;
 use crate::dropout::Dropout;
 use crate::params::{Params, RowLayout, LOG2_E};
@@ -27,28 +27,28 @@ use std::sync::Mutex;
 /// lanes, padded to `np = pad_lanes(rows)`; padded lanes hold zeros and are never written out.
 pub(crate) struct Scratch {
     /// q transposed: `qt[x * np + r]` (f32 products).
-    qt: Vec<f32>,
+    qt: Buf<f32>,
     /// q as bf16 pairs: `qp[xp * np + r]` = `(q[r][2xp], q[r][2xp + 1])` (bf16 dot products).
-    qp: Vec<u32>,
+    qp: Buf<u32>,
     /// A tile of k rows: f32 `[cols][d]`, or bf16 pairs `[cols][d2]` with `d2 = d.div_ceil(2)`.
-    k: Vec<f32>,
-    kp: Vec<u32>,
+    k: Buf<f32>,
+    kp: Buf<u32>,
     /// A tile of v rows, f32 `[cols][d]` (f32 products).
-    v: Vec<f32>,
+    v: Buf<f32>,
     /// Scores, then probabilities, transposed: `st[c * np + r]`; `st2` the second half-sum.
-    st: Vec<f32>,
-    st2: Vec<f32>,
+    st: Buf<f32>,
+    st2: Buf<f32>,
     /// Probabilities as bf16 pairs of keys: `pp[cp * np + r]`.
-    pp: Vec<u32>,
+    pp: Buf<u32>,
     /// The output accumulator, transposed: `ot[x * np + r]`.
-    ot: Vec<f32>,
-    row_max: Vec<f32>,
-    row_sum: Vec<f32>,
-    alpha: Vec<f32>,
-    m_sub: Vec<f32>,
-    keep: Vec<bool>,
+    ot: Buf<f32>,
+    row_max: Buf<f32>,
+    row_sum: Buf<f32>,
+    alpha: Buf<f32>,
+    m_sub: Buf<f32>,
+    keep: Buf<bool>,
     /// One head row in f32.
-    row: Vec<f32>,
+    row: Buf<f32>,
 }
 
 impl Scratch {
@@ -56,21 +56,21 @@ impl Scratch {
         let (np, bn) = (pad_lanes(bs.block_m), bs.block_n);
         let d2 = d.div_ceil(2);
         Scratch {
-            qt: vec![0.0; d * np],
-            qp: vec![0; d2 * np],
-            k: vec![0.0; bn * d],
-            kp: vec![0; bn * d2],
-            v: vec![0.0; bn * d],
-            st: vec![0.0; bn * np],
-            st2: vec![0.0; bn * np],
-            pp: vec![0; bn.div_ceil(2) * np],
-            ot: vec![0.0; d * np],
-            row_max: vec![0.0; np],
-            row_sum: vec![0.0; np],
-            alpha: vec![0.0; np],
-            m_sub: vec![0.0; np],
-            keep: vec![true; bn],
-            row: vec![0.0; d],
+            qt: buf(0.0, d * np),
+            qp: buf(0, d2 * np),
+            k: buf(0.0, bn * d),
+            kp: buf(0, bn * d2),
+            v: buf(0.0, bn * d),
+            st: buf(0.0, bn * np),
+            st2: buf(0.0, bn * np),
+            pp: buf(0, bn.div_ceil(2) * np),
+            ot: buf(0.0, d * np),
+            row_max: buf(0.0, np),
+            row_sum: buf(0.0, np),
+            alpha: buf(0.0, np),
+            m_sub: buf(0.0, np),
+            keep: buf(true, bn),
+            row: buf(0.0, d),
         }
     }
 }
@@ -305,8 +305,8 @@ pub(crate) fn load_pairs_t<S: Bf16Source>(
 /// One tile per (sequence, kv head, key block) of `block_len` elements each (zero past what
 /// the filler writes), built once per call in parallel: the products then read every key block
 /// from one contiguous tile instead of copying it from k's or v's strided rows at every visit.
-pub(crate) struct KeyTiles<X: 'static> {
-    data: Vec<X>,
+pub(crate) struct KeyTiles<X: Copy + 'static> {
+    data: Buf<X>,
     /// Where `data` is kept for the next call (see `cpu::reuse`).
     slot: &'static Slot<X>,
     /// Index of the first block of each sequence (kv head 0).
@@ -361,7 +361,7 @@ impl<X: Copy + Default + Send + Sync> KeyTiles<X> {
     }
 }
 
-impl<X> Drop for KeyTiles<X> {
+impl<X: Copy> Drop for KeyTiles<X> {
     fn drop(&mut self) {
         self.slot.put(std::mem::take(&mut self.data));
     }

@@ -15,6 +15,15 @@ pub(crate) mod softmax;
 use simd::Isa;
 use std::marker::PhantomData;
 
+/// A per-thread tile buffer, starting on a 64-byte cache line (a `Vec` from glibc starts at any
+/// multiple of 16, so the microkernels' 64-byte vector loads of it would straddle two lines).
+pub(crate) type Buf<T> = crate::memory::CacheBuf<T>;
+
+/// `n` copies of `x` in a [`Buf`] (never advised for huge pages: the tiles live in L1/L2).
+pub(crate) fn buf<T: Copy>(x: T, n: usize) -> Buf<T> {
+    crate::memory::CacheBuf::from_iter_advised(std::iter::repeat_n(x, n), false)
+}
+
 /// Tile sizes of the CPU path: `block_m` query rows (SIMD lanes) by `block_n` keys.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct BlockSizes {

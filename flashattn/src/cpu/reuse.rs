@@ -8,6 +8,7 @@
 //! of one site for the next call; all slots together keep at most [`BUDGET_BYTES`], and
 //! [`crate::release_scratch`] frees them.
 
+use super::{buf, Buf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
@@ -18,33 +19,33 @@ pub(crate) const BUDGET_BYTES: usize = 256 << 20;
 static KEPT: AtomicUsize = AtomicUsize::new(0);
 
 /// One site's kept buffer.
-pub(crate) struct Slot<T>(Mutex<Vec<T>>);
+pub(crate) struct Slot<T: Copy>(Mutex<Buf<T>>);
 
-fn bytes<T>(v: &Vec<T>) -> usize {
+fn bytes<T: Copy>(v: &Buf<T>) -> usize {
     v.capacity() * std::mem::size_of::<T>()
 }
 
-impl<T> Slot<T> {
+impl<T: Copy> Slot<T> {
     pub const fn new() -> Self {
-        Slot(Mutex::new(Vec::new()))
+        Slot(Mutex::new(Buf::empty()))
     }
 
-    fn lock(&self) -> MutexGuard<'_, Vec<T>> {
+    fn lock(&self) -> MutexGuard<'_, Buf<T>> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The kept buffer (empty when there is none, or another call holds it).
-    fn take_kept(&self) -> Vec<T> {
+    fn take_kept(&self) -> Buf<T> {
         let v = std::mem::take(&mut *self.lock());
         KEPT.fetch_sub(bytes(&v), Ordering::Relaxed);
         v
     }
 
     /// Keeps `v` for the next call, unless that would take the slots past [`BUDGET_BYTES`].
-    pub fn put(&self, v: Vec<T>) {
+    pub fn put(&self, v: Buf<T>) {
         let mut kept = self.lock();
         KEPT.fetch_sub(bytes(&kept), Ordering::Relaxed);
-        *kept = Vec::new();
+        *kept = Buf::empty();
         let b = bytes(&v);
         if KEPT.fetch_add(b, Ordering::Relaxed) + b > BUDGET_BYTES {
             KEPT.fetch_sub(b, Ordering::Relaxed);
@@ -62,25 +63,23 @@ impl<T> Slot<T> {
 impl<T: Copy> Slot<T> {
     /// `len` elements, all `fill`: the kept buffer when it is large enough (no allocation, no page
     /// faults; the fill writes every element), else a new one.
-    pub fn take(&self, len: usize, fill: T) -> Vec<T> {
+    pub fn take(&self, len: usize, fill: T) -> Buf<T> {
         let mut v = self.take_kept();
         if v.capacity() < len {
-            return vec![fill; len];
+            return buf(fill, len);
         }
-        v.clear();
-        v.resize(len, fill);
+        v.reset(len, fill, false);
         v
     }
 
     /// `len` elements of unspecified values (a kept buffer's old contents, or `fill`), for a
     /// caller that writes every element before reading it.
-    pub fn take_for_overwrite(&self, len: usize, fill: T) -> Vec<T> {
+    pub fn take_for_overwrite(&self, len: usize, fill: T) -> Buf<T> {
         let mut v = self.take_kept();
         if v.capacity() < len {
-            return vec![fill; len];
+            return buf(fill, len);
         }
-        v.truncate(len);
-        v.resize(len, fill);
+        v.reset(len, fill, true);
         v
     }
 }
@@ -130,6 +129,8 @@ mod tests {
         static S: Slot<f32> = Slot::new();
         let v = S.take(1000, 0.0);
         let ptr = v.as_ptr();
+        // On a cache line, as every scratch buffer (see `cpu::Buf`).
+        assert_eq!(ptr as usize % 64, 0);
         S.put(v);
         // Taken again, smaller: the same allocation, zeroed.
         let mut v = S.take(500, 0.0);
@@ -146,7 +147,7 @@ mod tests {
         let v = S.take(5000, 1.0);
         assert!(v.len() == 5000 && v.iter().all(|&x| x == 1.0));
         // Over the budget: not kept.
-        S.put(vec![0.0; BUDGET_BYTES / 4 + 1]);
+        S.put(buf(0.0, BUDGET_BYTES / 4 + 1));
         assert_eq!(S.take(1, 0.0).capacity(), 1);
         S.clear();
     }
