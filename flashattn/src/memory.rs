@@ -182,7 +182,8 @@ impl<T: Copy> Default for CacheBuf<T> {
 }
 
 impl<T: Copy> Clone for CacheBuf<T> {
-    /// A copy in a new buffer, aligned and advised alike.
+    /// A copy in a new buffer, on the same alignment and advised for huge pages as
+    /// [`kv_cache_vec`]'s buffers are.
     fn clone(&self) -> Self {
         Self::from_iter_advised(self.iter().copied(), true)
     }
