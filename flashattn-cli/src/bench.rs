@@ -398,7 +398,7 @@ pub enum CacheBuffer {
 impl CacheBuffer {
     /// An empty buffer (a placeholder where the caches are FP8).
     pub fn empty() -> Self {
-        CacheBuffer::BF16(cache_vec(false, std::iter::empty()))
+        CacheBuffer::BF16(CacheBuf::default())
     }
     pub fn as_slice(&self) -> Slice<'_> {
         match self {

@@ -36,7 +36,7 @@ where
     // transparent huge pages, starting on a 2 MiB boundary, where the `Vec`s above start 16 bytes
     // past a page with glibc), which the configurations select with `USE_HUGE=1`.
     let huge = |s: &mut u64| flashattn::memory::kv_cache_from_iter((0..n).map(|_| conv(lcg(s))));
-    let empty = || flashattn::memory::CacheBuf::from_iter_advised(std::iter::empty(), false);
+    let empty = flashattn::memory::CacheBuf::default;
     let (mut kh, mut vh) = match std::env::var_os("HUGE_PAGES") {
         Some(_) => {
             let mut s = s0;

@@ -37,7 +37,7 @@ use super::forward::ScoreMod;
 use super::fp8::widen;
 use super::simd::{pad_lanes, Isa, Kernels, LANES};
 use super::softmax::{finalize, fold_sink};
-use super::{buf, Buf};
+use super::{buf, buf_from, Buf};
 use crate::blocks::Mask;
 use crate::decode::{DecodeParams, SliceMut};
 use crate::fp8::Fp8Format;
@@ -529,10 +529,9 @@ fn run_item<T: Element>(
                 }
                 qb
             }
-            _ => Buf::from_iter_advised(
+            _ => buf_from(
                 qf.chunks_exact(2)
                     .map(|x| pair(bf16::from_f32(x[0]), bf16::from_f32(x[1]))),
-                false,
             ),
         }
     });

@@ -19,9 +19,14 @@ use std::marker::PhantomData;
 /// multiple of 16, so the microkernels' 64-byte vector loads of it would straddle two lines).
 pub(crate) type Buf<T> = crate::memory::CacheBuf<T>;
 
-/// `n` copies of `x` in a [`Buf`] (never advised for huge pages: the tiles live in L1/L2).
+/// `n` copies of `x` in a [`Buf`].
 pub(crate) fn buf<T: Copy>(x: T, n: usize) -> Buf<T> {
-    crate::memory::CacheBuf::from_iter_advised(std::iter::repeat_n(x, n), false)
+    buf_from(std::iter::repeat_n(x, n))
+}
+
+/// The values of `iter` in a [`Buf`] (never advised for huge pages: the tiles live in L1/L2).
+pub(crate) fn buf_from<T: Copy>(iter: impl ExactSizeIterator<Item = T>) -> Buf<T> {
+    crate::memory::CacheBuf::from_iter_advised(iter, false)
 }
 
 /// Tile sizes of the CPU path: `block_m` query rows (SIMD lanes) by `block_n` keys.

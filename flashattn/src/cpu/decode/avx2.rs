@@ -38,7 +38,7 @@ pub(crate) const CHUNK: usize = 16;
 /// dims first: `q[16c + 0], q[16c + 2], .., q[16c + 14], q[16c + 1], .., q[16c + 15]`, the form
 /// [`scores`] takes q in for bf16 keys. Dims from `d / 16 · 16` on stay in order.
 pub(crate) fn even_odd(q: &[f32], rows: usize, d: usize, dpad: usize) -> crate::cpu::Buf<f32> {
-    let mut t = crate::cpu::Buf::from_iter_advised(q[..rows * dpad].iter().copied(), false);
+    let mut t = crate::cpu::buf_from(q[..rows * dpad].iter().copied());
     for r in 0..rows {
         let row = &q[r * dpad..r * dpad + d / CHUNK * CHUNK];
         let dst = &mut t[r * dpad..];
