@@ -9,18 +9,28 @@
 //! The argument is the thread count (default 2); each thread owns a k and a v region of 128 MiB
 //! (`MIB=n` changes it) in transparent huge pages, cut into tiles of 16 keys × 4 KiB (8 kv heads
 //! × 128 f32, issue 6's shape), read k tile then v tile. `CFGS` lists configurations
-//! `order:stride:fmas`, run in turns over `ROUNDS` rounds (default 7), so that a shared host's
+//! `order:stride:fmas[:l1]`, run in turns over `ROUNDS` rounds (default 7), so that a shared host's
 //! slow phases fall on all of them alike:
 //! - order 0: each tile in sub-blocks of 8 keys, kv head by kv head (the kernel's f32 order: 8
 //!   rows 4 KiB apart, 512 bytes each); order 1: the same in 4-key blocks; order 2: memory order;
 //!   order 3: all of k, then all of v, in memory order (one stream at a time, as `flashattn
-//!   bench --decode` reads its buffer to measure the read rate; the stride is ignored);
+//!   bench --decode` reads its buffer to measure the read rate; the stride is ignored); order 4:
+//!   k's tile in memory order (`KORD=o`: in order o instead), v's in the kernel's order, and
+//!   only v's lines prefetched (half as many each step);
 //! - stride: 0, no software prefetch; else a `prefetcht1` every `stride` bytes of the next tile,
 //!   spread over the current one with k and v in turns of 512 bytes (as `cpu::decode::Ahead`);
 //!   `TOUCH=1` turns those prefetches into one-byte loads; `BURST=n` asks for n steps' lines at
 //!   once every n steps of 256 bytes (the f32 score kernel asks for 32 lines before each 2 KiB
 //!   it reads: `BURST=8`);
-//! - fmas: 1, 2 or 4 FMAs per 64-byte load (the kernel's products do 4 per load of k or v).
+//! - fmas: 1, 2 or 4 FMAs per 64-byte load (the kernel's products do 4 per load of k or v);
+//! - l1 (optional, default 0): n loads, FMAs and stores of a 16 KiB per-thread accumulator per
+//!   64-byte load (the L1 traffic of a memory-order P·V, whose accumulators cannot stay in
+//!   registers); 100 + n: n loads and FMAs, no stores (the q reloads of a memory-order score
+//!   product).
+//!
+//! `BF16=1` takes bf16's geometry (2 KiB a key, 256-byte rows; order 0 then walks the whole tile
+//! head by head, as the bf16 kernel does); `REPS=n` makes n passes per thread and round (for
+//! regions small enough to stay in cache, e.g. `MIB=1 REPS=200`).
 //!
 //! Prints per configuration the median, min and max GB/s (1e9 bytes/s) of all threads together,
 //! and each round's figure.
@@ -28,7 +38,13 @@
 use std::arch::x86_64::*;
 use std::time::Instant;
 
-const ROW: usize = 4096;
+/// Bytes of a key's rows of all kv heads (4 KiB: f32; `BF16=1`: 2 KiB) and of one kv head's row.
+static ROW: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(4096);
+static HEAD: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(512);
+
+fn row() -> usize {
+    ROW.load(std::sync::atomic::Ordering::Relaxed)
+}
 const TILE_KEYS: usize = 16;
 
 /// The software prefetch of the next tile: `per` bytes' worth of lines each step, from k and v
@@ -104,6 +120,7 @@ unsafe fn read<const W: usize>(
 ) {
     let q = _mm512_set1_ps(1.0001);
     let mut i = 0;
+    let (l1, l1buf) = L1.with(|c| c.get());
     while i < bytes {
         if let Some(a) = ahead.as_mut() {
             a.tick();
@@ -114,9 +131,35 @@ unsafe fn read<const W: usize>(
             for j in 0..W {
                 acc[(2 * l + j) & 7] = _mm512_fmadd_ps(x, q, acc[(2 * l + j) & 7]);
             }
+            // `L1=n`: n loads, FMAs and stores of an L1-resident accumulator per load, as a
+            // memory-order P·V keeps its accumulators in memory.
+            if l1 >= 100 {
+                // `l1` = 100 + n: n loads from the buffer, FMAs into registers, no stores (the
+                // q reloads of a memory-order score product).
+                for j in 0..l1 - 100 {
+                    let at = (((i >> 6) + l) * (l1 - 100) + j) & 255;
+                    // SAFETY: as below.
+                    let y = unsafe { _mm512_load_ps(l1buf.add(at).cast()) };
+                    acc[j & 7] = _mm512_fmadd_ps(x, y, acc[j & 7]);
+                }
+            } else {
+                for j in 0..l1 {
+                    let at = (((i >> 6) + l) * l1 + j) & 255;
+                    // SAFETY: `l1buf` is a thread's live 256-vector buffer; `at < 256`.
+                    unsafe {
+                        let a = l1buf.add(at);
+                        _mm512_store_ps(a.cast(), _mm512_fmadd_ps(x, q, _mm512_load_ps(a.cast())));
+                    }
+                }
+            }
         }
         i += 256;
     }
+}
+
+thread_local! {
+    /// (`L1=n`, this thread's 16 KiB accumulator buffer), set up at the start of a pass.
+    static L1: std::cell::Cell<(usize, *mut __m512)> = const { std::cell::Cell::new((0, std::ptr::null_mut())) };
 }
 
 /// Reads one tile at `base` in `order`.
@@ -133,13 +176,19 @@ unsafe fn tile<const W: usize>(
     // SAFETY (all reads): the caller's contract; every piece lies inside the tile.
     unsafe {
         if order == 2 {
-            return read::<W>(base, TILE_KEYS * ROW, acc, ahead);
+            return read::<W>(base, TILE_KEYS * row(), acc, ahead);
         }
-        let sub = if order == 0 { 8 } else { 4 };
+        let hb = HEAD.load(std::sync::atomic::Ordering::Relaxed);
+        // bf16: the kernel takes the whole 16-key tile (32 KiB) kv head by kv head.
+        let sub = match order {
+            0 if hb == 256 => 16,
+            0 => 8,
+            _ => 4,
+        };
         for s in (0..TILE_KEYS).step_by(sub) {
-            for h in 0..ROW / 512 {
+            for h in 0..row() / hb {
                 for key in s..s + sub {
-                    read::<W>(base.add(key * ROW + h * 512), 512, acc, ahead);
+                    read::<W>(base.add(key * row() + h * hb), hb, acc, ahead);
                 }
             }
         }
@@ -157,9 +206,12 @@ unsafe fn pass<const W: usize>(
     order: usize,
     stride: usize,
     (touch, burst): (bool, usize),
+    l1: usize,
 ) -> f32 {
     let mut acc = [_mm512_setzero_ps(); 8];
-    let tb = TILE_KEYS * ROW;
+    let mut l1buf = vec![_mm512_setzero_ps(); 256];
+    L1.with(|c| c.set((l1, l1buf.as_mut_ptr())));
+    let tb = TILE_KEYS * row();
     let tiles = k.len() / tb;
     if order == 3 {
         // All of k, then all of v, in memory order, no prefetch: one stream at a time.
@@ -178,27 +230,34 @@ unsafe fn pass<const W: usize>(
                     stride,
                     touch,
                     k: k0,
-                    k_end: k0 + tb,
+                    k_end: if order == 4 { k0 } else { k0 + tb },
                     v: v0,
                     v_end: v0 + tb,
                     on_v: true,
                     turn_left: 0,
                     // The next tile's k and v (2 · tb bytes, one line each `stride`) over the
                     // current tile's 2 · tb / 256 steps.
-                    per: 256 * 64 / stride * burst,
+                    per: 256 * 64 / stride * burst / if order == 4 { 2 } else { 1 },
                     burst,
                     wait: 0,
                 }
             });
             // SAFETY: tile t lies inside both regions.
             unsafe {
-                tile::<W>(k.as_ptr().add(t * tb), order, &mut acc, &mut ahead);
-                tile::<W>(v.as_ptr().add(t * tb), order, &mut acc, &mut ahead);
+                let (ko, vo) = if order == 4 {
+                    (env("KORD", 2usize), 0)
+                } else {
+                    (order, order)
+                };
+                tile::<W>(k.as_ptr().add(t * tb), ko, &mut acc, &mut ahead);
+                tile::<W>(v.as_ptr().add(t * tb), vo, &mut acc, &mut ahead);
             }
         }
     }
+    L1.with(|c| c.set((0, std::ptr::null_mut())));
     let s = acc
         .iter()
+        .chain(&l1buf)
         .fold(_mm512_setzero_ps(), |s, a| _mm512_add_ps(s, *a));
     _mm512_reduce_add_ps(s)
 }
@@ -234,17 +293,23 @@ fn main() {
         .and_then(|x| x.parse().ok())
         .unwrap_or(2);
     let bytes = env("MIB", 128usize) << 20;
+    if std::env::var_os("BF16").is_some() {
+        ROW.store(2048, std::sync::atomic::Ordering::Relaxed);
+        HEAD.store(256, std::sync::atomic::Ordering::Relaxed);
+    }
     let rounds = env("ROUNDS", 7usize);
+    // `REPS=n`: n passes per thread and round (for regions small enough to stay in cache).
+    let reps = env("REPS", 1usize).max(1);
     let touch = std::env::var_os("TOUCH").is_some();
     let burst = env("BURST", 1usize).max(1);
-    let cfgs: Vec<[usize; 3]> = env("CFGS", "0:64:4,2:0:4,2:0:1".to_string())
+    let cfgs: Vec<[usize; 4]> = env("CFGS", "0:64:4,2:0:4,2:0:1".to_string())
         .split(',')
         .map(|c| {
             let v: Vec<usize> = c
                 .split(':')
-                .map(|x| x.parse().expect("CFGS: order:stride:fmas"))
+                .map(|x| x.parse().expect("CFGS: order:stride:fmas[:l1]"))
                 .collect();
-            [v[0], v[1], v[2]]
+            [v[0], v[1], v[2], v.get(3).copied().unwrap_or(0)]
         })
         .collect();
     let regions: Vec<_> = (0..threads)
@@ -252,25 +317,27 @@ fn main() {
         .collect();
     let mut rates = vec![Vec::new(); cfgs.len()];
     for _ in 0..rounds {
-        for (ci, &[order, stride, fmas]) in cfgs.iter().enumerate() {
+        for (ci, &[order, stride, fmas, l1]) in cfgs.iter().enumerate() {
             let t = Instant::now();
             std::thread::scope(|s| {
                 for ((k, ko), (v, vo)) in &regions {
                     let (k, v) = (&k[*ko..*ko + bytes], &v[*vo..*vo + bytes]);
                     s.spawn(move || {
-                        // SAFETY: AVX-512F checked above; k and v have the same length.
-                        let r = unsafe {
-                            match fmas {
-                                1 => pass::<1>(k, v, order, stride, (touch, burst)),
-                                2 => pass::<2>(k, v, order, stride, (touch, burst)),
-                                _ => pass::<4>(k, v, order, stride, (touch, burst)),
-                            }
-                        };
-                        std::hint::black_box(r);
+                        for _ in 0..reps {
+                            // SAFETY: AVX-512F checked above; k and v have the same length.
+                            let r = unsafe {
+                                match fmas {
+                                    1 => pass::<1>(k, v, order, stride, (touch, burst), l1),
+                                    2 => pass::<2>(k, v, order, stride, (touch, burst), l1),
+                                    _ => pass::<4>(k, v, order, stride, (touch, burst), l1),
+                                }
+                            };
+                            std::hint::black_box(r);
+                        }
                     });
                 }
             });
-            rates[ci].push((threads * 2 * bytes) as f64 / t.elapsed().as_secs_f64() / 1e9);
+            rates[ci].push((reps * threads * 2 * bytes) as f64 / t.elapsed().as_secs_f64() / 1e9);
         }
     }
     for (c, r) in cfgs.iter().zip(&rates) {
@@ -278,10 +345,11 @@ fn main() {
         s.sort_by(f64::total_cmp);
         let each: Vec<String> = r.iter().map(|x| format!("{x:.1}")).collect();
         println!(
-            "order {} stride {:4} fmas {}{}: median {:5.1} GB/s (min {:5.1}, max {:5.1}); rounds {}",
+            "order {} stride {:4} fmas {} l1 {}{}: median {:5.1} GB/s (min {:5.1}, max {:5.1}); rounds {}",
             c[0],
             c[1],
             c[2],
+            c[3],
             if touch && c[1] > 0 { " touch" } else { "" },
             s[s.len() / 2],
             s[0],
