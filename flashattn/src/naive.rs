@@ -246,7 +246,24 @@ pub fn attention_backward(
     opts: &AttnOptions,
 ) -> Result<crate::AttnGrads> {
     let p = params::batched(q, k, v, opts)?;
-    backward_dispatch(&p, q, k, v, dout)
+    backward_dispatch(&p, q, k, v, dout, RowTerm::FromProbs)
+}
+
+/// [`attention_backward`] with FlashAttention's row term: `dS = P ∘ (dP - D)` with
+/// `D = rowsum(dO ∘ O)` from the naive forward's output as stored (rounded to the dtype), the
+/// identity the fused backward uses so that it needs only O, not a pass over P. Equal to
+/// `rowsum(P ∘ dP)` in exact arithmetic, but its rounding does not cancel against dP's where a
+/// row's probability sits on one key (seqlen_k 1, or one key dominating under dropout's
+/// `1/(1-p)`): the yardstick for that term, beside [`attention_backward`]'s.
+pub fn attention_backward_from_output(
+    q: &TensorRef,
+    k: &TensorRef,
+    v: &TensorRef,
+    dout: &TensorRef,
+    opts: &AttnOptions,
+) -> Result<crate::AttnGrads> {
+    let p = params::batched(q, k, v, opts)?;
+    backward_dispatch(&p, q, k, v, dout, RowTerm::FromOutput)
 }
 
 /// Naive backward, packed layout.
@@ -261,7 +278,31 @@ pub fn attention_varlen_backward(
     opts: &AttnOptions,
 ) -> Result<crate::AttnGrads> {
     let p = params::varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, opts)?;
-    backward_dispatch(&p, q, k, v, dout)
+    backward_dispatch(&p, q, k, v, dout, RowTerm::FromProbs)
+}
+
+/// [`attention_backward_from_output`], packed layout.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_varlen_backward_from_output(
+    q: &TensorRef,
+    k: &TensorRef,
+    v: &TensorRef,
+    dout: &TensorRef,
+    cu_seqlens_q: &[i32],
+    cu_seqlens_k: &[i32],
+    opts: &AttnOptions,
+) -> Result<crate::AttnGrads> {
+    let p = params::varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, opts)?;
+    backward_dispatch(&p, q, k, v, dout, RowTerm::FromOutput)
+}
+
+/// How the naive backward computes each row's term `D` of `dS = P ∘ (dP - D)`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum RowTerm {
+    /// `rowsum(P ∘ dP)` (autograd's softmax backward).
+    FromProbs,
+    /// `rowsum(dO ∘ O)`, O the stored output (FlashAttention's).
+    FromOutput,
 }
 
 fn backward_dispatch(
@@ -270,6 +311,7 @@ fn backward_dispatch(
     k: &TensorRef,
     v: &TensorRef,
     dout: &TensorRef,
+    term: RowTerm,
 ) -> Result<crate::AttnGrads> {
     let layout = params::q_like("dout", dout, p)?;
     fn typed<T: Element>(
@@ -278,10 +320,10 @@ fn backward_dispatch(
         k: &TensorRef,
         v: &TensorRef,
         dout: &TensorRef,
-        layout: &params::QLike,
+        (layout, term): (&params::QLike, RowTerm),
     ) -> crate::AttnGrads {
         let (dq, dk, dv, dsink) =
-            backward_run::<T>(p, data(q), data(k), data(v), data(dout), layout);
+            backward_run::<T>(p, data(q), data(k), data(v), data(dout), (layout, term));
         let wrap = |x: Vec<f32>, shape: &[usize]| {
             let mut t = vec![T::default(); x.len()];
             T::narrow(&x, &mut t);
@@ -297,7 +339,7 @@ fn backward_dispatch(
                 .map(|_| Tensor::new_unchecked(crate::Buffer::F32(dsink), vec![p.heads])),
         }
     }
-    Ok(with_dtype!(p.dtype, T => typed::<T>(p, q, k, v, dout, &layout)))
+    Ok(with_dtype!(p.dtype, T => typed::<T>(p, q, k, v, dout, (&layout, term))))
 }
 
 fn backward_run<T: Element>(
@@ -306,7 +348,7 @@ fn backward_run<T: Element>(
     k: &[T],
     v: &[T],
     dout: &[T],
-    layout: &params::QLike,
+    (layout, term): (&params::QLike, RowTerm),
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
     let d = p.head_dim;
     let scale = p.softmax_scale;
@@ -315,7 +357,7 @@ fn backward_run<T: Element>(
         .collect();
     let per_head: Vec<HeadGrads> = jobs
         .par_iter()
-        .map(|&(b, h)| head_backward::<T>(p, q, k, v, dout, layout, b, h))
+        .map(|&(b, h)| head_backward::<T>(p, q, k, v, dout, (layout, term), b, h))
         .collect();
     let mut dq = vec![0f32; p.out_len()];
     let mut dk = vec![0f32; p.dk_len()];
@@ -354,7 +396,7 @@ fn head_backward<T: Element>(
     k: &[T],
     v: &[T],
     dout: &[T],
-    layout: &params::QLike,
+    (layout, term): (&params::QLike, RowTerm),
     b: usize,
     h: usize,
 ) -> HeadGrads {
@@ -363,7 +405,7 @@ fn head_backward<T: Element>(
     let (sq, sk) = (s.seqlen_q, s.seqlen_k);
     let hk = p.kv_head(h);
     let (mut s_mat, mut p_mat) = (vec![0f32; sq * sk], vec![0f32; sq * sk]);
-    let (_, lse) = head::<T>(p, (q, k, v), b, h, &mut s_mat, &mut p_mat, DotOrder::Lanes8);
+    let (out, lse) = head::<T>(p, (q, k, v), b, h, &mut s_mat, &mut p_mat, DotOrder::Lanes8);
     let sink = p.sink.as_ref().map(|s| s[h]);
     let mut dsink = 0f32;
     let row = |src: &[T], at: usize| -> Vec<f32> {
@@ -403,7 +445,10 @@ fn head_backward<T: Element>(
                 }
             })
             .collect();
-        let pdp = round::<T>(prow.iter().zip(&dp).map(|(a, b)| a * b).sum());
+        let pdp = match term {
+            RowTerm::FromProbs => round::<T>(prow.iter().zip(&dp).map(|(a, b)| a * b).sum()),
+            RowTerm::FromOutput => round::<T>(dot(&dor[i], &out[i * d..(i + 1) * d])),
+        };
         if let Some(s) = sink {
             dsink -= (s - lse[i]).exp() * pdp;
         }

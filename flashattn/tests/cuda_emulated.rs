@@ -368,8 +368,14 @@ mod backward {
             let want =
                 reference::attention_varlen_backward(&qt, &kt, &vt, &dt, &cu_q, &cu_k, &opts)
                     .unwrap();
-            let nv =
-                naive::attention_varlen_backward(&qt, &kt, &vt, &dt, &cu_q, &cu_k, &opts).unwrap();
+            let nv = super::common::backward::yardstick(
+                &want,
+                naive::attention_varlen_backward(&qt, &kt, &vt, &dt, &cu_q, &cu_k, &opts).unwrap(),
+                naive::attention_varlen_backward_from_output(
+                    &qt, &kt, &vt, &dt, &cu_q, &cu_k, &opts,
+                )
+                .unwrap(),
+            );
             let ctx = format!("emulated varlen {} {opts:?}", desc.dkdv.name());
             check("dq", &dq, &nv.dq, &want.dq, T::DTYPE, &ctx);
             check("dk", &dk, &nv.dk, &want.dk, T::DTYPE, &ctx);

@@ -57,6 +57,52 @@ pub fn check_extra(
     );
 }
 
+/// The gradient bounds' yardstick from the two naive backwards (`flashattn::naive`): per element,
+/// whichever lies farther from the reference `want`, so that its largest error is the larger of
+/// the two naive errors. One naive takes each row's term of `dS = P ∘ (dP - D)` as autograd does,
+/// `D = rowsum(P ∘ dP)`; the other as FlashAttention does, `D = rowsum(dO ∘ O)` from the stored
+/// output, the identity that lets the fused backward skip a pass over P. Where a row's
+/// probability sits on few keys, the first's rounding cancels against dP's and the second's does
+/// not: a property test draw (f32, d = 256, dropout 0.9, causal with 66 queries over 6 keys)
+/// gave dk errors of 1.6e-6 (autograd's term), 5.6e-6 (FlashAttention's) and 1.4e-5 (flashattn):
+/// 8.7x the first naive and 2.5x the second.
+pub fn yardstick(want: &ReferenceGrads, a: AttnGrads, b: AttnGrads) -> AttnGrads {
+    fn farther<T: Element>(want: &[f64], a: &Tensor, b: &Tensor) -> Tensor {
+        let (x, y) = (a.as_slice::<T>().unwrap(), b.as_slice::<T>().unwrap());
+        assert!(x.len() == want.len() && y.len() == want.len());
+        let v = x
+            .iter()
+            .zip(y)
+            .zip(want)
+            .map(|((&x, &y), &w)| {
+                let far = (y.to_f64() - w).abs() > (x.to_f64() - w).abs();
+                if far {
+                    y
+                } else {
+                    x
+                }
+            })
+            .collect();
+        Tensor::from_vec(v, a.shape()).unwrap()
+    }
+    fn pick(want: &[f64], a: &Tensor, b: &Tensor) -> Tensor {
+        match a.dtype() {
+            DType::F32 => farther::<f32>(want, a, b),
+            DType::F16 => farther::<half::f16>(want, a, b),
+            DType::BF16 => farther::<half::bf16>(want, a, b),
+        }
+    }
+    AttnGrads {
+        dq: pick(&want.dq, &a.dq, &b.dq),
+        dk: pick(&want.dk, &a.dk, &b.dk),
+        dv: pick(&want.dv, &a.dv, &b.dv),
+        dsink: match (&want.dsink, &a.dsink, &b.dsink) {
+            (Some(w), Some(x), Some(y)) => Some(pick(w, x, y)),
+            _ => a.dsink,
+        },
+    }
+}
+
 /// (batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim).
 pub type Shape = (usize, usize, usize, usize, usize, usize);
 
@@ -181,13 +227,17 @@ impl<T: Element> GradData<T> {
         ]
     }
 
-    /// The f64 reference gradients and the naive backward's (the error yardstick).
+    /// The f64 reference gradients and the naive backwards' (the error yardstick, see
+    /// [`yardstick`]).
     pub fn expected(&self, opts: &AttnOptions) -> (ReferenceGrads, AttnGrads) {
         let [q, k, v, dout] = self.views();
-        (
-            reference::attention_backward(&q, &k, &v, &dout, opts).unwrap(),
+        let want = reference::attention_backward(&q, &k, &v, &dout, opts).unwrap();
+        let naive = yardstick(
+            &want,
             flashattn::naive::attention_backward(&q, &k, &v, &dout, opts).unwrap(),
-        )
+            flashattn::naive::attention_backward_from_output(&q, &k, &v, &dout, opts).unwrap(),
+        );
+        (want, naive)
     }
 
     /// A forward's out and lse against the f64 reference, with the forward tests' bound
@@ -343,9 +393,15 @@ pub fn varlen_case<T: Element>() {
     ] {
         let want =
             reference::attention_varlen_backward(&qt, &kt, &vt, &dt, &cu_q, &cu_k, &opts).unwrap();
-        let naive =
+        let naive = yardstick(
+            &want,
             flashattn::naive::attention_varlen_backward(&qt, &kt, &vt, &dt, &cu_q, &cu_k, &opts)
-                .unwrap();
+                .unwrap(),
+            flashattn::naive::attention_varlen_backward_from_output(
+                &qt, &kt, &vt, &dt, &cu_q, &cu_k, &opts,
+            )
+            .unwrap(),
+        );
         for isa in flashattn::simd::available() {
             let opts = opts.clone().isa(isa);
             let fwd = flash_attn_varlen(&qt, &kt, &vt, &cu_q, &cu_k, &opts).unwrap();
