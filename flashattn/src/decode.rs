@@ -398,6 +398,17 @@ impl RotaryParams {
     /// One rotation per query row and appended key: nothing next to the products.
     #[inline]
     pub fn rotate(&self, x: &mut [f32], b: usize, t: usize) {
+        self.rotate_to::<f32>(x, b, t);
+    }
+
+    /// [`RotaryParams::rotate`] with each rotated element rounded once from f64 to `T` (held in
+    /// `x` as f32, exactly): flash-attn's contract, whose rotary embedding hands q and the new
+    /// keys over in their own dtype. Every CPU kernel then multiplies the same q, whatever its
+    /// instruction set: the AVX-512 bf16 products need q as bf16 anyway, and with logits of ~30
+    /// the other kernels' unrounded f32 q gave outputs 0.05 away from theirs (a decode
+    /// property-test draw, 2026-11-28).
+    #[inline]
+    pub fn rotate_to<T: crate::Element>(&self, x: &mut [f32], b: usize, t: usize) {
         let (cos, sin) = self.at(b, t);
         let half = self.half;
         for (i, (&c, &s)) in cos.iter().zip(sin).enumerate() {
@@ -407,8 +418,8 @@ impl RotaryParams {
                 (i, i + half)
             };
             let (x0, x1, c, s) = (x[i0] as f64, x[i1] as f64, c as f64, s as f64);
-            x[i0] = (x0 * c - x1 * s) as f32;
-            x[i1] = (x0 * s + x1 * c) as f32;
+            x[i0] = T::from_f64(x0 * c - x1 * s).to_f32();
+            x[i1] = T::from_f64(x0 * s + x1 * c).to_f32();
         }
     }
 }

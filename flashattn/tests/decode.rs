@@ -7,7 +7,7 @@
 //!   bit-identical to before (slots past a sequence's length hold NaN, so reading one would show);
 //! - out and lse against `flashattn::reference` (f64) on the equivalent plain attention: per
 //!   sequence, q rotated by the test at flash-attn's positions (`cache_seqlens[b] + i` when causal
-//!   or windowed, `cache_seqlens[b]` otherwise) and the keys it should see
+//!   or windowed, `cache_seqlens[b]` otherwise) and rounded to q's dtype, and the keys it should see
 //!   (cache prefix + appended rows, from `cache_leftpad[b]` on when given), with `common::check_bound`'s derived bound (2× the naive
 //!   error in the same precision plus a rounding floor; NaN never passes).
 //!
@@ -725,6 +725,11 @@ fn check_case_with(c: &DCase, mut call: impl FnMut(&Built, &DCase) -> CallResult
                     rotate_f64(&mut qb[o..o + d], cos, sin, half, pos, inter);
                 }
             }
+            // The rotated q in q's dtype, rounded once from f64: flash-attn's contract (its
+            // rotary embedding hands q over in its dtype), which flashattn follows on every
+            // instruction set. With logits of ~30 the unrounded q moved the oracle 0.05 away
+            // from a bf16 result that rounds it (a property-test draw, seed 23, 10000 cases).
+            qb = buf_f64(&to_buffer(&qb, c.dtype));
         }
         let mut kb = Vec::with_capacity(sk * hkv * d);
         let mut vb = Vec::with_capacity(sk * hkv * d);
@@ -1287,6 +1292,75 @@ fn awkward_shapes() {
                     ..DCase::default()
                 });
             }
+        }
+    }
+}
+
+/// Two property-test draws (seeds 23 and 26, 10000 cases) with rotary, ALiBi, causal masks and
+/// logits of ~30 in bf16, on every instruction set: the AVX-512 kernels multiplied q rounded to
+/// bf16 while the others kept the rotated q in f32, and their outputs differed by 0.05, past
+/// the bound. Now every kernel rounds the rotated q to q's dtype (flash-attn's contract), and so
+/// does the test's oracle.
+#[test]
+fn rotary_with_huge_logits_on_every_isa() {
+    let base = DCase {
+        dtype: DType::BF16,
+        seqlen_q: 5,
+        heads: 4,
+        heads_kv: 1,
+        d: 16,
+        cap: 115,
+        lens: vec![4],
+        leftpad: None,
+        new: Some(3),
+        causal: true,
+        window: (-1, -1),
+        softcap: None,
+        alibi: true,
+        sink: false,
+        rotary: Some((16, true)),
+        store: Store::Gaps,
+        splits: Some(1),
+        isa: None,
+        dist: Dist::Huge(30.0),
+        seed: 16769291133991644983,
+        fp8: None,
+    };
+    let fp8 = DCase {
+        seqlen_q: 2,
+        heads: 6,
+        heads_kv: 2,
+        d: 111,
+        cap: 89,
+        lens: vec![43, 21],
+        window: (2, 5),
+        sink: true,
+        rotary: Some((90, true)),
+        store: Store::Paged(6),
+        splits: Some(4),
+        seed: 4123520806240085775,
+        fp8: Some(Fp8Format::E4M3),
+        ..base.clone()
+    };
+    for c in [base, fp8] {
+        let outs: Vec<Vec<f64>> = flashattn::simd::available()
+            .into_iter()
+            .map(|isa| {
+                check_case(&DCase {
+                    isa: Some(isa),
+                    ..c.clone()
+                })
+                .out
+                .to_f64_vec()
+            })
+            .collect();
+        // The instruction sets agree to bf16's rounding of P (the AVX-512 bf16 P·V), not 0.05.
+        for o in &outs[1..] {
+            let diff = o
+                .iter()
+                .zip(&outs[0])
+                .fold(0f64, |m, (a, b)| m.max((a - b).abs()));
+            assert!(diff < 1e-2, "{c:?}: instruction sets differ by {diff}");
         }
     }
 }

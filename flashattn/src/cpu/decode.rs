@@ -245,7 +245,7 @@ enum Kv<'a, T> {
     Fp8(&'a [u8], &'a [u8], Fp8Format),
 }
 
-/// Writes the new keys (rotated when the call has a rotary embedding, in f32, rounded once to the
+/// Writes the new keys (rotated when the call has a rotary embedding, in f64, rounded once to the
 /// cache's dtype) and values at positions `cache_seqlens[b]..` of each sequence. Sequential: it
 /// moves `Σ seqlen_new · heads_kv · d` elements, a few KiB per decode step, and two batch
 /// rows sharing a cache row or page then overwrite each other in batch order, never concurrently.
@@ -263,7 +263,7 @@ fn append<T: Element>(dp: &DecodeParams, kn: &[T], vn: &[T], k: &mut [T], v: &mu
                 match &dp.rotary {
                     Some(rot) => {
                         T::widen(&kn[src..src + d], &mut row);
-                        rot.rotate(&mut row, b, t);
+                        rot.rotate_to::<T>(&mut row, b, t);
                         T::narrow(&row, &mut k[dst..dst + d]);
                     }
                     None => k[dst..dst + d].copy_from_slice(&kn[src..src + d]),
@@ -500,13 +500,14 @@ fn run_item<T: Element>(
             T::widen(&q[src..src + d], dst);
             if let Some(rot) = &dp.rotary {
                 // flash-attn's rule: with a causal or windowed mask query i sits at position
-                // cache_seqlens[b] + i; without one, every query sits at cache_seqlens[b].
-                rot.rotate(dst, b, if masked { i } else { 0 });
+                // cache_seqlens[b] + i; without one, every query sits at cache_seqlens[b]. The
+                // rotated q is rounded to q's dtype, as flash-attn hands it over.
+                rot.rotate_to::<T>(dst, b, if masked { i } else { 0 });
             }
         }
     }
-    // bf16 with `vdpbf16ps`: q also as bf16 pairs (exact for bf16 inputs; a rotated q is rounded
-    // to bf16 here, as flash-attn rounds it to the input dtype), rows of dpad / 2 pairs.
+    // bf16 with `vdpbf16ps`: q also as bf16 pairs (exact: q is bf16, rotated or not), rows of
+    // dpad / 2 pairs.
     let qb: Option<Buf<u32>> = (T::DTYPE == DType::BF16 && kern.has_bf16_dot()).then(|| {
         let pair = |a: bf16, b: bf16| a.to_bits() as u32 | (b.to_bits() as u32) << 16;
         match T::wrap(q) {

@@ -99,7 +99,8 @@ static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "HEAD_DIM: a multiple of 32
 
 // Element (x) of a rotated head row `src` (its first 2 * half elements rotated by cos/sin `cs`:
 // half cos values, then half sin values): GPT-J pairs (2i, 2i + 1) when interleaved, else GPT-NeoX
-// pairs (i, i + half). Computed in f32, as the CPU path does.
+// pairs (i, i + half). Computed in f32 (the CPU path rotates in f64 and rounds once, to q's or the
+// cache's type: the two may differ in the last bit).
 __device__ __forceinline__ float rotated(const elem_t* src, int x, const float* cs, int half,
                                          int interleaved) {
     if (cs == nullptr || x >= 2 * half) return to_f32(src[x]);
@@ -290,8 +291,9 @@ decode_split(DECODE_SPLIT_PARAMS) {
         l_s[tid] = 0.f;
     }
     // q rows in f32, rotated at flash-attn's positions: query i at cache_seqlen + i under a
-    // causal or window mask, every query at cache_seqlen otherwise. Rows past nrows and columns
-    // past head_dim are 0.
+    // causal or window mask, every query at cache_seqlen otherwise, and rounded to q's type as
+    // flash-attn hands a rotated q over (as the CPU path and the tensor-core kernel). Rows past
+    // nrows and columns past head_dim are 0.
     for (int e = tid; e < MAX_ROWS * HEAD_DIM; e += NUM_THREADS) {
         const int rr = e / HEAD_DIM, col = e % HEAD_DIM;
         float x = 0.f;
@@ -301,7 +303,7 @@ decode_split(DECODE_SPLIT_PARAMS) {
             const float* cs =
                 rot == nullptr ? nullptr
                                : rot + ((i64)b * rot_npos + (IS_MASKED ? ir : 0)) * 2 * rot_half;
-            x = rotated(src, col, cs, rot_half, rot_interleaved);
+            x = to_f32(from_f32_elem(rotated(src, col, cs, rot_half, rot_interleaved)));
         }
         q_s[e] = x;
     }
