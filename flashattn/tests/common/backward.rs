@@ -311,6 +311,33 @@ impl<T: Element> GradData<T> {
         self.check_extra(got, expected, (extra, score_rel), ctx);
     }
 
+    /// The sink gradient `dsink_h = -Σ_rows e^{sink_h - lse} · D` against the reference, with
+    /// [`check`]'s bound plus the LSE's rounding as in [`GradData::check_cancel`]: each row's
+    /// `e^{sink - lse}` comes from the f32 LSE the forward returned, whose rounding moves it by up
+    /// to `eps_f32 · |lse|` of itself (a property-test draw, f32 with sinks of ~10 and dropout
+    /// 0.7: 3.05e-6 against a bound of 2.40e-6 without the term, naive 1.9e-7, which normalises
+    /// by its own row maximum). `forward` is the reference forward of these inputs.
+    pub fn check_dsink(
+        &self,
+        got: &Tensor,
+        expected: &(ReferenceGrads, AttnGrads),
+        forward: &Reference,
+        ctx: &str,
+    ) {
+        let (want, naive) = expected;
+        let (want, naive) = (
+            want.dsink.as_ref().expect("the reference's sink gradient"),
+            naive.dsink.as_ref().expect("naive's sink gradient"),
+        );
+        let s_max = forward
+            .lse
+            .iter()
+            .filter(|x| x.is_finite())
+            .fold(0f64, |m, x| m.max(x.abs()));
+        let score_rel = super::SCORE_UNITS * DType::F32.epsilon() * s_max;
+        check_extra("dsink", got, naive, want, (T::DTYPE, 0.0, score_rel), ctx);
+    }
+
     fn check_extra(
         &self,
         got: [&Tensor; 3],
