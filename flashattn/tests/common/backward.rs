@@ -518,8 +518,9 @@ pub mod drawn {
             let h = hkv * group;
             let (causal, left, right, softcap, alibi, dropout, scale) = o;
             // Sinks from the seed's high bits, not a strategy of their own: a new strategy would
-            // change every drawn case, and the emulated CUDA run of these draws has a known
-            // f32 accuracy tail on other draws (see docs/GPU.md).
+            // change every drawn case (when it was added, the emulated CUDA run of other draws
+            // met an f32 accuracy tail of the CUDA-core kernels, settled under emulation on
+            // 2026-11-28; docs/GPU.md).
             let sink = (seed >> 56 < 77).then_some(((seed >> 40) % 161) as i32 - 80);
             Drawn {
                 case: GradCase {

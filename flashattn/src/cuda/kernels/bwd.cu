@@ -164,16 +164,30 @@ __device__ __forceinline__ void tile_pair(const float* q_t, const float* do_t, c
     static_assert(ROWS * KEYS == 4 * NUM_THREADS && KEYS % 4 == 0, "four keys of a row per thread");
     const int r = threadIdx.x * 4 / KEYS, jc0 = threadIdx.x * 4 % KEYS;
     const int i = m0 + r;
-    float x[4] = {0.f, 0.f, 0.f, 0.f}, dp[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
-    for (int c = 0; c < HEAD_DIM; ++c) {
-        const float qc = q_t[r * PITCH + c], dc = do_t[r * PITCH + c];
+    // The scores in eight partial sums added pairwise, as fwd_f32.cu (and the CPU path) sum
+    // them: P = exp2(s - lse) then rounds as the forward's LSE did, and a row's P sums to 1.
+    float xs[4][8], x[4], dp[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            x[u] = fmaf(qc, k_t[(jc0 + u) * PITCH + c], x[u]);
-            dp[u] = fmaf(dc, v_t[(jc0 + u) * PITCH + c], dp[u]);
+    for (int u = 0; u < 4; ++u)
+#pragma unroll
+        for (int l = 0; l < 8; ++l) xs[u][l] = 0.f;
+#pragma unroll 1
+    for (int c0 = 0; c0 < HEAD_DIM; c0 += 8) {
+#pragma unroll
+        for (int l = 0; l < 8; ++l) {
+            const int c = c0 + l;
+            const float qc = q_t[r * PITCH + c], dc = do_t[r * PITCH + c];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                xs[u][l] = fmaf(qc, k_t[(jc0 + u) * PITCH + c], xs[u][l]);
+                dp[u] = fmaf(dc, v_t[(jc0 + u) * PITCH + c], dp[u]);
+            }
         }
     }
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+        x[u] = ((xs[u][0] + xs[u][4]) + (xs[u][1] + xs[u][5])) +
+               ((xs[u][2] + xs[u][6]) + (xs[u][3] + xs[u][7]));
 #if HAS_DROPOUT
     u32 wd[4];
     drop.words(wd, (n0 + jc0) >> 2, i, h, b);

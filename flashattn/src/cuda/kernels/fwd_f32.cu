@@ -69,9 +69,22 @@ flash_fwd(FLASH_FWD_PARAMS(float, float)) {
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
             const int jc = c8 + 8 * u;
-            float dot = 0.f;
-#pragma unroll 8
-            for (int d = 0; d < HEAD_DIM; ++d) dot = fmaf(q_tile[r * PITCH + d], k_tile[jc * PITCH + d], dot);
+            // Eight partial sums added pairwise, as the CPU path and naive attention sum: one
+            // running f32 sum over d = 256 moved the scores by ~1e-6 and out past 2x naive's
+            // error (docs/GPU.md, "an f32 accuracy tail").
+            // (The backward's recomputation in bwd.cu sums the same way, so that its P matches
+            // this LSE.)
+            float part[8];
+#pragma unroll
+            for (int l = 0; l < 8; ++l) part[l] = 0.f;
+#pragma unroll 1
+            for (int d0 = 0; d0 < HEAD_DIM; d0 += 8) {
+#pragma unroll
+                for (int l = 0; l < 8; ++l)
+                    part[l] = fmaf(q_tile[r * PITCH + d0 + l], k_tile[jc * PITCH + d0 + l], part[l]);
+            }
+            const float dot = ((part[0] + part[4]) + (part[1] + part[5])) +
+                              ((part[2] + part[6]) + (part[3] + part[7]));
             const int j = n0 + jc;
             float x = mods.apply(dot, i, j);
             if (need_mask && (j < row_lo || j >= row_hi)) x = -FA_INF;
