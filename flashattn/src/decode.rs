@@ -541,6 +541,10 @@ pub(crate) fn validate<V: ViewDesc + ?Sized>(
         None => {
             params::check_view("q", q, 4, Q_LAYOUT)?;
             let (batch, sq) = (q.shape()[0], q.shape()[1]);
+            // Checked before anything is sized by batch: a q of shape [usize::MAX, 0, ..] holds
+            // no elements, and sizing these by its batch panicked (capacity overflow; a decode
+            // property-test draw, seed 51).
+            one_per_row("cache_seqlens", cache_seqlens, batch)?;
             (batch, (0..batch).map(|b| b * sq).collect(), vec![sq; batch])
         }
         Some(cu) => {

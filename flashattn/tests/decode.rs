@@ -1817,6 +1817,21 @@ fn bad_input_is_a_typed_error_and_writes_nothing() {
             ..
         }
     ));
+    // A q with no elements and a batch of usize::MAX (a property-test draw, seed 51: it
+    // panicked with a capacity overflow where the batch sized the sequence table).
+    let no_q: Vec<f32> = Vec::new();
+    assert!(matches!(
+        kind(Call {
+            q: TensorRef::contiguous(&no_q, &[usize::MAX, 0, 4, 16]),
+            ..base()
+        }),
+        ErrorKind::IndexLength {
+            tensor: "cache_seqlens",
+            expected: usize::MAX,
+            got: 2,
+            ..
+        }
+    ));
     // Block table: an out-of-range and a negative entry among the used ones; wrong size.
     let mut table = bl.map.table.clone();
     table[1] = 1000;
