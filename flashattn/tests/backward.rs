@@ -46,17 +46,9 @@ fn row_term_yardstick_is_close_to_the_reference() {
             let a = flashattn::naive::attention_backward(&q, &k, &v, &dout, &c.opts).unwrap();
             let b = flashattn::naive::attention_backward_from_output(&q, &k, &v, &dout, &c.opts)
                 .unwrap();
-            let (_, sq, sk, h, hk, d) = c.shape;
+            let sk = c.shape.2;
             let eps = T::DTYPE.epsilon();
-            let m = |x: &[T]| x.iter().fold(0f64, |m, v| m.max(v.to_f64().abs()));
-            let keep = 1.0 - c.opts.dropout_p as f64;
-            let ds = 4.0 * eps * (d as f64).sqrt() * m(&data.dout) * m(&data.v) / keep;
-            let scale = c
-                .opts
-                .softmax_scale
-                .map_or(1.0 / (d as f64).sqrt(), |s| s as f64);
-            let rows = ((sq * h / hk) as f64).sqrt().max(1.0);
-            let cancel = [ds * scale * m(&data.k), ds * scale * m(&data.q) * rows, 0.0];
+            let cancel = data.cancel_terms(&c.opts);
             let err = |t: &Tensor, w: &[f64]| {
                 t.to_f64_vec()
                     .iter()

@@ -284,16 +284,7 @@ impl<T: Element> GradData<T> {
         (opts, forward): (&AttnOptions, &Reference),
         ctx: &str,
     ) {
-        let (_, sq, _, h, hk, d) = self.shape;
-        let m = |x: &[T]| x.iter().fold(0f64, |m, v| m.max(v.to_f64().abs()));
-        let scale = opts
-            .softmax_scale
-            .map_or(1.0 / (d as f64).sqrt(), |s| s as f64)
-            .abs();
-        let ds = 4.0 * T::DTYPE.epsilon() * (d as f64).sqrt() * m(&self.dout) * m(&self.v)
-            / (1.0 - opts.dropout_p as f64);
-        let rows = ((sq * (h / hk.max(1))) as f64).sqrt().max(1.0);
-        let extra = [ds * scale * m(&self.k), ds * scale * m(&self.q) * rows, 0.0];
+        let extra = self.cancel_terms(opts);
         // Large scores: the backward recomputes P = exp(s - lse) from the f32 LSE the forward
         // returned (FlashAttention's contract), whose rounding moves every exponent by up to
         // `eps_f32 · |lse|`, and rounds `s · scale · log2(e)` as the forward does; naive
@@ -309,6 +300,21 @@ impl<T: Element> GradData<T> {
             .fold(0f64, |m, x| m.max(x.abs()).max((x - ln_keys).abs()));
         let score_rel = super::SCORE_UNITS * DType::F32.epsilon() * s_max;
         self.check_extra(got, expected, (extra, score_rel), ctx);
+    }
+
+    /// The cancellation terms of [`GradData::check_cancel`] for dq, dk and dv (0 for dv): the
+    /// rounding `dS` keeps where `dP - D` cancels, carried into each gradient.
+    pub fn cancel_terms(&self, opts: &AttnOptions) -> [f64; 3] {
+        let (_, sq, _, h, hk, d) = self.shape;
+        let m = |x: &[T]| x.iter().fold(0f64, |m, v| m.max(v.to_f64().abs()));
+        let scale = opts
+            .softmax_scale
+            .map_or(1.0 / (d as f64).sqrt(), |s| s as f64)
+            .abs();
+        let ds = 4.0 * T::DTYPE.epsilon() * (d as f64).sqrt() * m(&self.dout) * m(&self.v)
+            / (1.0 - opts.dropout_p as f64);
+        let rows = ((sq * (h / hk.max(1))) as f64).sqrt().max(1.0);
+        [ds * scale * m(&self.k), ds * scale * m(&self.q) * rows, 0.0]
     }
 
     /// The sink gradient `dsink_h = -Σ_rows e^{sink_h - lse} · D` against the reference, with
