@@ -117,10 +117,10 @@ unsafe fn read<const W: usize>(
     bytes: usize,
     acc: &mut [__m512; 8],
     ahead: &mut Option<Ahead>,
+    (l1, l1buf): (usize, *mut __m512),
 ) {
     let q = _mm512_set1_ps(1.0001);
     let mut i = 0;
-    let (l1, l1buf) = L1.with(|c| c.get());
     while i < bytes {
         if let Some(a) = ahead.as_mut() {
             a.tick();
@@ -131,7 +131,7 @@ unsafe fn read<const W: usize>(
             for j in 0..W {
                 acc[(2 * l + j) & 7] = _mm512_fmadd_ps(x, q, acc[(2 * l + j) & 7]);
             }
-            // `L1=n`: n loads, FMAs and stores of an L1-resident accumulator per load, as a
+            // `l1` = n: n loads, FMAs and stores of an L1-resident accumulator per load, as a
             // memory-order P·V keeps its accumulators in memory.
             if l1 >= 100 {
                 // `l1` = 100 + n: n loads from the buffer, FMAs into registers, no stores (the
@@ -157,11 +157,6 @@ unsafe fn read<const W: usize>(
     }
 }
 
-thread_local! {
-    /// (`L1=n`, this thread's 16 KiB accumulator buffer), set up at the start of a pass.
-    static L1: std::cell::Cell<(usize, *mut __m512)> = const { std::cell::Cell::new((0, std::ptr::null_mut())) };
-}
-
 /// Reads one tile at `base` in `order`.
 ///
 /// # Safety
@@ -172,11 +167,12 @@ unsafe fn tile<const W: usize>(
     order: usize,
     acc: &mut [__m512; 8],
     ahead: &mut Option<Ahead>,
+    l1: (usize, *mut __m512),
 ) {
     // SAFETY (all reads): the caller's contract; every piece lies inside the tile.
     unsafe {
         if order == 2 {
-            return read::<W>(base, TILE_KEYS * row(), acc, ahead);
+            return read::<W>(base, TILE_KEYS * row(), acc, ahead, l1);
         }
         let hb = HEAD.load(std::sync::atomic::Ordering::Relaxed);
         // bf16: the kernel takes the whole 16-key tile (32 KiB) kv head by kv head.
@@ -188,7 +184,7 @@ unsafe fn tile<const W: usize>(
         for s in (0..TILE_KEYS).step_by(sub) {
             for h in 0..row() / hb {
                 for key in s..s + sub {
-                    read::<W>(base.add(key * row() + h * hb), hb, acc, ahead);
+                    read::<W>(base.add(key * row() + h * hb), hb, acc, ahead, l1);
                 }
             }
         }
@@ -209,15 +205,16 @@ unsafe fn pass<const W: usize>(
     l1: usize,
 ) -> f32 {
     let mut acc = [_mm512_setzero_ps(); 8];
+    // `l1`'s 16 KiB accumulator buffer (one per thread and pass).
     let mut l1buf = vec![_mm512_setzero_ps(); 256];
-    L1.with(|c| c.set((l1, l1buf.as_mut_ptr())));
+    let l1 = (l1, l1buf.as_mut_ptr());
     let tb = TILE_KEYS * row();
     let tiles = k.len() / tb;
     if order == 3 {
         // All of k, then all of v, in memory order, no prefetch: one stream at a time.
         for buf in [k, v] {
             // SAFETY: the whole region, read in memory order.
-            unsafe { read::<W>(buf.as_ptr(), tiles * tb, &mut acc, &mut None) };
+            unsafe { read::<W>(buf.as_ptr(), tiles * tb, &mut acc, &mut None, l1) };
         }
     } else {
         for t in 0..tiles {
@@ -249,12 +246,11 @@ unsafe fn pass<const W: usize>(
                 } else {
                     (order, order)
                 };
-                tile::<W>(k.as_ptr().add(t * tb), ko, &mut acc, &mut ahead);
-                tile::<W>(v.as_ptr().add(t * tb), vo, &mut acc, &mut ahead);
+                tile::<W>(k.as_ptr().add(t * tb), ko, &mut acc, &mut ahead, l1);
+                tile::<W>(v.as_ptr().add(t * tb), vo, &mut acc, &mut ahead, l1);
             }
         }
     }
-    L1.with(|c| c.set((0, std::ptr::null_mut())));
     let s = acc
         .iter()
         .chain(&l1buf)
