@@ -476,14 +476,15 @@ pub fn flash_attn_with_kvcache(
         cache_seqlens,
         opts,
     )?;
-    // Every check passed: from here on nothing fails, and the caches may be written.
-    Ok(crate::cpu::decode::run(
+    // Every check passed. Only the results' allocation can still fail (`OutOfMemory`), and it
+    // comes before the caches are written.
+    crate::cpu::decode::run(
         &dp,
         q,
         opts.new_kv.as_ref(),
         &mut k_cache.data,
         &mut v_cache.data,
-    ))
+    )
 }
 
 /// A non-negative `i32` entry, or the error naming it.
@@ -800,29 +801,25 @@ pub(crate) fn validate<V: ViewDesc + ?Sized>(
     let sink = params::check_sink(&opts.attn, heads)?;
 
     let q_layout = row_layout(q);
-    let seqs = lens
-        .iter()
-        .enumerate()
-        .map(|(b, &len)| Seq {
-            seqlen_q: q_lens[b],
-            seqlen_k: len + new_lens[b],
-            q_base: if packed {
-                q_starts[b] * q.strides()[0]
-            } else {
-                b * q.strides()[0]
-            },
-            k_base: 0,
-            v_base: 0,
-            out_row0: q_starts[b],
-            // Packed lse is [heads, total_q]; batched [batch, heads, seqlen_q].
-            lse_base: if packed {
-                q_starts[b]
-            } else {
-                b * heads * seqlen_q
-            },
-            k_row0: 0,
-        })
-        .collect();
+    let seqs = params::seq_table(lens.iter().enumerate().map(|(b, &len)| Seq {
+        seqlen_q: q_lens[b],
+        seqlen_k: len + new_lens[b],
+        q_base: if packed {
+            q_starts[b] * q.strides()[0]
+        } else {
+            b * q.strides()[0]
+        },
+        k_base: 0,
+        v_base: 0,
+        out_row0: q_starts[b],
+        // Packed lse is [heads, total_q]; batched [batch, heads, seqlen_q].
+        lse_base: if packed {
+            q_starts[b]
+        } else {
+            b * heads * seqlen_q
+        },
+        k_row0: 0,
+    }))?;
     let p = Params {
         dtype: q.dtype(),
         heads,

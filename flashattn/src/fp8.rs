@@ -371,14 +371,18 @@ fn run(
     revalidate: impl Fn([&TensorRef; 3]) -> Result<Params>,
 ) -> Result<AttnOutput> {
     if p.kernels.has_bf16_dot() {
-        let (out, lse) = forward_fp8(&p, source(q), source(k), source(v));
+        let (out, lse) = forward_fp8(&p, source(q), source(k), source(v))?;
         return Ok(AttnOutput {
             out: Tensor::new_unchecked(Buffer::BF16(out), p.out_shape.clone()),
             lse: Tensor::new_unchecked(Buffer::F32(lse), p.lse_shape.clone()),
         });
     }
     let isa = p.kernels.isa;
-    let (qb, kb, vb) = (widen(q, isa), widen(k, isa), widen(v, isa));
+    let (qb, kb, vb) = (
+        widen("the bf16 copy of `q`", q, isa)?,
+        widen("the bf16 copy of `k`", k, isa)?,
+        widen("the bf16 copy of `v`", v, isa)?,
+    );
     let (qv, kv, vv) = (
         TensorRef::contiguous(&qb, q.shape()),
         TensorRef::contiguous(&kb, k.shape()),
@@ -389,7 +393,7 @@ fn run(
     let descales = p.descale.take();
     let mut p = revalidate([&qv, &kv, &vv])?;
     p.descale = descales;
-    Ok(crate::forward(&p, &qv, &kv, &vv))
+    crate::forward(&p, &qv, &kv, &vv)
 }
 
 /// The view's bytes, read through its format's table.
@@ -511,14 +515,14 @@ fn fold_descale(
 
 /// The view's elements widened to bf16 (exact), contiguous row-major. The view was validated:
 /// every element it addresses lies in its buffer and its last dimension is contiguous.
-fn widen(t: &Fp8TensorRef, isa: crate::cpu::simd::Isa) -> Vec<bf16> {
+fn widen(what: &'static str, t: &Fp8TensorRef, isa: crate::cpu::simd::Isa) -> Result<Vec<bf16>> {
     let (bytes, format) = (t.data().bytes(), t.format());
     let (outer, strides) = (&t.shape()[..t.shape().len() - 1], t.strides());
     let d = *t.shape().last().expect("validated rank");
     let rows: usize = outer.iter().product();
-    let mut out = vec![bf16::ZERO; rows * d];
+    let mut out = crate::memory::try_filled(what, bf16::ZERO, rows * d)?;
     if d == 0 {
-        return out;
+        return Ok(out);
     }
     // Element offset of row r (an index over all dimensions but the last).
     let row_offset = |mut r: usize| {
@@ -537,7 +541,7 @@ fn widen(t: &Fp8TensorRef, isa: crate::cpu::simd::Isa) -> Vec<bf16> {
                 crate::cpu::fp8::widen(isa, format, &bytes[at..at + d], row);
             }
         });
-    out
+    Ok(out)
 }
 
 /// Decoding with FP8 KV caches: [`crate::flash_attn_with_kvcache`] where `k_cache` and `v_cache`
@@ -605,15 +609,16 @@ pub fn flash_attn_with_kvcache_fp8(
     )?;
     // The v factors, as folded (they scale the output rows unchanged).
     let dv = dp.p.descale.as_ref().map_or(&[][..], |d| &d.out_scale);
-    // Every check passed: from here on nothing fails, and the caches may be written.
-    Ok(crate::cpu::decode::run_fp8(
+    // Every check passed. Only the results' allocation can still fail (`OutOfMemory`), and it
+    // comes before the caches are written.
+    crate::cpu::decode::run_fp8(
         &dp,
         q,
         opts.new_kv.as_ref(),
         (k_cache.data.bytes_mut(), v_cache.data.bytes_mut()),
         format,
         (&dk, dv),
-    ))
+    )
 }
 
 /// An FP8 cache as validation sees it: its format and its view.

@@ -147,7 +147,7 @@ pub fn flash_attn(
     opts: &AttnOptions,
 ) -> Result<AttnOutput> {
     let p = params::batched(q, k, v, opts)?;
-    Ok(forward(&p, q, k, v))
+    forward(&p, q, k, v)
 }
 
 /// Attention over packed variable-length sequences.
@@ -164,7 +164,7 @@ pub fn flash_attn_varlen(
     opts: &AttnOptions,
 ) -> Result<AttnOutput> {
     let p = params::varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, opts)?;
-    Ok(forward(&p, q, k, v))
+    forward(&p, q, k, v)
 }
 
 /// The buffer of a validated tensor (its dtype was checked against `T`).
@@ -201,7 +201,7 @@ pub fn flash_attn_backward(
 ) -> Result<AttnGrads> {
     let p = params::batched(q, k, v, opts)?;
     let g = params::grad_inputs(&p, out, lse, dout)?;
-    Ok(backward(&p, &g, q, k, v, out, dout))
+    backward(&p, &g, q, k, v, out, dout)
 }
 
 /// Backward pass of [`flash_attn_varlen`] (packed layout; `lse` `[heads, total_q]`).
@@ -219,7 +219,7 @@ pub fn flash_attn_varlen_backward(
 ) -> Result<AttnGrads> {
     let p = params::varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, opts)?;
     let g = params::grad_inputs(&p, out, lse, dout)?;
-    Ok(backward(&p, &g, q, k, v, out, dout))
+    backward(&p, &g, q, k, v, out, dout)
 }
 
 fn backward(
@@ -230,7 +230,7 @@ fn backward(
     v: &TensorRef,
     out: &TensorRef,
     dout: &TensorRef,
-) -> AttnGrads {
+) -> Result<AttnGrads> {
     fn typed<T: Element>(
         p: &Params,
         g: &params::GradInputs,
@@ -239,27 +239,32 @@ fn backward(
         v: &TensorRef,
         out: &TensorRef,
         dout: &TensorRef,
-    ) -> AttnGrads {
+    ) -> Result<AttnGrads> {
         let (dq, dk, dv) =
-            cpu::backward::backward(p, g, data(q), data(k), data(v), data(out), data(dout));
-        let dsink = cpu::backward::sink_grad(p, g, data::<T>(out), data::<T>(dout));
-        AttnGrads {
+            cpu::backward::backward(p, g, data(q), data(k), data(v), data(out), data(dout))?;
+        let dsink = cpu::backward::sink_grad(p, g, data::<T>(out), data::<T>(dout))?;
+        Ok(AttnGrads {
             dq: Tensor::new_unchecked(T::wrap_vec(dq), p.out_shape.clone()),
             dk: Tensor::new_unchecked(T::wrap_vec(dk), p.k_shape.clone()),
             dv: Tensor::new_unchecked(T::wrap_vec(dv), p.k_shape.clone()),
             dsink: dsink.map(|s| Tensor::new_unchecked(Buffer::F32(s), vec![p.heads])),
-        }
+        })
     }
     with_dtype!(p.dtype, T => typed::<T>(p, g, q, k, v, out, dout))
 }
 
-fn forward(p: &Params, q: &TensorRef, k: &TensorRef, v: &TensorRef) -> AttnOutput {
-    fn typed<T: Element>(p: &Params, q: &TensorRef, k: &TensorRef, v: &TensorRef) -> AttnOutput {
-        let (out, lse) = cpu::forward::forward(p, data(q), data(k), data(v));
-        AttnOutput {
+fn forward(p: &Params, q: &TensorRef, k: &TensorRef, v: &TensorRef) -> Result<AttnOutput> {
+    fn typed<T: Element>(
+        p: &Params,
+        q: &TensorRef,
+        k: &TensorRef,
+        v: &TensorRef,
+    ) -> Result<AttnOutput> {
+        let (out, lse) = cpu::forward::forward(p, data(q), data(k), data(v))?;
+        Ok(AttnOutput {
             out: Tensor::new_unchecked(T::wrap_vec(out), p.out_shape.clone()),
             lse: Tensor::new_unchecked(Buffer::F32(lse), p.lse_shape.clone()),
-        }
+        })
     }
     with_dtype!(p.dtype, T => typed::<T>(p, q, k, v))
 }

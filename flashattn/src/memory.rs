@@ -20,6 +20,8 @@
 //! back with huge pages. The buffers are [`CacheBuf`]s, which start on a 2 MiB boundary (see
 //! there for why that is not a `Vec`).
 
+use crate::error::{ErrorKind, Result};
+
 /// The huge page size the advice asks for (x86-64 and most aarch64 kernels): buffers smaller
 /// than this are not advised.
 pub const HUGE_PAGE: usize = 2 << 20;
@@ -286,6 +288,30 @@ fn smaps_huge_bytes(smaps: &str, ranges: &[std::ops::Range<usize>]) -> Option<us
         }
     }
     Some(total)
+}
+
+/// The values of `iter` in a `Vec`, or [`ErrorKind::OutOfMemory`] naming `what` where the
+/// allocation fails. The results of a call and its per-sequence table are allocated this way,
+/// before anything the caller owns is written: their sizes follow from shapes alone, which
+/// stride-0 views make as large as the address space allows while the caller holds one element.
+/// (`vec!` and `collect` abort the process when the allocator refuses.)
+pub(crate) fn try_collect<T>(
+    what: &'static str,
+    iter: impl ExactSizeIterator<Item = T>,
+) -> Result<Vec<T>> {
+    let n = iter.len();
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| ErrorKind::OutOfMemory {
+        what,
+        bytes: n.saturating_mul(std::mem::size_of::<T>()),
+    })?;
+    v.extend(iter.take(n));
+    Ok(v)
+}
+
+/// `n` copies of `value` (see [`try_collect`]).
+pub(crate) fn try_filled<T: Clone>(what: &'static str, value: T, n: usize) -> Result<Vec<T>> {
+    try_collect(what, std::iter::repeat_n(value, n))
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@
 
 use crate::cpu::kernels::dot;
 use crate::error::Result;
+use crate::memory::try_filled;
 use crate::params::{self, AttnOptions, Params};
 use crate::tensor::{with_dtype, Buffer, Element, Tensor, TensorRef};
 use crate::{data, AttnOutput};
@@ -28,7 +29,7 @@ pub fn attention(
     opts: &AttnOptions,
 ) -> Result<AttnOutput> {
     let p = params::batched(q, k, v, opts)?;
-    Ok(dispatch(&p, q, k, v, DotOrder::Lanes8))
+    dispatch(&p, q, k, v, DotOrder::Lanes8)
 }
 
 /// How the naive implementation sums each `q · k` dot product. Both are ordinary f32 summations;
@@ -54,7 +55,7 @@ pub fn attention_with_order(
     order: DotOrder,
 ) -> Result<AttnOutput> {
     let p = params::batched(q, k, v, opts)?;
-    Ok(dispatch(&p, q, k, v, order))
+    dispatch(&p, q, k, v, order)
 }
 
 /// Naive attention, packed layout; as [`crate::flash_attn_varlen`].
@@ -67,7 +68,7 @@ pub fn attention_varlen(
     opts: &AttnOptions,
 ) -> Result<AttnOutput> {
     let p = params::varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, opts)?;
-    Ok(dispatch(&p, q, k, v, DotOrder::Lanes8))
+    dispatch(&p, q, k, v, DotOrder::Lanes8)
 }
 
 fn dispatch(
@@ -76,19 +77,19 @@ fn dispatch(
     k: &TensorRef,
     v: &TensorRef,
     order: DotOrder,
-) -> AttnOutput {
+) -> Result<AttnOutput> {
     fn typed<T: Element>(
         p: &Params,
         q: &TensorRef,
         k: &TensorRef,
         v: &TensorRef,
         order: DotOrder,
-    ) -> AttnOutput {
-        let (out, lse) = run::<T>(p, data(q), data(k), data(v), order);
-        AttnOutput {
+    ) -> Result<AttnOutput> {
+        let (out, lse) = run::<T>(p, data(q), data(k), data(v), order)?;
+        Ok(AttnOutput {
             out: Tensor::new_unchecked(T::wrap_vec(out), p.out_shape.clone()),
             lse: Tensor::new_unchecked(Buffer::F32(lse), p.lse_shape.clone()),
-        }
+        })
     }
     with_dtype!(p.dtype, T => typed::<T>(p, q, k, v, order))
 }
@@ -99,12 +100,25 @@ fn round<T: Element>(x: f32) -> f32 {
     T::from_f32(x).to_f32()
 }
 
-fn run<T: Element>(p: &Params, q: &[T], k: &[T], v: &[T], order: DotOrder) -> (Vec<T>, Vec<f32>) {
+fn run<T: Element>(
+    p: &Params,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    order: DotOrder,
+) -> Result<(Vec<T>, Vec<f32>)> {
     let d = p.head_dim;
+    let mut out = try_filled("`out`", T::default(), p.out_len())?;
+    let mut lse = try_filled("`lse`", f32::NEG_INFINITY, p.lse_len())?;
     let sizes: Vec<usize> = p.seqs.iter().map(|s| s.seqlen_q * s.seqlen_k).collect();
-    let total: usize = sizes.iter().sum::<usize>() * p.heads;
-    let mut scores = vec![0f32; total];
-    let mut probs = vec![0f32; total];
+    // Sums of products of validated lengths can still overflow (many long sequences).
+    let total = sizes
+        .iter()
+        .try_fold(0usize, |acc, &n| acc.checked_add(n))
+        .and_then(|n| n.checked_mul(p.heads))
+        .unwrap_or(usize::MAX);
+    let mut scores = try_filled("the naive score matrix S", 0f32, total)?;
+    let mut probs = try_filled("the naive probability matrix P", 0f32, total)?;
     // (sequence, head) jobs, each with its own S and P.
     let mut jobs = Vec::new();
     let (mut s_rest, mut p_rest) = (scores.as_mut_slice(), probs.as_mut_slice());
@@ -123,8 +137,6 @@ fn run<T: Element>(p: &Params, q: &[T], k: &[T], v: &[T], order: DotOrder) -> (V
             (b, h, o, l)
         })
         .collect();
-    let mut out = vec![T::default(); p.out_len()];
-    let mut lse = vec![f32::NEG_INFINITY; p.lse_len()];
     for (b, h, o, l) in results {
         for (i, row) in o.chunks_exact(d).enumerate() {
             let at = p.out_offset(b, i, h);
@@ -132,7 +144,7 @@ fn run<T: Element>(p: &Params, q: &[T], k: &[T], v: &[T], order: DotOrder) -> (V
             lse[p.lse_offset(b, h, i)] = l[i];
         }
     }
-    (out, lse)
+    Ok((out, lse))
 }
 
 /// One (sequence, head): returns its output rows (f32 values already rounded to T) and LSEs.
@@ -321,15 +333,15 @@ fn backward_dispatch(
         v: &TensorRef,
         dout: &TensorRef,
         (layout, term): (&params::QLike, RowTerm),
-    ) -> crate::AttnGrads {
+    ) -> Result<crate::AttnGrads> {
         let (dq, dk, dv, dsink) =
-            backward_run::<T>(p, data(q), data(k), data(v), data(dout), (layout, term));
+            backward_run::<T>(p, data(q), data(k), data(v), data(dout), (layout, term))?;
         let wrap = |x: Vec<f32>, shape: &[usize]| {
             let mut t = vec![T::default(); x.len()];
             T::narrow(&x, &mut t);
             Tensor::new_unchecked(T::wrap_vec(t), shape.to_vec())
         };
-        crate::AttnGrads {
+        Ok(crate::AttnGrads {
             dq: wrap(dq, &p.out_shape),
             dk: wrap(dk, &p.k_shape),
             dv: wrap(dv, &p.k_shape),
@@ -337,10 +349,13 @@ fn backward_dispatch(
                 .sink
                 .as_ref()
                 .map(|_| Tensor::new_unchecked(crate::Buffer::F32(dsink), vec![p.heads])),
-        }
+        })
     }
-    Ok(with_dtype!(p.dtype, T => typed::<T>(p, q, k, v, dout, (&layout, term))))
+    with_dtype!(p.dtype, T => typed::<T>(p, q, k, v, dout, (&layout, term)))
 }
+
+/// dq, dk, dv (f32, rounded to the dtype) and dsink.
+type Grads32 = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
 
 fn backward_run<T: Element>(
     p: &Params,
@@ -349,9 +364,12 @@ fn backward_run<T: Element>(
     v: &[T],
     dout: &[T],
     (layout, term): (&params::QLike, RowTerm),
-) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+) -> Result<Grads32> {
     let d = p.head_dim;
     let scale = p.softmax_scale;
+    let mut dq = try_filled("`dq`", 0f32, p.out_len())?;
+    let mut dk = try_filled("`dk`", 0f32, p.dk_len())?;
+    let mut dv = try_filled("`dv`", 0f32, p.dk_len())?;
     let jobs: Vec<(usize, usize)> = (0..p.seqs.len())
         .flat_map(|b| (0..p.heads).map(move |h| (b, h)))
         .collect();
@@ -359,9 +377,6 @@ fn backward_run<T: Element>(
         .par_iter()
         .map(|&(b, h)| head_backward::<T>(p, q, k, v, dout, (layout, term), b, h))
         .collect();
-    let mut dq = vec![0f32; p.out_len()];
-    let mut dk = vec![0f32; p.dk_len()];
-    let mut dv = vec![0f32; p.dk_len()];
     let mut dsink = vec![0f32; p.heads];
     // Per-head gradients (already rounded to T) summed over the GQA group in a fixed order.
     for (&(b, h), (hdq, hdk, hdv, hds)) in jobs.iter().zip(per_head) {
@@ -381,7 +396,7 @@ fn backward_run<T: Element>(
             }
         }
     }
-    (dq, dk, dv, dsink)
+    Ok((dq, dk, dv, dsink))
 }
 
 /// One (sequence, head)'s unscaled dQ/scale, dK/scale, dV and part of the sink gradient.

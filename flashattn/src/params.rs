@@ -349,6 +349,13 @@ fn check_sizes(
     Ok(())
 }
 
+/// The per-sequence table, allocated fallibly (see [`crate::memory::try_collect`]): a batched
+/// call's batch is a shape entry, so stride-0 views of one element can ask for 2^50 empty
+/// sequences.
+pub(crate) fn seq_table(seqs: impl ExactSizeIterator<Item = Seq>) -> Result<Vec<Seq>> {
+    crate::memory::try_collect("the per-sequence table", seqs)
+}
+
 /// Shared checks of q, k, v whatever the layout; returns (heads, heads_kv, head_dim).
 fn check_qkv<V: ViewDesc + ?Sized>(
     q: &V,
@@ -570,18 +577,16 @@ pub(crate) fn batched<V: ViewDesc + ?Sized>(
         heads,
         batch.saturating_mul(seqlen_q),
     )?;
-    let seqs = (0..batch)
-        .map(|b| Seq {
-            seqlen_q,
-            seqlen_k,
-            q_base: b * q.strides()[0],
-            k_base: b * k.strides()[0],
-            v_base: b * v.strides()[0],
-            out_row0: b * seqlen_q,
-            lse_base: b * heads * seqlen_q,
-            k_row0: b * seqlen_k,
-        })
-        .collect();
+    let seqs = seq_table((0..batch).map(|b| Seq {
+        seqlen_q,
+        seqlen_k,
+        q_base: b * q.strides()[0],
+        k_base: b * k.strides()[0],
+        v_base: b * v.strides()[0],
+        out_row0: b * seqlen_q,
+        lse_base: b * heads * seqlen_q,
+        k_row0: b * seqlen_k,
+    }))?;
     Ok(Params {
         dtype: q.dtype(),
         heads,
@@ -684,21 +689,19 @@ pub(crate) fn varlen<V: ViewDesc + ?Sized>(
     let out_shape = vec![total_q, heads, head_dim];
     check_sizes(&out_shape, k.shape(), batch, heads, total_q)?;
     let (ql, kl, vl) = (layout_of(q), layout_of(k), layout_of(v));
-    let seqs = (0..batch)
-        .map(|b| {
-            let (q0, k0) = (cu_seqlens_q[b] as usize, cu_seqlens_k[b] as usize);
-            Seq {
-                seqlen_q: cu_seqlens_q[b + 1] as usize - q0,
-                seqlen_k: cu_seqlens_k[b + 1] as usize - k0,
-                q_base: q0 * ql.row_stride,
-                k_base: k0 * kl.row_stride,
-                v_base: k0 * vl.row_stride,
-                out_row0: q0,
-                lse_base: q0,
-                k_row0: k0,
-            }
-        })
-        .collect();
+    let seqs = seq_table((0..batch).map(|b| {
+        let (q0, k0) = (cu_seqlens_q[b] as usize, cu_seqlens_k[b] as usize);
+        Seq {
+            seqlen_q: cu_seqlens_q[b + 1] as usize - q0,
+            seqlen_k: cu_seqlens_k[b + 1] as usize - k0,
+            q_base: q0 * ql.row_stride,
+            k_base: k0 * kl.row_stride,
+            v_base: k0 * vl.row_stride,
+            out_row0: q0,
+            lse_base: q0,
+            k_row0: k0,
+        }
+    }))?;
     Ok(Params {
         dtype: q.dtype(),
         heads,
@@ -754,18 +757,16 @@ pub(crate) fn q_like<V: ViewDesc + ?Sized>(name: TensorName, t: &V, p: &Params) 
     check_view(name, t, rank, layout)?;
     check_dtype(name, t, p.dtype)?;
     check_shape(name, t, &p.out_shape)?;
-    let bases = p
-        .seqs
-        .iter()
-        .enumerate()
-        .map(|(b, s)| {
+    let bases = crate::memory::try_collect(
+        "the per-sequence table",
+        p.seqs.iter().enumerate().map(|(b, s)| {
             if p.packed {
                 s.out_row0 * t.strides()[0]
             } else {
                 b * t.strides()[0]
             }
-        })
-        .collect();
+        }),
+    )?;
     Ok(QLike {
         layout: layout_of(t),
         bases,
@@ -796,20 +797,19 @@ pub(crate) fn grad_inputs(
     check_lse(p, lse)?;
     let data = lse.typed::<f32>().expect("dtype checked above");
     let st = lse.strides();
-    let gathered = if p.packed {
-        (0..p.heads)
-            .flat_map(|h| (0..p.total_q).map(move |i| data[h * st[0] + i * st[1]]))
-            .collect()
+    // Sized up front (fallibly): lse's shape, not its buffer, sets the length.
+    let mut gathered = crate::memory::try_filled("the gathered `lse`", 0f32, p.lse_len())?;
+    let dst = gathered.iter_mut();
+    if p.packed {
+        let src = (0..p.heads).flat_map(|h| (0..p.total_q).map(move |i| h * st[0] + i * st[1]));
+        dst.zip(src).for_each(|(x, at)| *x = data[at]);
     } else {
         let (batch, heads, sq) = (p.lse_shape[0], p.lse_shape[1], p.lse_shape[2]);
-        (0..batch)
-            .flat_map(|b| {
-                (0..heads).flat_map(move |h| {
-                    (0..sq).map(move |i| data[b * st[0] + h * st[1] + i * st[2]])
-                })
-            })
-            .collect()
-    };
+        let src = (0..batch).flat_map(|b| {
+            (0..heads).flat_map(move |h| (0..sq).map(move |i| b * st[0] + h * st[1] + i * st[2]))
+        });
+        dst.zip(src).for_each(|(x, at)| *x = data[at]);
+    }
     Ok(GradInputs {
         out,
         dout,

@@ -8,6 +8,7 @@
 
 use crate::dropout::Dropout;
 use crate::error::Result;
+use crate::memory::try_filled;
 use crate::params::{self, AttnOptions, Params, QLike};
 use crate::tensor::{Slice, TensorRef};
 
@@ -180,10 +181,10 @@ fn keep_rows(
     .collect()
 }
 
-pub(crate) fn forward_core(p: &Params, x: &Inputs) -> Reference {
+pub(crate) fn forward_core(p: &Params, x: &Inputs) -> Result<Reference> {
     let d = p.head_dim;
-    let mut out = vec![0.0; p.out_len()];
-    let mut lse = vec![f64::NEG_INFINITY; p.lse_len()];
+    let mut out = try_filled("`out`", 0.0, p.out_len())?;
+    let mut lse = try_filled("`lse`", f64::NEG_INFINITY, p.lse_len())?;
     for b in 0..p.seqs.len() {
         for h in 0..p.heads {
             let hd = head(p, x, b, h, 0..p.seqs[b].seqlen_q);
@@ -198,12 +199,12 @@ pub(crate) fn forward_core(p: &Params, x: &Inputs) -> Reference {
             }
         }
     }
-    Reference {
+    Ok(Reference {
         out,
         lse,
         out_shape: p.out_shape.clone(),
         lse_shape: p.lse_shape.clone(),
-    }
+    })
 }
 
 pub(crate) fn backward_core(
@@ -211,12 +212,12 @@ pub(crate) fn backward_core(
     x: &Inputs,
     dout: &[f64],
     dout_layout: &QLike,
-) -> ReferenceGrads {
+) -> Result<ReferenceGrads> {
     let d = p.head_dim;
     let scale = p.softmax_scale as f64;
-    let mut dq = vec![0.0; p.out_len()];
-    let mut dk = vec![0.0; p.dk_len()];
-    let mut dv = vec![0.0; p.dk_len()];
+    let mut dq = try_filled("`dq`", 0.0, p.out_len())?;
+    let mut dk = try_filled("`dk`", 0.0, p.dk_len())?;
+    let mut dv = try_filled("`dv`", 0.0, p.dk_len())?;
     let mut dsink = p.sink.as_ref().map(|_| vec![0.0; p.heads]);
     for b in 0..p.seqs.len() {
         for h in 0..p.heads {
@@ -250,10 +251,10 @@ pub(crate) fn backward_core(
             }
         }
     }
-    ReferenceGrads { dq, dk, dv, dsink }
+    Ok(ReferenceGrads { dq, dk, dv, dsink })
 }
 
-fn run(p: &Params, q: &TensorRef, k: &TensorRef, v: &TensorRef) -> Reference {
+fn run(p: &Params, q: &TensorRef, k: &TensorRef, v: &TensorRef) -> Result<Reference> {
     let (q, k, v) = (
         widen_all(q.data()),
         widen_all(k.data()),
@@ -277,7 +278,7 @@ pub fn attention(
     opts: &AttnOptions,
 ) -> Result<Reference> {
     let p = params::batched(q, k, v, opts)?;
-    Ok(run(&p, q, k, v))
+    run(&p, q, k, v)
 }
 
 /// [`attention`] on f64 values: q `[batch, seqlen_q, heads, head_dim]`, k and v `[batch, seqlen_k,
@@ -302,7 +303,7 @@ pub fn attention_f64(
         &TensorRef::contiguous(&vs, v_shape),
         opts,
     )?;
-    Ok(forward_core(&p, &Inputs { q, k, v }))
+    forward_core(&p, &Inputs { q, k, v })
 }
 
 /// Naive f64 attention, packed layout (same validation and errors as [`crate::flash_attn_varlen`]).
@@ -315,7 +316,7 @@ pub fn attention_varlen(
     opts: &AttnOptions,
 ) -> Result<Reference> {
     let p = params::varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, opts)?;
-    Ok(run(&p, q, k, v))
+    run(&p, q, k, v)
 }
 
 fn run_backward(
@@ -332,7 +333,7 @@ fn run_backward(
         widen_all(v.data()),
         widen_all(dout.data()),
     );
-    Ok(backward_core(
+    backward_core(
         p,
         &Inputs {
             q: &q,
@@ -341,7 +342,7 @@ fn run_backward(
         },
         &dout,
         &layout,
-    ))
+    )
 }
 
 /// Gradients of `Σ out ∘ dout` in f64, batched layout; recomputes the forward itself.
@@ -494,9 +495,10 @@ mod tests {
                 },
                 &do64,
                 &layout,
-            );
+            )
+            .unwrap();
             let loss = |q: &[f64], k: &[f64], v: &[f64]| -> f64 {
-                let r = forward_core(&p, &Inputs { q, k, v });
+                let r = forward_core(&p, &Inputs { q, k, v }).unwrap();
                 r.out.iter().zip(&do64).map(|(a, b)| a * b).sum()
             };
             let worst = worst_fd_error([&q64, &k64, &v64], &grads, loss);
@@ -541,7 +543,7 @@ mod tests {
             // Forward, no dropout: out = Σ_j e^{s_j} v_j / (Σ_j e^{s_j} + e^{sink}) over the
             // visible keys; lse = log of that denominator (the sink alone for a row with none).
             if dropout == 0.0 {
-                let r = forward_core(&p, &inputs);
+                let r = forward_core(&p, &inputs).unwrap();
                 let plain = params::batched(
                     &qt,
                     &kt,
@@ -552,7 +554,7 @@ mod tests {
                     },
                 )
                 .unwrap();
-                let r0 = forward_core(&plain, &inputs);
+                let r0 = forward_core(&plain, &inputs).unwrap();
                 for bb in 0..b {
                     for (hh, &sink) in sinks.iter().enumerate() {
                         for i in 0..sq {
@@ -574,11 +576,11 @@ mod tests {
                     }
                 }
             }
-            let grads = backward_core(&p, &inputs, &do64, &layout);
+            let grads = backward_core(&p, &inputs, &do64, &layout).unwrap();
             let loss = |q: &[f64], k: &[f64], v: &[f64], sinks: &[f32]| -> f64 {
                 let mut p = p.clone();
                 p.sink = Some(sinks.to_vec());
-                let r = forward_core(&p, &Inputs { q, k, v });
+                let r = forward_core(&p, &Inputs { q, k, v }).unwrap();
                 r.out.iter().zip(&do64).map(|(a, b)| a * b).sum()
             };
             let worst = worst_fd_error([&q64, &k64, &v64], &grads, |q, k, v| loss(q, k, v, &sinks));

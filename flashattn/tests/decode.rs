@@ -1718,6 +1718,45 @@ struct Call<'a> {
     v_f16: bool,
 }
 
+/// A q whose `out` no machine can hold (a stride-0 view of 2^51 rows: 2^60 bytes of out) is
+/// `OutOfMemory`, and the append it carries has written nothing: the results are allocated
+/// before the caches are written.
+#[test]
+fn results_too_large_to_allocate_write_nothing() {
+    let c = DCase {
+        lens: vec![10, 20],
+        new: Some(2),
+        seqlen_q: 2,
+        cap: 32,
+        causal: false,
+        store: Store::Paged(8),
+        ..DCase::default()
+    };
+    let bl = build(&c);
+    assert!(bl.call(&c).0.is_ok(), "the base case is valid");
+    let rows = 1usize << 51;
+    let q = TensorRef::from_slice(bl.qb.as_slice(), &[2, rows, c.heads, c.d], &[0, 0, c.d, 1]);
+    let e = expect_err(
+        &bl,
+        Call {
+            q,
+            lens: vec![10, 20],
+            opts: bl.opts(&c),
+            k_shape: bl.map.shape.clone(),
+            k_strides: bl.map.strides.clone(),
+            v_shape: bl.map.shape.clone(),
+            v_f16: false,
+        },
+    );
+    assert_eq!(
+        e.kind(),
+        &ErrorKind::OutOfMemory {
+            what: "`out`",
+            bytes: 2 * rows * c.heads * c.d * 4
+        }
+    );
+}
+
 /// Runs a bad call on copies of the caches: it must return an error (not panic), and leave both
 /// caches bit-identical.
 fn expect_err(bl: &Built, call: Call) -> Error {

@@ -1051,25 +1051,101 @@ fn validation_order() {
     assert!(matches!(e.kind(), ErrorKind::Rank { tensor: "k", .. }));
 }
 
-/// Library bug: a batched call whose output is empty (seqlen_q = 0) passes the `TooLarge` check
-/// (0 elements), but `params::batched` then collects one `Seq` per batch entry, so a huge batch
-/// (possible with stride-0 views of a 1-element buffer) panics with "capacity overflow" (or, for
-/// e.g. batch = 2^40, attempts a multi-terabyte allocation and aborts). Expected: `Ok` with empty
-/// `out` `[batch, 0, 1, 1]` / `lse` `[batch, 1, 0]`, or `Err(TooLarge)` — not a panic.
+/// A batched call whose output is empty (seqlen_q = 0) allocates nothing for `out` or `lse`, but
+/// its per-sequence table has one entry per batch entry, and stride-0 views of one element can
+/// ask for any batch. Past the address space the table is `TooLarge`; 2^52 entries (2^58 bytes,
+/// more than any machine maps) used to abort the process in `collect` and is now
+/// `OutOfMemory`, forward and backward.
 #[test]
-fn huge_batch_with_empty_output_does_not_panic() {
+fn huge_batch_with_empty_output_is_a_typed_error() {
     let one = [0.5f32];
     let big = usize::MAX / 2;
     let q = TensorRef::new(&one, &[big, 0, 1, 1], &[0, 0, 0, 1]);
     let k = TensorRef::new(&one, &[big, 1, 1, 1], &[0, 0, 0, 1]);
+    let e = batched_err(&q, &k, &k, &AttnOptions::default());
+    assert!(matches!(e.kind(), ErrorKind::TooLarge { .. }), "{e}");
+    let batch = 1usize << 52;
+    let q = TensorRef::new(&one, &[batch, 0, 1, 1], &[0, 0, 0, 1]);
+    let k = TensorRef::new(&one, &[batch, 1, 1, 1], &[0, 0, 0, 1]);
+    let e = batched_err(&q, &k, &k, &AttnOptions::default());
+    let table = ErrorKind::OutOfMemory {
+        what: "the per-sequence table",
+        bytes: batch * 64,
+    };
+    assert_eq!(e.kind(), &table);
+    assert_names(&e, "per-sequence table");
+    let lse = TensorRef::new(&one, &[batch, 1, 0], &[0, 0, 1]);
     let r = catch_unwind(|| {
-        flash_attn(&q, &k, &k, &AttnOptions::default()).map(|o| o.out.shape().to_vec())
+        flashattn::flash_attn_backward(&q, &k, &k, &q, &lse, &q, &Default::default())
     });
     match r {
-        Ok(Ok(shape)) => assert_eq!(shape, [big, 0, 1, 1]),
-        Ok(Err(e)) => assert!(matches!(e.kind(), ErrorKind::TooLarge { .. }), "{e}"),
-        Err(_) => panic!("flash_attn panicked"),
+        Ok(Err(e)) => assert_eq!(e.kind(), &table),
+        Ok(Ok(_)) => panic!("accepted"),
+        Err(_) => panic!("flash_attn_backward panicked"),
     }
+}
+
+/// Results larger than any machine maps (2^60 bytes, within `isize::MAX`, so not `TooLarge`)
+/// from stride-0 views of one element: `OutOfMemory` naming the result, where `vec!` would abort
+/// the process.
+#[test]
+fn results_too_large_to_allocate_are_a_typed_error() {
+    let one = [0.5f32];
+    let rows = 1usize << 58;
+    let q = TensorRef::new(&one, &[1, rows, 1, 1], &[0, 0, 0, 1]);
+    let k = TensorRef::new(&one, &[1, 1, 1, 1], &[0, 0, 0, 1]);
+    let o = AttnOptions::default();
+    let e = flash_attn(&q, &k, &k, &o).unwrap_err();
+    assert_eq!(
+        e.kind(),
+        &ErrorKind::OutOfMemory {
+            what: "`out`",
+            bytes: rows * 4
+        }
+    );
+    assert_names(&e, "`out`");
+    assert!(e.to_string().contains("out of memory"), "{e}");
+    // The yardsticks too (the f64 reference's `out` takes 8 bytes an element).
+    let e = naive::attention(&q, &k, &k, &o).unwrap_err();
+    assert_eq!(
+        e.kind(),
+        &ErrorKind::OutOfMemory {
+            what: "`out`",
+            bytes: rows * 4
+        }
+    );
+    let e = reference::attention(&q, &k, &k, &o).unwrap_err();
+    assert_eq!(
+        e.kind(),
+        &ErrorKind::OutOfMemory {
+            what: "`out`",
+            bytes: rows * 8
+        }
+    );
+    // The backward: `rows` heads of one row (lse's last dimension must be contiguous), where
+    // the first to fail is the gather of lse, as large as dq here.
+    let qh = TensorRef::new(&one, &[1, 1, rows, 1], &[0, 0, 0, 1]);
+    let lse = TensorRef::new(&one, &[1, rows, 1], &[0, 0, 1]);
+    let e = flashattn::flash_attn_backward(&qh, &k, &k, &qh, &lse, &qh, &o).unwrap_err();
+    assert_eq!(
+        e.kind(),
+        &ErrorKind::OutOfMemory {
+            what: "the gathered `lse`",
+            bytes: rows * 4
+        }
+    );
+    // dk and dv are k's size.
+    let q1 = TensorRef::new(&one, &[1, 1, 1, 1], &[0, 0, 0, 1]);
+    let k = TensorRef::new(&one, &[1, rows, 1, 1], &[0, 0, 0, 1]);
+    let lse1 = TensorRef::new(&one, &[1, 1, 1], &[0, 0, 1]);
+    let e = flashattn::flash_attn_backward(&q1, &k, &k, &q1, &lse1, &q1, &o).unwrap_err();
+    assert_eq!(
+        e.kind(),
+        &ErrorKind::OutOfMemory {
+            what: "`dk`",
+            bytes: rows * 4
+        }
+    );
 }
 
 /// Forcing an instruction set: the ones this CPU runs work and give the same result within

@@ -30,6 +30,7 @@ use super::simd::{pad_lanes, Gemm, KC};
 use super::{block_sizes, buf, reuse, BlockSizes, Buf, Disjoint, Pass};
 use crate::blocks::Mask;
 use crate::error::{ErrorKind, Result};
+use crate::memory::try_filled;
 use crate::params::{GradInputs, Params, LOG2_E};
 use crate::tensor::Element;
 use half::bf16;
@@ -313,14 +314,20 @@ pub(crate) fn backward<T: Element>(
     v: &[T],
     out: &[T],
     dout: &[T],
-) -> (Vec<T>, Vec<T>, Vec<T>) {
+) -> Result<(Vec<T>, Vec<T>, Vec<T>)> {
     // FP8 inputs have a forward only (as FlashAttention-3): no entry point builds these params.
     debug_assert!(
         p.descale.is_none(),
         "the backward has no FP8 descale factors"
     );
     let bs = block_sizes(Pass::Backward, p.kernels.isa);
-    let delta = compute_delta(p, g, out, dout);
+    let poison = T::from_f32(f32::NAN);
+    let (mut dq, mut dk, mut dv) = (
+        try_filled("`dq`", poison, p.out_len())?,
+        try_filled("`dk`", poison, p.dk_len())?,
+        try_filled("`dv`", poison, p.dk_len())?,
+    );
+    let delta = compute_delta(p, g, out, dout)?;
     let bf_in = bf16_inputs(p, q, k, v);
     let bf = bf_in.map(|(_, kb, vb)| Bf {
         k: kb,
@@ -340,12 +347,6 @@ pub(crate) fn backward<T: Element>(
         bf,
     };
     let d = p.head_dim;
-    let poison = T::from_f32(f32::NAN);
-    let (mut dq, mut dk, mut dv) = (
-        vec![poison; p.out_len()],
-        vec![poison; p.dk_len()],
-        vec![poison; p.dk_len()],
-    );
     // Rows of no sequence (packed inputs with spare tokens) get zero gradients.
     let q_used = p.seqs.last().map_or(0, |s| s.out_row0 + s.seqlen_q);
     let k_used = p.seqs.last().map_or(0, |s| s.k_row0 + s.seqlen_k);
@@ -382,7 +383,7 @@ pub(crate) fn backward<T: Element>(
             .for_each_init(new_scratch, |(scr, row_buf), item| {
                 parts.sum_into(p, bs, *item, scr, row_buf, &dq_w)
             });
-        return (dq, dk, dv);
+        return Ok((dq, dk, dv));
     }
     let kv_items: Vec<WorkItem> = p
         .seqs
@@ -406,7 +407,7 @@ pub(crate) fn backward<T: Element>(
         .for_each_init(new_scratch, |(scr, row_buf), item| {
             dq_block(&cx, *item, scr, row_buf, &dq_w)
         });
-    (dq, dk, dv)
+    Ok((dq, dk, dv))
 }
 
 /// At most this many f32 copies of dQ (one per chunk of key blocks) for the one-pass backward.
@@ -625,9 +626,11 @@ pub(crate) fn sink_grad<T: Element>(
     g: &GradInputs,
     out: &[T],
     dout: &[T],
-) -> Option<Vec<f32>> {
-    let sinks = p.sink.as_ref()?;
-    let delta = compute_delta(p, g, out, dout);
+) -> Result<Option<Vec<f32>>> {
+    let Some(sinks) = p.sink.as_ref() else {
+        return Ok(None);
+    };
+    let delta = compute_delta(p, g, out, dout)?;
     let mut dsink = vec![0f64; p.heads];
     for (h, (ds, &sink)) in dsink.iter_mut().zip(sinks).enumerate() {
         for b in 0..p.seqs.len() {
@@ -637,35 +640,39 @@ pub(crate) fn sink_grad<T: Element>(
             }
         }
     }
-    Some(dsink.into_iter().map(|x| x as f32).collect())
+    Ok(Some(dsink.into_iter().map(|x| x as f32).collect()))
 }
 
-/// `delta[b, h, i] = dO_i · O_i`, in `lse` layout.
-fn compute_delta<T: Element>(p: &Params, g: &GradInputs, out: &[T], dout: &[T]) -> Vec<f32> {
+/// `delta[b, h, i] = dO_i · O_i`, in `lse` layout (`OutOfMemory` where it cannot be allocated).
+fn compute_delta<T: Element>(
+    p: &Params,
+    g: &GradInputs,
+    out: &[T],
+    dout: &[T],
+) -> Result<Vec<f32>> {
     let d = p.head_dim;
+    let mut delta = try_filled("the backward's row terms D", 0f32, p.lse_len())?;
+    let delta_w = Disjoint::new(&mut delta);
     let jobs: Vec<(usize, usize)> = (0..p.seqs.len())
         .flat_map(|b| (0..p.heads).map(move |h| (b, h)))
         .collect();
-    let rows: Vec<Vec<f32>> = jobs
-        .par_iter()
-        .map(|&(b, h)| {
-            let (mut o, mut d_o) = (vec![0f32; d], vec![0f32; d]);
-            (0..p.seqs[b].seqlen_q)
-                .map(|i| {
-                    let (oa, da) = (g.out.offset(b, i, h), g.dout.offset(b, i, h));
-                    T::widen(&out[oa..oa + d], &mut o);
-                    T::widen(&dout[da..da + d], &mut d_o);
-                    super::kernels::dot(&o, &d_o)
-                })
-                .collect()
-        })
-        .collect();
-    let mut delta = vec![0f32; p.lse_len()];
-    for (&(b, h), r) in jobs.iter().zip(rows) {
-        let at = p.lse_offset(b, h, 0);
-        delta[at..at + r.len()].copy_from_slice(&r);
-    }
-    delta
+    jobs.par_iter().for_each_init(
+        || (vec![0f32; d], vec![0f32; d]),
+        |(o, d_o), &(b, h)| {
+            let rows = p.seqs[b].seqlen_q;
+            // SAFETY: (sequence b, head h)'s rows lie at lse_offset(b, h, 0..rows), a range of
+            // its own (lse's layout gives every (sequence, head, row) one element), and each
+            // (b, h) is one job.
+            let dst = unsafe { delta_w.range(p.lse_offset(b, h, 0), rows) };
+            for (i, x) in dst.iter_mut().enumerate() {
+                let (oa, da) = (g.out.offset(b, i, h), g.dout.offset(b, i, h));
+                T::widen(&out[oa..oa + d], o);
+                T::widen(&dout[da..da + d], d_o);
+                *x = super::kernels::dot(o, d_o);
+            }
+        },
+    );
+    Ok(delta)
 }
 
 impl<T: Element> Ctx<'_, T> {

@@ -40,7 +40,9 @@ use super::softmax::{finalize, fold_sink};
 use super::{buf, buf_from, Buf};
 use crate::blocks::Mask;
 use crate::decode::{DecodeParams, SliceMut};
+use crate::error::Result;
 use crate::fp8::Fp8Format;
+use crate::memory::try_filled;
 use crate::tensor::{Buffer, DType, Element, Slice, Tensor, TensorRef};
 use crate::{data, AttnOutput};
 use half::bf16;
@@ -136,18 +138,22 @@ pub(crate) fn run(
     new_kv: Option<&(TensorRef, TensorRef)>,
     k_cache: &mut SliceMut,
     v_cache: &mut SliceMut,
-) -> AttnOutput {
+) -> Result<AttnOutput> {
     fn typed<T: Element>(
         dp: &DecodeParams,
         q: &TensorRef,
         new_kv: Option<&(TensorRef, TensorRef)>,
         k: &mut [T],
         v: &mut [T],
-    ) -> AttnOutput {
+    ) -> Result<AttnOutput> {
+        let results = results(dp)?;
         if let Some((kn, vn)) = new_kv {
             append(dp, data::<T>(kn), data::<T>(vn), k, v);
         }
-        output(dp, attend(dp, data::<T>(q), Kv::Plain(k, v)))
+        Ok(output(
+            dp,
+            attend(dp, data::<T>(q), Kv::Plain(k, v), results),
+        ))
     }
     match (k_cache, v_cache) {
         (SliceMut::F32(k), SliceMut::F32(v)) => typed::<f32>(dp, q, new_kv, k, v),
@@ -168,7 +174,7 @@ pub(crate) fn run_fp8(
     (k, v): (&mut [u8], &mut [u8]),
     format: Fp8Format,
     quant: (&[f32], &[f32]),
-) -> AttnOutput {
+) -> Result<AttnOutput> {
     fn typed<T: Element>(
         dp: &DecodeParams,
         q: &TensorRef,
@@ -176,17 +182,31 @@ pub(crate) fn run_fp8(
         (k, v): (&mut [u8], &mut [u8]),
         format: Fp8Format,
         quant: (&[f32], &[f32]),
-    ) -> AttnOutput {
+    ) -> Result<AttnOutput> {
+        let results = results(dp)?;
         if let Some((kn, vn)) = new_kv {
             append_fp8(dp, (data::<T>(kn), data::<T>(vn)), (k, v), format, quant);
         }
-        output(dp, attend(dp, data::<T>(q), Kv::Fp8(k, v, format)))
+        Ok(output(
+            dp,
+            attend(dp, data::<T>(q), Kv::Fp8(k, v, format), results),
+        ))
     }
     match q.dtype() {
         DType::F32 => typed::<f32>(dp, q, new_kv, (k, v), format, quant),
         DType::F16 => typed::<half::f16>(dp, q, new_kv, (k, v), format, quant),
         DType::BF16 => typed::<bf16>(dp, q, new_kv, (k, v), format, quant),
     }
+}
+
+/// `out` and `lse` for [`attend`] to fill, poisoned (every element is written by its items or
+/// its merge; tests check for NaN). Allocated before an append writes the caches, so a call
+/// that gets `OutOfMemory` has written nothing.
+fn results<T: Element>(dp: &DecodeParams) -> Result<(Vec<T>, Vec<f32>)> {
+    Ok((
+        try_filled("`out`", T::from_f32(f32::NAN), dp.p.out_len())?,
+        try_filled("`lse`", f32::NAN, dp.p.lse_len())?,
+    ))
 }
 
 /// `out` and `lse` of [`attend`] as the call's result tensors.
@@ -286,9 +306,15 @@ struct Item {
     n_hi: usize,
 }
 
-/// Attention of every sequence's queries over its first `seqlen_k` cache keys. Returns `out`
-/// (q's dtype, `[batch, seqlen_q, heads, d]`) and `lse` (`[batch, heads, seqlen_q]`).
-fn attend<T: Element>(dp: &DecodeParams, q: &[T], kv: Kv<T>) -> (Vec<T>, Vec<f32>) {
+/// Attention of every sequence's queries over its first `seqlen_k` cache keys, into `out` (q's
+/// dtype, `[batch, seqlen_q, heads, d]`) and `lse` (`[batch, heads, seqlen_q]`) from
+/// [`results`], which it returns.
+fn attend<T: Element>(
+    dp: &DecodeParams,
+    q: &[T],
+    kv: Kv<T>,
+    (mut out, mut lse): (Vec<T>, Vec<f32>),
+) -> (Vec<T>, Vec<f32>) {
     let p = &dp.p;
     let d = p.head_dim;
     let m_rows = (rows_cap(d) / p.heads).max(1);
@@ -334,9 +360,6 @@ fn attend<T: Element>(dp: &DecodeParams, q: &[T], kv: Kv<T>) -> (Vec<T>, Vec<f32
     // threads); one sequence of 32k keys unchanged.
     let rows = p.heads * blocks.iter().map(|x| x.2 - x.1).max().unwrap_or(0);
     let mut part_lse_all = vec![0f32; items.len() * rows];
-    // Poisoned: every element is written by the items or the merge below (tests check for NaN).
-    let mut out = vec![T::from_f32(f32::NAN); p.out_len()];
-    let mut lse = vec![f32::NAN; p.lse_len()];
     let work = |x: usize, dst: ItemOut<T>, lse: &mut [f32]| {
         run_item(dp, q, kv, (items[x], items.get(x + 1).copied()), (dst, lse))
     };

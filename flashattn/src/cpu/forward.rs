@@ -17,6 +17,8 @@ use super::softmax::{finalize, fold_sink};
 use super::{block_sizes, buf, BlockSizes, Buf, Disjoint, Pass};
 use crate::blocks::Mask;
 use crate::dropout::Dropout;
+use crate::error::Result;
+use crate::memory::try_filled;
 use crate::params::{Params, RowLayout, LOG2_E};
 use crate::tensor::{DType, Element};
 use half::bf16;
@@ -471,8 +473,14 @@ pub(crate) fn work_items(p: &Params, block_m: usize) -> Vec<WorkItem> {
     items
 }
 
-/// Forward attention. Returns `out` (q's dtype, `p.out_shape`) and `lse` (`p.lse_shape`).
-pub(crate) fn forward<T: Element>(p: &Params, q: &[T], k: &[T], v: &[T]) -> (Vec<T>, Vec<f32>) {
+/// Forward attention. Returns `out` (q's dtype, `p.out_shape`) and `lse` (`p.lse_shape`), or
+/// `OutOfMemory` where they cannot be allocated.
+pub(crate) fn forward<T: Element>(
+    p: &Params,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+) -> Result<(Vec<T>, Vec<f32>)> {
     forward_with(p, (q, k, v), bf16_inputs(p, q, k, v))
 }
 
@@ -484,7 +492,7 @@ pub(crate) fn forward_fp8(
     q: Fp8Source,
     k: Fp8Source,
     v: Fp8Source,
-) -> (Vec<bf16>, Vec<f32>) {
+) -> Result<(Vec<bf16>, Vec<f32>)> {
     debug_assert!(p.kernels.has_bf16_dot());
     // The typed slices feed only the f32 products, which do not run when `bf` is given.
     forward_with::<bf16, _>(p, (&[], &[], &[]), Some((q, k, v)))
@@ -496,7 +504,7 @@ fn forward_with<T: Element, S: Bf16Source>(
     p: &Params,
     (q, k, v): (&[T], &[T], &[T]),
     bf: Option<(S, S, S)>,
-) -> (Vec<T>, Vec<f32>) {
+) -> Result<(Vec<T>, Vec<f32>)> {
     let pass = if bf.is_some() {
         Pass::ForwardBf16Dot
     } else {
@@ -504,8 +512,8 @@ fn forward_with<T: Element, S: Bf16Source>(
     };
     let bs = block_sizes(pass, p.kernels.isa);
     // Poisoned: every element is written below (rows of no sequence explicitly), and tests check.
-    let mut out = vec![T::from_f32(f32::NAN); p.out_len()];
-    let mut lse = vec![f32::NAN; p.lse_len()];
+    let mut out = try_filled("`out`", T::from_f32(f32::NAN), p.out_len())?;
+    let mut lse = try_filled("`lse`", f32::NAN, p.lse_len())?;
     clear_unused_rows(p, &mut out, &mut lse);
     let mut items = work_items(p, bs.block_m);
     let revisited = key_blocks_revisited(p, &items, bs);
@@ -564,7 +572,7 @@ fn forward_with<T: Element, S: Bf16Source>(
         .get_or_insert_with(|| (Scratch::new(bs, p.head_dim), vec![T::default(); p.head_dim]));
         forward_block(p, &inputs, *item, bs, scratch, row_buf, &out_w, &lse_w)
     });
-    (out, lse)
+    Ok((out, lse))
 }
 
 /// A worker's tiles and its output row buffer.
