@@ -51,7 +51,7 @@ pub fn compute(
                 dq: g.dq.to_host(&dev)?,
                 dk: g.dk.to_host(&dev)?,
                 dv: g.dv.to_host(&dev)?,
-                dsink: None,
+                dsink: g.dsink.map(|t| t.to_host(&dev)).transpose()?,
             })
         }
         None => None,

@@ -139,6 +139,71 @@ fn varlen_matches_reference() {
     }
 }
 
+/// Learnable sinks on the GPU: every third grid case of each dtype with a sink logit per head,
+/// and packed batches (rows after the last sequence get no sink: out 0, lse -inf), against the
+/// reference with the grid's bound (`cuda_emulated.rs` runs the same kernels on the CPU).
+#[test]
+fn sinks_match_reference() {
+    use flashattn::{naive, reference};
+    let Some(dev) = device() else { return };
+    let sinks_for =
+        |heads: usize| -> Vec<f32> { (0..heads).map(|h| 1.5 * h as f32 - 1.25).collect() };
+    for dtype in DTYPES {
+        for (i, case) in grid(dtype).into_iter().enumerate() {
+            if i % 3 != 0 {
+                continue;
+            }
+            let inputs = case.build();
+            let (qh, kh, vh) = inputs.views();
+            let sinks = sinks_for(case.heads);
+            let opts = inputs
+                .opts()
+                .learnable_sink(TensorRef::contiguous(&sinks, &[case.heads]));
+            let order = naive::DotOrder::Sequential;
+            let naives = [
+                naive::attention(&qh, &kh, &vh, &opts).unwrap(),
+                naive::attention_with_order(&qh, &kh, &vh, &opts, order).unwrap(),
+            ];
+            let r = reference::attention(&qh, &kh, &vh, &opts).unwrap();
+            let v_max = inputs.v_values().iter().fold(0f64, |m, x| m.max(x.abs()));
+            let (q, k, v) = (
+                place(&dev, &inputs.bufs, &inputs.q),
+                place(&dev, &inputs.bufs, &inputs.k),
+                place(&dev, &inputs.bufs, &inputs.v),
+            );
+            let res = cuda::flash_attn(&dev, &q, &k, &v, &opts)
+                .unwrap_or_else(|e| panic!("{case}: cuda::flash_attn with sinks: {e}"));
+            let flash = to_host(&dev, res);
+            check_bound(
+                &format!("{case} cuda sinks"),
+                dtype,
+                &flash,
+                &naives,
+                &r,
+                v_max,
+                case.seqlen_k,
+            );
+        }
+        for case in varlen_cases(dtype, 4, 2, 64) {
+            let inputs = case.build();
+            let (q, k, v) = inputs.views();
+            let sinks = sinks_for(4);
+            let opts = inputs
+                .opts()
+                .learnable_sink(TensorRef::contiguous(&sinks, &[4]));
+            let (dq, dk, dv) = (
+                dev.upload(&q).unwrap(),
+                dev.upload(&k).unwrap(),
+                dev.upload(&v).unwrap(),
+            );
+            let res =
+                cuda::flash_attn_varlen(&dev, &dq, &dk, &dv, &inputs.cu_q, &inputs.cu_k, &opts)
+                    .unwrap_or_else(|e| panic!("{case:?}: {e}"));
+            inputs.check_with(&to_host(&dev, res), "cuda sinks", &opts);
+        }
+    }
+}
+
 /// Bad input is rejected before anything runs, with the CPU path's typed errors (a dropout
 /// probability of 1 included).
 #[test]
@@ -175,28 +240,59 @@ mod backward {
     use flashattn::{AttnOptions, Element, ErrorKind, TensorRef};
 
     fn case<T: Element>(dev: &CudaDevice, c: &GradCase) {
+        case_with::<T>(dev, c, &c.opts);
+    }
+
+    /// [`case`] with options of the caller's (the case's plus learnable sinks).
+    fn case_with<T: Element>(dev: &CudaDevice, c: &GradCase, opts: &AttnOptions) {
         let data = GradData::<T>::new(c);
         let views = data.views();
         let up = |t: &TensorRef| dev.upload(t).expect("upload");
         let [qd, kd, vd, dd] = views.each_ref().map(up);
-        let ctx = format!("cuda backward seed={} opts={:?}", c.seed, c.opts);
+        let ctx = format!("cuda backward seed={} opts={:?}", c.seed, opts);
         let fwd =
-            cuda::flash_attn(dev, &qd, &kd, &vd, &c.opts).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+            cuda::flash_attn(dev, &qd, &kd, &vd, opts).unwrap_or_else(|e| panic!("{ctx}: {e}"));
         let host_fwd = flashattn::AttnOutput {
             out: fwd.out.to_host(dev).expect("download"),
             lse: fwd.lse.to_host(dev).expect("download"),
         };
-        data.check_forward(&host_fwd, &c.opts, &ctx);
+        let r = data.check_forward(&host_fwd, opts, &ctx);
         let g = fwd
-            .backward(dev, &qd, &kd, &vd, &dd, &c.opts)
+            .backward(dev, &qd, &kd, &vd, &dd, opts)
             .unwrap_or_else(|e| panic!("{ctx}: {e}"));
         let host = |t: &cuda::CudaTensor| t.to_host(dev).expect("download");
         let (dq, dk, dv) = (host(&g.dq), host(&g.dk), host(&g.dv));
-        data.check([&dq, &dk, &dv], &data.expected(&c.opts), &ctx);
+        let expected = data.expected(opts);
+        data.check([&dq, &dk, &dv], &expected, &ctx);
+        match (&g.dsink, &expected.0.dsink) {
+            (Some(got), Some(_)) => data.check_dsink(&host(got), &expected, &r, &ctx),
+            (None, None) => assert!(opts.learnable_sink.is_none(), "{ctx}"),
+            _ => panic!("{ctx}: dsink present in some results only"),
+        }
         // No atomics: a second run gives the same bits.
-        let again = fwd.backward(dev, &qd, &kd, &vd, &dd, &c.opts).unwrap();
+        let again = fwd.backward(dev, &qd, &kd, &vd, &dd, opts).unwrap();
         assert_eq!(host(&again.dq), dq, "{ctx}: dq differs between runs");
         assert_eq!(host(&again.dk), dk, "{ctx}: dk differs between runs");
+    }
+
+    /// Learnable sinks: every third case of the gradient grid, f32 and bf16, with a sink logit
+    /// per head (out, lse, dq, dk, dv and dsink against the reference).
+    #[test]
+    fn gradients_with_sinks() {
+        let Some(dev) = device() else { return };
+        for (i, c) in cases(true).iter().enumerate().filter(|(i, _)| i % 3 == 0) {
+            let heads = c.shape.3;
+            let sinks: Vec<f32> = (0..heads).map(|h| 1.5 * h as f32 - 1.25).collect();
+            let opts = c
+                .opts
+                .clone()
+                .learnable_sink(TensorRef::contiguous(&sinks, &[heads]));
+            if i % 2 == 0 {
+                case_with::<f32>(&dev, c, &opts);
+            } else {
+                case_with::<half::bf16>(&dev, c, &opts);
+            }
+        }
     }
 
     /// The CPU gradient grid, plus 1024 x 1024 with GQA 4 at d = 128: plain, causal, and causal

@@ -114,6 +114,76 @@ fn varlen() {
     }
 }
 
+/// Learnable sinks through the forward kernels: every fourth grid case of each dtype (within the
+/// emulation budget) with a sink logit per head, against the f64 reference with the grid's bound
+/// (rows that see no key: out 0, lse = the sink); and packed batches, whose rows after the last
+/// sequence get no sink (out 0, lse -inf, as on the CPU).
+#[test]
+fn sinks() {
+    use flashattn::{naive, reference};
+    if !have_compiler() {
+        return;
+    }
+    let mut builds = forward_builds();
+    let sinks_for =
+        |heads: usize| -> Vec<f32> { (0..heads).map(|h| 1.5 * h as f32 - 1.25).collect() };
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
+        let mut ran = 0;
+        for (i, case) in grid(dtype).into_iter().enumerate() {
+            if i % 4 != 1 || case.cost() > budget() {
+                continue;
+            }
+            let inputs = case.build();
+            let (q, k, v) = inputs.views();
+            let sinks = sinks_for(case.heads);
+            let opts = inputs
+                .opts()
+                .learnable_sink(TensorRef::contiguous(&sinks, &[case.heads]));
+            let d = launch_description(&q, &k, &v, None, &opts).unwrap();
+            assert!(d.sink.is_some(), "the launch carries the sinks");
+            let flash = run(&mut builds, &d, &q, &k, &v, &format!("sink_{dtype}_{i}"));
+            let order = naive::DotOrder::Sequential;
+            let naives = [
+                naive::attention(&q, &k, &v, &opts).unwrap(),
+                naive::attention_with_order(&q, &k, &v, &opts, order).unwrap(),
+            ];
+            let r = reference::attention(&q, &k, &v, &opts).unwrap();
+            let v_max = inputs.v_values().iter().fold(0f64, |m, x| m.max(x.abs()));
+            check_bound(
+                &format!("{case} sinks emulated {}", d.key.name()),
+                dtype,
+                &flash,
+                &naives,
+                &r,
+                v_max,
+                case.seqlen_k,
+            );
+            ran += 1;
+        }
+        eprintln!("{dtype}: {ran} grid cases with sinks emulated");
+        assert!(ran >= 3.min(budget()), "too few sink cases ran: {ran}");
+        for (n, case) in varlen_cases(dtype, 2, 1, 40).into_iter().enumerate() {
+            let inputs = case.build();
+            let (q, k, v) = inputs.views();
+            let sinks = sinks_for(2);
+            let opts = inputs
+                .opts()
+                .learnable_sink(TensorRef::contiguous(&sinks, &[2]));
+            let cu = Some((&inputs.cu_q[..], &inputs.cu_k[..]));
+            let d = launch_description(&q, &k, &v, cu, &opts).unwrap();
+            let flash = run(
+                &mut builds,
+                &d,
+                &q,
+                &k,
+                &v,
+                &format!("sink_varlen_{dtype}_{n}"),
+            );
+            inputs.check_with(&flash, "emulated with sinks", &opts);
+        }
+    }
+}
+
 /// The backward kernels (bwd.cu) under emulation, against the f64 reference with the CPU
 /// backward's bound (`common::backward::check`: 3x the naive backward's error plus a floor).
 mod backward {
@@ -131,13 +201,14 @@ mod backward {
         Builds::new(DRIVER, &[("FA_BWD_ENTRY", "0")])
     }
 
-    /// Runs the emulated prep, dq and dkdv kernels of `d`; returns dq, dk, dv.
+    /// Runs the emulated prep, dq and dkdv kernels of `d`; returns dq, dk, dv, and with sinks
+    /// their gradient as the library computes it from the prep kernel's workspaces.
     fn run(
         builds: &mut Builds,
         d: &BackwardLaunch,
         [q, k, v, out, lse, dout]: [&TensorRef; 6],
         tag: &str,
-    ) -> [Tensor; 3] {
+    ) -> ([Tensor; 3], Option<Tensor>) {
         let dir = work_dir().join(format!("bwd_{}_{tag}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let grid = |g: Option<(u32, u32, u32)>| {
@@ -199,8 +270,20 @@ mod backward {
             read("dk.bin", &d.k_shape),
             read("dv.bin", &d.k_shape),
         ];
+        let f32s = |name: &str| -> Vec<f32> {
+            // An empty call launches nothing and writes no file.
+            let b = std::fs::read(dir.join(name)).unwrap_or_default();
+            b.chunks(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect()
+        };
+        let (lse2, dsum) = (f32s("lse2.bin"), f32s("dsum.bin"));
+        let dsink = d.dsink(&lse2, &dsum).map(|x| {
+            let n = x.len();
+            Tensor::from_buffer(flashattn::Buffer::F32(x), &[n]).unwrap()
+        });
         let _ = std::fs::remove_dir_all(&dir);
-        g
+        (g, dsink)
     }
 
     /// One batched case: the emulated forward's out and lse (so the scores are recomputed in the
@@ -226,7 +309,8 @@ mod backward {
         let r = data.check_forward(&fwd, opts, &fctx);
         let (ov, lv) = (fwd.out.view(), fwd.lse.view());
         let desc = backward_launch_description(&qt, &kt, &vt, &ov, &lv, &dt, None, opts).unwrap();
-        let [dq, dk, dv] = run(&mut builds[1], &desc, [&qt, &kt, &vt, &ov, &lv, &dt], &tag);
+        let ([dq, dk, dv], dsink) =
+            run(&mut builds[1], &desc, [&qt, &kt, &vt, &ov, &lv, &dt], &tag);
         let ctx = format!(
             "emulated {} seed={} opts={:?}",
             desc.dq.name(),
@@ -239,6 +323,40 @@ mod backward {
         } else {
             data.check([&dq, &dk, &dv], &expected, &ctx);
         }
+        match (&dsink, &expected.0.dsink) {
+            (Some(got), Some(_)) => data.check_dsink(got, &expected, &r, &ctx),
+            (None, None) => assert!(opts.learnable_sink.is_none(), "{ctx}"),
+            _ => panic!("{ctx}: dsink present in some results only"),
+        }
+    }
+
+    /// Learnable sinks through the forward and backward kernels: every third gradient grid case
+    /// within a smaller budget (plain, causal, windowed with softcap, ALiBi, dropout, GQA and
+    /// MQA), f32 and bf16, with a sink logit per head: out, lse, dq, dk, dv and dsink against
+    /// the reference (dsink from the prep kernel's workspaces, as the GPU path computes it).
+    #[test]
+    fn sinks() {
+        if !have_compiler() {
+            return;
+        }
+        let mut builds = [super::forward_builds(), builds()];
+        let mut ran = 0;
+        let small = cases(true).into_iter().filter(|c| c.cost() <= 3_000_000);
+        for (i, c) in small.enumerate().filter(|(i, _)| i % 3 == 0) {
+            let heads = c.shape.3;
+            let sinks: Vec<f32> = (0..heads).map(|h| 1.5 * h as f32 - 1.25).collect();
+            let opts = c
+                .opts
+                .clone()
+                .learnable_sink(TensorRef::contiguous(&sinks, &[heads]));
+            if i % 2 == 0 {
+                case_with::<f32>(&mut builds, &c, &opts, false);
+            } else {
+                case_with::<half::bf16>(&mut builds, &c, &opts, false);
+            }
+            ran += 1;
+        }
+        assert!(ran >= 6, "too few sink cases: {ran}");
     }
 
     /// The backward property test's drawn cases (`common::backward::drawn`) through fwd.cu and
@@ -256,9 +374,7 @@ mod backward {
         runner
             .run(&strategy, |(dtype, dr)| {
                 let b = &mut builds.borrow_mut();
-                let mut opts = dr.opts();
-                // The CUDA kernels have no learnable sinks (refused, `tests/sink.rs`).
-                opts.learnable_sink = None;
+                let opts = dr.opts();
                 match dtype {
                     0 => case_with::<f32>(b, &dr.case, &opts, true),
                     1 => case_with::<half::f16>(b, &dr.case, &opts, true),
@@ -359,7 +475,7 @@ mod backward {
             let cu = Some((&cu_q[..], &cu_k[..]));
             let desc =
                 backward_launch_description(&qt, &kt, &vt, &ot, &lt, &dt, cu, &opts).unwrap();
-            let [dq, dk, dv] = run(
+            let ([dq, dk, dv], _) = run(
                 builds,
                 &desc,
                 [&qt, &kt, &vt, &ot, &lt, &dt],

@@ -946,6 +946,7 @@ fn packed_case(dtype: DType, mi: usize, n: usize, seed: u64) -> DCase {
             Store::Gaps,
         ][mi],
         splits: Some([1, 3][n % 2]),
+        sink: n % 3 != 1,
         seed,
         ..DCase::default()
     }
@@ -1082,6 +1083,9 @@ fn packed_queries_match_per_sequence_calls() {
                     if c.alibi {
                         let slopes = &bl.alibi[b * h..(b + 1) * h];
                         ro = ro.alibi_slopes(TensorRef::contiguous(slopes, &[h]));
+                    }
+                    if c.sink {
+                        ro = ro.learnable_sink(TensorRef::contiguous(&bl.sinks, &[h]));
                     }
                     let ks = [1, sk, c.heads_kv, d];
                     let r = reference::attention(
@@ -3193,6 +3197,7 @@ mod emulated {
                 v_len as i64,
                 d.descale.is_some() as i64,
                 d.e5m2 as i64,
+                d.sink.is_some() as i64,
             ]
             .iter()
             .map(|x| x.to_string()),
@@ -3351,11 +3356,10 @@ mod emulated {
         put("q.bin", bytes(q.data()));
         put("k.bin", kb.to_vec());
         put("v.bin", vb.to_vec());
-        if let Some(t) = &d.descale {
-            put(
-                "descale.bin",
-                t.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            );
+        for (name, t) in [("descale.bin", &d.descale), ("sink.bin", &d.sink)] {
+            if let Some(t) = t {
+                put(name, t.iter().flat_map(|x| x.to_le_bytes()).collect());
+            }
         }
         put(
             "table.bin",
@@ -3412,7 +3416,8 @@ mod emulated {
                 seed: 1,
                 ..DCase::default()
             },
-            // No mask, softcap and ALiBi, rotary (GPT-NeoX pairs), three query tokens, left padding.
+            // No mask, softcap and ALiBi, rotary (GPT-NeoX pairs), three query tokens, left
+            // padding, learnable sinks.
             DCase {
                 dtype,
                 heads: 6,
@@ -3427,10 +3432,12 @@ mod emulated {
                 softcap: Some(30.0),
                 alibi: true,
                 rotary: Some((32, false)),
+                sink: true,
                 seed: 2,
                 ..DCase::default()
             },
-            // A two-sided window, ALiBi, MQA, interleaved rotary, cache_batch_idx, an empty cache.
+            // A two-sided window, ALiBi, MQA, interleaved rotary, cache_batch_idx, an empty cache
+            // (rows that see no key, with sinks: out 0, lse = the sink).
             DCase {
                 dtype,
                 heads: 4,
@@ -3446,6 +3453,7 @@ mod emulated {
                 rotary: Some((40, true)),
                 store: Store::BatchIdx,
                 splits: Some(2),
+                sink: true,
                 seed: 3,
                 ..DCase::default()
             },
@@ -3585,11 +3593,7 @@ mod emulated {
         let mut runner = TestRunner::new(crate::common::props::config(24));
         runner
             .run(&super::properties::draws(), |dr| {
-                // The CUDA kernels have no learnable sinks (refused, `tests/sink.rs`).
-                let c = DCase {
-                    sink: false,
-                    ..super::properties::case(&dr)
-                };
+                let c = super::properties::case(&dr);
                 check_case_with(&c, |bl, c| call(&mut builds.borrow_mut(), bl, c, "prop"));
                 Ok(())
             })

@@ -2,8 +2,8 @@
 //! every row's softmax normaliser, with no value. Forward, backward (dq, dk, dv and the sinks'
 //! own gradient) and decoding, on every instruction set and dtype, against the f64 reference
 //! (itself checked by finite differences in `reference.rs`), with the bounds of the forward and
-//! gradient grids (naive attention in the same precision as the yardstick); and the CUDA
-//! backend's refusal.
+//! gradient grids (naive attention in the same precision as the yardstick); and what the CUDA
+//! backend's launches carry (the kernels run them in `cuda_emulated.rs` and `decode.rs`).
 
 mod common;
 
@@ -239,23 +239,25 @@ fn bad_sinks_are_typed_errors() {
     ));
     let e = err(TensorRef::contiguous(&three, &[3])).to_string();
     assert!(e.contains("learnable_sink") && e.contains("[4]"), "{e}");
-    // The CUDA backend refuses them before describing any launch.
-    let e = flashattn::cuda::launch_description(
-        &q,
-        &k,
-        &k,
-        None,
-        &AttnOptions::default().learnable_sink(sinks()),
-    )
-    .unwrap_err();
-    assert!(
-        matches!(
-            e.kind(),
-            ErrorKind::CudaUnsupported {
-                feature: "learnable_sink",
-                ..
-            }
-        ),
-        "{e}"
-    );
+    // The CUDA forward takes them (a logit per launched sequence and head), its backward the
+    // sinks and the rows whose sum makes their gradient.
+    let opts = AttnOptions::default().learnable_sink(sinks());
+    let d = flashattn::cuda::launch_description(&q, &k, &k, None, &opts).unwrap();
+    let want: Vec<f32> = [SINKS, SINKS].concat();
+    assert_eq!(d.sink.as_deref(), Some(&want[..]));
+    // Packed, with rows after the last sequence: their launched tail sequence gets -inf (no sink).
+    let q3 = TensorRef::contiguous(&data[..6 * 4 * 8], &[6, 4, 8]);
+    let k3 = TensorRef::contiguous(&data[..6 * 2 * 8], &[6, 2, 8]);
+    let d =
+        flashattn::cuda::launch_description(&q3, &k3, &k3, Some((&[0, 2, 5], &[0, 3, 6])), &opts)
+            .unwrap();
+    let mut want = [SINKS, SINKS].concat();
+    want.extend([f32::NEG_INFINITY; 4]);
+    assert_eq!(d.sink.as_deref(), Some(&want[..]));
+    let lse_data = vec![0f32; 2 * 4 * 3];
+    let lse = TensorRef::contiguous(&lse_data, &[2, 4, 3]);
+    let d = flashattn::cuda::backward_launch_description(&q, &k, &k, &q, &lse, &q, None, &opts)
+        .unwrap();
+    assert_eq!(d.sink.as_deref(), Some(&SINKS[..]));
+    assert_eq!(d.sink_rows, [(0, 3), (12, 3)]);
 }

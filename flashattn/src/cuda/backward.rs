@@ -53,9 +53,35 @@ pub struct BackwardLaunch {
     pub lse_len: usize,
     pub q_shape: Vec<usize>,
     pub k_shape: Vec<usize>,
+    /// Learnable sinks (`heads` logits), for [`BackwardLaunch::dsink`]; `None` without.
+    pub sink: Option<Vec<f32>>,
+    /// Per sequence (the batch, not the launched tails): the workspace index of head 0, query 0
+    /// and its query rows.
+    pub sink_rows: Vec<(usize, usize)>,
 }
 
 impl BackwardLaunch {
+    /// The sinks' gradient `dsink_h = -Σ_rows e^{sink_h - lse} · D` (the CPU path's formula,
+    /// `cpu::backward::sink_grad`, and its order: head, sequence, row; in f64) from the prep
+    /// kernel's workspaces `lse2` (lse · log2 e) and `dsum` (D = rowsum(dO ∘ O)), both laid out
+    /// as the forward's contiguous lse; `None` without sinks.
+    pub fn dsink(&self, lse2: &[f32], dsum: &[f32]) -> Option<Vec<f32>> {
+        let sinks = self.sink.as_ref()?;
+        let head_stride = self.strides[12] as usize;
+        let dsink = sinks.iter().enumerate().map(|(h, &sink)| {
+            let s2 = sink as f64 * std::f64::consts::LOG2_E;
+            let mut acc = 0f64;
+            for &(base, rows) in &self.sink_rows {
+                for i in 0..rows {
+                    let at = base + h * head_stride + i;
+                    acc -= (s2 - lse2[at] as f64).exp2() * dsum[at] as f64;
+                }
+            }
+            acc as f32
+        });
+        Some(dsink.collect())
+    }
+
     fn new(p: &Params, out: &QLike, dout: &QLike, lse_strides: &[usize]) -> BackwardLaunch {
         // The tensor-core kernels move tiles of q, k, v and dout 16 bytes at a time when
         // head_dim and every stride and base are multiples of 8 elements.
@@ -187,6 +213,8 @@ impl BackwardLaunch {
             lse_len: p.lse_len(),
             q_shape: p.out_shape.clone(),
             k_shape: p.k_shape.clone(),
+            sink: p.sink.clone(),
+            sink_rows: p.seqs.iter().map(|s| (s.lse_base, s.seqlen_q)).collect(),
         }
     }
 
@@ -244,7 +272,6 @@ pub fn backward_launch_description(
         None => params::batched(q, k, v, opts)?,
     };
     let (o, g, ls) = validate(&p, out, lse, dout)?;
-    super::refuse_sink(&p)?;
     Ok(BackwardLaunch::new(&p, &o, &g, &ls))
 }
 
@@ -261,16 +288,17 @@ pub fn backward_kernel_key(
     let out = params::q_like("out", dout, &p)?;
     let dout = params::q_like("dout", dout, &p)?;
     let lse_strides = crate::tensor::contiguous_strides(&p.lse_shape);
-    super::refuse_sink(&p)?;
     Ok(BackwardLaunch::new(&p, &out, &dout, &lse_strides).dq)
 }
 
-/// Gradients on the device: dq, dk, dv with the shapes and dtypes of q, k, v (contiguous).
+/// Gradients on the device: dq, dk, dv with the shapes and dtypes of q, k, v (contiguous), and
+/// with learnable sinks their gradient `dsink` (f32 `[heads]`).
 #[derive(Clone, Debug)]
 pub struct CudaAttnGrads {
     pub dq: CudaTensor,
     pub dk: CudaTensor,
     pub dv: CudaTensor,
+    pub dsink: Option<CudaTensor>,
 }
 
 impl super::CudaAttnOutput {
@@ -385,10 +413,29 @@ fn backward(dev: &CudaDevice, p: &Params, t: [&CudaTensor; 6]) -> Result<CudaAtt
         DType::F16 => typed!(F16, half::f16),
         DType::BF16 => typed!(BF16, half::bf16),
     };
+    // The sinks' gradient: a sum over every row per head, from the prep kernel's workspaces
+    // (rows × heads f32 each, a head_dim-th of dq's size), on the host in f64 as the CPU path.
+    let dsink = match d.sink {
+        Some(_) => {
+            let dtoh = super::driver_err("cuMemcpyDtoH");
+            let lse2 = s.clone_dtoh(&ws[0]).map_err(dtoh)?;
+            let dsum = s
+                .clone_dtoh(&ws[1])
+                .map_err(super::driver_err("cuMemcpyDtoH"))?;
+            dev.synchronize()?;
+            let ds = d.dsink(&lse2, &dsum).expect("the launch has sinks");
+            Some(CudaTensor::contiguous(
+                DeviceBuffer::F32(dev.htod(&ds)?),
+                &[ds.len()],
+            ))
+        }
+        None => None,
+    };
     Ok(CudaAttnGrads {
         dq: CudaTensor::contiguous(dq, &d.q_shape),
         dk: CudaTensor::contiguous(dk, &d.k_shape),
         dv: CudaTensor::contiguous(dv, &d.k_shape),
+        dsink,
     })
 }
 

@@ -78,6 +78,9 @@ pub struct DecodeLaunch {
     pub descale: Option<Vec<f32>>,
     /// FP8 caches in e5m2 (1) or e4m3 (0).
     pub e5m2: i32,
+    /// Learnable sinks, `heads` logits per launched sequence (-inf for the tail of packed rows),
+    /// folded in by `decode_combine`; `None` without sinks.
+    pub sink: Option<Vec<f32>>,
     /// Largest seqlen_q of a launched sequence.
     pub max_q: usize,
     pub out_len: usize,
@@ -230,7 +233,6 @@ impl DecodeLaunch {
         kernel: DecodeKernel,
     ) -> Result<DecodeLaunch> {
         let p = &dp.p;
-        super::refuse_sink(p)?;
         let batch = p.seqs.len();
         let group = p.heads / p.heads_kv;
         // Packed rows after the last sequence: one more sequence that sees no key (out 0,
@@ -416,6 +418,7 @@ impl DecodeLaunch {
             total_rows: (p.total_q * p.heads) as i64,
             descale,
             e5m2: matches!(fp8, Some((Fp8Format::E5M2, _))) as i32,
+            sink: super::sink_table(p, seqs),
             max_q,
             out_len: p.out_len(),
             lse_len: p.lse_len(),
@@ -687,6 +690,7 @@ struct PackedTables {
     slopes: u64,
     rot: u64,
     descale: u64,
+    sink: u64,
 }
 
 impl PackedTables {
@@ -706,6 +710,7 @@ impl PackedTables {
         let pages = put(bytemuck::cast_slice(&d.pages));
         let mut opt = |t: &Option<Vec<f32>>| t.as_deref().map(|x| put(bytemuck::cast_slice(x)));
         let (slopes, rot, descale) = (opt(&d.slopes), opt(&d.rot), opt(&d.descale));
+        let sink = opt(&d.sink);
         let buf = dev.htod(&bytes)?;
         let (base, sync) = buf.device_ptr(&dev.stream);
         drop(sync);
@@ -716,6 +721,7 @@ impl PackedTables {
             slopes: addr(slopes),
             rot: addr(rot),
             descale: addr(descale),
+            sink: addr(sink),
             _buf: buf,
         })
     }
@@ -813,9 +819,11 @@ fn launch<T, C>(
         .arg(&up.tables.table);
     b.arg(&d.heads).arg(&d.head_dim).arg(&splits);
     b.arg(&d.lse_head_stride).arg(&d.total_rows);
+    b.arg(&up.tables.sink);
     // SAFETY: the arguments match `decode_combine` (pointers to f32 x2, T, f32, i64; i32 x3;
-    // i64 x2); out and lse hold out_len / lse_len elements, and every (sequence, query, head)
-    // row of the table lies inside them (the tail sequence covers packed rows after the last).
+    // i64 x2; f32 or null); out and lse hold out_len / lse_len elements, and every (sequence,
+    // query, head) row of the table lies inside them (the tail sequence covers packed rows after
+    // the last); the sinks, when present, hold `heads` logits per launched sequence.
     unsafe { b.launch(cfg(d.combine_grid(), 0)) }.map_err(driver_err("cuLaunchKernel"))?;
     Ok(up.lse)
 }

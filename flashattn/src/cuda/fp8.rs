@@ -205,7 +205,6 @@ pub fn launch_description_fp8(
     opts: &AttnOptions,
 ) -> Result<LaunchDescription> {
     let p = validate_forward([q, k, v], cu_seqlens, descale, opts)?;
-    super::refuse_sink(&p)?;
     Ok(LaunchDescription::new(&p, Some(q.format())))
 }
 

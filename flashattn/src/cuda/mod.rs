@@ -558,7 +558,6 @@ pub fn kernel_key(
     opts: &AttnOptions,
 ) -> Result<KernelKey> {
     let p = params::batched(q, k, v, opts)?;
-    refuse_sink(&p)?;
     Ok(key_for(&p, false))
 }
 
@@ -588,19 +587,6 @@ fn key_for(p: &Params, fp8: bool) -> KernelKey {
     }
 }
 
-/// The CUDA kernels have no learnable sinks (the CPU path has): refused before any launch is
-/// described.
-pub(crate) fn refuse_sink(p: &Params) -> Result<()> {
-    if p.sink.is_some() {
-        return Err(ErrorKind::CudaUnsupported {
-            feature: "learnable_sink",
-            detail: " (the CPU path computes it)".into(),
-        }
-        .into());
-    }
-    Ok(())
-}
-
 /// Checks what the kernels cannot do or address, before anything is allocated or queued.
 pub(crate) fn check_launchable(
     dev: &CudaDevice,
@@ -608,7 +594,6 @@ pub(crate) fn check_launchable(
     key: &KernelKey,
     contexts: &[&Arc<CudaContext>],
 ) -> Result<()> {
-    refuse_sink(p)?;
     for c in contexts {
         if !Arc::ptr_eq(c, &dev.ctx) {
             return Err(ErrorKind::CudaUnsupported {
@@ -731,6 +716,10 @@ pub struct LaunchDescription {
     pub descale: Option<Vec<f32>>,
     /// FP8 inputs: 1 for e5m2, 0 for e4m3 (and for 16-bit and f32 inputs).
     pub fp8_e5m2: i32,
+    /// Learnable sinks: the logit of (launched sequence, head), `heads` per launched sequence,
+    /// -inf for the tail of packed rows after the last sequence (no sink: out 0, lse -inf, as on
+    /// the CPU); `None` (a null pointer) without sinks.
+    pub sink: Option<Vec<f32>>,
     pub dropout: DropoutArgs,
     pub out_len: usize,
     pub lse_len: usize,
@@ -861,6 +850,7 @@ impl LaunchDescription {
             ],
             descale,
             fp8_e5m2: (fp8 == Some(crate::fp8::Fp8Format::E5M2)) as i32,
+            sink: sink_table(p, seqs.len()),
             dropout: DropoutArgs::new(p.dropout),
             out_len: p.out_len(),
             lse_len: p.lse_len(),
@@ -874,6 +864,24 @@ impl LaunchDescription {
     pub fn is_empty(&self) -> bool {
         self.out_len == 0 || self.grid.0 == 0 || self.grid.2 == 0
     }
+}
+
+/// The learnable sinks of `p` for the kernels: `heads` logits per launched sequence (`launched`,
+/// the tail of packed rows included, which gets -inf: no sink), or `None`.
+pub(crate) fn sink_table(p: &Params, launched: usize) -> Option<Vec<f32>> {
+    p.sink.as_ref().map(|s| {
+        (0..launched)
+            .flat_map(|b| {
+                s.iter().map(move |&x| {
+                    if b < p.seqs.len() {
+                        x
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                })
+            })
+            .collect()
+    })
 }
 
 /// The launch a batched forward with these host views and options would make (validated as the
@@ -890,7 +898,6 @@ pub fn launch_description(
         Some((cq, ck)) => params::varlen(q, k, v, cq, ck, opts)?,
         None => params::batched(q, k, v, opts)?,
     };
-    refuse_sink(&p)?;
     Ok(LaunchDescription::new(&p, None))
 }
 
@@ -900,6 +907,7 @@ struct Plan {
     table: Option<CudaSlice<i64>>,
     slopes: Option<CudaSlice<f32>>,
     descale: Option<CudaSlice<f32>>,
+    sink: Option<CudaSlice<f32>>,
 }
 
 impl Plan {
@@ -907,11 +915,13 @@ impl Plan {
         let table = d.table.as_deref().map(|t| dev.htod(t)).transpose()?;
         let slopes = d.slopes.as_deref().map(|t| dev.htod(t)).transpose()?;
         let descale = d.descale.as_deref().map(|t| dev.htod(t)).transpose()?;
+        let sink = d.sink.as_deref().map(|t| dev.htod(t)).transpose()?;
         Ok(Plan {
             d,
             table,
             slopes,
             descale,
+            sink,
         })
     }
 
@@ -963,6 +973,10 @@ impl Plan {
             None => b.arg(&null),
         };
         b.arg(&d.fp8_e5m2);
+        match &self.sink {
+            Some(t) => b.arg(t),
+            None => b.arg(&null),
+        };
         d.dropout.push(&mut b);
         let cfg = LaunchConfig {
             grid_dim: d.grid,
@@ -971,7 +985,8 @@ impl Plan {
         };
         // SAFETY: the argument list matches `flash_fwd` in fwd.cu / fwd_f32.cu: pointers to TI,
         // TI, TI, TO, f32, i64 (or null: batched), f32 (or null: no ALiBi, then never read);
-        // i32 x3; i64 x7; f32 x2; i32 x4; i64 x3; f32 pointer (or null), i32; u32 x2, i64, f32
+        // i32 x3; i64 x7; f32 x2; i32 x4; i64 x3; f32 pointer (or null), i32; f32 pointer (or
+        // null); u32 x2, i64, f32
         // (a null pointer is pushed as a 64-bit zero). TI and TO are the element types the
         // variant was compiled for: the callers pick the key from the same buffers (forward:
         // one dtype, FA_FP8_INPUT off; forward_fp8: bytes in, bf16 out, FA_FP8_INPUT on), and a
@@ -979,7 +994,7 @@ impl Plan {
         // element the kernels address (bases and row/head strides over the sequence table or the
         // batch strides) lies inside q, k and v; out and lse hold out_len / lse_len elements, the
         // table 7 per launched sequence, the slopes one row and the descale table 2 · heads_kv
-        // factors per launched sequence.
+        // factors per launched sequence, the sinks `heads` logits per launched sequence.
         unsafe { b.launch(cfg) }.map_err(driver_err("cuLaunchKernel"))?;
         Ok(())
     }

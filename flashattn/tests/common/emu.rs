@@ -210,6 +210,7 @@ pub fn run_forward(
     .chain([
         (d.descale.is_some() as i32).to_string(),
         d.fp8_e5m2.to_string(),
+        (d.sink.is_some() as i32).to_string(),
     ])
     .collect();
     std::fs::write(dir.join("params.txt"), nums.join("\n")).unwrap();
@@ -223,7 +224,11 @@ pub fn run_forward(
         )
         .unwrap();
     }
-    for (name, t) in [("slopes.bin", &d.slopes), ("descale.bin", &d.descale)] {
+    for (name, t) in [
+        ("slopes.bin", &d.slopes),
+        ("descale.bin", &d.descale),
+        ("sink.bin", &d.sink),
+    ] {
         if let Some(s) = t {
             std::fs::write(
                 dir.join(name),

@@ -869,16 +869,21 @@ impl VarlenInputs {
     /// Checks `flash` against the f64 reference with the naive yardstick, and the rows after the
     /// last sequence: out exactly 0, lse exactly -inf.
     pub fn check(&self, flash: &AttnOutput, backend: &str) {
+        self.check_with(flash, backend, &self.opts())
+    }
+
+    /// [`Self::check`] of a call made with `opts` (the case's, plus e.g. learnable sinks, which
+    /// rows after the last sequence do not get).
+    pub fn check_with(&self, flash: &AttnOutput, backend: &str, opts: &AttnOptions) {
         let c = &self.case;
         let what = format!(
             "{} {backend} varlen q {:?}+{} k {:?} causal={} window={:?}",
             c.dtype, c.lens_q, c.extra_q, c.lens_k, c.causal, c.window
         );
         let (q, k, v) = self.views();
-        let opts = self.opts();
         let (cq, ck) = (&self.cu_q, &self.cu_k);
-        let nv = flashattn::naive::attention_varlen(&q, &k, &v, cq, ck, &opts).unwrap();
-        let mut r = flashattn::reference::attention_varlen(&q, &k, &v, cq, ck, &opts).unwrap();
+        let nv = flashattn::naive::attention_varlen(&q, &k, &v, cq, ck, opts).unwrap();
+        let mut r = flashattn::reference::attention_varlen(&q, &k, &v, cq, ck, opts).unwrap();
         let (h, d, tq) = (c.heads, c.head_dim, self.total_q);
         let used = cq[c.lens_q.len()] as usize;
         // The oracle leaves lse 0.0 on rows after the last sequence (see tests/forward.rs).

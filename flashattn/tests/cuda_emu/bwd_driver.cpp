@@ -4,7 +4,7 @@
 //   -D<variant defines> -I<kernels dir> bwd_driver.cpp
 // Usage: driver DIR. DIR holds params.txt (read below) and q, k, v, out, dout (elements), lse
 // (f32, the caller's view buffer), table (i64) and slopes (f32, when used) as .bin files; dq.bin,
-// dk.bin and dv.bin are written there.
+// dk.bin, dv.bin and the workspaces lse2.bin and dsum.bin are written there.
 #include "bwd.cu"
 #include "io.h"
 
@@ -57,5 +57,8 @@ int main(int argc, char** argv) {
     write(dir + "/dq.bin", dq.data(), dq.size());
     write(dir + "/dk.bin", dk.data(), dk.size());
     write(dir + "/dv.bin", dv.data(), dv.size());
+    // The prep kernel's workspaces, from which the host computes the sinks' gradient.
+    write(dir + "/lse2.bin", lse2.data(), lse2.size());
+    write(dir + "/dsum.bin", dsum.data(), dsum.size());
     return 0;
 }

@@ -3,7 +3,7 @@
 // -DFA_DECODE_ENTRY=0 -D<variant defines> -I<kernels dir> decode_driver.cpp
 // Usage: decode_driver DIR. DIR holds params.txt (the launch, in the order read below) and q.bin,
 // k.bin, v.bin (the caches: FP8 bytes when built with FA_FP8_CACHE), table.bin, pages.bin, and
-// kn.bin, vn.bin, slopes.bin, rot.bin, descale.bin when used; out.bin, lse.bin and the caches after
+// kn.bin, vn.bin, slopes.bin, rot.bin, descale.bin, sink.bin when used; out.bin, lse.bin and the caches after
 // the call (k_out.bin, v_out.bin) are written there.
 #include "decode.cu"
 #include "io.h"
@@ -17,7 +17,7 @@ int main(int argc, char** argv) {
         has_rot, batch, heads, heads_kv, head_dim, splits, qs[2], ks[3], vs[3], kns[2], vns[2],
         page_size, max_blocks, window_left, window_right, rot_half, rot_inter, rot_npos,
         lse_head_stride, total_rows, vec_loads, out_len, lse_len, ws_o_len, ws_lse_len, k_len, v_len,
-        has_descale, e5m2;
+        has_descale, e5m2, has_sink;
     float scale, softcap;
     for (auto& x : split_grid) pf >> x;
     for (auto& x : combine_grid) pf >> x;
@@ -31,7 +31,7 @@ int main(int argc, char** argv) {
     for (auto& x : vns) pf >> x;
     pf >> page_size >> max_blocks >> scale >> softcap >> window_left >> window_right >> rot_half >>
         rot_inter >> rot_npos >> lse_head_stride >> total_rows >> vec_loads >> out_len >> lse_len >> ws_o_len >>
-        ws_lse_len >> k_len >> v_len >> has_descale >> e5m2;
+        ws_lse_len >> k_len >> v_len >> has_descale >> e5m2 >> has_sink;
     if (!pf) return 3;
     auto q = read<elem_t>(dir + "/q.bin");
     auto k = read<cache_t>(dir + "/k.bin");
@@ -48,6 +48,7 @@ int main(int argc, char** argv) {
     }
     std::vector<float> slopes = has_slopes ? read<float>(dir + "/slopes.bin") : std::vector<float>();
     std::vector<float> rot = has_rot ? read<float>(dir + "/rot.bin") : std::vector<float>();
+    std::vector<float> sink = has_sink ? read<float>(dir + "/sink.bin") : std::vector<float>();
     const float* rp = has_rot ? rot.data() : nullptr;
     // Poisoned like the library's buffers: all-ones bytes are NaN.
     std::vector<elem_t> out(out_len);
@@ -77,7 +78,8 @@ int main(int argc, char** argv) {
         });
         emu::launch(dim(combine_grid), NUM_THREADS, 0, [&] {
             decode_combine(ws_o.data(), ws_lse.data(), out.data(), lse.data(), table.data(),
-                           int(heads), int(head_dim), int(splits), lse_head_stride, total_rows);
+                           int(heads), int(head_dim), int(splits), lse_head_stride, total_rows,
+                           has_sink ? sink.data() : nullptr);
         });
     }
     write(dir + "/out.bin", out.data(), out.size());

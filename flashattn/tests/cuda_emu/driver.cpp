@@ -2,8 +2,8 @@
 // Built by tests/cuda_emulated.rs: g++ -std=c++17 -DFA_HOST_EMULATION -D<variant defines>
 //   -DFA_KERNEL='"<path to fwd.cu or fwd_f32.cu>"' -I<kernels dir> driver.cpp
 // Usage: driver DIR. DIR holds params.txt (the launch, in the order read below) and q.bin, k.bin,
-// v.bin (raw elements: FP8 bytes with FA_FP8_INPUT), table.bin, slopes.bin and descale.bin when
-// used; out.bin and lse.bin are written there.
+// v.bin (raw elements: FP8 bytes with FA_FP8_INPUT), table.bin, slopes.bin, descale.bin and
+// sink.bin when used; out.bin and lse.bin are written there.
 #include FA_KERNEL
 #include "io.h"
 #include <cstdio>
@@ -35,8 +35,8 @@ int main(int argc, char** argv) {
     long long drop_lo, drop_hi, drop_threshold;
     float drop_scale;
     pf >> drop_lo >> drop_hi >> drop_threshold >> drop_scale;
-    long long has_descale, e5m2;
-    pf >> has_descale >> e5m2;
+    long long has_descale, e5m2, has_sink;
+    pf >> has_descale >> e5m2 >> has_sink;
     if (!pf) return 3;
     auto q = read<drv_in_t>(dir + "/q.bin");
     auto k = read<drv_in_t>(dir + "/k.bin");
@@ -45,6 +45,7 @@ int main(int argc, char** argv) {
         has_descale ? read<float>(dir + "/descale.bin") : std::vector<float>();
     std::vector<i64> table = has_table ? read<i64>(dir + "/table.bin") : std::vector<i64>();
     std::vector<float> slopes = has_slopes ? read<float>(dir + "/slopes.bin") : std::vector<float>();
+    std::vector<float> sink = has_sink ? read<float>(dir + "/sink.bin") : std::vector<float>();
     // Poisoned like the library's outputs: all-ones bytes are NaN.
     std::vector<drv_out_t> out(out_len);
     std::vector<float> lse(lse_len);
@@ -56,7 +57,8 @@ int main(int argc, char** argv) {
                   int(heads), int(heads_kv), int(head_dim), st[0], st[1], st[2], st[3], st[4],
                   st[5], st[6], scale, softcap, int(window_left), int(window_right), int(bsq),
                   int(bsk), bs[0], bs[1], bs[2], has_descale ? descale.data() : nullptr,
-                  int(e5m2), u32(drop_lo), u32(drop_hi), drop_threshold, drop_scale);
+                  int(e5m2), has_sink ? sink.data() : nullptr, u32(drop_lo), u32(drop_hi),
+                  drop_threshold, drop_scale);
     });
     write(dir + "/out.bin", out.data(), out.size());
     write(dir + "/lse.bin", lse.data(), lse.size());

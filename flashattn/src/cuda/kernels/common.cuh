@@ -220,7 +220,10 @@ __device__ __forceinline__ u32 pick_word(const u32 w[4], int sel) {
 // two factors per (launched sequence b, kv head hk) at 2 * (b * heads_kv + hk), the score scale
 // (softmax_scale · q_descale · k_descale, folded on the host and rounded once, as the CPU path
 // does), which replaces softmax_scale, and v_descale, which scales the finished rows; `fp8_e5m2`
-// picks the FP8 format (0: e4m3), so both formats share one compile.
+// picks the FP8 format (0: e4m3), so both formats share one compile. `sink` (learnable sinks,
+// else null): the logit of (launched sequence b, head h) at b * heads + h, folded into each
+// finished row by `fold_sink`; -inf (the tail of packed rows after the last sequence) folds
+// nothing.
 #define FLASH_FWD_PARAMS(TI, TO)                                                                  \
     const TI *__restrict__ q, const TI *__restrict__ k, const TI *__restrict__ v,                 \
         TO *__restrict__ out, float *__restrict__ lse, const i64 *__restrict__ seqs,              \
@@ -229,13 +232,26 @@ __device__ __forceinline__ u32 pick_word(const u32 w[4], int sel) {
         i64 v_row_stride, i64 v_head_stride, i64 lse_head_stride, float softmax_scale,            \
         float softcap, int window_left, int window_right, int batch_seqlen_q, int batch_seqlen_k, \
         i64 q_batch_stride, i64 k_batch_stride, i64 v_batch_stride,                               \
-        const float *__restrict__ descale, int fp8_e5m2, FA_DROPOUT_PARAMS
+        const float *__restrict__ descale, int fp8_e5m2, const float *__restrict__ sink,          \
+        FA_DROPOUT_PARAMS
 
 #define FLASH_FWD_ARGS                                                                            \
     q, k, v, out, lse, seqs, alibi_slopes, heads, heads_kv, head_dim, q_row_stride, q_head_stride, \
         k_row_stride, k_head_stride, v_row_stride, v_head_stride, lse_head_stride, softmax_scale, \
         softcap, window_left, window_right, batch_seqlen_q, batch_seqlen_k, q_batch_stride,       \
-        k_batch_stride, v_batch_stride, descale, fp8_e5m2, FA_DROPOUT_ARGS
+        k_batch_stride, v_batch_stride, descale, fp8_e5m2, sink, FA_DROPOUT_ARGS
+
+// A learnable sink (a logit with no value) joins a finished row's normaliser, as
+// cpu::softmax::fold_sink does: given the row's lse over its keys, returns lse' = log(exp(lse) +
+// exp(sink)) and sets `factor` = exp(lse - lse'), by which the row (normalised by its keys alone)
+// is multiplied. In f64, once per row. A row that saw no key (lse -inf) gets factor 0, lse' = sink.
+// The sink is finite (the library validates it).
+__device__ __forceinline__ float fold_sink(float lse, float sink, float* factor) {
+    const double l = lse, s = sink, m = fmax(l, s);
+    const double total = m + log(exp(l - m) + exp(s - m));
+    *factor = (float)exp(l - total);
+    return (float)total;
+}
 
 // What one CTA works on: its (sequence, head, query block), where that head's rows live, the
 // mask, the score modifiers and the key blocks it visits (blocks.rs: n_block_range).
@@ -248,6 +264,7 @@ struct CtaWork {
     ScoreMod mods;
     Dropout drop;
     float out_scale;  // multiplies the finished rows: dropout's 1 / (1 - p) times v_descale
+    float sink;  // this (sequence, head)'s learnable sink logit, -inf for none
     int n_block_min, n_block_max;
 
     // Whether key block [n0, n0 + bn) needs the per-element mask: the end of the keys cuts it, or
@@ -286,6 +303,7 @@ __device__ __forceinline__ bool cta_work(CtaWork<T>& w, FLASH_FWD_PARAMS(T, TO))
     const float* ds = descale != nullptr ? descale + 2 * ((i64)b * heads_kv + hk) : nullptr;
     const float scale = ds != nullptr ? ds[0] : softmax_scale;
     w.out_scale = (HAS_DROPOUT ? w.drop.scale : 1.f) * (ds != nullptr ? ds[1] : 1.f);
+    w.sink = sink != nullptr ? sink[(i64)b * heads + w.h] : -FA_INF;
     w.mods.scale_log2 = scale * FA_LOG2E;
     w.mods.cap_in = scale / softcap;
     w.mods.cap_out = softcap * FA_LOG2E;

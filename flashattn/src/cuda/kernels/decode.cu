@@ -695,7 +695,8 @@ decode_split(DECODE_SPLIT_PARAMS) {
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 decode_combine(const float* __restrict__ ws_o, const float* __restrict__ ws_lse,
                elem_t* __restrict__ out, float* __restrict__ lse, const i64* __restrict__ seqs,
-               int heads, int head_dim, int splits, i64 lse_head_stride, i64 total_rows) {
+               int heads, int head_dim, int splits, i64 lse_head_stride, i64 total_rows,
+               const float* __restrict__ sink) {
     const i64* s = seqs + DECODE_FIELDS * blockIdx.z;
     const int seqlen_q = (int)s[0];
     const i64 out_row0 = s[4], lse_base = s[5];
@@ -708,17 +709,22 @@ decode_combine(const float* __restrict__ ws_o, const float* __restrict__ ws_lse,
     const bool first = blockIdx.y == 0 && threadIdx.x == 0;
     float mx = -FA_INF;
     for (int sp = lane; sp < splits; sp += 32) mx = fmaxf(mx, ws_lse[(i64)sp * total_rows + row]);
-    mx = warp_max(mx);
+    // A learnable sink joins as one more split with lse = sink and a zero row (the CPU path folds
+    // it in after its merge, in f64; the same sum, rounded in f32 here).
+    // Its logit sits at (launched sequence z) * heads + h, -inf for none and for the tail of
+    // packed rows after the last sequence.
+    const float sk = sink != nullptr ? sink[(i64)blockIdx.z * heads + h] : -FA_INF;
+    mx = fmaxf(warp_max(mx), sk);
     elem_t* o = out + row * head_dim;
     if (mx == -FA_INF) {
-        // No split saw a key: 0 and -inf, as the CPU path's fully-masked-row rule.
+        // No split saw a key (and no sink): 0 and -inf, as the CPU path's fully-masked-row rule.
         if (writes) o[x] = from_f32_elem(0.f);
         if (first) lse[lse_base + (i64)h * lse_head_stride + i] = -FA_INF;
         return;
     }
     float sum = 0.f;
     for (int sp = lane; sp < splits; sp += 32) sum += expf(ws_lse[(i64)sp * total_rows + row] - mx);
-    sum = warp_sum(sum);
+    sum = warp_sum(sum) + expf(sk - mx);
     const float inv = 1.f / sum;
     float acc = 0.f;
     if (x < head_dim) {

@@ -372,7 +372,8 @@ flash_fwd(FLASH_FWD_PARAMS(in_t, u16)) {
     }
     cp_async_wait<0>();  // a CTA that saw no key block still has its q tile in flight
 
-    // finalize: divide by row_sum once; fully masked rows (row_sum 0) give 0 and lse -inf.
+    // finalize: divide by row_sum once; fully masked rows (row_sum 0) give 0 and lse -inf (with
+    // a sink: 0 and lse = sink).
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
@@ -380,9 +381,15 @@ flash_fwd(FLASH_FWD_PARAMS(in_t, u16)) {
             float sum = row_sum[mt][r];
             sum += __shfl_xor_sync(0xffffffffu, sum, 1);
             sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            const float inv = sum == 0.f ? 0.f : w.out_scale / sum;
             const int i = row_i[mt][r];
             if (i >= seqlen_q) continue;
+            float inv = sum == 0.f ? 0.f : w.out_scale / sum;
+            float row_lse = sum == 0.f ? -FA_INF : (row_max[mt][r] + log2f(sum)) * FA_LN2;
+            if (w.sink != -FA_INF) {
+                float factor;
+                row_lse = fold_sink(row_lse, w.sink, &factor);
+                inv *= factor;
+            }
             u16* o = out + ((out_row0 + i) * heads + h) * (i64)head_dim;
 #pragma unroll
             for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
@@ -396,9 +403,7 @@ flash_fwd(FLASH_FWD_PARAMS(in_t, u16)) {
                 if (col + 1 < head_dim) o[col + 1] = from_f32(x1);
 #endif
             }
-            if (t == 0)
-                lse[lse_base + (i64)h * lse_head_stride + i] =
-                    sum == 0.f ? -FA_INF : (row_max[mt][r] + log2f(sum)) * FA_LN2;
+            if (t == 0) lse[lse_base + (i64)h * lse_head_stride + i] = row_lse;
         }
     }
 }

@@ -135,15 +135,19 @@ flash_fwd(FLASH_FWD_PARAMS(float, float)) {
     }
 
     if (i < seqlen_q) {
-        const float inv = row_sum == 0.f ? 0.f : w.out_scale / row_sum;
+        float inv = row_sum == 0.f ? 0.f : w.out_scale / row_sum;
+        float row_lse = row_sum == 0.f ? -FA_INF : (row_max + log2f(row_sum)) * FA_LN2;
+        if (w.sink != -FA_INF) {
+            float factor;
+            row_lse = fold_sink(row_lse, w.sink, &factor);
+            inv *= factor;
+        }
         float* o = out + ((out_row0 + i) * heads + h) * (i64)head_dim;
 #pragma unroll
         for (int c = 0; c < HEAD_DIM / 8; ++c) {
             const int col = c8 + 8 * c;
             if (col < head_dim) o[col] = acc_o[c] * inv;
         }
-        if (c8 == 0)
-            lse[lse_base + (i64)h * lse_head_stride + i] =
-                row_sum == 0.f ? -FA_INF : (row_max + log2f(row_sum)) * FA_LN2;
+        if (c8 == 0) lse[lse_base + (i64)h * lse_head_stride + i] = row_lse;
     }
 }
