@@ -1,4 +1,4 @@
-//! Buffers for KV caches in transparent huge pages.
+//! Buffers for KV caches in transparent huge pages, and the fallible allocation of results.
 //!
 //! A decoding step reads the whole cache. With 4 KiB pages, a contiguous f32 cache of 8 kv heads
 //! at d = 128 spans one page per key, so a 32k-token step walks 65 536 pages of k and as many
@@ -19,6 +19,10 @@
 //! everything computes the same. [`huge_page_bytes`] tells how much of a buffer the kernel did
 //! back with huge pages. The buffers are [`CacheBuf`]s, which start on a 2 MiB boundary (see
 //! there for why that is not a `Vec`).
+//!
+//! Also here (crate-private): `try_collect` and `try_filled`, the fallible allocation of every
+//! call's results, which turns an allocator's refusal into `ErrorKind::OutOfMemory` instead of an
+//! abort.
 
 use crate::error::{ErrorKind, Result};
 
