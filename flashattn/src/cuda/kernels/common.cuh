@@ -253,6 +253,17 @@ __device__ __forceinline__ float fold_sink(float lse, float sink, float* factor)
     return (float)total;
 }
 
+// `fold_sink` in f32 and in the log2 domain, for the tensor-core forward: there the f64 version
+// spilled registers in eight d = 128 variants (the two-block layout already holds 255), and its
+// output is f16/bf16, whose rounding (2^-11 at best) dwarfs this one's few f32 ulps. `l2` and `s2`
+// are lse · log2 e and sink · log2 e; returns lse' · log2 e.
+__device__ __forceinline__ float fold_sink_log2(float l2, float s2, float* factor) {
+    const float m = fmaxf(l2, s2);
+    const float total = m + log2f(fa_exp2(l2 - m) + fa_exp2(s2 - m));
+    *factor = fa_exp2(l2 - total);
+    return total;
+}
+
 // What one CTA works on: its (sequence, head, query block), where that head's rows live, the
 // mask, the score modifiers and the key blocks it visits (blocks.rs: n_block_range).
 template <typename T>

@@ -384,12 +384,13 @@ flash_fwd(FLASH_FWD_PARAMS(in_t, u16)) {
             const int i = row_i[mt][r];
             if (i >= seqlen_q) continue;
             float inv = sum == 0.f ? 0.f : w.out_scale / sum;
-            float row_lse = sum == 0.f ? -FA_INF : (row_max[mt][r] + log2f(sum)) * FA_LN2;
+            float row_lse2 = sum == 0.f ? -FA_INF : row_max[mt][r] + log2f(sum);
             if (w.sink != -FA_INF) {
                 float factor;
-                row_lse = fold_sink(row_lse, w.sink, &factor);
+                row_lse2 = fold_sink_log2(row_lse2, w.sink * FA_LOG2E, &factor);
                 inv *= factor;
             }
+            const float row_lse = row_lse2 * FA_LN2;
             u16* o = out + ((out_row0 + i) * heads + h) * (i64)head_dim;
 #pragma unroll
             for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
