@@ -144,28 +144,17 @@ fn varlen_matches_reference() {
 /// reference with the grid's bound (`cuda_emulated.rs` runs the same kernels on the CPU).
 #[test]
 fn sinks_match_reference() {
-    use flashattn::{naive, reference};
     let Some(dev) = device() else { return };
-    let sinks_for =
-        |heads: usize| -> Vec<f32> { (0..heads).map(|h| 1.5 * h as f32 - 1.25).collect() };
     for dtype in DTYPES {
         for (i, case) in grid(dtype).into_iter().enumerate() {
             if i % 3 != 0 {
                 continue;
             }
             let inputs = case.build();
-            let (qh, kh, vh) = inputs.views();
-            let sinks = sinks_for(case.heads);
+            let sinks = test_sinks(case.heads);
             let opts = inputs
                 .opts()
                 .learnable_sink(TensorRef::contiguous(&sinks, &[case.heads]));
-            let order = naive::DotOrder::Sequential;
-            let naives = [
-                naive::attention(&qh, &kh, &vh, &opts).unwrap(),
-                naive::attention_with_order(&qh, &kh, &vh, &opts, order).unwrap(),
-            ];
-            let r = reference::attention(&qh, &kh, &vh, &opts).unwrap();
-            let v_max = inputs.v_values().iter().fold(0f64, |m, x| m.max(x.abs()));
             let (q, k, v) = (
                 place(&dev, &inputs.bufs, &inputs.q),
                 place(&dev, &inputs.bufs, &inputs.k),
@@ -173,21 +162,12 @@ fn sinks_match_reference() {
             );
             let res = cuda::flash_attn(&dev, &q, &k, &v, &opts)
                 .unwrap_or_else(|e| panic!("{case}: cuda::flash_attn with sinks: {e}"));
-            let flash = to_host(&dev, res);
-            check_bound(
-                &format!("{case} cuda sinks"),
-                dtype,
-                &flash,
-                &naives,
-                &r,
-                v_max,
-                case.seqlen_k,
-            );
+            inputs.check_with(&to_host(&dev, res), "cuda sinks", &opts);
         }
         for case in varlen_cases(dtype, 4, 2, 64) {
             let inputs = case.build();
             let (q, k, v) = inputs.views();
-            let sinks = sinks_for(4);
+            let sinks = test_sinks(4);
             let opts = inputs
                 .opts()
                 .learnable_sink(TensorRef::contiguous(&sinks, &[4]));
@@ -282,7 +262,7 @@ mod backward {
         let Some(dev) = device() else { return };
         for (i, c) in cases(true).iter().enumerate().filter(|(i, _)| i % 3 == 0) {
             let heads = c.shape.3;
-            let sinks: Vec<f32> = (0..heads).map(|h| 1.5 * h as f32 - 1.25).collect();
+            let sinks = crate::common::test_sinks(heads);
             let opts = c
                 .opts
                 .clone()

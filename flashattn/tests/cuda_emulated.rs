@@ -120,13 +120,10 @@ fn varlen() {
 /// sequence get no sink (out 0, lse -inf, as on the CPU).
 #[test]
 fn sinks() {
-    use flashattn::{naive, reference};
     if !have_compiler() {
         return;
     }
     let mut builds = forward_builds();
-    let sinks_for =
-        |heads: usize| -> Vec<f32> { (0..heads).map(|h| 1.5 * h as f32 - 1.25).collect() };
     for dtype in [DType::BF16, DType::F16, DType::F32] {
         let mut ran = 0;
         for (i, case) in grid(dtype).into_iter().enumerate() {
@@ -135,29 +132,14 @@ fn sinks() {
             }
             let inputs = case.build();
             let (q, k, v) = inputs.views();
-            let sinks = sinks_for(case.heads);
+            let sinks = test_sinks(case.heads);
             let opts = inputs
                 .opts()
                 .learnable_sink(TensorRef::contiguous(&sinks, &[case.heads]));
             let d = launch_description(&q, &k, &v, None, &opts).unwrap();
             assert!(d.sink.is_some(), "the launch carries the sinks");
             let flash = run(&mut builds, &d, &q, &k, &v, &format!("sink_{dtype}_{i}"));
-            let order = naive::DotOrder::Sequential;
-            let naives = [
-                naive::attention(&q, &k, &v, &opts).unwrap(),
-                naive::attention_with_order(&q, &k, &v, &opts, order).unwrap(),
-            ];
-            let r = reference::attention(&q, &k, &v, &opts).unwrap();
-            let v_max = inputs.v_values().iter().fold(0f64, |m, x| m.max(x.abs()));
-            check_bound(
-                &format!("{case} sinks emulated {}", d.key.name()),
-                dtype,
-                &flash,
-                &naives,
-                &r,
-                v_max,
-                case.seqlen_k,
-            );
+            inputs.check_with(&flash, &format!("sinks emulated {}", d.key.name()), &opts);
             ran += 1;
         }
         eprintln!("{dtype}: {ran} grid cases with sinks emulated");
@@ -165,7 +147,7 @@ fn sinks() {
         for (n, case) in varlen_cases(dtype, 2, 1, 40).into_iter().enumerate() {
             let inputs = case.build();
             let (q, k, v) = inputs.views();
-            let sinks = sinks_for(2);
+            let sinks = test_sinks(2);
             let opts = inputs
                 .opts()
                 .learnable_sink(TensorRef::contiguous(&sinks, &[2]));
@@ -344,7 +326,7 @@ mod backward {
         let small = cases(true).into_iter().filter(|c| c.cost() <= 3_000_000);
         for (i, c) in small.enumerate().filter(|(i, _)| i % 3 == 0) {
             let heads = c.shape.3;
-            let sinks: Vec<f32> = (0..heads).map(|h| 1.5 * h as f32 - 1.25).collect();
+            let sinks = super::common::test_sinks(heads);
             let opts = c
                 .opts
                 .clone()

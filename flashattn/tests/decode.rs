@@ -1722,6 +1722,19 @@ struct Call<'a> {
     v_f16: bool,
 }
 
+/// The valid call of case `c` as a [`Call`], for the checks to break one thing of.
+fn base_call<'a>(bl: &'a Built, c: &DCase) -> Call<'a> {
+    Call {
+        q: bl.q_view(c),
+        lens: c.lens.iter().map(|&x| x as i32).collect(),
+        opts: bl.opts(c),
+        k_shape: bl.map.shape.clone(),
+        k_strides: bl.map.strides.clone(),
+        v_shape: bl.map.shape.clone(),
+        v_f16: false,
+    }
+}
+
 /// A q whose `out` no machine can hold (a stride-0 view of 2^51 rows: 2^60 bytes of out) is
 /// `OutOfMemory`, and the append it carries has written nothing: the results are allocated
 /// before the caches are written.
@@ -1744,12 +1757,7 @@ fn results_too_large_to_allocate_write_nothing() {
         &bl,
         Call {
             q,
-            lens: vec![10, 20],
-            opts: bl.opts(&c),
-            k_shape: bl.map.shape.clone(),
-            k_strides: bl.map.strides.clone(),
-            v_shape: bl.map.shape.clone(),
-            v_f16: false,
+            ..base_call(&bl, &c)
         },
     );
     assert_eq!(
@@ -1805,15 +1813,7 @@ fn bad_input_is_a_typed_error_and_writes_nothing() {
     };
     let bl = build(&c);
     assert!(bl.call(&c).0.is_ok(), "the base case is valid");
-    let base = || Call {
-        q: bl.q_view(&c),
-        lens: vec![10, 20],
-        opts: bl.opts(&c),
-        k_shape: bl.map.shape.clone(),
-        k_strides: bl.map.strides.clone(),
-        v_shape: bl.map.shape.clone(),
-        v_f16: false,
-    };
+    let base = || base_call(&bl, &c);
     let kind = |call: Call| expect_err(&bl, call).kind().clone();
 
     // Appending past the pages a sequence owns: 20 + 2 > 2 blocks · 8? No: max_blocks = 4 (32 /
@@ -2157,15 +2157,7 @@ fn bad_input_is_a_typed_error_and_writes_nothing() {
         ..DCase::default()
     };
     let bl2 = build(&c2);
-    let base2 = || Call {
-        q: bl2.q_view(&c2),
-        lens: vec![3, 4],
-        opts: bl2.opts(&c2),
-        k_shape: bl2.map.shape.clone(),
-        k_strides: bl2.map.strides.clone(),
-        v_shape: bl2.map.shape.clone(),
-        v_f16: false,
-    };
+    let base2 = || base_call(&bl2, &c2);
     let idx = [0, 4];
     assert_eq!(
         expect_err(

@@ -501,6 +501,30 @@ impl Inputs {
             .unwrap_or_else(|e| panic!("{}: reference: {e}", self.case))
     }
 
+    /// `flash`, a call on these inputs with `opts` (the case's plus, e.g., learnable sinks),
+    /// against the f64 reference with [`check_bound`], naive in both dot-product orders as the
+    /// yardstick.
+    pub fn check_with(&self, flash: &AttnOutput, what: &str, opts: &AttnOptions) -> Errors {
+        let (q, k, v) = self.views();
+        let order = flashattn::naive::DotOrder::Sequential;
+        let naives = [
+            flashattn::naive::attention(&q, &k, &v, opts).unwrap(),
+            flashattn::naive::attention_with_order(&q, &k, &v, opts, order).unwrap(),
+        ];
+        let r = flashattn::reference::attention(&q, &k, &v, opts).unwrap();
+        let v_max = self.v_values().iter().fold(0f64, |m, x| m.max(x.abs()));
+        let what = format!("{} {what}", self.case);
+        check_bound(
+            &what,
+            self.case.dtype,
+            flash,
+            &naives,
+            &r,
+            v_max,
+            self.case.seqlen_k,
+        )
+    }
+
     /// Naive attention with the scores' dot products summed sequentially (as BLAS does).
     pub fn naive_sequential(&self) -> AttnOutput {
         let (q, k, v) = self.views();
@@ -915,6 +939,12 @@ impl VarlenInputs {
             );
         }
     }
+}
+
+/// The learnable sink logits the CUDA sink tests use for `heads` heads: -1.25, 0.25, 1.75, ..
+/// (below, near and above a row's typical LSE).
+pub fn test_sinks(heads: usize) -> Vec<f32> {
+    (0..heads).map(|h| 1.5 * h as f32 - 1.25).collect()
 }
 
 /// Packed batches with empty sequences, keys without queries and the reverse, rows after the last
