@@ -240,9 +240,8 @@ fn backward(
         out: &TensorRef,
         dout: &TensorRef,
     ) -> Result<AttnGrads> {
-        let (dq, dk, dv) =
+        let (dq, dk, dv, dsink) =
             cpu::backward::backward(p, g, data(q), data(k), data(v), data(out), data(dout))?;
-        let dsink = cpu::backward::sink_grad(p, g, data::<T>(out), data::<T>(dout))?;
         Ok(AttnGrads {
             dq: Tensor::new_unchecked(T::wrap_vec(dq), p.out_shape.clone()),
             dk: Tensor::new_unchecked(T::wrap_vec(dk), p.k_shape.clone()),

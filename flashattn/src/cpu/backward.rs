@@ -305,7 +305,8 @@ fn split_at_offsets<'a, X>(buf: &'a mut [X], offsets: &[usize]) -> Vec<&'a mut [
     chunks
 }
 
-/// Gradients `(dq, dk, dv)`: dq in q's contiguous layout, dk/dv in k's.
+/// Gradients `(dq, dk, dv, dsink)`: dq in q's contiguous layout, dk/dv in k's, and the sinks'
+/// gradient ([`sink_grad`]) when the call has sinks.
 pub(crate) fn backward<T: Element>(
     p: &Params,
     g: &GradInputs,
@@ -314,7 +315,7 @@ pub(crate) fn backward<T: Element>(
     v: &[T],
     out: &[T],
     dout: &[T],
-) -> Result<(Vec<T>, Vec<T>, Vec<T>)> {
+) -> Result<Grads<T>> {
     // FP8 inputs have a forward only (as FlashAttention-3): no entry point builds these params.
     debug_assert!(
         p.descale.is_none(),
@@ -328,6 +329,7 @@ pub(crate) fn backward<T: Element>(
         try_filled("`dv`", poison, p.dk_len())?,
     );
     let delta = compute_delta(p, g, out, dout)?;
+    let dsink = sink_grad(p, g, &delta);
     let bf_in = bf16_inputs(p, q, k, v);
     let bf = bf_in.map(|(_, kb, vb)| Bf {
         k: kb,
@@ -383,7 +385,7 @@ pub(crate) fn backward<T: Element>(
             .for_each_init(new_scratch, |(scr, row_buf), item| {
                 parts.sum_into(p, bs, *item, scr, row_buf, &dq_w)
             });
-        return Ok((dq, dk, dv));
+        return Ok((dq, dk, dv, dsink));
     }
     let kv_items: Vec<WorkItem> = p
         .seqs
@@ -407,8 +409,11 @@ pub(crate) fn backward<T: Element>(
         .for_each_init(new_scratch, |(scr, row_buf), item| {
             dq_block(&cx, *item, scr, row_buf, &dq_w)
         });
-    Ok((dq, dk, dv))
+    Ok((dq, dk, dv, dsink))
 }
+
+/// What [`backward`] returns: dq, dk, dv and, with sinks, dsink.
+pub(crate) type Grads<T> = (Vec<T>, Vec<T>, Vec<T>, Option<Vec<f32>>);
 
 /// At most this many f32 copies of dQ (one per chunk of key blocks) for the one-pass backward.
 pub(crate) const MAX_DQ_CHUNKS: usize = 4;
@@ -620,17 +625,9 @@ fn write_dq_rows<T: Element>(
 /// The gradient of the learnable sinks, when the call has them: for head h, `-Σ_rows
 /// exp(sink_h - lse) · D` over every sequence's rows, where `exp(sink - lse)` is the row's sink
 /// probability and `D = rowsum(dO ∘ O)` (the same D as the kernels'), summed in f64 in row order
-/// (so the same for any thread count). An O(rows · d) pass beside the backward's O(rows · keys · d).
-pub(crate) fn sink_grad<T: Element>(
-    p: &Params,
-    g: &GradInputs,
-    out: &[T],
-    dout: &[T],
-) -> Result<Option<Vec<f32>>> {
-    let Some(sinks) = p.sink.as_ref() else {
-        return Ok(None);
-    };
-    let delta = compute_delta(p, g, out, dout)?;
+/// (so the same for any thread count). An O(rows) sum over the backward's own D (`delta`).
+fn sink_grad(p: &Params, g: &GradInputs, delta: &[f32]) -> Option<Vec<f32>> {
+    let sinks = p.sink.as_ref()?;
     let mut dsink = vec![0f64; p.heads];
     for (h, (ds, &sink)) in dsink.iter_mut().zip(sinks).enumerate() {
         for b in 0..p.seqs.len() {
@@ -640,7 +637,7 @@ pub(crate) fn sink_grad<T: Element>(
             }
         }
     }
-    Ok(Some(dsink.into_iter().map(|x| x as f32).collect()))
+    Some(dsink.into_iter().map(|x| x as f32).collect())
 }
 
 /// `delta[b, h, i] = dO_i · O_i`, in `lse` layout (`OutOfMemory` where it cannot be allocated).
