@@ -157,8 +157,9 @@ pub enum ErrorKind {
     Dropout { p: f32 },
     #[error("tensor `{tensor}` is too large: its size overflows the address space")]
     TooLarge { tensor: TensorName },
-    /// The memory for a result (or the per-sequence table) could not be had: `bytes` is what
-    /// the one allocation asked for. Nothing the caller owns was written.
+    /// The memory for a result, the per-sequence table or a working buffer whose size follows
+    /// the shapes could not be had: `bytes` is what the one allocation asked for. Nothing the
+    /// caller owns was written.
     #[error("out of memory: {bytes} bytes for {what} could not be allocated")]
     OutOfMemory { what: &'static str, bytes: usize },
     #[error(

@@ -20,8 +20,9 @@
 //! back with huge pages. The buffers are [`CacheBuf`]s, which start on a 2 MiB boundary (see
 //! there for why that is not a `Vec`).
 //!
-//! Also here (crate-private): `try_collect` and `try_filled`, the fallible allocation of every
-//! call's results, which turns an allocator's refusal into `ErrorKind::OutOfMemory` instead of an
+//! Also here (crate-private): `try_collect`, `try_filled` and `CacheBuf::try_from_iter`, the
+//! fallible allocation of every call's results and of the working buffers whose size follows the
+//! inputs' shapes, which turns an allocator's refusal into `ErrorKind::OutOfMemory` instead of an
 //! abort.
 
 use crate::error::{ErrorKind, Result};
@@ -85,41 +86,68 @@ impl<T: Copy> CacheBuf<T> {
         I::IntoIter: ExactSizeIterator,
     {
         let iter = iter.into_iter();
-        let cap = iter.len();
-        let size = cap
-            .checked_mul(std::mem::size_of::<T>())
-            .expect("CacheBuf: size overflow");
+        match Self::alloc(iter.len()) {
+            Ok(buf) => buf.filled(iter, huge_pages),
+            Err(Some(layout)) => std::alloc::handle_alloc_error(layout),
+            Err(None) => panic!("CacheBuf: size overflow"),
+        }
+    }
+
+    /// [`CacheBuf::from_iter_advised`] (not advised), or [`ErrorKind::OutOfMemory`] naming `what`
+    /// where the allocator refuses or the size passes `isize::MAX` bytes (see [`try_collect`]).
+    pub(crate) fn try_from_iter(
+        what: &'static str,
+        iter: impl ExactSizeIterator<Item = T>,
+    ) -> Result<Self> {
+        match Self::alloc(iter.len()) {
+            Ok(buf) => Ok(buf.filled(iter, false)),
+            Err(_) => Err(ErrorKind::OutOfMemory {
+                what,
+                bytes: iter.len().saturating_mul(std::mem::size_of::<T>()),
+            }
+            .into()),
+        }
+    }
+
+    /// An uninitialised buffer of `cap` elements (`len` 0), or the layout the allocator refused
+    /// (`None`: the size has no layout).
+    fn alloc(cap: usize) -> std::result::Result<Self, Option<std::alloc::Layout>> {
+        let size = cap.checked_mul(std::mem::size_of::<T>()).ok_or(None)?;
         let align = cache_align(size).max(std::mem::align_of::<T>());
-        let layout = std::alloc::Layout::from_size_align(size, align).expect("CacheBuf: layout");
+        let layout = std::alloc::Layout::from_size_align(size, align).map_err(|_| None)?;
         let ptr = if size == 0 {
             // Aligned for T and non-null; never read or freed (no element occupies bytes).
             std::ptr::NonNull::<T>::dangling()
         } else {
             // SAFETY: `layout` has a non-zero size.
             let raw = unsafe { std::alloc::alloc(layout) };
-            match std::ptr::NonNull::new(raw.cast::<T>()) {
-                Some(p) => p,
-                None => std::alloc::handle_alloc_error(layout),
-            }
+            std::ptr::NonNull::new(raw.cast::<T>()).ok_or(Some(layout))?
         };
+        Ok(CacheBuf {
+            ptr,
+            len: 0,
+            init: 0,
+            cap,
+            layout,
+        })
+    }
+
+    /// Writes the values of `iter` (at most `cap`) from the start of a new buffer from
+    /// [`CacheBuf::alloc`], advised first when `huge_pages`.
+    fn filled(mut self, iter: impl Iterator<Item = T>, huge_pages: bool) -> Self {
         if huge_pages {
-            advise_huge_pages(ptr.as_ptr() as usize, size);
+            advise_huge_pages(self.ptr.as_ptr() as usize, self.layout.size());
         }
         let mut len = 0;
         // `take(cap)`: an ExactSizeIterator that yields more than it said writes no further.
-        for x in iter.take(cap) {
+        for x in iter.take(self.cap) {
             // SAFETY: len < cap, so slot `len` lies inside the allocation of `cap` elements,
             // aligned for T; T is Copy, so overwriting the uninitialised slot drops nothing.
-            unsafe { ptr.as_ptr().add(len).write(x) };
+            unsafe { self.ptr.as_ptr().add(len).write(x) };
             len += 1;
         }
-        CacheBuf {
-            ptr,
-            len,
-            init: len,
-            cap,
-            layout,
-        }
+        (self.len, self.init) = (len, len);
+        self
     }
 }
 
@@ -295,7 +323,8 @@ fn smaps_huge_bytes(smaps: &str, ranges: &[std::ops::Range<usize>]) -> Option<us
 }
 
 /// The values of `iter` in a `Vec`, or [`ErrorKind::OutOfMemory`] naming `what` where the
-/// allocation fails. The results of a call and its per-sequence table are allocated this way,
+/// allocation fails. The results of a call, its per-sequence table and the working buffers
+/// that follow its shapes are allocated this way,
 /// before anything the caller owns is written: their sizes follow from shapes alone, which
 /// stride-0 views make as large as the address space allows while the caller holds one element.
 /// (`vec!` and `collect` abort the process when the allocator refuses.)

@@ -376,7 +376,7 @@ fn backward_run<T: Element>(
     let per_head: Vec<HeadGrads> = jobs
         .par_iter()
         .map(|&(b, h)| head_backward::<T>(p, q, k, v, dout, (layout, term), b, h))
-        .collect();
+        .collect::<Result<_>>()?;
     let mut dsink = vec![0f32; p.heads];
     // Per-head gradients (already rounded to T) summed over the GQA group in a fixed order.
     for (&(b, h), (hdq, hdk, hdv, hds)) in jobs.iter().zip(per_head) {
@@ -403,7 +403,8 @@ fn backward_run<T: Element>(
 type HeadGrads = (Vec<f32>, Vec<f32>, Vec<f32>, f32);
 
 /// Unscaled dQ/scale, dK/scale and dV of one (sequence, head), and its rows' part of the sink
-/// gradient, `-Σ_i P_sink,i · rowsum(P ∘ dP)_i` (0 without sinks).
+/// gradient, `-Σ_i P_sink,i · rowsum(P ∘ dP)_i` (0 without sinks); `OutOfMemory` where its
+/// seqlen_q × seqlen_k matrices cannot be allocated.
 #[allow(clippy::too_many_arguments)]
 fn head_backward<T: Element>(
     p: &Params,
@@ -414,12 +415,13 @@ fn head_backward<T: Element>(
     (layout, term): (&params::QLike, RowTerm),
     b: usize,
     h: usize,
-) -> HeadGrads {
+) -> Result<HeadGrads> {
     let (d, scale) = (p.head_dim, p.softmax_scale);
     let s = p.seqs[b];
     let (sq, sk) = (s.seqlen_q, s.seqlen_k);
     let hk = p.kv_head(h);
-    let (mut s_mat, mut p_mat) = (vec![0f32; sq * sk], vec![0f32; sq * sk]);
+    let mut s_mat = try_filled("the naive score matrix S", 0f32, sq * sk)?;
+    let mut p_mat = try_filled("the naive probability matrix P", 0f32, sq * sk)?;
     let (out, lse) = head::<T>(p, (q, k, v), b, h, &mut s_mat, &mut p_mat, DotOrder::Lanes8);
     let sink = p.sink.as_ref().map(|s| s[h]);
     let mut dsink = 0f32;
@@ -481,5 +483,5 @@ fn head_backward<T: Element>(
             crate::cpu::kernels::axpy(pdrop[j], &dor[i], &mut hdv[j * d..(j + 1) * d]);
         }
     }
-    (hdq, hdk, hdv, dsink)
+    Ok((hdq, hdk, hdv, dsink))
 }

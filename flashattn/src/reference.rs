@@ -8,7 +8,7 @@
 
 use crate::dropout::Dropout;
 use crate::error::Result;
-use crate::memory::try_filled;
+use crate::memory::{try_collect, try_filled};
 use crate::params::{self, AttnOptions, Params, QLike};
 use crate::tensor::{Slice, TensorRef};
 
@@ -48,10 +48,26 @@ pub(crate) struct Inputs<'a> {
     pub v: &'a [f64],
 }
 
-fn rows(buf: &[f64], base: usize, row_stride: usize, n: usize, d: usize) -> Vec<Vec<f64>> {
-    (0..n)
-        .map(|r| buf[base + r * row_stride..base + r * row_stride + d].to_vec())
-        .collect()
+/// What the reference's per-head allocations are named in `OutOfMemory`: their sizes follow the
+/// shapes (seqlen_q × seqlen_k per head), however small the results are.
+const HEAD_BUFFERS: &str = "the reference's per-head matrices";
+
+fn rows(buf: &[f64], base: usize, row_stride: usize, n: usize, d: usize) -> Result<Vec<Vec<f64>>> {
+    let mut m = try_collect(HEAD_BUFFERS, (0..n).map(|_| Vec::new()))?;
+    for (r, row) in m.iter_mut().enumerate() {
+        let at = base + r * row_stride;
+        *row = try_collect(HEAD_BUFFERS, buf[at..at + d].iter().copied())?;
+    }
+    Ok(m)
+}
+
+/// `n` rows of `len` copies of `x`, or `OutOfMemory`.
+fn matrix<X: Clone>(n: usize, len: usize, x: X) -> Result<Vec<Vec<X>>> {
+    let mut m = try_collect(HEAD_BUFFERS, (0..n).map(|_| Vec::new()))?;
+    for row in &mut m {
+        *row = try_filled(HEAD_BUFFERS, x.clone(), len)?;
+    }
+    Ok(m)
 }
 
 /// Whether query `i` sees key `j`, written from the definition in the README.
@@ -81,7 +97,13 @@ struct Head {
 }
 
 /// Query rows `row_range` of (sequence b, head h); row `r` of the result is query `row_range.start + r`.
-fn head(p: &Params, x: &Inputs, b: usize, h: usize, row_range: std::ops::Range<usize>) -> Head {
+fn head(
+    p: &Params,
+    x: &Inputs,
+    b: usize,
+    h: usize,
+    row_range: std::ops::Range<usize>,
+) -> Result<Head> {
     let (s, d, hk) = (p.seqs[b], p.head_dim, p.kv_head(h));
     let (sq, sk) = (s.seqlen_q, s.seqlen_k);
     let i0 = row_range.start;
@@ -91,11 +113,11 @@ fn head(p: &Params, x: &Inputs, b: usize, h: usize, row_range: std::ops::Range<u
         p.q.row_stride,
         row_range.len(),
         d,
-    );
-    let k = rows(x.k, s.k_base + hk * p.k.head_stride, p.k.row_stride, sk, d);
-    let v = rows(x.v, s.v_base + hk * p.v.head_stride, p.v.row_stride, sk, d);
-    let mut scores = vec![vec![None; sk]; q.len()];
-    let mut dscore = vec![vec![1.0; sk]; q.len()];
+    )?;
+    let k = rows(x.k, s.k_base + hk * p.k.head_stride, p.k.row_stride, sk, d)?;
+    let v = rows(x.v, s.v_base + hk * p.v.head_stride, p.v.row_stride, sk, d)?;
+    let mut scores = matrix(q.len(), sk, None)?;
+    let mut dscore = matrix(q.len(), sk, 1.0)?;
     for r in 0..q.len() {
         let i = i0 + r;
         for j in (0..sk).filter(|&j| visible(p, sq, sk, i, j)) {
@@ -112,19 +134,18 @@ fn head(p: &Params, x: &Inputs, b: usize, h: usize, row_range: std::ops::Range<u
             scores[r][j] = Some(val);
         }
     }
-    let mut probs = Vec::with_capacity(q.len());
-    let mut lse = Vec::with_capacity(q.len());
+    let mut probs = try_collect(HEAD_BUFFERS, (0..q.len()).map(|_| Vec::new()))?;
+    let mut lse = try_filled(HEAD_BUFFERS, f64::NEG_INFINITY, q.len())?;
     // A learnable sink: one more logit of every row, with no value.
     let sink = p.sink.as_ref().map(|s| s[h] as f64);
-    for row in &scores {
+    for (r, row) in scores.iter().enumerate() {
         let max = row
             .iter()
             .flatten()
             .chain(&sink)
             .fold(f64::NEG_INFINITY, |m, &x| m.max(x));
         if max == f64::NEG_INFINITY {
-            probs.push(vec![0.0; sk]);
-            lse.push(f64::NEG_INFINITY);
+            probs[r] = try_filled(HEAD_BUFFERS, 0.0, sk)?;
             continue;
         }
         let sum: f64 = row
@@ -133,26 +154,21 @@ fn head(p: &Params, x: &Inputs, b: usize, h: usize, row_range: std::ops::Range<u
             .chain(&sink)
             .map(|x| (x - max).exp())
             .sum();
-        probs.push(
-            row.iter()
-                .map(|x| x.map_or(0.0, |x| (x - max).exp() / sum))
-                .collect(),
-        );
-        lse.push(max + sum.ln());
+        let p_row = row.iter().map(|x| x.map_or(0.0, |x| (x - max).exp() / sum));
+        probs[r] = try_collect(HEAD_BUFFERS, p_row)?;
+        lse[r] = max + sum.ln();
     }
-    let keep = keep_rows(p.dropout, b, h, row_range, sk);
+    let keep = keep_rows(p.dropout, b, h, row_range, sk)?;
     let drop_scale = p.dropout.map_or(1.0, |dr| 1.0 / (1.0 - dr.p() as f64));
-    let p_drop = probs
-        .iter()
-        .zip(&keep)
-        .map(|(row, kr)| {
-            row.iter()
-                .zip(kr)
-                .map(|(&x, &kept)| if kept { x * drop_scale } else { 0.0 })
-                .collect()
-        })
-        .collect();
-    Head {
+    let mut p_drop = try_collect(HEAD_BUFFERS, (0..q.len()).map(|_| Vec::new()))?;
+    for ((pd, row), kr) in p_drop.iter_mut().zip(&probs).zip(&keep) {
+        let kept = row.iter().zip(kr);
+        *pd = try_collect(
+            HEAD_BUFFERS,
+            kept.map(|(&x, &kept)| if kept { x * drop_scale } else { 0.0 }),
+        )?;
+    }
+    Ok(Head {
         q,
         k,
         v,
@@ -161,7 +177,7 @@ fn head(p: &Params, x: &Inputs, b: usize, h: usize, row_range: std::ops::Range<u
         keep,
         dscore,
         lse,
-    }
+    })
 }
 
 fn keep_rows(
@@ -170,15 +186,14 @@ fn keep_rows(
     h: usize,
     rows: std::ops::Range<usize>,
     sk: usize,
-) -> Vec<Vec<bool>> {
-    rows.map(|i| {
-        let mut keep = vec![true; sk];
-        if let Some(drop) = drop {
-            drop.keep_row(b, h, i, 0, &mut keep);
+) -> Result<Vec<Vec<bool>>> {
+    let mut keep = matrix(rows.len(), sk, true)?;
+    if let Some(drop) = drop {
+        for (i, row) in rows.zip(&mut keep) {
+            drop.keep_row(b, h, i, 0, row);
         }
-        keep
-    })
-    .collect()
+    }
+    Ok(keep)
 }
 
 pub(crate) fn forward_core(p: &Params, x: &Inputs) -> Result<Reference> {
@@ -187,7 +202,7 @@ pub(crate) fn forward_core(p: &Params, x: &Inputs) -> Result<Reference> {
     let mut lse = try_filled("`lse`", f64::NEG_INFINITY, p.lse_len())?;
     for b in 0..p.seqs.len() {
         for h in 0..p.heads {
-            let hd = head(p, x, b, h, 0..p.seqs[b].seqlen_q);
+            let hd = head(p, x, b, h, 0..p.seqs[b].seqlen_q)?;
             for (i, prow) in hd.p_drop.iter().enumerate() {
                 let o = p.out_offset(b, i, h);
                 for (pj, vj) in prow.iter().zip(&hd.v) {
@@ -221,7 +236,7 @@ pub(crate) fn backward_core(
     let mut dsink = p.sink.as_ref().map(|_| vec![0.0; p.heads]);
     for b in 0..p.seqs.len() {
         for h in 0..p.heads {
-            let hd = head(p, x, b, h, 0..p.seqs[b].seqlen_q);
+            let hd = head(p, x, b, h, 0..p.seqs[b].seqlen_q)?;
             let hk = p.kv_head(h);
             let (sq, sk) = (hd.q.len(), hd.k.len());
             let drop_scale = p.dropout.map_or(1.0, |dr| 1.0 / (1.0 - dr.p() as f64));
@@ -229,12 +244,11 @@ pub(crate) fn backward_core(
                 let at = dout_layout.offset(b, i, h);
                 let d_o = &dout[at..at + d];
                 // dP[j] = d(out_i)/d(P_ij): through dropout, dO_i · V_j · keep / (1 - p).
-                let dp: Vec<f64> = (0..sk)
-                    .map(|j| {
-                        let factor = if hd.keep[i][j] { drop_scale } else { 0.0 };
-                        factor * d_o.iter().zip(&hd.v[j]).map(|(a, b)| a * b).sum::<f64>()
-                    })
-                    .collect();
+                let dp = (0..sk).map(|j| {
+                    let factor = if hd.keep[i][j] { drop_scale } else { 0.0 };
+                    factor * d_o.iter().zip(&hd.v[j]).map(|(a, b)| a * b).sum::<f64>()
+                });
+                let dp = try_collect(HEAD_BUFFERS, dp)?;
                 let pdp: f64 = (0..sk).map(|j| hd.p[i][j] * dp[j]).sum();
                 // The sink's probability exp(sink - lse) times d(out)/d(its logit) = -pdp.
                 if let (Some(ds), Some(s)) = (dsink.as_mut(), &p.sink) {
@@ -400,7 +414,7 @@ pub fn attention_row(
         b,
         h,
         i..i + 1,
-    );
+    )?;
     let mut out = vec![0.0; p.head_dim];
     for (pj, vj) in hd.p_drop[0].iter().zip(&hd.v) {
         for (o, x) in out.iter_mut().zip(vj) {

@@ -1148,6 +1148,42 @@ fn results_too_large_to_allocate_are_a_typed_error() {
     );
 }
 
+/// Working buffers that follow k's shape while the results stay small: 16 query heads over one
+/// kv head and 2^58 keys (stride-0 views of one element), where the forward packs k and v once
+/// for all heads. `OutOfMemory` naming them, where the tiles' allocation (or, before it, the list
+/// of their key blocks) aborted the process. f32 packs f32 tiles; bf16 packs v in key pairs on
+/// a CPU with AVX512_BF16, f32 tiles elsewhere.
+#[test]
+fn packed_key_tiles_too_large_to_allocate_are_a_typed_error() {
+    let keys = 1usize << 58;
+    let o = AttnOptions::default();
+    let one = [0.5f32];
+    let q = TensorRef::new(&one, &[1, 1, 16, 1], &[0, 0, 0, 1]);
+    let k = TensorRef::new(&one, &[1, keys, 1, 1], &[0, 0, 0, 1]);
+    let e = flash_attn(&q, &k, &k, &o).unwrap_err();
+    match e.kind() {
+        ErrorKind::OutOfMemory { what, bytes } => {
+            assert_eq!(*what, "the packed tiles of k or v", "{e}");
+            assert!(*bytes >= keys * 4, "{e}");
+        }
+        _ => panic!("{e}"),
+    }
+    let oneb = [bf16::from_f32(0.5)];
+    let q = TensorRef::new(&oneb, &[1, 1, 16, 1], &[0, 0, 0, 1]);
+    let k = TensorRef::new(&oneb, &[1, keys, 1, 1], &[0, 0, 0, 1]);
+    let e = flash_attn(&q, &k, &k, &o).unwrap_err();
+    match e.kind() {
+        ErrorKind::OutOfMemory { what, bytes } => {
+            assert!(
+                ["the packed bf16 pairs of v", "the packed tiles of k or v"].contains(what),
+                "{e}"
+            );
+            assert!(*bytes >= keys * 2, "{e}");
+        }
+        _ => panic!("{e}"),
+    }
+}
+
 /// Forcing an instruction set: the ones this CPU runs work and give the same result within
 /// rounding; any other is `IsaUnavailable`, naming the best one there is.
 #[test]

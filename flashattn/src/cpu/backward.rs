@@ -164,7 +164,7 @@ impl QueryTiles {
         (q, dout): (&[T], &[T]),
         bf16_qdo: Option<(&[bf16], &[bf16])>,
         bs: BlockSizes,
-    ) -> Self {
+    ) -> Result<Self> {
         let bf16_pairs = bf16_qdo.is_some();
         let d = p.head_dim;
         let items = super::forward::work_items(p, bs.block_m);
@@ -201,7 +201,7 @@ impl QueryTiles {
         };
         let (mut data, mut pairs) = (Buf::empty(), Buf::empty());
         if let Some((qb, dob)) = bf16_qdo {
-            pairs = reuse::QUERY_PAIRS.take(total, 0);
+            pairs = reuse::QUERY_PAIRS.take("the backward's query tiles", total, 0)?;
             split_at_offsets(&mut pairs, &offsets)
                 .into_par_iter()
                 .zip(&items)
@@ -218,7 +218,7 @@ impl QueryTiles {
                     load_row_pairs(dob, do_base, do_stride, (r, d, dp), do_rm);
                 });
         } else {
-            data = reuse::QUERY_TILES.take(total, 0.0);
+            data = reuse::QUERY_TILES.take("the backward's query tiles", total, 0.0)?;
             split_at_offsets(&mut data, &offsets)
                 .into_par_iter()
                 .zip(&items)
@@ -238,12 +238,12 @@ impl QueryTiles {
                     },
                 );
         }
-        QueryTiles {
+        Ok(QueryTiles {
             data,
             pairs,
             offsets,
             seq_item0,
-        }
+        })
     }
 
     /// (qᵀ, dOᵀ) of (sequence b, head h, query block m_block).
@@ -331,13 +331,16 @@ pub(crate) fn backward<T: Element>(
     let delta = compute_delta(p, g, out, dout)?;
     let dsink = sink_grad(p, g, &delta);
     let bf_in = bf16_inputs(p, q, k, v);
-    let bf = bf_in.map(|(_, kb, vb)| Bf {
-        k: kb,
-        v: vb,
-        packed_k: packed_v_keys(p, kb, bs),
-    });
+    let bf = match bf_in {
+        Some((_, kb, vb)) => Some(Bf {
+            k: kb,
+            v: vb,
+            packed_k: packed_v_keys(p, kb, bs)?,
+        }),
+        None => None,
+    };
     let bf_qdo = bf_in.map(|(qb, _, _)| (qb, as_bf16(dout)));
-    let tiles = QueryTiles::new(p, g, (q, dout), bf_qdo, bs);
+    let tiles = QueryTiles::new(p, g, (q, dout), bf_qdo, bs)?;
     let cx = Ctx {
         p,
         g,
@@ -359,7 +362,7 @@ pub(crate) fn backward<T: Element>(
     let (dk_w, dv_w) = (Disjoint::new(&mut dk), Disjoint::new(&mut dv));
     let new_scratch = || (Scratch::new(bs, d), vec![T::default(); d]);
     if let Some(chunks) = g.dq_chunks {
-        let mut parts = DqPartials::new(p, bs, chunks);
+        let mut parts = DqPartials::new(p, bs, chunks)?;
         // One pass: dK, dV and each chunk's copy of dQ, then the copies summed into dq.
         let items = parts.items(p);
         items
@@ -465,7 +468,7 @@ pub(crate) fn dq_strategy(p: &Params) -> Result<Option<usize>> {
 }
 
 impl DqPartials {
-    fn new(p: &Params, bs: BlockSizes, chunks: usize) -> Self {
+    fn new(p: &Params, bs: BlockSizes, chunks: usize) -> Result<Self> {
         let (d, npb) = (p.head_dim, pad_lanes(bs.block_m));
         let group = p.heads / p.heads_kv;
         let bounds: Vec<Vec<usize>> = p
@@ -491,14 +494,14 @@ impl DqPartials {
             }
         }
         let total = *offsets.last().expect("non-empty");
-        DqPartials {
+        Ok(DqPartials {
             bounds,
             chunks,
             offsets,
             // Every work item zeroes its own region before using it.
-            data: reuse::DQ_COPIES.take_for_overwrite(total, 0.0),
+            data: reuse::DQ_COPIES.take_for_overwrite("the backward's copies of dQ", total, 0.0)?,
             npb,
-        }
+        })
     }
 
     /// The work items, each with its own region.

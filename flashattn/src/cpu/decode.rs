@@ -42,7 +42,7 @@ use crate::blocks::Mask;
 use crate::decode::{DecodeParams, SliceMut};
 use crate::error::Result;
 use crate::fp8::Fp8Format;
-use crate::memory::try_filled;
+use crate::memory::{try_collect, try_filled};
 use crate::tensor::{Buffer, DType, Element, Slice, Tensor, TensorRef};
 use crate::{data, AttnOutput};
 use half::bf16;
@@ -199,14 +199,125 @@ pub(crate) fn run_fp8(
     }
 }
 
-/// `out` and `lse` for [`attend`] to fill, poisoned (every element is written by its items or
-/// its merge; tests check for NaN). Allocated before an append writes the caches, so a call
-/// that gets `OutOfMemory` has written nothing.
-fn results<T: Element>(dp: &DecodeParams) -> Result<(Vec<T>, Vec<f32>)> {
+/// What [`attend`] fills: `out` and `lse`, poisoned (every element is written by its items or
+/// its merge; tests check for NaN), and its [`Plan`] with the partial results' buffers.
+/// Allocated before an append writes the caches, so a call that gets `OutOfMemory` has written
+/// nothing.
+fn results<T: Element>(dp: &DecodeParams) -> Result<(Vec<T>, Vec<f32>, Plan)> {
     Ok((
         try_filled("`out`", T::from_f32(f32::NAN), dp.p.out_len())?,
         try_filled("`lse`", f32::NAN, dp.p.lse_len())?,
+        Plan::new(dp)?,
     ))
+}
+
+/// Query block: sequence, its query rows `i0..i1`, and the keys `lo..hi` they see.
+type QueryBlock = (usize, usize, usize, usize, usize);
+
+/// How [`attend`] cuts the call into work items, fixed by the shapes before the append, with the
+/// buffers of their partial results.
+struct Plan {
+    blocks: Vec<QueryBlock>,
+    splits: usize,
+    /// Split `s` of block `x` is item `x · splits + s`.
+    items: Vec<Item>,
+    /// Rows per item's partials: heads × the most query rows of a block.
+    rows: usize,
+    /// Whether each item writes its final rows of `out` itself (see [`attend`]).
+    direct: bool,
+    /// The items' LSEs, `rows` each.
+    part_lse: Vec<f32>,
+    /// The items' partial rows (see [`ItemOut::Parts`]), `rows · d` each; empty where `direct`.
+    part_out: Vec<f32>,
+}
+
+impl Plan {
+    fn new(dp: &DecodeParams) -> Result<Plan> {
+        let p = &dp.p;
+        let d = p.head_dim;
+        let m_rows = (rows_cap(d) / p.heads).max(1);
+        // Query blocks: (b, i0, i1) and the keys their rows see (the union: both ends of a row's
+        // window grow with i, see `crate::blocks`).
+        let mut blocks = Vec::new();
+        for (b, s) in p.seqs.iter().enumerate() {
+            let mask = Mask::new(s.seqlen_q, s.seqlen_k, p.window_left, p.window_right);
+            for i0 in (0..s.seqlen_q).step_by(m_rows) {
+                let i1 = (i0 + m_rows).min(s.seqlen_q);
+                // Keys before `cache_leftpad[b]` are hidden: the masks count from there, which
+                // only removes keys (their bounds are relative to the last key), so the range
+                // starts later.
+                let (lo, hi) = (
+                    mask.key_range(i0).0.max(dp.leftpad[b]),
+                    mask.key_range(i1 - 1).1,
+                );
+                blocks.push((b, i0, i1, lo, hi.max(lo)));
+            }
+        }
+        let max_keys = blocks.iter().map(|x| x.4 - x.3).max().unwrap_or(0);
+        let splits = dp
+            .num_splits
+            .unwrap_or_else(|| choose_splits(blocks.len(), max_keys, rayon::current_num_threads()));
+        let items = try_collect(
+            "the work items",
+            (0..blocks.len() * splits).map(|x| {
+                let ((b, i0, i1, lo, hi), s) = (blocks[x / splits], x % splits);
+                let chunk = (hi - lo).div_ceil(splits);
+                Item {
+                    b,
+                    i0,
+                    i1,
+                    n_lo: (lo + s * chunk).min(hi),
+                    n_hi: (lo + (s + 1) * chunk).min(hi),
+                }
+            }),
+        )?;
+        let rows = p.heads * blocks.iter().map(|x| x.2 - x.1).max().unwrap_or(0);
+        // One split (batches of sequences): item x is query block x, whose rows of `out`
+        // follow those of block x - 1, so each item writes its final rows itself and nothing
+        // is merged (the merge of one split copies it exactly, so the result is the same). The
+        // serial merge and the f32 partials' round trip took 8-15% of a 64 × 128-key step (A/B
+        // in one process, alternating, both orders, 2026-11-23: bf16 0.92 on one thread and
+        // 0.83-0.87 on two, f32 0.84-0.85 on two; 64 × 512 keys 0.96-0.975; 16 × 512 keys with
+        // 4 tokens 0.90-0.91).
+        let covered: usize = p.seqs.iter().map(|s| s.seqlen_q).sum();
+        let direct = splits == 1 && {
+            let mut at = 0;
+            blocks.iter().all(|&(b, i0, i1, _, _)| {
+                let ok = p.out_offset(b, i0, 0) == at;
+                at += (i1 - i0) * p.heads * d;
+                ok
+            }) && at == covered * p.heads * d
+        };
+        // Each item's rows (see `ItemOut`) and LSEs go to buffers shared by all items, not one
+        // per item: results allocated by the workers and held until the merge grew their heaps
+        // by ~16 KiB an item, the allocator gave that memory back after each call, and the next
+        // call page-faulted it in again (68 faults a call at 64 sequences × 512 keys, none now).
+        // Two binaries alternated, bf16, 2026-11-23: 64 sequences × 128 keys 3.39-3.66 ->
+        // 2.68-2.94 ms on one thread, 1.49-1.73 -> 1.39-1.45 on two; × 512 keys ~4.96 -> ~4.73
+        // (medians of six runs, two threads); one sequence of 32k keys unchanged.
+        let part_lse = try_filled(
+            "the split partials' LSEs",
+            0f32,
+            items.len().saturating_mul(rows),
+        )?;
+        let part_out = match direct {
+            true => Vec::new(),
+            false => try_filled(
+                "the split partials",
+                0f32,
+                items.len().saturating_mul(rows).saturating_mul(d),
+            )?,
+        };
+        Ok(Plan {
+            blocks,
+            splits,
+            items,
+            rows,
+            direct,
+            part_lse,
+            part_out,
+        })
+    }
 }
 
 /// `out` and `lse` of [`attend`] as the call's result tensors.
@@ -313,53 +424,19 @@ fn attend<T: Element>(
     dp: &DecodeParams,
     q: &[T],
     kv: Kv<T>,
-    (mut out, mut lse): (Vec<T>, Vec<f32>),
+    (mut out, mut lse, plan): (Vec<T>, Vec<f32>, Plan),
 ) -> (Vec<T>, Vec<f32>) {
     let p = &dp.p;
     let d = p.head_dim;
-    let m_rows = (rows_cap(d) / p.heads).max(1);
-    // Query blocks: (b, i0, i1) and the keys their rows see (the union: both ends of a row's
-    // window grow with i, see `crate::blocks`).
-    let mut blocks = Vec::new();
-    for (b, s) in p.seqs.iter().enumerate() {
-        let mask = Mask::new(s.seqlen_q, s.seqlen_k, p.window_left, p.window_right);
-        for i0 in (0..s.seqlen_q).step_by(m_rows) {
-            let i1 = (i0 + m_rows).min(s.seqlen_q);
-            // Keys before `cache_leftpad[b]` are hidden: the masks count from there, which only
-            // removes keys (their bounds are relative to the last key), so the range starts later.
-            let (lo, hi) = (
-                mask.key_range(i0).0.max(dp.leftpad[b]),
-                mask.key_range(i1 - 1).1,
-            );
-            blocks.push((b, i0, i1, lo, hi.max(lo)));
-        }
-    }
-    let max_keys = blocks.iter().map(|x| x.4 - x.3).max().unwrap_or(0);
-    let splits = dp
-        .num_splits
-        .unwrap_or_else(|| choose_splits(blocks.len(), max_keys, rayon::current_num_threads()));
-    let items: Vec<Item> = blocks
-        .iter()
-        .flat_map(|&(b, i0, i1, lo, hi)| {
-            let chunk = (hi - lo).div_ceil(splits);
-            (0..splits).map(move |s| Item {
-                b,
-                i0,
-                i1,
-                n_lo: (lo + s * chunk).min(hi),
-                n_hi: (lo + (s + 1) * chunk).min(hi),
-            })
-        })
-        .collect();
-    // Each item's rows (see `ItemOut`) and LSEs go to buffers shared by all items, not one per
-    // item: results allocated by the workers and held until the merge grew their heaps by ~16 KiB
-    // an item, the allocator gave that memory back after each call, and the next call
-    // page-faulted it in again (68 faults a call at 64 sequences × 512 keys, none now). Two
-    // binaries alternated, bf16, 2026-11-23: 64 sequences × 128 keys 3.39-3.66 -> 2.68-2.94 ms on one thread,
-    // 1.49-1.73 -> 1.39-1.45 on two; × 512 keys ~4.96 -> ~4.73 (medians of six runs, two
-    // threads); one sequence of 32k keys unchanged.
-    let rows = p.heads * blocks.iter().map(|x| x.2 - x.1).max().unwrap_or(0);
-    let mut part_lse_all = vec![0f32; items.len() * rows];
+    let Plan {
+        blocks,
+        splits,
+        items,
+        rows,
+        direct,
+        part_lse: mut part_lse_all,
+        mut part_out,
+    } = plan;
     let work = |x: usize, dst: ItemOut<T>, lse: &mut [f32]| {
         run_item(dp, q, kv, (items[x], items.get(x + 1).copied()), (dst, lse))
     };
@@ -372,20 +449,6 @@ fn attend<T: Element>(
             lse[h * p.lse_head_stride + r] = f32::NEG_INFINITY;
         }
     }
-    // One split (batches of sequences): item x is query block x, whose rows of `out` follow
-    // those of block x - 1, so each item writes its final rows itself and nothing is merged
-    // (the merge of one split copies it exactly, so the result is the same). The serial merge
-    // and the f32 partials' round trip took 8-15% of a 64 × 128-key step (A/B in one process,
-    // alternating, both orders, 2026-11-23: bf16 0.92 on one thread and 0.83-0.87 on two, f32
-    // 0.84-0.85 on two; 64 × 512 keys 0.96-0.975; 16 × 512 keys with 4 tokens 0.90-0.91).
-    let direct = splits == 1 && {
-        let mut at = 0;
-        blocks.iter().all(|&(b, i0, i1, _, _)| {
-            let ok = p.out_offset(b, i0, 0) == at;
-            at += (i1 - i0) * p.heads * d;
-            ok
-        }) && at == covered * p.heads * d
-    };
     if direct {
         let mut rest = &mut out[..covered * p.heads * d];
         let chunks: Vec<&mut [T]> = blocks
@@ -412,7 +475,6 @@ fn attend<T: Element>(
         }
         return (out, lse);
     }
-    let mut part_out = vec![0f32; items.len() * rows * d];
     part_out
         .par_chunks_mut((rows * d).max(1))
         .zip(part_lse_all.par_chunks_mut(rows.max(1)))

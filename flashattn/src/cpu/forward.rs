@@ -318,22 +318,36 @@ pub(crate) struct KeyTiles<X: Copy + 'static> {
 
 impl<X: Copy + Default + Send + Sync> KeyTiles<X> {
     /// Tiles filled by `fill(tile, (b, hk, n0, cols))` for keys `n0..n0 + cols` of kv head `hk`
-    /// of sequence `b`.
+    /// of sequence `b`, or `OutOfMemory` naming `what` (their size follows k's shape alone,
+    /// however small the results are).
     pub(crate) fn build(
         p: &Params,
         bs: BlockSizes,
-        (block_len, slot): (usize, &'static Slot<X>),
+        (block_len, slot, what): (usize, &'static Slot<X>, &'static str),
         fill: impl Fn(&mut [X], (usize, usize, usize, usize)) + Sync,
-    ) -> Self {
+    ) -> Result<Self> {
+        let per_seq = |s: &crate::params::Seq| p.heads_kv * s.seqlen_k.div_ceil(bs.block_n);
+        // Tiles first, the larger by far: `block_len` elements against one tuple per block.
+        // Counts past usize ask for usize::MAX elements, which no allocator grants.
+        let n_blocks = p
+            .seqs
+            .iter()
+            .try_fold(0usize, |n, s| n.checked_add(per_seq(s)))
+            .unwrap_or(usize::MAX);
+        let mut data = slot.take(what, n_blocks.saturating_mul(block_len), X::default())?;
+        // (sequence, kv head, key block) of each tile.
+        let mut blocks = try_filled(what, (0, 0, 0), n_blocks)?;
         let mut seq_block0 = Vec::with_capacity(p.seqs.len());
-        let mut blocks = Vec::new();
+        let mut at = 0;
         for (b, s) in p.seqs.iter().enumerate() {
-            seq_block0.push(blocks.len());
+            seq_block0.push(at);
             for hk in 0..p.heads_kv {
-                blocks.extend((0..s.seqlen_k.div_ceil(bs.block_n)).map(|nb| (b, hk, nb)));
+                for nb in 0..s.seqlen_k.div_ceil(bs.block_n) {
+                    blocks[at] = (b, hk, nb);
+                    at += 1;
+                }
             }
         }
-        let mut data = slot.take(blocks.len() * block_len, X::default());
         data.par_chunks_mut(block_len)
             .zip(&blocks)
             .for_each(|(out, &(b, hk, nb))| {
@@ -341,12 +355,12 @@ impl<X: Copy + Default + Send + Sync> KeyTiles<X> {
                 let cols = (p.seqs[b].seqlen_k - n0).min(bs.block_n);
                 fill(out, (b, hk, n0, cols));
             });
-        KeyTiles {
+        Ok(KeyTiles {
             data,
             slot,
             seq_block0,
             block_len,
-        }
+        })
     }
 
     pub(crate) fn block(
@@ -375,13 +389,15 @@ impl<X: Copy> Drop for KeyTiles<X> {
 /// the same way for `dQ += dS·K` ([`packed_v_keys`]).
 pub(crate) type PackedV = KeyTiles<u32>;
 
-fn packed_v<S: Bf16Source>(p: &Params, v: S, bs: BlockSizes) -> PackedV {
-    pack_key_pairs(p, v, bs, |s| s.v_base, (p.v, &reuse::V_PAIRS))
+fn packed_v<S: Bf16Source>(p: &Params, v: S, bs: BlockSizes) -> Result<PackedV> {
+    let what = "the packed bf16 pairs of v";
+    pack_key_pairs(p, v, bs, |s| s.v_base, (p.v, &reuse::V_PAIRS, what))
 }
 
 /// K packed as [`PackedV`] (the backward's dQ product).
-pub(crate) fn packed_v_keys(p: &Params, k: &[bf16], bs: BlockSizes) -> PackedV {
-    pack_key_pairs(p, k, bs, |s| s.k_base, (p.k, &reuse::K_PAIRS))
+pub(crate) fn packed_v_keys(p: &Params, k: &[bf16], bs: BlockSizes) -> Result<PackedV> {
+    let what = "the packed bf16 pairs of k";
+    pack_key_pairs(p, k, bs, |s| s.k_base, (p.k, &reuse::K_PAIRS, what))
 }
 
 fn pack_key_pairs<S: Bf16Source>(
@@ -389,10 +405,10 @@ fn pack_key_pairs<S: Bf16Source>(
     src: S,
     bs: BlockSizes,
     base_of: fn(&crate::params::Seq) -> usize,
-    (layout, slot): (RowLayout, &'static Slot<u32>),
-) -> PackedV {
+    (layout, slot, what): (RowLayout, &'static Slot<u32>, &'static str),
+) -> Result<PackedV> {
     let (d, bn2) = (p.head_dim, bs.block_n / 2);
-    KeyTiles::build(p, bs, (d * bn2, slot), |out, (b, hk, n0, cols)| {
+    KeyTiles::build(p, bs, (d * bn2, slot, what), |out, (b, hk, n0, cols)| {
         let base = base_of(&p.seqs[b]) + hk * layout.head_stride;
         let row = |c: usize| base + (n0 + c) * layout.row_stride;
         // 16 output rows (x) at a time: their lines (32 u32 each) stay in L1 while every
@@ -521,35 +537,41 @@ fn forward_with<T: Element, S: Bf16Source>(
     let tiles_of = |src: &[T],
                     base_of: fn(&crate::params::Seq) -> usize,
                     (layout, slot): (RowLayout, &'static Slot<f32>)| {
-        KeyTiles::build(p, bs, (bs.block_n * d, slot), |out, (b, hk, n0, cols)| {
-            let base = base_of(&p.seqs[b]) + n0 * layout.row_stride + hk * layout.head_stride;
-            load_tile(src, base, layout.row_stride, (cols, d, d), out);
+        let what = "the packed tiles of k or v";
+        KeyTiles::build(
+            p,
+            bs,
+            (bs.block_n * d, slot, what),
+            |out, (b, hk, n0, cols)| {
+                let base = base_of(&p.seqs[b]) + n0 * layout.row_stride + hk * layout.head_stride;
+                load_tile(src, base, layout.row_stride, (cols, d, d), out);
+            },
+        )
+    };
+    let packed_k = |kb: S| {
+        let what = "the packed bf16 pairs of k";
+        let block = (bs.block_n * d.div_ceil(2), &reuse::K_PAIRS, what);
+        KeyTiles::build(p, bs, block, |out, (b, hk, n0, cols)| {
+            let base = p.seqs[b].k_base + n0 * p.k.row_stride + hk * p.k.head_stride;
+            load_pairs(kb, base, p.k.row_stride, cols, d, out);
         })
     };
     let inputs = Inputs {
         q,
         k,
         v,
-        packed_v: bf.map(|(_, _, vb)| packed_v(p, vb, bs)),
+        packed_v: bf.map(|(_, _, vb)| packed_v(p, vb, bs)).transpose()?,
         packed_k: bf
             .filter(|_| revisited || !S::COPY_IS_CHEAP)
-            .map(|(_, kb, _)| {
-                KeyTiles::build(
-                    p,
-                    bs,
-                    (bs.block_n * d.div_ceil(2), &reuse::K_PAIRS),
-                    |out, (b, hk, n0, cols)| {
-                        let base = p.seqs[b].k_base + n0 * p.k.row_stride + hk * p.k.head_stride;
-                        load_pairs(kb, base, p.k.row_stride, cols, d, out);
-                    },
-                )
-            }),
-        tiles_f32: (bf.is_none() && revisited).then(|| {
-            (
-                tiles_of(k, |s| s.k_base, (p.k, &reuse::K_TILES)),
-                tiles_of(v, |s| s.v_base, (p.v, &reuse::V_TILES)),
-            )
-        }),
+            .map(|(_, kb, _)| packed_k(kb))
+            .transpose()?,
+        tiles_f32: match bf.is_none() && revisited {
+            true => Some((
+                tiles_of(k, |s| s.k_base, (p.k, &reuse::K_TILES))?,
+                tiles_of(v, |s| s.v_base, (p.v, &reuse::V_TILES))?,
+            )),
+            false => None,
+        },
         bf,
     };
     let (out_w, lse_w) = (Disjoint::new(&mut out), Disjoint::new(&mut lse));

@@ -8,7 +8,8 @@
 //! of one site for the next call; all slots together keep at most [`BUDGET_BYTES`], and
 //! [`crate::release_scratch`] frees them.
 
-use super::{buf, Buf};
+use super::{try_buf, Buf};
+use crate::error::Result;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
@@ -62,25 +63,28 @@ impl<T: Copy> Slot<T> {
 
 impl<T: Copy> Slot<T> {
     /// `len` elements, all `fill`: the kept buffer when it is large enough (no allocation, no page
-    /// faults; the fill writes every element), else a new one.
-    pub fn take(&self, len: usize, fill: T) -> Buf<T> {
+    /// faults; the fill writes every element), else a new one, or `OutOfMemory` naming `what`.
+    pub fn take(&self, what: &'static str, len: usize, fill: T) -> Result<Buf<T>> {
         let mut v = self.take_kept();
         if v.capacity() < len {
-            return buf(fill, len);
+            // The kept buffer is freed before the larger one is asked for.
+            drop(v);
+            return try_buf(what, fill, len);
         }
         v.reset(len, fill, false);
-        v
+        Ok(v)
     }
 
     /// `len` elements of unspecified values (a kept buffer's old contents, or `fill`), for a
-    /// caller that writes every element before reading it.
-    pub fn take_for_overwrite(&self, len: usize, fill: T) -> Buf<T> {
+    /// caller that writes every element before reading it; `OutOfMemory` as [`Slot::take`].
+    pub fn take_for_overwrite(&self, what: &'static str, len: usize, fill: T) -> Result<Buf<T>> {
         let mut v = self.take_kept();
         if v.capacity() < len {
-            return buf(fill, len);
+            drop(v);
+            return try_buf(what, fill, len);
         }
         v.reset(len, fill, true);
-        v
+        Ok(v)
     }
 }
 
@@ -127,28 +131,48 @@ mod tests {
     #[test]
     fn slots_reuse_within_the_budget() {
         static S: Slot<f32> = Slot::new();
-        let v = S.take(1000, 0.0);
+        let v = S.take("t", 1000, 0.0).unwrap();
         let ptr = v.as_ptr();
         // On a cache line, as every scratch buffer (see `cpu::Buf`).
         assert_eq!(ptr as usize % 64, 0);
         S.put(v);
         // Taken again, smaller: the same allocation, zeroed.
-        let mut v = S.take(500, 0.0);
+        let mut v = S.take("t", 500, 0.0).unwrap();
         assert_eq!(v.as_ptr(), ptr);
         assert!(v.iter().all(|&x| x == 0.0) && v.len() == 500);
         v.fill(7.0);
         S.put(v);
         // For overwrite: old values may remain, the length is right.
-        let v = S.take_for_overwrite(800, 0.0);
+        let v = S.take_for_overwrite("t", 800, 0.0).unwrap();
         assert_eq!((v.as_ptr(), v.len()), (ptr, 800));
         assert!(v[..500].iter().all(|&x| x == 7.0) && v[500..].iter().all(|&x| x == 0.0));
         // Larger than kept: a new buffer.
         S.put(v);
-        let v = S.take(5000, 1.0);
+        let v = S.take("t", 5000, 1.0).unwrap();
         assert!(v.len() == 5000 && v.iter().all(|&x| x == 1.0));
         // Over the budget: not kept.
-        S.put(buf(0.0, BUDGET_BYTES / 4 + 1));
-        assert_eq!(S.take(1, 0.0).capacity(), 1);
+        S.put(super::super::buf(0.0, BUDGET_BYTES / 4 + 1));
+        assert_eq!(S.take("t", 1, 0.0).unwrap().capacity(), 1);
+        // More than any machine maps: OutOfMemory naming the buffer, and the kept one freed.
+        S.put(super::super::buf(0.0, 100));
+        let e = S.take("the test's tiles", 1 << 60, 0.0).unwrap_err();
+        assert_eq!(
+            e.kind(),
+            &crate::ErrorKind::OutOfMemory {
+                what: "the test's tiles",
+                bytes: 1 << 62
+            }
+        );
+        let e = S.take_for_overwrite("x", usize::MAX / 2, 0.0).unwrap_err();
+        assert_eq!(
+            e.kind(),
+            &crate::ErrorKind::OutOfMemory {
+                what: "x",
+                bytes: usize::MAX
+            }
+        );
+        // The slot kept nothing: a new buffer of the size asked for.
+        assert_eq!(S.take("t", 1, 0.0).unwrap().capacity(), 1);
         S.clear();
     }
 }
