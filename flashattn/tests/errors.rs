@@ -1163,7 +1163,7 @@ fn packed_key_tiles_too_large_to_allocate_are_a_typed_error() {
     let e = flash_attn(&q, &k, &k, &o).unwrap_err();
     match e.kind() {
         ErrorKind::OutOfMemory { what, bytes } => {
-            assert_eq!(*what, "the packed tiles of k or v", "{e}");
+            assert_eq!(*what, "the packed tiles of k", "{e}");
             assert!(*bytes >= keys * 4, "{e}");
         }
         _ => panic!("{e}"),
@@ -1175,7 +1175,7 @@ fn packed_key_tiles_too_large_to_allocate_are_a_typed_error() {
     match e.kind() {
         ErrorKind::OutOfMemory { what, bytes } => {
             assert!(
-                ["the packed bf16 pairs of v", "the packed tiles of k or v"].contains(what),
+                ["the packed bf16 pairs of v", "the packed tiles of k"].contains(what),
                 "{e}"
             );
             assert!(*bytes >= keys * 2, "{e}");

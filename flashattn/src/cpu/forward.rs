@@ -534,20 +534,21 @@ fn forward_with<T: Element, S: Bf16Source>(
     let mut items = work_items(p, bs.block_m);
     let revisited = key_blocks_revisited(p, &items, bs);
     let d = p.head_dim;
-    let tiles_of = |src: &[T],
-                    base_of: fn(&crate::params::Seq) -> usize,
-                    (layout, slot): (RowLayout, &'static Slot<f32>)| {
-        let what = "the packed tiles of k or v";
-        KeyTiles::build(
-            p,
-            bs,
-            (bs.block_n * d, slot, what),
-            |out, (b, hk, n0, cols)| {
-                let base = base_of(&p.seqs[b]) + n0 * layout.row_stride + hk * layout.head_stride;
-                load_tile(src, base, layout.row_stride, (cols, d, d), out);
-            },
-        )
-    };
+    let tiles_of =
+        |src: &[T],
+         base_of: fn(&crate::params::Seq) -> usize,
+         (layout, slot, what): (RowLayout, &'static Slot<f32>, &'static str)| {
+            KeyTiles::build(
+                p,
+                bs,
+                (bs.block_n * d, slot, what),
+                |out, (b, hk, n0, cols)| {
+                    let base =
+                        base_of(&p.seqs[b]) + n0 * layout.row_stride + hk * layout.head_stride;
+                    load_tile(src, base, layout.row_stride, (cols, d, d), out);
+                },
+            )
+        };
     let packed_k = |kb: S| {
         let what = "the packed bf16 pairs of k";
         let block = (bs.block_n * d.div_ceil(2), &reuse::K_PAIRS, what);
@@ -567,8 +568,16 @@ fn forward_with<T: Element, S: Bf16Source>(
             .transpose()?,
         tiles_f32: match bf.is_none() && revisited {
             true => Some((
-                tiles_of(k, |s| s.k_base, (p.k, &reuse::K_TILES))?,
-                tiles_of(v, |s| s.v_base, (p.v, &reuse::V_TILES))?,
+                tiles_of(
+                    k,
+                    |s| s.k_base,
+                    (p.k, &reuse::K_TILES, "the packed tiles of k"),
+                )?,
+                tiles_of(
+                    v,
+                    |s| s.v_base,
+                    (p.v, &reuse::V_TILES, "the packed tiles of v"),
+                )?,
             )),
             false => None,
         },
