@@ -97,6 +97,7 @@
 
 use crate::cpu::simd::Isa;
 use crate::error::{ErrorKind, Result, TensorName};
+use crate::memory::try_filled;
 use crate::params::{self, AttnOptions, Params, RowLayout, Seq, MAX_HEAD_DIM};
 use crate::tensor::{contiguous_strides, DType, Slice, TensorRef, ViewDesc};
 use crate::{AttnOutput, Element};
@@ -958,7 +959,14 @@ pub fn merge_attn_partials(outs: &[TensorRef], lses: &[TensorRef]) -> Result<Att
     params::checked_product("out", &shape, 4)?;
     // Gather every partial LSE as [part][row], row = (b, h, i) or (h, t) in lse order, and check it.
     let rows: usize = lse_shape.iter().product();
-    let mut lse_all = Vec::with_capacity(outs.len() * rows);
+    let mut lse_all = Vec::new();
+    let gathered = outs.len().saturating_mul(rows);
+    lse_all
+        .try_reserve_exact(gathered)
+        .map_err(|_| ErrorKind::OutOfMemory {
+            what: "the gathered partial LSEs",
+            bytes: gathered.saturating_mul(4),
+        })?;
     for (part, l) in lses.iter().enumerate() {
         let data = l.typed::<f32>().expect("dtype checked above");
         let st = l.strides();
@@ -983,11 +991,14 @@ pub fn merge_attn_partials(outs: &[TensorRef], lses: &[TensorRef]) -> Result<Att
             return Err(ErrorKind::PartialLse { part, index, value }.into());
         }
     }
-    let out = crate::tensor::with_dtype!(dtype, T => merge_typed::<T>(outs, &lse_all, &shape));
-    Ok(out)
+    crate::tensor::with_dtype!(dtype, T => merge_typed::<T>(outs, &lse_all, &shape))
 }
 
-fn merge_typed<T: Element>(outs: &[TensorRef], lse_all: &[f32], shape: &[usize]) -> AttnOutput {
+fn merge_typed<T: Element>(
+    outs: &[TensorRef],
+    lse_all: &[f32],
+    shape: &[usize],
+) -> Result<AttnOutput> {
     let d = shape[shape.len() - 1];
     let heads = shape[shape.len() - 2];
     let packed = shape.len() == 3;
@@ -999,9 +1010,9 @@ fn merge_typed<T: Element>(outs: &[TensorRef], lse_all: &[f32], shape: &[usize])
     };
     let rows = batch * sq * heads;
     let n = outs.len();
-    let mut out = vec![T::default(); rows * d];
-    let mut lse = vec![0f32; rows];
-    let mut parts = vec![0f32; n * d];
+    let mut out = try_filled("`out`", T::default(), rows * d)?;
+    let mut lse = try_filled("`lse`", 0f32, rows)?;
+    let mut parts = try_filled("the partial rows", 0f32, n.saturating_mul(d))?;
     let mut part_lse = vec![0f32; n];
     let mut row = vec![0f32; d];
     for b in 0..batch {
@@ -1037,8 +1048,8 @@ fn merge_typed<T: Element>(outs: &[TensorRef], lse_all: &[f32], shape: &[usize])
     } else {
         vec![batch, heads, sq]
     };
-    AttnOutput {
+    Ok(AttnOutput {
         out: crate::Tensor::new_unchecked(T::wrap_vec(out), shape.to_vec()),
         lse: crate::Tensor::new_unchecked(crate::Buffer::F32(lse), lse_shape),
-    }
+    })
 }

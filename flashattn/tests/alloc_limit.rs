@@ -5,8 +5,8 @@
 //! stride-0 views or small, so only the library's own buffers pass the limit.
 
 use flashattn::{
-    flash_attn, flash_attn_backward, flash_attn_with_kvcache, naive, reference, AttnOptions,
-    ErrorKind, KvCacheOptions, TensorMut, TensorRef,
+    flash_attn, flash_attn_backward, flash_attn_with_kvcache, merge_attn_partials, naive,
+    reference, AttnOptions, ErrorKind, KvCacheOptions, TensorMut, TensorRef,
 };
 use std::alloc::{GlobalAlloc, Layout, System};
 
@@ -160,4 +160,16 @@ fn reference_head_matrices() {
         "the reference's per-head matrices",
         "{e}"
     );
+}
+
+/// `merge_attn_partials` of one stride-0 partial of 2^20 heads × 64 dims: LSEs of 4 MiB, a
+/// merged out of 256 MiB.
+#[test]
+fn merged_result() {
+    let (heads, d) = (1usize << 20, 64);
+    let one = [0.5f32; 64];
+    let out = TensorRef::new(&one, &[1, 1, heads, d], &[0, 0, 0, 1]);
+    let lse = TensorRef::new(&one, &[1, heads, 1], &[0, 0, 1]);
+    let e = merge_attn_partials(&[out], &[lse]).unwrap_err();
+    assert_eq!(out_of_memory(&e), ("`out`", heads * d * 4), "{e}");
 }

@@ -5,8 +5,8 @@
 mod common;
 
 use flashattn::{
-    flash_attn, flash_attn_varlen, naive, reference, AttnOptions, CuSeqlensProblem, DType, Error,
-    ErrorKind, TensorRef,
+    flash_attn, flash_attn_varlen, merge_attn_partials, naive, reference, AttnOptions,
+    CuSeqlensProblem, DType, Error, ErrorKind, TensorRef,
 };
 use half::{bf16, f16};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -1182,6 +1182,25 @@ fn packed_key_tiles_too_large_to_allocate_are_a_typed_error() {
         }
         _ => panic!("{e}"),
     }
+}
+
+/// `merge_attn_partials` over two stride-0 partials of 2^58 heads: their gathered LSEs (2^61
+/// bytes) are `OutOfMemory`, where the gather aborted the process (`tests/alloc_limit.rs` has
+/// the merged result refused).
+#[test]
+fn merge_partials_too_large_to_gather_are_a_typed_error() {
+    let one = [0.5f32];
+    let heads = 1usize << 58;
+    let out = TensorRef::new(&one, &[1, 1, heads, 1], &[0, 0, 0, 1]);
+    let lse = TensorRef::new(&one, &[1, heads, 1], &[0, 0, 1]);
+    let e = merge_attn_partials(&[out.clone(), out], &[lse.clone(), lse]).unwrap_err();
+    assert_eq!(
+        e.kind(),
+        &ErrorKind::OutOfMemory {
+            what: "the gathered partial LSEs",
+            bytes: 2 * heads * 4
+        }
+    );
 }
 
 /// Forcing an instruction set: the ones this CPU runs work and give the same result within
