@@ -344,6 +344,16 @@ pub fn validate_common(args: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// The elements of `shape`, or an error where they pass `usize`.
+pub fn numel(shape: &[usize]) -> Result<usize> {
+    match shape.iter().try_fold(1usize, |n, &x| n.checked_mul(x)) {
+        Some(n) => Ok(n),
+        None => fail(format!(
+            "shape {shape:?} has more elements than fit in memory"
+        )),
+    }
+}
+
 /// MemAvailable from /proc/meminfo, in bytes; `None` where there is no such file.
 pub fn mem_available() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
@@ -352,10 +362,16 @@ pub fn mem_available() -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// Random FP8 values over the format's range.
-pub fn random_fp8(rng: &mut ChaCha8Rng, format: Fp8Format, n: usize) -> Fp8Buf {
+/// Random FP8 values over the format's range (an error naming `what` where the machine cannot
+/// hold them).
+pub fn random_fp8(
+    rng: &mut ChaCha8Rng,
+    what: &'static str,
+    format: Fp8Format,
+    n: usize,
+) -> Result<Fp8Buf> {
     let max = format.max();
-    Fp8Buf::quantize(format, (0..n).map(|_| rng.gen_range(-max..max)))
+    Fp8Buf::quantize(what, format, (0..n).map(|_| rng.gen_range(-max..max)))
 }
 
 /// A power of two that takes the format's max to 1.75: dequantised values lie in [-1.75, 1.75]
@@ -368,24 +384,55 @@ pub fn fp8_descale(format: Fp8Format) -> [f32; 1] {
 }
 
 /// The dequantised values, in bf16 (exact).
-pub fn dequantized(x: &Fp8Buf) -> Buffer {
+pub fn dequantized(what: &'static str, x: &Fp8Buf) -> Result<Buffer> {
     let s = fp8_descale(x.format())[0];
-    Buffer::BF16(x.to_f32().iter().map(|&v| bf16::from_f32(v * s)).collect())
+    let vals = match x {
+        Fp8Buf::E4M3(d) => try_vec(what, d.iter().map(|v| bf16::from_f32(v.to_f32() * s)))?,
+        Fp8Buf::E5M2(d) => try_vec(what, d.iter().map(|v| bf16::from_f32(v.to_f32() * s)))?,
+    };
+    Ok(Buffer::BF16(vals))
 }
 
-pub fn random_buffer(rng: &mut ChaCha8Rng, n: usize, dtype: DType) -> Buffer {
-    let vals = (0..n).map(|_| rng.gen_range(-1.0f32..1.0));
-    match dtype {
-        DType::F32 => Buffer::F32(vals.collect()),
-        DType::F16 => Buffer::F16(vals.map(f16::from_f32).collect()),
-        DType::BF16 => Buffer::BF16(vals.map(bf16::from_f32).collect()),
+/// The values of `x` in a `Vec`, or an error naming `what` where the allocator refuses them: a
+/// benchmark asked for a shape larger than the machine fails with a message, not an abort.
+pub fn try_vec<T>(what: &str, x: impl ExactSizeIterator<Item = T>) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    let n = x.len();
+    if v.try_reserve_exact(n).is_err() {
+        let bytes = n.saturating_mul(std::mem::size_of::<T>());
+        return fail(format!(
+            "out of memory: {bytes} bytes for {what} could not be allocated (choose a smaller shape)"
+        ));
     }
+    v.extend(x);
+    Ok(v)
+}
+
+/// `n` random values in [-1, 1) of `dtype` (an error naming `what` where the machine cannot hold
+/// them).
+pub fn random_buffer(
+    rng: &mut ChaCha8Rng,
+    what: &'static str,
+    n: usize,
+    dtype: DType,
+) -> Result<Buffer> {
+    let vals = (0..n).map(|_| rng.gen_range(-1.0f32..1.0));
+    Ok(match dtype {
+        DType::F32 => Buffer::F32(try_vec(what, vals)?),
+        DType::F16 => Buffer::F16(try_vec(what, vals.map(f16::from_f32))?),
+        DType::BF16 => Buffer::BF16(try_vec(what, vals.map(bf16::from_f32))?),
+    })
 }
 
 /// The values of `x` in a buffer for a KV cache ([`flashattn::memory::CacheBuf`]: on a 2 MiB
-/// boundary), advised for transparent huge pages before its first write when `huge`.
-pub fn cache_vec<T: Copy>(huge: bool, x: impl ExactSizeIterator<Item = T>) -> CacheBuf<T> {
-    CacheBuf::from_iter_advised(x, huge)
+/// boundary), advised for transparent huge pages before its first write when `huge`; an error
+/// naming `what` where the machine cannot hold them.
+pub fn cache_vec<T: Copy>(
+    what: &'static str,
+    huge: bool,
+    x: impl ExactSizeIterator<Item = T>,
+) -> Result<CacheBuf<T>> {
+    Ok(CacheBuf::try_from_iter_advised(what, x, huge)?)
 }
 
 /// A KV cache of the benchmarks in its dtype (see [`cache_vec`]).
@@ -426,13 +473,19 @@ impl CacheBuffer {
 
 /// [`random_buffer`]'s values as a KV cache buffer, in huge pages when `huge` (see
 /// [`cache_vec`]).
-pub fn random_cache(rng: &mut ChaCha8Rng, n: usize, dtype: DType, huge: bool) -> CacheBuffer {
+pub fn random_cache(
+    rng: &mut ChaCha8Rng,
+    what: &'static str,
+    n: usize,
+    dtype: DType,
+    huge: bool,
+) -> Result<CacheBuffer> {
     let vals = (0..n).map(|_| rng.gen_range(-1.0f32..1.0));
-    match dtype {
-        DType::F32 => CacheBuffer::F32(cache_vec(huge, vals)),
-        DType::F16 => CacheBuffer::F16(cache_vec(huge, vals.map(f16::from_f32))),
-        DType::BF16 => CacheBuffer::BF16(cache_vec(huge, vals.map(bf16::from_f32))),
-    }
+    Ok(match dtype {
+        DType::F32 => CacheBuffer::F32(cache_vec(what, huge, vals)?),
+        DType::F16 => CacheBuffer::F16(cache_vec(what, huge, vals.map(f16::from_f32))?),
+        DType::BF16 => CacheBuffer::BF16(cache_vec(what, huge, vals.map(bf16::from_f32))?),
+    })
 }
 
 pub fn view<'a>(buf: &'a Buffer, shape: &[usize]) -> TensorRef<'a> {
@@ -741,24 +794,28 @@ fn bench_in_pool(args: &BenchArgs, cases: &[(usize, usize)]) -> Result<()> {
         let (q_shape, kv_shape) = ([batch, sq, heads, d], [batch, sk, heads_kv, d]);
         // FP8: the stored values, and their dequantised bf16 copies (exact: the descale factor
         // is a power of two) for the reference and the naive comparison.
-        let fp8_inputs = fp8.map(|f| {
-            let n = |s: &[usize; 4]| s.iter().product::<usize>();
-            let (q, k, v) = (
-                random_fp8(&mut rng, f, n(&q_shape)),
-                random_fp8(&mut rng, f, n(&kv_shape)),
-                random_fp8(&mut rng, f, n(&kv_shape)),
-            );
-            (q, k, v)
-        });
+        let (nq, nkv) = (numel(&q_shape)?, numel(&kv_shape)?);
+        let fp8_inputs = match fp8 {
+            Some(f) => Some((
+                random_fp8(&mut rng, "q", f, nq)?,
+                random_fp8(&mut rng, "k", f, nkv)?,
+                random_fp8(&mut rng, "v", f, nkv)?,
+            )),
+            None => None,
+        };
         let (qb, kb, vb) = match &fp8_inputs {
-            Some((q, k, v)) => (dequantized(q), dequantized(k), dequantized(v)),
+            Some((q, k, v)) => (
+                dequantized("q in bf16", q)?,
+                dequantized("k in bf16", k)?,
+                dequantized("v in bf16", v)?,
+            ),
             None => (
-                random_buffer(&mut rng, q_shape.iter().product(), dtype),
-                random_buffer(&mut rng, kv_shape.iter().product(), dtype),
-                random_buffer(&mut rng, kv_shape.iter().product(), dtype),
+                random_buffer(&mut rng, "q", nq, dtype)?,
+                random_buffer(&mut rng, "k", nkv, dtype)?,
+                random_buffer(&mut rng, "v", nkv, dtype)?,
             ),
         };
-        let dob = random_buffer(&mut rng, q_shape.iter().product(), dtype);
+        let dob = random_buffer(&mut rng, "dout", nq, dtype)?;
         let dout = view(&dob, &q_shape);
         let (q, k, v) = (
             view(&qb, &q_shape),

@@ -2,7 +2,7 @@
 //! (device 0). Without a GPU these print the library's typed error (no driver, no device, no
 //! NVRTC) and exit non-zero.
 
-use crate::bench::{random_buffer, view};
+use crate::bench::{numel, random_buffer, view};
 use crate::error::Result;
 use flashattn::cuda::{self, CudaDevice, KernelOrigin};
 use flashattn::{AttnGrads, AttnOptions, AttnOutput, DType, TensorRef};
@@ -213,9 +213,10 @@ fn measure(
     if let Some(f) = cfg.fp8 {
         return measure_fp8(dev, cfg, f, (sq, sk), rng, &opts);
     }
-    let hq = random_buffer(rng, qs.iter().product(), cfg.dtype);
-    let hk = random_buffer(rng, ks.iter().product(), cfg.dtype);
-    let hv = random_buffer(rng, ks.iter().product(), cfg.dtype);
+    let (nq, nk) = (numel(&qs)?, numel(&ks)?);
+    let hq = random_buffer(rng, "q", nq, cfg.dtype)?;
+    let hk = random_buffer(rng, "k", nk, cfg.dtype)?;
+    let hv = random_buffer(rng, "v", nk, cfg.dtype)?;
     let (q, k, v) = (view(&hq, &qs), view(&hk, &ks), view(&hv, &ks));
     let (dq, dk, dv) = (dev.upload(&q)?, dev.upload(&k)?, dev.upload(&v)?);
 
@@ -226,7 +227,7 @@ fn measure(
     let run = || cuda::flash_attn(dev, &dq, &dk, &dv, &opts);
     let fwd_flops = flashattn::flops::forward(b, h, sq, sk, d, cfg.causal, (-1, -1));
     let (timing, flops, kernel) = if cfg.backward {
-        let hd = random_buffer(rng, qs.iter().product(), cfg.dtype);
+        let hd = random_buffer(rng, "dout", nq, cfg.dtype)?;
         let dd = dev.upload(&view(&hd, &qs))?;
         let fwd_bwd = || {
             let res = run()?;
@@ -267,10 +268,10 @@ fn measure_fp8(
 ) -> Result<Measured> {
     let (b, h, hkv, d) = (cfg.batch, cfg.heads, cfg.heads_kv, cfg.head_dim);
     let (qs, ks) = ([b, sq, h, d], [b, sk, hkv, d]);
-    let n = |s: &[usize]| s.iter().product::<usize>();
-    let hq = crate::bench::random_fp8(rng, format, n(&qs));
-    let hk = crate::bench::random_fp8(rng, format, n(&ks));
-    let hv = crate::bench::random_fp8(rng, format, n(&ks));
+    let (nq, nk) = (numel(&qs)?, numel(&ks)?);
+    let hq = crate::bench::random_fp8(rng, "q", format, nq)?;
+    let hk = crate::bench::random_fp8(rng, "k", format, nk)?;
+    let hv = crate::bench::random_fp8(rng, "v", format, nk)?;
     let s = crate::bench::fp8_descale(format);
     let descale = flashattn::fp8::Descale::default().q(&s).k(&s).v(&s);
     let (fq, fk, fv) = (hq.view(&qs), hk.view(&ks), hv.view(&ks));
@@ -286,9 +287,9 @@ fn measure_fp8(
     let timing = time_events(dev, cfg.min_time, run)?;
     let out = run()?.out.to_host(dev)?.to_f64_vec();
     let (bq, bk, bv) = (
-        crate::bench::dequantized(&hq),
-        crate::bench::dequantized(&hk),
-        crate::bench::dequantized(&hv),
+        crate::bench::dequantized("q in bf16", &hq)?,
+        crate::bench::dequantized("k in bf16", &hk)?,
+        crate::bench::dequantized("v in bf16", &hv)?,
     );
     let (q, k, v) = (view(&bq, &qs), view(&bk, &ks), view(&bv, &ks));
     finish(
@@ -511,28 +512,28 @@ pub fn bench_decode(args: &crate::bench::BenchArgs, sqs: &[usize]) -> Result<()>
                 };
                 let cs = [pages, rows, heads_kv, d];
                 let (qs, ns) = ([batch, sq, heads, d], [batch, sq, heads_kv, d]);
-                let numel = |s: &[usize]| s.iter().product::<usize>();
-                let hq = random_buffer(&mut rng, numel(&qs), dtype);
-                let hkn = random_buffer(&mut rng, numel(&ns), dtype);
-                let hvn = random_buffer(&mut rng, numel(&ns), dtype);
+                let (nq, nn, nc) = (numel(&qs)?, numel(&ns)?, numel(&cs)?);
+                let hq = random_buffer(&mut rng, "q", nq, dtype)?;
+                let hkn = random_buffer(&mut rng, "k_new", nn, dtype)?;
+                let hvn = random_buffer(&mut rng, "v_new", nn, dtype)?;
                 let q = dev.upload(&view(&hq, &qs))?;
                 let (kn, vn) = (dev.upload(&view(&hkn, &ns))?, dev.upload(&view(&hvn, &ns))?);
                 let mut caches = match fp8 {
                     Some(f) => {
                         let max = f.max();
-                        let mut draw = || {
-                            let x = (0..numel(&cs)).map(|_| rng.gen_range(-max..max));
-                            crate::fp8::Fp8Buf::quantize(f, x)
+                        let mut draw = |what| {
+                            let x = (0..nc).map(|_| rng.gen_range(-max..max));
+                            crate::fp8::Fp8Buf::quantize(what, f, x)
                         };
-                        let (hk, hv) = (draw(), draw());
+                        let (hk, hv) = (draw("k_cache")?, draw("v_cache")?);
                         DevCaches::Fp8(
                             dev.upload_fp8(&hk.view(&cs))?,
                             dev.upload_fp8(&hv.view(&cs))?,
                         )
                     }
                     None => {
-                        let hk = random_buffer(&mut rng, numel(&cs), dtype);
-                        let hv = random_buffer(&mut rng, numel(&cs), dtype);
+                        let hk = random_buffer(&mut rng, "k_cache", nc, dtype)?;
+                        let hv = random_buffer(&mut rng, "v_cache", nc, dtype)?;
                         DevCaches::Plain(dev.upload(&view(&hk, &cs))?, dev.upload(&view(&hv, &cs))?)
                     }
                 };
@@ -609,8 +610,8 @@ pub fn bench_decode(args: &crate::bench::BenchArgs, sqs: &[usize]) -> Result<()>
                             dev.sm_count(),
                         );
                         (
-                            crate::bench::dequantized(&k8),
-                            crate::bench::dequantized(&v8),
+                            crate::bench::dequantized("k_cache in bf16", &k8)?,
+                            crate::bench::dequantized("v_cache in bf16", &v8)?,
                             launch,
                         )
                     }

@@ -354,12 +354,14 @@ const AROUND_RUNS: usize = 2;
 impl ReadProbe {
     /// `huge`: the buffer advised for transparent huge pages, as the KV caches are (a
     /// sequential read measured as fast in either kind of page; see flashattn::memory).
-    pub fn new(huge: bool) -> ReadProbe {
+    /// An error where the machine cannot hold the buffer (`--no-bandwidth` skips the probe).
+    pub fn new(huge: bool) -> Result<ReadProbe> {
         // Element j of chunk i (BW_CHUNK elements each) holds (i ^ j) | 1, written once.
         let values = (0..BW_BYTES / 8).map(|x| ((x / BW_CHUNK) ^ (x % BW_CHUNK)) as u64 | 1);
-        ReadProbe {
-            src: crate::bench::cache_vec(huge, values),
-        }
+        let what = "the bandwidth probe's buffer (--no-bandwidth skips it)";
+        Ok(ReadProbe {
+            src: crate::bench::cache_vec(what, huge, values)?,
+        })
     }
 
     /// One timed sum of the buffer: GB/s.
@@ -386,9 +388,10 @@ impl ReadProbe {
 
 /// Measures [`Bandwidth`] with `probe`'s buffer and a second one to copy into: `BW_RUNS + 1`
 /// sums and copies, the first of each discarded. About 3 s on the 2-core machine.
-pub fn measure_bandwidth(probe: &ReadProbe) -> Bandwidth {
+pub fn measure_bandwidth(probe: &ReadProbe) -> Result<Bandwidth> {
     let src = &probe.src;
-    let mut dst = vec![0u64; src.len()];
+    let what = "the bandwidth probe's copy (--no-bandwidth skips it)";
+    let mut dst = bench::try_vec(what, std::iter::repeat_n(0u64, src.len()))?;
     dst.par_chunks_mut(BW_CHUNK).for_each(|c| c.fill(1));
     let mut reads = Vec::new();
     let mut copies = Vec::new();
@@ -405,12 +408,12 @@ pub fn measure_bandwidth(probe: &ReadProbe) -> Bandwidth {
             copies.push(BW_BYTES as f64 / copy / 1e9);
         }
     }
-    Bandwidth {
+    Ok(Bandwidth {
         read_gbps: median(reads),
         copy_gbps: median(copies),
         bytes: BW_BYTES,
         runs: BW_RUNS,
-    }
+    })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -527,11 +530,17 @@ fn bench_in_pool(args: &BenchArgs, sqs: &[usize]) -> Result<()> {
     let threads = rayon::current_num_threads();
     let cases = dtypes.len() * args.cache_len.len() * sqs.len();
     let pb = bench::progress(cases as u64);
-    let probe = (!args.no_bandwidth).then(|| ReadProbe::new(!args.no_huge_pages));
-    let bandwidth = probe.as_ref().map(|p| {
-        pb.set_message("measuring the memory bandwidth (1 GiB read and copy)");
-        measure_bandwidth(p)
-    });
+    let probe = match args.no_bandwidth {
+        true => None,
+        false => Some(ReadProbe::new(!args.no_huge_pages)?),
+    };
+    let bandwidth = match &probe {
+        Some(p) => {
+            pb.set_message("measuring the memory bandwidth (1 GiB read and copy)");
+            Some(measure_bandwidth(p)?)
+        }
+        None => None,
+    };
     let machine = Machine {
         kind: "machine",
         isa: flashattn::simd::active()?.to_string(),
@@ -632,29 +641,32 @@ fn bench_one(
     };
     let q_shape = [batch, sq, heads, d];
     let new_shape = [batch, sq, heads_kv, d];
-    let qb = bench::random_buffer(&mut rng, numel(&q_shape)?, dtype);
-    let kn = bench::random_buffer(&mut rng, numel(&new_shape)?, dtype);
-    let vn = bench::random_buffer(&mut rng, numel(&new_shape)?, dtype);
+    let qb = bench::random_buffer(&mut rng, "q", numel(&q_shape)?, dtype)?;
+    let kn = bench::random_buffer(&mut rng, "k_new", numel(&new_shape)?, dtype)?;
+    let vn = bench::random_buffer(&mut rng, "v_new", numel(&new_shape)?, dtype)?;
     // FP8 caches: random values over the format's range, dequantised by a power of two to
     // [-1.75, 1.75] (so the accuracy check reads them exactly in bf16).
     let fp8 = args.dtype.and_then(DtypeArg::fp8);
     let huge = !args.no_huge_pages;
     let descale = fp8.map(bench::fp8_descale);
-    let mut caches8 = fp8.map(|f| {
-        let n = cache_shape.iter().product();
-        let mut draw = || {
-            let max = f.max();
-            let x = (0..n).map(|_| rng.gen_range(-max..max));
-            Fp8Buf::quantize_cache(f, x, huge)
-        };
-        (draw(), draw())
-    });
+    let n_cache = numel(&cache_shape)?;
+    let mut caches8 = match fp8 {
+        Some(f) => {
+            let mut draw = |what| {
+                let max = f.max();
+                let x = (0..n_cache).map(|_| rng.gen_range(-max..max));
+                Fp8Buf::quantize_cache(what, f, x, huge)
+            };
+            Some((draw("k_cache")?, draw("v_cache")?))
+        }
+        None => None,
+    };
     let (mut kc, mut vc) = if fp8.is_some() {
         (bench::CacheBuffer::empty(), bench::CacheBuffer::empty())
     } else {
         (
-            bench::random_cache(&mut rng, numel(&cache_shape)?, dtype, huge),
-            bench::random_cache(&mut rng, numel(&cache_shape)?, dtype, huge),
+            bench::random_cache(&mut rng, "k_cache", n_cache, dtype, huge)?,
+            bench::random_cache(&mut rng, "v_cache", n_cache, dtype, huge)?,
         )
     };
     // How much of the caches the kernel backed with huge pages (Linux; a hint it may not honour).
@@ -699,9 +711,13 @@ fn bench_one(
         }
     };
     // FP8: the caches as appended by the calls, dequantised (exactly, in bf16).
-    let deq = caches8
-        .as_ref()
-        .map(|(k8, v8)| (bench::dequantized(k8), bench::dequantized(v8)));
+    let deq = match &caches8 {
+        Some((k8, v8)) => Some((
+            bench::dequantized("k_cache in bf16", k8)?,
+            bench::dequantized("v_cache in bf16", v8)?,
+        )),
+        None => None,
+    };
     let (ks, vs) = match &deq {
         Some((k, v)) => (k.as_slice(), v.as_slice()),
         None => (kc.as_slice(), vc.as_slice()),

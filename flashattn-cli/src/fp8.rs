@@ -45,20 +45,25 @@ pub enum Fp8Buf {
 
 impl Fp8Buf {
     /// `x` rounded to `format` (nearest even, saturating at its max).
-    pub fn quantize(format: Fp8Format, x: impl ExactSizeIterator<Item = f32>) -> Self {
-        Self::quantize_cache(format, x, false)
+    pub fn quantize(
+        what: &'static str,
+        format: Fp8Format,
+        x: impl ExactSizeIterator<Item = f32>,
+    ) -> Result<Self> {
+        Self::quantize_cache(what, format, x, false)
     }
     /// [`Fp8Buf::quantize`] into a KV cache buffer, in huge pages when `huge` (see
-    /// [`crate::bench::cache_vec`]).
+    /// [`crate::bench::cache_vec`]); an error naming `what` where the machine cannot hold it.
     pub fn quantize_cache(
+        what: &'static str,
         format: Fp8Format,
         x: impl ExactSizeIterator<Item = f32>,
         huge: bool,
-    ) -> Self {
-        match format {
-            Fp8Format::E4M3 => Fp8Buf::E4M3(cache_vec(huge, x.map(F8E4M3::from_f32))),
-            Fp8Format::E5M2 => Fp8Buf::E5M2(cache_vec(huge, x.map(F8E5M2::from_f32))),
-        }
+    ) -> Result<Self> {
+        Ok(match format {
+            Fp8Format::E4M3 => Fp8Buf::E4M3(cache_vec(what, huge, x.map(F8E4M3::from_f32))?),
+            Fp8Format::E5M2 => Fp8Buf::E5M2(cache_vec(what, huge, x.map(F8E5M2::from_f32))?),
+        })
     }
     /// The address range of the buffer's bytes (see [`flashattn::memory::huge_page_bytes_in`]).
     pub fn byte_range(&self) -> std::ops::Range<usize> {
@@ -71,13 +76,6 @@ impl Fp8Buf {
         match self {
             Fp8Buf::E4M3(_) => Fp8Format::E4M3,
             Fp8Buf::E5M2(_) => Fp8Format::E5M2,
-        }
-    }
-    /// The values, widened (exactly) to f32.
-    pub fn to_f32(&self) -> Vec<f32> {
-        match self {
-            Fp8Buf::E4M3(d) => d.iter().map(|x| x.to_f32()).collect(),
-            Fp8Buf::E5M2(d) => d.iter().map(|x| x.to_f32()).collect(),
         }
     }
     /// A mutable view of `shape` with element `strides` (a KV cache).
@@ -106,16 +104,16 @@ impl Fp8Buf {
             other => return fail(format!("tensor `{name}` has dtype {other:?}, {why}")),
         })
     }
-    /// Values of `format` from their bytes.
+    /// Values of `format` from their bytes (no larger than the bytes the caller holds).
     pub fn from_bits(format: Fp8Format, bytes: &[u8]) -> Self {
         match format {
-            Fp8Format::E4M3 => Fp8Buf::E4M3(cache_vec(
-                false,
+            Fp8Format::E4M3 => Fp8Buf::E4M3(CacheBuf::from_iter_advised(
                 bytes.iter().map(|&b| F8E4M3::from_bits(b)),
-            )),
-            Fp8Format::E5M2 => Fp8Buf::E5M2(cache_vec(
                 false,
+            )),
+            Fp8Format::E5M2 => Fp8Buf::E5M2(CacheBuf::from_iter_advised(
                 bytes.iter().map(|&b| F8E5M2::from_bits(b)),
+                false,
             )),
         }
     }

@@ -1236,3 +1236,62 @@ fn dout_writes_gradients_matching_reference() {
     );
     assert!(!dir.path().join("never.safetensors").exists());
 }
+
+/// A benchmark asked for shapes no machine holds fails with one `error:` line naming the tensor
+/// (exit code 1), where the input's allocation aborted the process: 131 TB of q, FP8 inputs of
+/// 5 TB, a 16 TB KV cache, and sizes past usize.
+#[test]
+fn bench_of_shapes_too_large_fails_cleanly() {
+    let cases: [(&[&str], &str); 4] = [
+        (
+            &[
+                "bench",
+                "--seqlen",
+                "2000000000",
+                "--heads",
+                "64",
+                "--head-dim",
+                "256",
+            ],
+            "out of memory: 131072000000000 bytes for q could not be allocated",
+        ),
+        (
+            &["bench", "--dtype", "e5m2", "--seqlen", "20000000000"],
+            "for q could not be allocated",
+        ),
+        (
+            &[
+                "bench",
+                "--decode",
+                "--cache-len",
+                "4000000000",
+                "--no-bandwidth",
+            ],
+            "out of memory: 16384000000000 bytes for k_cache could not be allocated",
+        ),
+        (
+            &[
+                "bench",
+                "--seqlen",
+                "4000000000000",
+                "--heads",
+                "4000000000",
+            ],
+            "overflow",
+        ),
+    ];
+    for (args, needle) in cases {
+        let mut args = args.to_vec();
+        if args[1] != "--decode" {
+            args.extend(["--no-naive", "--no-peak"]);
+        }
+        let res = flashattn(&args);
+        let err = String::from_utf8_lossy(&res.stderr);
+        assert_eq!(res.status.code(), Some(1), "{args:?}: {err}");
+        let last = err.lines().last().unwrap_or("");
+        assert!(
+            last.starts_with("error: ") && last.contains(needle),
+            "{args:?}: {err}"
+        );
+    }
+}

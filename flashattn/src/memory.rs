@@ -93,20 +93,31 @@ impl<T: Copy> CacheBuf<T> {
         }
     }
 
-    /// [`CacheBuf::from_iter_advised`] (not advised), or [`ErrorKind::OutOfMemory`] naming `what`
-    /// where the allocator refuses or the size passes `isize::MAX` bytes (see [`try_collect`]).
-    pub(crate) fn try_from_iter(
-        what: &'static str,
-        iter: impl ExactSizeIterator<Item = T>,
-    ) -> Result<Self> {
+    /// [`CacheBuf::from_iter_advised`], or [`ErrorKind::OutOfMemory`] naming `what` where the
+    /// allocator refuses or the size passes `isize::MAX` bytes, instead of an aborted process:
+    /// for a cache (or any buffer) whose size comes from a user's request.
+    pub fn try_from_iter_advised<I>(what: &'static str, iter: I, huge_pages: bool) -> Result<Self>
+    where
+        I: IntoIterator<Item = T>,
+        I::IntoIter: ExactSizeIterator,
+    {
+        let iter = iter.into_iter();
         match Self::alloc(iter.len()) {
-            Ok(buf) => Ok(buf.filled(iter, false)),
+            Ok(buf) => Ok(buf.filled(iter, huge_pages)),
             Err(_) => Err(ErrorKind::OutOfMemory {
                 what,
                 bytes: iter.len().saturating_mul(std::mem::size_of::<T>()),
             }
             .into()),
         }
+    }
+
+    /// [`CacheBuf::try_from_iter_advised`], not advised (working buffers).
+    pub(crate) fn try_from_iter(
+        what: &'static str,
+        iter: impl ExactSizeIterator<Item = T>,
+    ) -> Result<Self> {
+        Self::try_from_iter_advised(what, iter, false)
     }
 
     /// An uninitialised buffer of `cap` elements (`len` 0), or the layout the allocator refused
@@ -350,6 +361,28 @@ pub(crate) fn try_filled<T: Clone>(what: &'static str, value: T, n: usize) -> Re
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn try_from_iter_advised_refuses_cleanly() {
+        // A buffer that fits: the same as the infallible constructor, on its alignment.
+        let b = CacheBuf::try_from_iter_advised("b", (0..HUGE_PAGE + 5).map(|i| i as u8), true);
+        let b = b.unwrap();
+        assert_eq!(b.len(), HUGE_PAGE + 5);
+        assert!(b.iter().enumerate().all(|(i, &x)| x == i as u8));
+        assert_eq!(b.as_ptr() as usize % HUGE_PAGE, 0);
+        // More than any machine maps, and more than the address space: OutOfMemory naming it.
+        for (n, bytes) in [(1usize << 60, 1usize << 62), (usize::MAX / 2, usize::MAX)] {
+            let e = CacheBuf::<f32>::try_from_iter_advised("the cache", (0..n).map(|_| 0.0), true)
+                .unwrap_err();
+            assert_eq!(
+                e.kind(),
+                &ErrorKind::OutOfMemory {
+                    what: "the cache",
+                    bytes
+                }
+            );
+        }
+    }
 
     #[test]
     fn kv_cache_vec_is_zeroed_and_usable() {
