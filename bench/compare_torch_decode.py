@@ -146,6 +146,9 @@ def main() -> None:
                 k8, v8 = (k / ds).to(f8), (v / ds).to(f8)
                 samples = {"flashattn": [], "torch_dequant_sdpa_gqa": []}
             round_bw: list[float] = []
+            # Bytes of flashattn's caches the kernel backed with huge pages, per round (None where
+            # it cannot tell): a round without them is slower for reasons of its own.
+            round_huge: list = []
             with torch.inference_mode():
                 for r in range(args.rounds):
                     lines = flashattn_json(binary, [
@@ -154,6 +157,7 @@ def main() -> None:
                     machine = lines[0]
                     # The read rate sampled just before and after this run's measurement.
                     round_bw.append(lines[1]["read_gbps_around"])
+                    round_huge.append(lines[1].get("huge_page_bytes"))
                     samples["flashattn"].append(lines[1]["median_ms"] / 1e3)
                     if dtype in fp8:
                         samples["torch_dequant_sdpa_gqa"].append(time_torch(
@@ -178,6 +182,7 @@ def main() -> None:
                     "samples_ms": [x * 1e3 for x in s], "kv_bytes": kv_bytes,
                     "gbps": kv_bytes / med / 1e9,
                     "read_gbps_rounds": round_bw,
+                    **({"huge_page_bytes_rounds": round_huge} if name == "flashattn" else {}),
                     "read_bandwidth_fraction": statistics.median(
                         kv_bytes / t / 1e9 / b for t, b in zip(s, round_bw)),
                 })
