@@ -31,8 +31,28 @@ unsafe fn bh(x: __m512i) -> Bh {
 
 #[target_feature(enable = "avx512f,avx512bf16")]
 unsafe fn sum_all(acc: &[__m512]) -> f32 {
-    let t = acc.iter().fold(_mm512_setzero_ps(), |t, a| _mm512_add_ps(t, *a));
+    let t = acc
+        .iter()
+        .fold(_mm512_setzero_ps(), |t, a| _mm512_add_ps(t, *a));
     _mm512_reduce_add_ps(t)
+}
+
+/// One 16-dim step of the score kernel's loop: two q vectors (2 rows each) from `qp`, and for
+/// each of 8 keys 16 dims broadcast from `key(j)`, 16 `vdpbf16ps` into `acc`.
+///
+/// SAFETY: `qp` points at 32 readable u32, each `key(j)` at 16 readable u16.
+#[target_feature(enable = "avx512f,avx512bf16")]
+#[inline]
+unsafe fn quad_step(acc: &mut [__m512; 16], qp: *const u32, key: impl Fn(usize) -> *const u16) {
+    unsafe {
+        let q0 = bh(_mm512_loadu_si512(qp.cast()));
+        let q1 = bh(_mm512_loadu_si512(qp.add(16).cast()));
+        for j in 0..8 {
+            let kv = bh(_mm512_broadcast_i64x4(_mm256_loadu_si256(key(j).cast())));
+            acc[2 * j] = _mm512_dpbf16_ps(acc[2 * j], q0, kv);
+            acc[2 * j + 1] = _mm512_dpbf16_ps(acc[2 * j + 1], q1, kv);
+        }
+    }
 }
 
 /// SAFETY (all kernels): `k` holds at least 1024 elements, `q` at least 256.
@@ -42,14 +62,9 @@ unsafe fn quad(k: &[u16], q: &[u32], iters: usize) -> f32 {
         let mut acc = [_mm512_setzero_ps(); 16];
         for it in 0..iters {
             let s = it & 7;
-            let q0 = bh(_mm512_loadu_si512(q.as_ptr().add(s * 32).cast()));
-            let q1 = bh(_mm512_loadu_si512(q.as_ptr().add(s * 32 + 16).cast()));
-            for j in 0..8 {
-                let at = k.as_ptr().add(j * 128 + 16 * s);
-                let kv = bh(_mm512_broadcast_i64x4(_mm256_loadu_si256(at.cast())));
-                acc[2 * j] = _mm512_dpbf16_ps(acc[2 * j], q0, kv);
-                acc[2 * j + 1] = _mm512_dpbf16_ps(acc[2 * j + 1], q1, kv);
-            }
+            quad_step(&mut acc, q.as_ptr().add(s * 32), |j| {
+                k.as_ptr().add(j * 128 + 16 * s)
+            });
         }
         sum_all(&acc)
     }
@@ -107,17 +122,13 @@ unsafe fn walk(k: &[u16], keys: usize, q: &[u32], out: &mut [f32]) {
                 for kb in (0..16).step_by(8) {
                     let mut acc = [_mm512_setzero_ps(); 16];
                     for s in 0..8 {
-                        let qp = q.as_ptr().add(hk * 256 + s * 32);
-                        let q0 = bh(_mm512_loadu_si512(qp.cast()));
-                        let q1 = bh(_mm512_loadu_si512(qp.add(16).cast()));
-                        for j in 0..8 {
-                            let at = k.as_ptr().add((t0 + kb + j) * 1024 + hk * 128 + 16 * s);
-                            let kv = bh(_mm512_broadcast_i64x4(_mm256_loadu_si256(at.cast())));
-                            acc[2 * j] = _mm512_dpbf16_ps(acc[2 * j], q0, kv);
-                            acc[2 * j + 1] = _mm512_dpbf16_ps(acc[2 * j + 1], q1, kv);
-                        }
+                        quad_step(&mut acc, q.as_ptr().add(hk * 256 + s * 32), |j| {
+                            k.as_ptr().add((t0 + kb + j) * 1024 + hk * 128 + 16 * s)
+                        });
                     }
-                    let t = acc.iter().fold(_mm512_setzero_ps(), |t, a| _mm512_add_ps(t, *a));
+                    let t = acc
+                        .iter()
+                        .fold(_mm512_setzero_ps(), |t, a| _mm512_add_ps(t, *a));
                     _mm512_storeu_ps(out.as_mut_ptr().add(((t0 + kb) % 64) * 16), t);
                 }
             }

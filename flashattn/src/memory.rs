@@ -20,7 +20,7 @@
 //! back with huge pages. The buffers are [`CacheBuf`]s, which start on a 2 MiB boundary (see
 //! there for why that is not a `Vec`).
 //!
-//! Also here (crate-private): `try_collect`, `try_filled` and `CacheBuf::try_from_iter`, the
+//! Also here (crate-private): `try_collect`, `try_filled` and `CacheBuf::try_from_iter_advised`, the
 //! fallible allocation of every call's results and of the working buffers whose size follows the
 //! inputs' shapes, which turns an allocator's refusal into `ErrorKind::OutOfMemory` instead of an
 //! abort.
@@ -110,14 +110,6 @@ impl<T: Copy> CacheBuf<T> {
             }
             .into()),
         }
-    }
-
-    /// [`CacheBuf::try_from_iter_advised`], not advised (working buffers).
-    pub(crate) fn try_from_iter(
-        what: &'static str,
-        iter: impl ExactSizeIterator<Item = T>,
-    ) -> Result<Self> {
-        Self::try_from_iter_advised(what, iter, false)
     }
 
     /// An uninitialised buffer of `cap` elements (`len` 0), or the layout the allocator refused

@@ -53,7 +53,7 @@ pub(crate) struct Inputs<'a> {
 const HEAD_BUFFERS: &str = "the reference's per-head matrices";
 
 fn rows(buf: &[f64], base: usize, row_stride: usize, n: usize, d: usize) -> Result<Vec<Vec<f64>>> {
-    let mut m = try_collect(HEAD_BUFFERS, (0..n).map(|_| Vec::new()))?;
+    let mut m = empty_rows(n)?;
     for (r, row) in m.iter_mut().enumerate() {
         let at = base + r * row_stride;
         *row = try_collect(HEAD_BUFFERS, buf[at..at + d].iter().copied())?;
@@ -61,9 +61,14 @@ fn rows(buf: &[f64], base: usize, row_stride: usize, n: usize, d: usize) -> Resu
     Ok(m)
 }
 
+/// `n` empty rows, or `OutOfMemory`.
+fn empty_rows<X>(n: usize) -> Result<Vec<Vec<X>>> {
+    try_collect(HEAD_BUFFERS, (0..n).map(|_| Vec::new()))
+}
+
 /// `n` rows of `len` copies of `x`, or `OutOfMemory`.
 fn matrix<X: Clone>(n: usize, len: usize, x: X) -> Result<Vec<Vec<X>>> {
-    let mut m = try_collect(HEAD_BUFFERS, (0..n).map(|_| Vec::new()))?;
+    let mut m = empty_rows(n)?;
     for row in &mut m {
         *row = try_filled(HEAD_BUFFERS, x.clone(), len)?;
     }
@@ -134,7 +139,7 @@ fn head(
             scores[r][j] = Some(val);
         }
     }
-    let mut probs = try_collect(HEAD_BUFFERS, (0..q.len()).map(|_| Vec::new()))?;
+    let mut probs = empty_rows(q.len())?;
     let mut lse = try_filled(HEAD_BUFFERS, f64::NEG_INFINITY, q.len())?;
     // A learnable sink: one more logit of every row, with no value.
     let sink = p.sink.as_ref().map(|s| s[h] as f64);
@@ -160,7 +165,7 @@ fn head(
     }
     let keep = keep_rows(p.dropout, b, h, row_range, sk)?;
     let drop_scale = p.dropout.map_or(1.0, |dr| 1.0 / (1.0 - dr.p() as f64));
-    let mut p_drop = try_collect(HEAD_BUFFERS, (0..q.len()).map(|_| Vec::new()))?;
+    let mut p_drop = empty_rows(q.len())?;
     for ((pd, row), kr) in p_drop.iter_mut().zip(&probs).zip(&keep) {
         let kept = row.iter().zip(kr);
         *pd = try_collect(

@@ -223,6 +223,8 @@ struct Plan {
     items: Vec<Item>,
     /// Rows per item's partials: heads × the most query rows of a block.
     rows: usize,
+    /// Query rows the sequences cover (packed rows after them belong to none).
+    covered: usize,
     /// Whether each item writes its final rows of `out` itself (see [`attend`]).
     direct: bool,
     /// The items' LSEs, `rows` each.
@@ -313,6 +315,7 @@ impl Plan {
             splits,
             items,
             rows,
+            covered,
             direct,
             part_lse,
             part_out,
@@ -433,6 +436,7 @@ fn attend<T: Element>(
         splits,
         items,
         rows,
+        covered,
         direct,
         part_lse: mut part_lse_all,
         mut part_out,
@@ -442,7 +446,6 @@ fn attend<T: Element>(
     };
     // Packed queries (cu_seqlens_q, lse `[heads, total_q]`) may leave rows after the last
     // sequence: 0, lse -inf. Batched queries cover every row.
-    let covered: usize = p.seqs.iter().map(|s| s.seqlen_q).sum();
     for r in covered..p.total_q {
         out[r * p.heads * d..(r + 1) * p.heads * d].fill(T::from_f32(0.0));
         for h in 0..p.heads {

@@ -33,7 +33,7 @@ pub(crate) fn buf_from<T: Copy>(iter: impl ExactSizeIterator<Item = T>) -> Buf<T
 /// follows the inputs' shapes (packed tiles, dQ copies), which stride-0 views make as large as
 /// the results can be small.
 pub(crate) fn try_buf<T: Copy>(what: &'static str, x: T, n: usize) -> crate::Result<Buf<T>> {
-    crate::memory::CacheBuf::try_from_iter(what, std::iter::repeat_n(x, n))
+    crate::memory::CacheBuf::try_from_iter_advised(what, std::iter::repeat_n(x, n), false)
 }
 
 /// Tile sizes of the CPU path: `block_m` query rows (SIMD lanes) by `block_n` keys.

@@ -65,25 +65,29 @@ impl<T: Copy> Slot<T> {
     /// `len` elements, all `fill`: the kept buffer when it is large enough (no allocation, no page
     /// faults; the fill writes every element), else a new one, or `OutOfMemory` naming `what`.
     pub fn take(&self, what: &'static str, len: usize, fill: T) -> Result<Buf<T>> {
+        self.take_reset(what, len, fill, false)
+    }
+
+    /// `len` elements of unspecified values (a kept buffer's old contents, or `fill`), for a
+    /// caller that writes every element before reading it; `OutOfMemory` as [`Slot::take`].
+    pub fn take_for_overwrite(&self, what: &'static str, len: usize, fill: T) -> Result<Buf<T>> {
+        self.take_reset(what, len, fill, true)
+    }
+
+    fn take_reset(
+        &self,
+        what: &'static str,
+        len: usize,
+        fill: T,
+        overwrite: bool,
+    ) -> Result<Buf<T>> {
         let mut v = self.take_kept();
         if v.capacity() < len {
             // The kept buffer is freed before the larger one is asked for.
             drop(v);
             return try_buf(what, fill, len);
         }
-        v.reset(len, fill, false);
-        Ok(v)
-    }
-
-    /// `len` elements of unspecified values (a kept buffer's old contents, or `fill`), for a
-    /// caller that writes every element before reading it; `OutOfMemory` as [`Slot::take`].
-    pub fn take_for_overwrite(&self, what: &'static str, len: usize, fill: T) -> Result<Buf<T>> {
-        let mut v = self.take_kept();
-        if v.capacity() < len {
-            drop(v);
-            return try_buf(what, fill, len);
-        }
-        v.reset(len, fill, true);
+        v.reset(len, fill, overwrite);
         Ok(v)
     }
 }
