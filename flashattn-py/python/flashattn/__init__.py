@@ -1,0 +1,33 @@
+"""flashattn: exact FlashAttention in Rust, as PyTorch ops with flash-attn 2.8's interface.
+
+    from flashattn import flash_attn_func
+    out = flash_attn_func(q, k, v, causal=True)   # q [batch, seqlen, heads, head_dim]
+
+Every entry point is a ``torch.library`` custom op (``torch.ops.flashattn.*``) with a fake
+implementation and an autograd formula, so ``loss.backward()`` and ``torch.compile`` work.
+CPU tensors (f32, f16, bf16, FP8); see the README for what is not covered yet.
+"""
+
+from ._flashattn import MAX_HEAD_DIM, FlashAttnError, isa
+from .interface import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
+)
+
+__all__ = [
+    "FlashAttnError",
+    "MAX_HEAD_DIM",
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
+    "isa",
+]

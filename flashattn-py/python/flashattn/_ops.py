@@ -1,0 +1,354 @@
+"""flashattn's torch.library custom ops: the one place where tensors cross into Rust.
+
+Each op has a real implementation (CPU tensors: their addresses, shapes and strides go to the
+extension module, which runs the Rust kernels with the GIL released and writes into outputs
+allocated here by torch), a fake implementation (shapes only, for torch.compile and meta
+tensors) and, for the differentiable ones, an autograd formula that calls the fused backward.
+
+Ops (namespace ``flashattn``):
+- ``fwd``: q, k, v (batched, or packed with cu_seqlens) -> out, lse, rng_state
+- ``bwd``: dout and the forward's tensors -> dq, dk, dv, dsink
+- ``fwd_fp8``: FP8 q, k, v with descale factors -> out (bf16), lse
+- ``fwd_kvcache``: decoding over KV caches, appending new keys in place -> out, lse
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _flashattn as _ext
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP8_DTYPES = tuple(
+    d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d
+)
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.uint8: "uint8",
+    torch.bool: "bool",
+}
+for _d in FP8_DTYPES:
+    _DTYPE_NAMES[_d] = str(_d).removeprefix("torch.")
+
+
+def _view(name: str, t: Tensor) -> tuple:
+    """A CPU tensor as the extension module takes it: (name, address, dtype, shape, strides)."""
+    if t.device.type != "cpu":
+        raise NotImplementedError(
+            f"flashattn: `{name}` is on {t.device}; this version of the Python package runs on the "
+            "CPU only (the CUDA backend is reachable from Rust, not yet from PyTorch)"
+        )
+    dtype = _DTYPE_NAMES.get(t.dtype)
+    if dtype is None:
+        raise TypeError(
+            f"flashattn: `{name}` has dtype {t.dtype}; expected float32, float16 or bfloat16 "
+            "(or float8_e4m3fn / float8_e5m2 where FP8 is accepted)"
+        )
+    return (name, t.data_ptr(), dtype, tuple(t.shape), tuple(t.stride()))
+
+
+def _maybe_view(name: str, t: Optional[Tensor]) -> Optional[tuple]:
+    return None if t is None else _view(name, t)
+
+
+def _ints(name: str, t: Optional[Tensor]) -> Optional[list]:
+    if t is None:
+        return None
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"flashattn: `{name}` must hold integers (torch.int32), got {t.dtype}")
+    if t.device.type != "cpu":
+        raise NotImplementedError(f"flashattn: `{name}` is on {t.device}; CPU tensors only")
+    return t.reshape(-1).tolist()
+
+
+def _floats(name: str, t: Optional[Tensor]) -> Optional[list]:
+    if t is None:
+        return None
+    return t.detach().to(torch.float32).reshape(-1).tolist()
+
+
+def _opts(
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Optional[Tensor],
+    learnable_sink: Optional[Tensor],
+    dropout_p: float = 0.0,
+    seed: int = 0,
+    cu_seqlens_q: Optional[Tensor] = None,
+    cu_seqlens_k: Optional[Tensor] = None,
+) -> dict:
+    cu = None
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise ValueError("flashattn: cu_seqlens_q and cu_seqlens_k go together")
+        cu = (_ints("cu_seqlens_q", cu_seqlens_q), _ints("cu_seqlens_k", cu_seqlens_k))
+    return {
+        "softmax_scale": float(softmax_scale),
+        "causal": bool(causal),
+        "window_left": int(window_left),
+        "window_right": int(window_right),
+        "softcap": float(softcap),
+        "alibi_slopes": _maybe_view("alibi_slopes", alibi_slopes),
+        "learnable_sink": _maybe_view("learnable_sink", learnable_sink),
+        "dropout_p": float(dropout_p),
+        "seed": int(seed),
+        "num_threads": torch.get_num_threads(),
+        "cu_seqlens": cu,
+    }
+
+
+def _lse_shape(q: Tensor, packed: bool) -> tuple:
+    # batched: [batch, heads, seqlen_q]; packed: [heads, total_q] (flash-attn 2's layouts).
+    return (q.shape[1], q.shape[0]) if packed else (q.shape[0], q.shape[2], q.shape[1])
+
+
+def _new_seed() -> int:
+    # From torch's default CPU generator, so torch.manual_seed makes dropout reproducible.
+    return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+
+
+# ---- forward and backward ------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flashattn::fwd", mutates_args=())
+def fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Optional[Tensor],
+    learnable_sink: Optional[Tensor],
+) -> tuple[Tensor, Tensor, Tensor]:
+    packed = cu_seqlens_q is not None
+    rng_state = torch.zeros(2, dtype=torch.int64)
+    seed = 0
+    if dropout_p > 0.0:
+        seed = _new_seed()
+        rng_state[0] = seed
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(_lse_shape(q, packed), dtype=torch.float32, device=q.device)
+    opts = _opts(
+        softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+        learnable_sink, dropout_p, seed, cu_seqlens_q, cu_seqlens_k,
+    )
+    _ext.fwd(_view("q", q), _view("k", k), _view("v", v), _view("out", out), _view("lse", lse), opts)
+    return out, lse, rng_state
+
+
+@fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_left,
+      window_right, softcap, alibi_slopes, learnable_sink):
+    packed = cu_seqlens_q is not None
+    out = q.new_empty(q.shape)
+    lse = q.new_empty(_lse_shape(q, packed), dtype=torch.float32)
+    return out, lse, q.new_empty((2,), dtype=torch.int64)
+
+
+@torch.library.custom_op("flashattn::bwd", mutates_args=())
+def bwd(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Optional[Tensor],
+    learnable_sink: Optional[Tensor],
+    rng_state: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    dq = torch.empty(q.shape, dtype=q.dtype)
+    dk = torch.empty(k.shape, dtype=k.dtype)
+    dv = torch.empty(v.shape, dtype=v.dtype)
+    has_sink = learnable_sink is not None
+    dsink = torch.empty((q.shape[-2],) if has_sink else (0,), dtype=torch.float32)
+    opts = _opts(
+        softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+        learnable_sink, dropout_p, int(rng_state[0]), cu_seqlens_q, cu_seqlens_k,
+    )
+    _ext.bwd(
+        _view("q", q), _view("k", k), _view("v", v), _view("out", out), _view("lse", lse),
+        _view("dout", dout), _view("dq", dq), _view("dk", dk), _view("dv", dv),
+        _view("dsink", dsink) if has_sink else None, opts,
+    )
+    return dq, dk, dv, dsink
+
+
+@bwd.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal,
+      window_left, window_right, softcap, alibi_slopes, learnable_sink, rng_state):
+    n = q.shape[-2] if learnable_sink is not None else 0
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            q.new_empty((n,), dtype=torch.float32))
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    (q, k, v, cu_q, cu_k, dropout_p, scale, causal, wl, wr, softcap, alibi, sink) = inputs
+    out, lse, rng_state = output
+    ctx.save_for_backward(q, k, v, out, lse, rng_state, cu_q, cu_k, alibi, sink)
+    ctx.opts = (dropout_p, scale, causal, wl, wr, softcap)
+
+
+def _fwd_backward(ctx, dout, dlse, drng):
+    # The gradient of lse is not propagated (flash-attn's backward ignores it too).
+    q, k, v, out, lse, rng_state, cu_q, cu_k, alibi, sink = ctx.saved_tensors
+    dropout_p, scale, causal, wl, wr, softcap = ctx.opts
+    dq, dk, dv, dsink = bwd(
+        dout, q, k, v, out, lse, cu_q, cu_k, dropout_p, scale, causal, wl, wr, softcap, alibi,
+        sink, rng_state,
+    )
+    return (dq, dk, dv, None, None, None, None, None, None, None, None, None,
+            dsink if sink is not None else None)
+
+
+torch.library.register_autograd("flashattn::fwd", _fwd_backward, setup_context=_fwd_setup_context)
+
+
+# ---- FP8 forward ---------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flashattn::fwd_fp8", mutates_args=())
+def fwd_fp8(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    q_descale: Optional[Tensor],
+    k_descale: Optional[Tensor],
+    v_descale: Optional[Tensor],
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Optional[Tensor],
+    learnable_sink: Optional[Tensor],
+) -> tuple[Tensor, Tensor]:
+    packed = cu_seqlens_q is not None
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    lse = torch.empty(_lse_shape(q, packed), dtype=torch.float32)
+    opts = _opts(
+        softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+        learnable_sink, 0.0, 0, cu_seqlens_q, cu_seqlens_k,
+    )
+    _ext.fwd_fp8(
+        _view("q", q), _view("k", k), _view("v", v), _view("out", out), _view("lse", lse),
+        _floats("q_descale", q_descale), _floats("k_descale", k_descale),
+        _floats("v_descale", v_descale), opts,
+    )
+    return out, lse
+
+
+@fwd_fp8.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale, softmax_scale,
+      causal, window_left, window_right, softcap, alibi_slopes, learnable_sink):
+    packed = cu_seqlens_q is not None
+    return (q.new_empty(q.shape, dtype=torch.bfloat16),
+            q.new_empty(_lse_shape(q, packed), dtype=torch.float32))
+
+
+# ---- decoding with a KV cache --------------------------------------------------------------------
+
+
+@torch.library.custom_op("flashattn::fwd_kvcache", mutates_args=("k_cache", "v_cache"))
+def fwd_kvcache(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cache_seqlens: Tensor,
+    k: Optional[Tensor],
+    v: Optional[Tensor],
+    rotary_cos: Optional[Tensor],
+    rotary_sin: Optional[Tensor],
+    cache_batch_idx: Optional[Tensor],
+    cache_leftpad: Optional[Tensor],
+    block_table: Optional[Tensor],
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k_new: Optional[Tensor],
+    k_descale: Optional[Tensor],
+    v_descale: Optional[Tensor],
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    rotary_interleaved: bool,
+    alibi_slopes: Optional[Tensor],
+    learnable_sink: Optional[Tensor],
+    num_splits: int,
+) -> tuple[Tensor, Tensor]:
+    packed = cu_seqlens_q is not None
+    out = torch.empty(q.shape, dtype=q.dtype)
+    lse = torch.empty(_lse_shape(q, packed), dtype=torch.float32)
+    opts = _opts(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+                 learnable_sink)
+    table = None
+    if block_table is not None:
+        if block_table.dim() != 2:
+            raise ValueError(
+                f"flashattn: block_table must be [batch, max_blocks_per_seq], got shape "
+                f"{tuple(block_table.shape)}"
+            )
+        table = (_ints("block_table", block_table), block_table.shape[0], block_table.shape[1])
+    kv = {
+        "k": _maybe_view("k", k),
+        "v": _maybe_view("v", v),
+        "rotary_cos": _maybe_view("rotary_cos", rotary_cos),
+        "rotary_sin": _maybe_view("rotary_sin", rotary_sin),
+        "rotary_interleaved": bool(rotary_interleaved),
+        "cache_batch_idx": _ints("cache_batch_idx", cache_batch_idx),
+        "cache_leftpad": _ints("cache_leftpad", cache_leftpad),
+        "block_table": table,
+        "cu_seqlens_q": _ints("cu_seqlens_q", cu_seqlens_q),
+        "cu_seqlens_k_new": _ints("cu_seqlens_k_new", cu_seqlens_k_new),
+        "num_splits": int(num_splits),
+        "k_descale": _floats("k_descale", k_descale),
+        "v_descale": _floats("v_descale", v_descale),
+    }
+    _ext.kvcache(
+        _view("q", q), _view("k_cache", k_cache), _view("v_cache", v_cache),
+        _ints("cache_seqlens", cache_seqlens), _view("out", out), _view("lse", lse), opts, kv,
+    )
+    return out, lse
+
+
+@fwd_kvcache.register_fake
+def _(q, k_cache, v_cache, cache_seqlens, k, v, rotary_cos, rotary_sin, cache_batch_idx,
+      cache_leftpad, block_table, cu_seqlens_q, cu_seqlens_k_new, k_descale, v_descale,
+      softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved, alibi_slopes,
+      learnable_sink, num_splits):
+    packed = cu_seqlens_q is not None
+    return q.new_empty(q.shape), q.new_empty(_lse_shape(q, packed), dtype=torch.float32)
+
+
+def dropout_keep_mask(seed: int, p: float, batch: int, heads: int, seqlen_q: int,
+                      seqlen_k: int) -> Tensor:
+    """The keep-mask (bool, [batch, heads, seqlen_q, seqlen_k]) the kernels draw for `seed`."""
+    mask = torch.empty((batch, heads, seqlen_q, seqlen_k), dtype=torch.uint8)
+    _ext.dropout_keep_mask(int(seed), float(p), _view("mask", mask))
+    return mask.bool()

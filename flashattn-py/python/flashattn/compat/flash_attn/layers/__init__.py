@@ -1,0 +1,1 @@
+__flashattn_compat__ = True

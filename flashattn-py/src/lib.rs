@@ -1,0 +1,411 @@
+//! `flashattn._flashattn`: the extension module behind the `flashattn` Python package.
+//!
+//! Each function takes torch tensors as [`view::RawView`]s, runs one call of the Rust library on a
+//! rayon pool of `opts.num_threads` threads with the GIL released, and writes its results into
+//! output tensors the Python layer allocated. Validation of shapes, strides, options and values
+//! is the library's (one boundary); this layer only checks what turns addresses into slices.
+
+mod errors;
+mod view;
+
+use std::sync::{Arc, Mutex};
+
+use flashattn::fp8::Descale;
+use flashattn::{AttnOptions, AttnOutput, BlockTable, KvCacheOptions, TensorRef};
+use pyo3::prelude::*;
+
+use errors::{BindError, FlashAttnError};
+use view::{Dt, RawView, View};
+
+/// The options every attention call shares, as the Python layer passes them (a dict).
+#[derive(Debug, FromPyObject)]
+#[pyo3(from_item_all)]
+struct Opts {
+    softmax_scale: f32,
+    causal: bool,
+    window_left: i64,
+    window_right: i64,
+    /// 0: no softcap (flash-attn's convention).
+    softcap: f32,
+    alibi_slopes: Option<RawView>,
+    learnable_sink: Option<RawView>,
+    dropout_p: f32,
+    seed: u64,
+    num_threads: usize,
+    /// Packed (varlen) sequences: `cu_seqlens_q`, `cu_seqlens_k`.
+    cu_seqlens: Option<(Vec<i32>, Vec<i32>)>,
+}
+
+/// The options' tensors, checked.
+struct OptViews {
+    alibi: Option<View>,
+    sink: Option<View>,
+}
+
+impl Opts {
+    fn views(&self) -> Result<OptViews, BindError> {
+        Ok(OptViews {
+            alibi: self.alibi_slopes.clone().map(View::try_from).transpose()?,
+            sink: self.learnable_sink.clone().map(View::try_from).transpose()?,
+        })
+    }
+
+    /// # Safety
+    /// The option tensors stay alive and unwritten for `'a` (see [`View::tensor`]).
+    unsafe fn attn<'a>(&self, v: &OptViews) -> Result<AttnOptions<'a>, BindError> {
+        let mut o = AttnOptions::default()
+            .softmax_scale(self.softmax_scale)
+            .causal(self.causal)
+            .window(self.window_left, self.window_right);
+        if self.softcap != 0.0 {
+            o = o.softcap(self.softcap);
+        }
+        if let Some(a) = &v.alibi {
+            o = o.alibi_slopes(a.tensor()?);
+        }
+        if let Some(s) = &v.sink {
+            o = o.learnable_sink(s.tensor()?);
+        }
+        if self.dropout_p != 0.0 {
+            o = o.dropout(self.dropout_p, self.seed);
+        }
+        Ok(o)
+    }
+}
+
+/// Rayon pools by thread count, made once each: torch.get_num_threads() picks one per call.
+fn pool(threads: usize) -> Result<Arc<rayon::ThreadPool>, BindError> {
+    static POOLS: Mutex<Vec<(usize, Arc<rayon::ThreadPool>)>> = Mutex::new(Vec::new());
+    let threads = threads.max(1);
+    let mut pools = POOLS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, p)) = pools.iter().find(|(n, _)| *n == threads) {
+        return Ok(p.clone());
+    }
+    let p = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("flashattn-{i}"))
+        .build()
+        .map_err(|e| BindError::Value(format!("could not start {threads} threads: {e}")))?;
+    let p = Arc::new(p);
+    pools.push((threads, p.clone()));
+    Ok(p)
+}
+
+fn views<const N: usize>(raw: [RawView; N]) -> Result<[View; N], BindError> {
+    let v: Vec<View> = raw
+        .into_iter()
+        .map(View::try_from)
+        .collect::<Result<_, _>>()?;
+    Ok(v.try_into().expect("N views"))
+}
+
+/// Writes a forward result into `out` and `lse` (checked disjoint from every input first).
+///
+/// # Safety
+/// `out` and `lse` are tensors the caller allocated for this call and holds alive.
+unsafe fn write_forward(
+    res: &AttnOutput,
+    out: &View,
+    lse: &View,
+    inputs: &[&View],
+) -> Result<(), BindError> {
+    for w in [out, lse] {
+        w.check_disjoint(inputs.iter().copied())?;
+    }
+    out.check_disjoint([lse])?;
+    out.write(&res.out)?;
+    lse.write(&res.lse)
+}
+
+/// Forward: `flash_attn` (or `flash_attn_varlen` with `opts.cu_seqlens`); results into out, lse.
+#[pyfunction]
+fn fwd(
+    py: Python<'_>,
+    q: RawView,
+    k: RawView,
+    v: RawView,
+    out: RawView,
+    lse: RawView,
+    opts: Opts,
+) -> PyResult<()> {
+    py.detach(move || -> Result<(), BindError> {
+        let [q, k, v, out, lse] = views([q, k, v, out, lse])?;
+        let ov = opts.views()?;
+        let pool = pool(opts.num_threads)?;
+        // SAFETY: the Python layer holds every tensor of the call alive and does not write the
+        // inputs while it runs; out and lse are fresh tensors, checked disjoint from the inputs.
+        unsafe {
+            let ao = opts.attn(&ov)?;
+            let (qt, kt, vt) = (q.tensor()?, k.tensor()?, v.tensor()?);
+            let res = pool.install(|| match &opts.cu_seqlens {
+                Some((cq, ck)) => flashattn::flash_attn_varlen(&qt, &kt, &vt, cq, ck, &ao),
+                None => flashattn::flash_attn(&qt, &kt, &vt, &ao),
+            })?;
+            let mut inputs = vec![&q, &k, &v];
+            inputs.extend(ov.alibi.iter().chain(&ov.sink));
+            write_forward(&res, &out, &lse, &inputs)
+        }
+    })?;
+    Ok(())
+}
+
+/// Backward: gradients of the forward above into dq, dk, dv (and dsink with a sink).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn bwd(
+    py: Python<'_>,
+    q: RawView,
+    k: RawView,
+    v: RawView,
+    out: RawView,
+    lse: RawView,
+    dout: RawView,
+    dq: RawView,
+    dk: RawView,
+    dv: RawView,
+    dsink: Option<RawView>,
+    opts: Opts,
+) -> PyResult<()> {
+    py.detach(move || -> Result<(), BindError> {
+        let [q, k, v, out, lse, dout, dq, dk, dv] = views([q, k, v, out, lse, dout, dq, dk, dv])?;
+        let dsink = dsink.map(View::try_from).transpose()?;
+        let ov = opts.views()?;
+        let pool = pool(opts.num_threads)?;
+        // SAFETY: as in `fwd`; the gradients are fresh tensors checked disjoint from the inputs
+        // and from each other before they are written.
+        unsafe {
+            let ao = opts.attn(&ov)?;
+            let t = [&q, &k, &v, &out, &lse, &dout].map(|x| x.tensor());
+            let [qt, kt, vt, ot, lt, dot] = t;
+            let (qt, kt, vt, ot, lt, dot) = (qt?, kt?, vt?, ot?, lt?, dot?);
+            let g = pool.install(|| match &opts.cu_seqlens {
+                Some((cq, ck)) => flashattn::flash_attn_varlen_backward(
+                    &qt, &kt, &vt, &ot, &lt, &dot, cq, ck, &ao,
+                ),
+                None => flashattn::flash_attn_backward(&qt, &kt, &vt, &ot, &lt, &dot, &ao),
+            })?;
+            let mut inputs = vec![&q, &k, &v, &out, &lse, &dout];
+            inputs.extend(ov.alibi.iter().chain(&ov.sink));
+            let mut outs = vec![&dq, &dk, &dv];
+            outs.extend(dsink.iter());
+            for (i, w) in outs.iter().enumerate() {
+                w.check_disjoint(inputs.iter().copied())?;
+                w.check_disjoint(outs[i + 1..].iter().copied())?;
+            }
+            dq.write(&g.dq)?;
+            dk.write(&g.dk)?;
+            dv.write(&g.dv)?;
+            match (&dsink, &g.dsink) {
+                (Some(w), Some(s)) => w.write(s)?,
+                (None, None) => {}
+                _ => {
+                    return Err(BindError::Value(
+                        "dsink must be given exactly when the call has a learnable_sink".into(),
+                    ))
+                }
+            }
+            Ok(())
+        }
+    })?;
+    Ok(())
+}
+
+/// FP8 forward (e4m3fn or e5m2 q, k, v with descale factors); out is bf16.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn fwd_fp8(
+    py: Python<'_>,
+    q: RawView,
+    k: RawView,
+    v: RawView,
+    out: RawView,
+    lse: RawView,
+    q_descale: Option<Vec<f32>>,
+    k_descale: Option<Vec<f32>>,
+    v_descale: Option<Vec<f32>>,
+    opts: Opts,
+) -> PyResult<()> {
+    py.detach(move || -> Result<(), BindError> {
+        let [q, k, v, out, lse] = views([q, k, v, out, lse])?;
+        let ov = opts.views()?;
+        let pool = pool(opts.num_threads)?;
+        let descale = Descale {
+            q: q_descale.as_deref(),
+            k: k_descale.as_deref(),
+            v: v_descale.as_deref(),
+        };
+        // SAFETY: as in `fwd`.
+        unsafe {
+            let ao = opts.attn(&ov)?;
+            let (qt, kt, vt) = (q.fp8()?, k.fp8()?, v.fp8()?);
+            let res = pool.install(|| match &opts.cu_seqlens {
+                Some((cq, ck)) => {
+                    flashattn::fp8::flash_attn_varlen_fp8(&qt, &kt, &vt, cq, ck, &descale, &ao)
+                }
+                None => flashattn::fp8::flash_attn_fp8(&qt, &kt, &vt, &descale, &ao),
+            })?;
+            let mut inputs = vec![&q, &k, &v];
+            inputs.extend(ov.alibi.iter().chain(&ov.sink));
+            write_forward(&res, &out, &lse, &inputs)
+        }
+    })?;
+    Ok(())
+}
+
+/// What `flash_attn_with_kvcache` takes beyond the attention options (a dict).
+#[derive(Debug, FromPyObject)]
+#[pyo3(from_item_all)]
+struct KvOpts {
+    k: Option<RawView>,
+    v: Option<RawView>,
+    rotary_cos: Option<RawView>,
+    rotary_sin: Option<RawView>,
+    rotary_interleaved: bool,
+    cache_batch_idx: Option<Vec<i32>>,
+    cache_leftpad: Option<Vec<i32>>,
+    /// `(table, batch, max_blocks_per_seq)`, row-major.
+    block_table: Option<(Vec<i32>, usize, usize)>,
+    cu_seqlens_q: Option<Vec<i32>>,
+    cu_seqlens_k_new: Option<Vec<i32>>,
+    /// 0: chosen from the shape and the thread count.
+    num_splits: usize,
+    /// FP8 caches' factors (one, or `[batch, heads_kv]`).
+    k_descale: Option<Vec<f32>>,
+    v_descale: Option<Vec<f32>>,
+}
+
+/// Decoding over KV caches, appending the new keys in place first.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn kvcache(
+    py: Python<'_>,
+    q: RawView,
+    k_cache: RawView,
+    v_cache: RawView,
+    cache_seqlens: Vec<i32>,
+    out: RawView,
+    lse: RawView,
+    opts: Opts,
+    kv: KvOpts,
+) -> PyResult<()> {
+    py.detach(move || -> Result<(), BindError> {
+        let [q, kc, vc, out, lse] = views([q, k_cache, v_cache, out, lse])?;
+        let ov = opts.views()?;
+        let opt = |r: &Option<RawView>| r.clone().map(View::try_from).transpose();
+        let (kn, vn, cos, sin) = (opt(&kv.k)?, opt(&kv.v)?, opt(&kv.rotary_cos)?, opt(&kv.rotary_sin)?);
+        let mut reads: Vec<&View> = vec![&q];
+        reads.extend(
+            [&kn, &vn, &cos, &sin, &ov.alibi, &ov.sink]
+                .into_iter()
+                .flatten(),
+        );
+        // The caches are written in place: neither may alias the other or any input.
+        kc.check_disjoint(reads.iter().copied().chain([&vc]))?;
+        vc.check_disjoint(reads.iter().copied())?;
+        let pool = pool(opts.num_threads)?;
+        // SAFETY: as in `fwd`; the caches are the only views written during the call and are
+        // checked disjoint from each other and from everything read.
+        unsafe {
+            let mut ko = KvCacheOptions::default().attn(opts.attn(&ov)?);
+            if let (Some(k), Some(v)) = (&kn, &vn) {
+                ko = ko.new_kv(k.tensor()?, v.tensor()?);
+            } else if kn.is_some() || vn.is_some() {
+                return Err(BindError::Value("k and v must be given together".into()));
+            }
+            if let (Some(c), Some(s)) = (&cos, &sin) {
+                ko = ko.rotary(c.tensor()?, s.tensor()?, kv.rotary_interleaved);
+            }
+            if let Some(i) = &kv.cache_batch_idx {
+                ko = ko.cache_batch_idx(i);
+            }
+            if let Some(l) = &kv.cache_leftpad {
+                ko = ko.cache_leftpad(l);
+            }
+            if let Some((t, b, m)) = &kv.block_table {
+                ko = ko.block_table(BlockTable::new(t, *b, *m));
+            }
+            if let Some(c) = &kv.cu_seqlens_q {
+                ko = ko.cu_seqlens_q(c);
+            }
+            if let Some(c) = &kv.cu_seqlens_k_new {
+                ko = ko.cu_seqlens_k_new(c);
+            }
+            if kv.num_splits > 0 {
+                ko = ko.num_splits(kv.num_splits);
+            }
+            let qt: TensorRef = q.tensor()?;
+            let res = if matches!(kc.dt, Dt::F8E4M3 | Dt::F8E5M2) {
+                let (mut kt, mut vt) = (kc.fp8_mut()?, vc.fp8_mut()?);
+                let descale = Descale {
+                    q: None,
+                    k: kv.k_descale.as_deref(),
+                    v: kv.v_descale.as_deref(),
+                };
+                pool.install(|| {
+                    flashattn::fp8::flash_attn_with_kvcache_fp8(
+                        &qt,
+                        &mut kt,
+                        &mut vt,
+                        &cache_seqlens,
+                        &descale,
+                        &ko,
+                    )
+                })?
+            } else {
+                let (mut kt, mut vt) = (kc.tensor_mut()?, vc.tensor_mut()?);
+                pool.install(|| {
+                    flashattn::flash_attn_with_kvcache(&qt, &mut kt, &mut vt, &cache_seqlens, &ko)
+                })?
+            };
+            reads.extend([&kc, &vc]);
+            write_forward(&res, &out, &lse, &reads)
+        }
+    })?;
+    Ok(())
+}
+
+/// The dropout keep-mask of a call with `seed` and `p`, as the kernels regenerate it:
+/// `mask[b, h, i, j]` is 1 where the probability of query i for key j is kept.
+#[pyfunction]
+fn dropout_keep_mask(py: Python<'_>, seed: u64, p: f32, mask: RawView) -> PyResult<()> {
+    py.detach(move || -> Result<(), BindError> {
+        let m = View::try_from(mask)?;
+        let [b, h, sq, sk] = <[usize; 4]>::try_from(m.shape.as_slice())
+            .map_err(|_| BindError::Value("mask must be [batch, heads, seqlen_q, seqlen_k]".into()))?;
+        // SAFETY: the mask is a fresh contiguous uint8 tensor the Python layer allocated.
+        let bytes = unsafe { m.bytes_mut()? };
+        if sq * sk == 0 {
+            return Ok(());
+        }
+        for (bh, chunk) in bytes.chunks_exact_mut(sq * sk).enumerate() {
+            let keep = flashattn::dropout::keep_mask(seed, p, bh / h.max(1), bh % h.max(1), sq, sk);
+            for (d, k) in chunk.iter_mut().zip(keep) {
+                *d = k as u8;
+            }
+        }
+        debug_assert_eq!(bytes.len(), b * h * sq * sk);
+        Ok(())
+    })?;
+    Ok(())
+}
+
+/// The instruction set the CPU kernels run on (`avx512`, `avx2`, `neon` or `scalar`).
+#[pyfunction]
+fn isa() -> PyResult<String> {
+    flashattn::simd::active()
+        .map(|i| i.name().to_string())
+        .map_err(|e| BindError::Lib(e).into())
+}
+
+#[pymodule]
+fn _flashattn(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("FlashAttnError", m.py().get_type::<FlashAttnError>())?;
+    m.add("MAX_HEAD_DIM", flashattn::MAX_HEAD_DIM)?;
+    m.add_function(wrap_pyfunction!(fwd, m)?)?;
+    m.add_function(wrap_pyfunction!(bwd, m)?)?;
+    m.add_function(wrap_pyfunction!(fwd_fp8, m)?)?;
+    m.add_function(wrap_pyfunction!(kvcache, m)?)?;
+    m.add_function(wrap_pyfunction!(dropout_keep_mask, m)?)?;
+    m.add_function(wrap_pyfunction!(isa, m)?)?;
+    Ok(())
+}
