@@ -46,7 +46,11 @@ impl Opts {
     fn views(&self) -> Result<OptViews, BindError> {
         Ok(OptViews {
             alibi: self.alibi_slopes.clone().map(View::try_from).transpose()?,
-            sink: self.learnable_sink.clone().map(View::try_from).transpose()?,
+            sink: self
+                .learnable_sink
+                .clone()
+                .map(View::try_from)
+                .transpose()?,
         })
     }
 
@@ -292,7 +296,12 @@ fn kvcache(
         let [q, kc, vc, out, lse] = views([q, k_cache, v_cache, out, lse])?;
         let ov = opts.views()?;
         let opt = |r: &Option<RawView>| r.clone().map(View::try_from).transpose();
-        let (kn, vn, cos, sin) = (opt(&kv.k)?, opt(&kv.v)?, opt(&kv.rotary_cos)?, opt(&kv.rotary_sin)?);
+        let (kn, vn, cos, sin) = (
+            opt(&kv.k)?,
+            opt(&kv.v)?,
+            opt(&kv.rotary_cos)?,
+            opt(&kv.rotary_sin)?,
+        );
         let mut reads: Vec<&View> = vec![&q];
         reads.extend(
             [&kn, &vn, &cos, &sin, &ov.alibi, &ov.sink]
@@ -370,8 +379,9 @@ fn kvcache(
 fn dropout_keep_mask(py: Python<'_>, seed: u64, p: f32, mask: RawView) -> PyResult<()> {
     py.detach(move || -> Result<(), BindError> {
         let m = View::try_from(mask)?;
-        let [b, h, sq, sk] = <[usize; 4]>::try_from(m.shape.as_slice())
-            .map_err(|_| BindError::Value("mask must be [batch, heads, seqlen_q, seqlen_k]".into()))?;
+        let [b, h, sq, sk] = <[usize; 4]>::try_from(m.shape.as_slice()).map_err(|_| {
+            BindError::Value("mask must be [batch, heads, seqlen_q, seqlen_k]".into())
+        })?;
         // SAFETY: the mask is a fresh contiguous uint8 tensor the Python layer allocated.
         let bytes = unsafe { m.bytes_mut()? };
         if sq * sk == 0 {

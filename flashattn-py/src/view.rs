@@ -262,7 +262,10 @@ impl View {
     pub unsafe fn bytes_mut<'a>(&self) -> Result<&'a mut [u8], BindError> {
         self.expect(Dt::U8)?;
         if self.strides != flashattn::tensor::contiguous_strides(&self.shape) {
-            return Err(BindError::Value(format!("{} must be contiguous", self.name)));
+            return Err(BindError::Value(format!(
+                "{} must be contiguous",
+                self.name
+            )));
         }
         Ok(self.slice_mut::<u8>())
     }

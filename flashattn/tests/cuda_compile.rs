@@ -47,7 +47,11 @@ fn every_kernel_variant_compiles_without_spills() {
         version.0,
         version.1,
         jobs.len() / 2,
-        if all { "all" } else { "representative subset; FLASHATTN_COMPILE_ALL=1 for all" },
+        if all {
+            "all"
+        } else {
+            "representative subset; FLASHATTN_COMPILE_ALL=1 for all"
+        },
         "kernel",
         "arch",
         "regs",
