@@ -229,7 +229,9 @@ impl View {
     /// As [`View::slice_mut`].
     pub unsafe fn write(&self, src: &flashattn::Tensor) -> Result<(), BindError> {
         let contiguous = flashattn::tensor::contiguous_strides(&self.shape);
-        if self.strides != contiguous || src.shape() != self.shape.as_slice() {
+        // An empty tensor's strides are arbitrary (torch gives `(1, 1)` to a `[4, 0]` tensor).
+        let strides_ok = self.extent == 0 || self.strides == contiguous;
+        if !strides_ok || src.shape() != self.shape.as_slice() {
             return Err(BindError::Value(format!(
                 "{}: expected a contiguous destination of shape {:?}, got shape {:?} strides {:?}",
                 self.name,
@@ -261,7 +263,7 @@ impl View {
     /// As [`View::slice_mut`].
     pub unsafe fn bytes_mut<'a>(&self) -> Result<&'a mut [u8], BindError> {
         self.expect(Dt::U8)?;
-        if self.strides != flashattn::tensor::contiguous_strides(&self.shape) {
+        if self.extent > 0 && self.strides != flashattn::tensor::contiguous_strides(&self.shape) {
             return Err(BindError::Value(format!(
                 "{} must be contiguous",
                 self.name
