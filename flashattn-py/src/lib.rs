@@ -323,6 +323,10 @@ fn kvcache(
             }
             if let (Some(c), Some(s)) = (&cos, &sin) {
                 ko = ko.rotary(c.tensor()?, s.tensor()?, kv.rotary_interleaved);
+            } else if cos.is_some() || sin.is_some() {
+                return Err(BindError::Value(
+                    "rotary_cos and rotary_sin must be given together".into(),
+                ));
             }
             if let Some(i) = &kv.cache_batch_idx {
                 ko = ko.cache_batch_idx(i);

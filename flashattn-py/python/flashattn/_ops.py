@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from . import _flashattn as _ext
+from ._flashattn import FlashAttnError
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP8_DTYPES = tuple(
@@ -103,6 +104,18 @@ def _opts(
         "num_threads": torch.get_num_threads(),
         "cu_seqlens": cu,
     }
+
+
+def _byte_range(t: Tensor) -> tuple[int, int]:
+    if t.numel() == 0:
+        return (0, 0)
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return (t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size())
+
+
+def _overlap(a: Tensor, b: Tensor) -> bool:
+    (a0, a1), (b0, b1) = _byte_range(a), _byte_range(b)
+    return a0 < a1 and b0 < b1 and a0 < b1 and b0 < a1
 
 
 def _lse_shape(q: Tensor, packed: bool) -> tuple:
@@ -275,6 +288,89 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale, soft
 # ---- decoding with a KV cache --------------------------------------------------------------------
 
 
+def _kvcache(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cache_seqlens: Tensor,
+    k: Optional[Tensor],
+    v: Optional[Tensor],
+    rotary_cos: Optional[Tensor],
+    rotary_sin: Optional[Tensor],
+    cache_batch_idx: Optional[Tensor],
+    cache_leftpad: Optional[Tensor],
+    block_table: Optional[Tensor],
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k_new: Optional[Tensor],
+    k_descale: Optional[Tensor],
+    v_descale: Optional[Tensor],
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    rotary_interleaved: bool,
+    alibi_slopes: Optional[Tensor],
+    learnable_sink: Optional[Tensor],
+    num_splits: int,
+) -> tuple[Tensor, Tensor]:
+    if k_cache.numel() and k_cache.data_ptr() == v_cache.data_ptr():
+        raise FlashAttnError(
+            "flashattn: k_cache overlaps v_cache: they are the same memory; pass two distinct caches",
+            "Binding",
+        )
+    if _overlap(k_cache, v_cache):
+        # One buffer holds both caches (flash-attn's `kv_cache[:, :, 0]`, `[:, :, 1]`): the library
+        # writes through two exclusive views, so it works on copies that are written back after.
+        # This costs a pass over both caches per call.
+        kc = k_cache.clone(memory_format=torch.contiguous_format)
+        vc = v_cache.clone(memory_format=torch.contiguous_format)
+        out, lse = _kvcache(
+            q, kc, vc, cache_seqlens, k, v, rotary_cos, rotary_sin, cache_batch_idx,
+            cache_leftpad, block_table, cu_seqlens_q, cu_seqlens_k_new, k_descale, v_descale,
+            softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
+            alibi_slopes, learnable_sink, num_splits,
+        )
+        if k is not None:
+            k_cache.copy_(kc)
+            v_cache.copy_(vc)
+        return out, lse
+    packed = cu_seqlens_q is not None
+    out = torch.empty(q.shape, dtype=q.dtype)
+    lse = torch.empty(_lse_shape(q, packed), dtype=torch.float32)
+    opts = _opts(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+                 learnable_sink)
+    table = None
+    if block_table is not None:
+        if block_table.dim() != 2:
+            raise ValueError(
+                f"flashattn: block_table must be [batch, max_blocks_per_seq], got shape "
+                f"{tuple(block_table.shape)}"
+            )
+        table = (_ints("block_table", block_table), block_table.shape[0], block_table.shape[1])
+    kv = {
+        "k": _maybe_view("k", k),
+        "v": _maybe_view("v", v),
+        "rotary_cos": _maybe_view("rotary_cos", rotary_cos),
+        "rotary_sin": _maybe_view("rotary_sin", rotary_sin),
+        "rotary_interleaved": bool(rotary_interleaved),
+        "cache_batch_idx": _ints("cache_batch_idx", cache_batch_idx),
+        "cache_leftpad": _ints("cache_leftpad", cache_leftpad),
+        "block_table": table,
+        "cu_seqlens_q": _ints("cu_seqlens_q", cu_seqlens_q),
+        "cu_seqlens_k_new": _ints("cu_seqlens_k_new", cu_seqlens_k_new),
+        # flash-attn: any num_splits < 1 chooses automatically.
+        "num_splits": max(int(num_splits), 0),
+        "k_descale": _floats("k_descale", k_descale),
+        "v_descale": _floats("v_descale", v_descale),
+    }
+    _ext.kvcache(
+        _view("q", q), _view("k_cache", k_cache), _view("v_cache", v_cache),
+        _ints("cache_seqlens", cache_seqlens), _view("out", out), _view("lse", lse), opts, kv,
+    )
+    return out, lse
+
+
 @torch.library.custom_op("flashattn::fwd_kvcache", mutates_args=("k_cache", "v_cache"))
 def fwd_kvcache(
     q: Tensor,
@@ -302,39 +398,12 @@ def fwd_kvcache(
     learnable_sink: Optional[Tensor],
     num_splits: int,
 ) -> tuple[Tensor, Tensor]:
-    packed = cu_seqlens_q is not None
-    out = torch.empty(q.shape, dtype=q.dtype)
-    lse = torch.empty(_lse_shape(q, packed), dtype=torch.float32)
-    opts = _opts(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-                 learnable_sink)
-    table = None
-    if block_table is not None:
-        if block_table.dim() != 2:
-            raise ValueError(
-                f"flashattn: block_table must be [batch, max_blocks_per_seq], got shape "
-                f"{tuple(block_table.shape)}"
-            )
-        table = (_ints("block_table", block_table), block_table.shape[0], block_table.shape[1])
-    kv = {
-        "k": _maybe_view("k", k),
-        "v": _maybe_view("v", v),
-        "rotary_cos": _maybe_view("rotary_cos", rotary_cos),
-        "rotary_sin": _maybe_view("rotary_sin", rotary_sin),
-        "rotary_interleaved": bool(rotary_interleaved),
-        "cache_batch_idx": _ints("cache_batch_idx", cache_batch_idx),
-        "cache_leftpad": _ints("cache_leftpad", cache_leftpad),
-        "block_table": table,
-        "cu_seqlens_q": _ints("cu_seqlens_q", cu_seqlens_q),
-        "cu_seqlens_k_new": _ints("cu_seqlens_k_new", cu_seqlens_k_new),
-        "num_splits": int(num_splits),
-        "k_descale": _floats("k_descale", k_descale),
-        "v_descale": _floats("v_descale", v_descale),
-    }
-    _ext.kvcache(
-        _view("q", q), _view("k_cache", k_cache), _view("v_cache", v_cache),
-        _ints("cache_seqlens", cache_seqlens), _view("out", out), _view("lse", lse), opts, kv,
+    return _kvcache(
+        q, k_cache, v_cache, cache_seqlens, k, v, rotary_cos, rotary_sin, cache_batch_idx,
+        cache_leftpad, block_table, cu_seqlens_q, cu_seqlens_k_new, k_descale, v_descale,
+        softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
+        alibi_slopes, learnable_sink, num_splits,
     )
-    return out, lse
 
 
 @fwd_kvcache.register_fake
