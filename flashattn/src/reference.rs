@@ -75,7 +75,7 @@ fn matrix<X: Clone>(n: usize, len: usize, x: X) -> Result<Vec<Vec<X>>> {
     Ok(m)
 }
 
-/// Whether query `i` sees key `j`, written from the definition in the README.
+/// Whether query `i` sees key `j`, written from the definition in docs/SEMANTICS.md.
 fn visible(p: &Params, sq: usize, sk: usize, i: usize, j: usize) -> bool {
     // In i128, so that any window side (up to i64::MAX) is exact.
     let diag = i as i128 + sk as i128 - sq as i128; // the key on query i's diagonal

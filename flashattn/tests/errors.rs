@@ -1416,7 +1416,7 @@ mod properties {
         }
         let [q, k, v, _, out, lse, dout] = [0, 1, 2, 3, 4, 5, 6].map(|i| bufs.view(&ts[i]));
         // The buffers hold values in [-1, 1]: NaN is allowed only where the scale makes the
-        // scores themselves overflow f32 (data-dependent, so not refused; see the README).
+        // scores themselves overflow f32 (data-dependent, so not refused; see docs/SEMANTICS.md).
         let may_overflow = scores_may_overflow(
             opts.softmax_scale,
             q.shape().last().map_or(0.0, |&d| d as f64),
