@@ -121,7 +121,8 @@ unsafe fn write_forward(
     lse.write(&res.lse)
 }
 
-/// Forward: `flash_attn` (or `flash_attn_varlen` with `opts.cu_seqlens`); results into out, lse.
+/// Forward: `flash_attn_into` (or the varlen form with `opts.cu_seqlens`): the kernels write
+/// straight into out and lse.
 #[pyfunction]
 fn fwd(
     py: Python<'_>,
@@ -136,24 +137,35 @@ fn fwd(
         let [q, k, v, out, lse] = views([q, k, v, out, lse])?;
         let ov = opts.views()?;
         let pool = pool(opts.num_threads)?;
+        let mut inputs = vec![&q, &k, &v];
+        inputs.extend(ov.alibi.iter().chain(&ov.sink));
+        for w in [&out, &lse] {
+            w.check_disjoint(inputs.iter().copied())?;
+        }
+        out.check_disjoint([&lse])?;
         // SAFETY: the Python layer holds every tensor of the call alive and does not write the
-        // inputs while it runs; out and lse are fresh tensors, checked disjoint from the inputs.
+        // inputs while it runs; out and lse are fresh tensors, checked disjoint from the inputs
+        // and from each other, so the kernels write them in place.
         unsafe {
             let ao = opts.attn(&ov)?;
             let (qt, kt, vt) = (q.tensor()?, k.tensor()?, v.tensor()?);
-            let res = pool.install(|| match &opts.cu_seqlens {
-                Some((cq, ck)) => flashattn::flash_attn_varlen(&qt, &kt, &vt, cq, ck, &ao),
-                None => flashattn::flash_attn(&qt, &kt, &vt, &ao),
+            let dst = flashattn::OutBuffers {
+                out: out.dest()?,
+                lse: lse.dest_f32()?,
+            };
+            pool.install(|| match &opts.cu_seqlens {
+                Some((cq, ck)) => {
+                    flashattn::flash_attn_varlen_into(&qt, &kt, &vt, cq, ck, &ao, dst)
+                }
+                None => flashattn::flash_attn_into(&qt, &kt, &vt, &ao, dst),
             })?;
-            let mut inputs = vec![&q, &k, &v];
-            inputs.extend(ov.alibi.iter().chain(&ov.sink));
-            write_forward(&res, &out, &lse, &inputs)
         }
+        Ok(())
     })?;
     Ok(())
 }
 
-/// Backward: gradients of the forward above into dq, dk, dv (and dsink with a sink).
+/// Backward: gradients of the forward above, written in place into dq, dk, dv (and dsink).
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 fn bwd(
@@ -177,39 +189,37 @@ fn bwd(
         let pool = pool(opts.num_threads)?;
         // SAFETY: as in `fwd`; the gradients are fresh tensors checked disjoint from the inputs
         // and from each other before they are written.
+        let mut inputs = vec![&q, &k, &v, &out, &lse, &dout];
+        inputs.extend(ov.alibi.iter().chain(&ov.sink));
+        let mut outs = vec![&dq, &dk, &dv];
+        outs.extend(dsink.iter());
+        for (i, w) in outs.iter().enumerate() {
+            w.check_disjoint(inputs.iter().copied())?;
+            w.check_disjoint(outs[i + 1..].iter().copied())?;
+        }
+        // SAFETY: as in `fwd`; the gradients are fresh tensors checked disjoint from the inputs
+        // and from each other, written in place by the kernels.
         unsafe {
             let ao = opts.attn(&ov)?;
             let t = [&q, &k, &v, &out, &lse, &dout].map(|x| x.tensor());
             let [qt, kt, vt, ot, lt, dot] = t;
             let (qt, kt, vt, ot, lt, dot) = (qt?, kt?, vt?, ot?, lt?, dot?);
-            let g = pool.install(|| match &opts.cu_seqlens {
-                Some((cq, ck)) => flashattn::flash_attn_varlen_backward(
-                    &qt, &kt, &vt, &ot, &lt, &dot, cq, ck, &ao,
+            let dst = flashattn::GradBuffers {
+                dq: dq.dest()?,
+                dk: dk.dest()?,
+                dv: dv.dest()?,
+                dsink: dsink.as_ref().map(|d| d.dest_f32()).transpose()?,
+            };
+            pool.install(|| match &opts.cu_seqlens {
+                Some((cq, ck)) => flashattn::flash_attn_varlen_backward_into(
+                    &qt, &kt, &vt, &ot, &lt, &dot, cq, ck, &ao, dst,
                 ),
-                None => flashattn::flash_attn_backward(&qt, &kt, &vt, &ot, &lt, &dot, &ao),
-            })?;
-            let mut inputs = vec![&q, &k, &v, &out, &lse, &dout];
-            inputs.extend(ov.alibi.iter().chain(&ov.sink));
-            let mut outs = vec![&dq, &dk, &dv];
-            outs.extend(dsink.iter());
-            for (i, w) in outs.iter().enumerate() {
-                w.check_disjoint(inputs.iter().copied())?;
-                w.check_disjoint(outs[i + 1..].iter().copied())?;
-            }
-            dq.write(&g.dq)?;
-            dk.write(&g.dk)?;
-            dv.write(&g.dv)?;
-            match (&dsink, &g.dsink) {
-                (Some(w), Some(s)) => w.write(s)?,
-                (None, None) => {}
-                _ => {
-                    return Err(BindError::Value(
-                        "dsink must be given exactly when the call has a learnable_sink".into(),
-                    ))
+                None => {
+                    flashattn::flash_attn_backward_into(&qt, &kt, &vt, &ot, &lt, &dot, &ao, dst)
                 }
-            }
-            Ok(())
+            })?;
         }
+        Ok(())
     })?;
     Ok(())
 }

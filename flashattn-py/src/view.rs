@@ -7,7 +7,7 @@
 //! not to overlap any other view of the same call, so the slices built from them never alias.
 
 use flashattn::fp8::{Fp8TensorMut, Fp8TensorRef};
-use flashattn::{TensorMut, TensorRef};
+use flashattn::{SliceMut, TensorMut, TensorRef};
 use float8::{F8E4M3, F8E5M2};
 use half::{bf16, f16};
 use pyo3::prelude::*;
@@ -221,6 +221,41 @@ impl View {
             Dt::F8E5M2 => Fp8TensorMut::new(self.slice_mut::<F8E5M2>(), s, st),
             _ => return Err(self.not_fp8()),
         })
+    }
+
+    fn check_contiguous(&self) -> Result<(), BindError> {
+        // An empty tensor's strides are arbitrary (torch gives `(1, 1)` to a `[4, 0]` tensor).
+        if self.extent > 0 && self.strides != flashattn::tensor::contiguous_strides(&self.shape) {
+            return Err(BindError::Value(format!(
+                "{}: a destination must be contiguous, got shape {:?} strides {:?}",
+                self.name, self.shape, self.strides
+            )));
+        }
+        Ok(())
+    }
+
+    /// A contiguous destination of f32, f16 or bf16 that the library writes in place.
+    ///
+    /// # Safety
+    /// As [`View::slice_mut`].
+    pub unsafe fn dest<'a>(&self) -> Result<SliceMut<'a>, BindError> {
+        self.check_contiguous()?;
+        Ok(match self.dt {
+            Dt::F32 => SliceMut::F32(self.slice_mut::<f32>()),
+            Dt::F16 => SliceMut::F16(self.slice_mut::<f16>()),
+            Dt::BF16 => SliceMut::BF16(self.slice_mut::<bf16>()),
+            _ => return Err(self.not_float()),
+        })
+    }
+
+    /// A contiguous f32 destination (lse, dsink).
+    ///
+    /// # Safety
+    /// As [`View::slice_mut`].
+    pub unsafe fn dest_f32<'a>(&self) -> Result<&'a mut [f32], BindError> {
+        self.check_contiguous()?;
+        self.expect(Dt::F32)?;
+        Ok(self.slice_mut::<f32>())
     }
 
     /// Copies `src` (contiguous, this view's dtype) into this view, which must be contiguous.

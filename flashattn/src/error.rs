@@ -157,6 +157,17 @@ pub enum ErrorKind {
     Dropout { p: f32 },
     #[error("tensor `{tensor}` is too large: its size overflows the address space")]
     TooLarge { tensor: TensorName },
+    /// A caller-provided destination (`flash_attn_into` and the like) of the wrong size: it must
+    /// hold `shape`'s elements, contiguous.
+    #[error(
+        "destination `{tensor}` holds {got} elements, expected {expected} (contiguous {shape:?})"
+    )]
+    DestinationLength {
+        tensor: TensorName,
+        expected: usize,
+        got: usize,
+        shape: Vec<usize>,
+    },
     /// The memory for a result, the per-sequence table or a working buffer whose size follows
     /// the shapes could not be had: `bytes` is what the one allocation asked for. Nothing the
     /// caller owns was written.

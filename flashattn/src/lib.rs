@@ -66,6 +66,7 @@ pub use decode::{
     TensorMut,
 };
 pub use error::{CuSeqlensProblem, Error, ErrorKind, Result};
+
 pub use params::{AttnOptions, MAX_HEAD_DIM};
 pub use tensor::{Buffer, DType, Element, Slice, Tensor, TensorRef};
 
@@ -165,6 +166,167 @@ pub fn flash_attn_varlen(
 ) -> Result<AttnOutput> {
     let p = params::varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, opts)?;
     forward(&p, q, k, v)
+}
+
+/// Caller-provided destinations of a forward call ([`flash_attn_into`]): `out` holds q's shape
+/// (`[batch, seqlen_q, heads, head_dim]` or packed `[total_q, heads, head_dim]`) contiguous, in
+/// q's dtype; `lse` the shape of [`AttnOutput::lse`]. For embedding in frameworks that allocate
+/// their own tensors (the Python package): the kernels write there, no copy.
+#[derive(Debug)]
+pub struct OutBuffers<'a> {
+    pub out: SliceMut<'a>,
+    pub lse: &'a mut [f32],
+}
+
+/// Caller-provided destinations of a backward call ([`flash_attn_backward_into`]): dq with q's
+/// shape, dk and dv with k's, contiguous, in q's dtype; `dsink` (`[heads]`) exactly when the call
+/// has a learnable sink.
+#[derive(Debug)]
+pub struct GradBuffers<'a> {
+    pub dq: SliceMut<'a>,
+    pub dk: SliceMut<'a>,
+    pub dv: SliceMut<'a>,
+    pub dsink: Option<&'a mut [f32]>,
+}
+
+/// [`flash_attn`] writing into caller-provided buffers (validated first: on error nothing is
+/// written). Every element of `out` and `lse` is written.
+pub fn flash_attn_into(
+    q: &TensorRef,
+    k: &TensorRef,
+    v: &TensorRef,
+    opts: &AttnOptions,
+    dst: OutBuffers,
+) -> Result<()> {
+    let p = params::batched(q, k, v, opts)?;
+    forward_into(&p, q, k, v, dst)
+}
+
+/// [`flash_attn_varlen`] writing into caller-provided buffers (see [`flash_attn_into`]).
+pub fn flash_attn_varlen_into(
+    q: &TensorRef,
+    k: &TensorRef,
+    v: &TensorRef,
+    cu_seqlens_q: &[i32],
+    cu_seqlens_k: &[i32],
+    opts: &AttnOptions,
+    dst: OutBuffers,
+) -> Result<()> {
+    let p = params::varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, opts)?;
+    forward_into(&p, q, k, v, dst)
+}
+
+/// [`flash_attn_backward`] writing into caller-provided buffers (validated first: on error
+/// nothing is written).
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_backward_into(
+    q: &TensorRef,
+    k: &TensorRef,
+    v: &TensorRef,
+    out: &TensorRef,
+    lse: &TensorRef,
+    dout: &TensorRef,
+    opts: &AttnOptions,
+    dst: GradBuffers,
+) -> Result<()> {
+    let p = params::batched(q, k, v, opts)?;
+    let g = params::grad_inputs(&p, out, lse, dout)?;
+    backward_into(&p, &g, [q, k, v, out, dout], dst)
+}
+
+/// [`flash_attn_varlen_backward`] writing into caller-provided buffers.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_varlen_backward_into(
+    q: &TensorRef,
+    k: &TensorRef,
+    v: &TensorRef,
+    out: &TensorRef,
+    lse: &TensorRef,
+    dout: &TensorRef,
+    cu_seqlens_q: &[i32],
+    cu_seqlens_k: &[i32],
+    opts: &AttnOptions,
+    dst: GradBuffers,
+) -> Result<()> {
+    let p = params::varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, opts)?;
+    let g = params::grad_inputs(&p, out, lse, dout)?;
+    backward_into(&p, &g, [q, k, v, out, dout], dst)
+}
+
+fn slice_mut_len(s: &SliceMut) -> (DType, usize) {
+    (s.dtype(), s.as_slice().len())
+}
+
+fn forward_into(
+    p: &Params,
+    q: &TensorRef,
+    k: &TensorRef,
+    v: &TensorRef,
+    dst: OutBuffers,
+) -> Result<()> {
+    params::destination("out", slice_mut_len(&dst.out), p.dtype, &p.out_shape)?;
+    params::destination("lse", (DType::F32, dst.lse.len()), DType::F32, &p.lse_shape)?;
+    let lse = dst.lse;
+    match dst.out {
+        SliceMut::F32(o) => cpu::forward::forward_into(p, data(q), data(k), data(v), o, lse),
+        SliceMut::F16(o) => cpu::forward::forward_into(p, data(q), data(k), data(v), o, lse),
+        SliceMut::BF16(o) => cpu::forward::forward_into(p, data(q), data(k), data(v), o, lse),
+    }
+}
+
+fn backward_into(
+    p: &Params,
+    g: &params::GradInputs,
+    [q, k, v, out, dout]: [&TensorRef; 5],
+    dst: GradBuffers,
+) -> Result<()> {
+    params::destination("dq", slice_mut_len(&dst.dq), p.dtype, &p.out_shape)?;
+    params::destination("dk", slice_mut_len(&dst.dk), p.dtype, &p.k_shape)?;
+    params::destination("dv", slice_mut_len(&dst.dv), p.dtype, &p.k_shape)?;
+    let sink_shape = [if p.sink.is_some() { p.heads } else { 0 }];
+    let dsink_len = dst.dsink.as_ref().map_or(0, |d| d.len());
+    params::destination("dsink", (DType::F32, dsink_len), DType::F32, &sink_shape)?;
+    if p.sink.is_some() != dst.dsink.is_some() {
+        return Err(ErrorKind::DestinationLength {
+            tensor: "dsink",
+            expected: sink_shape[0],
+            got: dsink_len,
+            shape: sink_shape.to_vec(),
+        }
+        .into());
+    }
+    fn run<T: Element>(
+        p: &Params,
+        g: &params::GradInputs,
+        [q, k, v, out, dout]: [&TensorRef; 5],
+        grads: (&mut [T], &mut [T], &mut [T]),
+    ) -> Result<Option<Vec<f32>>> {
+        let inputs = cpu::backward::BackwardInputs {
+            q: data(q),
+            k: data(k),
+            v: data(v),
+            out: data(out),
+            dout: data(dout),
+        };
+        cpu::backward::backward_into(p, g, inputs, grads)
+    }
+    let inputs = [q, k, v, out, dout];
+    let dsink = match (dst.dq, dst.dk, dst.dv) {
+        (SliceMut::F32(a), SliceMut::F32(b), SliceMut::F32(c)) => run(p, g, inputs, (a, b, c)),
+        (SliceMut::F16(a), SliceMut::F16(b), SliceMut::F16(c)) => run(p, g, inputs, (a, b, c)),
+        (SliceMut::BF16(a), SliceMut::BF16(b), SliceMut::BF16(c)) => run(p, g, inputs, (a, b, c)),
+        // Unreachable: the three dtypes were checked equal to p.dtype above.
+        (dq, _, _) => Err(ErrorKind::DType {
+            tensor: "dq",
+            expected: p.dtype,
+            got: dq.dtype(),
+        }
+        .into()),
+    }?;
+    if let (Some(w), Some(s)) = (dst.dsink, dsink) {
+        w.copy_from_slice(&s);
+    }
+    Ok(())
 }
 
 /// The buffer of a validated tensor (its dtype was checked against `T`).

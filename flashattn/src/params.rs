@@ -833,3 +833,32 @@ pub(crate) fn check_lse<V: ViewDesc + ?Sized>(p: &Params, lse: &V) -> Result<()>
     check_dtype("lse", lse, DType::F32)?;
     check_shape("lse", lse, &p.lse_shape)
 }
+
+/// Checks a caller-provided destination: dtype `expected_dtype`, `shape`'s number of elements
+/// (contiguous). The `_into` calls write nothing before every destination has passed.
+pub(crate) fn destination(
+    tensor: &'static str,
+    (dtype, len): (DType, usize),
+    expected_dtype: DType,
+    shape: &[usize],
+) -> Result<()> {
+    if dtype != expected_dtype {
+        return Err(ErrorKind::DType {
+            tensor,
+            expected: expected_dtype,
+            got: dtype,
+        }
+        .into());
+    }
+    let expected: usize = shape.iter().product();
+    if len != expected {
+        return Err(ErrorKind::DestinationLength {
+            tensor,
+            expected,
+            got: len,
+            shape: shape.to_vec(),
+        }
+        .into());
+    }
+    Ok(())
+}

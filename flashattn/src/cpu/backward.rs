@@ -316,18 +316,60 @@ pub(crate) fn backward<T: Element>(
     out: &[T],
     dout: &[T],
 ) -> Result<Grads<T>> {
-    // FP8 inputs have a forward only (as FlashAttention-3): no entry point builds these params.
-    debug_assert!(
-        p.descale.is_none(),
-        "the backward has no FP8 descale factors"
-    );
-    let bs = block_sizes(Pass::Backward, p.kernels.isa);
+    // Poisoned: every element is written, and tests check.
     let poison = T::from_f32(f32::NAN);
     let (mut dq, mut dk, mut dv) = (
         try_filled("`dq`", poison, p.out_len())?,
         try_filled("`dk`", poison, p.dk_len())?,
         try_filled("`dv`", poison, p.dk_len())?,
     );
+    let inputs = BackwardInputs { q, k, v, out, dout };
+    let dsink = backward_poisoned(p, g, inputs, (&mut dq, &mut dk, &mut dv))?;
+    Ok((dq, dk, dv, dsink))
+}
+
+/// The tensors a backward call reads, in their validated layouts.
+#[derive(Clone, Copy)]
+pub(crate) struct BackwardInputs<'a, T> {
+    pub q: &'a [T],
+    pub k: &'a [T],
+    pub v: &'a [T],
+    pub out: &'a [T],
+    pub dout: &'a [T],
+}
+
+/// [`backward`] into the caller's contiguous `dq` (`p.out_len()` elements), `dk` and `dv`
+/// (`p.dk_len()` each), whose lengths the caller checked; returns dsink when the call has sinks.
+pub(crate) fn backward_into<T: Element>(
+    p: &Params,
+    g: &GradInputs,
+    inputs: BackwardInputs<T>,
+    (dq, dk, dv): (&mut [T], &mut [T], &mut [T]),
+) -> Result<Option<Vec<f32>>> {
+    let poison = T::from_f32(f32::NAN);
+    for d in [&mut *dq, &mut *dk, &mut *dv] {
+        d.fill(poison);
+    }
+    backward_poisoned(p, g, inputs, (dq, dk, dv))
+}
+
+/// The backward over gradients that arrive poisoned (NaN; every element is written).
+fn backward_poisoned<T: Element>(
+    p: &Params,
+    g: &GradInputs,
+    BackwardInputs { q, k, v, out, dout }: BackwardInputs<T>,
+    (dq, dk, dv): (&mut [T], &mut [T], &mut [T]),
+) -> Result<Option<Vec<f32>>> {
+    // FP8 inputs have a forward only (as FlashAttention-3): no entry point builds these params.
+    debug_assert!(
+        p.descale.is_none(),
+        "the backward has no FP8 descale factors"
+    );
+    debug_assert_eq!(
+        (dq.len(), dk.len(), dv.len()),
+        (p.out_len(), p.dk_len(), p.dk_len())
+    );
+    let bs = block_sizes(Pass::Backward, p.kernels.isa);
     let delta = compute_delta(p, g, out, dout)?;
     let dsink = sink_grad(p, g, &delta);
     let bf_in = bf16_inputs(p, q, k, v);
@@ -359,7 +401,7 @@ pub(crate) fn backward<T: Element>(
     dk[k_used * p.heads_kv * d..].fill(T::default());
     dv[k_used * p.heads_kv * d..].fill(T::default());
 
-    let (dk_w, dv_w) = (Disjoint::new(&mut dk), Disjoint::new(&mut dv));
+    let (dk_w, dv_w) = (Disjoint::new(dk), Disjoint::new(dv));
     let new_scratch = || (Scratch::new(bs, d), vec![T::default(); d]);
     if let Some(chunks) = g.dq_chunks {
         let mut parts = DqPartials::new(p, bs, chunks)?;
@@ -382,13 +424,13 @@ pub(crate) fn backward<T: Element>(
                     dkdv_block(&cx, item, scr, row_buf, &dk_w, &dv_w, Some(&mut *dq_part));
                 }
             });
-        let dq_w = Disjoint::new(&mut dq);
+        let dq_w = Disjoint::new(dq);
         super::forward::work_items(p, bs.block_m)
             .par_iter()
             .for_each_init(new_scratch, |(scr, row_buf), item| {
                 parts.sum_into(p, bs, *item, scr, row_buf, &dq_w)
             });
-        return Ok((dq, dk, dv, dsink));
+        return Ok(dsink);
     }
     let kv_items: Vec<WorkItem> = p
         .seqs
@@ -406,13 +448,13 @@ pub(crate) fn backward<T: Element>(
             dkdv_block(&cx, *item, scr, row_buf, &dk_w, &dv_w, None)
         });
 
-    let dq_w = Disjoint::new(&mut dq);
+    let dq_w = Disjoint::new(dq);
     super::forward::work_items(p, bs.block_m)
         .par_iter()
         .for_each_init(new_scratch, |(scr, row_buf), item| {
             dq_block(&cx, *item, scr, row_buf, &dq_w)
         });
-    Ok((dq, dk, dv, dsink))
+    Ok(dsink)
 }
 
 /// What [`backward`] returns: dq, dk, dv and, with sinks, dsink.

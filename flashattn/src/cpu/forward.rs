@@ -497,7 +497,26 @@ pub(crate) fn forward<T: Element>(
     k: &[T],
     v: &[T],
 ) -> Result<(Vec<T>, Vec<f32>)> {
-    forward_with(p, (q, k, v), bf16_inputs(p, q, k, v))
+    // Poisoned: every element is written (rows of no sequence explicitly), and tests check.
+    let mut out = try_filled("`out`", T::from_f32(f32::NAN), p.out_len())?;
+    let mut lse = try_filled("`lse`", f32::NAN, p.lse_len())?;
+    forward_with(p, (q, k, v), bf16_inputs(p, q, k, v), &mut out, &mut lse)?;
+    Ok((out, lse))
+}
+
+/// [`forward`] into the caller's contiguous `out` (`p.out_len()` elements) and `lse`
+/// (`p.lse_len()`), whose lengths the caller checked.
+pub(crate) fn forward_into<T: Element>(
+    p: &Params,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    out: &mut [T],
+    lse: &mut [f32],
+) -> Result<()> {
+    out.fill(T::from_f32(f32::NAN));
+    lse.fill(f32::NAN);
+    forward_with(p, (q, k, v), bf16_inputs(p, q, k, v), out, lse)
 }
 
 /// Forward attention of FP8 inputs on the bf16 dot-product path (the caller checked that the
@@ -511,7 +530,10 @@ pub(crate) fn forward_fp8(
 ) -> Result<(Vec<bf16>, Vec<f32>)> {
     debug_assert!(p.kernels.has_bf16_dot());
     // The typed slices feed only the f32 products, which do not run when `bf` is given.
-    forward_with::<bf16, _>(p, (&[], &[], &[]), Some((q, k, v)))
+    let mut out = try_filled("`out`", bf16::NAN, p.out_len())?;
+    let mut lse = try_filled("`lse`", f32::NAN, p.lse_len())?;
+    forward_with::<bf16, _>(p, (&[], &[], &[]), Some((q, k, v)), &mut out, &mut lse)?;
+    Ok((out, lse))
 }
 
 /// The forward over typed inputs `qkv` (read by the f32 products), or, when `bf` is given, over
@@ -520,17 +542,18 @@ fn forward_with<T: Element, S: Bf16Source>(
     p: &Params,
     (q, k, v): (&[T], &[T], &[T]),
     bf: Option<(S, S, S)>,
-) -> Result<(Vec<T>, Vec<f32>)> {
+    out: &mut [T],
+    lse: &mut [f32],
+) -> Result<()> {
+    debug_assert_eq!((out.len(), lse.len()), (p.out_len(), p.lse_len()));
     let pass = if bf.is_some() {
         Pass::ForwardBf16Dot
     } else {
         Pass::ForwardF32
     };
     let bs = block_sizes(pass, p.kernels.isa);
-    // Poisoned: every element is written below (rows of no sequence explicitly), and tests check.
-    let mut out = try_filled("`out`", T::from_f32(f32::NAN), p.out_len())?;
-    let mut lse = try_filled("`lse`", f32::NAN, p.lse_len())?;
-    clear_unused_rows(p, &mut out, &mut lse);
+    // `out` and `lse` arrive poisoned (NaN): every element is written below.
+    clear_unused_rows(p, out, lse);
     let mut items = work_items(p, bs.block_m);
     let revisited = key_blocks_revisited(p, &items, bs);
     let d = p.head_dim;
@@ -583,7 +606,7 @@ fn forward_with<T: Element, S: Bf16Source>(
         },
         bf,
     };
-    let (out_w, lse_w) = (Disjoint::new(&mut out), Disjoint::new(&mut lse));
+    let (out_w, lse_w) = (Disjoint::new(out), Disjoint::new(lse));
     // Longest first (causal and windowed items see different numbers of key blocks), so the last
     // items to run are short ones and the threads finish together.
     items.sort_by_key(|it| std::cmp::Reverse(key_blocks(p, it, bs)));
@@ -603,7 +626,7 @@ fn forward_with<T: Element, S: Bf16Source>(
         .get_or_insert_with(|| (Scratch::new(bs, p.head_dim), vec![T::default(); p.head_dim]));
         forward_block(p, &inputs, *item, bs, scratch, row_buf, &out_w, &lse_w)
     });
-    Ok((out, lse))
+    Ok(())
 }
 
 /// A worker's tiles and its output row buffer.
