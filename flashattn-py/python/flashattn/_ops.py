@@ -288,32 +288,9 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale, soft
 # ---- decoding with a KV cache --------------------------------------------------------------------
 
 
-def _kvcache(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    cache_seqlens: Tensor,
-    k: Optional[Tensor],
-    v: Optional[Tensor],
-    rotary_cos: Optional[Tensor],
-    rotary_sin: Optional[Tensor],
-    cache_batch_idx: Optional[Tensor],
-    cache_leftpad: Optional[Tensor],
-    block_table: Optional[Tensor],
-    cu_seqlens_q: Optional[Tensor],
-    cu_seqlens_k_new: Optional[Tensor],
-    k_descale: Optional[Tensor],
-    v_descale: Optional[Tensor],
-    softmax_scale: float,
-    causal: bool,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    rotary_interleaved: bool,
-    alibi_slopes: Optional[Tensor],
-    learnable_sink: Optional[Tensor],
-    num_splits: int,
-) -> tuple[Tensor, Tensor]:
+def _kvcache(a: dict) -> tuple[Tensor, Tensor]:
+    """The body of `fwd_kvcache`, over its arguments by name."""
+    q, k_cache, v_cache, k, v = a["q"], a["k_cache"], a["v_cache"], a["k"], a["v"]
     if k_cache.numel() and k_cache.data_ptr() == v_cache.data_ptr():
         raise FlashAttnError(
             "flashattn: k_cache overlaps v_cache: they are the same memory; pass two distinct caches",
@@ -325,48 +302,44 @@ def _kvcache(
         # This costs a pass over both caches per call.
         kc = k_cache.clone(memory_format=torch.contiguous_format)
         vc = v_cache.clone(memory_format=torch.contiguous_format)
-        out, lse = _kvcache(
-            q, kc, vc, cache_seqlens, k, v, rotary_cos, rotary_sin, cache_batch_idx,
-            cache_leftpad, block_table, cu_seqlens_q, cu_seqlens_k_new, k_descale, v_descale,
-            softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
-            alibi_slopes, learnable_sink, num_splits,
-        )
+        out, lse = _kvcache({**a, "k_cache": kc, "v_cache": vc})
         if k is not None:
             k_cache.copy_(kc)
             v_cache.copy_(vc)
         return out, lse
-    packed = cu_seqlens_q is not None
+    packed = a["cu_seqlens_q"] is not None
     out = torch.empty(q.shape, dtype=q.dtype)
     lse = torch.empty(_lse_shape(q, packed), dtype=torch.float32)
-    opts = _opts(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-                 learnable_sink)
-    table = None
-    if block_table is not None:
-        if block_table.dim() != 2:
+    opts = _opts(a["softmax_scale"], a["causal"], a["window_left"], a["window_right"],
+                 a["softcap"], a["alibi_slopes"], a["learnable_sink"])
+    table, bt = None, a["block_table"]
+    if bt is not None:
+        if bt.dim() != 2:
             raise ValueError(
                 f"flashattn: block_table must be [batch, max_blocks_per_seq], got shape "
-                f"{tuple(block_table.shape)}"
+                f"{tuple(bt.shape)}"
             )
-        table = (_ints("block_table", block_table), block_table.shape[0], block_table.shape[1])
+        table = (_ints("block_table", bt), bt.shape[0], bt.shape[1])
     kv = {
         "k": _maybe_view("k", k),
         "v": _maybe_view("v", v),
-        "rotary_cos": _maybe_view("rotary_cos", rotary_cos),
-        "rotary_sin": _maybe_view("rotary_sin", rotary_sin),
-        "rotary_interleaved": bool(rotary_interleaved),
-        "cache_batch_idx": _ints("cache_batch_idx", cache_batch_idx),
-        "cache_leftpad": _ints("cache_leftpad", cache_leftpad),
+        "rotary_cos": _maybe_view("rotary_cos", a["rotary_cos"]),
+        "rotary_sin": _maybe_view("rotary_sin", a["rotary_sin"]),
+        "rotary_interleaved": bool(a["rotary_interleaved"]),
+        "cache_batch_idx": _ints("cache_batch_idx", a["cache_batch_idx"]),
+        "cache_leftpad": _ints("cache_leftpad", a["cache_leftpad"]),
         "block_table": table,
-        "cu_seqlens_q": _ints("cu_seqlens_q", cu_seqlens_q),
-        "cu_seqlens_k_new": _ints("cu_seqlens_k_new", cu_seqlens_k_new),
+        "cu_seqlens_q": _ints("cu_seqlens_q", a["cu_seqlens_q"]),
+        "cu_seqlens_k_new": _ints("cu_seqlens_k_new", a["cu_seqlens_k_new"]),
         # flash-attn: any num_splits < 1 chooses automatically.
-        "num_splits": max(int(num_splits), 0),
-        "k_descale": _floats("k_descale", k_descale),
-        "v_descale": _floats("v_descale", v_descale),
+        "num_splits": max(int(a["num_splits"]), 0),
+        "k_descale": _floats("k_descale", a["k_descale"]),
+        "v_descale": _floats("v_descale", a["v_descale"]),
     }
     _ext.kvcache(
         _view("q", q), _view("k_cache", k_cache), _view("v_cache", v_cache),
-        _ints("cache_seqlens", cache_seqlens), _view("out", out), _view("lse", lse), opts, kv,
+        _ints("cache_seqlens", a["cache_seqlens"]), _view("out", out), _view("lse", lse), opts,
+        kv,
     )
     return out, lse
 
@@ -398,12 +371,7 @@ def fwd_kvcache(
     learnable_sink: Optional[Tensor],
     num_splits: int,
 ) -> tuple[Tensor, Tensor]:
-    return _kvcache(
-        q, k_cache, v_cache, cache_seqlens, k, v, rotary_cos, rotary_sin, cache_batch_idx,
-        cache_leftpad, block_table, cu_seqlens_q, cu_seqlens_k_new, k_descale, v_descale,
-        softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
-        alibi_slopes, learnable_sink, num_splits,
-    )
+    return _kvcache(dict(locals()))
 
 
 @fwd_kvcache.register_fake
