@@ -5,6 +5,8 @@
 //! output tensors the Python layer allocated. Validation of shapes, strides, options and values
 //! is the library's (one boundary); this layer only checks what turns addresses into slices.
 
+#[cfg(feature = "cuda")]
+mod cuda;
 mod errors;
 mod view;
 
@@ -20,7 +22,7 @@ use view::{Dt, RawView, View};
 /// The options every attention call shares, as the Python layer passes them (a dict).
 #[derive(Debug, FromPyObject)]
 #[pyo3(from_item_all)]
-struct Opts {
+pub(crate) struct Opts {
     softmax_scale: f32,
     causal: bool,
     window_left: i64,
@@ -95,7 +97,7 @@ fn pool(threads: usize) -> Result<Arc<rayon::ThreadPool>, BindError> {
     Ok(p)
 }
 
-fn views<const N: usize>(raw: [RawView; N]) -> Result<[View; N], BindError> {
+pub(crate) fn views<const N: usize>(raw: [RawView; N]) -> Result<[View; N], BindError> {
     let v: Vec<View> = raw
         .into_iter()
         .map(View::try_from)
@@ -269,7 +271,7 @@ fn fwd_fp8(
 /// What `flash_attn_with_kvcache` takes beyond the attention options (a dict).
 #[derive(Debug, FromPyObject)]
 #[pyo3(from_item_all)]
-struct KvOpts {
+pub(crate) struct KvOpts {
     k: Option<RawView>,
     v: Option<RawView>,
     rotary_cos: Option<RawView>,
@@ -431,5 +433,11 @@ fn _flashattn(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kvcache, m)?)?;
     m.add_function(wrap_pyfunction!(dropout_keep_mask, m)?)?;
     m.add_function(wrap_pyfunction!(isa, m)?)?;
+    #[cfg(feature = "cuda")]
+    {
+        m.add_function(wrap_pyfunction!(cuda::cuda_fwd, m)?)?;
+        m.add_function(wrap_pyfunction!(cuda::cuda_bwd, m)?)?;
+        m.add_function(wrap_pyfunction!(cuda::cuda_kvcache, m)?)?;
+    }
     Ok(())
 }

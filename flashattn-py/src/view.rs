@@ -108,6 +108,21 @@ impl TryFrom<RawView> for View {
 }
 
 impl View {
+    /// The first element's address.
+    pub fn addr(&self) -> usize {
+        self.addr
+    }
+
+    /// Elements from the first to one past the last reachable one.
+    pub fn extent(&self) -> usize {
+        self.extent
+    }
+
+    /// Fails unless the view is contiguous (any strides when empty).
+    pub fn require_contiguous(&self) -> Result<(), BindError> {
+        self.check_contiguous()
+    }
+
     fn bytes(&self) -> std::ops::Range<usize> {
         self.addr..self.addr + self.extent * self.dt.size()
     }

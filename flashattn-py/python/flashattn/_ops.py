@@ -14,6 +14,7 @@ Ops (namespace ``flashattn``):
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -37,12 +38,35 @@ for _d in FP8_DTYPES:
     _DTYPE_NAMES[_d] = str(_d).removeprefix("torch.")
 
 
-def _view(name: str, t: Tensor) -> tuple:
-    """A CPU tensor as the extension module takes it: (name, address, dtype, shape, strides)."""
-    if t.device.type != "cpu":
+def _on_cuda(**tensors: Optional[Tensor]) -> bool:
+    """Whether a call runs on CUDA: every tensor on the CPU (False) or all on one CUDA device
+    (True, with the experimental path enabled)."""
+    devices = {t.device for t in tensors.values() if t is not None}
+    if all(d.type == "cpu" for d in devices):
+        return False
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        found = ", ".join(f"{n}: {t.device}" for n, t in tensors.items() if t is not None)
+        raise ValueError(f"flashattn: tensors must all be on the CPU or on one CUDA device ({found})")
+    if os.environ.get("FLASHATTN_PY_CUDA") != "1" or not hasattr(_ext, "cuda_fwd"):
         raise NotImplementedError(
-            f"flashattn: `{name}` is on {t.device}; this version of the Python package runs on the "
-            "CPU only (the CUDA backend is reachable from Rust, not yet from PyTorch)"
+            "flashattn: CUDA tensors go through flashattn's CUDA backend only with "
+            "FLASHATTN_PY_CUDA=1 (experimental: written, not yet run on a GPU); the CPU path is "
+            "the tested one"
+        )
+    return True
+
+
+def _cuda_target(t: Tensor) -> tuple[int, int]:
+    """(device ordinal, the CUstream torch runs on now) for a CUDA call."""
+    return t.device.index, torch.cuda.current_stream(t.device).cuda_stream
+
+
+def _view(name: str, t: Tensor, cuda: bool = False) -> tuple:
+    """A tensor as the extension module takes it: (name, address, dtype, shape, strides)."""
+    if t.device.type != ("cuda" if cuda else "cpu"):
+        raise NotImplementedError(
+            f"flashattn: `{name}` is on {t.device}; this call runs on "
+            f"{'CUDA' if cuda else 'the CPU'}"
         )
     dtype = _DTYPE_NAMES.get(t.dtype)
     if dtype is None:
@@ -53,8 +77,8 @@ def _view(name: str, t: Tensor) -> tuple:
     return (name, t.data_ptr(), dtype, tuple(t.shape), tuple(t.stride()))
 
 
-def _maybe_view(name: str, t: Optional[Tensor]) -> Optional[tuple]:
-    return None if t is None else _view(name, t)
+def _maybe_view(name: str, t: Optional[Tensor], cuda: bool = False) -> Optional[tuple]:
+    return None if t is None else _view(name, t, cuda)
 
 
 def _ints(name: str, t: Optional[Tensor]) -> Optional[list]:
@@ -62,8 +86,7 @@ def _ints(name: str, t: Optional[Tensor]) -> Optional[list]:
         return None
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise TypeError(f"flashattn: `{name}` must hold integers (torch.int32), got {t.dtype}")
-    if t.device.type != "cpu":
-        raise NotImplementedError(f"flashattn: `{name}` is on {t.device}; CPU tensors only")
+    # On CUDA this copies to the host (the library takes index arrays on the host): one sync.
     return t.reshape(-1).tolist()
 
 
@@ -85,6 +108,7 @@ def _opts(
     seed: int = 0,
     cu_seqlens_q: Optional[Tensor] = None,
     cu_seqlens_k: Optional[Tensor] = None,
+    cuda: bool = False,
 ) -> dict:
     cu = None
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
@@ -97,8 +121,8 @@ def _opts(
         "window_left": int(window_left),
         "window_right": int(window_right),
         "softcap": float(softcap),
-        "alibi_slopes": _maybe_view("alibi_slopes", alibi_slopes),
-        "learnable_sink": _maybe_view("learnable_sink", learnable_sink),
+        "alibi_slopes": _maybe_view("alibi_slopes", alibi_slopes, cuda),
+        "learnable_sink": _maybe_view("learnable_sink", learnable_sink, cuda),
         "dropout_p": float(dropout_p),
         "seed": int(seed),
         "num_threads": torch.get_num_threads(),
@@ -148,6 +172,8 @@ def fwd(
     learnable_sink: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor]:
     packed = cu_seqlens_q is not None
+    cuda = _on_cuda(q=q, k=k, v=v, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
+    # On the host on either backend: the backward reads the seed without a device sync.
     rng_state = torch.zeros(2, dtype=torch.int64)
     seed = 0
     if dropout_p > 0.0:
@@ -157,9 +183,14 @@ def fwd(
     lse = torch.empty(_lse_shape(q, packed), dtype=torch.float32, device=q.device)
     opts = _opts(
         softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-        learnable_sink, dropout_p, seed, cu_seqlens_q, cu_seqlens_k,
+        learnable_sink, dropout_p, seed, cu_seqlens_q, cu_seqlens_k, cuda,
     )
-    _ext.fwd(_view("q", q), _view("k", k), _view("v", v), _view("out", out), _view("lse", lse), opts)
+    views = [_view(n, t, cuda) for n, t in (("q", q), ("k", k), ("v", v), ("out", out),
+                                            ("lse", lse))]
+    if cuda:
+        _ext.cuda_fwd(*_cuda_target(q), *views, opts)
+    else:
+        _ext.fwd(*views, opts)
     return out, lse, rng_state
 
 
@@ -169,7 +200,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, win
     packed = cu_seqlens_q is not None
     out = q.new_empty(q.shape)
     lse = q.new_empty(_lse_shape(q, packed), dtype=torch.float32)
-    return out, lse, q.new_empty((2,), dtype=torch.int64)
+    return out, lse, torch.empty((2,), dtype=torch.int64, device="cpu")
 
 
 @torch.library.custom_op("flashattn::bwd", mutates_args=())
@@ -194,20 +225,25 @@ def bwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    dq = torch.empty(q.shape, dtype=q.dtype)
-    dk = torch.empty(k.shape, dtype=k.dtype)
-    dv = torch.empty(v.shape, dtype=v.dtype)
+    cuda = _on_cuda(q=q, k=k, v=v, out=out, lse=lse, dout=dout, alibi_slopes=alibi_slopes,
+                    learnable_sink=learnable_sink)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=q.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=q.device)
     has_sink = learnable_sink is not None
-    dsink = torch.empty((q.shape[-2],) if has_sink else (0,), dtype=torch.float32)
+    dsink = torch.empty((q.shape[-2],) if has_sink else (0,), dtype=torch.float32, device=q.device)
     opts = _opts(
         softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-        learnable_sink, dropout_p, int(rng_state[0]), cu_seqlens_q, cu_seqlens_k,
+        learnable_sink, dropout_p, int(rng_state[0]), cu_seqlens_q, cu_seqlens_k, cuda,
     )
-    _ext.bwd(
-        _view("q", q), _view("k", k), _view("v", v), _view("out", out), _view("lse", lse),
-        _view("dout", dout), _view("dq", dq), _view("dk", dk), _view("dv", dv),
-        _view("dsink", dsink) if has_sink else None, opts,
-    )
+    views = [_view(n, t, cuda) for n, t in (("q", q), ("k", k), ("v", v), ("out", out),
+                                            ("lse", lse), ("dout", dout), ("dq", dq),
+                                            ("dk", dk), ("dv", dv))]
+    ds = _view("dsink", dsink, cuda) if has_sink else None
+    if cuda:
+        _ext.cuda_bwd(*_cuda_target(q), *views, ds, opts)
+    else:
+        _ext.bwd(*views, ds, opts)
     return dq, dk, dv, dsink
 
 
@@ -308,10 +344,12 @@ def _kvcache(a: dict) -> tuple[Tensor, Tensor]:
             v_cache.copy_(vc)
         return out, lse
     packed = a["cu_seqlens_q"] is not None
-    out = torch.empty(q.shape, dtype=q.dtype)
-    lse = torch.empty(_lse_shape(q, packed), dtype=torch.float32)
+    cuda = _on_cuda(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
+                    rotary_cos=a["rotary_cos"], rotary_sin=a["rotary_sin"])
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(_lse_shape(q, packed), dtype=torch.float32, device=q.device)
     opts = _opts(a["softmax_scale"], a["causal"], a["window_left"], a["window_right"],
-                 a["softcap"], a["alibi_slopes"], a["learnable_sink"])
+                 a["softcap"], a["alibi_slopes"], a["learnable_sink"], cuda=cuda)
     table, bt = None, a["block_table"]
     if bt is not None:
         if bt.dim() != 2:
@@ -321,10 +359,10 @@ def _kvcache(a: dict) -> tuple[Tensor, Tensor]:
             )
         table = (_ints("block_table", bt), bt.shape[0], bt.shape[1])
     kv = {
-        "k": _maybe_view("k", k),
-        "v": _maybe_view("v", v),
-        "rotary_cos": _maybe_view("rotary_cos", a["rotary_cos"]),
-        "rotary_sin": _maybe_view("rotary_sin", a["rotary_sin"]),
+        "k": _maybe_view("k", k, cuda),
+        "v": _maybe_view("v", v, cuda),
+        "rotary_cos": _maybe_view("rotary_cos", a["rotary_cos"], cuda),
+        "rotary_sin": _maybe_view("rotary_sin", a["rotary_sin"], cuda),
         "rotary_interleaved": bool(a["rotary_interleaved"]),
         "cache_batch_idx": _ints("cache_batch_idx", a["cache_batch_idx"]),
         "cache_leftpad": _ints("cache_leftpad", a["cache_leftpad"]),
@@ -336,11 +374,13 @@ def _kvcache(a: dict) -> tuple[Tensor, Tensor]:
         "k_descale": _floats("k_descale", a["k_descale"]),
         "v_descale": _floats("v_descale", a["v_descale"]),
     }
-    _ext.kvcache(
-        _view("q", q), _view("k_cache", k_cache), _view("v_cache", v_cache),
-        _ints("cache_seqlens", a["cache_seqlens"]), _view("out", out), _view("lse", lse), opts,
-        kv,
-    )
+    call = (_view("q", q, cuda), _view("k_cache", k_cache, cuda), _view("v_cache", v_cache, cuda),
+            _ints("cache_seqlens", a["cache_seqlens"]), _view("out", out, cuda),
+            _view("lse", lse, cuda), opts, kv)
+    if cuda:
+        _ext.cuda_kvcache(*_cuda_target(q), *call)
+    else:
+        _ext.kvcache(*call)
     return out, lse
 
 

@@ -225,6 +225,17 @@ impl CudaDevice {
         Self::from_parts(stream.context().clone(), stream)
     }
 
+    /// This device on another stream of its context (e.g. the stream a framework runs on now):
+    /// the kernels compiled and loaded so far are shared by every such copy, so a process
+    /// compiles each variant once whatever the streams. The caller orders the new stream's work
+    /// with the old one's.
+    pub fn on_stream(&self, stream: Arc<CudaStream>) -> CudaDevice {
+        CudaDevice {
+            stream,
+            ..self.clone()
+        }
+    }
+
     fn from_parts(ctx: Arc<CudaContext>, stream: Arc<CudaStream>) -> Result<CudaDevice> {
         let (major, minor) = ctx
             .compute_capability()
