@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds what a GPU session carries to the device machine (which has no Rust toolchain) into
-# gpu-run/ (git-ignored): the release `flashattn` binary and the CUDA test binaries, stripped so
+# gpu-run/ (git-ignored): the release `flashattn` binary, the Python wheel and the CUDA test binaries, stripped so
 # the folder stays far below the 64 MiB carry limit. Then, on the device machine:
 #
 #   bash bench/gpu/session.sh 500  # one call: the GPU tests, then flashattn vs PyTorch SDPA
@@ -33,6 +33,13 @@ for line in sys.stdin:
         print("copied", name)
 '
 strip gpu-run/* 2>/dev/null || true
+# The Python package's wheel (abi3: the device machine's Python 3.12 installs it), built with
+# maturin from bench/.venv (scripts/test installs it there).
+if [ -x bench/.venv/bin/maturin ]; then
+    bench/.venv/bin/maturin build --release --strip -m flashattn-py/Cargo.toml --out gpu-run
+else
+    echo "no bench/.venv/bin/maturin: the wheel is not carried (run scripts/test --python first)"
+fi
 du -sh gpu-run
 if [ "${1:-}" = --cache ]; then
     cache=$(mktemp -d)

@@ -11,7 +11,7 @@
 #   4. NVRTC's own compile rate there (a few variants into an empty cache).
 #
 # Here: bash bench/gpu/prepare.sh && the cache (see docs/GPU.md); there (carry gpu-run):
-#   bash bench/gpu/session.sh [SECONDS] [decode|h100|ab|quick|fwd|bwd|bwdprobe]
+#   bash bench/gpu/session.sh [SECONDS] [decode|h100|ab|quick|fwd|bwd|bwdprobe|python]
 # SECONDS: the budget for the whole script (500). `bwd`: after the tests, forward + backward
 # against SDPA (this build beside gpu-run/old/flashattn when carried) and the backward kernels
 # under Nsight Compute; `bwdprobe`: the same without the tests (a profile to work from).
@@ -19,6 +19,7 @@
 # then the tensor-core one with FLASHATTN_CUDA_DECODE=tc), an Nsight Compute summary of each split
 # kernel and a split-count sweep of the tensor-core one at the issue's shape (for work on
 # decode.cu).
+# `python`: after the tests, only the Python package on CUDA tensors (its tests and benchmark).
 # $OUT/summary.txt grows as stages end; $OUT/logs.tgz holds every log at the end.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -87,6 +88,15 @@ for f in "$logs"/*_tests_*.log; do
 done
 fi
 
+python_stage() { # the Python package on CUDA tensors: its CUDA tests, then its benchmark
+    ls gpu-run/flashattn-*.whl >/dev/null 2>&1 || { say "== no wheel in gpu-run: python skipped"; return; }
+    python3 -m pip install -q --no-index --no-deps --target /tmp/flashattn-py gpu-run/flashattn-*.whl
+    stage 90 python_cuda_tests env FLASHATTN_PY_CUDA=1 PYTHONPATH=/tmp/flashattn-py \
+        python3 -m pytest -q -rs -p no:cacheprovider flashattn-py/tests/test_cuda.py
+    stage 90 python_cuda_bench env FLASHATTN_PY_CUDA=1 PYTHONPATH=/tmp/flashattn-py \
+        python3 -m flashattn.bench --device cuda --seqlen 2048 4096 --head-dim 64 128 --dtype bf16 \
+        --rounds 3 --json "$logs/python_cuda_bench.json"
+}
 stage() { # seconds wanted, name, command...
     local want=$1 name=$2; shift 2
     local l; l=$(left)
@@ -116,6 +126,10 @@ ab_rounds() { # rounds: this build against gpu-run/old/flashattn (when carried),
         done
     done
 }
+if [ "$mode" = python ]; then
+    python_stage
+    finish
+fi
 if [ "$mode" = bwd ] || [ "$mode" = bwdprobe ]; then
     variants=()
     [ -x gpu-run/old/flashattn ] && variants+=(--variant "old=$PWD/gpu-run/old/flashattn")
@@ -216,6 +230,7 @@ if [ "$mode" = h100 ]; then
         --no-naive --min-time 0.01
     finish
 fi
+python_stage
 stage 140 compare_fwd python3 bench/compare_torch_cuda.py --binary "$bin" --quick --rounds 2 \
     --min-time 0.2 --out "$logs/compare_cuda_fwd.json"
 stage 80 compare_decode python3 bench/compare_torch_cuda_decode.py --binary "$bin" --rounds 2 \

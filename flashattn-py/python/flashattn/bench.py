@@ -1,6 +1,6 @@
 """``python -m flashattn.bench``: flashattn against PyTorch's scaled_dot_product_attention.
 
-Both run on the same tensors, in interleaved rounds (flashattn, SDPA, flashattn, ...); each
+Both run on the same tensors (CPU, or CUDA with ``--device cuda``), in interleaved rounds (flashattn, SDPA, flashattn, ...); each
 round's time is the median of a few calls, and the reported time is the median over rounds.
 Ratio = SDPA time / flashattn time (above 1: flashattn is faster). FLOP model: forward
 4·B·H·Sq·Sk·d (halved for causal with Sq = Sk), forward+backward 3.5× that.
@@ -24,11 +24,13 @@ import flashattn
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
-def _time(fn, reps: int) -> float:
+def _time(fn, reps: int, sync=lambda: None) -> float:
     ts = []
     for _ in range(reps):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
 
@@ -38,11 +40,13 @@ def _flops(b, h, n, d, causal, backward):
     return f * (3.5 if backward else 1.0)
 
 
-def bench_shape(batch, heads, seqlen, head_dim, dtype, causal, backward, rounds, reps):
+def bench_shape(batch, heads, seqlen, head_dim, dtype, causal, backward, rounds, reps,
+                device="cpu"):
     g = torch.Generator().manual_seed(0)
     shape = (batch, seqlen, heads, head_dim)
-    q, k, v = (torch.randn(shape, generator=g).to(dtype) for _ in range(3))
-    dout = torch.randn(shape, generator=g).to(dtype)
+    q, k, v = (torch.randn(shape, generator=g).to(device=device, dtype=dtype) for _ in range(3))
+    dout = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     # SDPA takes [batch, heads, seqlen, d]: the same memory, transposed views.
     qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
 
@@ -66,14 +70,14 @@ def bench_shape(batch, heads, seqlen, head_dim, dtype, causal, backward, rounds,
     run_fa(), run_sdpa()  # warm-up
     fa, sd = [], []
     for _ in range(rounds):
-        fa.append(_time(run_fa, reps))
-        sd.append(_time(run_sdpa, reps))
+        fa.append(_time(run_fa, reps, sync))
+        sd.append(_time(run_sdpa, reps, sync))
     t_fa, t_sd = statistics.median(fa), statistics.median(sd)
     flops = _flops(batch, heads, seqlen, head_dim, causal, backward)
     return {
         "pass": "fwd+bwd" if backward else "fwd",
         "batch": batch, "heads": heads, "seqlen": seqlen, "head_dim": head_dim,
-        "dtype": str(dtype).removeprefix("torch."), "causal": causal,
+        "dtype": str(dtype).removeprefix("torch."), "causal": causal, "device": device,
         "flashattn_ms": t_fa * 1e3, "sdpa_ms": t_sd * 1e3,
         "flashattn_gflops": flops / t_fa / 1e9, "sdpa_gflops": flops / t_sd / 1e9,
         "ratio": t_sd / t_fa,
@@ -93,16 +97,20 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: the experimental CUDA path (needs FLASHATTN_PY_CUDA=1)")
     p.add_argument("--json", help="also write the results to this file")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     info = {
         "flashattn_isa": flashattn.isa(), "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "device": "cpu",
+        "threads": torch.get_num_threads(), "device": a.device,
     }
-    print(f"flashattn ISA {info['flashattn_isa']}, torch {info['torch']}, "
-          f"{info['threads']} threads; ratio = SDPA ms / flashattn ms")
+    if a.device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    where = info.get("gpu") or f"CPU, ISA {info['flashattn_isa']}, {info['threads']} threads"
+    print(f"flashattn on {where}, torch {info['torch']}; ratio = SDPA ms / flashattn ms")
     print(f"{'pass':8} {'dtype':9} {'N':>5} {'d':>4} {'causal':6} {'flashattn ms':>12} "
           f"{'SDPA ms':>9} {'GFLOP/s':>8} {'ratio':>6}")
     rows = []
@@ -114,7 +122,7 @@ def main(argv=None):
                 for d in a.head_dim:
                     for c in causals:
                         r = bench_shape(a.batch, a.heads, n, d, DTYPES[dt], c, backward,
-                                        a.rounds, a.reps)
+                                        a.rounds, a.reps, a.device)
                         rows.append(r)
                         print(f"{r['pass']:8} {r['dtype']:9} {n:>5} {d:>4} {str(c):6} "
                               f"{r['flashattn_ms']:>12.2f} {r['sdpa_ms']:>9.2f} "
