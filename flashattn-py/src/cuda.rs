@@ -296,25 +296,7 @@ pub fn cuda_kvcache(
                 "rotary with CUDA tensors is not wired from Python yet".into(),
             ));
         }
-        let mut ko = flashattn::KvCacheOptions::default().attn(cuda_opts(&opts)?);
-        if let Some(i) = &kv.cache_batch_idx {
-            ko = ko.cache_batch_idx(i);
-        }
-        if let Some(l) = &kv.cache_leftpad {
-            ko = ko.cache_leftpad(l);
-        }
-        if let Some((t, b, m)) = &kv.block_table {
-            ko = ko.block_table(flashattn::BlockTable::new(t, *b, *m));
-        }
-        if let Some(c) = &kv.cu_seqlens_q {
-            ko = ko.cu_seqlens_q(c);
-        }
-        if let Some(c) = &kv.cu_seqlens_k_new {
-            ko = ko.cu_seqlens_k_new(c);
-        }
-        if kv.num_splits > 0 {
-            ko = ko.num_splits(kv.num_splits);
-        }
+        let ko = kv.index_options(flashattn::KvCacheOptions::default().attn(cuda_opts(&opts)?));
         let nk = new_kv.as_ref().map(|(k, v)| (k.get(), v.get()));
         let res = cuda::flash_attn_with_kvcache(
             &dev,

@@ -290,6 +290,31 @@ pub(crate) struct KvOpts {
     v_descale: Option<Vec<f32>>,
 }
 
+impl KvOpts {
+    /// The index arrays and split count of the call (what both backends take the same way).
+    pub(crate) fn index_options<'a>(&'a self, mut ko: KvCacheOptions<'a>) -> KvCacheOptions<'a> {
+        if let Some(i) = &self.cache_batch_idx {
+            ko = ko.cache_batch_idx(i);
+        }
+        if let Some(l) = &self.cache_leftpad {
+            ko = ko.cache_leftpad(l);
+        }
+        if let Some((t, b, m)) = &self.block_table {
+            ko = ko.block_table(BlockTable::new(t, *b, *m));
+        }
+        if let Some(c) = &self.cu_seqlens_q {
+            ko = ko.cu_seqlens_q(c);
+        }
+        if let Some(c) = &self.cu_seqlens_k_new {
+            ko = ko.cu_seqlens_k_new(c);
+        }
+        if self.num_splits > 0 {
+            ko = ko.num_splits(self.num_splits);
+        }
+        ko
+    }
+}
+
 /// Decoding over KV caches, appending the new keys in place first.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
@@ -340,24 +365,7 @@ fn kvcache(
                     "rotary_cos and rotary_sin must be given together".into(),
                 ));
             }
-            if let Some(i) = &kv.cache_batch_idx {
-                ko = ko.cache_batch_idx(i);
-            }
-            if let Some(l) = &kv.cache_leftpad {
-                ko = ko.cache_leftpad(l);
-            }
-            if let Some((t, b, m)) = &kv.block_table {
-                ko = ko.block_table(BlockTable::new(t, *b, *m));
-            }
-            if let Some(c) = &kv.cu_seqlens_q {
-                ko = ko.cu_seqlens_q(c);
-            }
-            if let Some(c) = &kv.cu_seqlens_k_new {
-                ko = ko.cu_seqlens_k_new(c);
-            }
-            if kv.num_splits > 0 {
-                ko = ko.num_splits(kv.num_splits);
-            }
+            ko = kv.index_options(ko);
             let qt: TensorRef = q.tensor()?;
             let res = if matches!(kc.dt, Dt::F8E4M3 | Dt::F8E5M2) {
                 let (mut kt, mut vt) = (kc.fp8_mut()?, vc.fp8_mut()?);
