@@ -90,7 +90,7 @@ pub fn release_scratch() -> usize {
 
 /// Fills the kept scratch buffers with NaN (tests: a call must never read what an earlier call
 /// left in them).
-#[doc(hidden)]
+#[cfg(feature = "test-hooks")]
 pub fn poison_scratch() {
     cpu::reuse::poison_all();
 }
