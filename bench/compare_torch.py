@@ -4,11 +4,11 @@
 Usage (from anywhere; plain `python3`, the script sets up its own environment):
 
     python3 bench/compare_torch.py --quick                       # smoke run, ~1 min after setup
-    python3 bench/compare_torch.py                               # issue 4's grid, forward
+    python3 bench/compare_torch.py                               # the default grid, forward
     python3 bench/compare_torch.py --backward --dtype bf16 --head-dim 128 --seqlen 1024,2048
     python3 bench/compare_torch.py --out bench/results/x.json --svg docs/perf_cpu.svg
 
-Defaults (issue 4's targets): 2 threads, batch 1, 16 heads, head_dim 64 and 128, sequence lengths
+Defaults: 2 threads, batch 1, 16 heads, head_dim 64 and 128, sequence lengths
 512..8192, f32 and bf16, non-causal and causal, forward. `--backward` times forward+backward
 instead, `--both-passes` both (`--backward-max-seqlen N` limits forward+backward to lengths up
 to N: it costs 3.5x the forward's FLOPs). Restrict with `--dtype`, `--head-dim`, `--seqlen` (comma lists),

@@ -3,7 +3,7 @@
 scaled_dot_product_attention (flash backend) on the same GPU, in one run: interleaved rounds,
 CUDA-event timing, medians, one FLOP model.
 
-Shapes follow issue 5's targets: bf16, batch x seqlen = 16k tokens, hidden 2048 (heads = 2048 / d),
+Shapes: bf16, batch x seqlen = 16k tokens, hidden 2048 (heads = 2048 / d),
 d = 64 and 128, seqlen 512 .. 16k, causal and not. FLOPs: 4 * batch * heads * d * (visible
 query-key pairs), the pairs halved (s(s+1)/2) for causal, as flashattn::flops::forward; forward +
 backward counts 3.5x that (the backward 2.5x).

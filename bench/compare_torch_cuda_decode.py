@@ -2,7 +2,7 @@
 """flashattn's CUDA decode step against PyTorch's scaled_dot_product_attention on the same GPU, in
 one run: interleaved rounds, CUDA-event timing, medians.
 
-Shape of issue 6: batch 1, one new token, 32 query heads over 8 kv heads, head_dim 128, caches of
+The decode benchmark shape: batch 1, one new token, 32 query heads over 8 kv heads, head_dim 128, caches of
 4k-32k tokens (and a batch of 64 sequences x 2k), f32 and bf16. flashattn's step appends the token
 and attends the whole cache (`flashattn bench --decode --device cuda`); PyTorch's attends the same
 cache with `enable_gqa=True` (the caches laid out [batch, heads_kv, tokens, d], its layout), with

@@ -3,11 +3,11 @@
 
 Usage (torch comes from bench/.venv, which `bench/compare_torch.py` sets up):
 
-    bench/.venv/bin/python bench/compare_torch_decode.py                  # issue 6's shape
+    bench/.venv/bin/python bench/compare_torch_decode.py                  # the decode benchmark shape
     bench/.venv/bin/python bench/compare_torch_decode.py --cache-len 4096,32768 --rounds 3
     bench/.venv/bin/python bench/compare_torch_decode.py --batch 64 --cache-len 512,2048   # serving
 
-The shape (issue 6): batch 1, one new query token, 32 query heads over 8 kv heads, head_dim 128,
+The shape (the decode benchmark shape, a long-context decoding step): batch 1, one new query token, 32 query heads over 8 kv heads, head_dim 128,
 a cache of 32768 tokens, f32 and bf16, 2 threads. `--dtype e4m3,e5m2` times FP8 caches (q bf16)
 against torch converting its float8 caches to bf16 per step before SDPA. `--batch B` decodes B sequences of the same
 length at once (every sequence's cache full to `cache_len`, so torch's dense batch is the same

@@ -8,7 +8,7 @@
 //!
 //! The argument is the thread count (default 2); each thread owns a k and a v region of 128 MiB
 //! (`MIB=n` changes it) in transparent huge pages, cut into tiles of 16 keys × 4 KiB (8 kv heads
-//! × 128 f32, issue 6's shape), read k tile then v tile. `CFGS` lists configurations
+//! × 128 f32, the decode benchmark shape), read k tile then v tile. `CFGS` lists configurations
 //! `order:stride:fmas[:l1]`, run in turns over `ROUNDS` rounds (default 7), so that a shared host's
 //! slow phases fall on all of them alike:
 //! - order 0: each tile in sub-blocks of 8 keys, kv head by kv head (the kernel's f32 order: 8

@@ -114,7 +114,7 @@ finish() { # the summary's last line, every log packed, the JSON beside it; ends
     exit 0
 }
 ab_rounds() { # rounds: this build against gpu-run/old/flashattn (when carried), call by call on
-    # the same warm GPU: the decode step at issue 6's shape and a 4k cache, both dtypes
+    # the same warm GPU: the decode step at the decode benchmark shape and a 4k cache, both dtypes
     local round which b
     for round in $(seq "$1"); do
         for which in old new; do

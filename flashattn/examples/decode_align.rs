@@ -1,4 +1,4 @@
-//! Times one decoding step at issue 6's shape (B = 1, 32 / 8 heads, d = 128) over the same
+//! Times one decoding step at the decode benchmark shape (B = 1, 32 / 8 heads, d = 128) over the same
 //! caches at several start addresses, alternating call by call: `cargo run --release -p
 //! flashattn --example decode_align -- [f32|bf16] [reps]`, with `CFGS=A:E,...` the starts (the
 //! first address ≡ 0 mod A in a larger buffer, plus E bytes; default `64:16,64:0,4096:0,

@@ -1,10 +1,10 @@
-//! Times one decoding step at issue 6's shape (B = 1, 32 / 8 heads, d = 128) on the current
+//! Times one decoding step at the decode benchmark shape (B = 1, 32 / 8 heads, d = 128) on the current
 //! rayon pool, for quick A/B runs and profiling: `cargo run --release -p flashattn --example
 //! decode_step -- [f32|bf16] [cache_len] [reps] [configurations]`, e.g. `HUGE_PAGES=1 ...
 //! decode_step -- f32 32768 40 "" USE_HUGE=1` for 4 KiB against huge pages, or `PAD=16
 //! HUGE_PAGES=1 ... decode_step -- f32 128 3000 USE_HUGE=1 USE_PAD=1` for key rows 16 elements
 //! further apart than the contiguous cache's (a strided view, in huge pages as the `USE_HUGE`
-//! copy; f32 rows of issue 6's shape are 4 KiB apart, L1's way size). A configuration with
+//! copy; f32 rows of the decode benchmark shape are 4 KiB apart, L1's way size). A configuration with
 //! `READ=1` sums the caches' bytes on all threads instead of calling (e.g. `HUGE_PAGES=1 ...
 //! decode_step -- f32 32768 30 USE_HUGE=1 "USE_HUGE=1 READ=1"`): the step against a plain read of
 //! the same memory, alternated call by call. `flashattn bench --decode` is the benchmark of record

@@ -3,7 +3,7 @@
 //! A decoding step reads the whole cache. With 4 KiB pages, a contiguous f32 cache of 8 kv heads
 //! at d = 128 spans one page per key, so a 32k-token step walks 65 536 pages of k and as many
 //! of v, and the decode kernel reads 8 keys' pages at once (one kv head at a time). In 2 MiB
-//! pages the same step at issue 6's shape (B = 1, 32 / 8 heads, d = 128, 32k keys, 2 threads,
+//! pages the same step at the decode benchmark shape (B = 1, 32 / 8 heads, d = 128, 32k keys, 2 threads,
 //! AVX2 host) took 0.82-1.00 of the time in f32 (median 0.91 over 11 pairs) and 0.89-0.98 in
 //! bf16 (4 pairs): caches of both kinds in one process, calls alternating (`examples/
 //! decode_step.rs`; docs/PERFORMANCE.md). A plain sequential read of 1 GiB ran as fast in
@@ -50,7 +50,7 @@ fn cache_align(bytes: usize) -> usize {
 /// Why not a `Vec`: glibc returns a large allocation 16 bytes past a page boundary (its chunk
 /// header), so every 64-byte vector load of the decode kernels straddles two cache lines, and
 /// its bytes before the first and after the last 2 MiB boundary cannot be huge pages. A decoding step over caches
-/// starting on a 2 MiB boundary against the same caches 16 bytes further on (issue 6's shape, B
+/// starting on a 2 MiB boundary against the same caches 16 bytes further on (the decode benchmark shape, B
 /// = 1, 32 / 8 heads, d = 128, Zen 4, alternating call by call, medians): with the cache in L2
 /// (256 keys, one thread) bf16 0.92-0.94 and f32 0.90-0.91 of the time; at 32k keys on two
 /// threads, bound by memory, bf16 0.92-1.01 over nine runs (median 0.97), f32 0.97-1.06 (no

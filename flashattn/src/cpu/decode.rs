@@ -1007,7 +1007,7 @@ pub(crate) struct Ahead {
 }
 
 /// Bytes of k's lines asked for before v's, and the other way round. Each step used to ask for
-/// `lines_per_step` lines of each (turns of 256 bytes of f32 at issue 6's shape, 128 of bf16);
+/// `lines_per_step` lines of each (turns of 256 bytes of f32 at the decode benchmark shape, 128 of bf16);
 /// turns of 512 bytes took 0.91-0.97 of that time in f32 and 0.94-0.99 in bf16 (two threads, 32k
 /// keys, six runs of `examples/decode_step` alternating the two, 2026-11-27, AVX-512 host);
 /// turns of 1 KiB 0.95-0.99 / 0.94-1.00, 2 KiB 1.02-1.06 / 1.06-1.12, 4-64 KiB (64 KiB: k's whole
@@ -2789,7 +2789,7 @@ mod tests {
         assert!((dst[0] - 2.0).abs() < 1e-6 && (dst[1] - 3.0).abs() < 1e-6);
     }
 
-    /// Issue 6's kv heads and head dim, and flash-attn's cache layout for them.
+    /// The decode benchmark shape's kv heads and head dim, and flash-attn's cache layout for them.
     fn issue_layout() -> ((usize, usize), crate::params::RowLayout) {
         let (heads_kv, d) = (8, 128);
         let dense = crate::params::RowLayout {

@@ -689,7 +689,7 @@ decode_split(DECODE_SPLIT_PARAMS) {
 // warp finds the splits' largest lse and the sum of their weights (lanes over splits); then warp
 // w takes dims 32y + 8w .. + 8, its lane 8g + j dim j of them over the splits g, g + 4, g + 8, ..
 // (independent loads, a 32-byte sector per split and group), and the four groups' sums are added
-// by shuffles. History, issue 6's shape on an H100: a warp per row reading the 49 splits one
+// by shuffles. History, the decode benchmark shape on an H100: a warp per row reading the 49 splits one
 // after another took 91 us (the split kernel 62 us); a block per row with a thread per dim 27 us;
 // this layout spreads the same loads over 4x the blocks and 4x the loads in flight per thread.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
