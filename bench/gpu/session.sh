@@ -19,7 +19,8 @@
 # then the tensor-core one with FLASHATTN_CUDA_DECODE=tc), an Nsight Compute summary of each split
 # kernel and a split-count sweep of the tensor-core one at the issue's shape (for work on
 # decode.cu).
-# `python`: after the tests, only the Python package on CUDA tensors (its tests and benchmark).
+# `python`: no Rust tests: the wgmma layout probe (bench/gpu/wgmma_probe.py), then the Python
+# package on CUDA tensors (its tests and benchmark).
 # $OUT/summary.txt grows as stages end; $OUT/logs.tgz holds every log at the end.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -69,7 +70,7 @@ else
     timeout 200 "$bin" compile 2>&1 | tail -5 | tee -a "$summary"
 fi
 
-if [ "$mode" != bwdprobe ]; then
+if [ "$mode" != bwdprobe ] && [ "$mode" != python ]; then
 say "== $(date -u +%T) tests ($(left) s left)"
 tl=$(( $(left) - 220 )); [ $tl -gt 280 ] && tl=280; [ $tl -lt 60 ] && tl=60
 # shellcheck source=bench/gpu/tests.sh
@@ -127,6 +128,7 @@ ab_rounds() { # rounds: this build against gpu-run/old/flashattn (when carried),
     done
 }
 if [ "$mode" = python ]; then
+    stage 60 wgmma_probe python3 bench/gpu/wgmma_probe.py
     python_stage
     finish
 fi

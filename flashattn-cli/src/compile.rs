@@ -23,7 +23,7 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
     };
     let keys: Vec<KernelKey> = KernelKey::all()
         .into_iter()
-        .filter(|k| k.name().contains(&args.filter))
+        .filter(|k| k.builds_for(arch) && k.name().contains(&args.filter))
         .collect();
     let start = Instant::now();
     let report = cuda::precompile(&keys, arch)?;

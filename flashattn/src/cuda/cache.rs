@@ -5,7 +5,7 @@
 //! `$HOME/.cache/flashattn`. Writes go to a temporary file renamed into place, so concurrent
 //! processes never read a partial cubin; any I/O failure just means compiling again.
 
-use super::key::{Arch, KernelKey, COMMON_CUH};
+use super::key::{Arch, KernelKey, KernelKind, COMMON_CUH, SM90_CUH, SM90_WGMMA_CUH};
 use std::path::{Path, PathBuf};
 
 pub(crate) fn dir() -> Option<PathBuf> {
@@ -34,9 +34,16 @@ fn fnv1a(parts: &[&[u8]]) -> u64 {
 pub(crate) fn path(key: &KernelKey, arch: Arch, nvrtc: (i32, i32)) -> Option<PathBuf> {
     let (_, src) = key.source();
     let defines = format!("{:?}", key.defines());
+    // The sm_90a kernel's own headers (the other kernels' identities stay as they were).
+    let sm90 = if key.kind == KernelKind::ForwardSm90 {
+        [SM90_CUH, SM90_WGMMA_CUH].concat()
+    } else {
+        String::new()
+    };
     let h = fnv1a(&[
         env!("CARGO_PKG_VERSION").as_bytes(),
         COMMON_CUH.as_bytes(),
+        sm90.as_bytes(),
         src.as_bytes(),
         defines.as_bytes(),
         arch.target().as_bytes(),

@@ -8,6 +8,10 @@ use crate::tensor::DType;
 pub(crate) const COMMON_CUH: &str = include_str!("kernels/common.cuh");
 pub(crate) const FWD_CU: &str = include_str!("kernels/fwd.cu");
 pub(crate) const FWD_F32_CU: &str = include_str!("kernels/fwd_f32.cu");
+/// The Hopper forward (wgmma) and its headers.
+pub(crate) const FWD_SM90_CU: &str = include_str!("kernels/fwd_sm90.cu");
+pub(crate) const SM90_CUH: &str = include_str!("kernels/sm90.cuh");
+pub(crate) const SM90_WGMMA_CUH: &str = include_str!("kernels/sm90_wgmma.cuh");
 /// The decode kernels (split-KV attention over a KV cache, the merge of the splits, the append).
 pub(crate) const DECODE_CU: &str = include_str!("kernels/decode.cu");
 /// The backward kernels (dO·O and the LSE per row, dQ, dK and dV).
@@ -23,6 +27,9 @@ pub enum KernelKind {
     /// `flash_fwd` (fwd.cu, fwd_f32.cu).
     #[default]
     Forward,
+    /// `flash_fwd` of fwd_sm90.cu: the same launch on warpgroup tensor-core instructions, for
+    /// sm_90a only (f16/bf16 with 16-byte loads; no dropout, no FP8 inputs).
+    ForwardSm90,
     /// `decode_split` (decode.cu): one key split of the query rows of a kv head.
     DecodeSplit,
     /// `decode_combine` (decode.cu): the merge of the splits through their LSEs. Only the dtype
@@ -128,6 +135,17 @@ impl KernelKey {
             }
             _ => {}
         }
+        if self.kind == KernelKind::ForwardSm90 {
+            // Two warpgroups of 64 rows. Key blocks as wide as the registers allow: the scores
+            // (block_n / 2 per thread) beside acc_o (head_dim / 2, padded to 64) and P packed
+            // (block_n / 4) stay under 255 without spills (NVRTC 13.0: 216 registers at head_dim
+            // 128 with 128 keys, 249 at 256 with 64).
+            return Tiles {
+                block_m: 128,
+                block_n: if self.head_dim <= 128 { 128 } else { 64 },
+                num_warps: 8,
+            };
+        }
         if self.decode_tc() {
             // decode.cu, DECODE_TC: 16 query rows (one mma tile), 64-key stages, 4 warps of 16 keys.
             return Tiles {
@@ -205,6 +223,11 @@ impl KernelKey {
         let t = self.tiles();
         match self.kind {
             KernelKind::Forward => {}
+            // fwd_sm90.cu: q [block_m], k and v double-buffered [2][block_n], rows of head_dim
+            // padded to 64, plus 1 KiB to align the tiles to 1024 bytes.
+            KernelKind::ForwardSm90 => {
+                return 2 * (t.block_m + 4 * t.block_n) * self.smem_row() + 1024
+            }
             // decode.cu: the tile's v row offsets [128] (i64), q [16][d] and p [16][128] in
             // f32, two [4 warps][16] reductions, then 5 + 3 per-row statistics of 4 bytes.
             // decode.cu, DECODE_TC: the q tile and double-buffered k and v tiles in the cache's
@@ -276,6 +299,28 @@ impl KernelKey {
         (sm / (self.smem_bytes() + 1024)).clamp(1, 4)
     }
 
+    /// The Hopper twin of a forward key ([`KernelKind::ForwardSm90`]), where that kernel serves
+    /// the call: f16/bf16 with 16-byte loads, no dropout, no FP8 inputs. Its head_dim is rounded
+    /// up to a multiple of 64 (the kernel's tiles are whole 64-column slabs).
+    pub fn sm90_forward(&self) -> Option<KernelKey> {
+        let eligible = self.kind == KernelKind::Forward
+            && self.dtype != DType::F32
+            && self.vec_load
+            && !self.dropout
+            && !self.fp8;
+        eligible.then(|| KernelKey {
+            kind: KernelKind::ForwardSm90,
+            head_dim: self.head_dim.div_ceil(64) * 64,
+            ..*self
+        })
+    }
+
+    /// Whether the variant compiles for `arch`: the sm_90a kernels only for compute capability
+    /// 9.0 (NVRTC's `sm_90a`), the others for any.
+    pub fn builds_for(&self, arch: Arch) -> bool {
+        self.kind != KernelKind::ForwardSm90 || (arch.major, arch.minor) == (9, 0)
+    }
+
     /// Whether `bwd_dq` / `bwd_dkdv` of this key run on tensor cores (f16/bf16, head_dim up to
     /// 128: two head_dim-wide accumulators per thread fit the registers there).
     pub fn bwd_tensor_cores(&self) -> bool {
@@ -293,6 +338,9 @@ impl KernelKey {
         if self.kind.is_backward() {
             return ("bwd.cu", BWD_CU);
         }
+        if self.kind == KernelKind::ForwardSm90 {
+            return ("fwd_sm90.cu", FWD_SM90_CU);
+        }
         if self.kind != KernelKind::Forward {
             return ("decode.cu", DECODE_CU);
         }
@@ -305,7 +353,7 @@ impl KernelKey {
     /// The kernel's entry point in its module.
     pub fn entry(&self) -> &'static str {
         match self.kind {
-            KernelKind::Forward => "flash_fwd",
+            KernelKind::Forward | KernelKind::ForwardSm90 => "flash_fwd",
             KernelKind::DecodeSplit => "decode_split",
             KernelKind::DecodeCombine => "decode_combine",
             KernelKind::DecodeAppend => "decode_append",
@@ -318,6 +366,25 @@ impl KernelKey {
     /// The `-D` defines of this variant.
     pub fn defines(&self) -> Vec<(&'static str, String)> {
         let flag = |b: bool| (b as u8).to_string();
+        if self.kind == KernelKind::ForwardSm90 {
+            let t = self.tiles();
+            return vec![
+                ("HEAD_DIM", self.smem_row().to_string()),
+                ("IS_MASKED", flag(self.masked)),
+                ("HAS_SOFTCAP", flag(self.softcap)),
+                ("HAS_ALIBI", flag(self.alibi)),
+                (
+                    if self.dtype == DType::BF16 {
+                        "FA_BF16"
+                    } else {
+                        "FA_F16"
+                    },
+                    "1".into(),
+                ),
+                ("BLOCK_N", t.block_n.to_string()),
+                ("NUM_WG", (t.num_warps / 4).to_string()),
+            ];
+        }
         let mut d = vec![
             ("HEAD_DIM", self.head_dim.to_string()),
             ("IS_MASKED", flag(self.masked)),
@@ -387,6 +454,10 @@ impl KernelKey {
                 "fwd_{}_d{}_m{}n{}w{}",
                 self.dtype, self.head_dim, t.block_m, t.block_n, t.num_warps
             ),
+            KernelKind::ForwardSm90 => format!(
+                "fwd_sm90_{}_d{}_m{}n{}",
+                self.dtype, self.head_dim, t.block_m, t.block_n
+            ),
             KernelKind::DecodeSplit => format!(
                 "decode_{}_d{}{}",
                 self.dtype,
@@ -449,6 +520,23 @@ impl KernelKey {
                         dropout: bits & 16 != 0,
                         vec_load,
                         fp8,
+                    });
+                }
+            }
+        }
+        for dtype in [DType::F16, DType::BF16] {
+            for head_dim in (64..=crate::MAX_HEAD_DIM).step_by(64) {
+                for bits in 0..8u32 {
+                    keys.push(KernelKey {
+                        kind: KernelKind::ForwardSm90,
+                        dtype,
+                        head_dim,
+                        masked: bits & 1 != 0,
+                        softcap: bits & 2 != 0,
+                        alibi: bits & 4 != 0,
+                        dropout: false,
+                        vec_load: true,
+                        fp8: false,
                     });
                 }
             }

@@ -681,7 +681,7 @@ pub(crate) fn run_forward<TI, TO: cudarc::driver::DeviceRepr>(
     qkv: (&CudaSlice<TI>, &CudaSlice<TI>, &CudaSlice<TI>),
     wrap: fn(CudaSlice<TO>) -> DeviceBuffer,
 ) -> Result<CudaAttnOutput> {
-    let desc = LaunchDescription::new(p, fp8);
+    let desc = LaunchDescription::new(p, fp8).for_arch(dev.arch, ForwardKernel::from_env());
     check_launchable(dev, p, &desc.key, &contexts)?;
     let (function, _) = dev.function(&desc.key)?;
     let s = &dev.stream;
@@ -871,6 +871,22 @@ impl LaunchDescription {
         }
     }
 
+    /// The same launch on the kernel `choice` names for a GPU of `arch`: the sm_90a forward
+    /// (fwd_sm90.cu: its key, its tiles, grid and shared memory) on compute capability 9.0 where
+    /// it serves the call ([`KernelKey::sm90_forward`]) and `choice` asks for it; else unchanged.
+    pub fn for_arch(mut self, arch: Arch, choice: ForwardKernel) -> LaunchDescription {
+        let sm90 = self.key.sm90_forward().filter(|k| {
+            choice == ForwardKernel::Sm90 && k.builds_for(arch) && arch == Arch::SM90
+        });
+        if let Some(key) = sm90 {
+            self.grid.0 = (self.batch_seqlens.0 as usize).div_ceil(key.tiles().block_m) as u32;
+            self.threads = key.threads() as u32;
+            self.smem_bytes = key.smem_bytes() as u32;
+            self.key = key;
+        }
+        self
+    }
+
     /// Nothing to launch: no query row, or no sequence.
     pub fn is_empty(&self) -> bool {
         self.out_len == 0 || self.grid.0 == 0 || self.grid.2 == 0
@@ -910,6 +926,26 @@ pub fn launch_description(
         None => params::batched(q, k, v, opts)?,
     };
     Ok(LaunchDescription::new(&p, None))
+}
+
+/// Which forward kernel serves f16/bf16 calls on a Hopper GPU (compute capability 9.0) where both
+/// could: `FLASHATTN_CUDA_FWD=sm90` the warpgroup kernel (fwd_sm90.cu), `fa2` or unset the
+/// FlashAttention-2-class one (fwd.cu). Read once per process.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ForwardKernel {
+    #[default]
+    Fa2,
+    Sm90,
+}
+
+impl ForwardKernel {
+    pub fn from_env() -> ForwardKernel {
+        static KERNEL: std::sync::OnceLock<ForwardKernel> = std::sync::OnceLock::new();
+        *KERNEL.get_or_init(|| match std::env::var("FLASHATTN_CUDA_FWD").as_deref() {
+            Ok("sm90") => ForwardKernel::Sm90,
+            _ => ForwardKernel::Fa2,
+        })
+    }
 }
 
 /// A [`LaunchDescription`] with its table and slopes on the device.

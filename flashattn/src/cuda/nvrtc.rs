@@ -2,7 +2,7 @@
 //! NVRTC's C API: cudarc's safe wrapper returns PTX only, and a cubin both skips the driver's PTX
 //! JIT at load time and lets the compile log report registers and spills (`ptxas -v`).
 
-use super::key::{Arch, KernelKey, COMMON_CUH};
+use super::key::{Arch, KernelKey, COMMON_CUH, SM90_CUH, SM90_WGMMA_CUH};
 use super::probe;
 use crate::error::{ErrorKind, Result};
 use cudarc::nvrtc::sys;
@@ -52,7 +52,21 @@ pub fn compile(key: &KernelKey, arch: Arch) -> Result<CompiledKernel> {
     let (file, src) = key.source();
     let cstr = |s: &str| CString::new(s).expect("kernel sources and options contain no NUL");
     let (src_c, name_c) = (cstr(src), cstr(file));
-    let (hdr_c, hdr_name_c) = (cstr(COMMON_CUH), cstr("common.cuh"));
+    if !key.builds_for(arch) {
+        return Err(ErrorKind::CudaUnsupported {
+            feature: "an sm_90a kernel",
+            detail: format!(" ({} compiles for compute capability 9.0 only, not {arch})", key.name()),
+        }
+        .into());
+    }
+    // Every header a kernel may include, by the name it includes it under.
+    let header_texts = [
+        ("common.cuh", COMMON_CUH),
+        ("sm90.cuh", SM90_CUH),
+        ("sm90_wgmma.cuh", SM90_WGMMA_CUH),
+    ];
+    let hdr_c: Vec<CString> = header_texts.iter().map(|h| cstr(h.1)).collect();
+    let hdr_name_c: Vec<CString> = header_texts.iter().map(|h| cstr(h.0)).collect();
     let mut options = vec![
         format!("--gpu-architecture={}", arch.target()),
         "-std=c++17".into(),
@@ -62,8 +76,8 @@ pub fn compile(key: &KernelKey, arch: Arch) -> Result<CompiledKernel> {
     options.extend(key.defines().into_iter().map(|(k, v)| format!("-D{k}={v}")));
     let options_c: Vec<CString> = options.iter().map(|o| cstr(o)).collect();
     let option_ptrs: Vec<*const c_char> = options_c.iter().map(|o| o.as_ptr()).collect();
-    let headers = [hdr_c.as_ptr()];
-    let header_names = [hdr_name_c.as_ptr()];
+    let headers: Vec<*const c_char> = hdr_c.iter().map(|h| h.as_ptr()).collect();
+    let header_names: Vec<*const c_char> = hdr_name_c.iter().map(|h| h.as_ptr()).collect();
 
     let mut prog: sys::nvrtcProgram = std::ptr::null_mut();
     // SAFETY: every pointer is a live NUL-terminated string (owned above, outliving the calls);
@@ -74,7 +88,7 @@ pub fn compile(key: &KernelKey, arch: Arch) -> Result<CompiledKernel> {
                 &mut prog,
                 src_c.as_ptr(),
                 name_c.as_ptr(),
-                1,
+                headers.len() as i32,
                 headers.as_ptr(),
                 header_names.as_ptr(),
             ),

@@ -153,13 +153,16 @@ pub fn from_bytes(b: &[u8], dtype: DType) -> Buffer {
 
 const FWD_DRIVER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/cuda_emu/driver.cpp");
 
-/// The forward drivers' builds: fwd.cu or fwd_f32.cu, named to the driver by FA_KERNEL.
+/// The forward drivers' builds: fwd.cu, fwd_f32.cu or fwd_sm90.cu, named to the driver by
+/// FA_KERNEL.
 pub fn forward_builds() -> Builds {
     Builds::new(FWD_DRIVER, &[])
 }
 
 fn exe(builds: &mut Builds, key: &KernelKey) -> std::path::PathBuf {
-    let file = if key.dtype == DType::F32 {
+    let file = if key.kind == flashattn::cuda::KernelKind::ForwardSm90 {
+        "fwd_sm90.cu"
+    } else if key.dtype == DType::F32 {
         "fwd_f32.cu"
     } else {
         "fwd.cu"

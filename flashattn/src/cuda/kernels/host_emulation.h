@@ -176,12 +176,32 @@ struct Warp {
     uint32_t u[32][6];
     float f[32];
 };
+// One wgmma a thread has issued and not yet waited for (see the sm_90a section below).
+struct WgOp {
+    int n;          // the instruction's N
+    bool rs;        // A from registers (a), else from shared memory (desc_a)
+    uint64_t desc_a, desc_b;
+    int scale_d;    // 0: d = A·B, else d += A·B
+    float* d;       // the thread's accumulators (n / 2 floats)
+    uint32_t a[4];  // its A fragment (rs), as issued
+    int group;      // the commit group it belongs to
+};
+// A thread's wgmma state: issued ops, commits so far, and the true values of accumulators that
+// pending ops will write (the registers themselves read as NaN until the wait).
+struct WgThread {
+    std::vector<WgOp> ops;
+    int commits = 0;
+    std::vector<std::pair<float*, std::vector<float>>> shadows;
+};
 struct Block {
     Barrier bar;
     std::vector<Warp> warps;
     std::vector<unsigned char> smem;
+    std::vector<WgThread> wg_threads;  // per thread
+    std::vector<Barrier> wg_bars;      // per warpgroup of 128 threads
     Block(int threads, size_t smem_bytes)
-        : bar(threads), warps(size_t(threads / 32)), smem(smem_bytes + 16) {}
+        : bar(threads), warps(size_t(threads / 32)), smem(smem_bytes + 16),
+          wg_threads(size_t(threads)), wg_bars(size_t(threads / 128), Barrier(128)) {}
 };
 inline thread_local Dim3 thread_idx, block_idx, grid_dim;
 inline thread_local Block* block = nullptr;
@@ -225,6 +245,7 @@ void launch(Dim3 grid, int threads, size_t smem_bytes, F kernel) {
                 block_idx = {x, y, z};
                 // Uninitialised shared memory reads as garbage on a GPU: poison it here.
                 std::memset(b.smem.data(), 0xAB, b.smem.size());
+                for (auto& w : b.wg_threads) w = WgThread{};
                 // Every barrier is at count 0 here: the previous block ran to its end.
                 for (auto& f : s.fibers) {
                     f.done = false;
@@ -380,3 +401,115 @@ inline void cp_async_commit() {}
 template <int N>
 inline void cp_async_wait() {}
 #endif
+
+#ifdef FA_SM90_KERNEL
+// --- sm_90a: warpgroup-wide wgmma through shared-memory matrix descriptors -----------------------
+// wgmma.mma_async is asynchronous: the hardware may read its shared-memory operands and write its
+// accumulators at any time until wgmma.wait_group retires its group. The emulation takes the
+// latest moment: an issued op only records its operands (the A registers as issued, the
+// descriptors); its accumulators read as NaN until the wait; and at the wait the warpgroup meets,
+// each thread computes its own accumulators from the other threads' A registers and from shared
+// memory as it is then. So a kernel that reads accumulators before the wait, or overwrites a tile
+// a pending op reads, gets a wrong result here. Descriptors are decoded by the PTX ISA's canonical
+// 128-byte-swizzle layouts (sm90.cuh's SW128 tiles): K-major element (mn, k) at
+// start + (mn % 8) · 128 + (mn / 8) · SBO + 2k, MN-major (trans-b) at
+// start + 2 (mn % 64) + (mn / 64) · LBO + (k % 8) · 128 + (k / 8) · SBO, then address bits 4-6
+// XORed with bits 7-9.
+inline void wgmma_fence() {}
+inline void fence_proxy_async() {}
+inline void reg_fence(float&) {}
+inline void wgmma_commit() { emu::block->wg_threads[threadIdx.x].commits++; }
+
+namespace emu {
+inline float desc_elem(uint64_t desc, int mn, int k, bool mn_major) {
+    if ((desc >> 62) != 1) {
+        std::fprintf(stderr, "emulation: wgmma descriptor without the 128-byte swizzle\n");
+        std::abort();
+    }
+    const uint32_t start = uint32_t(desc & 0x3FFF) << 4;
+    const uint32_t lbo = uint32_t((desc >> 16) & 0x3FFF) << 4;
+    const uint32_t sbo = uint32_t((desc >> 32) & 0x3FFF) << 4;
+    uint32_t a = mn_major ? start + 2 * (mn % 64) + (mn / 64) * lbo + (k % 8) * 128 + (k / 8) * sbo
+                          : start + (mn % 8) * 128 + (mn / 8) * sbo + 2 * k;
+    a ^= ((a >> 7) & 7) << 4;
+    if (a + 2 > block->smem.size()) {
+        std::fprintf(stderr, "emulation: wgmma operand outside shared memory\n");
+        std::abort();
+    }
+    return half_to_float(smem_u16(a));
+}
+
+inline void wg_issue(int n, bool rs, float* d, uint64_t desc_a, uint64_t desc_b, int scale_d,
+                     const uint32_t* a) {
+    WgThread& me = block->wg_threads[thread_idx.x];
+    bool shadowed = false;
+    for (auto& p : me.shadows) shadowed |= p.first == d;
+    if (!shadowed) {
+        me.shadows.push_back({d, std::vector<float>(d, d + n / 2)});
+        for (int i = 0; i < n / 2; ++i) d[i] = NAN;
+    }
+    WgOp op{n, rs, desc_a, desc_b, scale_d, d, {0, 0, 0, 0}, me.commits};
+    if (a) std::memcpy(op.a, a, sizeof op.a);
+    me.ops.push_back(op);
+}
+}  // namespace emu
+
+template <int N>
+struct Wgmma {
+    static void ss(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+        emu::wg_issue(N, false, &d[0][0], desc_a, desc_b, scale_d, nullptr);
+    }
+    static void rs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
+        emu::wg_issue(N, true, &d[0][0], 0, desc_b, scale_d, a);
+    }
+};
+
+template <int N>
+inline void wgmma_wait() {
+    using namespace emu;
+    const int tid = int(threadIdx.x), wg = tid / 128, w = (tid / 32) % 4, g = (tid % 32) / 4,
+              t = tid % 4;
+    WgThread& me = block->wg_threads[tid];
+    Barrier& bar = block->wg_bars[wg];
+    bar.arrive_and_wait();  // every thread of the warpgroup has issued what it waits for
+    if (me.ops.size() != block->wg_threads[wg * 128].ops.size()) {
+        std::fprintf(stderr, "emulation: the threads of a warpgroup issued different wgmma\n");
+        std::abort();
+    }
+    size_t count = 0;
+    while (count < me.ops.size() && me.ops[count].group < me.commits - N) ++count;
+    for (size_t o = 0; o < count; ++o) {
+        const WgOp& op = me.ops[o];
+        std::vector<float>* acc = nullptr;
+        for (auto& p : me.shadows)
+            if (p.first == op.d) acc = &p.second;
+        auto A = [&](int row, int k) {
+            if (!op.rs) return desc_elem(op.desc_a, row, k, false);
+            // mma.m16n8k16's A fragment, per warp of the warpgroup.
+            const int r16 = row % 16, owner = wg * 128 + 32 * (row / 16) + 4 * (r16 % 8) + (k % 8) / 2;
+            const uint32_t reg = block->wg_threads[owner].ops[o].a[(r16 >= 8) + 2 * (k >= 8)];
+            return half_to_float(uint16_t(k % 2 ? reg >> 16 : reg));
+        };
+        for (int j = 0; j < op.n / 8; ++j)
+            for (int e = 0; e < 4; ++e) {
+                const int row = 16 * w + g + 8 * (e >> 1), col = 8 * j + 2 * t + (e & 1);
+                float x = op.scale_d ? (*acc)[4 * j + e] : 0.f;
+                for (int k = 0; k < 16; ++k) x += A(row, k) * desc_elem(op.desc_b, col, k, op.rs);
+                (*acc)[4 * j + e] = x;
+            }
+    }
+    bar.arrive_and_wait();  // every thread has read the others' A registers
+    me.ops.erase(me.ops.begin(), me.ops.begin() + long(count));
+    for (size_t i = 0; i < me.shadows.size();) {
+        bool pending = false;
+        for (auto& op : me.ops) pending |= op.d == me.shadows[i].first;
+        if (pending) {
+            ++i;
+            continue;
+        }
+        std::memcpy(me.shadows[i].first, me.shadows[i].second.data(),
+                    me.shadows[i].second.size() * sizeof(float));
+        me.shadows.erase(me.shadows.begin() + long(i));
+    }
+}
+#endif  // FA_SM90_KERNEL
