@@ -19,6 +19,7 @@ route keeps q, k, v as float8 and converts them to bf16 times the factor before 
 
     python3 bench/compare_torch_cuda.py --binary gpu-run/flashattn [--quick] [--out results.json]
 
+`--cudnn` times SDPA's cuDNN backend too, in the same rounds.
 `--variant LABEL=BINARY[,ENV=VALUE...]` (repeatable) times further flashattn builds or settings in
 the same rounds, call after call with the main one (an A/B of a kernel change on one warm GPU);
 their medians and their time over the main binary's go into the table and the JSON.
@@ -56,7 +57,7 @@ def event_median_ms(fn, min_time):
     return statistics.median(times)
 
 
-def torch_ms(b, h, s, d, causal, dtype, min_time, backward=False):
+def torch_ms(b, h, s, d, causal, dtype, min_time, backward=False, backend="flash"):
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -87,7 +88,8 @@ def torch_ms(b, h, s, d, causal, dtype, min_time, backward=False):
         if backward:
             torch.autograd.grad(out, (q, k, v), dout)
 
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    with sdpa_kernel([chosen]):
         return event_median_ms(step, min_time)
 
 
@@ -135,6 +137,8 @@ def main():
     ap.add_argument("--seqlens", help="comma-separated sequence lengths (overrides --quick's)")
     ap.add_argument("--dims", help="comma-separated head dims (overrides --quick's)")
     ap.add_argument("--causal", choices=["both", "no", "yes"], default="both")
+    ap.add_argument("--cudnn", action="store_true",
+                    help="also time SDPA's cuDNN backend in the same rounds (16-bit dtypes)")
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variant]
     if args.backward and args.dtype in ("e4m3", "e5m2"):
@@ -155,11 +159,14 @@ def main():
             for s in seqlens:
                 b = max(1, args.tokens // s)
                 flops = 4.0 * b * h * d * pairs(s, causal) * (3.5 if args.backward else 1.0)
-                t_ms, f_ms, fm = [], [], None
+                t_ms, f_ms, c_ms, fm = [], [], [], None
                 v_ms = {label: [] for label, _, _ in variants}
                 for _ in range(args.rounds):
                     t_ms.append(torch_ms(b, h, s, d, causal, args.dtype, args.min_time,
                                          args.backward))
+                    if args.cudnn:
+                        c_ms.append(torch_ms(b, h, s, d, causal, args.dtype, args.min_time,
+                                             args.backward, backend="cudnn"))
                     machine, fm_round = flash(args.binary, b, h, s, d, causal, args.dtype,
                                               args.min_time, args.backward)
                     fm = fm or fm_round  # the first round's kernel origin (compile or disk)
@@ -175,6 +182,8 @@ def main():
                            flashattn_max_abs_err=fm["max_abs_err"], kernel=fm["kernel"],
                            first_use=fm["kernel_origin"], first_use_ms=fm["prepare_ms"],
                            torch_round_ms=t_ms, flashattn_round_ms=f_ms,
+                           cudnn_ms=statistics.median(c_ms) if c_ms else None,
+                           cudnn_round_ms=c_ms,
                            variants={label: dict(ms=statistics.median(ms), round_ms=ms,
                                                  time_over_main=statistics.median(ms) / f)
                                      for label, ms in v_ms.items()})
@@ -183,6 +192,9 @@ def main():
                       f"{row['torch_tflops']:6.1f} TF/s | flashattn {f:8.3f} ms "
                       f"{row['flashattn_tflops']:6.1f} TF/s | x{row['speedup']:.2f} | "
                       f"err {fm['max_abs_err']:.1e} | {fm['kernel_origin']} {fm['prepare_ms']:.0f} ms"
+                      + (f" | cudnn {row['cudnn_ms']:.3f} ms "
+                         f"{flops / row['cudnn_ms'] / 1e9:6.1f} TF/s x{row['cudnn_ms'] / f:.2f}"
+                         if c_ms else "")
                       + "".join(f" | {label} {v['ms']:.3f} ms ({v['time_over_main']:.2f})"
                                 for label, v in row["variants"].items()),
                       flush=True)

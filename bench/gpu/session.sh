@@ -11,7 +11,7 @@
 #   4. NVRTC's own compile rate there (a few variants into an empty cache).
 #
 # Here: bash bench/gpu/prepare.sh && the cache (see docs/GPU.md); there (carry gpu-run):
-#   bash bench/gpu/session.sh [SECONDS] [decode|h100|ab|quick|fwd|bwd|bwdprobe|python]
+#   bash bench/gpu/session.sh [SECONDS] [decode|h100|ab|quick|fwd|bwd|bwdprobe|python|sm90]
 # SECONDS: the budget for the whole script (500). `bwd`: after the tests, forward + backward
 # against SDPA (this build beside gpu-run/old/flashattn when carried) and the backward kernels
 # under Nsight Compute; `bwdprobe`: the same without the tests (a profile to work from).
@@ -19,6 +19,7 @@
 # then the tensor-core one with FLASHATTN_CUDA_DECODE=tc), an Nsight Compute summary of each split
 # kernel and a split-count sweep of the tensor-core one at the issue's shape (for work on
 # decode.cu).
+# `sm90`: the Hopper forward (fwd_sm90.cu): probe, its test grids, against fwd.cu and SDPA.
 # `python`: no Rust tests: the wgmma layout probe (bench/gpu/wgmma_probe.py), then the Python
 # package on CUDA tensors (its tests and benchmark).
 # $OUT/summary.txt grows as stages end; $OUT/logs.tgz holds every log at the end.
@@ -70,7 +71,7 @@ else
     timeout 200 "$bin" compile 2>&1 | tail -5 | tee -a "$summary"
 fi
 
-if [ "$mode" != bwdprobe ] && [ "$mode" != python ]; then
+if [ "$mode" != bwdprobe ] && [ "$mode" != python ] && [ "$mode" != sm90 ]; then
 say "== $(date -u +%T) tests ($(left) s left)"
 tl=$(( $(left) - 220 )); [ $tl -gt 280 ] && tl=280; [ $tl -lt 60 ] && tl=60
 # shellcheck source=bench/gpu/tests.sh
@@ -127,6 +128,35 @@ ab_rounds() { # rounds: this build against gpu-run/old/flashattn (when carried),
         done
     done
 }
+if [ "$mode" = sm90 ]; then
+    # The sm_90a forward (fwd_sm90.cu): the layout probe, the forward test grids on it, then
+    # fwd.cu, fwd_sm90.cu and SDPA's flash and cuDNN backends in the same rounds, then where the
+    # Python package's CUDA calls spend their time.
+    stage 40 wgmma_probe python3 bench/gpu/wgmma_probe.py
+    for t in grid_bf16 grid_f16 varlen_matches_reference sinks_match_reference; do
+        (FLASHATTN_CUDA_FWD=sm90 timeout 150 gpu-run/cuda_tests_flashattn "$t" --exact \
+            --nocapture >"$logs/sm90_$t.log" 2>&1; echo "exit $?" >>"$logs/sm90_$t.log") &
+    done
+    wait
+    for f in "$logs"/sm90_*.log; do
+        say "-- $(basename "$f")"
+        grep -E "test result|panicked|cases per forward kernel|error too large|^exit " "$f" | head -12 | tee -a "$summary"
+    done
+    # d = 128: fwd.cu (main), fwd_sm90.cu without and with the overlap; then d = 64 and 256.
+    stage 200 compare_sm90_d128 python3 bench/compare_torch_cuda.py --binary "$bin" --cudnn \
+        --dims 128 --seqlens 2048,8192,16384 --rounds 1 --min-time 0.2 \
+        --variant "sm90=$bin,FLASHATTN_CUDA_FWD=sm90" \
+        --variant "sm90_no_overlap=$bin,FLASHATTN_CUDA_FWD=sm90,FLASHATTN_SM90_OVERLAP=0" \
+        --out "$logs/compare_sm90_d128.json"
+    stage 120 compare_sm90_d64_256 python3 bench/compare_torch_cuda.py --binary "$bin" --cudnn \
+        --dims 64,256 --seqlens 8192 --rounds 1 --min-time 0.2 \
+        --variant "sm90=$bin,FLASHATTN_CUDA_FWD=sm90" --out "$logs/compare_sm90_d64_256.json"
+    if ls gpu-run/flashattn-*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --target /tmp/flashattn-py gpu-run/flashattn-*.whl
+        stage 60 py_overhead env PYTHONPATH=/tmp/flashattn-py python3 bench/gpu/py_overhead.py
+    fi
+    finish
+fi
 if [ "$mode" = python ]; then
     stage 60 wgmma_probe python3 bench/gpu/wgmma_probe.py
     python_stage

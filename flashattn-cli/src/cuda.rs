@@ -221,7 +221,7 @@ fn measure(
     let (dq, dk, dv) = (dev.upload(&q)?, dev.upload(&k)?, dev.upload(&v)?);
 
     // First use: the kernel is compiled by NVRTC or loaded from the disk cache.
-    let key = cuda::kernel_key(&dq, &dk, &dv, &opts)?;
+    let key = cuda::kernel_key(dev, &dq, &dk, &dv, &opts)?;
     let prepared = dev.prepare(&key)?;
 
     let run = || cuda::flash_attn(dev, &dq, &dk, &dv, &opts);

@@ -70,6 +70,7 @@ fn to_host(dev: &CudaDevice, r: cuda::CudaAttnOutput) -> AttnOutput {
 
 fn run_grid(dtype: DType) {
     let Some(dev) = device() else { return };
+    let mut kernels = std::collections::BTreeMap::<String, usize>::new();
     for case in grid(dtype) {
         let inputs = case.build();
         let naive = [inputs.naive(), inputs.naive_sequential()];
@@ -80,11 +81,15 @@ fn run_grid(dtype: DType) {
             place(&dev, &inputs.bufs, &inputs.k),
             place(&dev, &inputs.bufs, &inputs.v),
         );
+        // Which kernel serves the case (FLASHATTN_CUDA_FWD=sm90 picks fwd_sm90.cu on Hopper).
+        let kind = cuda::kernel_key(&dev, &q, &k, &v, &inputs.opts())
+            .map_or("refused".into(), |key| format!("{:?}", key.kind));
+        *kernels.entry(kind.clone()).or_default() += 1;
         let res = cuda::flash_attn(&dev, &q, &k, &v, &inputs.opts())
             .unwrap_or_else(|e| panic!("{case}: cuda::flash_attn: {e}"));
         let flash = to_host(&dev, res);
         check_bound(
-            &format!("{case} cuda"),
+            &format!("{case} cuda {kind}"),
             dtype,
             &flash,
             &naive,
@@ -93,6 +98,7 @@ fn run_grid(dtype: DType) {
             case.seqlen_k,
         );
     }
+    eprintln!("{dtype} grid on {}: cases per forward kernel {kernels:?}", dev.name());
 }
 
 #[test]

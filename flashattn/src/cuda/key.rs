@@ -383,6 +383,7 @@ impl KernelKey {
                 ),
                 ("BLOCK_N", t.block_n.to_string()),
                 ("NUM_WG", (t.num_warps / 4).to_string()),
+                ("SM90_OVERLAP", flag(sm90_overlap())),
             ];
         }
         let mut d = vec![
@@ -618,6 +619,14 @@ impl KernelKey {
             fp8: false,
         }
     }
+}
+
+/// Whether the sm_90a forward overlaps the softmax of a key block with the P·V product of the one
+/// before (fwd_sm90.cu: SM90_OVERLAP): on unless `FLASHATTN_SM90_OVERLAP=0` (read once per
+/// process; for measuring what the overlap buys).
+fn sm90_overlap() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("FLASHATTN_SM90_OVERLAP").as_deref() != Ok("0"))
 }
 
 /// A GPU architecture NVRTC compiles for: compute capability `major.minor`, with the `a`

@@ -560,16 +560,20 @@ pub fn flash_attn_varlen(
     forward(dev, &p, q, k, v)
 }
 
-/// The kernel variant a batched [`flash_attn`] call with these arguments runs (validated as the
-/// call would be); with [`CudaDevice::prepare`], lets a caller compile it ahead of time.
+/// The kernel variant a batched [`flash_attn`] call with these arguments runs on `dev`
+/// (validated as the call would be); with [`CudaDevice::prepare`], lets a caller compile it ahead
+/// of time.
 pub fn kernel_key(
+    dev: &CudaDevice,
     q: &CudaTensor,
     k: &CudaTensor,
     v: &CudaTensor,
     opts: &AttnOptions,
 ) -> Result<KernelKey> {
     let p = params::batched(q, k, v, opts)?;
-    Ok(key_for(&p, false))
+    Ok(LaunchDescription::new(&p, None)
+        .for_arch(dev.arch, ForwardKernel::from_env())
+        .key)
 }
 
 /// The kernel variant that serves validated `p` (strides decide the vector-load path), on FP8

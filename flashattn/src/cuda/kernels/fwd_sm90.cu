@@ -13,12 +13,14 @@
 //                the A fragment, pack_kstep) and V read MN-major (transposed) from shared memory.
 // K and V tiles are double-buffered with cp.async as in fwd.cu: block n+1 loads while block n
 // computes. Tiles use the 128-byte-swizzled slab layout wgmma's descriptors read (sm90.cuh).
-// This is the first step of the FlashAttention-3 design: no producer warp, TMA, or overlap of
-// the softmax with the products yet.
+// With SM90_OVERLAP the softmax of one block runs while the tensor cores compute P·V of the one
+// before (FlashAttention-3's intra-warpgroup overlap). Not yet here from FlashAttention-3: the
+// producer warp with TMA loads and mbarriers, and the pingpong of two warpgroups.
 //
 // Defines (set from the Rust KernelKey, cuda/key.rs): FA_BF16 (else f16), HEAD_DIM (head_dim
 // rounded up to a multiple of 64: whole slabs), BLOCK_N, NUM_WG, IS_MASKED, HAS_SOFTCAP,
-// HAS_ALIBI. Needs VEC_LOAD's conditions (16-byte loads); no dropout, no FP8 (fwd.cu has them).
+// HAS_ALIBI, SM90_OVERLAP (default 1: the softmax of block n runs while the tensor cores do
+// P·V of block n - 1; 0: each product waited for at once). Needs VEC_LOAD's conditions (16-byte loads); no dropout, no FP8 (fwd.cu has them).
 #define FA_TENSOR_CORE_KERNEL
 #define FA_SM90_KERNEL
 #define NUM_THREADS (NUM_WG * 128)
@@ -28,6 +30,9 @@
 #define SMEM_ROW HEAD_DIM
 #include "common.cuh"
 #include "sm90.cuh"
+#ifndef SM90_OVERLAP
+#define SM90_OVERLAP 1
+#endif
 
 static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "HEAD_DIM: whole 64-column slabs, at most 256");
 static_assert(BLOCK_N % 16 == 0 && BLOCK_N >= 16 && BLOCK_N <= 256, "BLOCK_N: a wgmma n size");
@@ -45,6 +50,31 @@ __device__ __forceinline__ void load_tile_sw128(u16* tile, const u16* src, i64 r
         const bool ok = row0 + r < row_end && col < head_dim;
         const u16* g = ok ? src + (i64)(row0 + r) * row_stride + col : src;
         cp_async16(smem_addr(tile + sw128(r, col, ROWS)), g, ok ? 16 : 0);
+    }
+}
+
+// The online-softmax step of common.cuh split in two, so acc_o can be rescaled after the P·V
+// product in flight retires: row_max, row_sum and the probabilities now, alpha for later.
+__device__ __forceinline__ void softmax_rows(float (&s)[BLOCK_N / 8][4], float (&row_max)[2],
+                                             float (&row_sum)[2], float (&alpha)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float mx = row_max[r];
+#pragma unroll
+        for (int nt = 0; nt < BLOCK_N / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_use = mx == -FA_INF ? 0.f : mx;
+        alpha[r] = fa_exp2(row_max[r] - m_use);
+        row_max[r] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
+            s[nt][2 * r] = fa_exp2(s[nt][2 * r] - m_use);
+            s[nt][2 * r + 1] = fa_exp2(s[nt][2 * r + 1] - m_use);
+            sum += s[nt][2 * r] + s[nt][2 * r + 1];
+        }
+        row_sum[r] = row_sum[r] * alpha[r] + sum;
     }
 }
 
@@ -66,6 +96,115 @@ flash_fwd(FLASH_FWD_PARAMS(u16, u16)) {
     const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
 
+#if SM90_OVERLAP
+    // Loads run one block ahead, V one step behind K: iteration n loads K[n + 1] and V[n] (one
+    // cp.async group) while S = Q·K[n]ᵀ and O += P[n - 1]·V[n - 1] run. A K buffer is rewritten
+    // two iterations after its product was issued, a V buffer likewise: the __syncthreads ending
+    // each iteration orders every warpgroup's waits before those writes.
+    load_tile_sw128<BLOCK_M>(q_tile, w.q_g, q_row_stride, m0, seqlen_q, head_dim);
+    if (n_block_min < n_block_max)
+        load_tile_sw128<BLOCK_N>(k_tiles, w.k_g, k_row_stride, n_block_min * BLOCK_N, seqlen_k,
+                                 head_dim);
+    cp_async_commit();
+
+    // This thread's rows of the tile: 64·wg + 16·warp + g and + 8.
+    float acc_o[HEAD_DIM / 8][4];
+    float row_max[2], row_sum[2];
+    int row_i[2];
+#pragma unroll
+    for (int i = 0; i < HEAD_DIM / 8; ++i) acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        row_max[r] = -FA_INF;
+        row_sum[r] = 0.f;
+        row_i[r] = m0 + 64 * wg + 16 * warp + g + 8 * r;
+    }
+    const u32 q_addr = smem_addr(q_tile);
+
+    u32 p_frag[BLOCK_N / 16][4];  // P of the previous block, the A operand of its P·V
+    for (int n_block = n_block_min; n_block < n_block_max; ++n_block) {
+        const int it = n_block - n_block_min, buf = it & 1;
+        if (n_block + 1 < n_block_max)
+            load_tile_sw128<BLOCK_N>(k_tiles + (buf ^ 1) * BLOCK_N * HEAD_DIM, w.k_g, k_row_stride,
+                                     (n_block + 1) * BLOCK_N, seqlen_k, head_dim);
+        load_tile_sw128<BLOCK_N>(v_tiles + buf * BLOCK_N * HEAD_DIM, w.v_g, v_row_stride,
+                                 n_block * BLOCK_N, seqlen_k, head_dim);
+        cp_async_commit();
+        cp_async_wait<1>();  // K[n] and V[n - 1] (this thread's copies) have landed
+        fence_proxy_async();
+        __syncthreads();
+
+        float s[BLOCK_N / 8][4];
+        const u32 k_addr = smem_addr(k_tiles + buf * BLOCK_N * HEAD_DIM);
+        reg_fence_all(acc_o);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+            Wgmma<BLOCK_N>::ss(s, desc_kmajor(q_addr, BLOCK_M, 64 * wg, kk),
+                               desc_kmajor(k_addr, BLOCK_N, 0, kk), kk > 0);
+        wgmma_commit();
+        if (it > 0) {
+            // O += P[n - 1]·V[n - 1] runs while this block's scores are masked and exponentiated.
+            const u32 v_addr = smem_addr(v_tiles + (buf ^ 1) * BLOCK_N * HEAD_DIM);
+#pragma unroll
+            for (int j = 0; j < BLOCK_N / 16; ++j)
+                Wgmma<HEAD_DIM>::rs(acc_o, p_frag[j], desc_mnmajor(v_addr, BLOCK_N, j), 1);
+            wgmma_commit();
+            wgmma_wait<1>();  // S is ready; the P·V group may still run
+        } else {
+            wgmma_wait<0>();
+        }
+        reg_fence_all(s);
+
+        const int n0 = n_block * BLOCK_N;
+#pragma unroll
+        for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                s[nt][e] = mods.apply(s[nt][e], row_i[e >> 1], n0 + nt * 8 + 2 * t + (e & 1));
+        }
+        if (w.needs_mask(n0, BLOCK_N)) {
+#pragma unroll
+            for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int j = n0 + nt * 8 + 2 * t + (e & 1);
+                    const int i = row_i[e >> 1];
+                    if (j < mask.lo(i) || j >= mask.hi(i)) s[nt][e] = -FA_INF;
+                }
+            }
+        }
+        float alpha[2];
+        softmax_rows(s, row_max, row_sum, alpha);
+        wgmma_wait<0>();  // acc_o holds O through block n - 1: rescale it for block n's maximum
+        reg_fence_all(acc_o);
+#pragma unroll
+        for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
+            acc_o[dt][0] *= alpha[0];
+            acc_o[dt][1] *= alpha[0];
+            acc_o[dt][2] *= alpha[1];
+            acc_o[dt][3] *= alpha[1];
+        }
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 16; ++j) pack_kstep<BLOCK_N>(p_frag[j], s, j);
+        __syncthreads();  // every warpgroup is done with K[n] and V[n - 1]
+    }
+    if (n_block_min < n_block_max) {
+        // The last block's P·V, once its V has landed.
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();
+        const u32 v_addr = smem_addr(v_tiles + ((n_block_max - 1 - n_block_min) & 1) * BLOCK_N * HEAD_DIM);
+        reg_fence_all(acc_o);
+        wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 16; ++j)
+            Wgmma<HEAD_DIM>::rs(acc_o, p_frag[j], desc_mnmajor(v_addr, BLOCK_N, j), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        reg_fence_all(acc_o);
+    }
+#else
     load_tile_sw128<BLOCK_M>(q_tile, w.q_g, q_row_stride, m0, seqlen_q, head_dim);
     cp_async_commit();
     if (n_block_min < n_block_max) {
@@ -119,6 +258,7 @@ flash_fwd(FLASH_FWD_PARAMS(u16, u16)) {
                                desc_kmajor(k_addr, BLOCK_N, 0, kk), kk > 0);
         wgmma_commit();
         wgmma_wait<0>();
+        reg_fence_all(s);
 
         // Scores to the log2 domain; the per-element mask only where this block needs it.
         const int n0 = n_block * BLOCK_N;
@@ -143,6 +283,7 @@ flash_fwd(FLASH_FWD_PARAMS(u16, u16)) {
 
         // acc_o += P·V: the accumulators of key tiles 2j, 2j+1 form the A fragment of k-step j.
         const u32 v_addr = smem_addr(v_tile);
+        reg_fence_all(acc_o);
         wgmma_fence();
 #pragma unroll
         for (int j = 0; j < BLOCK_N / 16; ++j) {
@@ -152,8 +293,10 @@ flash_fwd(FLASH_FWD_PARAMS(u16, u16)) {
         }
         wgmma_commit();
         wgmma_wait<0>();
+        reg_fence_all(acc_o);
         __syncthreads();  // every warpgroup is done with this K and V buffer
     }
+#endif
     cp_async_wait<0>();  // a CTA that saw no key block still has its q tile in flight
 
     // finalize, as fwd.cu: divide by row_sum once; fully masked rows (row_sum 0) give 0 and lse

@@ -62,3 +62,17 @@ __device__ __forceinline__ void fence_proxy_async() {
 __device__ __forceinline__ void reg_fence(float& x) { asm volatile("" : "+f"(x)::"memory"); }
 #include "sm90_wgmma.cuh"
 #endif
+
+// reg_fence on every accumulator of a tile: after a wgmma wait (so no read of them moves above
+// it) and before an issue that accumulates into them (so no write moves below it). The compiler
+// sees wgmma write its accumulators at the issue; only these keep their uses behind the wait.
+template <int N>
+__device__ __forceinline__ void reg_fence_all(float (&x)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        reg_fence(x[i][0]);
+        reg_fence(x[i][1]);
+        reg_fence(x[i][2]);
+        reg_fence(x[i][3]);
+    }
+}
