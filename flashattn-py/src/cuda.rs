@@ -169,14 +169,19 @@ pub fn cuda_fwd(
                 Borrowed::new(&dev, &v)?,
             )
         };
-        let res = match &opts.cu_seqlens {
+        // SAFETY: out and lse are fresh torch tensors of the call, written only by the kernel.
+        let (mut ob, mut lb) = unsafe { (Borrowed::new(&dev, &out)?, Borrowed::new(&dev, &lse)?) };
+        let dst = cuda::CudaOutBuffers {
+            out: ob.get_mut(),
+            lse: lb.get_mut(),
+        };
+        match &opts.cu_seqlens {
             Some((cq, ck)) => {
-                cuda::flash_attn_varlen(&dev, qb.get(), kb.get(), vb.get(), cq, ck, &ao)
+                cuda::flash_attn_varlen_into(&dev, qb.get(), kb.get(), vb.get(), cq, ck, &ao, dst)
             }
-            None => cuda::flash_attn(&dev, qb.get(), kb.get(), vb.get(), &ao),
+            None => cuda::flash_attn_into(&dev, qb.get(), kb.get(), vb.get(), &ao, dst),
         }?;
-        copy_into(&dev, &res.out, &out)?;
-        copy_into(&dev, &res.lse, &lse)
+        Ok(())
     })?;
     Ok(())
 }

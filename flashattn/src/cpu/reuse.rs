@@ -114,6 +114,7 @@ pub(crate) fn release_all() {
 
 /// Overwrites every kept buffer with NaN (f32) or all-ones (u32) bits: a call that read a kept
 /// buffer's old contents before writing them would then show it (tests).
+#[cfg(feature = "test-hooks")]
 pub(crate) fn poison_all() {
     for s in [&QUERY_TILES, &DQ_COPIES, &K_TILES, &V_TILES] {
         s.lock().fill(f32::NAN);

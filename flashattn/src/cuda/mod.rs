@@ -560,6 +560,109 @@ pub fn flash_attn_varlen(
     forward(dev, &p, q, k, v)
 }
 
+/// Caller-provided destinations of a CUDA forward ([`flash_attn_into`]): `out` with q's shape
+/// and dtype and `lse` in f32 with the call's lse shape (`[batch, heads, seqlen_q]`, packed:
+/// `[heads, total_q]`), both contiguous and in `dev`'s context (e.g. a framework's tensors viewed
+/// as [`CudaTensor`]s). Every element is written.
+#[derive(Debug)]
+pub struct CudaOutBuffers<'a> {
+    pub out: &'a mut CudaTensor,
+    pub lse: &'a mut CudaTensor,
+}
+
+/// [`flash_attn`] writing into caller-provided buffers: no allocation, no copy.
+pub fn flash_attn_into(
+    dev: &CudaDevice,
+    q: &CudaTensor,
+    k: &CudaTensor,
+    v: &CudaTensor,
+    opts: &AttnOptions,
+    dst: CudaOutBuffers,
+) -> Result<()> {
+    let p = params::batched(q, k, v, opts)?;
+    forward_into(dev, &p, q, k, v, dst)
+}
+
+/// [`flash_attn_varlen`] writing into caller-provided buffers (see [`flash_attn_into`]).
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_varlen_into(
+    dev: &CudaDevice,
+    q: &CudaTensor,
+    k: &CudaTensor,
+    v: &CudaTensor,
+    cu_seqlens_q: &[i32],
+    cu_seqlens_k: &[i32],
+    opts: &AttnOptions,
+    dst: CudaOutBuffers,
+) -> Result<()> {
+    let p = params::varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, opts)?;
+    forward_into(dev, &p, q, k, v, dst)
+}
+
+/// Checks a caller's destination: `dtype`, `shape`'s element count, and a contiguous view of
+/// exactly its buffer.
+fn check_destination(
+    tensor: &'static str,
+    t: &CudaTensor,
+    dtype: DType,
+    shape: &[usize],
+) -> Result<()> {
+    params::destination(tensor, (t.dtype(), t.buffer().len()), dtype, shape)?;
+    let mut contiguous = vec![1; t.shape().len()];
+    for i in (0..t.shape().len().saturating_sub(1)).rev() {
+        contiguous[i] = contiguous[i + 1] * t.shape()[i + 1];
+    }
+    let numel: usize = t.shape().iter().product();
+    if numel != t.buffer().len() || (numel > 1 && t.strides() != contiguous.as_slice()) {
+        return Err(ErrorKind::Shape {
+            tensor,
+            expected: shape.to_vec(),
+            got: t.shape().to_vec(),
+        }
+        .into());
+    }
+    Ok(())
+}
+
+fn forward_into(
+    dev: &CudaDevice,
+    p: &Params,
+    q: &CudaTensor,
+    k: &CudaTensor,
+    v: &CudaTensor,
+    dst: CudaOutBuffers,
+) -> Result<()> {
+    check_destination("out", dst.out, p.dtype, &p.out_shape)?;
+    check_destination("lse", dst.lse, DType::F32, &p.lse_shape)?;
+    let (out_ctx, lse_ctx) = (dst.out.buf.context().clone(), dst.lse.buf.context().clone());
+    let contexts = [
+        q.buf.context(),
+        k.buf.context(),
+        v.buf.context(),
+        &out_ctx,
+        &lse_ctx,
+    ];
+    let lse = match &mut dst.lse.buf {
+        DeviceBuffer::F32(l) => l,
+        _ => unreachable!("checked: lse is f32"),
+    };
+    match (&q.buf, &k.buf, &v.buf, &mut dst.out.buf) {
+        (DeviceBuffer::F32(qb), DeviceBuffer::F32(kb), DeviceBuffer::F32(vb), DeviceBuffer::F32(o)) => {
+            launch_forward(dev, p, None, &contexts, (qb, kb, vb), o, lse)
+        }
+        (DeviceBuffer::F16(qb), DeviceBuffer::F16(kb), DeviceBuffer::F16(vb), DeviceBuffer::F16(o)) => {
+            launch_forward(dev, p, None, &contexts, (qb, kb, vb), o, lse)
+        }
+        (
+            DeviceBuffer::BF16(qb),
+            DeviceBuffer::BF16(kb),
+            DeviceBuffer::BF16(vb),
+            DeviceBuffer::BF16(o),
+        ) => launch_forward(dev, p, None, &contexts, (qb, kb, vb), o, lse),
+        _ => unreachable!("params checked q, k and v share one dtype; out was checked against it"),
+    }
+}
+
 /// The kernel variant a batched [`flash_attn`] call with these arguments runs on `dev`
 /// (validated as the call would be); with [`CudaDevice::prepare`], lets a caller compile it ahead
 /// of time.
@@ -685,18 +788,32 @@ pub(crate) fn run_forward<TI, TO: cudarc::driver::DeviceRepr>(
     qkv: (&CudaSlice<TI>, &CudaSlice<TI>, &CudaSlice<TI>),
     wrap: fn(CudaSlice<TO>) -> DeviceBuffer,
 ) -> Result<CudaAttnOutput> {
-    let desc = LaunchDescription::new(p, fp8).for_arch(dev.arch, ForwardKernel::from_env());
-    check_launchable(dev, p, &desc.key, &contexts)?;
-    let (function, _) = dev.function(&desc.key)?;
     let s = &dev.stream;
-    let plan = Plan::new(dev, desc)?;
     let mut lse = alloc_output::<f32>(s, p.lse_len())?;
     let mut out = alloc_output::<TO>(s, p.out_len())?;
-    plan.launch(dev, &function, qkv, &mut out, &mut lse)?;
+    launch_forward(dev, p, fp8, &contexts, qkv, &mut out, &mut lse)?;
     Ok(CudaAttnOutput {
         out: CudaTensor::contiguous(wrap(out), &p.out_shape),
         lse: CudaTensor::contiguous(DeviceBuffer::F32(lse), &p.lse_shape),
     })
+}
+
+/// Checks, compiles (or fetches) and queues the forward of validated `p` into `out` (p.out_len()
+/// elements of type `TO`) and `lse` (p.lse_len()).
+fn launch_forward<TI, TO: cudarc::driver::DeviceRepr>(
+    dev: &CudaDevice,
+    p: &Params,
+    fp8: Option<crate::fp8::Fp8Format>,
+    contexts: &[&Arc<CudaContext>],
+    qkv: (&CudaSlice<TI>, &CudaSlice<TI>, &CudaSlice<TI>),
+    out: &mut CudaSlice<TO>,
+    lse: &mut CudaSlice<f32>,
+) -> Result<()> {
+    let desc = LaunchDescription::new(p, fp8).for_arch(dev.arch, ForwardKernel::from_env());
+    check_launchable(dev, p, &desc.key, contexts)?;
+    let (function, _) = dev.function(&desc.key)?;
+    let plan = Plan::new(dev, desc)?;
+    plan.launch(dev, &function, qkv, out, lse)
 }
 
 /// Everything a forward launch passes besides the tensors, computed on the host from validated
