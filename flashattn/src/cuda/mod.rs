@@ -1050,12 +1050,13 @@ pub fn launch_description(
 }
 
 /// Which forward kernel serves f16/bf16 calls on a Hopper GPU (compute capability 9.0) where both
-/// could: `FLASHATTN_CUDA_FWD=sm90` the warpgroup kernel (fwd_sm90.cu), `fa2` or unset the
-/// FlashAttention-2-class one (fwd.cu). Read once per process.
+/// could: the warpgroup kernel (fwd_sm90.cu; the default: 1.0-1.6x fwd.cu on an H200, docs/CUDA.md)
+/// or, with `FLASHATTN_CUDA_FWD=fa2`, the FlashAttention-2-class one (fwd.cu). Read once per
+/// process.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ForwardKernel {
-    #[default]
     Fa2,
+    #[default]
     Sm90,
 }
 
@@ -1063,8 +1064,8 @@ impl ForwardKernel {
     pub fn from_env() -> ForwardKernel {
         static KERNEL: std::sync::OnceLock<ForwardKernel> = std::sync::OnceLock::new();
         *KERNEL.get_or_init(|| match std::env::var("FLASHATTN_CUDA_FWD").as_deref() {
-            Ok("sm90") => ForwardKernel::Sm90,
-            _ => ForwardKernel::Fa2,
+            Ok("fa2") => ForwardKernel::Fa2,
+            _ => ForwardKernel::Sm90,
         })
     }
 }
