@@ -9,7 +9,7 @@ so their operand lists are long and regular: written by this script, not by hand
 import pathlib
 import textwrap
 
-SIZES = (64, 96, 128, 192, 256)
+SIZES = (32, 48, 64, 80, 96, 112, 128, 176, 192, 256)
 
 
 def wrap(items, indent):

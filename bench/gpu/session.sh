@@ -20,7 +20,7 @@
 # kernel and a split-count sweep of the tensor-core one at the issue's shape (for work on
 # decode.cu).
 # `sm90`: the Hopper forward (fwd_sm90.cu): probe, its test grids, against fwd.cu and SDPA.
-# `sm90b`: with fwd_sm90.cu the default: a grid, causal shapes against fwd.cu and SDPA, Python.
+# `sm90b`: the warp-specialised fwd_sm90_ws.cu: its grids, against fwd_sm90.cu, fwd.cu, SDPA; Python.
 # `python`: no Rust tests: the wgmma layout probe (bench/gpu/wgmma_probe.py), then the Python
 # package on CUDA tensors (its tests and benchmark).
 # $OUT/summary.txt grows as stages end; $OUT/logs.tgz holds every log at the end.
@@ -163,24 +163,29 @@ if [ "$mode" = sm90 ]; then
     finish
 fi
 if [ "$mode" = sm90b ]; then
-    # With the sm_90a forward the default on Hopper: one test grid through the default choice,
-    # then causal shapes (fwd_sm90.cu as main, fwd.cu as a variant) beside SDPA's flash and
-    # cuDNN backends, the Python package's CUDA tests and its benchmark.
-    stage 60 grid_bf16_default gpu-run/cuda_tests_flashattn grid_bf16 --exact --nocapture
-    stage 110 compare_causal_d128 python3 bench/compare_torch_cuda.py --binary "$bin" --cudnn \
-        --dims 128 --seqlens 2048,8192,16384 --causal yes --rounds 1 --min-time 0.2 \
-        --variant "fa2=$bin,FLASHATTN_CUDA_FWD=fa2" --out "$logs/compare_causal_d128.json"
+    # The warp-specialised sm_90a forward (fwd_sm90_ws.cu): its test grids, then it beside the
+    # default (fwd_sm90.cu), fwd.cu and SDPA's flash and cuDNN backends; the Python package.
+    for t in grid_bf16 grid_f16 varlen_matches_reference sinks_match_reference; do
+        (FLASHATTN_CUDA_FWD=sm90ws timeout 100 gpu-run/cuda_tests_flashattn "$t" --exact \
+            --nocapture >"$logs/ws_$t.log" 2>&1; echo "exit $?" >>"$logs/ws_$t.log") &
+    done
+    wait
+    for f in "$logs"/ws_*.log; do
+        say "-- $(basename "$f")"
+        grep -E "test result|panicked|cases per forward kernel|error too large|^exit " "$f" | head -12 | tee -a "$summary"
+    done
+    stage 110 compare_ws_d128 python3 bench/compare_torch_cuda.py --binary "$bin" --cudnn \
+        --dims 128 --seqlens 4096,16384 --rounds 1 --min-time 0.2 \
+        --variant "sm90ws=$bin,FLASHATTN_CUDA_FWD=sm90ws" --variant "fa2=$bin,FLASHATTN_CUDA_FWD=fa2" \
+        --out "$logs/compare_ws_d128.json"
+    stage 80 compare_ws_d64_256 python3 bench/compare_torch_cuda.py --binary "$bin" --cudnn \
+        --dims 64,256 --seqlens 8192 --rounds 1 --min-time 0.2 \
+        --variant "sm90ws=$bin,FLASHATTN_CUDA_FWD=sm90ws" --out "$logs/compare_ws_d64_256.json"
     if ls gpu-run/flashattn-*.whl >/dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --target /tmp/flashattn-py gpu-run/flashattn-*.whl
-        stage 50 python_cuda_tests env FLASHATTN_PY_CUDA=1 PYTHONPATH=/tmp/flashattn-py \
+        stage 40 python_cuda_tests env FLASHATTN_PY_CUDA=1 PYTHONPATH=/tmp/flashattn-py \
             python3 -m pytest -q -rs -p no:cacheprovider flashattn-py/tests/test_cuda.py
     fi
-    stage 70 compare_causal_d64_256 python3 bench/compare_torch_cuda.py --binary "$bin" --cudnn \
-        --dims 64,256 --seqlens 8192 --causal yes --rounds 1 --min-time 0.2 \
-        --variant "fa2=$bin,FLASHATTN_CUDA_FWD=fa2" --out "$logs/compare_causal_d64_256.json"
-    stage 60 python_cuda_bench env FLASHATTN_PY_CUDA=1 PYTHONPATH=/tmp/flashattn-py \
-        python3 -m flashattn.bench --device cuda --seqlen 4096 16384 --head-dim 128 --dtype bf16 \
-        --rounds 3 --json "$logs/python_cuda_bench.json"
     finish
 fi
 if [ "$mode" = python ]; then

@@ -15,7 +15,7 @@ mod common;
 use common::emu::{bytes, forward_builds, have_compiler, run_forward, Builds};
 use common::grid::grid;
 use common::*;
-use flashattn::cuda::{launch_description, Arch, ForwardKernel, KernelKind, LaunchDescription};
+use flashattn::cuda::{launch_description, Arch, ForwardKernel, LaunchDescription};
 use flashattn::{AttnOutput, DType, TensorRef};
 
 /// Runs the emulated kernel of `d` on the buffers behind q, k, v.
@@ -92,6 +92,18 @@ fn grid_f32() {
 /// wait and poisons its accumulators until then.
 #[test]
 fn grid_sm90() {
+    run_grid_sm90(ForwardKernel::Sm90);
+}
+
+/// The warp-specialised sm_90a forward (fwd_sm90_ws.cu: TMA loads completing on mbarriers, a
+/// producer warpgroup and two consumers) on the same cases; host_emulation.h delivers each TMA
+/// load only when its barrier is first waited for and aborts on a deadlock.
+#[test]
+fn grid_sm90_ws() {
+    run_grid_sm90(ForwardKernel::Sm90Ws);
+}
+
+fn run_grid_sm90(kernel: ForwardKernel) {
     if !have_compiler() {
         return;
     }
@@ -106,11 +118,11 @@ fn grid_sm90() {
             let (q, k, v) = inputs.views();
             let d = launch_description(&q, &k, &v, None, &inputs.opts())
                 .unwrap()
-                .for_arch(Arch::SM90, ForwardKernel::Sm90);
-            if d.key.kind != KernelKind::ForwardSm90 {
+                .for_arch(Arch::SM90, kernel);
+            if !d.key.is_sm90() {
                 continue; // dropout, or rows not 16-byte aligned: fwd.cu serves those
             }
-            let flash = run(&mut builds, &d, &q, &k, &v, &format!("sm90_{dtype}_{i}"));
+            let flash = run(&mut builds, &d, &q, &k, &v, &format!("sm90_{kernel:?}_{dtype}_{i}"));
             let naive = [inputs.naive(), inputs.naive_sequential()];
             let r = inputs.reference();
             let v_max = inputs.v_values().iter().fold(0f64, |m, x| m.max(x.abs()));
@@ -125,8 +137,21 @@ fn grid_sm90() {
             );
             ran += 1;
         }
-        eprintln!("{dtype}: {ran} grid cases emulated on the sm_90a forward");
+        eprintln!("{dtype}: {ran} grid cases emulated on the sm_90a forward ({kernel:?})");
         assert!(ran >= 5.min(budget()), "too few sm_90a cases ran: {ran}");
+        // Packed sequences (the tensor maps then span the whole packed tensor).
+        for (n, case) in varlen_cases(dtype, 4, 2, 40).into_iter().enumerate() {
+            let inputs = case.build();
+            let (q, k, v) = inputs.views();
+            let cu = Some((&inputs.cu_q[..], &inputs.cu_k[..]));
+            let d = launch_description(&q, &k, &v, cu, &inputs.opts())
+                .unwrap()
+                .for_arch(Arch::SM90, kernel);
+            assert!(d.key.is_sm90(), "{}", d.key.name());
+            let tag = format!("sm90_varlen_{kernel:?}_{dtype}_{n}");
+            let flash = run(&mut builds, &d, &q, &k, &v, &tag);
+            inputs.check(&flash, &format!("emulated {}", d.key.name()));
+        }
     }
 }
 

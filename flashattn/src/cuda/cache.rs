@@ -5,7 +5,7 @@
 //! `$HOME/.cache/flashattn`. Writes go to a temporary file renamed into place, so concurrent
 //! processes never read a partial cubin; any I/O failure just means compiling again.
 
-use super::key::{Arch, KernelKey, KernelKind, COMMON_CUH, SM90_CUH, SM90_WGMMA_CUH};
+use super::key::{Arch, KernelKey, COMMON_CUH, SM90_ATTN_CUH, SM90_CUH, SM90_WGMMA_CUH};
 use std::path::{Path, PathBuf};
 
 pub(crate) fn dir() -> Option<PathBuf> {
@@ -35,8 +35,8 @@ pub(crate) fn path(key: &KernelKey, arch: Arch, nvrtc: (i32, i32)) -> Option<Pat
     let (_, src) = key.source();
     let defines = format!("{:?}", key.defines());
     // The sm_90a kernel's own headers (the other kernels' identities stay as they were).
-    let sm90 = if key.kind == KernelKind::ForwardSm90 {
-        [SM90_CUH, SM90_WGMMA_CUH].concat()
+    let sm90 = if key.is_sm90() {
+        [SM90_CUH, SM90_WGMMA_CUH, SM90_ATTN_CUH].concat()
     } else {
         String::new()
     };

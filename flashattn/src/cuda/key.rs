@@ -12,6 +12,9 @@ pub(crate) const FWD_F32_CU: &str = include_str!("kernels/fwd_f32.cu");
 pub(crate) const FWD_SM90_CU: &str = include_str!("kernels/fwd_sm90.cu");
 pub(crate) const SM90_CUH: &str = include_str!("kernels/sm90.cuh");
 pub(crate) const SM90_WGMMA_CUH: &str = include_str!("kernels/sm90_wgmma.cuh");
+pub(crate) const SM90_ATTN_CUH: &str = include_str!("kernels/sm90_attn.cuh");
+/// The warp-specialised Hopper forward (TMA producer, wgmma consumers).
+pub(crate) const FWD_SM90_WS_CU: &str = include_str!("kernels/fwd_sm90_ws.cu");
 /// The decode kernels (split-KV attention over a KV cache, the merge of the splits, the append).
 pub(crate) const DECODE_CU: &str = include_str!("kernels/decode.cu");
 /// The backward kernels (dO·O and the LSE per row, dQ, dK and dV).
@@ -30,6 +33,9 @@ pub enum KernelKind {
     /// `flash_fwd` of fwd_sm90.cu: the same launch on warpgroup tensor-core instructions, for
     /// sm_90a only (f16/bf16 with 16-byte loads; no dropout, no FP8 inputs).
     ForwardSm90,
+    /// `flash_fwd` of fwd_sm90_ws.cu: [`KernelKind::ForwardSm90`] warp-specialised, a producer
+    /// warpgroup loading with TMA (the launch also passes the tensor maps, cuda/tma.rs).
+    ForwardSm90Ws,
     /// `decode_split` (decode.cu): one key split of the query rows of a kv head.
     DecodeSplit,
     /// `decode_combine` (decode.cu): the merge of the splits through their LSEs. Only the dtype
@@ -135,6 +141,21 @@ impl KernelKey {
             }
             _ => {}
         }
+        if self.kind == KernelKind::ForwardSm90Ws {
+            // Two consumer warpgroups of 64 rows and the producer. The consumers get 240
+            // registers each (setmaxnreg): these key blocks keep the scores, P and acc_o within
+            // them without spills (NVRTC 13.0, every option on; 80 keys at head_dim 256 as
+            // FlashAttention-3, whose shared memory then just fits: 225 KiB).
+            return Tiles {
+                block_m: 128,
+                block_n: match self.head_dim {
+                    d if d <= 128 => 128,
+                    d if d <= 192 => 64,
+                    _ => 80,
+                },
+                num_warps: 12,
+            };
+        }
         if self.kind == KernelKind::ForwardSm90 {
             // Two warpgroups of 64 rows. Key blocks as wide as the registers allow: the scores
             // (block_n / 2 per thread) beside acc_o (head_dim / 2, padded to 64) and P packed
@@ -228,6 +249,11 @@ impl KernelKey {
             KernelKind::ForwardSm90 => {
                 return 2 * (t.block_m + 4 * t.block_n) * self.smem_row() + 1024
             }
+            // fwd_sm90_ws.cu: q [block_m], k and v in rings of 2 stages [2][block_n], 1 KiB to
+            // align, and the mbarriers (q_full and 4 per stage, 8 bytes each).
+            KernelKind::ForwardSm90Ws => {
+                return 2 * (t.block_m + 4 * t.block_n) * self.smem_row() + 1024 + 8 * 9
+            }
             // decode.cu: the tile's v row offsets [128] (i64), q [16][d] and p [16][128] in
             // f32, two [4 warps][16] reductions, then 5 + 3 per-row statistics of 4 bytes.
             // decode.cu, DECODE_TC: the q tile and double-buffered k and v tiles in the cache's
@@ -318,7 +344,12 @@ impl KernelKey {
     /// Whether the variant compiles for `arch`: the sm_90a kernels only for compute capability
     /// 9.0 (NVRTC's `sm_90a`), the others for any.
     pub fn builds_for(&self, arch: Arch) -> bool {
-        self.kind != KernelKind::ForwardSm90 || (arch.major, arch.minor) == (9, 0)
+        !self.is_sm90() || (arch.major, arch.minor) == (9, 0)
+    }
+
+    /// One of the sm_90a forward kernels.
+    pub fn is_sm90(&self) -> bool {
+        matches!(self.kind, KernelKind::ForwardSm90 | KernelKind::ForwardSm90Ws)
     }
 
     /// Whether `bwd_dq` / `bwd_dkdv` of this key run on tensor cores (f16/bf16, head_dim up to
@@ -341,6 +372,9 @@ impl KernelKey {
         if self.kind == KernelKind::ForwardSm90 {
             return ("fwd_sm90.cu", FWD_SM90_CU);
         }
+        if self.kind == KernelKind::ForwardSm90Ws {
+            return ("fwd_sm90_ws.cu", FWD_SM90_WS_CU);
+        }
         if self.kind != KernelKind::Forward {
             return ("decode.cu", DECODE_CU);
         }
@@ -353,7 +387,7 @@ impl KernelKey {
     /// The kernel's entry point in its module.
     pub fn entry(&self) -> &'static str {
         match self.kind {
-            KernelKind::Forward | KernelKind::ForwardSm90 => "flash_fwd",
+            KernelKind::Forward | KernelKind::ForwardSm90 | KernelKind::ForwardSm90Ws => "flash_fwd",
             KernelKind::DecodeSplit => "decode_split",
             KernelKind::DecodeCombine => "decode_combine",
             KernelKind::DecodeAppend => "decode_append",
@@ -366,6 +400,25 @@ impl KernelKey {
     /// The `-D` defines of this variant.
     pub fn defines(&self) -> Vec<(&'static str, String)> {
         let flag = |b: bool| (b as u8).to_string();
+        if self.kind == KernelKind::ForwardSm90Ws {
+            let t = self.tiles();
+            return vec![
+                ("HEAD_DIM", self.smem_row().to_string()),
+                ("IS_MASKED", flag(self.masked)),
+                ("HAS_SOFTCAP", flag(self.softcap)),
+                ("HAS_ALIBI", flag(self.alibi)),
+                (
+                    if self.dtype == DType::BF16 {
+                        "FA_BF16"
+                    } else {
+                        "FA_F16"
+                    },
+                    "1".into(),
+                ),
+                ("BLOCK_N", t.block_n.to_string()),
+                ("NUM_WG", (t.num_warps / 4 - 1).to_string()),
+            ];
+        }
         if self.kind == KernelKind::ForwardSm90 {
             let t = self.tiles();
             return vec![
@@ -459,6 +512,10 @@ impl KernelKey {
                 "fwd_sm90_{}_d{}_m{}n{}",
                 self.dtype, self.head_dim, t.block_m, t.block_n
             ),
+            KernelKind::ForwardSm90Ws => format!(
+                "fwd_sm90ws_{}_d{}_m{}n{}",
+                self.dtype, self.head_dim, t.block_m, t.block_n
+            ),
             KernelKind::DecodeSplit => format!(
                 "decode_{}_d{}{}",
                 self.dtype,
@@ -528,17 +585,19 @@ impl KernelKey {
         for dtype in [DType::F16, DType::BF16] {
             for head_dim in (64..=crate::MAX_HEAD_DIM).step_by(64) {
                 for bits in 0..8u32 {
-                    keys.push(KernelKey {
-                        kind: KernelKind::ForwardSm90,
-                        dtype,
-                        head_dim,
-                        masked: bits & 1 != 0,
-                        softcap: bits & 2 != 0,
-                        alibi: bits & 4 != 0,
-                        dropout: false,
-                        vec_load: true,
-                        fp8: false,
-                    });
+                    for kind in [KernelKind::ForwardSm90, KernelKind::ForwardSm90Ws] {
+                        keys.push(KernelKey {
+                            kind,
+                            dtype,
+                            head_dim,
+                            masked: bits & 1 != 0,
+                            softcap: bits & 2 != 0,
+                            alibi: bits & 4 != 0,
+                            dropout: false,
+                            vec_load: true,
+                            fp8: false,
+                        });
+                    }
                 }
             }
         }

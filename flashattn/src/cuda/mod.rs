@@ -32,6 +32,7 @@ mod fp8;
 mod key;
 mod nvrtc;
 mod probe;
+mod tma;
 
 pub use backward::{
     backward_kernel_key, backward_launch_description, flash_attn_backward,
@@ -50,6 +51,7 @@ pub use fp8::{
     CudaFp8Tensor,
 };
 pub use key::{Arch, KernelKey, KernelKind, Tiles, HEAD_DIM_STEP};
+pub use tma::TmaSpec;
 pub use nvrtc::{compile, version as nvrtc_version, CompiledKernel};
 
 use crate::error::{ErrorKind, Result};
@@ -857,6 +859,8 @@ pub struct LaunchDescription {
     pub lse_len: usize,
     pub out_shape: Vec<usize>,
     pub lse_shape: Vec<usize>,
+    /// The tensor maps of q, k and v, for the warp-specialised sm_90a forward only.
+    pub tma: Option<[TmaSpec; 3]>,
 }
 
 /// The dropout arguments every attention kernel takes last (common.cuh: FA_DROPOUT_PARAMS): the
@@ -988,6 +992,7 @@ impl LaunchDescription {
             lse_len: p.lse_len(),
             out_shape: p.out_shape.clone(),
             lse_shape: p.lse_shape.clone(),
+            tma: None,
             key,
         }
     }
@@ -996,16 +1001,64 @@ impl LaunchDescription {
     /// (fwd_sm90.cu: its key, its tiles, grid and shared memory) on compute capability 9.0 where
     /// it serves the call ([`KernelKey::sm90_forward`]) and `choice` asks for it; else unchanged.
     pub fn for_arch(mut self, arch: Arch, choice: ForwardKernel) -> LaunchDescription {
-        let sm90 = self.key.sm90_forward().filter(|k| {
-            choice == ForwardKernel::Sm90 && k.builds_for(arch) && arch == Arch::SM90
-        });
-        if let Some(key) = sm90 {
-            self.grid.0 = (self.batch_seqlens.0 as usize).div_ceil(key.tiles().block_m) as u32;
-            self.threads = key.threads() as u32;
-            self.smem_bytes = key.smem_bytes() as u32;
-            self.key = key;
+        if choice == ForwardKernel::Fa2 || arch != Arch::SM90 {
+            return self;
+        }
+        let Some(mut key) = self.key.sm90_forward() else {
+            return self;
+        };
+        if choice == ForwardKernel::Sm90Ws {
+            key.kind = KernelKind::ForwardSm90Ws;
+        }
+        self.grid.0 = (self.batch_seqlens.0 as usize).div_ceil(key.tiles().block_m) as u32;
+        self.threads = key.threads() as u32;
+        self.smem_bytes = key.smem_bytes() as u32;
+        self.key = key;
+        if key.kind == KernelKind::ForwardSm90Ws {
+            self.tma = Some(self.tensor_maps());
         }
         self
+    }
+
+    /// The tensor maps of q, k and v (cuda/tma.rs): a batched call's rows are one sequence's
+    /// (batch_seqlens), a packed call's reach the last row any sequence uses.
+    fn tensor_maps(&self) -> [TmaSpec; 3] {
+        let t = self.key.tiles();
+        let [q_row, q_head, k_row, k_head, v_row, v_head, _] = self.strides.map(|x| x as u64);
+        let (batches, q_rows, k_rows, v_rows, batch_strides) = match &self.table {
+            Some(table) => {
+                // Table fields per sequence: seqlen_q, seqlen_k, q_base, k_base, v_base,
+                // out_row0, lse_base (element offsets).
+                let end = |f: &dyn Fn(&[i64]) -> i64| {
+                    table.chunks(7).map(f).max().unwrap_or(0).max(1) as u64
+                };
+                let q_rows = end(&|s| s[5] + s[0]);
+                let k_rows = end(&|s| s[3] / k_row as i64 + s[1]);
+                let v_rows = end(&|s| s[4] / v_row as i64 + s[1]);
+                // One batch: its stride is never stepped over, but must be a valid one.
+                (1, q_rows, k_rows, v_rows, [q_rows * q_row, k_rows * k_row, v_rows * v_row])
+            }
+            None => {
+                let (sq, sk) = (self.batch_seqlens.0.max(1) as u64, self.batch_seqlens.1.max(1) as u64);
+                (
+                    self.grid.2.max(1) as u64,
+                    sq,
+                    sk,
+                    sk,
+                    self.batch_strides.map(|x| x as u64),
+                )
+            }
+        };
+        let spec = |rows: u64, heads: i32, row: u64, head: u64, batch: u64, box_rows: usize| TmaSpec {
+            dims: [self.head_dim as u64, rows, heads as u64, batches],
+            strides: [2 * row, 2 * head, 2 * batch],
+            box_rows: box_rows as u32,
+        };
+        [
+            spec(q_rows, self.heads, q_row, q_head, batch_strides[0], t.block_m),
+            spec(k_rows, self.heads_kv, k_row, k_head, batch_strides[1], t.block_n),
+            spec(v_rows, self.heads_kv, v_row, v_head, batch_strides[2], t.block_n),
+        ]
     }
 
     /// Nothing to launch: no query row, or no sequence.
@@ -1058,6 +1111,8 @@ pub enum ForwardKernel {
     Fa2,
     #[default]
     Sm90,
+    /// fwd_sm90_ws.cu (`FLASHATTN_CUDA_FWD=sm90ws`): warp-specialised, TMA loads.
+    Sm90Ws,
 }
 
 impl ForwardKernel {
@@ -1065,6 +1120,7 @@ impl ForwardKernel {
         static KERNEL: std::sync::OnceLock<ForwardKernel> = std::sync::OnceLock::new();
         *KERNEL.get_or_init(|| match std::env::var("FLASHATTN_CUDA_FWD").as_deref() {
             Ok("fa2") => ForwardKernel::Fa2,
+            Ok("sm90ws") => ForwardKernel::Sm90Ws,
             _ => ForwardKernel::Sm90,
         })
     }
@@ -1117,6 +1173,22 @@ impl Plan {
             return Ok(());
         }
         let null: u64 = 0;
+        // The warp-specialised kernel's tensor maps, encoded over q, k and v's device memory.
+        let maps = match &d.tma {
+            Some(specs) => {
+                use cudarc::driver::DevicePtr;
+                let s = &dev.stream;
+                let (qp, _qr) = q.device_ptr(s);
+                let (kp, _kr) = k.device_ptr(s);
+                let (vp, _vr) = v.device_ptr(s);
+                Some([
+                    specs[0].encode(qp, d.key.dtype)?,
+                    specs[1].encode(kp, d.key.dtype)?,
+                    specs[2].encode(vp, d.key.dtype)?,
+                ])
+            }
+            None => None,
+        };
         let mut b = dev.stream.launch_builder(function);
         b.arg(q).arg(k).arg(v).arg(out).arg(lse);
         match &self.table {
@@ -1147,6 +1219,9 @@ impl Plan {
             None => b.arg(&null),
         };
         d.dropout.push(&mut b);
+        if let Some(m) = &maps {
+            b.arg(&m[0]).arg(&m[1]).arg(&m[2]);
+        }
         let cfg = LaunchConfig {
             grid_dim: d.grid,
             block_dim: (d.threads, 1, 1),
@@ -1156,7 +1231,8 @@ impl Plan {
         // TI, TI, TO, f32, i64 (or null: batched), f32 (or null: no ALiBi, then never read);
         // i32 x3; i64 x7; f32 x2; i32 x4; i64 x3; f32 pointer (or null), i32; f32 pointer (or
         // null); u32 x2, i64, f32
-        // (a null pointer is pushed as a 64-bit zero). TI and TO are the element types the
+        // (a null pointer is pushed as a 64-bit zero); for fwd_sm90_ws.cu then three TmaDesc
+        // maps encoded over q, k and v themselves. TI and TO are the element types the
         // variant was compiled for: the callers pick the key from the same buffers (forward:
         // one dtype, FA_FP8_INPUT off; forward_fp8: bytes in, bf16 out, FA_FP8_INPUT on), and a
         // descale table is pushed exactly for FP8 keys. Params validated every view, so each

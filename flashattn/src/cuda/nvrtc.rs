@@ -2,7 +2,7 @@
 //! NVRTC's C API: cudarc's safe wrapper returns PTX only, and a cubin both skips the driver's PTX
 //! JIT at load time and lets the compile log report registers and spills (`ptxas -v`).
 
-use super::key::{Arch, KernelKey, COMMON_CUH, SM90_CUH, SM90_WGMMA_CUH};
+use super::key::{Arch, KernelKey, COMMON_CUH, SM90_ATTN_CUH, SM90_CUH, SM90_WGMMA_CUH};
 use super::probe;
 use crate::error::{ErrorKind, Result};
 use cudarc::nvrtc::sys;
@@ -64,6 +64,7 @@ pub fn compile(key: &KernelKey, arch: Arch) -> Result<CompiledKernel> {
         ("common.cuh", COMMON_CUH),
         ("sm90.cuh", SM90_CUH),
         ("sm90_wgmma.cuh", SM90_WGMMA_CUH),
+        ("sm90_attn.cuh", SM90_ATTN_CUH),
     ];
     let hdr_c: Vec<CString> = header_texts.iter().map(|h| cstr(h.1)).collect();
     let hdr_name_c: Vec<CString> = header_texts.iter().map(|h| cstr(h.0)).collect();

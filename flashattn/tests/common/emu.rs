@@ -162,6 +162,8 @@ pub fn forward_builds() -> Builds {
 fn exe(builds: &mut Builds, key: &KernelKey) -> std::path::PathBuf {
     let file = if key.kind == flashattn::cuda::KernelKind::ForwardSm90 {
         "fwd_sm90.cu"
+    } else if key.kind == flashattn::cuda::KernelKind::ForwardSm90Ws {
+        "fwd_sm90_ws.cu"
     } else if key.dtype == DType::F32 {
         "fwd_f32.cu"
     } else {
@@ -215,6 +217,15 @@ pub fn run_forward(
         d.fp8_e5m2.to_string(),
         (d.sink.is_some() as i32).to_string(),
     ])
+    // The warp-specialised kernel's tensor maps (driver.cpp reads them when the kernel has them).
+    .chain(d.tma.iter().flatten().flat_map(|m| {
+        m.dims
+            .iter()
+            .chain(&m.strides)
+            .map(|x| x.to_string())
+            .chain([m.box_rows.to_string()])
+            .collect::<Vec<_>>()
+    }))
     .collect();
     std::fs::write(dir.join("params.txt"), nums.join("\n")).unwrap();
     std::fs::write(dir.join("q.bin"), q).unwrap();

@@ -37,6 +37,16 @@ int main(int argc, char** argv) {
     pf >> drop_lo >> drop_hi >> drop_threshold >> drop_scale;
     long long has_descale, e5m2, has_sink;
     pf >> has_descale >> e5m2 >> has_sink;
+#ifdef FA_SM90_WS
+    // The tensor maps of q, k and v: 4 dims, 3 byte strides and the box rows each.
+    TmaDesc maps[3];
+    for (auto& m : maps) {
+        long long x;
+        for (auto& d : m.dims) pf >> x, d = uint64_t(x);
+        for (auto& st : m.strides) pf >> x, st = uint64_t(x);
+        pf >> x, m.box_rows = uint32_t(x);
+    }
+#endif
     if (!pf) return 3;
     auto q = read<drv_in_t>(dir + "/q.bin");
     auto k = read<drv_in_t>(dir + "/k.bin");
@@ -51,6 +61,11 @@ int main(int argc, char** argv) {
     std::vector<float> lse(lse_len);
     std::memset(out.data(), 0xFF, out.size() * sizeof(drv_out_t));
     std::memset(lse.data(), 0xFF, lse.size() * sizeof(float));
+#ifdef FA_SM90_WS
+    maps[0].base = reinterpret_cast<const unsigned char*>(q.data());
+    maps[1].base = reinterpret_cast<const unsigned char*>(k.data());
+    maps[2].base = reinterpret_cast<const unsigned char*>(v.data());
+#endif
     emu::launch({unsigned(gx), unsigned(gy), unsigned(gz)}, int(threads), size_t(smem), [&] {
         flash_fwd(q.data(), k.data(), v.data(), out.data(), lse.data(),
                   has_table ? table.data() : nullptr, has_slopes ? slopes.data() : nullptr,
@@ -58,7 +73,11 @@ int main(int argc, char** argv) {
                   st[5], st[6], scale, softcap, int(window_left), int(window_right), int(bsq),
                   int(bsk), bs[0], bs[1], bs[2], has_descale ? descale.data() : nullptr,
                   int(e5m2), has_sink ? sink.data() : nullptr, u32(drop_lo), u32(drop_hi),
-                  drop_threshold, drop_scale);
+                  drop_threshold, drop_scale
+#ifdef FA_SM90_WS
+                  , maps[0], maps[1], maps[2]
+#endif
+        );
     });
     write(dir + "/out.bin", out.data(), out.size());
     write(dir + "/lse.bin", lse.data(), lse.size());

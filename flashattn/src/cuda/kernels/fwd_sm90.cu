@@ -30,6 +30,7 @@
 #define SMEM_ROW HEAD_DIM
 #include "common.cuh"
 #include "sm90.cuh"
+#include "sm90_attn.cuh"
 #ifndef SM90_OVERLAP
 #define SM90_OVERLAP 1
 #endif
@@ -53,31 +54,6 @@ __device__ __forceinline__ void load_tile_sw128(u16* tile, const u16* src, i64 r
     }
 }
 
-// The online-softmax step of common.cuh split in two, so acc_o can be rescaled after the P·V
-// product in flight retires: row_max, row_sum and the probabilities now, alpha for later.
-__device__ __forceinline__ void softmax_rows(float (&s)[BLOCK_N / 8][4], float (&row_max)[2],
-                                             float (&row_sum)[2], float (&alpha)[2]) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float mx = row_max[r];
-#pragma unroll
-        for (int nt = 0; nt < BLOCK_N / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_use = mx == -FA_INF ? 0.f : mx;
-        alpha[r] = fa_exp2(row_max[r] - m_use);
-        row_max[r] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
-            s[nt][2 * r] = fa_exp2(s[nt][2 * r] - m_use);
-            s[nt][2 * r + 1] = fa_exp2(s[nt][2 * r + 1] - m_use);
-            sum += s[nt][2 * r] + s[nt][2 * r + 1];
-        }
-        row_sum[r] = row_sum[r] * alpha[r] + sum;
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 flash_fwd(FLASH_FWD_PARAMS(u16, u16)) {
     FA_DYNAMIC_SMEM(unsigned char, smem_raw);
@@ -88,9 +64,7 @@ flash_fwd(FLASH_FWD_PARAMS(u16, u16)) {
 
     CtaWork<u16> w;
     if (!cta_work<u16, u16, BLOCK_M, BLOCK_N>(w, FLASH_FWD_ARGS)) return;
-    const int h = w.h, m0 = w.m0, seqlen_q = w.seqlen_q, seqlen_k = w.seqlen_k;
-    const Mask& mask = w.mask;
-    const ScoreMod& mods = w.mods;
+    const int m0 = w.m0, seqlen_q = w.seqlen_q, seqlen_k = w.seqlen_k;
     const int n_block_min = w.n_block_min, n_block_max = w.n_block_max;
 
     const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
@@ -156,35 +130,12 @@ flash_fwd(FLASH_FWD_PARAMS(u16, u16)) {
         }
         reg_fence_all(s);
 
-        const int n0 = n_block * BLOCK_N;
-#pragma unroll
-        for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                s[nt][e] = mods.apply(s[nt][e], row_i[e >> 1], n0 + nt * 8 + 2 * t + (e & 1));
-        }
-        if (w.needs_mask(n0, BLOCK_N)) {
-#pragma unroll
-            for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int j = n0 + nt * 8 + 2 * t + (e & 1);
-                    const int i = row_i[e >> 1];
-                    if (j < mask.lo(i) || j >= mask.hi(i)) s[nt][e] = -FA_INF;
-                }
-            }
-        }
+        mask_scores(s, w, row_i, n_block * BLOCK_N, t);
         float alpha[2];
         softmax_rows(s, row_max, row_sum, alpha);
         wgmma_wait<0>();  // acc_o holds O through block n - 1: rescale it for block n's maximum
         reg_fence_all(acc_o);
-#pragma unroll
-        for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
-            acc_o[dt][0] *= alpha[0];
-            acc_o[dt][1] *= alpha[0];
-            acc_o[dt][2] *= alpha[1];
-            acc_o[dt][3] *= alpha[1];
-        }
+        rescale_o(acc_o, alpha);
 #pragma unroll
         for (int j = 0; j < BLOCK_N / 16; ++j) pack_kstep<BLOCK_N>(p_frag[j], s, j);
         __syncthreads();  // every warpgroup is done with K[n] and V[n - 1]
@@ -260,25 +211,7 @@ flash_fwd(FLASH_FWD_PARAMS(u16, u16)) {
         wgmma_wait<0>();
         reg_fence_all(s);
 
-        // Scores to the log2 domain; the per-element mask only where this block needs it.
-        const int n0 = n_block * BLOCK_N;
-#pragma unroll
-        for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                s[nt][e] = mods.apply(s[nt][e], row_i[e >> 1], n0 + nt * 8 + 2 * t + (e & 1));
-        }
-        if (w.needs_mask(n0, BLOCK_N)) {
-#pragma unroll
-            for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int j = n0 + nt * 8 + 2 * t + (e & 1);
-                    const int i = row_i[e >> 1];
-                    if (j < mask.lo(i) || j >= mask.hi(i)) s[nt][e] = -FA_INF;
-                }
-            }
-        }
+        mask_scores(s, w, row_i, n_block * BLOCK_N, t);
         online_softmax_step<BLOCK_N>(s, row_max, row_sum, acc_o);
 
         // acc_o += P·V: the accumulators of key tiles 2j, 2j+1 form the A fragment of k-step j.
@@ -299,31 +232,5 @@ flash_fwd(FLASH_FWD_PARAMS(u16, u16)) {
 #endif
     cp_async_wait<0>();  // a CTA that saw no key block still has its q tile in flight
 
-    // finalize, as fwd.cu: divide by row_sum once; fully masked rows (row_sum 0) give 0 and lse
-    // -inf (with a sink: 0 and lse = sink).
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float sum = row_sum[r];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const int i = row_i[r];
-        if (i >= seqlen_q) continue;
-        float inv = sum == 0.f ? 0.f : w.out_scale / sum;
-        float row_lse2 = sum == 0.f ? -FA_INF : row_max[r] + log2f(sum);
-        if (w.sink != -FA_INF) {
-            float factor;
-            row_lse2 = fold_sink_log2(row_lse2, w.sink * FA_LOG2E, &factor);
-            inv *= factor;
-        }
-        u16* o = out + ((w.out_row0 + i) * heads + h) * (i64)head_dim;
-#pragma unroll
-        for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
-            const int col = dt * 8 + 2 * t;
-            // head_dim is a multiple of 8, so a pair is either wholly inside the row or past it.
-            if (col < head_dim)
-                *reinterpret_cast<u32*>(o + col) =
-                    pack2(acc_o[dt][2 * r] * inv, acc_o[dt][2 * r + 1] * inv);
-        }
-        if (t == 0) lse[w.lse_base + (i64)h * lse_head_stride + i] = row_lse2 * FA_LN2;
-    }
+    store_rows(acc_o, row_max, row_sum, row_i, w, out, lse, heads, head_dim, lse_head_stride, t);
 }

@@ -21,6 +21,7 @@
 #define FA_EMU_ASM_SWITCH 0
 #include <ucontext.h>
 #endif
+#include <map>
 #include <vector>
 
 #define __global__
@@ -176,6 +177,24 @@ struct Warp {
     uint32_t u[32][6];
     float f[32];
 };
+// A TMA load issued and not yet delivered (see the sm_90a section below): the box's global
+// source, already resolved, and its shared-memory destination.
+struct TmaCopy {
+    uint32_t dst;
+    const unsigned char* base;
+    uint64_t dims[4], strides[3];
+    int coords[4];
+    uint32_t box_rows;
+};
+// An mbarrier: arrivals still expected in this phase, transaction bytes still expected, the
+// phase's parity, TMA loads to deliver, and a generation counter that wakes its waiters.
+struct Mbar {
+    int count = 0, pending = 0;
+    long tx = 0;
+    int phase = 0;
+    std::vector<TmaCopy> copies;
+    Barrier wake{1};
+};
 // One wgmma a thread has issued and not yet waited for (see the sm_90a section below).
 struct WgOp {
     int n;          // the instruction's N
@@ -199,6 +218,7 @@ struct Block {
     std::vector<unsigned char> smem;
     std::vector<WgThread> wg_threads;  // per thread
     std::vector<Barrier> wg_bars;      // per warpgroup of 128 threads
+    std::map<uint32_t, Mbar> mbars;    // the mbarriers, by shared-memory address
     Block(int threads, size_t smem_bytes)
         : bar(threads), warps(size_t(threads / 32)), smem(smem_bytes + 16),
           wg_threads(size_t(threads)), wg_bars(size_t(threads / 128), Barrier(128)) {}
@@ -246,6 +266,7 @@ void launch(Dim3 grid, int threads, size_t smem_bytes, F kernel) {
                 // Uninitialised shared memory reads as garbage on a GPU: poison it here.
                 std::memset(b.smem.data(), 0xAB, b.smem.size());
                 for (auto& w : b.wg_threads) w = WgThread{};
+                b.mbars.clear();
                 // Every barrier is at count 0 here: the previous block ran to its end.
                 for (auto& f : s.fibers) {
                     f.done = false;
@@ -511,5 +532,121 @@ inline void wgmma_wait() {
                     me.shadows[i].second.size() * sizeof(float));
         me.shadows.erase(me.shadows.begin() + long(i));
     }
+}
+
+// --- sm_90a: mbarriers, TMA, register reallocation (fwd_sm90_ws.cu) -----------------------------
+// An mbarrier's phase completes when its expected arrivals have arrived and its announced
+// transaction bytes have landed; try_wait.parity(p) succeeds once the phase of parity p has
+// completed (a fresh barrier is in phase 0, so parity 1 passes at once). A thread whose wait
+// fails parks until the barrier's next phase change; if every thread is parked the launch aborts
+// as deadlocked (a parity or count mistake fails loudly instead of hanging). A TMA load poisons
+// its destination at issue and is delivered (copied, swizzled, out-of-bounds elements 0, its bytes
+// completed) only when a thread first waits on its barrier, so a read that does not wait for the
+// load sees the poison.
+#define __grid_constant__
+struct TmaDesc {
+    const unsigned char* base;
+    uint64_t dims[4], strides[3];
+    uint32_t box_rows;
+};
+template <int N>
+inline void regs_dealloc() {}
+template <int N>
+inline void regs_alloc() {}
+inline void mbar_init_fence() {}
+
+namespace emu {
+inline Mbar& mbar(uint32_t bar) {
+    auto it = block->mbars.find(bar);
+    if (it == block->mbars.end()) {
+        std::fprintf(stderr, "emulation: mbarrier at %u used before mbarrier.init\n", bar);
+        std::abort();
+    }
+    return it->second;
+}
+inline void mbar_complete(Mbar& m) {
+    if (m.pending < 0 || m.tx < 0) {
+        std::fprintf(stderr, "emulation: mbarrier phase over-arrived (arrivals %d, bytes %ld)\n",
+                     m.pending, m.tx);
+        std::abort();
+    }
+    if (m.pending == 0 && m.tx == 0) {
+        m.phase ^= 1;
+        m.pending = m.count;
+        ++m.wake.gen;
+        sched->hint = 0;  // parked waiters may be anywhere before the running fiber
+    }
+}
+inline void tma_deliver(Mbar& m) {
+    std::vector<TmaCopy> copies;
+    copies.swap(m.copies);
+    for (const TmaCopy& c : copies) {
+        for (uint32_t r = 0; r < c.box_rows; ++r)
+            for (int col = 0; col < 64; ++col) {
+                const int64_t x[4] = {c.coords[0] + col, c.coords[1] + int64_t(r), c.coords[2],
+                                      c.coords[3]};
+                uint16_t v = 0;
+                bool inside = true;
+                for (int d = 0; d < 4; ++d) inside &= x[d] >= 0 && uint64_t(x[d]) < c.dims[d];
+                if (inside)
+                    std::memcpy(&v,
+                                c.base + 2 * x[0] + x[1] * c.strides[0] + x[2] * c.strides[1] +
+                                    x[3] * c.strides[2],
+                                2);
+                uint32_t a = c.dst + r * 128 + 2 * col;
+                a ^= ((a >> 7) & 7) << 4;
+                std::memcpy(smem_base() + a, &v, 2);
+            }
+        m.tx -= long(c.box_rows) * 128;
+    }
+    mbar_complete(m);
+}
+}  // namespace emu
+
+inline void mbar_init(uint32_t bar, int count) {
+    emu::Mbar& m = emu::block->mbars[bar];
+    m.count = m.pending = count;
+    m.tx = 0;
+    m.phase = 0;
+    m.copies.clear();
+}
+inline void mbar_arrive(uint32_t bar) {
+    emu::Mbar& m = emu::mbar(bar);
+    --m.pending;
+    emu::mbar_complete(m);
+}
+inline void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    emu::Mbar& m = emu::mbar(bar);
+    m.tx += long(bytes);
+    --m.pending;
+    emu::mbar_complete(m);
+}
+inline void mbar_wait(uint32_t bar, int parity) {
+    for (;;) {
+        emu::Mbar& m = emu::mbar(bar);
+        if (!m.copies.empty()) emu::tma_deliver(m);
+        if (m.phase != (parity & 1)) return;
+        emu::Fiber& f = emu::sched->fibers[emu::sched->current];
+        f.wait = &m.wake;
+        f.wait_gen = m.wake.gen;
+        emu::yield();
+    }
+}
+inline void tma_load_4d(uint32_t dst, const TmaDesc* map, int c0, int c1, int c2, int c3,
+                        uint32_t bar) {
+    if (dst % 1024 != 0 || dst + map->box_rows * 128 > emu::block->smem.size()) {
+        std::fprintf(stderr, "emulation: TMA box at %u not 1024-aligned or past shared memory\n",
+                     dst);
+        std::abort();
+    }
+    std::memset(emu::smem_base() + dst, 0xFF, map->box_rows * 128);
+    emu::TmaCopy c{dst, map->base, {}, {}, {c0, c1, c2, c3}, map->box_rows};
+    std::memcpy(c.dims, map->dims, sizeof c.dims);
+    std::memcpy(c.strides, map->strides, sizeof c.strides);
+    emu::Mbar& m = emu::mbar(bar);
+    m.copies.push_back(c);
+    // Parked waiters wake to take the delivery (the phase itself completes only then).
+    ++m.wake.gen;
+    emu::sched->hint = 0;
 }
 #endif  // FA_SM90_KERNEL

@@ -60,6 +60,76 @@ __device__ __forceinline__ void fence_proxy_async() {
 }
 // Keeps the compiler from moving accesses of `x` across a wgmma fence / wait.
 __device__ __forceinline__ void reg_fence(float& x) { asm volatile("" : "+f"(x)::"memory"); }
+
+// --- The warp-specialised kernel's primitives (fwd_sm90_ws.cu) ---------------------------------
+// A TMA descriptor (CUtensorMap, encoded on the host by cuTensorMapEncodeTiled) as the kernel
+// receives it: by value, as a __grid_constant__ parameter whose address TMA reads.
+struct __align__(64) TmaDesc {
+    u64 opaque[16];
+};
+
+// An mbarrier in shared memory: `count` arrivals (plus the transaction bytes announced with
+// expect_tx) complete a phase; waiting threads test the parity of the phase they wait for.
+__device__ __forceinline__ void mbar_init(u32 bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+// After mbar_init and before the barrier that publishes the mbarriers to the other threads and
+// to the async proxy (TMA).
+__device__ __forceinline__ void mbar_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;" ::: "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// One arrival that also announces `bytes` of TMA writes the phase waits for.
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(u32 bar, int parity) {
+    u32 ok;
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(ok)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    return ok != 0;
+}
+// Until the phase of parity `parity` has completed. With FA_HANG_TRAP (a debugging build) a
+// wait that lasts 2^26 tries (many seconds) traps, which the host sees as a launch failure
+// instead of a hang; off by default, since the trap's exit path made ptxas spill the consumer
+// warpgroups' registers (NVRTC 13.0: 500 bytes at head_dim 256).
+__device__ __forceinline__ void mbar_wait(u32 bar, int parity) {
+#ifdef FA_HANG_TRAP
+    for (u32 i = 0; !mbar_try_wait(bar, parity); ++i)
+        if (i == (1u << 26)) __trap();
+#else
+    while (!mbar_try_wait(bar, parity)) {
+    }
+#endif
+}
+
+// TMA: the box at coordinates (c0 innermost .. c3) of the tensor `map` describes, into shared
+// memory at `dst` (1024-byte aligned for the 128-byte swizzle), completing `bytes` on `bar`.
+__device__ __forceinline__ void tma_load_4d(u32 dst, const TmaDesc* map, int c0, int c1, int c2,
+                                            int c3, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4, %5}], [%6];" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+        : "memory");
+}
+
+// Moves registers between warpgroups: the producer gives its up, the consumers take them.
+template <int N>
+__device__ __forceinline__ void regs_dealloc() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void regs_alloc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
+}
 #include "sm90_wgmma.cuh"
 #endif
 

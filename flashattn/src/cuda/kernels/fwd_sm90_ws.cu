@@ -1,0 +1,215 @@
+// Hopper (sm_90a) forward for f16 / bf16, warp-specialised (FlashAttention-3's layout): one
+// producer warpgroup moves tiles with TMA, NUM_WG consumer warpgroups compute on wgmma.
+//
+// CTA = (1 + NUM_WG) warpgroups of 128 threads for BLOCK_M = 64 · NUM_WG query rows of one
+// (sequence, head):
+//   producer   warpgroup 0 gives up registers (setmaxnreg) and one thread issues every TMA load:
+//              the Q tile once, then K and V tiles of each key block into a STAGES-deep ring of
+//              shared-memory buffers, each completing on its `full` mbarrier (bytes announced with
+//              expect_tx) once the consumers have released the buffer on its `empty` mbarrier;
+//   consumers  warpgroup 1 + c owns rows 64c .. 64c + 63 and takes the registers; per key block:
+//              wait K full; S = Q·Kᵀ (wgmma, both operands in shared memory); then, while the
+//              scores are masked and exponentiated, O += P·V of the previous block (wgmma, P from
+//              registers); release each buffer as soon as its product has retired.
+// No __syncthreads after the set-up: the warpgroups meet only at the mbarriers. Tiles are the
+// SW128 slabs of sm90.cuh, which TMA writes with its 128-byte swizzle (a box of 64 columns per
+// slab). Rows past a tensor's end arrive as zeros (TMA's out-of-bounds fill); rows past a
+// sequence inside a packed tensor are other sequences' rows, which the mask gives probability 0.
+//
+// Defines (cuda/key.rs): FA_BF16 (else f16), HEAD_DIM (multiple of 64), BLOCK_N, NUM_WG,
+// IS_MASKED, HAS_SOFTCAP, HAS_ALIBI. The launch passes FLASH_FWD_PARAMS and then the tensor maps
+// of q, k and v (cuda/tma.rs): 4-D {head_dim, rows, heads, batches} of 16-bit elements, box
+// {64, BLOCK_M or BLOCK_N, 1, 1}, 128-byte swizzle.
+#define FA_TENSOR_CORE_KERNEL
+#define FA_SM90_KERNEL
+#define FA_SM90_WS  // the launch passes tensor maps (tests/cuda_emu/driver.cpp reads this)
+#define NUM_THREADS ((NUM_WG + 1) * 128)
+#define BLOCK_M (NUM_WG * 64)
+#define VEC_LOAD 1
+#define HAS_DROPOUT 0
+#define SMEM_ROW HEAD_DIM
+#define STAGES 2
+#include "common.cuh"
+#include "sm90.cuh"
+#include "sm90_attn.cuh"
+
+static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "HEAD_DIM: whole 64-column slabs, at most 256");
+static_assert(BLOCK_N % 16 == 0 && BLOCK_N >= 16 && BLOCK_N <= 256, "BLOCK_N: a wgmma n size");
+static_assert(NUM_WG == 2, "the register split below is for two consumer warpgroups");
+// Registers: 3 x 168 at entry (launch bounds of 384 threads) = 24 (producer) + 2 x 240.
+#define PRODUCER_REGS 24
+#define CONSUMER_REGS 240
+
+#define TILE_BYTES (BLOCK_N * HEAD_DIM * 2)
+
+// Shared-memory addresses: the Q tile, the K and V rings, then the mbarriers: q_full, then per
+// stage k_full, k_empty, v_full, v_empty.
+struct Smem {
+    u32 q, k0, v0, bars;
+    __device__ __forceinline__ u32 k(int s) const { return k0 + s * TILE_BYTES; }
+    __device__ __forceinline__ u32 v(int s) const { return v0 + s * TILE_BYTES; }
+    __device__ __forceinline__ u32 q_full() const { return bars; }
+    __device__ __forceinline__ u32 k_full(int s) const { return bars + 8 * (1 + 4 * s); }
+    __device__ __forceinline__ u32 k_empty(int s) const { return bars + 8 * (2 + 4 * s); }
+    __device__ __forceinline__ u32 v_full(int s) const { return bars + 8 * (3 + 4 * s); }
+    __device__ __forceinline__ u32 v_empty(int s) const { return bars + 8 * (4 + 4 * s); }
+};
+
+// The TMA loads of one tile: HEAD_DIM / 64 boxes of ROWS rows, one per slab.
+template <int ROWS>
+__device__ __forceinline__ void tma_tile(u32 dst, const TmaDesc* map, int row, int head, int batch,
+                                         u32 bar) {
+#pragma unroll
+    for (int slab = 0; slab < HEAD_DIM / 64; ++slab)
+        tma_load_4d(dst + slab * ROWS * 128, map, 64 * slab, row, head, batch, bar);
+}
+
+// The producer's one thread: every TMA load of the CTA. Tensor-map coordinates: packed calls
+// address rows of the whole tensor (a sequence's first row from its base offset), batched calls
+// rows of batch w.b.
+__device__ __forceinline__ void produce(const CtaWork<u16>& w, const Smem& sm, bool packed,
+                                        int q_row0, int k_row0, int v_row0, int hk,
+                                        const TmaDesc* q_map, const TmaDesc* k_map,
+                                        const TmaDesc* v_map) {
+    const int batch = packed ? 0 : w.b;
+    mbar_arrive_expect_tx(sm.q_full(), BLOCK_M * HEAD_DIM * 2);
+    tma_tile<BLOCK_M>(sm.q, q_map, q_row0 + w.m0, w.h, batch, sm.q_full());
+    for (int n_block = w.n_block_min; n_block < w.n_block_max; ++n_block) {
+        const int it = n_block - w.n_block_min, stage = it % STAGES, phase = (it / STAGES) & 1;
+        // A fresh mbarrier counts as having completed the phase before its first: the first
+        // lap's waits on `empty` (parity 1) pass at once.
+        mbar_wait(sm.k_empty(stage), phase ^ 1);
+        mbar_arrive_expect_tx(sm.k_full(stage), TILE_BYTES);
+        tma_tile<BLOCK_N>(sm.k(stage), k_map, k_row0 + n_block * BLOCK_N, hk, batch,
+                          sm.k_full(stage));
+        mbar_wait(sm.v_empty(stage), phase ^ 1);
+        mbar_arrive_expect_tx(sm.v_full(stage), TILE_BYTES);
+        tma_tile<BLOCK_N>(sm.v(stage), v_map, v_row0 + n_block * BLOCK_N, hk, batch,
+                          sm.v_full(stage));
+    }
+}
+
+// A consumer warpgroup (warpgroup 1 + c of the CTA): its 64 rows through every key block, then
+// out and lse.
+__device__ __forceinline__ void consume(const CtaWork<u16>& w, const Smem& sm, int c, u16* out,
+                                        float* lse, int heads, int head_dim, i64 lse_head_stride) {
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const bool releaser = threadIdx.x % 128 == 0;  // arrives on `empty` for its warpgroup
+    float acc_o[HEAD_DIM / 8][4];
+    float row_max[2], row_sum[2];
+    int row_i[2];
+#pragma unroll
+    for (int i = 0; i < HEAD_DIM / 8; ++i) acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        row_max[r] = -FA_INF;
+        row_sum[r] = 0.f;
+        row_i[r] = w.m0 + 64 * c + 16 * warp + g + 8 * r;
+    }
+    mbar_wait(sm.q_full(), 0);
+
+    u32 p_frag[BLOCK_N / 16][4];  // P of the previous block, the A operand of its P·V
+    for (int n_block = w.n_block_min; n_block < w.n_block_max; ++n_block) {
+        const int it = n_block - w.n_block_min, stage = it % STAGES, phase = (it / STAGES) & 1;
+        const int prev = (it + STAGES - 1) % STAGES, prev_phase = ((it + STAGES - 1) / STAGES - 1) & 1;
+        float s[BLOCK_N / 8][4];
+        mbar_wait(sm.k_full(stage), phase);
+        reg_fence_all(acc_o);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+            Wgmma<BLOCK_N>::ss(s, desc_kmajor(sm.q, BLOCK_M, 64 * c, kk),
+                               desc_kmajor(sm.k(stage), BLOCK_N, 0, kk), kk > 0);
+        wgmma_commit();
+        if (it > 0) {
+            // O += P·V of the previous block runs while these scores are masked and exponentiated.
+            mbar_wait(sm.v_full(prev), prev_phase);
+#pragma unroll
+            for (int j = 0; j < BLOCK_N / 16; ++j)
+                Wgmma<HEAD_DIM>::rs(acc_o, p_frag[j], desc_mnmajor(sm.v(prev), BLOCK_N, j), 1);
+            wgmma_commit();
+            wgmma_wait<1>();  // S is ready; the P·V group may still run
+        } else {
+            wgmma_wait<0>();
+        }
+        reg_fence_all(s);
+        if (releaser) mbar_arrive(sm.k_empty(stage));
+
+        mask_scores(s, w, row_i, n_block * BLOCK_N, t);
+        float alpha[2];
+        softmax_rows(s, row_max, row_sum, alpha);
+        wgmma_wait<0>();  // acc_o holds O through the previous block
+        reg_fence_all(acc_o);
+        if (it > 0 && releaser) mbar_arrive(sm.v_empty(prev));
+        rescale_o(acc_o, alpha);
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 16; ++j) pack_kstep<BLOCK_N>(p_frag[j], s, j);
+    }
+    if (w.n_block_min < w.n_block_max) {
+        // The last block's P·V.
+        const int it = w.n_block_max - 1 - w.n_block_min, stage = it % STAGES;
+        mbar_wait(sm.v_full(stage), (it / STAGES) & 1);
+        reg_fence_all(acc_o);
+        wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 16; ++j)
+            Wgmma<HEAD_DIM>::rs(acc_o, p_frag[j], desc_mnmajor(sm.v(stage), BLOCK_N, j), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        reg_fence_all(acc_o);
+    }
+    store_rows(acc_o, row_max, row_sum, row_i, w, out, lse, heads, head_dim, lse_head_stride, t);
+}
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
+flash_fwd(FLASH_FWD_PARAMS(u16, u16), const __grid_constant__ TmaDesc q_map,
+          const __grid_constant__ TmaDesc k_map, const __grid_constant__ TmaDesc v_map) {
+    FA_DYNAMIC_SMEM(unsigned char, smem_raw);
+    // Tiles start 1024-byte aligned: the swizzle reads address bits 7-9 as the row.
+    const u32 q0 = (smem_addr(smem_raw) + 1023) & ~1023u;
+    const Smem sm{q0, q0 + BLOCK_M * HEAD_DIM * 2, q0 + BLOCK_M * HEAD_DIM * 2 + STAGES * TILE_BYTES,
+                  q0 + BLOCK_M * HEAD_DIM * 2 + 2 * STAGES * TILE_BYTES};
+
+    {
+        CtaWork<u16> w;
+        if (!cta_work<u16, u16, BLOCK_M, BLOCK_N>(w, FLASH_FWD_ARGS)) return;
+    }
+    if (threadIdx.x == 0) {
+        mbar_init(sm.q_full(), 1);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(sm.k_full(s), 1);
+            mbar_init(sm.v_full(s), 1);
+            mbar_init(sm.k_empty(s), NUM_WG);
+            mbar_init(sm.v_empty(s), NUM_WG);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    // One branch per role, as setmaxnreg needs: the producer warpgroup gives registers up, the
+    // consumers take them.
+    const int wg = threadIdx.x / 128;
+    // Each role works out its CTA's work itself, after its register change, so that nothing
+    // computed before the branch stays live across it (ptxas then spilled the consumers).
+    if (wg == 0) {
+        regs_dealloc<PRODUCER_REGS>();
+        if (threadIdx.x == 0) {
+            CtaWork<u16> w;
+            cta_work<u16, u16, BLOCK_M, BLOCK_N>(w, FLASH_FWD_ARGS);
+            const bool packed = seqs != nullptr;
+            const int hk = w.h / (heads / heads_kv);
+            const int k_row0 =
+                packed ? (int)((w.k_g - k - (i64)hk * k_head_stride) / k_row_stride) : 0;
+            const int v_row0 =
+                packed ? (int)((w.v_g - v - (i64)hk * v_head_stride) / v_row_stride) : 0;
+            produce(w, sm, packed, packed ? (int)w.out_row0 : 0, k_row0, v_row0, hk, &q_map,
+                    &k_map, &v_map);
+        }
+    } else {
+        regs_alloc<CONSUMER_REGS>();
+        CtaWork<u16> w;
+        cta_work<u16, u16, BLOCK_M, BLOCK_N>(w, FLASH_FWD_ARGS);
+        consume(w, sm, wg - 1, out, lse, heads, head_dim, lse_head_stride);
+    }
+}
