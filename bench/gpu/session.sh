@@ -169,18 +169,25 @@ if [ "$mode" = sm90b ]; then
         (FLASHATTN_CUDA_FWD=sm90ws timeout 100 gpu-run/cuda_tests_flashattn "$t" --exact \
             --nocapture >"$logs/ws_$t.log" 2>&1; echo "exit $?" >>"$logs/ws_$t.log") &
     done
+    # The pingpong variant on one grid.
+    (FLASHATTN_CUDA_FWD=sm90ws FLASHATTN_SM90_PINGPONG=1 timeout 100 gpu-run/cuda_tests_flashattn \
+        grid_bf16 --exact --nocapture >"$logs/ws_pingpong_grid_bf16.log" 2>&1
+        echo "exit $?" >>"$logs/ws_pingpong_grid_bf16.log") &
     wait
     for f in "$logs"/ws_*.log; do
         say "-- $(basename "$f")"
         grep -E "test result|panicked|cases per forward kernel|error too large|^exit " "$f" | head -12 | tee -a "$summary"
     done
-    stage 110 compare_ws_d128 python3 bench/compare_torch_cuda.py --binary "$bin" --cudnn \
-        --dims 128 --seqlens 4096,16384 --rounds 1 --min-time 0.2 \
-        --variant "sm90ws=$bin,FLASHATTN_CUDA_FWD=sm90ws" --variant "fa2=$bin,FLASHATTN_CUDA_FWD=fa2" \
-        --out "$logs/compare_ws_d128.json"
-    stage 80 compare_ws_d64_256 python3 bench/compare_torch_cuda.py --binary "$bin" --cudnn \
-        --dims 64,256 --seqlens 8192 --rounds 1 --min-time 0.2 \
-        --variant "sm90ws=$bin,FLASHATTN_CUDA_FWD=sm90ws" --out "$logs/compare_ws_d64_256.json"
+    stage 130 compare_ws_d128 python3 bench/compare_torch_cuda.py --binary "$bin" --cudnn \
+        --dims 128 --seqlens 8192 --rounds 1 --min-time 0.2 \
+        --variant "sm90ws=$bin,FLASHATTN_CUDA_FWD=sm90ws" \
+        --variant "sm90ws_pingpong=$bin,FLASHATTN_CUDA_FWD=sm90ws,FLASHATTN_SM90_PINGPONG=1" \
+        --variant "fa2=$bin,FLASHATTN_CUDA_FWD=fa2" --out "$logs/compare_ws_d128.json"
+    stage 100 compare_ws_d64_256 python3 bench/compare_torch_cuda.py --binary "$bin" --cudnn \
+        --dims 64,256 --seqlens 8192 --causal no --rounds 1 --min-time 0.2 \
+        --variant "sm90ws=$bin,FLASHATTN_CUDA_FWD=sm90ws" \
+        --variant "sm90ws_pingpong=$bin,FLASHATTN_CUDA_FWD=sm90ws,FLASHATTN_SM90_PINGPONG=1" \
+        --out "$logs/compare_ws_d64_256.json"
     if ls gpu-run/flashattn-*.whl >/dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --target /tmp/flashattn-py gpu-run/flashattn-*.whl
         stage 40 python_cuda_tests env FLASHATTN_PY_CUDA=1 PYTHONPATH=/tmp/flashattn-py \

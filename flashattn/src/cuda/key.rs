@@ -417,6 +417,7 @@ impl KernelKey {
                 ),
                 ("BLOCK_N", t.block_n.to_string()),
                 ("NUM_WG", (t.num_warps / 4 - 1).to_string()),
+                ("SM90_PINGPONG", flag(sm90_pingpong())),
             ];
         }
         if self.kind == KernelKind::ForwardSm90 {
@@ -686,6 +687,14 @@ impl KernelKey {
 fn sm90_overlap() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("FLASHATTN_SM90_OVERLAP").as_deref() != Ok("0"))
+}
+
+/// Whether the two consumer warpgroups of the warp-specialised sm_90a forward take turns issuing
+/// their products (fwd_sm90_ws.cu: SM90_PINGPONG): off unless `FLASHATTN_SM90_PINGPONG=1` (read
+/// once per process; for measuring what it buys).
+fn sm90_pingpong() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("FLASHATTN_SM90_PINGPONG").as_deref() == Ok("1"))
 }
 
 /// A GPU architecture NVRTC compiles for: compute capability `major.minor`, with the `a`

@@ -17,7 +17,9 @@
 // sequence inside a packed tensor are other sequences' rows, which the mask gives probability 0.
 //
 // Defines (cuda/key.rs): FA_BF16 (else f16), HEAD_DIM (multiple of 64), BLOCK_N, NUM_WG,
-// IS_MASKED, HAS_SOFTCAP, HAS_ALIBI. The launch passes FLASH_FWD_PARAMS and then the tensor maps
+// IS_MASKED, HAS_SOFTCAP, HAS_ALIBI, SM90_PINGPONG (1: the two consumer warpgroups take turns
+// issuing their products, named barriers 1 and 2, so one's softmax runs under the other's
+// products, FlashAttention-3's pingpong). The launch passes FLASH_FWD_PARAMS and then the tensor maps
 // of q, k and v (cuda/tma.rs): 4-D {head_dim, rows, heads, batches} of 16-bit elements, box
 // {64, BLOCK_M or BLOCK_N, 1, 1}, 128-byte swizzle.
 #define FA_TENSOR_CORE_KERNEL
@@ -29,6 +31,9 @@
 #define HAS_DROPOUT 0
 #define SMEM_ROW HEAD_DIM
 #define STAGES 2
+#ifndef SM90_PINGPONG
+#define SM90_PINGPONG 0
+#endif
 #include "common.cuh"
 #include "sm90.cuh"
 #include "sm90_attn.cuh"
@@ -108,6 +113,9 @@ __device__ __forceinline__ void consume(const CtaWork<u16>& w, const Smem& sm, i
         row_i[r] = w.m0 + 64 * c + 16 * warp + g + 8 * r;
     }
     mbar_wait(sm.q_full(), 0);
+#if SM90_PINGPONG
+    if (c == 1) named_bar_arrive(1, 256);  // consumer 0 takes the first turn
+#endif
 
     u32 p_frag[BLOCK_N / 16][4];  // P of the previous block, the A operand of its P·V
     for (int n_block = w.n_block_min; n_block < w.n_block_max; ++n_block) {
@@ -115,6 +123,10 @@ __device__ __forceinline__ void consume(const CtaWork<u16>& w, const Smem& sm, i
         const int prev = (it + STAGES - 1) % STAGES, prev_phase = ((it + STAGES - 1) / STAGES - 1) & 1;
         float s[BLOCK_N / 8][4];
         mbar_wait(sm.k_full(stage), phase);
+        if (it > 0) mbar_wait(sm.v_full(prev), prev_phase);
+#if SM90_PINGPONG
+        named_bar_sync(1 + c, 256);  // this warpgroup's turn to issue
+#endif
         reg_fence_all(acc_o);
         wgmma_fence();
 #pragma unroll
@@ -124,16 +136,22 @@ __device__ __forceinline__ void consume(const CtaWork<u16>& w, const Smem& sm, i
         wgmma_commit();
         if (it > 0) {
             // O += P·V of the previous block runs while these scores are masked and exponentiated.
-            mbar_wait(sm.v_full(prev), prev_phase);
 #pragma unroll
             for (int j = 0; j < BLOCK_N / 16; ++j)
                 Wgmma<HEAD_DIM>::rs(acc_o, p_frag[j], desc_mnmajor(sm.v(prev), BLOCK_N, j), 1);
             wgmma_commit();
+        }
+        if (it > 0) {
             wgmma_wait<1>();  // S is ready; the P·V group may still run
         } else {
             wgmma_wait<0>();
         }
         reg_fence_all(s);
+#if SM90_PINGPONG
+        // The other warpgroup's turn, once these scores are in: an arrive between the issue and
+        // the wait made ptxas serialise the wgmma pipeline (C7514, NVRTC 13.0).
+        named_bar_arrive(1 + (c ^ 1), 256);
+#endif
         if (releaser) mbar_arrive(sm.k_empty(stage));
 
         mask_scores(s, w, row_i, n_block * BLOCK_N, t);
@@ -150,6 +168,9 @@ __device__ __forceinline__ void consume(const CtaWork<u16>& w, const Smem& sm, i
         // The last block's P·V.
         const int it = w.n_block_max - 1 - w.n_block_min, stage = it % STAGES;
         mbar_wait(sm.v_full(stage), (it / STAGES) & 1);
+#if SM90_PINGPONG
+        named_bar_sync(1 + c, 256);
+#endif
         reg_fence_all(acc_o);
         wgmma_fence();
 #pragma unroll
@@ -158,6 +179,9 @@ __device__ __forceinline__ void consume(const CtaWork<u16>& w, const Smem& sm, i
         wgmma_commit();
         wgmma_wait<0>();
         reg_fence_all(acc_o);
+#if SM90_PINGPONG
+        named_bar_arrive(1 + (c ^ 1), 256);
+#endif
     }
     store_rows(acc_o, row_max, row_sum, row_i, w, out, lse, heads, head_dim, lse_head_stride, t);
 }

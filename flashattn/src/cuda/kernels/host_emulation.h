@@ -195,6 +195,11 @@ struct Mbar {
     std::vector<TmaCopy> copies;
     Barrier wake{1};
 };
+// A named barrier (bar.sync / bar.arrive with an id): arrivals in this generation.
+struct NamedBar {
+    int count = 0;
+    Barrier wake{1};
+};
 // One wgmma a thread has issued and not yet waited for (see the sm_90a section below).
 struct WgOp {
     int n;          // the instruction's N
@@ -219,6 +224,7 @@ struct Block {
     std::vector<WgThread> wg_threads;  // per thread
     std::vector<Barrier> wg_bars;      // per warpgroup of 128 threads
     std::map<uint32_t, Mbar> mbars;    // the mbarriers, by shared-memory address
+    NamedBar named[16];                // bar.sync / bar.arrive ids
     Block(int threads, size_t smem_bytes)
         : bar(threads), warps(size_t(threads / 32)), smem(smem_bytes + 16),
           wg_threads(size_t(threads)), wg_bars(size_t(threads / 128), Barrier(128)) {}
@@ -267,6 +273,7 @@ void launch(Dim3 grid, int threads, size_t smem_bytes, F kernel) {
                 std::memset(b.smem.data(), 0xAB, b.smem.size());
                 for (auto& w : b.wg_threads) w = WgThread{};
                 b.mbars.clear();
+                for (auto& n : b.named) n.count = 0;
                 // Every barrier is at count 0 here: the previous block ran to its end.
                 for (auto& f : s.fibers) {
                     f.done = false;
@@ -554,6 +561,25 @@ inline void regs_dealloc() {}
 template <int N>
 inline void regs_alloc() {}
 inline void mbar_init_fence() {}
+// Named barriers: `threads` arrivals (sync or arrive) complete a generation; sync waits for it.
+inline void named_bar_arrive(int id, int threads) {
+    emu::NamedBar& b = emu::block->named[id];
+    if (++b.count == threads) {
+        b.count = 0;
+        ++b.wake.gen;
+        emu::sched->hint = 0;
+    }
+}
+inline void named_bar_sync(int id, int threads) {
+    emu::NamedBar& b = emu::block->named[id];
+    const unsigned long gen = b.wake.gen;
+    named_bar_arrive(id, threads);
+    if (b.wake.gen != gen) return;
+    emu::Fiber& f = emu::sched->fibers[emu::sched->current];
+    f.wait = &b.wake;
+    f.wait_gen = gen;
+    emu::yield();
+}
 
 namespace emu {
 inline Mbar& mbar(uint32_t bar) {

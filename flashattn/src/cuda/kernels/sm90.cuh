@@ -121,6 +121,17 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaDesc* map, int c0,
         : "memory");
 }
 
+// Named barriers (ids 1..15; 0 is __syncthreads): `sync` waits until `threads` threads have
+// arrived or synced on `id`, `arrive` counts this thread without waiting.
+__device__ __forceinline__ void named_bar_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+// No memory clobber: it orders the wgmma issues around it (volatile asm keeps their order), not
+// memory; with one, ptxas serialised the wgmma pipeline (C7514) between the issue and the wait.
+__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads));
+}
+
 // Moves registers between warpgroups: the producer gives its up, the consumers take them.
 template <int N>
 __device__ __forceinline__ void regs_dealloc() {
