@@ -135,7 +135,7 @@ if [ "$mode" = sm90 ]; then
     # same rounds, and where the Python package's CUDA calls spend their time.
     stage 40 wgmma_probe python3 bench/gpu/wgmma_probe.py
     for t in grid_bf16 grid_f16 varlen_matches_reference sinks_match_reference; do
-        (FLASHATTN_CUDA_FWD=sm90 timeout 120 gpu-run/cuda_tests_flashattn "$t" --exact \
+        (timeout 120 gpu-run/cuda_tests_flashattn "$t" --exact \
             --nocapture >"$logs/sm90_$t.log" 2>&1; echo "exit $?" >>"$logs/sm90_$t.log") &
     done
     wait
@@ -148,18 +148,18 @@ if [ "$mode" = sm90 ]; then
         stage 50 python_cuda_tests env FLASHATTN_PY_CUDA=1 PYTHONPATH=/tmp/flashattn-py \
             python3 -m pytest -q -rs -p no:cacheprovider flashattn-py/tests/test_cuda.py
     fi
-    # d = 128: fwd.cu (main), fwd_sm90.cu with and without the overlap; then d = 64 and 256.
+    # d = 128: fwd_sm90.cu (main, the default), without the overlap, and fwd.cu; then d = 64, 256.
     stage 150 compare_sm90_d128 python3 bench/compare_torch_cuda.py --binary "$bin" --cudnn \
         --dims 128 --seqlens 2048,8192,16384 --rounds 1 --min-time 0.2 \
-        --variant "sm90=$bin,FLASHATTN_CUDA_FWD=sm90" \
-        --variant "sm90_no_overlap=$bin,FLASHATTN_CUDA_FWD=sm90,FLASHATTN_SM90_OVERLAP=0" \
+        --variant "fa2=$bin,FLASHATTN_CUDA_FWD=fa2" \
+        --variant "sm90_no_overlap=$bin,FLASHATTN_SM90_OVERLAP=0" \
         --out "$logs/compare_sm90_d128.json"
     if ls gpu-run/flashattn-*.whl >/dev/null 2>&1; then
         stage 40 py_overhead env PYTHONPATH=/tmp/flashattn-py python3 bench/gpu/py_overhead.py
     fi
     stage 100 compare_sm90_d64_256 python3 bench/compare_torch_cuda.py --binary "$bin" --cudnn \
         --dims 64,256 --seqlens 8192 --rounds 1 --min-time 0.2 \
-        --variant "sm90=$bin,FLASHATTN_CUDA_FWD=sm90" --out "$logs/compare_sm90_d64_256.json"
+        --variant "fa2=$bin,FLASHATTN_CUDA_FWD=fa2" --out "$logs/compare_sm90_d64_256.json"
     finish
 fi
 if [ "$mode" = sm90b ]; then

@@ -1,12 +1,13 @@
-//! torch CUDA tensors through flashattn's CUDA backend: written, not yet run on a GPU, so the
-//! Python layer calls it only with `FLASHATTN_PY_CUDA=1`.
+//! torch CUDA tensors through flashattn's CUDA backend (its tests, tests/test_cuda.py, passed on
+//! an H200; `FLASHATTN_PY_CUDA=0` turns the path off in the Python layer).
 //!
 //! Work is queued on the stream torch is using (`torch.cuda.current_stream().cuda_stream`), in
 //! the device's primary context (the one torch's runtime uses), with no synchronisation inside a
-//! call. Inputs and in-place caches are torch's memory, borrowed as cudarc slices that are leaked,
-//! never freed, when the call ends ([`Borrowed`]). The library allocates `out`, `lse` and the
-//! gradients on that stream; they are copied into torch's tensors on the same stream and freed
-//! there (stream-ordered), an O(N·d) device copy beside the attention's work.
+//! call. Inputs, in-place caches and the forward's `out` and `lse` are torch's memory, borrowed as
+//! cudarc slices that are leaked, never freed, when the call ends ([`Borrowed`]): the forward
+//! writes into them directly. The backward's gradients and the decode output are still allocated
+//! by the library on that stream and copied into torch's tensors on the same stream (an O(N·d)
+//! device copy beside the attention's work).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -259,15 +259,17 @@ def test_meta_tensors_give_shapes():
     assert lse.shape == (2, 4, 7) and lse.dtype == torch.float32
 
 
-def test_non_cpu_tensor_raises_not_implemented():
+def test_non_cpu_tensor_raises_not_implemented(monkeypatch):
     from flashattn import _ops
 
     with pytest.raises(NotImplementedError, match="CPU"):
         _ops._view("q", torch.empty((1, 2, 1, 8), device="meta"))
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device to build a CUDA tensor on")
+    # CUDA tensors run on the CUDA backend unless FLASHATTN_PY_CUDA=0 turns it off.
+    monkeypatch.setenv("FLASHATTN_PY_CUDA", "0")
     q = torch.randn(1, 4, 2, 40, device="cuda", dtype=F16)
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(NotImplementedError, match="FLASHATTN_PY_CUDA=0"):
         flash_attn_func(q, q, q)
 
 

@@ -40,18 +40,17 @@ for _d in FP8_DTYPES:
 
 def _on_cuda(**tensors: Optional[Tensor]) -> bool:
     """Whether a call runs on CUDA: every tensor on the CPU (False) or all on one CUDA device
-    (True, with the experimental path enabled)."""
+    (True, unless FLASHATTN_PY_CUDA=0 turns the CUDA path off)."""
     devices = {t.device for t in tensors.values() if t is not None}
     if all(d.type == "cpu" for d in devices):
         return False
     if len(devices) != 1 or next(iter(devices)).type != "cuda":
         found = ", ".join(f"{n}: {t.device}" for n, t in tensors.items() if t is not None)
         raise ValueError(f"flashattn: tensors must all be on the CPU or on one CUDA device ({found})")
-    if os.environ.get("FLASHATTN_PY_CUDA") != "1" or not hasattr(_ext, "cuda_fwd"):
+    if os.environ.get("FLASHATTN_PY_CUDA") == "0" or not hasattr(_ext, "cuda_fwd"):
         raise NotImplementedError(
-            "flashattn: CUDA tensors go through flashattn's CUDA backend only with "
-            "FLASHATTN_PY_CUDA=1 (experimental: written, not yet run on a GPU); the CPU path is "
-            "the tested one"
+            "flashattn: CUDA tensors are turned off (FLASHATTN_PY_CUDA=0), or this build has no "
+            "CUDA backend"
         )
     return True
 

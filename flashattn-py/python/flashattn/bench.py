@@ -98,7 +98,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                   help="cuda: the experimental CUDA path (needs FLASHATTN_PY_CUDA=1)")
+                   help="cuda: torch CUDA tensors through flashattn's CUDA backend")
     p.add_argument("--json", help="also write the results to this file")
     a = p.parse_args(argv)
     if a.threads:
