@@ -98,7 +98,10 @@ fn run_grid(dtype: DType) {
             case.seqlen_k,
         );
     }
-    eprintln!("{dtype} grid on {}: cases per forward kernel {kernels:?}", dev.name());
+    eprintln!(
+        "{dtype} grid on {}: cases per forward kernel {kernels:?}",
+        dev.name()
+    );
 }
 
 #[test]

@@ -122,7 +122,14 @@ fn run_grid_sm90(kernel: ForwardKernel) {
             if !d.key.is_sm90() {
                 continue; // dropout, or rows not 16-byte aligned: fwd.cu serves those
             }
-            let flash = run(&mut builds, &d, &q, &k, &v, &format!("sm90_{kernel:?}_{dtype}_{i}"));
+            let flash = run(
+                &mut builds,
+                &d,
+                &q,
+                &k,
+                &v,
+                &format!("sm90_{kernel:?}_{dtype}_{i}"),
+            );
             let naive = [inputs.naive(), inputs.naive_sequential()];
             let r = inputs.reference();
             let v_max = inputs.v_values().iter().fold(0f64, |m, x| m.max(x.abs()));

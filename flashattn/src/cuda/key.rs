@@ -349,7 +349,10 @@ impl KernelKey {
 
     /// One of the sm_90a forward kernels.
     pub fn is_sm90(&self) -> bool {
-        matches!(self.kind, KernelKind::ForwardSm90 | KernelKind::ForwardSm90Ws)
+        matches!(
+            self.kind,
+            KernelKind::ForwardSm90 | KernelKind::ForwardSm90Ws
+        )
     }
 
     /// Whether `bwd_dq` / `bwd_dkdv` of this key run on tensor cores (f16/bf16, head_dim up to
@@ -387,7 +390,9 @@ impl KernelKey {
     /// The kernel's entry point in its module.
     pub fn entry(&self) -> &'static str {
         match self.kind {
-            KernelKind::Forward | KernelKind::ForwardSm90 | KernelKind::ForwardSm90Ws => "flash_fwd",
+            KernelKind::Forward | KernelKind::ForwardSm90 | KernelKind::ForwardSm90Ws => {
+                "flash_fwd"
+            }
             KernelKind::DecodeSplit => "decode_split",
             KernelKind::DecodeCombine => "decode_combine",
             KernelKind::DecodeAppend => "decode_append",

@@ -51,8 +51,8 @@ pub use fp8::{
     CudaFp8Tensor,
 };
 pub use key::{Arch, KernelKey, KernelKind, Tiles, HEAD_DIM_STEP};
-pub use tma::TmaSpec;
 pub use nvrtc::{compile, version as nvrtc_version, CompiledKernel};
+pub use tma::TmaSpec;
 
 use crate::error::{ErrorKind, Result};
 use crate::params::{self, AttnOptions, Params};
@@ -649,12 +649,18 @@ fn forward_into(
         _ => unreachable!("checked: lse is f32"),
     };
     match (&q.buf, &k.buf, &v.buf, &mut dst.out.buf) {
-        (DeviceBuffer::F32(qb), DeviceBuffer::F32(kb), DeviceBuffer::F32(vb), DeviceBuffer::F32(o)) => {
-            launch_forward(dev, p, None, &contexts, (qb, kb, vb), o, lse)
-        }
-        (DeviceBuffer::F16(qb), DeviceBuffer::F16(kb), DeviceBuffer::F16(vb), DeviceBuffer::F16(o)) => {
-            launch_forward(dev, p, None, &contexts, (qb, kb, vb), o, lse)
-        }
+        (
+            DeviceBuffer::F32(qb),
+            DeviceBuffer::F32(kb),
+            DeviceBuffer::F32(vb),
+            DeviceBuffer::F32(o),
+        ) => launch_forward(dev, p, None, &contexts, (qb, kb, vb), o, lse),
+        (
+            DeviceBuffer::F16(qb),
+            DeviceBuffer::F16(kb),
+            DeviceBuffer::F16(vb),
+            DeviceBuffer::F16(o),
+        ) => launch_forward(dev, p, None, &contexts, (qb, kb, vb), o, lse),
         (
             DeviceBuffer::BF16(qb),
             DeviceBuffer::BF16(kb),
@@ -1036,10 +1042,19 @@ impl LaunchDescription {
                 let k_rows = end(&|s| s[3] / k_row as i64 + s[1]);
                 let v_rows = end(&|s| s[4] / v_row as i64 + s[1]);
                 // One batch: its stride is never stepped over, but must be a valid one.
-                (1, q_rows, k_rows, v_rows, [q_rows * q_row, k_rows * k_row, v_rows * v_row])
+                (
+                    1,
+                    q_rows,
+                    k_rows,
+                    v_rows,
+                    [q_rows * q_row, k_rows * k_row, v_rows * v_row],
+                )
             }
             None => {
-                let (sq, sk) = (self.batch_seqlens.0.max(1) as u64, self.batch_seqlens.1.max(1) as u64);
+                let (sq, sk) = (
+                    self.batch_seqlens.0.max(1) as u64,
+                    self.batch_seqlens.1.max(1) as u64,
+                );
                 (
                     self.grid.2.max(1) as u64,
                     sq,
@@ -1049,15 +1064,37 @@ impl LaunchDescription {
                 )
             }
         };
-        let spec = |rows: u64, heads: i32, row: u64, head: u64, batch: u64, box_rows: usize| TmaSpec {
-            dims: [self.head_dim as u64, rows, heads as u64, batches],
-            strides: [2 * row, 2 * head, 2 * batch],
-            box_rows: box_rows as u32,
-        };
+        let spec =
+            |rows: u64, heads: i32, row: u64, head: u64, batch: u64, box_rows: usize| TmaSpec {
+                dims: [self.head_dim as u64, rows, heads as u64, batches],
+                strides: [2 * row, 2 * head, 2 * batch],
+                box_rows: box_rows as u32,
+            };
         [
-            spec(q_rows, self.heads, q_row, q_head, batch_strides[0], t.block_m),
-            spec(k_rows, self.heads_kv, k_row, k_head, batch_strides[1], t.block_n),
-            spec(v_rows, self.heads_kv, v_row, v_head, batch_strides[2], t.block_n),
+            spec(
+                q_rows,
+                self.heads,
+                q_row,
+                q_head,
+                batch_strides[0],
+                t.block_m,
+            ),
+            spec(
+                k_rows,
+                self.heads_kv,
+                k_row,
+                k_head,
+                batch_strides[1],
+                t.block_n,
+            ),
+            spec(
+                v_rows,
+                self.heads_kv,
+                v_row,
+                v_head,
+                batch_strides[2],
+                t.block_n,
+            ),
         ]
     }
 

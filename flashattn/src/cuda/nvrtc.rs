@@ -55,7 +55,10 @@ pub fn compile(key: &KernelKey, arch: Arch) -> Result<CompiledKernel> {
     if !key.builds_for(arch) {
         return Err(ErrorKind::CudaUnsupported {
             feature: "an sm_90a kernel",
-            detail: format!(" ({} compiles for compute capability 9.0 only, not {arch})", key.name()),
+            detail: format!(
+                " ({} compiles for compute capability 9.0 only, not {arch})",
+                key.name()
+            ),
         }
         .into());
     }
