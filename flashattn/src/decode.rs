@@ -98,85 +98,12 @@
 use crate::cpu::simd::Isa;
 use crate::error::{ErrorKind, Result, TensorName};
 use crate::memory::try_filled;
+use crate::output::AttnOutput;
 use crate::params::{self, AttnOptions, Params, RowLayout, Seq, MAX_HEAD_DIM};
-use crate::tensor::{contiguous_strides, DType, Slice, TensorRef, ViewDesc};
-use crate::{AttnOutput, Element};
-use half::{bf16, f16};
+use crate::tensor::Element;
+use crate::tensor::{DType, Slice, TensorRef, ViewDesc};
 
-/// A mutable borrowed buffer of one of the element types (the caches that a call appends to).
-#[derive(Debug)]
-pub enum SliceMut<'a> {
-    F32(&'a mut [f32]),
-    F16(&'a mut [f16]),
-    BF16(&'a mut [bf16]),
-}
-
-impl<'a> From<&'a mut [f32]> for SliceMut<'a> {
-    fn from(d: &'a mut [f32]) -> Self {
-        SliceMut::F32(d)
-    }
-}
-impl<'a> From<&'a mut [f16]> for SliceMut<'a> {
-    fn from(d: &'a mut [f16]) -> Self {
-        SliceMut::F16(d)
-    }
-}
-impl<'a> From<&'a mut [bf16]> for SliceMut<'a> {
-    fn from(d: &'a mut [bf16]) -> Self {
-        SliceMut::BF16(d)
-    }
-}
-
-impl SliceMut<'_> {
-    /// A shared view of the same elements.
-    pub fn as_slice(&self) -> Slice<'_> {
-        match self {
-            SliceMut::F32(d) => Slice::F32(d),
-            SliceMut::F16(d) => Slice::F16(d),
-            SliceMut::BF16(d) => Slice::BF16(d),
-        }
-    }
-    pub fn dtype(&self) -> DType {
-        self.as_slice().dtype()
-    }
-}
-
-/// A strided, mutable view of a caller's buffer (strides in elements, last dimension contiguous):
-/// how `k_cache` and `v_cache` are passed, since a call with new keys writes them in place.
-#[derive(Debug)]
-pub struct TensorMut<'a> {
-    data: SliceMut<'a>,
-    shape: Vec<usize>,
-    strides: Vec<usize>,
-}
-
-impl<'a> TensorMut<'a> {
-    /// A view with explicit strides (checked when passed to a call).
-    pub fn new(data: impl Into<SliceMut<'a>>, shape: &[usize], strides: &[usize]) -> Self {
-        TensorMut {
-            data: data.into(),
-            shape: shape.to_vec(),
-            strides: strides.to_vec(),
-        }
-    }
-    /// A contiguous row-major view.
-    pub fn contiguous(data: impl Into<SliceMut<'a>>, shape: &[usize]) -> Self {
-        Self::new(data, shape, &contiguous_strides(shape))
-    }
-    pub fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    pub fn strides(&self) -> &[usize] {
-        &self.strides
-    }
-    pub fn dtype(&self) -> DType {
-        self.data.dtype()
-    }
-    /// A read-only view of the same tensor.
-    pub fn view(&self) -> TensorRef<'_> {
-        TensorRef::from_slice(self.data.as_slice(), &self.shape, &self.strides)
-    }
-}
+pub use crate::tensor::{SliceMut, TensorMut};
 
 /// The page table of a paged cache: `data` is `[batch, max_blocks_per_seq]` row-major; key `j` of
 /// sequence b lives in page `data[b][j / page_size]`, row `j % page_size`. Only the entries a call
@@ -260,7 +187,7 @@ pub struct KvCacheOptions<'a> {
 
 /// Most key splits a decode call may ask for (`KvCacheOptions::num_splits`), on either backend:
 /// each split adds a partial result per query row to the workspace (flash-attn allows 128).
-pub const MAX_NUM_SPLITS: usize = 256;
+pub use crate::limits::MAX_NUM_SPLITS;
 
 impl<'a> KvCacheOptions<'a> {
     pub fn attn(mut self, attn: AttnOptions<'a>) -> Self {

@@ -1,7 +1,7 @@
 //! The one error type of flashattn: an [`Error`] around a non-exhaustive [`ErrorKind`] that carries
 //! the offending values, so a message can name the tensor and the numbers without the caller digging.
 
-use crate::tensor::DType;
+use crate::dtype::DType;
 use std::fmt;
 
 /// Which input an error is about.
@@ -177,8 +177,8 @@ pub enum ErrorKind {
         "instruction set {requested:?} is not available on this CPU (best available: {best:?})"
     )]
     IsaUnavailable {
-        requested: crate::simd::Isa,
-        best: crate::simd::Isa,
+        requested: crate::isa::Isa,
+        best: crate::isa::Isa,
     },
     #[error("FLASHATTN_ISA={name:?} names no instruction set; use scalar, neon, avx2 or avx512")]
     IsaUnknown { name: String },
@@ -244,7 +244,7 @@ pub enum ErrorKind {
     DropoutInDecode { p: f32 },
     #[error(
         "num_splits = {num_splits} is invalid: it must be 1 to {max} (unset: automatic)",
-        max = crate::decode::MAX_NUM_SPLITS
+        max = crate::limits::MAX_NUM_SPLITS
     )]
     NumSplits { num_splits: usize },
     #[error("merging attention partials needs at least one partial result")]
@@ -277,8 +277,8 @@ pub enum ErrorKind {
     )]
     Fp8Format {
         tensor: TensorName,
-        expected: crate::fp8::Fp8Format,
-        got: crate::fp8::Fp8Format,
+        expected: crate::dtype::Fp8Format,
+        got: crate::dtype::Fp8Format,
     },
     #[error(
         "`{tensor}` has {got} values, expected 1 (the whole tensor) or batch · heads_kv = \
@@ -294,8 +294,8 @@ pub enum ErrorKind {
         "`v_cache` is fp8 {got} but `k_cache` is fp8 {expected}: the two caches share one FP8 format"
     )]
     Fp8CacheFormat {
-        expected: crate::fp8::Fp8Format,
-        got: crate::fp8::Fp8Format,
+        expected: crate::dtype::Fp8Format,
+        got: crate::dtype::Fp8Format,
     },
     #[error(
         "`{tensor}` was given, but that tensor is not FP8 in this call (only the caches are): \

@@ -32,69 +32,17 @@
 //! ```
 
 use crate::cpu::forward::{forward_fp8, Fp8Source};
+use crate::decode::KvCacheOptions;
 use crate::error::{ErrorKind, Result, TensorName};
+use crate::output::AttnOutput;
+use crate::params::AttnOptions;
 use crate::params::{self, Descales, Params};
 use crate::tensor::{contiguous_strides, Buffer, DType, Tensor, TensorRef, ViewDesc, ViewInfo};
-use crate::{AttnOptions, AttnOutput, KvCacheOptions};
 pub use float8::{F8E4M3, F8E5M2};
 use half::bf16;
 use rayon::prelude::*;
-use std::fmt;
-use std::sync::OnceLock;
 
-/// The two FP8 formats.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Fp8Format {
-    /// 4 exponent bits, 3 mantissa bits, no infinities (E4M3FN): max 448, NaN = `S.1111.111`.
-    E4M3,
-    /// 5 exponent bits, 2 mantissa bits, IEEE-like (infinities, NaNs): max 57344.
-    E5M2,
-}
-
-impl Fp8Format {
-    pub fn name(self) -> &'static str {
-        match self {
-            Fp8Format::E4M3 => "e4m3",
-            Fp8Format::E5M2 => "e5m2",
-        }
-    }
-
-    /// The largest finite value.
-    pub fn max(self) -> f32 {
-        match self {
-            Fp8Format::E4M3 => 448.0,
-            Fp8Format::E5M2 => 57344.0,
-        }
-    }
-
-    /// `x` rounded to nearest even in this format, saturating: finite values and infinities
-    /// beyond the largest finite value become it (CUDA's `__NV_SATFINITE`); NaN stays NaN.
-    pub fn quantise(self, x: f64) -> u8 {
-        match self {
-            Fp8Format::E4M3 => F8E4M3::from_f64(x).to_bits(),
-            Fp8Format::E5M2 => F8E5M2::from_f64(x).to_bits(),
-        }
-    }
-
-    /// The value of each of the 256 bit patterns as bf16 (exact: bf16 has more exponent and
-    /// mantissa bits than either format; NaN stays NaN, e5m2's infinities stay infinite).
-    pub fn bf16_table(self) -> &'static [bf16; 256] {
-        static E4M3: OnceLock<[bf16; 256]> = OnceLock::new();
-        static E5M2: OnceLock<[bf16; 256]> = OnceLock::new();
-        let build =
-            |to_f32: fn(u8) -> f32| std::array::from_fn(|bits| bf16::from_f32(to_f32(bits as u8)));
-        match self {
-            Fp8Format::E4M3 => E4M3.get_or_init(|| build(|b| F8E4M3::from_bits(b).to_f32())),
-            Fp8Format::E5M2 => E5M2.get_or_init(|| build(|b| F8E5M2::from_bits(b).to_f32())),
-        }
-    }
-}
-
-impl fmt::Display for Fp8Format {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
+pub use crate::dtype::Fp8Format;
 
 mod sealed {
     pub trait Sealed {}

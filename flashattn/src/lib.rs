@@ -35,11 +35,15 @@ pub(crate) mod cpu;
 pub mod cuda;
 pub mod decode;
 pub mod dropout;
+pub mod dtype;
 pub mod error;
 pub mod flops;
 pub mod fp8;
+pub mod isa;
+pub mod limits;
 pub mod memory;
 pub mod naive;
+pub mod output;
 pub(crate) mod params;
 pub mod reference;
 /// The CPU microkernels: which instruction set runs, and the kernels themselves (public for the
@@ -51,25 +55,18 @@ pub mod tensor;
 
 /// Helpers for the unit tests.
 #[cfg(test)]
-pub(crate) mod test_util {
-    /// A seeded stream of values in [-1, 1) (a 64-bit LCG's high bits).
-    pub fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-}
+pub(crate) mod test_util;
 
 pub use decode::{
-    flash_attn_with_kvcache, merge_attn_partials, BlockTable, KvCacheOptions, Rotary, SliceMut,
-    TensorMut,
+    flash_attn_with_kvcache, merge_attn_partials, BlockTable, KvCacheOptions, Rotary,
 };
 pub use error::{CuSeqlensProblem, Error, ErrorKind, Result};
 
+pub use output::{AttnGrads, AttnOutput, GradBuffers, OutBuffers};
 pub use params::{AttnOptions, MAX_HEAD_DIM};
-pub use tensor::{Buffer, DType, Element, Slice, Tensor, TensorRef};
+pub use tensor::{Buffer, DType, Element, Slice, SliceMut, Tensor, TensorMut, TensorRef};
 
+use output::data;
 use params::Params;
 use tensor::with_dtype;
 
@@ -93,26 +90,6 @@ pub fn release_scratch() -> usize {
 #[cfg(feature = "test-hooks")]
 pub fn poison_scratch() {
     cpu::reuse::poison_all();
-}
-
-/// What a forward call returns.
-#[derive(Clone, Debug, PartialEq)]
-pub struct AttnOutput {
-    /// Attention output, q's dtype and shape.
-    pub out: Tensor,
-    /// Log-sum-exp of each row's scaled scores (natural log), f32: `[batch, heads, seqlen_q]`
-    /// (batched) or `[heads, total_q]` (packed). -inf for a row that sees no key.
-    pub lse: Tensor,
-}
-
-/// What a backward call returns: gradients with the shapes and dtypes of q, k and v.
-#[derive(Clone, Debug, PartialEq)]
-pub struct AttnGrads {
-    pub dq: Tensor,
-    pub dk: Tensor,
-    pub dv: Tensor,
-    /// Gradient of [`AttnOptions::learnable_sink`], f32 `[heads]`, when the call has sinks.
-    pub dsink: Option<Tensor>,
 }
 
 impl AttnOutput {
@@ -166,27 +143,6 @@ pub fn flash_attn_varlen(
 ) -> Result<AttnOutput> {
     let p = params::varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, opts)?;
     forward(&p, q, k, v)
-}
-
-/// Caller-provided destinations of a forward call ([`flash_attn_into`]): `out` holds q's shape
-/// (`[batch, seqlen_q, heads, head_dim]` or packed `[total_q, heads, head_dim]`) contiguous, in
-/// q's dtype; `lse` the shape of [`AttnOutput::lse`]. For embedding in frameworks that allocate
-/// their own tensors (the Python package): the kernels write there, no copy.
-#[derive(Debug)]
-pub struct OutBuffers<'a> {
-    pub out: SliceMut<'a>,
-    pub lse: &'a mut [f32],
-}
-
-/// Caller-provided destinations of a backward call ([`flash_attn_backward_into`]): dq with q's
-/// shape, dk and dv with k's, contiguous, in q's dtype; `dsink` (`[heads]`) exactly when the call
-/// has a learnable sink.
-#[derive(Debug)]
-pub struct GradBuffers<'a> {
-    pub dq: SliceMut<'a>,
-    pub dk: SliceMut<'a>,
-    pub dv: SliceMut<'a>,
-    pub dsink: Option<&'a mut [f32]>,
 }
 
 /// [`flash_attn`] writing into caller-provided buffers (validated first: on error nothing is
@@ -327,11 +283,6 @@ fn backward_into(
         w.copy_from_slice(&s);
     }
     Ok(())
-}
-
-/// The buffer of a validated tensor (its dtype was checked against `T`).
-pub(crate) fn data<'a, T: Element>(t: &TensorRef<'a>) -> &'a [T] {
-    t.typed::<T>().expect("dtype validated")
 }
 
 /// Backward pass of [`flash_attn`]: gradients of `Σ out ∘ dout` with respect to q, k and v

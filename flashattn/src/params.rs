@@ -780,9 +780,6 @@ pub(crate) struct GradInputs {
     pub dout: QLike,
     /// The forward's LSE, gathered contiguous in `p.lse_shape` order.
     pub lse: Vec<f32>,
-    /// How the backward computes dQ: `Some(c)`, in the dK/dV pass with `c` f32 copies of it;
-    /// `None`, in a second pass (see `cpu::backward`).
-    pub dq_chunks: Option<usize>,
 }
 
 /// Validates `out`, `dout` (q's shape and dtype) and `lse` (f32, `p.lse_shape`).
@@ -814,7 +811,6 @@ pub(crate) fn grad_inputs(
         out,
         dout,
         lse: gathered,
-        dq_chunks: crate::cpu::backward::dq_strategy(p)?,
     })
 }
 

@@ -9,38 +9,7 @@
 use half::{bf16, f16};
 use std::fmt;
 
-/// The element types flashattn computes in. Accumulation is always f32.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum DType {
-    F32,
-    F16,
-    BF16,
-}
-
-impl DType {
-    pub fn name(self) -> &'static str {
-        match self {
-            DType::F32 => "f32",
-            DType::F16 => "f16",
-            DType::BF16 => "bf16",
-        }
-    }
-
-    /// Unit roundoff of the format (half the distance from 1.0 to the next number).
-    pub fn epsilon(self) -> f64 {
-        match self {
-            DType::F32 => f32::EPSILON as f64 / 2.0,
-            DType::F16 => 2f64.powi(-11),
-            DType::BF16 => 2f64.powi(-8),
-        }
-    }
-}
-
-impl fmt::Display for DType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
+pub use crate::dtype::DType;
 
 /// Evaluates `$body` with the type alias `$T` bound to the element type of `$dtype` (a [`DType`]):
 /// the one place that turns a run-time dtype into a generic instantiation.
@@ -86,7 +55,7 @@ pub trait Element:
     fn unwrap(data: Slice<'_>) -> Option<&[Self]>;
     fn wrap_vec(data: Vec<Self>) -> Buffer;
     /// The mutable twin of [`Element::wrap`].
-    fn wrap_mut(data: &mut [Self]) -> crate::decode::SliceMut<'_>;
+    fn wrap_mut(data: &mut [Self]) -> SliceMut<'_>;
     /// Widens `src` into `dst` (same length); F16C/NEON-accelerated where `half` has it.
     fn widen(src: &[Self], dst: &mut [f32]);
     /// Rounds `src` into `dst` (same length).
@@ -123,8 +92,8 @@ impl Element for f32 {
     fn wrap_vec(data: Vec<Self>) -> Buffer {
         Buffer::F32(data)
     }
-    fn wrap_mut(data: &mut [Self]) -> crate::decode::SliceMut<'_> {
-        crate::decode::SliceMut::F32(data)
+    fn wrap_mut(data: &mut [Self]) -> SliceMut<'_> {
+        SliceMut::F32(data)
     }
     #[inline]
     fn widen(src: &[Self], dst: &mut [f32]) {
@@ -168,8 +137,8 @@ macro_rules! half_element {
             fn wrap_vec(data: Vec<Self>) -> Buffer {
                 Buffer::$variant(data)
             }
-            fn wrap_mut(data: &mut [Self]) -> crate::decode::SliceMut<'_> {
-                crate::decode::SliceMut::$variant(data)
+            fn wrap_mut(data: &mut [Self]) -> SliceMut<'_> {
+                SliceMut::$variant(data)
             }
             #[inline]
             fn widen(src: &[Self], dst: &mut [f32]) {
@@ -472,5 +441,80 @@ impl Tensor {
             Buffer::F16(d) => d.iter().map(|x| x.to_f64()).collect(),
             Buffer::BF16(d) => d.iter().map(|x| x.to_f64()).collect(),
         }
+    }
+}
+
+/// A mutable borrowed buffer of one of the element types (the caches that a call appends to).
+#[derive(Debug)]
+pub enum SliceMut<'a> {
+    F32(&'a mut [f32]),
+    F16(&'a mut [f16]),
+    BF16(&'a mut [bf16]),
+}
+
+impl<'a> From<&'a mut [f32]> for SliceMut<'a> {
+    fn from(d: &'a mut [f32]) -> Self {
+        SliceMut::F32(d)
+    }
+}
+impl<'a> From<&'a mut [f16]> for SliceMut<'a> {
+    fn from(d: &'a mut [f16]) -> Self {
+        SliceMut::F16(d)
+    }
+}
+impl<'a> From<&'a mut [bf16]> for SliceMut<'a> {
+    fn from(d: &'a mut [bf16]) -> Self {
+        SliceMut::BF16(d)
+    }
+}
+
+impl SliceMut<'_> {
+    /// A shared view of the same elements.
+    pub fn as_slice(&self) -> Slice<'_> {
+        match self {
+            SliceMut::F32(d) => Slice::F32(d),
+            SliceMut::F16(d) => Slice::F16(d),
+            SliceMut::BF16(d) => Slice::BF16(d),
+        }
+    }
+    pub fn dtype(&self) -> DType {
+        self.as_slice().dtype()
+    }
+}
+
+/// A strided, mutable view of a caller's buffer (strides in elements, last dimension contiguous):
+/// how `k_cache` and `v_cache` are passed, since a call with new keys writes them in place.
+#[derive(Debug)]
+pub struct TensorMut<'a> {
+    pub(crate) data: SliceMut<'a>,
+    shape: Vec<usize>,
+    strides: Vec<usize>,
+}
+
+impl<'a> TensorMut<'a> {
+    /// A view with explicit strides (checked when passed to a call).
+    pub fn new(data: impl Into<SliceMut<'a>>, shape: &[usize], strides: &[usize]) -> Self {
+        TensorMut {
+            data: data.into(),
+            shape: shape.to_vec(),
+            strides: strides.to_vec(),
+        }
+    }
+    /// A contiguous row-major view.
+    pub fn contiguous(data: impl Into<SliceMut<'a>>, shape: &[usize]) -> Self {
+        Self::new(data, shape, &contiguous_strides(shape))
+    }
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    pub fn strides(&self) -> &[usize] {
+        &self.strides
+    }
+    pub fn dtype(&self) -> DType {
+        self.data.dtype()
+    }
+    /// A read-only view of the same tensor.
+    pub fn view(&self) -> TensorRef<'_> {
+        TensorRef::from_slice(self.data.as_slice(), &self.shape, &self.strides)
     }
 }

@@ -394,6 +394,9 @@ fn backward_poisoned<T: Element>(
         bf,
     };
     let d = p.head_dim;
+    // The dQ strategy, a choice of this backend (before anything is written: a bad
+    // FLASHATTN_DQ_CHUNKS is an error that touches no output).
+    let dq_chunks = dq_strategy(p)?;
     // Rows of no sequence (packed inputs with spare tokens) get zero gradients.
     let q_used = p.seqs.last().map_or(0, |s| s.out_row0 + s.seqlen_q);
     let k_used = p.seqs.last().map_or(0, |s| s.k_row0 + s.seqlen_k);
@@ -403,7 +406,7 @@ fn backward_poisoned<T: Element>(
 
     let (dk_w, dv_w) = (Disjoint::new(dk), Disjoint::new(dv));
     let new_scratch = || (Scratch::new(bs, d), vec![T::default(); d]);
-    if let Some(chunks) = g.dq_chunks {
+    if let Some(chunks) = dq_chunks {
         let mut parts = DqPartials::new(p, bs, chunks)?;
         // One pass: dK, dV and each chunk's copy of dQ, then the copies summed into dq.
         let items = parts.items(p);
@@ -492,7 +495,8 @@ fn dq_chunks(pairs: usize, cores: usize) -> Option<usize> {
     })
 }
 
-/// The backward's dQ strategy for `p` (see [`crate::params::GradInputs::dq_chunks`]): the
+/// The backward's dQ strategy for `p`: `Some(c)`, dQ in the dK/dV pass with `c` f32 copies of
+/// it; `None`, in a second pass. The
 /// `FLASHATTN_DQ_CHUNKS` environment variable when set (`0`: two passes; `1`-`4`: that many
 /// copies; read on every call), else [`dq_chunks`] for the machine's core count. The core count
 /// is the machine's, not the thread pool's, so the gradients are the same for any pool size.

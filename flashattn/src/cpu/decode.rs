@@ -40,11 +40,11 @@ use super::softmax::{finalize, fold_sink};
 use super::{buf, buf_from, Buf};
 use crate::blocks::Mask;
 use crate::decode::{DecodeParams, SliceMut};
+use crate::dtype::Fp8Format;
 use crate::error::Result;
-use crate::fp8::Fp8Format;
 use crate::memory::{try_collect, try_filled};
+use crate::output::{data, AttnOutput};
 use crate::tensor::{Buffer, DType, Element, Slice, Tensor, TensorRef};
-use crate::{data, AttnOutput};
 use half::bf16;
 use rayon::prelude::*;
 
@@ -2597,7 +2597,7 @@ mod tests {
     fn kernels_match_f64_on_every_isa() {
         use half::f16;
         let mut seed = 1u64;
-        for isa in crate::simd::available() {
+        for isa in crate::cpu::simd::available() {
             for &(rows, cols, d) in &[
                 (1, 1, 1),
                 (4, 3, 16),

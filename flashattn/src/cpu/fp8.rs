@@ -10,8 +10,8 @@
 //! (NaN). The sign bit moves to bit 31.
 
 use crate::cpu::simd::Isa;
-use crate::decode::SliceMut;
-use crate::fp8::Fp8Format;
+use crate::dtype::Fp8Format;
+use crate::tensor::SliceMut;
 use crate::Element;
 use half::{bf16, f16};
 
@@ -102,7 +102,7 @@ fn scalar_f16(format: Fp8Format, src: &[u8], dst: &mut [f16]) {
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::{consts, to_f32};
-    use crate::fp8::Fp8Format;
+    use crate::dtype::Fp8Format;
     use half::{bf16, f16};
     use std::arch::x86_64::*;
 
@@ -176,7 +176,7 @@ mod avx512 {
 #[cfg(target_arch = "x86_64")]
 mod vbmi {
     use super::to_f32;
-    use crate::fp8::Fp8Format;
+    use crate::dtype::Fp8Format;
     use crate::DType;
     use half::{bf16, f16};
     use std::arch::x86_64::*;
@@ -253,7 +253,7 @@ mod vbmi {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::{consts, to_f32};
-    use crate::fp8::Fp8Format;
+    use crate::dtype::Fp8Format;
     use half::bf16;
     use std::arch::x86_64::*;
 
