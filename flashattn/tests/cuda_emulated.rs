@@ -41,7 +41,17 @@ fn run_grid(dtype: DType) {
     if !have_compiler() {
         return;
     }
-    let mut builds = forward_builds();
+    let ran = grid_cases(&mut forward_builds(), dtype, None);
+    eprintln!("{dtype}: {ran} grid cases emulated");
+    assert!(
+        ran >= 10.min(budget()),
+        "too few cases fit the emulation budget: {ran}"
+    );
+}
+
+/// Runs the grid cases of `dtype` that fit the emulation budget against the f64 reference; with
+/// `sm90`, on that sm_90a kernel, skipping the cases it does not serve. Returns how many ran.
+fn grid_cases(builds: &mut Builds, dtype: DType, sm90: Option<ForwardKernel>) -> usize {
     let mut ran = 0;
     for (i, case) in grid(dtype).into_iter().enumerate() {
         if case.cost() > budget() {
@@ -49,8 +59,18 @@ fn run_grid(dtype: DType) {
         }
         let inputs = case.build();
         let (q, k, v) = inputs.views();
-        let d = launch_description(&q, &k, &v, None, &inputs.opts()).unwrap();
-        let flash = run(&mut builds, &d, &q, &k, &v, &format!("{dtype}_{i}"));
+        let mut d = launch_description(&q, &k, &v, None, &inputs.opts()).unwrap();
+        if let Some(kernel) = sm90 {
+            d = d.for_arch(Arch::SM90, kernel);
+            if !d.key.is_sm90() {
+                continue; // dropout, or rows not 16-byte aligned: fwd.cu serves those
+            }
+        }
+        let tag = format!(
+            "{}{dtype}_{i}",
+            sm90.map_or(String::new(), |k| format!("{k:?}_"))
+        );
+        let flash = run(builds, &d, &q, &k, &v, &tag);
         let naive = [inputs.naive(), inputs.naive_sequential()];
         let r = inputs.reference();
         let v_max = inputs.v_values().iter().fold(0f64, |m, x| m.max(x.abs()));
@@ -65,11 +85,7 @@ fn run_grid(dtype: DType) {
         );
         ran += 1;
     }
-    eprintln!("{dtype}: {ran} grid cases emulated");
-    assert!(
-        ran >= 10.min(budget()),
-        "too few cases fit the emulation budget: {ran}"
-    );
+    ran
 }
 
 #[test]
@@ -109,41 +125,7 @@ fn run_grid_sm90(kernel: ForwardKernel) {
     }
     let mut builds = forward_builds();
     for dtype in [DType::BF16, DType::F16] {
-        let mut ran = 0;
-        for (i, case) in grid(dtype).into_iter().enumerate() {
-            if case.cost() > budget() {
-                continue;
-            }
-            let inputs = case.build();
-            let (q, k, v) = inputs.views();
-            let d = launch_description(&q, &k, &v, None, &inputs.opts())
-                .unwrap()
-                .for_arch(Arch::SM90, kernel);
-            if !d.key.is_sm90() {
-                continue; // dropout, or rows not 16-byte aligned: fwd.cu serves those
-            }
-            let flash = run(
-                &mut builds,
-                &d,
-                &q,
-                &k,
-                &v,
-                &format!("sm90_{kernel:?}_{dtype}_{i}"),
-            );
-            let naive = [inputs.naive(), inputs.naive_sequential()];
-            let r = inputs.reference();
-            let v_max = inputs.v_values().iter().fold(0f64, |m, x| m.max(x.abs()));
-            check_bound(
-                &format!("{case} emulated {}", d.key.name()),
-                dtype,
-                &flash,
-                &naive,
-                &r,
-                v_max,
-                case.seqlen_k,
-            );
-            ran += 1;
-        }
+        let ran = grid_cases(&mut builds, dtype, Some(kernel));
         eprintln!("{dtype}: {ran} grid cases emulated on the sm_90a forward ({kernel:?})");
         assert!(ran >= 5.min(budget()), "too few sm_90a cases ran: {ran}");
         // Packed sequences (the tensor maps then span the whole packed tensor).
@@ -245,7 +227,7 @@ fn sinks() {
 /// backward's bound (`common::backward::check`: 3x the naive backward's error plus a floor).
 mod backward {
     use super::common::backward::{cases, check, data, GradCase, GradData};
-    use super::common::emu::{bytes, from_bytes, have_compiler, work_dir, Builds};
+    use super::common::emu::{bytes, case_dir, from_bytes, have_compiler, Builds};
     use flashattn::cuda::{backward_launch_description, launch_description, BackwardLaunch};
     use flashattn::{flash_attn_varlen, reference, AttnOptions, Element, Tensor};
     use flashattn::{naive, TensorRef};
@@ -266,7 +248,7 @@ mod backward {
         [q, k, v, out, lse, dout]: [&TensorRef; 6],
         tag: &str,
     ) -> ([Tensor; 3], Option<Tensor>) {
-        let dir = work_dir().join(format!("bwd_{}_{tag}", std::process::id()));
+        let dir = case_dir("bwd", tag);
         std::fs::create_dir_all(&dir).unwrap();
         let grid = |g: Option<(u32, u32, u32)>| {
             let g = g.unwrap_or((0, 0, 0));

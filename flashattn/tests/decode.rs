@@ -3122,7 +3122,7 @@ mod properties {
 #[cfg(feature = "cuda")]
 mod emulated {
     use super::*;
-    use crate::common::emu::{bytes, from_bytes, have_compiler, work_dir, Builds};
+    use crate::common::emu::{bytes, from_bytes, have_compiler, Builds};
     use flashattn::cuda::{
         decode_launch_description, decode_launch_description_fp8, decode_launch_description_with,
         DecodeKernel, DecodeLaunch, GpuShape, KernelKey, KernelKind,
@@ -3334,7 +3334,7 @@ mod emulated {
         tag: &str,
     ) -> (flashattn::Result<AttnOutput>, Vec<u8>, Vec<u8>) {
         let dtype = q.dtype();
-        let dir = work_dir().join(format!("decode_{}_{tag}", std::process::id()));
+        let dir = common::emu::case_dir("decode", &tag);
         std::fs::create_dir_all(&dir).unwrap();
         let put = |name: &str, b: Vec<u8>| std::fs::write(dir.join(name), b).unwrap();
         // Cache lengths in elements (FP8: one byte each).
@@ -3675,7 +3675,7 @@ mod emulated {
         };
         let mut builds = Builds::new(FP8_DRIVER, &[("FA_DECODE_ENTRY", "0")]);
         let exe = builds.get(&key, &[]);
-        let dir = work_dir().join(format!("fp8conv_{}", std::process::id()));
+        let dir = common::emu::case_dir("fp8conv", "");
         std::fs::create_dir_all(&dir).unwrap();
         let raw: Vec<u8> = inputs.iter().flat_map(|x| x.to_le_bytes()).collect();
         std::fs::write(dir.join("in.bin"), raw).unwrap();

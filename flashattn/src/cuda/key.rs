@@ -405,8 +405,11 @@ impl KernelKey {
     /// The `-D` defines of this variant.
     pub fn defines(&self) -> Vec<(&'static str, String)> {
         let flag = |b: bool| (b as u8).to_string();
-        if self.kind == KernelKind::ForwardSm90Ws {
+        if self.is_sm90() {
+            // fwd_sm90.cu / fwd_sm90_ws.cu: NUM_WG warpgroups compute (the warp-specialised one
+            // has a producer warpgroup beside them); each has its own experiment switch.
             let t = self.tiles();
+            let ws = self.kind == KernelKind::ForwardSm90Ws;
             return vec![
                 ("HEAD_DIM", self.smem_row().to_string()),
                 ("IS_MASKED", flag(self.masked)),
@@ -421,28 +424,12 @@ impl KernelKey {
                     "1".into(),
                 ),
                 ("BLOCK_N", t.block_n.to_string()),
-                ("NUM_WG", (t.num_warps / 4 - 1).to_string()),
-                ("SM90_PINGPONG", flag(sm90_pingpong())),
-            ];
-        }
-        if self.kind == KernelKind::ForwardSm90 {
-            let t = self.tiles();
-            return vec![
-                ("HEAD_DIM", self.smem_row().to_string()),
-                ("IS_MASKED", flag(self.masked)),
-                ("HAS_SOFTCAP", flag(self.softcap)),
-                ("HAS_ALIBI", flag(self.alibi)),
-                (
-                    if self.dtype == DType::BF16 {
-                        "FA_BF16"
-                    } else {
-                        "FA_F16"
-                    },
-                    "1".into(),
-                ),
-                ("BLOCK_N", t.block_n.to_string()),
-                ("NUM_WG", (t.num_warps / 4).to_string()),
-                ("SM90_OVERLAP", flag(sm90_overlap())),
+                ("NUM_WG", (t.num_warps / 4 - ws as usize).to_string()),
+                if ws {
+                    ("SM90_PINGPONG", flag(sm90_pingpong()))
+                } else {
+                    ("SM90_OVERLAP", flag(sm90_overlap()))
+                },
             ];
         }
         let mut d = vec![

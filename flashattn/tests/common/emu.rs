@@ -11,6 +11,16 @@ use std::process::Command;
 /// The kernel sources.
 pub const KERNELS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/src/cuda/kernels");
 
+/// A fresh work folder for one emulated call: `prefix`, the process, `tag` and a number no other
+/// call of the process gets (tests of one process run in parallel, and two of them may use the
+/// same tag: a drawn backward case's seed equalled a grid case's index, and one removed the
+/// other's folder while it ran).
+pub fn case_dir(prefix: &str, tag: &str) -> PathBuf {
+    static CALL: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = CALL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    work_dir().join(format!("{prefix}_{}_{tag}_{n}", std::process::id()))
+}
+
 pub fn work_dir() -> PathBuf {
     let d = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/cuda_emu");
     std::fs::create_dir_all(&d).unwrap();
@@ -181,7 +191,7 @@ pub fn run_forward(
     out_dtype: DType,
     tag: &str,
 ) -> AttnOutput {
-    let dir = work_dir().join(format!("case_{}_{tag}", std::process::id()));
+    let dir = case_dir("case", tag);
     std::fs::create_dir_all(&dir).unwrap();
     let nums: Vec<String> = [
         d.grid.0 as i64,
