@@ -3334,7 +3334,7 @@ mod emulated {
         tag: &str,
     ) -> (flashattn::Result<AttnOutput>, Vec<u8>, Vec<u8>) {
         let dtype = q.dtype();
-        let dir = common::emu::case_dir("decode", &tag);
+        let dir = common::emu::case_dir("decode", tag);
         std::fs::create_dir_all(&dir).unwrap();
         let put = |name: &str, b: Vec<u8>| std::fs::write(dir.join(name), b).unwrap();
         // Cache lengths in elements (FP8: one byte each).
