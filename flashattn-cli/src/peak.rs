@@ -114,7 +114,8 @@ pub fn peak(args: &PeakArgs) -> Result<()> {
     Ok(())
 }
 
-/// Measures both peaks on every thread of the current rayon pool, `secs` seconds per run.
+/// Measures both peaks of the kernels' instruction set on every thread of the current rayon pool,
+/// `secs` seconds per run.
 pub fn measure(secs: f64) -> Peak {
     let dur = Duration::from_secs_f64(secs.max(0.0));
     Peak {
@@ -130,14 +131,20 @@ pub fn measure(secs: f64) -> Peak {
     }
 }
 
-/// The widest f32 FMA this CPU runs.
+/// The widest f32 FMA of the instruction set the kernels run (`flashattn::simd::active()`:
+/// `FLASHATTN_ISA` when set, else the best this CPU has), so that `% of peak` compares like with
+/// like when the AVX2 kernels are forced on an AVX-512 CPU.
 fn f32_method() -> Option<Method> {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f") {
+        use flashattn::isa::Isa;
+        let isa = flashattn::simd::active().ok()?;
+        if isa == Isa::Avx512 && std::arch::is_x86_feature_detected!("avx512f") {
             return Some(Method::Avx512Fma);
         }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        if matches!(isa, Isa::Avx512 | Isa::Avx2)
+            && std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
         {
             return Some(Method::Avx2Fma);
         }
@@ -145,10 +152,13 @@ fn f32_method() -> Option<Method> {
     None
 }
 
+/// The bf16 dot product, where the kernels run it (AVX-512 with AVX512_BF16).
 fn bf16_method() -> Option<Method> {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f")
+        let isa = flashattn::simd::active().ok()?;
+        if isa.has_bf16_dot()
+            && std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("avx512bf16")
         {
             return Some(Method::Avx512Bf16Dot);
