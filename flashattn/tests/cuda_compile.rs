@@ -6,7 +6,9 @@
 //! CI installs `nvidia-cuda-nvrtc==13.0.88` from PyPI and sets `FLASHATTN_REQUIRE_NVRTC=1`, which
 //! turns a missing NVRTC into a failure; elsewhere the test says why it skips. The per-variant
 //! table (registers, spills, compile time) goes to `target/cuda_compile_report.txt`, which
-//! `.ci/run` prints.
+//! `.ci/run` prints. It also fails on ptxas's warnings that `setmaxnreg` was ignored or `wgmma`
+//! serialised, and, with `FLASHATTN_CUOBJDUMP` (CI installs it), on sm_90a kernels whose machine
+//! code lacks the Hopper instructions they were written for.
 #![cfg(feature = "cuda")]
 
 use flashattn::cuda::{self, Arch, KernelKey, KernelKind};
@@ -140,6 +142,7 @@ fn every_kernel_variant_compiles_without_spills() {
             Err(e) => failures.push(format!("{} {arch}: {e}", key.name())),
         }
     }
+    failures.extend(sass_failures(&results));
     let _ = writeln!(
         report,
         "slowest compile {:.3} s; {} failures",
@@ -156,6 +159,71 @@ fn every_kernel_variant_compiles_without_spills() {
         results.len(),
         failures.join("\n")
     );
+}
+
+/// The machine code of the sm_90a kernels uses the Hopper instructions they were written for:
+/// `HGMMA` (wgmma) in both, and in the warp-specialised one `UTMALDG` (TMA loads) and
+/// `USETMAXREG` (register reallocation). Needs `cuobjdump` (with `nvdisasm` beside it or on the
+/// path) at `FLASHATTN_CUOBJDUMP`; CI installs both from PyPI. Unset: the check says it skips.
+fn sass_failures(
+    results: &[(&KernelKey, &Arch, flashattn::Result<cuda::CompiledKernel>)],
+) -> Vec<String> {
+    let Some(tool) = std::env::var_os("FLASHATTN_CUOBJDUMP") else {
+        eprintln!("skipping the SASS check of the sm_90a kernels: FLASHATTN_CUOBJDUMP is not set");
+        return Vec::new();
+    };
+    let tool = std::path::PathBuf::from(tool);
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/cuda_sass");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut failures = Vec::new();
+    let mut checked = 0;
+    for (key, arch, r) in results {
+        let Ok(c) = r else { continue };
+        if !key.is_sm90() || **arch != Arch::SM90 {
+            continue;
+        }
+        let path = dir.join(format!("{}.cubin", key.name()));
+        std::fs::write(&path, &c.cubin).unwrap();
+        let mut cmd = std::process::Command::new(&tool);
+        if let Some(bin) = tool.parent() {
+            // cuobjdump runs nvdisasm, found beside it.
+            cmd.env("NVDISASM_PATH", bin);
+        }
+        let out = cmd.arg("--dump-sass").arg(&path).output();
+        let _ = std::fs::remove_file(&path);
+        let sass = match out {
+            Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).into_owned(),
+            Ok(o) => {
+                failures.push(format!(
+                    "{}: cuobjdump failed: {}",
+                    key.name(),
+                    String::from_utf8_lossy(&o.stderr)
+                ));
+                continue;
+            }
+            Err(e) => {
+                failures.push(format!(
+                    "{}: cannot run {}: {e}",
+                    key.name(),
+                    tool.display()
+                ));
+                continue;
+            }
+        };
+        let wanted: &[&str] = if key.kind == KernelKind::ForwardSm90Ws {
+            &["HGMMA", "UTMALDG", "USETMAXREG"]
+        } else {
+            &["HGMMA"]
+        };
+        for w in wanted {
+            if !sass.contains(w) {
+                failures.push(format!("{} sm_90a: no {w} in its SASS", key.name()));
+            }
+        }
+        checked += 1;
+    }
+    eprintln!("SASS of {checked} sm_90a variants checked for HGMMA (and UTMALDG, USETMAXREG)");
+    failures
 }
 
 /// A kernel that does not compile gives a typed error carrying NVRTC's log, not a panic.
