@@ -17,7 +17,7 @@
 # under Nsight Compute; `bwdprobe`: the same without the tests (a profile to work from).
 # `decode`: after the tests, only the decode comparisons (the default CUDA-core split kernel,
 # then the tensor-core one with FLASHATTN_CUDA_DECODE=tc), an Nsight Compute summary of each split
-# kernel and a split-count sweep of the tensor-core one at the shape (for work on
+# kernel and a split-count sweep of the tensor-core one at the decode benchmark shape (for work on
 # decode.cu).
 # `sm90`: the Hopper forward (fwd_sm90.cu): probe, its test grids, against fwd.cu and SDPA.
 # `sm90b`: the warp-specialised fwd_sm90_ws.cu: its grids, against fwd_sm90.cu, fwd.cu, SDPA; Python.

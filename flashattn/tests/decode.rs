@@ -1688,9 +1688,9 @@ fn many_rows_per_kv_head() {
     }
 }
 
-/// The issue's decode shape, smaller cache: q [1, 1, 32, 128], kv heads 8, 4096 cached tokens.
+/// The decode benchmark shape, smaller cache: q [1, 1, 32, 128], kv heads 8, 4096 cached tokens.
 #[test]
-fn issue_shape_small_cache() {
+fn benchmark_shape_small_cache() {
     for dtype in [DType::F32, DType::BF16] {
         check_case(&DCase {
             dtype,
@@ -3394,7 +3394,7 @@ mod emulated {
     /// counts; run under emulation here and on the GPU by `gpu` below.
     pub(super) fn kernel_cases(dtype: DType) -> Vec<DCase> {
         vec![
-            // The issue's shape in small: 32 heads over 8, d 128, causal, paged, left padding.
+            // The decode benchmark shape in small: 32 heads over 8, d 128, causal, paged, left padding.
             DCase {
                 dtype,
                 heads: 32,
@@ -4099,7 +4099,7 @@ fn fp8_caches_against_reference() {
                     ..DCase::default()
                 };
                 let cases = [
-                    // The issue's shape, small: one token, GQA 4, d = 128.
+                    // The decode benchmark shape, small: one token, GQA 4, d = 128.
                     DCase {
                         heads: 32,
                         heads_kv: 8,

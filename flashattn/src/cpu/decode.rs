@@ -2091,7 +2091,7 @@ const QUAD_KEYS: usize = 8;
 /// L1, 2026-11-23: both at ~1.05 cycles per `vdpbf16ps`; a 128-bit broadcast per
 /// `vdpbf16ps` instead takes 1.4-1.65). d a multiple of 16. Against the dot-product kernel (A/B
 /// in one process, the variants alternating call by call, both orders, bf16, 2026-11-23): the
-/// issue's decode shape (GQA 4, 32k keys, two threads) 0.96-0.99 in six runs; 4 tokens a step
+/// decode benchmark shape (GQA 4, 32k keys, two threads) 0.96-0.99 in six runs; 4 tokens a step
 /// (16 rows) and GQA 8 (8 rows) 0.94-0.96 when it runs second in each pair, 0.99 when first;
 /// with the cache in L2/L3 (one thread) 0.98-1.02.
 ///

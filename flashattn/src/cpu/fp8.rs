@@ -171,7 +171,7 @@ mod avx512 {
 /// the high byte of the 16-bit value of each of the 128 magnitudes are two 128-byte tables, each
 /// in two registers that `vpermi2b` indexes by a byte's low 7 bits; the sign bit is or-ed into the
 /// high byte, and the bytes interleaved. 64 values in ~10 instructions, where the arithmetic of
-/// [`avx512`] takes ~12 per 16: decoding an e4m3 cache at the shape (32k keys, 8 kv
+/// [`avx512`] takes ~12 per 16: decoding an e4m3 cache at the decode benchmark shape (32k keys, 8 kv
 /// heads, d = 128, bf16 q) took 7.9 ms with that, against 6.0-6.4 ms for a bf16 cache.
 #[cfg(target_arch = "x86_64")]
 mod vbmi {

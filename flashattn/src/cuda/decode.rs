@@ -164,8 +164,8 @@ impl GpuShape {
 }
 
 /// CTAs per SM that automatic splits aim for with the CUDA-core split kernel (4 fit an SM by its
-/// registers). The first GPU run (H200, 2026-11-26) had two: 264 CTAs of 4 warps for the issue's
-/// shape, 12% achieved occupancy, bound by memory latency.
+/// registers). The first GPU run (H200, 2026-11-26) had two: 264 CTAs of 4 warps for the decode
+/// benchmark shape, 12% achieved occupancy, bound by memory latency.
 const CTAS_PER_SM: usize = 4;
 
 /// The number of key splits when the call names none: enough CTAs for `CTAS_PER_SM` per SM, but
@@ -834,7 +834,7 @@ mod tests {
 
     #[test]
     fn split_count_rule() {
-        // The shape on an H100 (132 SMs): 8 CTAs without splits; 66 fill four per SM.
+        // The decode benchmark shape (32 heads over 8, 32k keys) on an H100 (132 SMs): 8 CTAs without splits; 66 fill four per SM.
         assert_eq!(choose_splits(8, 32768, 132), 66);
         // A short cache keeps splits of at least 256 keys.
         assert_eq!(choose_splits(8, 1000, 132), 3);
