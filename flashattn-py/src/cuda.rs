@@ -70,6 +70,14 @@ impl Borrowed {
         ))))
     }
 
+    /// Every view of `views`, in order (see [`Borrowed::new`]).
+    ///
+    /// # Safety
+    /// As [`Borrowed::new`], for each view.
+    unsafe fn all(dev: &CudaDevice, views: &[&View]) -> Result<Vec<Self>, BindError> {
+        views.iter().map(|v| Self::new(dev, v)).collect()
+    }
+
     fn get(&self) -> &CudaTensor {
         self.0.as_ref().expect("borrowed until drop")
     }
@@ -162,16 +170,12 @@ pub fn cuda_fwd(
         let [q, k, v, out, lse] = views([q, k, v, out, lse])?;
         let dev = device(ordinal, stream)?;
         let ao = cuda_opts(&opts)?;
-        // SAFETY: torch holds every tensor of the call alive; inputs are only read.
-        let (qb, kb, vb) = unsafe {
-            (
-                Borrowed::new(&dev, &q)?,
-                Borrowed::new(&dev, &k)?,
-                Borrowed::new(&dev, &v)?,
-            )
-        };
-        // SAFETY: out and lse are fresh torch tensors of the call, written only by the kernel.
-        let (mut ob, mut lb) = unsafe { (Borrowed::new(&dev, &out)?, Borrowed::new(&dev, &lse)?) };
+        // SAFETY: torch holds every tensor of the call alive; inputs are only read, out and lse
+        // are fresh tensors of the call, written only by the kernel.
+        let [qb, kb, vb, mut ob, mut lb]: [Borrowed; 5] =
+            unsafe { Borrowed::all(&dev, &[&q, &k, &v, &out, &lse])? }
+                .try_into()
+                .unwrap_or_else(|_| unreachable!("five views, five borrows"));
         let dst = cuda::CudaOutBuffers {
             out: ob.get_mut(),
             lse: lb.get_mut(),
@@ -212,12 +216,7 @@ pub fn cuda_bwd(
         let dev = device(ordinal, stream)?;
         let ao = cuda_opts(&opts)?;
         // SAFETY: as in `cuda_fwd`.
-        let b: Vec<Borrowed> = unsafe {
-            [&q, &k, &v, &out, &lse, &dout]
-                .into_iter()
-                .map(|x| Borrowed::new(&dev, x))
-                .collect::<Result<_, _>>()?
-        };
+        let b = unsafe { Borrowed::all(&dev, &[&q, &k, &v, &out, &lse, &dout])? };
         let t = |i: usize| b[i].get();
         let g = match &opts.cu_seqlens {
             Some((cq, ck)) => cuda::flash_attn_varlen_backward(
