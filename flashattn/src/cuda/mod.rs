@@ -610,11 +610,8 @@ fn check_destination(
     shape: &[usize],
 ) -> Result<()> {
     params::destination(tensor, (t.dtype(), t.buffer().len()), dtype, shape)?;
-    let mut contiguous = vec![1; t.shape().len()];
-    for i in (0..t.shape().len().saturating_sub(1)).rev() {
-        contiguous[i] = contiguous[i + 1] * t.shape()[i + 1];
-    }
     let numel: usize = t.shape().iter().product();
+    let contiguous = crate::tensor::contiguous_strides(t.shape());
     if numel != t.buffer().len() || (numel > 1 && t.strides() != contiguous.as_slice()) {
         return Err(ErrorKind::Shape {
             tensor,
