@@ -66,7 +66,9 @@ impl Borrowed {
         let fp8 = |format| {
             // SAFETY: as below, one byte per element.
             let buf = s.upgrade_device_ptr::<u8>(ptr, len);
-            Held::Fp8(CudaFp8Tensor::from_buffer(buf, format, &v.shape, &v.strides))
+            Held::Fp8(CudaFp8Tensor::from_buffer(
+                buf, format, &v.shape, &v.strides,
+            ))
         };
         // SAFETY: `ptr` is the device address of `len` elements of this dtype (torch's tensor,
         // alive for the call); the slice never frees it (`Drop` leaks it).
@@ -288,9 +290,7 @@ pub fn cuda_fwd_fp8(
         let b = unsafe { Borrowed::all(&dev, &[&q, &k, &v])? };
         let (qt, kt, vt) = (b[0].fp8()?, b[1].fp8()?, b[2].fp8()?);
         let res = match &opts.cu_seqlens {
-            Some((cq, ck)) => {
-                cuda::flash_attn_varlen_fp8(&dev, qt, kt, vt, cq, ck, &descale, &ao)
-            }
+            Some((cq, ck)) => cuda::flash_attn_varlen_fp8(&dev, qt, kt, vt, cq, ck, &descale, &ao),
             None => cuda::flash_attn_fp8(&dev, qt, kt, vt, &descale, &ao),
         }?;
         copy_into(&dev, &res.out, &out)?;
