@@ -11,20 +11,6 @@ use cudarc::driver::{CudaContext, CudaSlice};
 use half::{bf16, f16};
 use std::sync::Arc;
 
-impl CudaDevice {
-    /// Copies a host view to the GPU as a contiguous tensor of the same shape and dtype.
-    pub fn upload(&self, t: &TensorRef) -> Result<CudaTensor> {
-        params::check_view("tensor", t, t.shape().len(), "any")?;
-        let (shape, strides) = (t.shape(), t.strides());
-        let buf = match t.data() {
-            Slice::F32(d) => DeviceBuffer::F32(self.htod(&gather(d, shape, strides))?),
-            Slice::F16(d) => DeviceBuffer::F16(self.htod(&gather(d, shape, strides))?),
-            Slice::BF16(d) => DeviceBuffer::BF16(self.htod(&gather(d, shape, strides))?),
-        };
-        Ok(CudaTensor::contiguous(buf, shape))
-    }
-}
-
 /// A GPU buffer of one element type.
 #[derive(Clone, Debug)]
 pub enum DeviceBuffer {
@@ -166,6 +152,20 @@ impl ViewDesc for CudaTensor {
     }
     fn buffer_len(&self) -> usize {
         self.buf.len()
+    }
+}
+
+impl CudaDevice {
+    /// Copies a host view to the GPU as a contiguous tensor of the same shape and dtype.
+    pub fn upload(&self, t: &TensorRef) -> Result<CudaTensor> {
+        params::check_view("tensor", t, t.shape().len(), "any")?;
+        let (shape, strides) = (t.shape(), t.strides());
+        let buf = match t.data() {
+            Slice::F32(d) => DeviceBuffer::F32(self.htod(&gather(d, shape, strides))?),
+            Slice::F16(d) => DeviceBuffer::F16(self.htod(&gather(d, shape, strides))?),
+            Slice::BF16(d) => DeviceBuffer::BF16(self.htod(&gather(d, shape, strides))?),
+        };
+        Ok(CudaTensor::contiguous(buf, shape))
     }
 }
 
