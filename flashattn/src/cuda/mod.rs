@@ -14,6 +14,9 @@
 //! 128 and CUDA-core kernels otherwise. Dropout regenerates the CPU path's Philox mask bit for bit
 //! in the forward and backward kernels, so a mask drawn on one backend is the mask of the other.
 //!
+//! This file only declares the backend's files and re-exports their public items; the files are
+//! layered, each importing only those below it (docs/CUDA.md, "Host code").
+//!
 //! ```no_run
 //! use flashattn::{cuda, AttnOptions, TensorRef};
 //! let dev = cuda::CudaDevice::new(0)?; // a typed error (no panic) when there is no GPU
