@@ -6,8 +6,11 @@
 //! and kv head, summing the heads of its group). No atomics: the gradients are bit-identical from
 //! run to run.
 
-use super::{alloc_output, check_launchable, driver_err, CudaDevice, CudaTensor, DeviceBuffer};
-use super::{DropoutArgs, KernelKey, KernelKind};
+use super::buffer::{CudaAttnOutput, CudaTensor, DeviceBuffer};
+use super::device::CudaDevice;
+use super::error::driver_err;
+use super::key::{KernelKey, KernelKind};
+use super::launch::{alloc_output, check_launchable, DropoutArgs};
 use crate::error::Result;
 use crate::params::{self, AttnOptions, Params, QLike};
 use crate::tensor::{DType, TensorRef, ViewDesc};
@@ -301,7 +304,7 @@ pub struct CudaAttnGrads {
     pub dsink: Option<CudaTensor>,
 }
 
-impl super::CudaAttnOutput {
+impl CudaAttnOutput {
     /// The backward pass of the batched [`super::flash_attn`] call that produced `self` (same q,
     /// k, v and options). See [`flash_attn_backward`].
     pub fn backward(
@@ -417,11 +420,9 @@ fn backward(dev: &CudaDevice, p: &Params, t: [&CudaTensor; 6]) -> Result<CudaAtt
     // (rows × heads f32 each, a head_dim-th of dq's size), on the host in f64 as the CPU path.
     let dsink = match d.sink {
         Some(_) => {
-            let dtoh = super::driver_err("cuMemcpyDtoH");
+            let dtoh = driver_err("cuMemcpyDtoH");
             let lse2 = s.clone_dtoh(&ws[0]).map_err(dtoh)?;
-            let dsum = s
-                .clone_dtoh(&ws[1])
-                .map_err(super::driver_err("cuMemcpyDtoH"))?;
+            let dsum = s.clone_dtoh(&ws[1]).map_err(driver_err("cuMemcpyDtoH"))?;
             dev.synchronize()?;
             let ds = d.dsink(&lse2, &dsum).expect("the launch has sinks");
             Some(CudaTensor::contiguous(

@@ -5,7 +5,8 @@
 //! `$HOME/.cache/flashattn`. Writes go to a temporary file renamed into place, so concurrent
 //! processes never read a partial cubin; any I/O failure just means compiling again.
 
-use super::key::{Arch, KernelKey, COMMON_CUH, SM90_ATTN_CUH, SM90_CUH, SM90_WGMMA_CUH};
+use super::arch::Arch;
+use super::key::{KernelKey, COMMON_CUH, SM90_ATTN_CUH, SM90_CUH, SM90_WGMMA_CUH};
 use std::path::{Path, PathBuf};
 
 pub(crate) fn dir() -> Option<PathBuf> {
@@ -75,7 +76,8 @@ pub(crate) fn store(path: &Path, cubin: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::{exists, fnv1a, load, path, store};
-    use crate::cuda::{Arch, KernelKey};
+    use crate::cuda::arch::Arch;
+    use crate::cuda::key::KernelKey;
 
     #[test]
     fn store_then_load_round_trips_and_keys_differ() {

@@ -6,11 +6,11 @@
 //! (`crate::fp8::validate_kvcache`) and the decode kernels of `kernels/decode.cu` compiled with
 //! `FA_FP8_CACHE`.
 
+use super::buffer::{gather, CudaAttnOutput, CudaTensor, DeviceBuffer};
 use super::decode::{prepare, queue, refuse_host_new_kv};
-use super::{
-    driver_err, gather, run_forward, CudaAttnOutput, CudaDevice, CudaTensor, DeviceBuffer,
-    LaunchDescription,
-};
+use super::device::CudaDevice;
+use super::error::driver_err;
+use super::forward::{run_forward, LaunchDescription};
 use crate::decode::KvCacheOptions;
 use crate::error::Result;
 use crate::fp8::{validate_forward, Descale, Fp8Format, Fp8TensorRef, Fp8View};

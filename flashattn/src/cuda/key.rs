@@ -2,6 +2,7 @@
 //! defines it is compiled with, its launch shape, its readable name and its cache identity.
 //! Specialisation is by compile-time defines, so a variant pays only for the features it uses.
 
+use super::arch::{Arch, GpuShape};
 use crate::tensor::DType;
 
 /// The forward kernel sources, embedded in the library (compiled by NVRTC at first use).
@@ -321,7 +322,7 @@ impl KernelKey {
         if !self.decode_tc() {
             return 1;
         }
-        let sm = super::GpuShape::HOPPER.smem_optin + 1024;
+        let sm = GpuShape::HOPPER.smem_optin + 1024;
         (sm / (self.smem_bytes() + 1024)).clamp(1, 4)
     }
 
@@ -687,35 +688,6 @@ fn sm90_overlap() -> bool {
 fn sm90_pingpong() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("FLASHATTN_SM90_PINGPONG").as_deref() == Ok("1"))
-}
-
-/// A GPU architecture NVRTC compiles for: compute capability `major.minor`, with the `a`
-/// (architecture-specific) suffix on 9.0 so Hopper-only instructions are available.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Arch {
-    pub major: u32,
-    pub minor: u32,
-}
-
-impl Arch {
-    pub const SM80: Arch = Arch { major: 8, minor: 0 };
-    pub const SM90: Arch = Arch { major: 9, minor: 0 };
-
-    /// NVRTC's `--gpu-architecture` value.
-    pub fn target(&self) -> String {
-        let suffix = if (self.major, self.minor) == (9, 0) {
-            "a"
-        } else {
-            ""
-        };
-        format!("sm_{}{}{}", self.major, self.minor, suffix)
-    }
-}
-
-impl std::fmt::Display for Arch {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.target())
-    }
 }
 
 #[cfg(test)]

@@ -2,7 +2,8 @@
 //! NVRTC's C API: cudarc's safe wrapper returns PTX only, and a cubin both skips the driver's PTX
 //! JIT at load time and lets the compile log report registers and spills (`ptxas -v`).
 
-use super::key::{Arch, KernelKey, COMMON_CUH, SM90_ATTN_CUH, SM90_CUH, SM90_WGMMA_CUH};
+use super::arch::Arch;
+use super::key::{KernelKey, COMMON_CUH, SM90_ATTN_CUH, SM90_CUH, SM90_WGMMA_CUH};
 use super::probe;
 use crate::error::{ErrorKind, Result};
 use cudarc::nvrtc::sys;
@@ -176,7 +177,7 @@ fn log_number(log: &str, before: &str, after: &str) -> Option<u32> {
 
 #[cfg(test)]
 mod tests {
-    use super::log_number;
+    use crate::cuda::nvrtc::log_number;
 
     #[test]
     fn reads_ptxas_resource_lines() {

@@ -8,7 +8,7 @@
 //! `box_rows` rows of one head and batch; the kernel loads one box per 64-column slab of a tile.
 //! Elements outside the tensor arrive as zeros.
 
-use super::driver_err;
+use super::error::driver_err;
 use crate::error::{ErrorKind, Result};
 use crate::tensor::DType;
 use cudarc::driver::{sys, DeviceRepr};
