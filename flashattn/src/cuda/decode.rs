@@ -6,9 +6,10 @@
 
 use super::{alloc_output, driver_err, CudaAttnOutput, CudaDevice, CudaTensor, DeviceBuffer};
 use super::{KernelKey, KernelKind, MAX_GRID_YZ, MAX_SEQLEN};
-use crate::decode::{DecodeParams, KvCacheOptions};
 use crate::error::{ErrorKind, Result};
 use crate::fp8::{Descale, Fp8Format, Fp8TensorRef};
+use crate::params::decode::validate;
+use crate::params::{DecodeParams, KvCacheOptions};
 use crate::tensor::{DType, TensorRef, ViewInfo};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -469,7 +470,7 @@ pub fn decode_launch_description_with(
     kernel: DecodeKernel,
 ) -> Result<DecodeLaunch> {
     let new_kv = opts.new_kv.as_ref().map(|(k, v)| (k, v));
-    let dp = crate::decode::validate(q, k_cache, v_cache, new_kv, cache_seqlens, opts)?;
+    let dp = validate(q, k_cache, v_cache, new_kv, cache_seqlens, opts)?;
     DecodeLaunch::new(&dp, gpu, None, kernel)
 }
 
@@ -530,7 +531,7 @@ pub fn flash_attn_with_kvcache(
     opts: &KvCacheOptions,
 ) -> Result<CudaAttnOutput> {
     refuse_host_new_kv(opts)?;
-    let dp = crate::decode::validate(q, &*k_cache, &*v_cache, new_kv, cache_seqlens, opts)?;
+    let dp = validate(q, &*k_cache, &*v_cache, new_kv, cache_seqlens, opts)?;
     let d = prepare(
         dev,
         &dp,

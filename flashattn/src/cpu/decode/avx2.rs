@@ -27,7 +27,10 @@
 //!
 //! [`Isa::Avx2`]: crate::cpu::simd::Isa::Avx2
 
-use super::{pv_tail, Ahead, KeyRows};
+use super::prefetch::Ahead;
+use super::rows::KeyRows;
+use super::x86_pv::{pv_tail, PvAt};
+use super::x86_scores::ScoresAt;
 use crate::tensor::{DType, Element};
 use std::arch::x86_64::*;
 
@@ -187,7 +190,7 @@ fn reduce4(a: [__m256; 4]) -> __m128 {
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn scores_tile<const K: usize, const R: usize, const NC: usize, T: Element>(
-    at: super::ScoresAt<T>,
+    at: ScoresAt<T>,
 ) {
     let (q, r0, dpad, src, kr, c0, st, np) = at;
     let (d, full, dpad) = if NC > 0 {
@@ -325,7 +328,7 @@ pub(crate) unsafe fn pv<T: Element>(
 /// As [`pv`]; `r0 + R <= rows`, `x0 + 16 <= d`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn pv_tile<const R: usize, T: Element>(at: super::PvAt<f32, T>) {
+unsafe fn pv_tile<const R: usize, T: Element>(at: PvAt<f32, T>) {
     let (st, np, r0, src, vr, x0, acc, dpad, ahead) = at;
     let high = high_halves();
     // SAFETY: the caller's contract.
