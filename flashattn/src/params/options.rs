@@ -286,6 +286,8 @@ pub struct Rotary<'a> {
 }
 
 /// Options of [`flash_attn_with_kvcache`] beyond q, the caches and `cache_seqlens`.
+///
+/// [`flash_attn_with_kvcache`]: crate::decode::flash_attn_with_kvcache
 #[derive(Clone, Debug, Default)]
 pub struct KvCacheOptions<'a> {
     /// Scale, causal, window, softcap, ALiBi and ISA as in [`crate::flash_attn`]; dropout must be 0.
@@ -326,6 +328,8 @@ pub struct KvCacheOptions<'a> {
     /// shape and the rayon pool's thread count (see `cpu::decode::choose_splits`). Results agree
     /// across split counts up to rounding; a fixed count gives bit-identical results on any
     /// number of threads.
+    ///
+    /// [`MAX_NUM_SPLITS`]: crate::limits::MAX_NUM_SPLITS
     pub num_splits: Option<usize>,
 }
 

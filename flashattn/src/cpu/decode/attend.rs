@@ -11,6 +11,8 @@ use rayon::prelude::*;
 /// Attention of every sequence's queries over its first `seqlen_k` cache keys, into `out` (q's
 /// dtype, `[batch, seqlen_q, heads, d]`) and `lse` (`[batch, heads, seqlen_q]`) from
 /// [`results`], which it returns.
+///
+/// [`results`]: super::results
 pub(super) fn attend<T: Element>(
     dp: &DecodeParams,
     q: &[T],

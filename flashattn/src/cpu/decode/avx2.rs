@@ -26,6 +26,8 @@
 //! bounds checks of [`super::scores`] and [`super::pv_acc`].
 //!
 //! [`Isa::Avx2`]: crate::cpu::simd::Isa::Avx2
+//!
+//! [`super::pv_acc`]: super::pv::pv_acc
 
 use super::prefetch::Ahead;
 use super::rows::KeyRows;
@@ -110,6 +112,8 @@ fn high_halves() -> __m256i {
 ///
 /// # Safety
 /// AVX2, FMA and F16C present; operands as checked by [`super::scores`].
+///
+/// [`super::Isa::Avx2`]: crate::cpu::simd::Isa::Avx2
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn scores<T: Element>(
@@ -286,6 +290,9 @@ unsafe fn score_tails<const K: usize, const R: usize, T: Element>(
 ///
 /// # Safety
 /// AVX2, FMA and F16C present; operands as checked by [`super::pv_acc`].
+///
+/// [`super::Isa::Avx2`]: crate::cpu::simd::Isa::Avx2
+/// [`super::pv_acc`]: super::pv::pv_acc
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn pv<T: Element>(
@@ -326,6 +333,8 @@ pub(crate) unsafe fn pv<T: Element>(
 ///
 /// # Safety
 /// As [`pv`]; `r0 + R <= rows`, `x0 + 16 <= d`.
+///
+/// [`super::PvAt`]: super::x86_pv::PvAt
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn pv_tile<const R: usize, T: Element>(at: PvAt<f32, T>) {

@@ -36,9 +36,22 @@
 //! The files, one concern each: [`plan`] (how a call is cut into work items, tile sizes, split
 //! count), [`append`] (writing the new keys and values), [`attend`] (running the items and
 //! merging their partials), [`tile_loop`] (one item's loop over its tiles), [`rows`] and
-//! [`prefetch`] (where a tile's rows lie, and asking for the next tile ahead of use), [`scores`]
-//! and [`pv`] (the two products, dispatching to the kernels of an ISA), and the x86-64 kernels:
+//! [`prefetch`] (where a tile's rows lie, and asking for the next tile ahead of use),
+//! [`scores`](mod@scores) and [`pv`] (the two products, dispatching to the kernels of an ISA), and the x86-64 kernels:
 //! `x86_blocks` (shared pieces), `x86_scores`, `x86_scores_qt` and `x86_pv` (AVX-512) and `avx2`.
+//!
+//! [`append`]: mod@append
+//! [`attend`]: mod@attend
+//! [`Ahead`]: prefetch::Ahead
+//! [`Kernels::max_get_scale`]: crate::cpu::simd::Kernels::max_get_scale
+//! [`Kernels::online_softmax`]: crate::cpu::simd::Kernels::online_softmax
+//! [`KeyRows`]: rows::KeyRows
+//! [`TILE_KEYS`]: plan::TILE_KEYS
+//! [`TILE_KEYS_MANY_ROWS`]: plan::TILE_KEYS_MANY_ROWS
+//! [`pv_acc`]: pv::pv_acc
+//! [`scores`]: scores::scores
+//! [`scores_bcast_avx512`]: x86_scores_qt::scores_bcast_avx512
+//! [`scores_quad_avx512_bf16`]: x86_scores_qt::scores_quad_avx512_bf16
 
 mod append;
 mod attend;
@@ -149,6 +162,8 @@ pub(crate) fn run_fp8(
 /// its merge; tests check for NaN), and its [`Plan`] with the partial results' buffers.
 /// Allocated before an append writes the caches, so a call that gets `OutOfMemory` has written
 /// nothing.
+///
+/// [`attend`]: fn@attend
 fn results<T: Element>(dp: &DecodeParams) -> Result<(Vec<T>, Vec<f32>, Plan)> {
     Ok((
         try_filled("`out`", T::from_f32(f32::NAN), dp.p.out_len())?,
@@ -158,6 +173,8 @@ fn results<T: Element>(dp: &DecodeParams) -> Result<(Vec<T>, Vec<f32>, Plan)> {
 }
 
 /// `out` and `lse` of [`attend`] as the call's result tensors.
+///
+/// [`attend`]: fn@attend
 fn output<T: Element>(dp: &DecodeParams, (out, lse): (Vec<T>, Vec<f32>)) -> AttnOutput {
     AttnOutput {
         out: Tensor::new_unchecked(T::wrap_vec(out), dp.p.out_shape.clone()),

@@ -50,6 +50,8 @@ pub(super) const TILE_KEYS_MAX: usize = TILE_KEYS_MANY_ROWS;
 /// With 4 query tokens per step (16 rows per kv head, bound by arithmetic) 8-key sub-blocks
 /// took 1.07 of the whole-tile time, so [`run_item`] keeps whole tiles for more than 4 rows per
 /// kv head.
+///
+/// [`run_item`]: super::tile_loop::run_item
 const SUB_BLOCK_BYTES: usize = 32 << 10;
 /// Keys per sub-block of the products (see [`SUB_BLOCK_BYTES`]) when a key's rows of all kv
 /// heads take `key_bytes`: 4, 8 or 16 ([`TILE_KEYS`]), so that a sub-block holds whole 4-key
@@ -94,6 +96,8 @@ pub(super) type QueryBlock = (usize, usize, usize, usize, usize);
 
 /// How [`attend`] cuts the call into work items, fixed by the shapes before the append, with the
 /// buffers of their partial results.
+///
+/// [`attend`]: super::attend::attend
 pub(super) struct Plan {
     pub(super) blocks: Vec<QueryBlock>,
     pub(super) splits: usize,
@@ -104,10 +108,14 @@ pub(super) struct Plan {
     /// Query rows the sequences cover (packed rows after them belong to none).
     pub(super) covered: usize,
     /// Whether each item writes its final rows of `out` itself (see [`attend`]).
+    ///
+    /// [`attend`]: super::attend::attend
     pub(super) direct: bool,
     /// The items' LSEs, `rows` each.
     pub(super) part_lse: Vec<f32>,
     /// The items' partial rows (see [`ItemOut::Parts`]), `rows · d` each; empty where `direct`.
+    ///
+    /// [`ItemOut::Parts`]: super::tile_loop::ItemOut::Parts
     pub(super) part_out: Vec<f32>,
 }
 

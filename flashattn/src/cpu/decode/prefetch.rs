@@ -69,6 +69,8 @@ impl Runs {
 /// second (leaving the other to the adjacent-line prefetcher) measured 12.8-16.1 ms against
 /// 11.4-12.9 ms (f32, 2 threads). `prefetcht1` (into L2): a tile is 64-128 KiB, more than the
 /// 32 KiB L1. k and v are asked for in turns of [`TURN_BYTES`].
+///
+/// [`TILE_KEYS`]: super::plan::TILE_KEYS
 pub(crate) struct Ahead {
     /// Byte addresses still to ask for in k and in v: runs `[i..n)`, the first from `next`;
     /// never dereferenced.

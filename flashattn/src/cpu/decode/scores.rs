@@ -53,7 +53,7 @@ pub(crate) enum QTrans<'a> {
 /// Fewest query rows per kv head for which bf16 scores take q in the `Quads` form
 /// ([`scores_quad_avx512_bf16`]): with fewer, most of each vector's 4 rows would be empty (one
 /// row per kv head keeps the dot-product kernel's 4-key reduction).
-const QUAD_MIN_ROWS: usize = 4;
+pub(super) const QUAD_MIN_ROWS: usize = 4;
 
 /// Fewest query rows per kv head for which the score product takes q transposed
 /// ([`scores_bcast_avx512`]): one 16-lane vector of rows (f32, f16, bf16 widened), two for bf16
@@ -61,7 +61,7 @@ const QUAD_MIN_ROWS: usize = 4;
 /// L2/L3, 2026-11-23): 16 rows (4 tokens, GQA 4) f32 0.945 of the dot-product kernel's time,
 /// bf16 pairs 1.04; 32 rows (MQA) f32 0.90, bf16 0.94. Tiles of 8 or 16 keys for one or two
 /// vectors of rows (more independent accumulators) were slower: 1.2-1.4.
-fn bcast_min_rows(bf16_pairs: bool) -> usize {
+pub(super) fn bcast_min_rows(bf16_pairs: bool) -> usize {
     if bf16_pairs {
         2 * LANES
     } else {

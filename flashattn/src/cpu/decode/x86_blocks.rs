@@ -1,5 +1,5 @@
 //! Pieces shared by the AVX-512 kernels: the dispatch from a runtime block shape to a kernel
-//! instantiated for it ([`by_tile!`]), the block walk of the score kernels ([`score_blocks!`]),
+//! instantiated for it (`by_tile!`), the block walk of the score kernels (`score_blocks!`),
 //! and the 16-element load [`load16`].
 
 use crate::tensor::{DType, Element};

@@ -51,6 +51,8 @@ pub(super) fn pv_tail<T: Element>(
 ///
 /// # Safety
 /// AVX-512F present; operands as checked by [`pv_acc`].
+///
+/// [`pv_acc`]: super::pv::pv_acc
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn pv_avx512<T: Element>(
@@ -191,6 +193,8 @@ unsafe fn pv_tile<const R: usize, const V: usize, T: Element>(at: PvAt<f32, T>) 
 ///
 /// # Safety
 /// AVX-512F and AVX512_BF16 present; operands as checked by [`pv_acc`].
+///
+/// [`pv_acc`]: super::pv::pv_acc
 #[target_feature(enable = "avx512f,avx512bf16")]
 pub(super) unsafe fn pv_avx512_bf16(
     p: PRows,

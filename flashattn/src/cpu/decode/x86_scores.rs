@@ -64,6 +64,8 @@ macro_rules! store_scores {
 ///
 /// # Safety
 /// AVX-512F present; operands as checked by [`scores`].
+///
+/// [`scores`]: super::scores::scores
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn scores_avx512<T: Element>(
@@ -132,6 +134,8 @@ unsafe fn scores_tile<const K: usize, const R: usize, T: Element>(at: ScoresAt<T
 ///
 /// # Safety
 /// AVX-512F and AVX512_BF16 present; operands as checked by [`scores`].
+///
+/// [`scores`]: super::scores::scores
 #[target_feature(enable = "avx512f,avx512bf16")]
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn scores_avx512_bf16(

@@ -18,6 +18,10 @@ use half::bf16;
 /// # Safety
 /// AVX-512F present; operands as checked by [`scores`] (`qt` holds `kr.d` rows of `ld >=
 /// rows` rounded up to 16 lanes).
+///
+/// [`bcast_min_rows`]: super::scores::bcast_min_rows
+/// [`scores`]: super::scores::scores
+/// [`scores_avx512`]: super::x86_scores::scores_avx512
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn scores_bcast_avx512<T: Element>(
@@ -133,6 +137,8 @@ unsafe fn scores_bcast_tile<const K: usize, const V: usize, T: Element>(at: Bcas
 /// # Safety
 /// AVX-512F and AVX512_BF16 present; operands as checked by [`scores`] (`qt` holds `kr.d / 2`
 /// rows of `ld`).
+///
+/// [`scores`]: super::scores::scores
 #[target_feature(enable = "avx512f,avx512bf16")]
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn scores_bcast_avx512_bf16(
@@ -204,6 +210,12 @@ const QUAD_KEYS: usize = 8;
 /// # Safety
 /// AVX-512F and AVX512_BF16 present; operands as checked by [`scores`] (`qt` holds
 /// `rows.div_ceil(4) · d / 16 · 32` pairs).
+///
+/// [`QTrans::quads`]: super::scores::QTrans::quads
+/// [`QUAD_MIN_ROWS`]: super::scores::QUAD_MIN_ROWS
+/// [`bcast_min_rows`]: super::scores::bcast_min_rows
+/// [`scores`]: super::scores::scores
+/// [`scores_avx512_bf16`]: super::x86_scores::scores_avx512_bf16
 #[target_feature(enable = "avx512f,avx512bf16")]
 pub(super) unsafe fn scores_quad_avx512_bf16(
     qt: &[u32],
