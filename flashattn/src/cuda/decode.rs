@@ -6,10 +6,11 @@
 
 use super::{alloc_output, driver_err, CudaAttnOutput, CudaDevice, CudaTensor, DeviceBuffer};
 use super::{KernelKey, KernelKind, MAX_GRID_YZ, MAX_SEQLEN};
+use crate::decode::KvCacheOptions;
 use crate::error::{ErrorKind, Result};
 use crate::fp8::{Descale, Fp8Format, Fp8TensorRef};
 use crate::params::decode::validate;
-use crate::params::{DecodeParams, KvCacheOptions};
+use crate::params::DecodeParams;
 use crate::tensor::{DType, TensorRef, ViewInfo};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,

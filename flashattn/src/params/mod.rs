@@ -10,6 +10,8 @@
 //! checks of the attention options), [`check`] (checks of one tensor: view, dtype, shape, sizes,
 //! `cu_seqlens`, destinations), [`attn`] (the forward and backward calls: batched, varlen, the
 //! backward's extra inputs) and [`decode`] ([`DecodeParams`], the validation of a decode call).
+//!
+//! [`KvCacheOptions`]: options::KvCacheOptions
 
 pub(crate) mod attn;
 pub(crate) mod check;
@@ -17,10 +19,15 @@ pub(crate) mod contract;
 pub(crate) mod decode;
 pub(crate) mod options;
 
-pub(crate) use attn::{batched, check_lse, grad_inputs, q_like, varlen, GradInputs, QLike};
-pub(crate) use check::{check_view, destination};
+pub(crate) use attn::{batched, grad_inputs, q_like, varlen, GradInputs, QLike};
+pub(crate) use check::destination;
+// Reached through the facade only from `cuda/`.
+#[cfg(feature = "cuda")]
+pub(crate) use attn::check_lse;
+#[cfg(feature = "cuda")]
+pub(crate) use check::check_view;
 pub(crate) use contract::{Descales, Params, RowLayout, Seq};
 pub use contract::{LOG2_E, MAX_HEAD_DIM};
 pub(crate) use decode::DecodeParams;
 pub(crate) use options::check_score_scale;
-pub use options::{AttnOptions, KvCacheOptions};
+pub use options::AttnOptions;
