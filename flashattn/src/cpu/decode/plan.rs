@@ -20,7 +20,7 @@ const ROWS_MAX: usize = 256;
 const ROWS_BYTES: usize = 256 << 10;
 
 /// Query rows per item at head dim `d` (see [`ROWS_MAX`]): 256 up to d = 128, 128 at d = 256.
-pub(super) fn rows_cap(d: usize) -> usize {
+fn rows_cap(d: usize) -> usize {
     ROWS_MAX.min(ROWS_BYTES / (8 * pad_lanes(d)))
 }
 /// Keys per tile: the online softmax's step. 16 keys of 8 kv heads at d = 128 are 64 KiB of
