@@ -2,18 +2,27 @@
 //! flashattn against naive attention (`bench`), the CPU's peak FLOP rate (`peak`), and a plot of
 //! benchmark results (`plot`).
 
-mod alloc;
+// Commands (each imports only the modules below it, never another command).
 mod bench;
 mod compile;
-mod cuda;
-mod decode;
-mod error;
-mod fp8;
 mod peak;
 mod plot;
 mod run;
+
+// Shared pieces, one concern each.
+mod accuracy;
+mod alloc;
+mod args;
+mod bandwidth;
+mod buf;
+mod cpu_peak;
+mod error;
+mod inputs;
+mod output;
+mod report;
 mod st_io;
 mod threads;
+mod timing;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -36,7 +45,7 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Attention on the tensors of IN.safetensors; writes `out` and `lse` to OUT.safetensors.
-    Run(run::RunArgs),
+    Run(args::RunArgs),
     /// Benchmark flashattn against naive attention on seeded random data.
     ///
     /// With no arguments: batch 1, 4 heads, head_dim 64, f32, non-causal, sequence lengths 512,
@@ -48,7 +57,7 @@ enum Command {
     /// memory allocated beyond what was live before the call, and the max abs error of 16 sampled
     /// output rows against an f64 reference.
     #[command(long_about)]
-    Bench(bench::BenchArgs),
+    Bench(args::BenchArgs),
     /// Measure this CPU's peak f32 FMA and bf16 dot-product rates (GFLOP/s, all threads at once).
     Peak(peak::PeakArgs),
     /// Draw GFLOP/s against sequence length from JSON results (bench/compare_torch.py's output or

@@ -219,6 +219,21 @@ pub fn decode_i32(name: &str, t: &TensorView) -> Result<Vec<i32>> {
         .collect())
 }
 
+/// A descale tensor: F32, any shape; its element count (1, or batch · heads_kv) is checked by
+/// the library.
+pub fn decode_descale(name: &str, t: &TensorView) -> Result<Vec<f32>> {
+    if t.dtype() != Dtype::F32 {
+        return fail(format!(
+            "tensor `{name}` has dtype {:?}, expected F32",
+            t.dtype()
+        ));
+    }
+    Ok(t.data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
 /// Reads and checks `path`: accepted names only, q/k/v present and of one float dtype, ALiBi
 /// slopes F32, cu_seqlens I32 and both or neither. Shapes are left to the library, which names
 /// the tensor and the expected layout in its errors.

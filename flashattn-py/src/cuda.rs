@@ -1,25 +1,35 @@
 //! torch CUDA tensors through flashattn's CUDA backend (its tests, tests/test_cuda.py, passed on
-//! an H200; `FLASHATTN_PY_CUDA=0` turns the path off in the Python layer).
+//! an H200 for f32/f16/bf16 forward, backward, varlen and KV caches; ALiBi, sinks, rotary and FP8
+//! are wired the same way, compiled, not yet run on a GPU; `FLASHATTN_PY_CUDA=0` turns the path
+//! off in the Python layer).
 //!
 //! Work is queued on the stream torch is using (`torch.cuda.current_stream().cuda_stream`), in
 //! the device's primary context (the one torch's runtime uses), with no synchronisation inside a
 //! call. Inputs, in-place caches and the forward's `out` and `lse` are torch's memory, borrowed as
 //! cudarc slices that are leaked, never freed, when the call ends ([`Borrowed`]): the forward
-//! writes into them directly. The backward's gradients and the decode output are still allocated
-//! by the library on that stream and copied into torch's tensors on the same stream (an O(N·d)
-//! device copy beside the attention's work).
+//! writes into them directly. The backward's gradients, the FP8 forward's and the decode output
+//! are still allocated by the library on that stream and copied into torch's tensors on the same
+//! stream (an O(N·d) device copy beside the attention's work). The small option tables (ALiBi
+//! slopes, sinks, rotary cos/sin) arrive as host copies: the library uploads them per call.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use flashattn::cuda::cudarc::driver::{sys, CudaStream};
-use flashattn::cuda::{self, CudaDevice, CudaTensor, DeviceBuffer};
-use flashattn::AttnOptions;
+use flashattn::cuda::{self, CudaDevice, CudaFp8Tensor, CudaTensor, DeviceBuffer};
+use flashattn::fp8::{Descale, Fp8Format};
+use flashattn::KvCacheOptions;
 use pyo3::prelude::*;
 
 use crate::errors::BindError;
 use crate::view::{Dt, RawView, View};
 use crate::{views, KvOpts, Opts};
+
+/// A borrowed tensor: f32/f16/bf16 values, or FP8 bytes.
+enum Held {
+    Float(CudaTensor),
+    Fp8(CudaFp8Tensor),
+}
 
 /// One [`CudaDevice`] per ordinal for the process (its compiled kernels shared by all streams).
 fn device(ordinal: usize, stream: usize) -> Result<CudaDevice, BindError> {
@@ -43,8 +53,9 @@ fn device(ordinal: usize, stream: usize) -> Result<CudaDevice, BindError> {
     Ok(dev.on_stream(s))
 }
 
-/// torch's memory as a [`CudaTensor`] for the length of one call: leaked (not freed) on drop.
-struct Borrowed(Option<CudaTensor>);
+/// torch's memory as a [`CudaTensor`] (or a [`CudaFp8Tensor`]) for the length of one call:
+/// leaked (not freed) on drop.
+struct Borrowed(Option<Held>);
 
 impl Borrowed {
     /// # Safety
@@ -52,22 +63,41 @@ impl Borrowed {
     unsafe fn new(dev: &CudaDevice, v: &View) -> Result<Self, BindError> {
         let (ptr, len) = (v.addr() as sys::CUdeviceptr, v.extent());
         let s = dev.stream();
+        let fp8 = |format| {
+            // SAFETY: as below, one byte per element.
+            let buf = s.upgrade_device_ptr::<u8>(ptr, len);
+            Held::Fp8(CudaFp8Tensor::from_buffer(
+                buf, format, &v.shape, &v.strides,
+            ))
+        };
         // SAFETY: `ptr` is the device address of `len` elements of this dtype (torch's tensor,
         // alive for the call); the slice never frees it (`Drop` leaks it).
-        let buf = match v.dt {
-            Dt::F32 => DeviceBuffer::F32(s.upgrade_device_ptr(ptr, len)),
-            Dt::F16 => DeviceBuffer::F16(s.upgrade_device_ptr(ptr, len)),
-            Dt::BF16 => DeviceBuffer::BF16(s.upgrade_device_ptr(ptr, len)),
-            _ => {
+        let held = match v.dt {
+            Dt::F32 => Held::Float(CudaTensor::from_buffer(
+                DeviceBuffer::F32(s.upgrade_device_ptr(ptr, len)),
+                &v.shape,
+                &v.strides,
+            )),
+            Dt::F16 => Held::Float(CudaTensor::from_buffer(
+                DeviceBuffer::F16(s.upgrade_device_ptr(ptr, len)),
+                &v.shape,
+                &v.strides,
+            )),
+            Dt::BF16 => Held::Float(CudaTensor::from_buffer(
+                DeviceBuffer::BF16(s.upgrade_device_ptr(ptr, len)),
+                &v.shape,
+                &v.strides,
+            )),
+            Dt::F8E4M3 => fp8(Fp8Format::E4M3),
+            Dt::F8E5M2 => fp8(Fp8Format::E5M2),
+            Dt::U8 => {
                 return Err(BindError::Type(format!(
-                    "{}: CUDA tensors take float32, float16 or bfloat16",
+                    "{}: CUDA tensors take float32, float16, bfloat16 or FP8",
                     v.name
                 )))
             }
         };
-        Ok(Borrowed(Some(CudaTensor::from_buffer(
-            buf, &v.shape, &v.strides,
-        ))))
+        Ok(Borrowed(Some(held)))
     }
 
     /// Every view of `views`, in order (see [`Borrowed::new`]).
@@ -78,20 +108,52 @@ impl Borrowed {
         views.iter().map(|v| Self::new(dev, v)).collect()
     }
 
-    fn get(&self) -> &CudaTensor {
+    fn held(&self) -> &Held {
         self.0.as_ref().expect("borrowed until drop")
     }
 
-    fn get_mut(&mut self) -> &mut CudaTensor {
-        self.0.as_mut().expect("borrowed until drop")
+    fn get(&self) -> Result<&CudaTensor, BindError> {
+        match self.held() {
+            Held::Float(t) => Ok(t),
+            Held::Fp8(_) => Err(not_fp8_here()),
+        }
     }
+
+    fn get_mut(&mut self) -> Result<&mut CudaTensor, BindError> {
+        match self.0.as_mut().expect("borrowed until drop") {
+            Held::Float(t) => Ok(t),
+            Held::Fp8(_) => Err(not_fp8_here()),
+        }
+    }
+
+    fn fp8(&self) -> Result<&CudaFp8Tensor, BindError> {
+        match self.held() {
+            Held::Fp8(t) => Ok(t),
+            Held::Float(_) => Err(BindError::Type(
+                "an FP8 call takes float8_e4m3fn or float8_e5m2 tensors".into(),
+            )),
+        }
+    }
+
+    fn fp8_mut(&mut self) -> Result<&mut CudaFp8Tensor, BindError> {
+        match self.0.as_mut().expect("borrowed until drop") {
+            Held::Fp8(t) => Ok(t),
+            Held::Float(_) => Err(BindError::Type(
+                "FP8 caches must both be float8_e4m3fn or float8_e5m2".into(),
+            )),
+        }
+    }
+}
+
+fn not_fp8_here() -> BindError {
+    BindError::Type("this argument takes float32, float16 or bfloat16, not FP8".into())
 }
 
 impl Drop for Borrowed {
     fn drop(&mut self) {
-        if let Some(t) = self.0.take() {
-            // torch owns the memory: give the pointer back without freeing it.
-            match t.into_buffer() {
+        // torch owns the memory: give each pointer back without freeing it.
+        match self.0.take() {
+            Some(Held::Float(t)) => match t.into_buffer() {
                 DeviceBuffer::F32(s) => {
                     s.leak();
                 }
@@ -101,7 +163,11 @@ impl Drop for Borrowed {
                 DeviceBuffer::BF16(s) => {
                     s.leak();
                 }
+            },
+            Some(Held::Fp8(t)) => {
+                t.into_buffer().leak();
             }
+            None => {}
         }
     }
 }
@@ -168,25 +234,67 @@ pub fn cuda_fwd(
 ) -> PyResult<()> {
     py.detach(move || -> Result<(), BindError> {
         let [q, k, v, out, lse] = views([q, k, v, out, lse])?;
+        let ov = opts.views()?;
         let dev = device(ordinal, stream)?;
-        let ao = cuda_opts(&opts)?;
+        // SAFETY: the option tables are host tensors the Python layer keeps alive for the call.
+        let ao = unsafe { opts.attn(&ov)? };
         // SAFETY: torch holds every tensor of the call alive; inputs are only read, out and lse
         // are fresh tensors of the call, written only by the kernel.
         let [qb, kb, vb, mut ob, mut lb]: [Borrowed; 5] =
             unsafe { Borrowed::all(&dev, &[&q, &k, &v, &out, &lse])? }
                 .try_into()
                 .unwrap_or_else(|_| unreachable!("five views, five borrows"));
+        let (qt, kt, vt) = (qb.get()?, kb.get()?, vb.get()?);
         let dst = cuda::CudaOutBuffers {
-            out: ob.get_mut(),
-            lse: lb.get_mut(),
+            out: ob.get_mut()?,
+            lse: lb.get_mut()?,
         };
         match &opts.cu_seqlens {
-            Some((cq, ck)) => {
-                cuda::flash_attn_varlen_into(&dev, qb.get(), kb.get(), vb.get(), cq, ck, &ao, dst)
-            }
-            None => cuda::flash_attn_into(&dev, qb.get(), kb.get(), vb.get(), &ao, dst),
+            Some((cq, ck)) => cuda::flash_attn_varlen_into(&dev, qt, kt, vt, cq, ck, &ao, dst),
+            None => cuda::flash_attn_into(&dev, qt, kt, vt, &ao, dst),
         }?;
         Ok(())
+    })?;
+    Ok(())
+}
+
+/// FP8 forward on CUDA tensors (e4m3fn or e5m2 q, k, v; out bf16, copied into torch's `out`).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn cuda_fwd_fp8(
+    py: Python<'_>,
+    ordinal: usize,
+    stream: usize,
+    q: RawView,
+    k: RawView,
+    v: RawView,
+    out: RawView,
+    lse: RawView,
+    q_descale: Option<Vec<f32>>,
+    k_descale: Option<Vec<f32>>,
+    v_descale: Option<Vec<f32>>,
+    opts: Opts,
+) -> PyResult<()> {
+    py.detach(move || -> Result<(), BindError> {
+        let [q, k, v, out, lse] = views([q, k, v, out, lse])?;
+        let ov = opts.views()?;
+        let dev = device(ordinal, stream)?;
+        // SAFETY: as in `cuda_fwd`.
+        let ao = unsafe { opts.attn(&ov)? };
+        let descale = Descale {
+            q: q_descale.as_deref(),
+            k: k_descale.as_deref(),
+            v: v_descale.as_deref(),
+        };
+        // SAFETY: torch holds q, k and v alive for the call; they are only read.
+        let b = unsafe { Borrowed::all(&dev, &[&q, &k, &v])? };
+        let (qt, kt, vt) = (b[0].fp8()?, b[1].fp8()?, b[2].fp8()?);
+        let res = match &opts.cu_seqlens {
+            Some((cq, ck)) => cuda::flash_attn_varlen_fp8(&dev, qt, kt, vt, cq, ck, &descale, &ao),
+            None => cuda::flash_attn_fp8(&dev, qt, kt, vt, &descale, &ao),
+        }?;
+        copy_into(&dev, &res.out, &out)?;
+        copy_into(&dev, &res.lse, &lse)
     })?;
     Ok(())
 }
@@ -213,25 +321,18 @@ pub fn cuda_bwd(
     py.detach(move || -> Result<(), BindError> {
         let [q, k, v, out, lse, dout, dq, dk, dv] = views([q, k, v, out, lse, dout, dq, dk, dv])?;
         let dsink = dsink.map(View::try_from).transpose()?;
+        let ov = opts.views()?;
         let dev = device(ordinal, stream)?;
-        let ao = cuda_opts(&opts)?;
+        // SAFETY: as in `cuda_fwd`.
+        let ao = unsafe { opts.attn(&ov)? };
         // SAFETY: as in `cuda_fwd`.
         let b = unsafe { Borrowed::all(&dev, &[&q, &k, &v, &out, &lse, &dout])? };
-        let t = |i: usize| b[i].get();
+        let t = b.iter().map(Borrowed::get).collect::<Result<Vec<_>, _>>()?;
         let g = match &opts.cu_seqlens {
             Some((cq, ck)) => cuda::flash_attn_varlen_backward(
-                &dev,
-                t(0),
-                t(1),
-                t(2),
-                t(3),
-                t(4),
-                t(5),
-                cq,
-                ck,
-                &ao,
+                &dev, t[0], t[1], t[2], t[3], t[4], t[5], cq, ck, &ao,
             ),
-            None => cuda::flash_attn_backward(&dev, t(0), t(1), t(2), t(3), t(4), t(5), &ao),
+            None => cuda::flash_attn_backward(&dev, t[0], t[1], t[2], t[3], t[4], t[5], &ao),
         }?;
         copy_into(&dev, &g.dq, &dq)?;
         copy_into(&dev, &g.dk, &dk)?;
@@ -247,7 +348,8 @@ pub fn cuda_bwd(
     Ok(())
 }
 
-/// Decoding over CUDA KV caches, appending in place.
+/// Decoding over CUDA KV caches (f32/f16/bf16, or FP8 with `k_descale`/`v_descale`), appending
+/// in place.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 pub fn cuda_kvcache(
@@ -266,6 +368,7 @@ pub fn cuda_kvcache(
     py.detach(move || -> Result<(), BindError> {
         let [q, kc, vc, out, lse] = views([q, k_cache, v_cache, out, lse])?;
         kc.check_disjoint([&vc, &q])?;
+        let ov = opts.views()?;
         let dev = device(ordinal, stream)?;
         let opt = |r: &Option<RawView>| r.clone().map(View::try_from).transpose();
         let (kn, vn, cos, sin) = (
@@ -274,11 +377,6 @@ pub fn cuda_kvcache(
             opt(&kv.rotary_cos)?,
             opt(&kv.rotary_sin)?,
         );
-        if kv.k_descale.is_some() || kv.v_descale.is_some() {
-            return Err(BindError::Value(
-                "FP8 KV caches are not wired for CUDA tensors from Python yet".into(),
-            ));
-        }
         // SAFETY: torch holds every tensor alive; the caches are written in place and checked
         // disjoint from q and from each other.
         let (qb, mut kcb, mut vcb) = unsafe {
@@ -296,45 +394,55 @@ pub fn cuda_kvcache(
             (None, None) => None,
             _ => return Err(BindError::Value("k and v must be given together".into())),
         };
-        if cos.is_some() || sin.is_some() {
-            return Err(BindError::Value(
-                "rotary with CUDA tensors is not wired from Python yet".into(),
-            ));
+        // SAFETY: the option tables and the rotary cos/sin are host tensors the Python layer keeps
+        // alive for the call.
+        let mut ko = KvCacheOptions::default().attn(unsafe { opts.attn(&ov)? });
+        match (&cos, &sin) {
+            // SAFETY: as above.
+            (Some(c), Some(s)) => unsafe {
+                ko = ko.rotary(c.tensor()?, s.tensor()?, kv.rotary_interleaved);
+            },
+            (None, None) => {}
+            _ => {
+                return Err(BindError::Value(
+                    "rotary_cos and rotary_sin must be given together".into(),
+                ))
+            }
         }
-        let ko = kv.index_options(flashattn::KvCacheOptions::default().attn(cuda_opts(&opts)?));
-        let nk = new_kv.as_ref().map(|(k, v)| (k.get(), v.get()));
-        let res = cuda::flash_attn_with_kvcache(
-            &dev,
-            qb.get(),
-            kcb.get_mut(),
-            vcb.get_mut(),
-            &cache_seqlens,
-            nk,
-            &ko,
-        )?;
+        let ko = kv.index_options(ko);
+        let nk = match &new_kv {
+            Some((k, v)) => Some((k.get()?, v.get()?)),
+            None => None,
+        };
+        let res = if matches!(kc.dt, Dt::F8E4M3 | Dt::F8E5M2) {
+            let descale = Descale {
+                q: None,
+                k: kv.k_descale.as_deref(),
+                v: kv.v_descale.as_deref(),
+            };
+            cuda::flash_attn_with_kvcache_fp8(
+                &dev,
+                qb.get()?,
+                kcb.fp8_mut()?,
+                vcb.fp8_mut()?,
+                &cache_seqlens,
+                nk,
+                &descale,
+                &ko,
+            )?
+        } else {
+            cuda::flash_attn_with_kvcache(
+                &dev,
+                qb.get()?,
+                kcb.get_mut()?,
+                vcb.get_mut()?,
+                &cache_seqlens,
+                nk,
+                &ko,
+            )?
+        };
         copy_into(&dev, &res.out, &out)?;
         copy_into(&dev, &res.lse, &lse)
     })?;
     Ok(())
-}
-
-/// The attention options for a CUDA call (the option tensors are small host copies).
-fn cuda_opts(opts: &Opts) -> Result<AttnOptions<'static>, BindError> {
-    if opts.alibi_slopes.is_some() || opts.learnable_sink.is_some() {
-        return Err(BindError::Value(
-            "alibi_slopes and learnable_sink with CUDA tensors are not wired from Python yet"
-                .into(),
-        ));
-    }
-    let mut o = AttnOptions::default()
-        .softmax_scale(opts.softmax_scale)
-        .causal(opts.causal)
-        .window(opts.window_left, opts.window_right);
-    if opts.softcap != 0.0 {
-        o = o.softcap(opts.softcap);
-    }
-    if opts.dropout_p != 0.0 {
-        o = o.dropout(opts.dropout_p, opts.seed);
-    }
-    Ok(o)
 }

@@ -444,6 +444,7 @@ fn _flashattn(m: &Bound<'_, PyModule>) -> PyResult<()> {
     #[cfg(feature = "cuda")]
     {
         m.add_function(wrap_pyfunction!(cuda::cuda_fwd, m)?)?;
+        m.add_function(wrap_pyfunction!(cuda::cuda_fwd_fp8, m)?)?;
         m.add_function(wrap_pyfunction!(cuda::cuda_bwd, m)?)?;
         m.add_function(wrap_pyfunction!(cuda::cuda_kvcache, m)?)?;
     }

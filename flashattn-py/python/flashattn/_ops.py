@@ -95,6 +95,13 @@ def _floats(name: str, t: Optional[Tensor]) -> Optional[list]:
     return t.detach().to(torch.float32).reshape(-1).tolist()
 
 
+def _host_table(t: Optional[Tensor]) -> Optional[Tensor]:
+    """A small option table (ALiBi slopes, sinks, rotary cos/sin) on the host: the library takes
+    them there and uploads them per call. From a CUDA tensor this is a device-to-host copy (one
+    sync, as flash-attn's cu_seqlens would not need)."""
+    return None if t is None else t.detach().to("cpu")
+
+
 def _opts(
     softmax_scale: float,
     causal: bool,
@@ -114,14 +121,18 @@ def _opts(
         if cu_seqlens_q is None or cu_seqlens_k is None:
             raise ValueError("flashattn: cu_seqlens_q and cu_seqlens_k go together")
         cu = (_ints("cu_seqlens_q", cu_seqlens_q), _ints("cu_seqlens_k", cu_seqlens_k))
+    if cuda:
+        alibi_slopes, learnable_sink = _host_table(alibi_slopes), _host_table(learnable_sink)
     return {
         "softmax_scale": float(softmax_scale),
         "causal": bool(causal),
         "window_left": int(window_left),
         "window_right": int(window_right),
         "softcap": float(softcap),
-        "alibi_slopes": _maybe_view("alibi_slopes", alibi_slopes, cuda),
-        "learnable_sink": _maybe_view("learnable_sink", learnable_sink, cuda),
+        "alibi_slopes": _maybe_view("alibi_slopes", alibi_slopes),
+        "learnable_sink": _maybe_view("learnable_sink", learnable_sink),
+        # The views hold addresses only: these keep the (host) tables alive for the call.
+        "_keep": (alibi_slopes, learnable_sink),
         "dropout_p": float(dropout_p),
         "seed": int(seed),
         "num_threads": torch.get_num_threads(),
@@ -298,17 +309,22 @@ def fwd_fp8(
     learnable_sink: Optional[Tensor],
 ) -> tuple[Tensor, Tensor]:
     packed = cu_seqlens_q is not None
-    out = torch.empty(q.shape, dtype=torch.bfloat16)
-    lse = torch.empty(_lse_shape(q, packed), dtype=torch.float32)
+    cuda = _on_cuda(q=q, k=k, v=v, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(_lse_shape(q, packed), dtype=torch.float32, device=q.device)
     opts = _opts(
         softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-        learnable_sink, 0.0, 0, cu_seqlens_q, cu_seqlens_k,
+        learnable_sink, 0.0, 0, cu_seqlens_q, cu_seqlens_k, cuda,
     )
-    _ext.fwd_fp8(
-        _view("q", q), _view("k", k), _view("v", v), _view("out", out), _view("lse", lse),
-        _floats("q_descale", q_descale), _floats("k_descale", k_descale),
-        _floats("v_descale", v_descale), opts,
+    call = (
+        _view("q", q, cuda), _view("k", k, cuda), _view("v", v, cuda), _view("out", out, cuda),
+        _view("lse", lse, cuda), _floats("q_descale", q_descale),
+        _floats("k_descale", k_descale), _floats("v_descale", v_descale), opts,
     )
+    if cuda:
+        _ext.cuda_fwd_fp8(*_cuda_target(q), *call)
+    else:
+        _ext.fwd_fp8(*call)
     return out, lse
 
 
@@ -357,11 +373,15 @@ def _kvcache(a: dict) -> tuple[Tensor, Tensor]:
                 f"{tuple(bt.shape)}"
             )
         table = (_ints("block_table", bt), bt.shape[0], bt.shape[1])
+    cos, sin = a["rotary_cos"], a["rotary_sin"]
+    if cuda:
+        cos, sin = _host_table(cos), _host_table(sin)
     kv = {
         "k": _maybe_view("k", k, cuda),
         "v": _maybe_view("v", v, cuda),
-        "rotary_cos": _maybe_view("rotary_cos", a["rotary_cos"], cuda),
-        "rotary_sin": _maybe_view("rotary_sin", a["rotary_sin"], cuda),
+        "rotary_cos": _maybe_view("rotary_cos", cos),
+        "rotary_sin": _maybe_view("rotary_sin", sin),
+        "_keep": (cos, sin),
         "rotary_interleaved": bool(a["rotary_interleaved"]),
         "cache_batch_idx": _ints("cache_batch_idx", a["cache_batch_idx"]),
         "cache_leftpad": _ints("cache_leftpad", a["cache_leftpad"]),

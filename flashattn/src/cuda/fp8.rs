@@ -58,6 +58,11 @@ impl CudaFp8Tensor {
     pub fn buffer(&self) -> &CudaSlice<u8> {
         &self.buf
     }
+    /// The bytes, giving up the view (an embedding that borrowed the memory leaks the slice
+    /// rather than freeing it).
+    pub fn into_buffer(self) -> CudaSlice<u8> {
+        self.buf
+    }
 
     /// The tensor's bytes on the host, row-major (waits for the stream).
     pub fn to_host_bytes(&self, dev: &CudaDevice) -> Result<Vec<u8>> {

@@ -1,67 +1,18 @@
-//! `--device cuda` for `run` and `bench`: the same work on the GPU through `flashattn::cuda`
-//! (device 0). Without a GPU these print the library's typed error (no driver, no device, no
-//! NVRTC) and exit non-zero.
+//! `bench --device cuda`: the forward (or forward + backward) and `--decode` on the GPU through
+//! `flashattn::cuda` (device 0), timed with CUDA events. Without a GPU these print the library's
+//! typed error (no driver, no device, no NVRTC) and exit non-zero.
 
-use crate::bench::{numel, random_buffer, view};
+use crate::accuracy::last_rows_error;
+use crate::args::{BenchArgs, DtypeArg};
+use crate::buf::{numel, view, Fp8Buf};
 use crate::error::Result;
+use crate::inputs::{dequantized, fp8_descale, random_buffer, random_fp8};
 use flashattn::cuda::{self, CudaDevice, KernelOrigin};
-use flashattn::{AttnGrads, AttnOptions, AttnOutput, DType, TensorRef};
+use flashattn::{AttnOptions, DType, TensorRef};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 use std::time::Instant;
-
-/// Where `run` and `bench` compute.
-#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Device {
-    /// The CPU kernels (SIMD, all cores).
-    #[default]
-    Cpu,
-    /// NVIDIA GPU 0, kernels compiled by NVRTC at first use.
-    Cuda,
-}
-
-/// Attention on GPU 0 of host views: upload, forward (and backward when `dout` is given),
-/// download. `cu_seqlens` selects the packed layout.
-pub fn compute(
-    q: &TensorRef,
-    k: &TensorRef,
-    v: &TensorRef,
-    dout: Option<&TensorRef>,
-    cu_seqlens: Option<(&[i32], &[i32])>,
-    opts: &AttnOptions,
-) -> Result<(AttnOutput, Option<AttnGrads>)> {
-    let dev = CudaDevice::new(0)?;
-    let (dq, dk, dv) = (dev.upload(q)?, dev.upload(k)?, dev.upload(v)?);
-    let res = match cu_seqlens {
-        Some((cq, ck)) => cuda::flash_attn_varlen(&dev, &dq, &dk, &dv, cq, ck, opts)?,
-        None => cuda::flash_attn(&dev, &dq, &dk, &dv, opts)?,
-    };
-    let grads = match dout {
-        Some(dout) => {
-            let dd = dev.upload(dout)?;
-            let (o, l) = (&res.out, &res.lse);
-            let g = match cu_seqlens {
-                Some((cq, ck)) => {
-                    cuda::flash_attn_varlen_backward(&dev, &dq, &dk, &dv, o, l, &dd, cq, ck, opts)?
-                }
-                None => cuda::flash_attn_backward(&dev, &dq, &dk, &dv, o, l, &dd, opts)?,
-            };
-            Some(AttnGrads {
-                dq: g.dq.to_host(&dev)?,
-                dk: g.dk.to_host(&dev)?,
-                dv: g.dv.to_host(&dev)?,
-                dsink: g.dsink.map(|t| t.to_host(&dev)).transpose()?,
-            })
-        }
-        None => None,
-    };
-    let out = AttnOutput {
-        out: res.out.to_host(&dev)?,
-        lse: res.lse.to_host(&dev)?,
-    };
-    Ok((out, grads))
-}
 
 /// The shape of a GPU benchmark.
 pub struct BenchConfig {
@@ -121,27 +72,6 @@ struct Measured {
 
 /// Rows sampled for the error check.
 const ERR_ROWS: usize = 16;
-
-/// The FP8 forward on GPU 0 of host FP8 views: upload, forward, download (out bf16, lse f32).
-pub fn compute_fp8(
-    q: &flashattn::fp8::Fp8TensorRef,
-    k: &flashattn::fp8::Fp8TensorRef,
-    v: &flashattn::fp8::Fp8TensorRef,
-    cu_seqlens: Option<(&[i32], &[i32])>,
-    descale: &flashattn::fp8::Descale,
-    opts: &AttnOptions,
-) -> Result<AttnOutput> {
-    let dev = CudaDevice::new(0)?;
-    let (dq, dk, dv) = (dev.upload_fp8(q)?, dev.upload_fp8(k)?, dev.upload_fp8(v)?);
-    let res = match cu_seqlens {
-        Some((cq, ck)) => cuda::flash_attn_varlen_fp8(&dev, &dq, &dk, &dv, cq, ck, descale, opts)?,
-        None => cuda::flash_attn_fp8(&dev, &dq, &dk, &dv, descale, opts)?,
-    };
-    Ok(AttnOutput {
-        out: res.out.to_host(&dev)?,
-        lse: res.lse.to_host(&dev)?,
-    })
-}
 
 /// Times the forward on GPU 0 with CUDA events around each call (allocation of out/lse and the
 /// launch included), after a warm-up, until `min_time` seconds and at least 10 calls; reports the
@@ -269,10 +199,10 @@ fn measure_fp8(
     let (b, h, hkv, d) = (cfg.batch, cfg.heads, cfg.heads_kv, cfg.head_dim);
     let (qs, ks) = ([b, sq, h, d], [b, sk, hkv, d]);
     let (nq, nk) = (numel(&qs)?, numel(&ks)?);
-    let hq = crate::bench::random_fp8(rng, "q", format, nq)?;
-    let hk = crate::bench::random_fp8(rng, "k", format, nk)?;
-    let hv = crate::bench::random_fp8(rng, "v", format, nk)?;
-    let s = crate::bench::fp8_descale(format);
+    let hq = random_fp8(rng, "q", format, nq)?;
+    let hk = random_fp8(rng, "k", format, nk)?;
+    let hv = random_fp8(rng, "v", format, nk)?;
+    let s = fp8_descale(format);
     let descale = flashattn::fp8::Descale::default().q(&s).k(&s).v(&s);
     let (fq, fk, fv) = (hq.view(&qs), hk.view(&ks), hv.view(&ks));
     let key = cuda::launch_description_fp8(&fq, &fk, &fv, None, &descale, opts)?.key;
@@ -287,9 +217,9 @@ fn measure_fp8(
     let timing = time_events(dev, cfg.min_time, run)?;
     let out = run()?.out.to_host(dev)?.to_f64_vec();
     let (bq, bk, bv) = (
-        crate::bench::dequantized("q in bf16", &hq)?,
-        crate::bench::dequantized("k in bf16", &hk)?,
-        crate::bench::dequantized("v in bf16", &hv)?,
+        dequantized("q in bf16", &hq)?,
+        dequantized("k in bf16", &hk)?,
+        dequantized("v in bf16", &hv)?,
     );
     let (q, k, v) = (view(&bq, &qs), view(&bk, &ks), view(&bv, &ks));
     finish(
@@ -439,7 +369,7 @@ fn time_events<R>(
 /// `bench --decode --device cuda`: one step (append `seqlen` tokens, attend the whole cache) of
 /// `cuda::flash_attn_with_kvcache` per shape, timed with CUDA events; KV GB/s against a 1 GiB
 /// device-to-device copy timed beside it.
-pub fn bench_decode(args: &crate::bench::BenchArgs, sqs: &[usize]) -> Result<()> {
+pub fn bench_decode(args: &BenchArgs, sqs: &[usize]) -> Result<()> {
     use flashattn::{BlockTable, KvCacheOptions};
     use rand::seq::SliceRandom;
     let dev = CudaDevice::new(0)?;
@@ -449,7 +379,7 @@ pub fn bench_decode(args: &crate::bench::BenchArgs, sqs: &[usize]) -> Result<()>
     };
     // --dtype e4m3|e5m2: FP8 caches (random values over the format's range, one power-of-two
     // factor, as the CPU bench); q, the new keys and out in bf16.
-    let fp8 = args.dtype.and_then(crate::bench::DtypeArg::fp8);
+    let fp8 = args.dtype.and_then(DtypeArg::fp8);
     let (batch, heads, heads_kv, d) = (args.batch, args.heads(), args.heads_kv(), args.head_dim());
     // The copy rate: 1 GiB of f32 moved device to device.
     let n = 1usize << 28;
@@ -523,7 +453,7 @@ pub fn bench_decode(args: &crate::bench::BenchArgs, sqs: &[usize]) -> Result<()>
                         let max = f.max();
                         let mut draw = |what| {
                             let x = (0..nc).map(|_| rng.gen_range(-max..max));
-                            crate::fp8::Fp8Buf::quantize(what, f, x)
+                            Fp8Buf::quantize(what, f, x)
                         };
                         let (hk, hv) = (draw("k_cache")?, draw("v_cache")?);
                         DevCaches::Fp8(
@@ -544,7 +474,7 @@ pub fn bench_decode(args: &crate::bench::BenchArgs, sqs: &[usize]) -> Result<()>
                 if args.page_size.is_some() {
                     opts = opts.block_table(BlockTable::new(&table, batch, max_blocks));
                 }
-                let factor = fp8.map(crate::bench::fp8_descale);
+                let factor = fp8.map(fp8_descale);
                 let descale = factor
                     .as_ref()
                     .map(|s| flashattn::fp8::Descale::default().k(s).v(s))
@@ -593,11 +523,8 @@ pub fn bench_decode(args: &crate::bench::BenchArgs, sqs: &[usize]) -> Result<()>
                         (hk, hv, launch)
                     }
                     DevCaches::Fp8(k, v) => {
-                        let host = |t: &cuda::CudaFp8Tensor| -> Result<crate::fp8::Fp8Buf> {
-                            Ok(crate::fp8::Fp8Buf::from_bits(
-                                t.format(),
-                                &t.to_host_bytes(&dev)?,
-                            ))
+                        let host = |t: &cuda::CudaFp8Tensor| -> Result<Fp8Buf> {
+                            Ok(Fp8Buf::from_bits(t.format(), &t.to_host_bytes(&dev)?))
                         };
                         let (k8, v8) = (host(k)?, host(v)?);
                         let launch = cuda::decode_launch_description_fp8(
@@ -610,15 +537,15 @@ pub fn bench_decode(args: &crate::bench::BenchArgs, sqs: &[usize]) -> Result<()>
                             dev.sm_count(),
                         );
                         (
-                            crate::bench::dequantized("k_cache in bf16", &k8)?,
-                            crate::bench::dequantized("v_cache in bf16", &v8)?,
+                            dequantized("k_cache in bf16", &k8)?,
+                            dequantized("v_cache in bf16", &v8)?,
                             launch,
                         )
                     }
                 };
                 // Accuracy: a few rows against the f64 reference, on the caches as appended.
                 let max_abs_err = if args.page_size.is_none() {
-                    crate::decode::last_rows_error(
+                    last_rows_error(
                         &view(&hq, &qs),
                         (&view(&hk, &cs), &view(&hv, &cs)),
                         &attn,
@@ -681,107 +608,8 @@ pub fn bench_decode(args: &crate::bench::BenchArgs, sqs: &[usize]) -> Result<()>
     Ok(())
 }
 
-/// q and the new keys and values of a decode step on the device, and the options with the host
-/// views of the new keys taken out (the GPU calls take them as device tensors).
-struct Step<'a> {
-    q: cuda::CudaTensor,
-    new: Option<(cuda::CudaTensor, cuda::CudaTensor)>,
-    opts: flashattn::KvCacheOptions<'a>,
-}
-
-impl<'a> Step<'a> {
-    fn upload(
-        dev: &CudaDevice,
-        q: &crate::st_io::Loaded,
-        opts: &flashattn::KvCacheOptions<'a>,
-    ) -> Result<Self> {
-        let new = match &opts.new_kv {
-            Some((k, v)) => Some((dev.upload(k)?, dev.upload(v)?)),
-            None => None,
-        };
-        let mut opts = opts.clone();
-        opts.new_kv = None;
-        Ok(Step {
-            q: dev.upload(&q.view())?,
-            new,
-            opts,
-        })
-    }
-    fn new_kv(&self) -> Option<(&cuda::CudaTensor, &cuda::CudaTensor)> {
-        self.new.as_ref().map(|(k, v)| (k, v))
-    }
-}
-
 /// The caches a decode bench step reads, on the device.
 enum DevCaches {
     Plain(cuda::CudaTensor, cuda::CudaTensor),
     Fp8(cuda::CudaFp8Tensor, cuda::CudaFp8Tensor),
-}
-
-/// An FP8 cache on the host: its values and shape.
-type HostFp8Cache<'a> = (&'a mut crate::fp8::Fp8Buf, &'a [usize]);
-
-/// `run --device cuda` on a KV-cache file with FP8 caches: q, the caches and the new keys/values
-/// uploaded to GPU 0, one `cuda::flash_attn_with_kvcache_fp8` call, the result downloaded and the
-/// caches' bytes as appended written back into `k` / `v`.
-pub fn decode_run_fp8(
-    q: &crate::st_io::Loaded,
-    ((k, k_shape), (v, v_shape)): (HostFp8Cache<'_>, HostFp8Cache<'_>),
-    cache_seqlens: &[i32],
-    descale: &flashattn::fp8::Descale,
-    opts: &flashattn::KvCacheOptions,
-) -> Result<AttnOutput> {
-    let dev = CudaDevice::new(0)?;
-    let mut dk = dev.upload_fp8(&k.view(k_shape))?;
-    let mut dv = dev.upload_fp8(&v.view(v_shape))?;
-    let step = Step::upload(&dev, q, opts)?;
-    let res = cuda::flash_attn_with_kvcache_fp8(
-        &dev,
-        &step.q,
-        &mut dk,
-        &mut dv,
-        cache_seqlens,
-        step.new_kv(),
-        descale,
-        &step.opts,
-    )?;
-    let out = AttnOutput {
-        out: res.out.to_host(&dev)?,
-        lse: res.lse.to_host(&dev)?,
-    };
-    *k = crate::fp8::Fp8Buf::from_bits(k.format(), &dk.to_host_bytes(&dev)?);
-    *v = crate::fp8::Fp8Buf::from_bits(v.format(), &dv.to_host_bytes(&dev)?);
-    Ok(out)
-}
-
-/// `run --device cuda` on a KV-cache file: q, the caches and the new keys/values (from `opts`'s
-/// host views) uploaded to GPU 0, one `cuda::flash_attn_with_kvcache` call, and the result and
-/// the caches as appended downloaded into `k_cache` / `v_cache`.
-pub fn decode_run(
-    q: &crate::st_io::Loaded,
-    k_cache: &mut crate::st_io::Loaded,
-    v_cache: &mut crate::st_io::Loaded,
-    cache_seqlens: &[i32],
-    opts: &flashattn::KvCacheOptions,
-) -> Result<AttnOutput> {
-    let dev = CudaDevice::new(0)?;
-    let mut dk = dev.upload(&k_cache.view())?;
-    let mut dv = dev.upload(&v_cache.view())?;
-    let step = Step::upload(&dev, q, opts)?;
-    let res = cuda::flash_attn_with_kvcache(
-        &dev,
-        &step.q,
-        &mut dk,
-        &mut dv,
-        cache_seqlens,
-        step.new_kv(),
-        &step.opts,
-    )?;
-    let out = AttnOutput {
-        out: res.out.to_host(&dev)?,
-        lse: res.lse.to_host(&dev)?,
-    };
-    k_cache.buf = dk.to_host(&dev)?.into_buffer();
-    v_cache.buf = dv.to_host(&dev)?.into_buffer();
-    Ok(out)
 }

@@ -1,0 +1,258 @@
+//! The FlashAttention backward on the CPU, with recomputation: only q, k, v, out, dout and the
+//! forward's LSE are read; each tile of P = exp(S·scale - lse) is recomputed from Q and K.
+//!
+//! No atomics, bit-for-bit deterministic for any thread count. One work item per (sequence, kv
+//! head, chunk of key blocks): for every key block of the chunk, every query head of the kv head's
+//! group and every query block that sees the key block (in a fixed order), recompute P and dS and
+//! accumulate `dV += P̃ᵀ·dO`, `dK += dSᵀ·Q·scale` in the item's own tile, and `dQ += dS·K·scale`
+//! in the item's own f32 copy of dQ for its group ([`DqPartials`]); a last pass sums the chunks'
+//! copies in chunk order. Five block products per tile, as the FLOP model counts. The number of
+//! chunks depends on the shape and the machine's core count, never on the thread pool's size.
+//!
+//! When there are too few (sequence, kv head) pairs to keep the cores busy with at most
+//! [`MAX_DQ_CHUNKS`] copies of dQ (batch 1 with MQA on many cores, say; see [`dq_strategy`]),
+//! the backward runs two passes instead:
+//! the one above without dQ, then one work item per (sequence, head, query block) that recomputes
+//! dS over its key blocks and accumulates `dQ += dS·K·scale` (7 block products).
+//!
+//! bf16 inputs on a CPU with a bf16 dot product (`vdpbf16ps`) take it in every product: q, k, v
+//! and dO as they are, P̃ and dS rounded to bf16 where they are operands (as flash-attn rounds
+//! them for its tensor-core products), f32 accumulation. Measured in docs/PERFORMANCE.md
+//! ("The one-pass backward").
+//! With `delta = rowsum(dO ∘ O)`: `dS = P ∘ (dP - delta)`, dropout folded into dP and P̃, softcap's
+//! derivative `1 - tanh²` applied to dS.
+
+mod block;
+mod dq_partials;
+mod prep;
+mod query_tiles;
+mod recompute;
+
+use super::forward::{as_bf16, bf16_inputs, packed_v_keys, WorkItem};
+use super::{block_sizes, Disjoint, Pass};
+use crate::error::{ErrorKind, Result};
+use crate::memory::try_filled;
+use crate::params::{GradInputs, Params};
+use crate::tensor::Element;
+use block::{dkdv_block, dq_block};
+use dq_partials::DqPartials;
+use prep::{compute_delta, sink_grad};
+use query_tiles::QueryTiles;
+use rayon::prelude::*;
+use recompute::{Bf, Ctx, Scratch};
+use std::sync::OnceLock;
+
+/// Gradients `(dq, dk, dv, dsink)`: dq in q's contiguous layout, dk/dv in k's, and the sinks'
+/// gradient ([`sink_grad`]) when the call has sinks.
+pub(crate) fn backward<T: Element>(
+    p: &Params,
+    g: &GradInputs,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    out: &[T],
+    dout: &[T],
+) -> Result<Grads<T>> {
+    // Poisoned: every element is written, and tests check.
+    let poison = T::from_f32(f32::NAN);
+    let (mut dq, mut dk, mut dv) = (
+        try_filled("`dq`", poison, p.out_len())?,
+        try_filled("`dk`", poison, p.dk_len())?,
+        try_filled("`dv`", poison, p.dk_len())?,
+    );
+    let inputs = BackwardInputs { q, k, v, out, dout };
+    let dsink = backward_poisoned(p, g, inputs, (&mut dq, &mut dk, &mut dv))?;
+    Ok((dq, dk, dv, dsink))
+}
+
+/// The tensors a backward call reads, in their validated layouts.
+#[derive(Clone, Copy)]
+pub(crate) struct BackwardInputs<'a, T> {
+    pub q: &'a [T],
+    pub k: &'a [T],
+    pub v: &'a [T],
+    pub out: &'a [T],
+    pub dout: &'a [T],
+}
+
+/// [`backward`] into the caller's contiguous `dq` (`p.out_len()` elements), `dk` and `dv`
+/// (`p.dk_len()` each), whose lengths the caller checked; returns dsink when the call has sinks.
+pub(crate) fn backward_into<T: Element>(
+    p: &Params,
+    g: &GradInputs,
+    inputs: BackwardInputs<T>,
+    (dq, dk, dv): (&mut [T], &mut [T], &mut [T]),
+) -> Result<Option<Vec<f32>>> {
+    let poison = T::from_f32(f32::NAN);
+    for d in [&mut *dq, &mut *dk, &mut *dv] {
+        d.fill(poison);
+    }
+    backward_poisoned(p, g, inputs, (dq, dk, dv))
+}
+
+/// The backward over gradients that arrive poisoned (NaN; every element is written).
+fn backward_poisoned<T: Element>(
+    p: &Params,
+    g: &GradInputs,
+    BackwardInputs { q, k, v, out, dout }: BackwardInputs<T>,
+    (dq, dk, dv): (&mut [T], &mut [T], &mut [T]),
+) -> Result<Option<Vec<f32>>> {
+    // FP8 inputs have a forward only (as FlashAttention-3): no entry point builds these params.
+    debug_assert!(
+        p.descale.is_none(),
+        "the backward has no FP8 descale factors"
+    );
+    debug_assert_eq!(
+        (dq.len(), dk.len(), dv.len()),
+        (p.out_len(), p.dk_len(), p.dk_len())
+    );
+    let bs = block_sizes(Pass::Backward, p.kernels.isa);
+    let delta = compute_delta(p, g, out, dout)?;
+    let dsink = sink_grad(p, g, &delta);
+    let bf_in = bf16_inputs(p, q, k, v);
+    let bf = match bf_in {
+        Some((_, kb, vb)) => Some(Bf {
+            k: kb,
+            v: vb,
+            packed_k: packed_v_keys(p, kb, bs)?,
+        }),
+        None => None,
+    };
+    let bf_qdo = bf_in.map(|(qb, _, _)| (qb, as_bf16(dout)));
+    let tiles = QueryTiles::new(p, g, (q, dout), bf_qdo, bs)?;
+    let cx = Ctx {
+        p,
+        g,
+        k,
+        v,
+        delta: &delta,
+        tiles: &tiles,
+        bs,
+        bf,
+    };
+    let d = p.head_dim;
+    // The dQ strategy, a choice of this backend (before anything is written: a bad
+    // FLASHATTN_DQ_CHUNKS is an error that touches no output).
+    let dq_chunks = dq_strategy(p)?;
+    // Rows of no sequence (packed inputs with spare tokens) get zero gradients.
+    let q_used = p.seqs.last().map_or(0, |s| s.out_row0 + s.seqlen_q);
+    let k_used = p.seqs.last().map_or(0, |s| s.k_row0 + s.seqlen_k);
+    dq[q_used * p.heads * d..].fill(T::default());
+    dk[k_used * p.heads_kv * d..].fill(T::default());
+    dv[k_used * p.heads_kv * d..].fill(T::default());
+
+    let (dk_w, dv_w) = (Disjoint::new(dk), Disjoint::new(dv));
+    let new_scratch = || (Scratch::new(bs, d), vec![T::default(); d]);
+    if let Some(chunks) = dq_chunks {
+        let mut parts = DqPartials::new(p, bs, chunks)?;
+        // One pass: dK, dV and each chunk's copy of dQ, then the copies summed into dq.
+        let items = parts.items(p);
+        items
+            .into_par_iter()
+            .for_each_init(new_scratch, |(scr, row_buf), item| {
+                let (b, hk, n_blocks, dq_part) = item;
+                // Zeroed here, in this worker (a kept buffer holds the last call's values; fresh
+                // pages would otherwise be first touched by a read, the products' accumulate,
+                // which maps the shared zero page and then faults again on the write).
+                dq_part.fill(0.0);
+                for n_block in n_blocks {
+                    let item = WorkItem {
+                        b,
+                        h: hk,
+                        m_block: n_block,
+                    };
+                    dkdv_block(&cx, item, scr, row_buf, &dk_w, &dv_w, Some(&mut *dq_part));
+                }
+            });
+        let dq_w = Disjoint::new(dq);
+        super::forward::work_items(p, bs.block_m)
+            .par_iter()
+            .for_each_init(new_scratch, |(scr, row_buf), item| {
+                parts.sum_into(p, bs, *item, scr, row_buf, &dq_w)
+            });
+        return Ok(dsink);
+    }
+    let kv_items: Vec<WorkItem> = p
+        .seqs
+        .iter()
+        .enumerate()
+        .flat_map(|(b, s)| {
+            (0..p.heads_kv).flat_map(move |h| {
+                (0..s.seqlen_k.div_ceil(bs.block_n)).map(move |m_block| WorkItem { b, h, m_block })
+            })
+        })
+        .collect();
+    kv_items
+        .par_iter()
+        .for_each_init(new_scratch, |(scr, row_buf), item| {
+            dkdv_block(&cx, *item, scr, row_buf, &dk_w, &dv_w, None)
+        });
+
+    let dq_w = Disjoint::new(dq);
+    super::forward::work_items(p, bs.block_m)
+        .par_iter()
+        .for_each_init(new_scratch, |(scr, row_buf), item| {
+            dq_block(&cx, *item, scr, row_buf, &dq_w)
+        });
+    Ok(dsink)
+}
+
+/// What [`backward`] returns: dq, dk, dv and, with sinks, dsink.
+pub(crate) type Grads<T> = (Vec<T>, Vec<T>, Vec<T>, Option<Vec<f32>>);
+
+/// At most this many f32 copies of dQ (one per chunk of key blocks) for the one-pass backward.
+pub(crate) const MAX_DQ_CHUNKS: usize = 4;
+
+/// Chunks of key blocks per (sequence, kv head) for the one-pass backward: the fewest (up to
+/// [`MAX_DQ_CHUNKS`]) whose work items fill whole rounds of `cores` workers at least 90%, or
+/// `None` (two passes).
+fn dq_chunks(pairs: usize, cores: usize) -> Option<usize> {
+    (1..=MAX_DQ_CHUNKS).find(|c| {
+        let items = pairs * c;
+        10 * items >= 9 * items.div_ceil(cores) * cores
+    })
+}
+
+/// The backward's dQ strategy for `p`: `Some(c)`, dQ in the dK/dV pass with `c` f32 copies of
+/// it; `None`, in a second pass. The
+/// `FLASHATTN_DQ_CHUNKS` environment variable when set (`0`: two passes; `1`-`4`: that many
+/// copies; read on every call), else [`dq_chunks`] for the machine's core count. The core count
+/// is the machine's, not the thread pool's, so the gradients are the same for any pool size.
+pub(crate) fn dq_strategy(p: &Params) -> Result<Option<usize>> {
+    static CORES: OnceLock<usize> = OnceLock::new();
+    if let Ok(value) = std::env::var("FLASHATTN_DQ_CHUNKS") {
+        return match value.trim().parse::<usize>() {
+            Ok(0) => Ok(None),
+            Ok(c) if c <= MAX_DQ_CHUNKS => Ok(Some(c)),
+            _ => Err(ErrorKind::DqChunksUnknown { value }.into()),
+        };
+    }
+    let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    Ok(dq_chunks(p.seqs.len() * p.heads_kv, cores))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dq_chunks_fill_the_cores() {
+        // (pairs, cores) -> chunks: the fewest copies whose items fill rounds of cores ≥ 90%.
+        for (pairs, cores, want) in [
+            (16, 2, Some(1)),
+            (1, 2, Some(2)),
+            (3, 2, Some(2)),
+            (1, 1, Some(1)),
+            (5, 16, Some(3)),
+            (8, 16, Some(2)),
+            (1, 16, None),
+            (3, 64, None),
+        ] {
+            assert_eq!(
+                dq_chunks(pairs, cores),
+                want,
+                "{pairs} pairs, {cores} cores"
+            );
+        }
+    }
+}

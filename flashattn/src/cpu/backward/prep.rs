@@ -1,0 +1,58 @@
+//! The row terms computed before the tile loops: delta = rowsum(dO ∘ O), and the sinks' gradient.
+
+use crate::cpu::Disjoint;
+use crate::error::Result;
+use crate::memory::try_filled;
+use crate::params::{GradInputs, Params};
+use crate::tensor::Element;
+use rayon::prelude::*;
+
+/// The gradient of the learnable sinks, when the call has them: for head h, `-Σ_rows
+/// exp(sink_h - lse) · D` over every sequence's rows, where `exp(sink - lse)` is the row's sink
+/// probability and `D = rowsum(dO ∘ O)` (the same D as the kernels'), summed in f64 in row order
+/// (so the same for any thread count). An O(rows) sum over the backward's own D (`delta`).
+pub(super) fn sink_grad(p: &Params, g: &GradInputs, delta: &[f32]) -> Option<Vec<f32>> {
+    let sinks = p.sink.as_ref()?;
+    let mut dsink = vec![0f64; p.heads];
+    for (h, (ds, &sink)) in dsink.iter_mut().zip(sinks).enumerate() {
+        for b in 0..p.seqs.len() {
+            for i in 0..p.seqs[b].seqlen_q {
+                let at = p.lse_offset(b, h, i);
+                *ds -= (sink as f64 - g.lse[at] as f64).exp() * delta[at] as f64;
+            }
+        }
+    }
+    Some(dsink.into_iter().map(|x| x as f32).collect())
+}
+
+/// `delta[b, h, i] = dO_i · O_i`, in `lse` layout (`OutOfMemory` where it cannot be allocated).
+pub(super) fn compute_delta<T: Element>(
+    p: &Params,
+    g: &GradInputs,
+    out: &[T],
+    dout: &[T],
+) -> Result<Vec<f32>> {
+    let d = p.head_dim;
+    let mut delta = try_filled("the backward's row terms D", 0f32, p.lse_len())?;
+    let delta_w = Disjoint::new(&mut delta);
+    let jobs: Vec<(usize, usize)> = (0..p.seqs.len())
+        .flat_map(|b| (0..p.heads).map(move |h| (b, h)))
+        .collect();
+    jobs.par_iter().for_each_init(
+        || (vec![0f32; d], vec![0f32; d]),
+        |(o, d_o), &(b, h)| {
+            let rows = p.seqs[b].seqlen_q;
+            // SAFETY: (sequence b, head h)'s rows lie at lse_offset(b, h, 0..rows), a range of
+            // its own (lse's layout gives every (sequence, head, row) one element), and each
+            // (b, h) is one job.
+            let dst = unsafe { delta_w.range(p.lse_offset(b, h, 0), rows) };
+            for (i, x) in dst.iter_mut().enumerate() {
+                let (oa, da) = (g.out.offset(b, i, h), g.dout.offset(b, i, h));
+                T::widen(&out[oa..oa + d], o);
+                T::widen(&dout[da..da + d], d_o);
+                *x = crate::cpu::kernels::dot(o, d_o);
+            }
+        },
+    );
+    Ok(delta)
+}

@@ -1,0 +1,316 @@
+//! One work item of the forward: the per-thread tiles and the loop over its key blocks.
+
+use super::items::WorkItem;
+use super::score_mod::ScoreMod;
+use super::tiles::{
+    load_pairs, load_pairs_t, load_tile, load_tile_t, Bf16Source, KeyTiles, PackedV,
+};
+use crate::blocks::Mask;
+use crate::cpu::simd::{pad_lanes, Gemm, Kernels, KC};
+use crate::cpu::softmax::{finalize, fold_sink};
+use crate::cpu::{buf, BlockSizes, Buf, Disjoint};
+use crate::dropout::Dropout;
+use crate::params::Params;
+use crate::tensor::Element;
+
+/// Per-thread tiles, allocated once per worker, never inside the block loops. Query rows live in
+/// lanes, padded to `np = pad_lanes(rows)`; padded lanes hold zeros and are never written out.
+pub(crate) struct Scratch {
+    /// q transposed: `qt[x * np + r]` (f32 products).
+    qt: Buf<f32>,
+    /// q as bf16 pairs: `qp[xp * np + r]` = `(q[r][2xp], q[r][2xp + 1])` (bf16 dot products).
+    qp: Buf<u32>,
+    /// A tile of k rows: f32 `[cols][d]`, or bf16 pairs `[cols][d2]` with `d2 = d.div_ceil(2)`.
+    k: Buf<f32>,
+    kp: Buf<u32>,
+    /// A tile of v rows, f32 `[cols][d]` (f32 products).
+    v: Buf<f32>,
+    /// Scores, then probabilities, transposed: `st[c * np + r]`; `st2` the second half-sum.
+    st: Buf<f32>,
+    st2: Buf<f32>,
+    /// Probabilities as bf16 pairs of keys: `pp[cp * np + r]`.
+    pp: Buf<u32>,
+    /// The output accumulator, transposed: `ot[x * np + r]`.
+    ot: Buf<f32>,
+    row_max: Buf<f32>,
+    row_sum: Buf<f32>,
+    alpha: Buf<f32>,
+    m_sub: Buf<f32>,
+    keep: Buf<bool>,
+    /// One head row in f32.
+    row: Buf<f32>,
+}
+
+impl Scratch {
+    pub fn new(bs: BlockSizes, d: usize) -> Self {
+        let (np, bn) = (pad_lanes(bs.block_m), bs.block_n);
+        let d2 = d.div_ceil(2);
+        Scratch {
+            qt: buf(0.0, d * np),
+            qp: buf(0, d2 * np),
+            k: buf(0.0, bn * d),
+            kp: buf(0, bn * d2),
+            v: buf(0.0, bn * d),
+            st: buf(0.0, bn * np),
+            st2: buf(0.0, bn * np),
+            pp: buf(0, bn.div_ceil(2) * np),
+            ot: buf(0.0, d * np),
+            row_max: buf(0.0, np),
+            row_sum: buf(0.0, np),
+            alpha: buf(0.0, np),
+            m_sub: buf(0.0, np),
+            keep: buf(true, bn),
+            row: buf(0.0, d),
+        }
+    }
+}
+
+/// Zeroes the dropped probabilities of the tile of rows `m0..m0 + rows` (lanes), keys
+/// `n0..n0 + cols` (the 1/(1-p) factor is applied once, at the end).
+#[allow(clippy::too_many_arguments)]
+fn apply_dropout(
+    drop: Dropout,
+    (b, h): (usize, usize),
+    (m0, rows): (usize, usize),
+    (n0, cols): (usize, usize),
+    st: &mut [f32],
+    np: usize,
+    keep: &mut [bool],
+) {
+    for r in 0..rows {
+        drop.keep_row(b, h, m0 + r, n0, &mut keep[..cols]);
+        for (c, &kept) in keep[..cols].iter().enumerate() {
+            if !kept {
+                st[c * np + r] = 0.0;
+            }
+        }
+    }
+}
+
+pub(super) struct Inputs<'a, T, S> {
+    pub(super) q: &'a [T],
+    pub(super) k: &'a [T],
+    pub(super) v: &'a [T],
+    /// q, k, v as bf16 sources, and v packed in key pairs: present when the bf16 dot-product
+    /// path runs.
+    pub(super) bf: Option<(S, S, S)>,
+    pub(super) packed_v: Option<PackedV>,
+    /// k as pairs (`[cols][d2]` per key block), when the bf16 path runs and key blocks are
+    /// revisited ([`key_blocks_revisited`]); else each visit copies its tile.
+    ///
+    /// [`key_blocks_revisited`]: super::items::key_blocks_revisited
+    pub(super) packed_k: Option<KeyTiles<u32>>,
+    /// k and v widened to f32 tiles (`[cols][d]` per key block), when the f32 products run and
+    /// key blocks are revisited. At N = 8192, 16 heads, f32 d = 128, the per-visit copies from
+    /// k's and v's strided rows took ~16% of the forward's samples (perf, 2026-11-24).
+    pub(super) tiles_f32: Option<(KeyTiles<f32>, KeyTiles<f32>)>,
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn forward_block<T: Element, S: Bf16Source>(
+    p: &Params,
+    inp: &Inputs<T, S>,
+    item: WorkItem,
+    bs: BlockSizes,
+    scr: &mut Scratch,
+    row_buf: &mut [T],
+    out: &Disjoint<T>,
+    lse: &Disjoint<f32>,
+) {
+    let WorkItem { b, h, m_block } = item;
+    let kern: &Kernels = p.kernels;
+    let seq = p.seqs[b];
+    let d = p.head_dim;
+    let d2 = d.div_ceil(2);
+    let hk = p.kv_head(h);
+    let m0 = m_block * bs.block_m;
+    let m1 = (m0 + bs.block_m).min(seq.seqlen_q);
+    let rows = m1 - m0;
+    let np = pad_lanes(rows);
+    let mask = Mask::new(seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right);
+    let score_mod = ScoreMod::new(p, b, h);
+    let bf = inp.bf;
+
+    let q_base = seq.q_base + m0 * p.q.row_stride + h * p.q.head_stride;
+    match bf {
+        Some((qb, _, _)) => load_pairs_t(qb, q_base, p.q.row_stride, (rows, d, np), &mut scr.qp),
+        None => load_tile_t(
+            inp.q,
+            q_base,
+            p.q.row_stride,
+            (rows, d, np),
+            &mut scr.row,
+            &mut scr.qt,
+        ),
+    }
+    scr.ot[..d * np].fill(0.0);
+    scr.row_max[..np].fill(f32::NEG_INFINITY);
+    scr.row_sum[..np].fill(0.0);
+
+    let (n_min, n_max) = mask.n_block_range(m0, m1, bs.block_n);
+    for n_block in n_min..n_max {
+        let n0 = n_block * bs.block_n;
+        let n1 = (n0 + bs.block_n).min(seq.seqlen_k);
+        let cols = n1 - n0;
+        let k_base = seq.k_base + n0 * p.k.row_stride + hk * p.k.head_stride;
+        let st = &mut scr.st[..cols * np];
+        // S = Q·Kᵀ, transposed: st[c][r] = Σ_x k[c][x] · q[r][x].
+        match bf {
+            Some((_, kb, _)) => {
+                // As pairs in a contiguous tile (see the f32 branch for why not in place).
+                let a = match &inp.packed_k {
+                    Some(t) => t.block(p, b, hk, n_block, bs.block_n),
+                    None => {
+                        load_pairs(kb, k_base, p.k.row_stride, cols, d, &mut scr.kp);
+                        &scr.kp[..]
+                    }
+                };
+                let a_rs = d2;
+                kern.gemm_bf16(
+                    &Gemm {
+                        m: cols,
+                        n: np,
+                        k: d2,
+                        a,
+                        a_rs,
+                        a_cs: 1,
+                        b: &scr.qp,
+                        b_rs: np,
+                        accumulate: false,
+                        kc: KC,
+                    },
+                    st,
+                    np,
+                );
+            }
+            None => {
+                // Copied (widened) into a contiguous tile, also for f32: rows of k sit heads·d
+                // elements apart, each on its own page once that is >= 4 KiB, and the products
+                // re-read them; read in place, TLB misses and 4 KiB L1 aliasing cost ~1.4x at
+                // N = 8192, 16 heads (measured).
+                let a = match &inp.tiles_f32 {
+                    Some((kt, _)) => kt.block(p, b, hk, n_block, bs.block_n),
+                    None => {
+                        load_tile(inp.k, k_base, p.k.row_stride, (cols, d, d), &mut scr.k);
+                        &scr.k[..]
+                    }
+                };
+                let a_rs = d;
+                kern.scores(
+                    &Gemm {
+                        m: cols,
+                        n: np,
+                        k: d,
+                        a,
+                        a_rs,
+                        a_cs: 1,
+                        b: &scr.qt,
+                        b_rs: np,
+                        accumulate: false,
+                        kc: KC,
+                    },
+                    st,
+                    np,
+                    &mut scr.st2,
+                    p.softcap.is_some(),
+                );
+            }
+        }
+        let masked = mask.needs_mask(m0, m1, n0, n1);
+        let scale = if score_mod.needs_apply(masked) {
+            score_mod.apply(st, np, (m0, rows), (n0, cols), &mask, masked, None);
+            1.0
+        } else {
+            score_mod.scale_log2
+        };
+        kern.max_get_scale(
+            st,
+            cols,
+            np,
+            scale,
+            &mut scr.row_max,
+            &mut scr.alpha,
+            &mut scr.m_sub,
+        );
+        kern.online_softmax(st, cols, np, &scr.m_sub, &mut scr.row_sum, &scr.alpha);
+        // alpha is exactly 1 where a lane's maximum did not move (exp2(0) = 1 in every kernel):
+        // after the first blocks that is every lane, and the pass over acc_o can be skipped.
+        if scr.alpha[..np].iter().any(|&a| a != 1.0) {
+            kern.rescale_o(&mut scr.ot, d, np, &scr.alpha);
+        }
+        if let Some(drop) = p.dropout {
+            // row_sum keeps the undropped probabilities (the softmax normaliser); only P·V sees the mask.
+            apply_dropout(drop, (b, h), (m0, rows), (n0, cols), st, np, &mut scr.keep);
+        }
+        // O += P·V, transposed: ot[x][r] += Σ_c v[c][x] · p[r][c].
+        match &inp.packed_v {
+            Some(pv) => {
+                kern.pack_pairs_bf16(st, cols, np, &mut scr.pp);
+                let bn2 = bs.block_n / 2;
+                kern.gemm_bf16(
+                    &Gemm {
+                        m: d,
+                        n: np,
+                        k: cols.div_ceil(2),
+                        a: pv.block(p, b, hk, n_block, bs.block_n),
+                        a_rs: bn2,
+                        a_cs: 1,
+                        b: &scr.pp,
+                        b_rs: np,
+                        accumulate: true,
+                        kc: KC,
+                    },
+                    &mut scr.ot,
+                    np,
+                );
+            }
+            None => {
+                let a = match &inp.tiles_f32 {
+                    Some((_, vt)) => vt.block(p, b, hk, n_block, bs.block_n),
+                    None => {
+                        let v_base = seq.v_base + n0 * p.v.row_stride + hk * p.v.head_stride;
+                        load_tile(inp.v, v_base, p.v.row_stride, (cols, d, d), &mut scr.v);
+                        &scr.v[..]
+                    }
+                };
+                let a_cs = d;
+                kern.gemm(
+                    &Gemm {
+                        m: d,
+                        n: np,
+                        k: cols,
+                        a,
+                        a_rs: 1,
+                        a_cs,
+                        b: st,
+                        b_rs: np,
+                        accumulate: true,
+                        kc: KC,
+                    },
+                    &mut scr.ot,
+                    np,
+                );
+            }
+        }
+    }
+
+    let out_scale = p.dropout.map_or(1.0, |drop| drop.scale()) * p.out_descale(b, h);
+    for r in 0..rows {
+        for (x, o) in scr.row.iter_mut().enumerate() {
+            *o = scr.ot[x * np + r];
+        }
+        let mut row_lse = finalize(&mut scr.row, scr.row_max[r], scr.row_sum[r], out_scale);
+        if let Some(s) = &p.sink {
+            row_lse = fold_sink(&mut scr.row, row_lse, s[h]);
+        }
+        T::narrow(&scr.row, row_buf);
+        // SAFETY: rows m0..m1 of head h of sequence b belong to this work item alone.
+        unsafe {
+            out.range(p.out_offset(b, m0 + r, h), d)
+                .copy_from_slice(row_buf);
+            *lse.range(p.lse_offset(b, h, m0 + r), 1)
+                .first_mut()
+                .expect("len 1") = row_lse;
+        }
+    }
+}

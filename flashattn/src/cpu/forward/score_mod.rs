@@ -1,0 +1,79 @@
+//! The score modifiers of a (sequence, head): scale, softcap and ALiBi, and the mask.
+
+use crate::blocks::Mask;
+use crate::params::{Params, LOG2_E};
+
+/// Scale, softcap and ALiBi, folded for the log2 domain.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ScoreMod {
+    /// softmax_scale · log2(e): without softcap, one multiply takes a raw dot product to the log2 domain.
+    pub scale_log2: f32,
+    /// (softmax_scale / softcap, softcap · log2(e)).
+    softcap: Option<(f32, f32)>,
+    /// slope · log2(e).
+    alibi_log2: Option<f32>,
+}
+
+impl ScoreMod {
+    pub fn new(p: &Params, b: usize, h: usize) -> Self {
+        let scale = p.score_scale(b, h);
+        ScoreMod {
+            scale_log2: scale * LOG2_E,
+            softcap: p.softcap.map(|c| (scale / c, c * LOG2_E)),
+            alibi_log2: p.alibi_slope(b, h).map(|s| s * LOG2_E),
+        }
+    }
+
+    /// Whether a block needs [`ScoreMod::apply`] rather than a plain multiply by `scale_log2`.
+    pub fn needs_apply(&self, masked: bool) -> bool {
+        masked || self.softcap.is_some() || self.alibi_log2.is_some()
+    }
+
+    /// Raw dot products of keys `n0..n0 + cols` (rows of `st`) x query rows `m0..m0 + rows`
+    /// (lanes, `np` per key) -> log2-domain scores, masked to -inf where `masked` says the mask
+    /// cuts this block. With softcap, `dtanh` (if given, same layout as `st`) receives the
+    /// derivative `1 - tanh²` that the backward pass needs, from the same `tanh`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn apply(
+        &self,
+        st: &mut [f32],
+        np: usize,
+        (m0, rows): (usize, usize),
+        (n0, cols): (usize, usize),
+        mask: &Mask,
+        masked: bool,
+        mut dtanh: Option<&mut [f32]>,
+    ) {
+        for c in 0..cols {
+            let row = &mut st[c * np..c * np + rows];
+            match (self.softcap, dtanh.as_deref_mut()) {
+                (None, _) => row.iter_mut().for_each(|x| *x *= self.scale_log2),
+                (Some((pre, post)), None) => {
+                    row.iter_mut().for_each(|x| *x = post * (*x * pre).tanh())
+                }
+                (Some((pre, post)), Some(dt)) => {
+                    for (x, t) in row.iter_mut().zip(&mut dt[c * np..c * np + rows]) {
+                        let th = (*x * pre).tanh();
+                        *t = 1.0 - th * th;
+                        *x = post * th;
+                    }
+                }
+            }
+            if let Some(slope) = self.alibi_log2 {
+                for (r, x) in row.iter_mut().enumerate() {
+                    *x -= slope * mask.diagonal_distance(m0 + r, n0 + c).unsigned_abs() as f32;
+                }
+            }
+        }
+        if masked {
+            for r in 0..rows {
+                let (lo, hi) = mask.key_range(m0 + r);
+                for c in 0..cols {
+                    if !(lo..hi).contains(&(n0 + c)) {
+                        st[c * np + r] = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+    }
+}
