@@ -593,7 +593,7 @@ pub(crate) fn validate_kvcache<C: Fp8View + ?Sized>(
     cache_seqlens: &[i32],
     descale: &Descale,
     opts: &KvCacheOptions,
-) -> Result<(crate::decode::DecodeParams, Vec<f32>)> {
+) -> Result<(crate::params::DecodeParams, Vec<f32>)> {
     let format = k_cache.fp8_format();
     if v_cache.fp8_format() != format {
         return Err(ErrorKind::Fp8CacheFormat {
@@ -608,7 +608,7 @@ pub(crate) fn validate_kvcache<C: Fp8View + ?Sized>(
         }
         .into());
     }
-    let mut dp = crate::decode::validate(
+    let mut dp = crate::params::decode::validate(
         q,
         &ViewInfo::with_dtype(k_cache, q.dtype),
         &ViewInfo::with_dtype(v_cache, q.dtype),

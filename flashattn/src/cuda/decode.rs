@@ -1,5 +1,5 @@
 //! Decoding with a KV cache on the GPU: [`flash_attn_with_kvcache`], the CPU call's semantics
-//! (same validation, `crate::decode::validate`) with q, the caches and the new keys/values in GPU
+//! (same validation, `crate::params::decode::validate`) with q, the caches and the new keys/values in GPU
 //! memory. Three kernels of `kernels/decode.cu` run on the device's stream: the append (new keys,
 //! rotated, and values into the caches), one CTA per (query row block, key split, kv head,
 //! sequence) writing partial results, and the merge of the splits through their LSEs.
@@ -9,7 +9,9 @@ use super::decode_plan::{limit, DecodeKernel, DecodeLaunch};
 use super::device::CudaDevice;
 use super::error::driver_err;
 use super::launch::alloc_output;
-use crate::decode::{DecodeParams, KvCacheOptions};
+use crate::decode::KvCacheOptions;
+use crate::params::decode::validate;
+use crate::params::DecodeParams;
 use crate::error::{ErrorKind, Result};
 use crate::fp8::Fp8Format;
 use crate::tensor::DType;
@@ -41,7 +43,7 @@ pub fn flash_attn_with_kvcache(
     opts: &KvCacheOptions,
 ) -> Result<CudaAttnOutput> {
     refuse_host_new_kv(opts)?;
-    let dp = crate::decode::validate(q, &*k_cache, &*v_cache, new_kv, cache_seqlens, opts)?;
+    let dp = validate(q, &*k_cache, &*v_cache, new_kv, cache_seqlens, opts)?;
     let d = prepare(
         dev,
         &dp,

@@ -6,7 +6,9 @@
 use super::arch::GpuShape;
 use super::key::{KernelKey, KernelKind};
 use super::launch::{sink_table, MAX_GRID_YZ, MAX_SEQLEN};
-use crate::decode::{DecodeParams, KvCacheOptions};
+use crate::decode::KvCacheOptions;
+use crate::params::decode::validate;
+use crate::params::DecodeParams;
 use crate::error::{ErrorKind, Result};
 use crate::fp8::{Descale, Fp8Format, Fp8TensorRef};
 use crate::tensor::{DType, TensorRef, ViewInfo};
@@ -448,7 +450,7 @@ pub fn decode_launch_description_with(
     kernel: DecodeKernel,
 ) -> Result<DecodeLaunch> {
     let new_kv = opts.new_kv.as_ref().map(|(k, v)| (k, v));
-    let dp = crate::decode::validate(q, k_cache, v_cache, new_kv, cache_seqlens, opts)?;
+    let dp = validate(q, k_cache, v_cache, new_kv, cache_seqlens, opts)?;
     DecodeLaunch::new(&dp, gpu, None, kernel)
 }
 

@@ -26,8 +26,13 @@
 //! bounds checks of [`super::scores`] and [`super::pv_acc`].
 //!
 //! [`Isa::Avx2`]: crate::cpu::simd::Isa::Avx2
+//!
+//! [`super::pv_acc`]: super::pv::pv_acc
 
-use super::{pv_tail, Ahead, KeyRows};
+use super::prefetch::Ahead;
+use super::rows::KeyRows;
+use super::x86_pv::{pv_tail, PvAt};
+use super::x86_scores::ScoresAt;
 use crate::tensor::{DType, Element};
 use std::arch::x86_64::*;
 
@@ -107,6 +112,8 @@ fn high_halves() -> __m256i {
 ///
 /// # Safety
 /// AVX2, FMA and F16C present; operands as checked by [`super::scores`].
+///
+/// [`super::Isa::Avx2`]: crate::cpu::simd::Isa::Avx2
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn scores<T: Element>(
@@ -187,7 +194,7 @@ fn reduce4(a: [__m256; 4]) -> __m128 {
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn scores_tile<const K: usize, const R: usize, const NC: usize, T: Element>(
-    at: super::ScoresAt<T>,
+    at: ScoresAt<T>,
 ) {
     let (q, r0, dpad, src, kr, c0, st, np) = at;
     let (d, full, dpad) = if NC > 0 {
@@ -283,6 +290,9 @@ unsafe fn score_tails<const K: usize, const R: usize, T: Element>(
 ///
 /// # Safety
 /// AVX2, FMA and F16C present; operands as checked by [`super::pv_acc`].
+///
+/// [`super::Isa::Avx2`]: crate::cpu::simd::Isa::Avx2
+/// [`super::pv_acc`]: super::pv::pv_acc
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn pv<T: Element>(
@@ -323,9 +333,11 @@ pub(crate) unsafe fn pv<T: Element>(
 ///
 /// # Safety
 /// As [`pv`]; `r0 + R <= rows`, `x0 + 16 <= d`.
+///
+/// [`super::PvAt`]: super::x86_pv::PvAt
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn pv_tile<const R: usize, T: Element>(at: super::PvAt<f32, T>) {
+unsafe fn pv_tile<const R: usize, T: Element>(at: PvAt<f32, T>) {
     let (st, np, r0, src, vr, x0, acc, dpad, ahead) = at;
     let high = high_halves();
     // SAFETY: the caller's contract.
