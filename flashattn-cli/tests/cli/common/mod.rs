@@ -1,7 +1,7 @@
 //! Helpers shared by the CLI's end-to-end tests: running the binary, and writing safetensors
 //! files by hand.
 
-#![allow(dead_code)] // each test binary uses its own part
+#![allow(dead_code)] // each module of the test binary uses its own part
 
 use std::path::Path;
 use std::process::{Command, Output};
