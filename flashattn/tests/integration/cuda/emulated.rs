@@ -147,7 +147,7 @@ fn run_grid_sm90(kernel: ForwardKernel) {
 /// Packed sequences, including empty ones and rows after the last sequence (launched as a tail
 /// sequence that sees no key: out 0, lse -inf).
 #[test]
-fn varlen() {
+fn varlen_matches_reference() {
     if !have_compiler() {
         return;
     }
@@ -176,7 +176,7 @@ fn varlen() {
 /// (rows that see no key: out 0, lse = the sink); and packed batches, whose rows after the last
 /// sequence get no sink (out 0, lse -inf, as on the CPU).
 #[test]
-fn sinks() {
+fn sinks_match_reference() {
     if !have_compiler() {
         return;
     }
@@ -374,7 +374,7 @@ mod backward {
     /// MQA), f32 and bf16, with a sink logit per head: out, lse, dq, dk, dv and dsink against
     /// the reference (dsink from the prep kernel's workspaces, as the GPU path computes it).
     #[test]
-    fn sinks() {
+    fn gradients_with_sinks() {
         if !have_compiler() {
             return;
         }
