@@ -58,7 +58,9 @@ mod packed;
 mod properties;
 mod splits;
 
-use check::{check_case, check_case_with, CallResult};
+use check::check_case;
+#[cfg(feature = "cuda")]
+use check::{check_case_with, CallResult};
 
 // ---------------------------------------------------------------------------------------------
 // A decode case

@@ -3,6 +3,7 @@
 //! against the same reference and bound as the CPU path.
 
 use super::*;
+use crate::common;
 use crate::common::emu::{forward_builds, have_compiler, run_forward};
 use flashattn::cuda::launch_description_fp8;
 

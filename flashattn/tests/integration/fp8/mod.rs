@@ -2,8 +2,6 @@
 //! inputs, with naive bf16 attention on the same (bf16-rounded) dequantised inputs as the yardstick
 //! (see `common::check_bound`); strided views; packed sequences; every rejected input.
 
-use crate::common;
-
 use crate::common::*;
 use flashattn::fp8::{
     flash_attn_fp8, flash_attn_varlen_fp8, Descale, Fp8Format, Fp8TensorRef, F8E4M3, F8E5M2,
