@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds what a GPU session carries to the device machine (which has no Rust toolchain) into
-# gpu-run/ (git-ignored): the release `flashattn` binary, the Python wheel and the CUDA test binaries, stripped so
+# gpu-run/ (git-ignored): the release `flashattn` binary, the Python wheel and the two test binaries, stripped so
 # the folder stays far below the 64 MiB carry limit. Then, on the device machine:
 #
 #   bash bench/gpu/session.sh 500  # one call: the GPU tests, then flashattn vs PyTorch SDPA
@@ -16,17 +16,16 @@ cd "$(dirname "$0")/../.."
 rm -rf gpu-run && mkdir -p gpu-run
 cargo build --release -p flashattn-cli
 cp target/release/flashattn gpu-run/
-# Test executables of the library's and the CLI's CUDA tests (no debug info: smaller to carry).
-# The decode tests' binaries too (the library's `gpu` module runs the CUDA decode path; the CLI's
-# runs `run --device cuda` on KV-cache files), the library's FP8 tests (their `gpu` module runs
-# the CUDA FP8 forward) and the CLI's (FP8 caches with --device cuda); run.sh filters out the
-# tests in them that run on the CPU only.
-CARGO_PROFILE_DEV_DEBUG=0 cargo test --workspace --test cuda --test decode --test fp8 --no-run \
+# The test executables of the library and the CLI (no debug info: smaller to carry): each crate's
+# one integration-test binary, `integration` (its modules `cuda::device`, `decode::gpu` and
+# `fp8::gpu` run the CUDA forward, backward, decode and FP8 paths) and `cli` (its modules `cuda`,
+# `decode` and `fp8` run `--device cuda`); tests.sh selects the GPU tests in them by filter.
+CARGO_PROFILE_DEV_DEBUG=0 cargo test --workspace --test integration --test cli --no-run \
     --message-format=json | python3 -c '
 import json, shutil, sys
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("cuda", "decode", "fp8"):
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("integration", "cli"):
         pkg = m["package_id"].split("#")[0].rstrip("/").split("/")[-1]
         name = m["target"]["name"] + "_tests_" + pkg
         shutil.copy(m["executable"], "gpu-run/" + name)

@@ -135,7 +135,7 @@ if [ "$mode" = sm90 ]; then
     # same rounds, and where the Python package's CUDA calls spend their time.
     stage 40 wgmma_probe python3 bench/gpu/wgmma_probe.py
     for t in grid_bf16 grid_f16 varlen_matches_reference sinks_match_reference; do
-        (timeout 120 gpu-run/cuda_tests_flashattn "$t" --exact \
+        (timeout 120 gpu-run/integration_tests_flashattn "cuda::device::$t" --exact \
             --nocapture >"$logs/sm90_$t.log" 2>&1; echo "exit $?" >>"$logs/sm90_$t.log") &
     done
     wait
@@ -166,12 +166,12 @@ if [ "$mode" = sm90b ]; then
     # The warp-specialised sm_90a forward (fwd_sm90_ws.cu): its test grids, then it beside the
     # default (fwd_sm90.cu), fwd.cu and SDPA's flash and cuDNN backends; the Python package.
     for t in grid_bf16 grid_f16 varlen_matches_reference sinks_match_reference; do
-        (FLASHATTN_CUDA_FWD=sm90ws timeout 100 gpu-run/cuda_tests_flashattn "$t" --exact \
+        (FLASHATTN_CUDA_FWD=sm90ws timeout 100 gpu-run/integration_tests_flashattn "cuda::device::$t" --exact \
             --nocapture >"$logs/ws_$t.log" 2>&1; echo "exit $?" >>"$logs/ws_$t.log") &
     done
     # The pingpong variant on one grid.
-    (FLASHATTN_CUDA_FWD=sm90ws FLASHATTN_SM90_PINGPONG=1 timeout 100 gpu-run/cuda_tests_flashattn \
-        grid_bf16 --exact --nocapture >"$logs/ws_pingpong_grid_bf16.log" 2>&1
+    (FLASHATTN_CUDA_FWD=sm90ws FLASHATTN_SM90_PINGPONG=1 timeout 100 gpu-run/integration_tests_flashattn \
+        cuda::device::grid_bf16 --exact --nocapture >"$logs/ws_pingpong_grid_bf16.log" 2>&1
         echo "exit $?" >>"$logs/ws_pingpong_grid_bf16.log") &
     wait
     for f in "$logs"/ws_*.log; do

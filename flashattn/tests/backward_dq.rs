@@ -3,6 +3,7 @@
 //! bad value is a typed error. The variable is read on every call, so this binary holds one test
 //! that sets it in turn (tests of one binary run in parallel and would see each other's value).
 
+#[path = "integration/common/mod.rs"]
 mod common;
 
 use common::backward::{grid, varlen_case};

@@ -3,6 +3,7 @@
 //! calls (`cpu::reuse`), so one call may find another's kept buffer, or none. (In its own binary:
 //! the kept buffers are process-wide, and `release_scratch` here must not race other tests.)
 
+#[path = "integration/common/mod.rs"]
 mod common;
 
 use common::*;

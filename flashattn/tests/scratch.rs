@@ -3,6 +3,7 @@
 //! to the first call, which had fresh buffers; the kept bytes are reported and freed.
 //! (One test in its own binary: the kept buffers are process-wide.)
 
+#[path = "integration/common/mod.rs"]
 mod common;
 
 use common::*;

@@ -1,6 +1,6 @@
 // Runs the backward kernels of bwd.cu (bwd_prep, bwd_dq, bwd_dkdv) on the CPU through
 // host_emulation.h, with the launches cuda/backward.rs computes.
-// Built by tests/cuda_emulated.rs: g++ -std=c++17 -DFA_HOST_EMULATION -DFA_BWD_ENTRY=0
+// Built by tests/integration/cuda/emulated.rs: g++ -std=c++17 -DFA_HOST_EMULATION -DFA_BWD_ENTRY=0
 //   -D<variant defines> -I<kernels dir> bwd_driver.cpp
 // Usage: driver DIR. DIR holds params.txt (read below) and q, k, v, out, dout (elements), lse
 // (f32, the caller's view buffer), table (i64) and slopes (f32, when used) as .bin files; dq.bin,

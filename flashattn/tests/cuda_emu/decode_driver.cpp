@@ -1,6 +1,7 @@
 // Runs flashattn's CUDA decode kernels (decode.cu: append, split, combine) on the CPU through
-// host_emulation.h. Built by tests/decode.rs: g++ -std=c++17 -DFA_HOST_EMULATION
-// -DFA_DECODE_ENTRY=0 -D<variant defines> -I<kernels dir> decode_driver.cpp
+// host_emulation.h. Built by tests/integration/decode/emulated.rs:
+// g++ -std=c++17 -DFA_HOST_EMULATION -DFA_DECODE_ENTRY=0 -D<variant defines> -I<kernels dir>
+// decode_driver.cpp
 // Usage: decode_driver DIR. DIR holds params.txt (the launch, in the order read below) and q.bin,
 // k.bin, v.bin (the caches: FP8 bytes when built with FA_FP8_CACHE), table.bin, pages.bin, and
 // kn.bin, vn.bin, slopes.bin, rot.bin, descale.bin, sink.bin when used; out.bin, lse.bin and the caches after

@@ -1,5 +1,5 @@
 // Runs one flashattn CUDA kernel variant on the CPU through host_emulation.h.
-// Built by tests/cuda_emulated.rs: g++ -std=c++17 -DFA_HOST_EMULATION -D<variant defines>
+// Built by tests/integration/cuda/emulated.rs: g++ -std=c++17 -DFA_HOST_EMULATION -D<variant defines>
 //   -DFA_KERNEL='"<path to fwd.cu or fwd_f32.cu>"' -I<kernels dir> driver.cpp
 // Usage: driver DIR. DIR holds params.txt (the launch, in the order read below) and q.bin, k.bin,
 // v.bin (raw elements: FP8 bytes with FA_FP8_INPUT), table.bin, slopes.bin, descale.bin and

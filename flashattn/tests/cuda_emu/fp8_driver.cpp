@@ -1,5 +1,5 @@
 // Runs decode.cu's FP8 conversions (fp8_to_f32, f64_to_fp8) on the CPU through host_emulation.h.
-// Built by tests/decode.rs: g++ -std=c++17 -DFA_HOST_EMULATION -DFA_DECODE_ENTRY=0 -DFA_FP8_CACHE=1
+// Built by tests/integration/decode/emulated.rs: g++ -std=c++17 -DFA_HOST_EMULATION -DFA_DECODE_ENTRY=0 -DFA_FP8_CACHE=1
 // -D<variant defines> -I<kernels dir> fp8_driver.cpp
 // Usage: fp8_driver DIR. DIR holds in.bin (f64 values); written there: widened.bin (f32: the 256
 // e4m3 bytes, then the 256 e5m2 bytes) and quantised.bin (the inputs in e4m3, then in e5m2).

@@ -1,0 +1,352 @@
+//! The CUDA backend against the f64 reference, on the same cases as the CPU forward tests (the
+//! covering grid of `common::grid` in f32, f16 and bf16, plus varlen), with the same error bound:
+//! within 2x the naive algorithm's error in the same precision, plus a small floor.
+//!
+//! Without a GPU these tests print why they skip and pass; what can be checked without one is:
+//! opening a device fails with a typed error, never a panic.
+#![cfg(feature = "cuda")]
+
+use crate::common::grid::grid;
+use crate::common::*;
+use flashattn::cuda::{self, CudaDevice, CudaTensor, DeviceBuffer};
+use flashattn::{AttnOptions, AttnOutput, Buffer, DType, ErrorKind, TensorRef};
+
+/// The GPU, or `None` after printing why there is none.
+fn device() -> Option<CudaDevice> {
+    match CudaDevice::new(0) {
+        Ok(d) => {
+            eprintln!("CUDA device: {} ({})", d.name(), d.arch());
+            Some(d)
+        }
+        Err(e) => {
+            eprintln!("skipping the GPU tests: {e}");
+            None
+        }
+    }
+}
+
+#[test]
+fn opening_a_device_never_panics() {
+    match CudaDevice::new(0) {
+        Ok(d) => eprintln!("device 0: {} {}", d.name(), d.arch()),
+        Err(e) => assert!(
+            matches!(
+                e.kind(),
+                ErrorKind::CudaUnavailable { .. } | ErrorKind::CudaDriver { .. }
+            ),
+            "unexpected error kind: {e}"
+        ),
+    }
+    // An ordinal past the last device is an error too, whatever the machine has.
+    assert!(CudaDevice::new(1 << 20).is_err());
+}
+
+/// Uploads a whole host buffer.
+fn upload_buffer(dev: &CudaDevice, b: &Buffer) -> DeviceBuffer {
+    let len = b.as_slice().len();
+    let view = TensorRef::from_slice(b.as_slice(), &[len], &[1]);
+    dev.upload(&view).expect("upload").into_buffer()
+}
+
+/// The device tensor of a test placement: the buffer uploaded as is, with the placement's strides
+/// (so strided, packed and broadcast layouts reach the kernels), or a contiguous copy when the
+/// placement starts at an offset (device tensors have none).
+fn place(dev: &CudaDevice, bufs: &[Buffer], p: &Placement) -> CudaTensor {
+    if p.offset == 0 {
+        CudaTensor::from_buffer(upload_buffer(dev, &bufs[p.buf]), &p.shape, &p.strides)
+    } else {
+        dev.upload(&view(bufs, p)).expect("upload")
+    }
+}
+
+fn to_host(dev: &CudaDevice, r: cuda::CudaAttnOutput) -> AttnOutput {
+    AttnOutput {
+        out: r.out.to_host(dev).expect("download out"),
+        lse: r.lse.to_host(dev).expect("download lse"),
+    }
+}
+
+fn run_grid(dtype: DType) {
+    let Some(dev) = device() else { return };
+    let mut kernels = std::collections::BTreeMap::<String, usize>::new();
+    for case in grid(dtype) {
+        let inputs = case.build();
+        let naive = [inputs.naive(), inputs.naive_sequential()];
+        let r = inputs.reference();
+        let v_max = inputs.v_values().iter().fold(0f64, |m, x| m.max(x.abs()));
+        let (q, k, v) = (
+            place(&dev, &inputs.bufs, &inputs.q),
+            place(&dev, &inputs.bufs, &inputs.k),
+            place(&dev, &inputs.bufs, &inputs.v),
+        );
+        // Which kernel serves the case (FLASHATTN_CUDA_FWD=sm90 picks fwd_sm90.cu on Hopper).
+        let kind = cuda::kernel_key(&dev, &q, &k, &v, &inputs.opts())
+            .map_or("refused".into(), |key| format!("{:?}", key.kind));
+        *kernels.entry(kind.clone()).or_default() += 1;
+        let res = cuda::flash_attn(&dev, &q, &k, &v, &inputs.opts())
+            .unwrap_or_else(|e| panic!("{case}: cuda::flash_attn: {e}"));
+        let flash = to_host(&dev, res);
+        check_bound(
+            &format!("{case} cuda {kind}"),
+            dtype,
+            &flash,
+            &naive,
+            &r,
+            v_max,
+            case.seqlen_k,
+        );
+    }
+    eprintln!(
+        "{dtype} grid on {}: cases per forward kernel {kernels:?}",
+        dev.name()
+    );
+}
+
+#[test]
+fn grid_f32() {
+    run_grid(DType::F32);
+}
+
+#[test]
+fn grid_f16() {
+    run_grid(DType::F16);
+}
+
+#[test]
+fn grid_bf16() {
+    run_grid(DType::BF16);
+}
+
+/// Packed sequences (empty ones, keys without queries and the reverse, rows after the last
+/// sequence) against the reference; the rows after the last sequence are out 0, lse -inf.
+#[test]
+fn varlen_matches_reference() {
+    let Some(dev) = device() else { return };
+    for dtype in DTYPES {
+        for case in varlen_cases(dtype, 4, 2, 64) {
+            let inputs = case.build();
+            let (q, k, v) = inputs.views();
+            let (dq, dk, dv) = (
+                dev.upload(&q).unwrap(),
+                dev.upload(&k).unwrap(),
+                dev.upload(&v).unwrap(),
+            );
+            let res = cuda::flash_attn_varlen(
+                &dev,
+                &dq,
+                &dk,
+                &dv,
+                &inputs.cu_q,
+                &inputs.cu_k,
+                &inputs.opts(),
+            )
+            .unwrap_or_else(|e| panic!("{case:?}: {e}"));
+            inputs.check(&to_host(&dev, res), "cuda");
+        }
+    }
+}
+
+/// Learnable sinks on the GPU: every third grid case of each dtype with a sink logit per head,
+/// and packed batches (rows after the last sequence get no sink: out 0, lse -inf), against the
+/// reference with the grid's bound (`cuda::emulated` runs the same kernels on the CPU).
+#[test]
+fn sinks_match_reference() {
+    let Some(dev) = device() else { return };
+    for dtype in DTYPES {
+        for (i, case) in grid(dtype).into_iter().enumerate() {
+            if i % 3 != 0 {
+                continue;
+            }
+            let inputs = case.build();
+            let sinks = test_sinks(case.heads);
+            let opts = inputs
+                .opts()
+                .learnable_sink(TensorRef::contiguous(&sinks, &[case.heads]));
+            let (q, k, v) = (
+                place(&dev, &inputs.bufs, &inputs.q),
+                place(&dev, &inputs.bufs, &inputs.k),
+                place(&dev, &inputs.bufs, &inputs.v),
+            );
+            let res = cuda::flash_attn(&dev, &q, &k, &v, &opts)
+                .unwrap_or_else(|e| panic!("{case}: cuda::flash_attn with sinks: {e}"));
+            inputs.check_with(&to_host(&dev, res), "cuda sinks", &opts);
+        }
+        for case in varlen_cases(dtype, 4, 2, 64) {
+            let inputs = case.build();
+            let (q, k, v) = inputs.views();
+            let sinks = test_sinks(4);
+            let opts = inputs
+                .opts()
+                .learnable_sink(TensorRef::contiguous(&sinks, &[4]));
+            let (dq, dk, dv) = (
+                dev.upload(&q).unwrap(),
+                dev.upload(&k).unwrap(),
+                dev.upload(&v).unwrap(),
+            );
+            let res =
+                cuda::flash_attn_varlen(&dev, &dq, &dk, &dv, &inputs.cu_q, &inputs.cu_k, &opts)
+                    .unwrap_or_else(|e| panic!("{case:?}: {e}"));
+            inputs.check_with(&to_host(&dev, res), "cuda sinks", &opts);
+        }
+    }
+}
+
+/// Bad input is rejected before anything runs, with the CPU path's typed errors (a dropout
+/// probability of 1 included).
+#[test]
+fn bad_input_is_a_typed_error() {
+    let Some(dev) = device() else { return };
+    let host = vec![half::bf16::from_f32(0.25); 2 * 16 * 4 * 64];
+    let t = dev
+        .upload(&TensorRef::contiguous(&host, &[2, 16, 4, 64]))
+        .unwrap();
+    let k3 = dev
+        .upload(&TensorRef::contiguous(
+            &host[..16 * 3 * 64],
+            &[1, 16, 3, 64],
+        ))
+        .unwrap();
+    let e = cuda::flash_attn(&dev, &t, &k3, &k3, &AttnOptions::default()).unwrap_err();
+    assert!(matches!(e.kind(), ErrorKind::Shape { .. }), "{e}");
+    let e =
+        cuda::flash_attn(&dev, &t, &t, &t, &AttnOptions::default().dropout(1.0, 1)).unwrap_err();
+    assert!(matches!(e.kind(), ErrorKind::Dropout { .. }), "{e}");
+    let short =
+        CudaTensor::from_buffer(t.buffer().clone(), &[2, 17, 4, 64], &[17 * 256, 256, 64, 1]);
+    let e = cuda::flash_attn(&dev, &short, &t, &t, &AttnOptions::default()).unwrap_err();
+    assert!(matches!(e.kind(), ErrorKind::OutOfBounds { .. }), "{e}");
+}
+
+/// The backward pass on the GPU: the CPU gradient grid's shapes and options (dropout included),
+/// after the GPU forward (itself checked), against the f64 reference with the CPU backward's
+/// bound; twice, bit for bit the same; and its typed errors.
+mod backward {
+    use super::device;
+    use crate::common::backward::{cases, GradCase, GradData};
+    use flashattn::cuda::{self, CudaDevice};
+    use flashattn::{AttnOptions, Element, ErrorKind, TensorRef};
+
+    fn case<T: Element>(dev: &CudaDevice, c: &GradCase) {
+        case_with::<T>(dev, c, &c.opts);
+    }
+
+    /// [`case`] with options of the caller's (the case's plus learnable sinks).
+    fn case_with<T: Element>(dev: &CudaDevice, c: &GradCase, opts: &AttnOptions) {
+        let data = GradData::<T>::new(c);
+        let views = data.views();
+        let up = |t: &TensorRef| dev.upload(t).expect("upload");
+        let [qd, kd, vd, dd] = views.each_ref().map(up);
+        let ctx = format!("cuda backward seed={} opts={:?}", c.seed, opts);
+        let fwd =
+            cuda::flash_attn(dev, &qd, &kd, &vd, opts).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+        let host_fwd = flashattn::AttnOutput {
+            out: fwd.out.to_host(dev).expect("download"),
+            lse: fwd.lse.to_host(dev).expect("download"),
+        };
+        let r = data.check_forward(&host_fwd, opts, &ctx);
+        let g = fwd
+            .backward(dev, &qd, &kd, &vd, &dd, opts)
+            .unwrap_or_else(|e| panic!("{ctx}: {e}"));
+        let host = |t: &cuda::CudaTensor| t.to_host(dev).expect("download");
+        let (dq, dk, dv) = (host(&g.dq), host(&g.dk), host(&g.dv));
+        let expected = data.expected(opts);
+        data.check([&dq, &dk, &dv], &expected, &ctx);
+        match (&g.dsink, &expected.0.dsink) {
+            (Some(got), Some(_)) => data.check_dsink(&host(got), &expected, &r, &ctx),
+            (None, None) => assert!(opts.learnable_sink.is_none(), "{ctx}"),
+            _ => panic!("{ctx}: dsink present in some results only"),
+        }
+        // No atomics: a second run gives the same bits.
+        let again = fwd.backward(dev, &qd, &kd, &vd, &dd, opts).unwrap();
+        assert_eq!(host(&again.dq), dq, "{ctx}: dq differs between runs");
+        assert_eq!(host(&again.dk), dk, "{ctx}: dk differs between runs");
+    }
+
+    /// Learnable sinks: every third case of the gradient grid, f32 and bf16, with a sink logit
+    /// per head (out, lse, dq, dk, dv and dsink against the reference).
+    #[test]
+    fn gradients_with_sinks() {
+        let Some(dev) = device() else { return };
+        for (i, c) in cases(true).iter().enumerate().filter(|(i, _)| i % 3 == 0) {
+            let heads = c.shape.3;
+            let sinks = crate::common::test_sinks(heads);
+            let opts = c
+                .opts
+                .clone()
+                .learnable_sink(TensorRef::contiguous(&sinks, &[heads]));
+            if i % 2 == 0 {
+                case_with::<f32>(&dev, c, &opts);
+            } else {
+                case_with::<half::bf16>(&dev, c, &opts);
+            }
+        }
+    }
+
+    /// The CPU gradient grid, plus 1024 x 1024 with GQA 4 at d = 128: plain, causal, and causal
+    /// with dropout.
+    fn grid<T: Element>() {
+        let Some(dev) = device() else { return };
+        let mut all = cases(true);
+        let causal = AttnOptions::default().causal(true);
+        let big = [
+            AttnOptions::default(),
+            causal.clone(),
+            causal.dropout(0.1, 77),
+        ];
+        for (n, opts) in big.into_iter().enumerate() {
+            all.push(GradCase {
+                seed: 800 + n as u64,
+                shape: (1, 1024, 1024, 8, 2, 128),
+                opts,
+                logit_scale: 1.0,
+            });
+        }
+        for c in &all {
+            case::<T>(&dev, c);
+        }
+    }
+
+    #[test]
+    fn gradients_f32() {
+        grid::<f32>();
+    }
+
+    #[test]
+    fn gradients_f16() {
+        grid::<half::f16>();
+    }
+
+    #[test]
+    fn gradients_bf16() {
+        grid::<half::bf16>();
+    }
+
+    /// A dout of the wrong shape and an lse of the wrong rank: typed errors, nothing launched.
+    #[test]
+    fn bad_input_is_a_typed_error() {
+        let Some(dev) = device() else { return };
+        let host = vec![half::bf16::from_f32(0.25); 2 * 16 * 4 * 64];
+        let t = dev
+            .upload(&TensorRef::contiguous(&host, &[2, 16, 4, 64]))
+            .unwrap();
+        let small = dev
+            .upload(&TensorRef::contiguous(
+                &host[..16 * 4 * 64],
+                &[1, 16, 4, 64],
+            ))
+            .unwrap();
+        let opts = AttnOptions::default();
+        let fwd = cuda::flash_attn(&dev, &t, &t, &t, &opts).unwrap();
+        let e = fwd.backward(&dev, &t, &t, &t, &small, &opts).unwrap_err();
+        assert!(
+            matches!(e.kind(), ErrorKind::Shape { tensor: "dout", .. }),
+            "{e}"
+        );
+        let e =
+            cuda::flash_attn_backward(&dev, &t, &t, &t, &fwd.out, &fwd.out, &t, &opts).unwrap_err();
+        assert!(
+            matches!(e.kind(), ErrorKind::Rank { tensor: "lse", .. }),
+            "{e}"
+        );
+    }
+}

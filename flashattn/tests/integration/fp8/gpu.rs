@@ -1,0 +1,58 @@
+//! The FP8 forward on a GPU, when there is one: every case, checked as on the CPU, and the output
+//! poisoned before the kernel writes it (a missed element reads as NaN and fails the bound).
+
+use super::*;
+use flashattn::cuda::{self, CudaDevice, CudaFp8Tensor};
+
+/// The whole FP8 buffer of tensor `t` on the device, viewed with its layout.
+fn upload(dev: &CudaDevice, built: &Built, t: usize) -> CudaFp8Tensor {
+    let whole = match &built.raw[t] {
+        Raw::E4M3(d) => dev.upload_fp8(&Fp8TensorRef::contiguous(d, &[d.len()])),
+        Raw::E5M2(d) => dev.upload_fp8(&Fp8TensorRef::contiguous(d, &[d.len()])),
+    }
+    .expect("upload");
+    let (shape, strides) = &built.layouts[t];
+    CudaFp8Tensor::from_buffer(whole.buffer().clone(), whole.format(), shape, strides)
+}
+
+#[test]
+fn fp8_forward_on_the_gpu() {
+    let dev = match CudaDevice::new(0) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("skipping the GPU FP8 forward tests: {e}");
+            return;
+        }
+    };
+    let mut ran = 0;
+    for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
+        // The kernels refuse learnable sinks (`sink`).
+        for c in cases(format).into_iter().filter(|c| !c.sink) {
+            let built = c.build();
+            let opts = built.opts();
+            let [q, k, v] = [0, 1, 2].map(|t| upload(&dev, &built, t));
+            let res = if c.packed {
+                cuda::flash_attn_varlen_fp8(
+                    &dev,
+                    &q,
+                    &k,
+                    &v,
+                    &built.cu_q,
+                    &built.cu_k,
+                    &built.descale(),
+                    &opts,
+                )
+            } else {
+                cuda::flash_attn_fp8(&dev, &q, &k, &v, &built.descale(), &opts)
+            }
+            .unwrap_or_else(|e| panic!("{c:?}: {e}"));
+            let out = AttnOutput {
+                out: res.out.to_host(&dev).expect("download out"),
+                lse: res.lse.to_host(&dev).expect("download lse"),
+            };
+            built.check_output(&out, &built.expected(&opts), &format!("{c:?} on the GPU"));
+            ran += 1;
+        }
+    }
+    eprintln!("{ran} FP8 forward cases on {}", dev.name());
+}
