@@ -10,10 +10,10 @@ use super::device::CudaDevice;
 use super::error::driver_err;
 use super::launch::alloc_output;
 use crate::decode::KvCacheOptions;
-use crate::params::decode::validate;
-use crate::params::DecodeParams;
 use crate::error::{ErrorKind, Result};
 use crate::fp8::Fp8Format;
+use crate::params::decode::validate;
+use crate::params::DecodeParams;
 use crate::tensor::DType;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,

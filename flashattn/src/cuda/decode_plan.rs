@@ -7,10 +7,10 @@ use super::arch::GpuShape;
 use super::key::{KernelKey, KernelKind};
 use super::launch::{sink_table, MAX_GRID_YZ, MAX_SEQLEN};
 use crate::decode::KvCacheOptions;
-use crate::params::decode::validate;
-use crate::params::DecodeParams;
 use crate::error::{ErrorKind, Result};
 use crate::fp8::{Descale, Fp8Format, Fp8TensorRef};
+use crate::params::decode::validate;
+use crate::params::DecodeParams;
 use crate::tensor::{DType, TensorRef, ViewInfo};
 
 /// Entries per launched sequence of the decode kernels' table (decode.cu: DECODE_FIELDS).

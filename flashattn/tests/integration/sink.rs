@@ -237,25 +237,34 @@ fn bad_sinks_are_typed_errors() {
     ));
     let e = err(TensorRef::contiguous(&three, &[3])).to_string();
     assert!(e.contains("learnable_sink") && e.contains("[4]"), "{e}");
-    // The CUDA forward takes them (a logit per launched sequence and head), its backward the
-    // sinks and the rows whose sum makes their gradient.
-    let opts = AttnOptions::default().learnable_sink(sinks());
-    let d = flashattn::cuda::launch_description(&q, &k, &k, None, &opts).unwrap();
-    let want: Vec<f32> = [SINKS, SINKS].concat();
-    assert_eq!(d.sink.as_deref(), Some(&want[..]));
-    // Packed, with rows after the last sequence: their launched tail sequence gets -inf (no sink).
-    let q3 = TensorRef::contiguous(&data[..6 * 4 * 8], &[6, 4, 8]);
-    let k3 = TensorRef::contiguous(&data[..6 * 2 * 8], &[6, 2, 8]);
-    let d =
-        flashattn::cuda::launch_description(&q3, &k3, &k3, Some((&[0, 2, 5], &[0, 3, 6])), &opts)
-            .unwrap();
-    let mut want = [SINKS, SINKS].concat();
-    want.extend([f32::NEG_INFINITY; 4]);
-    assert_eq!(d.sink.as_deref(), Some(&want[..]));
-    let lse_data = vec![0f32; 2 * 4 * 3];
-    let lse = TensorRef::contiguous(&lse_data, &[2, 4, 3]);
-    let d = flashattn::cuda::backward_launch_description(&q, &k, &k, &q, &lse, &q, None, &opts)
+    // The CUDA launch descriptions exist with the `cuda` feature only.
+    #[cfg(feature = "cuda")]
+    {
+        // The CUDA forward takes them (a logit per launched sequence and head), its backward the
+        // sinks and the rows whose sum makes their gradient.
+        let opts = AttnOptions::default().learnable_sink(sinks());
+        let d = flashattn::cuda::launch_description(&q, &k, &k, None, &opts).unwrap();
+        let want: Vec<f32> = [SINKS, SINKS].concat();
+        assert_eq!(d.sink.as_deref(), Some(&want[..]));
+        // Packed, with rows after the last sequence: their launched tail sequence gets -inf (no sink).
+        let q3 = TensorRef::contiguous(&data[..6 * 4 * 8], &[6, 4, 8]);
+        let k3 = TensorRef::contiguous(&data[..6 * 2 * 8], &[6, 2, 8]);
+        let d = flashattn::cuda::launch_description(
+            &q3,
+            &k3,
+            &k3,
+            Some((&[0, 2, 5], &[0, 3, 6])),
+            &opts,
+        )
         .unwrap();
-    assert_eq!(d.sink.as_deref(), Some(&SINKS[..]));
-    assert_eq!(d.sink_rows, [(0, 3), (12, 3)]);
+        let mut want = [SINKS, SINKS].concat();
+        want.extend([f32::NEG_INFINITY; 4]);
+        assert_eq!(d.sink.as_deref(), Some(&want[..]));
+        let lse_data = vec![0f32; 2 * 4 * 3];
+        let lse = TensorRef::contiguous(&lse_data, &[2, 4, 3]);
+        let d = flashattn::cuda::backward_launch_description(&q, &k, &k, &q, &lse, &q, None, &opts)
+            .unwrap();
+        assert_eq!(d.sink.as_deref(), Some(&SINKS[..]));
+        assert_eq!(d.sink_rows, [(0, 3), (12, 3)]);
+    }
 }

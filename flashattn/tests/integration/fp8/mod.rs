@@ -362,6 +362,7 @@ impl Built {
     }
 
     /// The FP8 bytes of q, k and v (whole buffers, as laid out).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // used by the CUDA cases
     fn raw_bytes(&self) -> [Vec<u8>; 3] {
         [0, 1, 2].map(|t| match &self.raw[t] {
             Raw::E4M3(d) => d.iter().map(|x| x.to_bits()).collect(),
@@ -372,6 +373,7 @@ impl Built {
 
 impl Case {
     /// Score products of the case (what the emulation's run time grows with).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // used by the CUDA cases
     fn cost(&self) -> usize {
         let pairs: usize = self
             .lens_q
