@@ -14,7 +14,10 @@ use super::x86_scores_qt::{
 };
 use crate::cpu::simd::{Isa, LANES};
 use crate::cpu::{buf, Buf};
-use crate::tensor::{DType, Element};
+#[cfg(target_arch = "x86_64")]
+use crate::tensor::DType;
+use crate::tensor::Element;
+#[cfg(target_arch = "x86_64")]
 use half::bf16;
 
 /// The query rows of one kv group: `rows` rows of `dpad` f32 ([`LANES`]-padded with zeros), and
