@@ -100,6 +100,9 @@ struct Layout {
     /// A stored transposed (`a_rs = 1`, `a_cs = m + a_pad`) rather than by rows
     /// (`a_rs = k + a_pad`, `a_cs = 1`).
     a_transposed: bool,
+    /// Neither of A's strides 1 (`a_rs = 2`, `a_cs = 2m + 1 + a_pad`), overriding
+    /// `a_transposed`: the kernels' general addressing, beside the two layouts the passes use.
+    a_spread: bool,
     a_pad: usize,
     /// `b_rs = n + b_pad`.
     b_pad: usize,
@@ -107,30 +110,41 @@ struct Layout {
     c_pad: usize,
 }
 
-const LAYOUTS: [Layout; 4] = [
+const LAYOUTS: [Layout; 5] = [
     Layout {
         a_transposed: false,
+        a_spread: false,
         a_pad: 0,
         b_pad: 0,
         c_pad: 0,
     },
     Layout {
         a_transposed: true,
+        a_spread: false,
         a_pad: 1,
         b_pad: 5,
         c_pad: 3,
     },
     Layout {
         a_transposed: false,
+        a_spread: false,
         a_pad: 3,
         b_pad: 16,
         c_pad: 16,
     },
     Layout {
         a_transposed: true,
+        a_spread: false,
         a_pad: 0,
         b_pad: 0,
         c_pad: 7,
+    },
+    Layout {
+        a_transposed: false,
+        a_spread: true,
+        a_pad: 2,
+        b_pad: 0,
+        c_pad: 5,
     },
 ];
 
@@ -157,7 +171,9 @@ impl<T: Copy> Operands<T> {
         lay: Layout,
         mut draw: impl FnMut() -> T,
     ) -> Operands<T> {
-        let (a_rs, a_cs) = if lay.a_transposed {
+        let (a_rs, a_cs) = if lay.a_spread {
+            (2, 2 * m + 1 + lay.a_pad)
+        } else if lay.a_transposed {
             (1, m + lay.a_pad)
         } else {
             (k + lay.a_pad, 1)
