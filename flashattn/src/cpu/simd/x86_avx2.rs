@@ -18,8 +18,9 @@ const W: usize = 8;
 
 /// How a tile reads A's broadcasts: the two layouts the forward and backward use get addresses the
 /// core computes for free (a base register plus an immediate or a scaled index), instead of
-/// `k·a_cs + r·a_rs` per element, which cost ~7 integer µops per k step beside the 12 FMAs and made
-/// the loop issue-bound (29 µops for 6 cycles of FMA on a 4-wide front end).
+/// `k·a_cs + r·a_rs` per element, which cost ~7 integer µops per k step beside the 12 FMAs (29
+/// µops for 6 cycles of FMA). Measured alone (criterion) the products ran 1.2-1.8× as fast; the
+/// whole forward moved less than its run-to-run spread on an Intel core (docs/PERFORMANCE.md).
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum ALayout {
     /// Any strides.
