@@ -1,7 +1,13 @@
-"""Per-call host cost of flashattn's Python entry point on the CPU against SDPA's, on a problem so
-small (1 x 1 x 1 x 8) that the attention itself costs nothing: what a decode step pays per layer.
+"""Per-call host cost of flashattn's Python entry points on the CPU against SDPA's: a problem so
+small (1 x 1 x 1 x 8) that the attention itself costs nothing, and one decode step
+(flash_attn_with_kvcache: one query, one new key appended to a 4k cache, one head of 64 by
+default): what a decode step pays per layer.
 
-    bench/.venv/bin/python bench/py_cpu_overhead.py [--threads N]
+    bench/.venv/bin/python bench/py_cpu_overhead.py [--threads N] [--heads H] [--head-dim D]
+        [--cache N] [--parts]
+
+--parts also times the pieces of one tiny call (torch.empty of out and lse, the option dict, the
+views, the extension call alone) to show where what remains goes.
 """
 import argparse
 import time
@@ -9,7 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from flashattn import flash_attn_func
+from flashattn import flash_attn_func, flash_attn_with_kvcache
 
 
 def per_call_us(f, n=3000, repeats=5):
@@ -24,19 +30,73 @@ def per_call_us(f, n=3000, repeats=5):
     return best * 1e6
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+def tiny(threads):
     q = torch.randn(1, 1, 1, 8)
     qt = q.transpose(1, 2)
     fa = per_call_us(lambda: flash_attn_func(q, q, q))
     op = per_call_us(lambda: torch.ops.flashattn.fwd(q, q, q, None, None, 0.0, 0.35, False, -1, -1,
                                                      0.0, None, None))
     sdpa = per_call_us(lambda: F.scaled_dot_product_attention(qt, qt, qt))
-    print(f"threads {args.threads}: flash_attn_func {fa:.1f} us/call, the custom op alone "
-          f"{op:.1f}, SDPA {sdpa:.1f} (best of 5 loops of 3000 calls)")
+    print(f"threads {threads}, tiny 1x1x1x8: flash_attn_func {fa:.1f} us/call, the custom op "
+          f"alone {op:.1f}, SDPA {sdpa:.1f} ({fa / sdpa:.1f}x SDPA)")
+
+
+def decode(threads, heads, d, cache):
+    q = torch.randn(1, 1, heads, d)
+    k_cache = torch.randn(1, cache, heads, d)
+    v_cache = torch.randn(1, cache, heads, d)
+    k_new, v_new = torch.randn(1, 1, heads, d), torch.randn(1, 1, heads, d)
+    # The new key goes to the last slot every call: the cache holds `cache` keys after it.
+    seqlens = torch.full((1,), cache - 1, dtype=torch.int32)
+    n = 1000 if cache * heads * d <= 1 << 20 else 200
+    fa = per_call_us(lambda: flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                                     cache_seqlens=seqlens), n=n)
+    qt, kt, vt = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    sdpa = per_call_us(lambda: F.scaled_dot_product_attention(qt, kt, vt), n=n)
+    print(f"threads {threads}, decode (1 query, {heads} head(s) of {d}, cache {cache}, f32): "
+          f"flash_attn_with_kvcache {fa:.1f} us/call, SDPA over the same cache {sdpa:.1f} "
+          f"({fa / sdpa:.2f}x SDPA)")
+
+
+def parts():
+    """The pieces of one tiny `flashattn::fwd` call, each timed alone."""
+    from flashattn import _ops
+
+    q = torch.randn(1, 1, 1, 8)
+    out, lse = torch.empty_like(q), torch.empty(1, 1, 1)
+    views = [_ops._view(n, t) for n, t in (("q", q), ("k", q), ("v", q), ("out", out),
+                                           ("lse", lse))]
+    opts = _ops._opts(0.35, False, -1, -1, 0.0, None, None)
+    rows = {
+        "torch.empty out + lse": lambda: (torch.empty(q.shape, dtype=q.dtype),
+                                          torch.empty((1, 1, 1), dtype=torch.float32)),
+        "option dict (_opts)": lambda: _ops._opts(0.35, False, -1, -1, 0.0, None, None),
+        "five views (_view)": lambda: [_ops._view(n, t) for n, t in (("q", q), ("k", q), ("v", q),
+                                                                     ("out", out), ("lse", lse))],
+        "extension call (_ext.fwd)": lambda: _ops._ext.fwd(*views, opts),
+        "op body (_ops.fwd, no dispatch)": lambda: _ops.fwd._init_fn(
+            q, q, q, None, None, 0.0, 0.35, False, -1, -1, 0.0, None, None),
+        "torch.ops.flashattn.fwd": lambda: torch.ops.flashattn.fwd(
+            q, q, q, None, None, 0.0, 0.35, False, -1, -1, 0.0, None, None),
+    }
+    for name, f in rows.items():
+        print(f"  {name:34s} {per_call_us(f):7.1f} us")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=1, help="decode: heads (of q and the cache)")
+    ap.add_argument("--head-dim", type=int, default=64, help="decode: head dimension")
+    ap.add_argument("--cache", type=int, default=4096, help="decode: keys in the cache")
+    ap.add_argument("--parts", action="store_true", help="time the pieces of a tiny call")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    tiny(args.threads)
+    decode(args.threads, args.heads, args.head_dim, args.cache)
+    if args.parts:
+        parts()
+    print("(best of 5 loops; each line's calls in one loop)")
 
 
 if __name__ == "__main__":

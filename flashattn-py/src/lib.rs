@@ -10,6 +10,7 @@ mod cuda;
 mod errors;
 mod view;
 
+use std::cell::RefCell;
 use std::sync::{Arc, Mutex};
 
 use flashattn::fp8::Descale;
@@ -79,10 +80,10 @@ impl Opts {
     }
 }
 
-/// Rayon pools by thread count, made once each: torch.get_num_threads() picks one per call.
-fn pool(threads: usize) -> Result<Arc<rayon::ThreadPool>, BindError> {
+/// Rayon pools by thread count, made once each, for calls that cannot run on their caller's
+/// own pool (see [`run`]).
+fn shared_pool(threads: usize) -> Result<Arc<rayon::ThreadPool>, BindError> {
     static POOLS: Mutex<Vec<(usize, Arc<rayon::ThreadPool>)>> = Mutex::new(Vec::new());
-    let threads = threads.max(1);
     let mut pools = POOLS.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((_, p)) = pools.iter().find(|(n, _)| *n == threads) {
         return Ok(p.clone());
@@ -97,6 +98,64 @@ fn pool(threads: usize) -> Result<Arc<rayon::ThreadPool>, BindError> {
     Ok(p)
 }
 
+/// What [`run`] knows about the calling thread's own pool.
+enum Own {
+    /// No call from this thread yet.
+    Untried,
+    /// A pool of `current_num_threads()` threads whose worker 0 is this thread.
+    Pool(rayon::ThreadPool),
+    /// Building one failed: this thread's calls go to [`shared_pool`].
+    Failed,
+}
+
+thread_local! {
+    /// The pool this thread joined on its first call (dropped, its other threads ended, when
+    /// the thread exits).
+    static OWN: RefCell<Own> = const { RefCell::new(Own::Untried) };
+}
+
+/// Runs `f` (one library call) on `threads` threads: `rayon::current_num_threads()` is `threads`
+/// inside it, which the decode's split count reads; the other entry points give the same bits
+/// for any count.
+///
+/// The calling thread's first call makes it worker 0 of a pool of that many threads of its own
+/// (`use_current_thread`; the other `threads - 1` are started then), so every call with that
+/// count runs on the caller: work that does not split (one work item, or one thread) never
+/// leaves it, and split work goes to the other threads by work stealing while the caller takes
+/// its share. Handing the whole call to a pool's thread instead and sleeping until it ends cost
+/// ~60-270 us per call on a 2-vCPU VM (waking an idle thread, and on an idle VM a halted vCPU),
+/// against ~10 us for all of SDPA on a tiny call. Rayon cannot take a thread out of a pool
+/// again, so a call with another count (torch.set_num_threads changed since) goes to a shared
+/// pool of that count and pays the hand-off.
+fn run<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> Result<R, BindError> {
+    let threads = threads.max(1);
+    let mut f = Some(f);
+    let ran = OWN.with(|own| {
+        let untried = matches!(*own.borrow(), Own::Untried);
+        if untried {
+            *own.borrow_mut() = match rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .use_current_thread()
+                .thread_name(|i| format!("flashattn-{i}"))
+                .build()
+            {
+                Ok(p) => Own::Pool(p),
+                Err(_) => Own::Failed,
+            };
+        }
+        match &*own.borrow() {
+            // `install` from the pool's own worker 0 runs `f` on this thread.
+            Own::Pool(p) if p.current_num_threads() == threads => f.take().map(|f| p.install(f)),
+            _ => None,
+        }
+    });
+    match (ran, f) {
+        (Some(r), _) => Ok(r),
+        (None, Some(f)) => Ok(shared_pool(threads)?.install(f)),
+        (None, None) => unreachable!("`f` runs or is handed on"),
+    }
+}
+
 pub(crate) fn views<const N: usize>(raw: [RawView; N]) -> Result<[View; N], BindError> {
     let v: Vec<View> = raw
         .into_iter()
@@ -105,46 +164,52 @@ pub(crate) fn views<const N: usize>(raw: [RawView; N]) -> Result<[View; N], Bind
     Ok(v.try_into().expect("N views"))
 }
 
-/// Writes a forward result into `out` and `lse` (checked disjoint from every input first).
+/// Writes a forward result into `out` and `lse` (checked disjoint from every input first); no
+/// `lse`: the caller drops it.
 ///
 /// # Safety
 /// `out` and `lse` are tensors the caller allocated for this call and holds alive.
 unsafe fn write_forward(
     res: &AttnOutput,
     out: &View,
-    lse: &View,
+    lse: Option<&View>,
     inputs: &[&View],
 ) -> Result<(), BindError> {
-    for w in [out, lse] {
+    for w in [Some(out), lse].into_iter().flatten() {
         w.check_disjoint(inputs.iter().copied())?;
     }
-    out.check_disjoint([lse])?;
+    out.check_disjoint(lse)?;
     out.write(&res.out)?;
-    lse.write(&res.lse)
+    lse.map_or(Ok(()), |l| l.write(&res.lse))
 }
 
 /// Forward: `flash_attn_into` (or the varlen form with `opts.cu_seqlens`): the kernels write
-/// straight into out and lse.
+/// straight into out and lse. Without `lse` (a caller that drops it) the kernels write it to a
+/// buffer of this call's own, one f32 per query row and head.
 #[pyfunction]
+#[pyo3(signature = (q, k, v, out, lse, opts))]
 fn fwd(
     py: Python<'_>,
     q: RawView,
     k: RawView,
     v: RawView,
     out: RawView,
-    lse: RawView,
+    lse: Option<RawView>,
     opts: Opts,
 ) -> PyResult<()> {
     py.detach(move || -> Result<(), BindError> {
-        let [q, k, v, out, lse] = views([q, k, v, out, lse])?;
+        let [q, k, v, out] = views([q, k, v, out])?;
+        let lse = lse.map(View::try_from).transpose()?;
         let ov = opts.views()?;
-        let pool = pool(opts.num_threads)?;
         let mut inputs = vec![&q, &k, &v];
         inputs.extend(ov.alibi.iter().chain(&ov.sink));
-        for w in [&out, &lse] {
+        for w in [Some(&out), lse.as_ref()].into_iter().flatten() {
             w.check_disjoint(inputs.iter().copied())?;
         }
-        out.check_disjoint([&lse])?;
+        out.check_disjoint(lse.iter())?;
+        // q's elements over its last dimension: the rows of lse in either layout.
+        let rows = q.shape.iter().product::<usize>() / q.shape.last().copied().unwrap_or(1).max(1);
+        let mut own_lse = Vec::new();
         // SAFETY: the Python layer holds every tensor of the call alive and does not write the
         // inputs while it runs; out and lse are fresh tensors, checked disjoint from the inputs
         // and from each other, so the kernels write them in place.
@@ -153,14 +218,20 @@ fn fwd(
             let (qt, kt, vt) = (q.tensor()?, k.tensor()?, v.tensor()?);
             let dst = flashattn::OutBuffers {
                 out: out.dest()?,
-                lse: lse.dest_f32()?,
+                lse: match &lse {
+                    Some(l) => l.dest_f32()?,
+                    None => {
+                        own_lse.resize(rows, 0f32);
+                        &mut own_lse
+                    }
+                },
             };
-            pool.install(|| match &opts.cu_seqlens {
+            run(opts.num_threads, || match &opts.cu_seqlens {
                 Some((cq, ck)) => {
                     flashattn::flash_attn_varlen_into(&qt, &kt, &vt, cq, ck, &ao, dst)
                 }
                 None => flashattn::flash_attn_into(&qt, &kt, &vt, &ao, dst),
-            })?;
+            })??;
         }
         Ok(())
     })?;
@@ -188,7 +259,6 @@ fn bwd(
         let [q, k, v, out, lse, dout, dq, dk, dv] = views([q, k, v, out, lse, dout, dq, dk, dv])?;
         let dsink = dsink.map(View::try_from).transpose()?;
         let ov = opts.views()?;
-        let pool = pool(opts.num_threads)?;
         // SAFETY: as in `fwd`; the gradients are fresh tensors checked disjoint from the inputs
         // and from each other before they are written.
         let mut inputs = vec![&q, &k, &v, &out, &lse, &dout];
@@ -212,14 +282,14 @@ fn bwd(
                 dv: dv.dest()?,
                 dsink: dsink.as_ref().map(|d| d.dest_f32()).transpose()?,
             };
-            pool.install(|| match &opts.cu_seqlens {
+            run(opts.num_threads, || match &opts.cu_seqlens {
                 Some((cq, ck)) => flashattn::flash_attn_varlen_backward_into(
                     &qt, &kt, &vt, &ot, &lt, &dot, cq, ck, &ao, dst,
                 ),
                 None => {
                     flashattn::flash_attn_backward_into(&qt, &kt, &vt, &ot, &lt, &dot, &ao, dst)
                 }
-            })?;
+            })??;
         }
         Ok(())
     })?;
@@ -244,7 +314,6 @@ fn fwd_fp8(
     py.detach(move || -> Result<(), BindError> {
         let [q, k, v, out, lse] = views([q, k, v, out, lse])?;
         let ov = opts.views()?;
-        let pool = pool(opts.num_threads)?;
         let descale = Descale {
             q: q_descale.as_deref(),
             k: k_descale.as_deref(),
@@ -254,15 +323,15 @@ fn fwd_fp8(
         unsafe {
             let ao = opts.attn(&ov)?;
             let (qt, kt, vt) = (q.fp8()?, k.fp8()?, v.fp8()?);
-            let res = pool.install(|| match &opts.cu_seqlens {
+            let res = run(opts.num_threads, || match &opts.cu_seqlens {
                 Some((cq, ck)) => {
                     flashattn::fp8::flash_attn_varlen_fp8(&qt, &kt, &vt, cq, ck, &descale, &ao)
                 }
                 None => flashattn::fp8::flash_attn_fp8(&qt, &kt, &vt, &descale, &ao),
-            })?;
+            })??;
             let mut inputs = vec![&q, &k, &v];
             inputs.extend(ov.alibi.iter().chain(&ov.sink));
-            write_forward(&res, &out, &lse, &inputs)
+            write_forward(&res, &out, Some(&lse), &inputs)
         }
     })?;
     Ok(())
@@ -315,8 +384,9 @@ impl KvOpts {
     }
 }
 
-/// Decoding over KV caches, appending the new keys in place first.
+/// Decoding over KV caches, appending the new keys in place first. No `lse`: the caller drops it.
 #[pyfunction]
+#[pyo3(signature = (q, k_cache, v_cache, cache_seqlens, out, lse, opts, kv))]
 #[allow(clippy::too_many_arguments)]
 fn kvcache(
     py: Python<'_>,
@@ -325,12 +395,13 @@ fn kvcache(
     v_cache: RawView,
     cache_seqlens: Vec<i32>,
     out: RawView,
-    lse: RawView,
+    lse: Option<RawView>,
     opts: Opts,
     kv: KvOpts,
 ) -> PyResult<()> {
     py.detach(move || -> Result<(), BindError> {
-        let [q, kc, vc, out, lse] = views([q, k_cache, v_cache, out, lse])?;
+        let [q, kc, vc, out] = views([q, k_cache, v_cache, out])?;
+        let lse = lse.map(View::try_from).transpose()?;
         let ov = opts.views()?;
         let opt = |r: &Option<RawView>| r.clone().map(View::try_from).transpose();
         let (kn, vn, cos, sin) = (
@@ -348,7 +419,6 @@ fn kvcache(
         // The caches are written in place: neither may alias the other or any input.
         kc.check_disjoint(reads.iter().copied().chain([&vc]))?;
         vc.check_disjoint(reads.iter().copied())?;
-        let pool = pool(opts.num_threads)?;
         // SAFETY: as in `fwd`; the caches are the only views written during the call and are
         // checked disjoint from each other and from everything read.
         unsafe {
@@ -374,7 +444,7 @@ fn kvcache(
                     k: kv.k_descale.as_deref(),
                     v: kv.v_descale.as_deref(),
                 };
-                pool.install(|| {
+                run(opts.num_threads, || {
                     flashattn::fp8::flash_attn_with_kvcache_fp8(
                         &qt,
                         &mut kt,
@@ -383,15 +453,15 @@ fn kvcache(
                         &descale,
                         &ko,
                     )
-                })?
+                })??
             } else {
                 let (mut kt, mut vt) = (kc.tensor_mut()?, vc.tensor_mut()?);
-                pool.install(|| {
+                run(opts.num_threads, || {
                     flashattn::flash_attn_with_kvcache(&qt, &mut kt, &mut vt, &cache_seqlens, &ko)
-                })?
+                })??
             };
             reads.extend([&kc, &vc]);
-            write_forward(&res, &out, &lse, &reads)
+            write_forward(&res, &out, lse.as_ref(), &reads)
         }
     })?;
     Ok(())

@@ -196,3 +196,84 @@ def test_compile_varlen_and_kvcache_aot_eager():
     out_c = torch.compile(decode, fullgraph=True, backend="aot_eager")(qd, kc, vc, kn, vn)
     assert torch.equal(out_c, out_e)
     assert torch.equal(kc, kc_e) and torch.equal(vc, vc_e), "the compiled call must update the caches"
+
+
+# ---- eager calls that skip the dispatcher ---------------------------------------------------------
+#
+# flashattn.interface runs an op's body itself when nothing could see the op (plain CPU tensors, no
+# gradient to record, no mode, tracing or profiler: `_ops._direct`). These check that the op is
+# still what such observers see, that both ways give the same bits and the same side effects.
+
+
+def test_direct_call_matches_the_op():
+    q, k, v = make_qkv(2, 19, 31, 4, 2, 40, BF16, seed=41)
+    slopes, s = alibi(2, 4), sink(4)
+    out = flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes, learnable_sink=s)
+    out_op, lse_op, _ = torch.ops.flashattn.fwd(
+        *_fwd_args(q, k, v, slopes=slopes, s=s))
+    assert torch.equal(out, out_op)
+    out2, lse, _ = flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes, learnable_sink=s,
+                                   return_attn_probs=True)
+    assert torch.equal(out2, out_op) and torch.equal(lse, lse_op)
+
+
+def test_observers_see_the_op():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = make_qkv(1, 8, 8, 2, 2, 32, F32, seed=42)
+    kc, vc = randn((1, 16, 2, 32), F32, seed=43), randn((1, 16, 2, 32), F32, seed=44)
+    with Log() as log:
+        flash_attn_func(q, k, v)
+        flash_attn_with_kvcache(q[:, :1], kc, vc, cache_seqlens=5)
+    assert any("flashattn.fwd" in o for o in log.ops), log.ops
+    assert any("flashattn.fwd_kvcache" in o for o in log.ops), log.ops
+    with torch.profiler.profile() as prof:
+        flash_attn_func(q, k, v)
+    assert any("flashattn::fwd" in e.name for e in prof.events())
+
+
+def test_direct_kvcache_bumps_the_caches_versions():
+    # As the op's ADInplaceOrView kernel does: autograd then notices a cache written in place.
+    kc, vc = randn((1, 16, 2, 32), F32, seed=45), randn((1, 16, 2, 32), F32, seed=46)
+    q, kn, vn = (randn((1, 1, 2, 32), F32, seed=s) for s in (47, 48, 49))
+    before = (kc._version, vc._version)
+    flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=5)
+    assert kc._version > before[0] and vc._version > before[1]
+
+
+def test_calls_from_other_threads():
+    # Each Python thread joins a pool of its own on its first call (the caller is one of its
+    # threads); a later call with another thread count goes to a shared pool. Same bits from
+    # every thread, also for the decode (its split count follows the thread count, so it is
+    # compared at equal counts; torch's count is per process, hence set here, between batches).
+    from concurrent.futures import ThreadPoolExecutor
+
+    q, k, v = make_qkv(2, 67, 67, 4, 2, 64, F32, seed=50)
+    kc, vc = randn((2, 600, 2, 64), F32, seed=51), randn((2, 600, 2, 64), F32, seed=52)
+    qd = randn((2, 1, 4, 64), F32, seed=53)
+    sl = torch.tensor([599, 300], dtype=torch.int32)
+
+    def calls(_=None):
+        return (flash_attn_func(q, k, v, causal=True),
+                flash_attn_with_kvcache(qd, kc, vc, cache_seqlens=sl))
+
+    saved = torch.get_num_threads()
+    try:
+        with ThreadPoolExecutor(3) as ex:
+            for n in (1, 2, 1):
+                torch.set_num_threads(n)
+                want = calls()
+                for out, dec in ex.map(calls, range(6)):
+                    assert torch.equal(out, want[0])
+                    assert torch.equal(dec, want[1])
+    finally:
+        torch.set_num_threads(saved)

@@ -41,6 +41,8 @@ for _d in FP8_DTYPES:
 def _on_cuda(**tensors: Optional[Tensor]) -> bool:
     """Whether a call runs on CUDA: every tensor on the CPU (False) or all on one CUDA device
     (True, unless FLASHATTN_PY_CUDA=0 turns the CUDA path off)."""
+    if all(t is None or t.is_cpu for t in tensors.values()):
+        return False
     devices = {t.device for t in tensors.values() if t is not None}
     if all(d.type == "cpu" for d in devices):
         return False
@@ -62,7 +64,7 @@ def _cuda_target(t: Tensor) -> tuple[int, int]:
 
 def _view(name: str, t: Tensor, cuda: bool = False) -> tuple:
     """A tensor as the extension module takes it: (name, address, dtype, shape, strides)."""
-    if t.device.type != ("cuda" if cuda else "cpu"):
+    if not (t.is_cuda if cuda else t.is_cpu):
         raise NotImplementedError(
             f"flashattn: `{name}` is on {t.device}; this call runs on "
             f"{'CUDA' if cuda else 'the CPU'}"
@@ -73,7 +75,8 @@ def _view(name: str, t: Tensor, cuda: bool = False) -> tuple:
             f"flashattn: `{name}` has dtype {t.dtype}; expected float32, float16 or bfloat16 "
             "(or float8_e4m3fn / float8_e5m2 where FP8 is accepted)"
         )
-    return (name, t.data_ptr(), dtype, tuple(t.shape), tuple(t.stride()))
+    # torch.Size is a tuple: the extension module reads it as it is.
+    return (name, t.data_ptr(), dtype, t.shape, t.stride())
 
 
 def _maybe_view(name: str, t: Optional[Tensor], cuda: bool = False) -> Optional[tuple]:
@@ -162,7 +165,65 @@ def _new_seed() -> int:
     return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
 
 
+_C = torch._C
+
+
+def _modes_off() -> bool:
+    """No torch.compile, tracing, dispatch or function mode, profiler or functorch transform is
+    active: nothing would see an op call that skipped torch's dispatcher. Any of these missing
+    from this torch: False."""
+    try:
+        return not (
+            torch.compiler.is_compiling()
+            or _C._len_torch_dispatch_stack()
+            or _C._is_torch_function_mode_enabled()
+            or _C._autograd._profiler_enabled()
+            or _C._get_tracing_state() is not None
+            or _C._functorch.peek_interpreter_stack() is not None
+        )
+    except AttributeError:
+        return False
+
+
+def _direct(*tensors: Optional[Tensor]) -> bool:
+    """Whether `flashattn.interface` may run an op's body itself instead of calling the op:
+    plain CPU tensors, no gradient to record and nothing that would see the op (`_modes_off`).
+    Through torch's dispatcher a call passes Python layers for autograd, ADInplaceOrView and the
+    backend kernel: ~30 us on a 2-vCPU VM, 3-6 times all of SDPA on a tiny call
+    (bench/py_cpu_overhead.py). The body is the same code either way, so are the results."""
+    if not _modes_off():
+        return False
+    grad = _C.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) is not Tensor or not t.is_cpu or (grad and t.requires_grad)):
+            return False
+    return True
+
+
 # ---- forward and backward ------------------------------------------------------------------------
+
+
+def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_left,
+             window_right, softcap, alibi_slopes, learnable_sink, want_lse: bool):
+    """The forward's work: (out, lse, seed); lse None when not `want_lse` (CPU only)."""
+    packed = cu_seqlens_q is not None
+    cuda = _on_cuda(q=q, k=k, v=v, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
+    seed = _new_seed() if dropout_p > 0.0 else 0
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = None
+    if want_lse or cuda:
+        lse = torch.empty(_lse_shape(q, packed), dtype=torch.float32, device=q.device)
+    opts = _opts(
+        softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+        learnable_sink, dropout_p, seed, cu_seqlens_q, cu_seqlens_k, cuda,
+    )
+    views = [_view("q", q, cuda), _view("k", k, cuda), _view("v", v, cuda),
+             _view("out", out, cuda), _maybe_view("lse", lse, cuda)]
+    if cuda:
+        _ext.cuda_fwd(*_cuda_target(q), *views, opts)
+    else:
+        _ext.fwd(*views, opts)
+    return out, lse, seed
 
 
 @torch.library.custom_op("flashattn::fwd", mutates_args=())
@@ -181,26 +242,33 @@ def fwd(
     alibi_slopes: Optional[Tensor],
     learnable_sink: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor]:
-    packed = cu_seqlens_q is not None
-    cuda = _on_cuda(q=q, k=k, v=v, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
     # On the host on either backend: the backward reads the seed without a device sync.
     rng_state = torch.zeros(2, dtype=torch.int64)
-    seed = 0
-    if dropout_p > 0.0:
-        seed = _new_seed()
-        rng_state[0] = seed
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(_lse_shape(q, packed), dtype=torch.float32, device=q.device)
-    opts = _opts(
-        softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-        learnable_sink, dropout_p, seed, cu_seqlens_q, cu_seqlens_k, cuda,
+    out, lse, seed = _forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_left,
+        window_right, softcap, alibi_slopes, learnable_sink, True,
     )
-    views = [_view(n, t, cuda) for n, t in (("q", q), ("k", k), ("v", v), ("out", out),
-                                            ("lse", lse))]
-    if cuda:
-        _ext.cuda_fwd(*_cuda_target(q), *views, opts)
-    else:
-        _ext.fwd(*views, opts)
+    if seed:
+        rng_state[0] = seed
+    return out, lse, rng_state
+
+
+def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_left,
+            window_right, softcap, alibi_slopes, learnable_sink, want_lse: bool):
+    """`fwd` for `flashattn.interface`: (out, lse, rng_state), through the op, or where `_direct`
+    allows through its body without the dispatcher (then lse and rng_state are None unless
+    `want_lse`: the caller returns out alone)."""
+    if not _direct(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, learnable_sink):
+        return fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal,
+                   window_left, window_right, softcap, alibi_slopes, learnable_sink)
+    out, lse, seed = _forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_left,
+        window_right, softcap, alibi_slopes, learnable_sink, want_lse,
+    )
+    if not want_lse:
+        return out, None, None
+    rng_state = torch.zeros(2, dtype=torch.int64)
+    rng_state[0] = seed
     return out, lse, rng_state
 
 
@@ -339,8 +407,9 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale, soft
 # ---- decoding with a KV cache --------------------------------------------------------------------
 
 
-def _kvcache(a: dict) -> tuple[Tensor, Tensor]:
-    """The body of `fwd_kvcache`, over its arguments by name."""
+def _kvcache(a: dict, want_lse: bool = True) -> tuple[Tensor, Optional[Tensor]]:
+    """The body of `fwd_kvcache`, over its arguments by name; lse None when not `want_lse`
+    (CPU only)."""
     q, k_cache, v_cache, k, v = a["q"], a["k_cache"], a["v_cache"], a["k"], a["v"]
     if k_cache.numel() and k_cache.data_ptr() == v_cache.data_ptr():
         raise FlashAttnError(
@@ -353,7 +422,7 @@ def _kvcache(a: dict) -> tuple[Tensor, Tensor]:
         # This costs a pass over both caches per call.
         kc = k_cache.clone(memory_format=torch.contiguous_format)
         vc = v_cache.clone(memory_format=torch.contiguous_format)
-        out, lse = _kvcache({**a, "k_cache": kc, "v_cache": vc})
+        out, lse = _kvcache({**a, "k_cache": kc, "v_cache": vc}, want_lse)
         if k is not None:
             k_cache.copy_(kc)
             v_cache.copy_(vc)
@@ -362,7 +431,9 @@ def _kvcache(a: dict) -> tuple[Tensor, Tensor]:
     cuda = _on_cuda(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
                     rotary_cos=a["rotary_cos"], rotary_sin=a["rotary_sin"])
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(_lse_shape(q, packed), dtype=torch.float32, device=q.device)
+    lse = None
+    if want_lse or cuda:
+        lse = torch.empty(_lse_shape(q, packed), dtype=torch.float32, device=q.device)
     opts = _opts(a["softmax_scale"], a["causal"], a["window_left"], a["window_right"],
                  a["softcap"], a["alibi_slopes"], a["learnable_sink"], cuda=cuda)
     table, bt = None, a["block_table"]
@@ -395,7 +466,7 @@ def _kvcache(a: dict) -> tuple[Tensor, Tensor]:
     }
     call = (_view("q", q, cuda), _view("k_cache", k_cache, cuda), _view("v_cache", v_cache, cuda),
             _ints("cache_seqlens", a["cache_seqlens"]), _view("out", out, cuda),
-            _view("lse", lse, cuda), opts, kv)
+            _maybe_view("lse", lse, cuda), opts, kv)
     if cuda:
         _ext.cuda_kvcache(*_cuda_target(q), *call)
     else:
@@ -431,6 +502,23 @@ def fwd_kvcache(
     num_splits: int,
 ) -> tuple[Tensor, Tensor]:
     return _kvcache(dict(locals()))
+
+
+def kvcache(q, k_cache, v_cache, cache_seqlens, k, v, rotary_cos, rotary_sin, cache_batch_idx,
+            cache_leftpad, block_table, cu_seqlens_q, cu_seqlens_k_new, k_descale, v_descale,
+            softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
+            alibi_slopes, learnable_sink, num_splits, want_lse: bool):
+    """`fwd_kvcache` for `flashattn.interface`: (out, lse), through the op, or where `_direct`
+    allows through its body without the dispatcher (then lse is None unless `want_lse`), bumping
+    the caches' version counters as the op's ADInplaceOrView kernel does."""
+    a = dict(locals())
+    del a["want_lse"]
+    if not _direct(q, k_cache, v_cache, cache_seqlens, k, v, rotary_cos, rotary_sin,
+                   cache_batch_idx, cache_leftpad, block_table, cu_seqlens_q, cu_seqlens_k_new,
+                   k_descale, v_descale, alibi_slopes, learnable_sink):
+        return fwd_kvcache(*a.values())
+    torch.autograd.graph.increment_version((k_cache, v_cache))
+    return _kvcache(a, want_lse)
 
 
 @fwd_kvcache.register_fake

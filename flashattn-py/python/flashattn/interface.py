@@ -86,9 +86,9 @@ def _attention(
     else:
         if any(d is not None for d in (q_descale, k_descale, v_descale)):
             raise ValueError("flashattn: q_descale/k_descale/v_descale go with FP8 inputs only")
-        out, lse, rng_state = _ops.fwd(
+        out, lse, rng_state = _ops.forward(
             q, k, v, cu_seqlens_q, cu_seqlens_k, float(dropout_p), scale, causal, left, right,
-            float(softcap), alibi_slopes, learnable_sink,
+            float(softcap), alibi_slopes, learnable_sink, return_attn_probs,
         )
     if not return_attn_probs:
         return out
@@ -210,10 +210,10 @@ def flash_attn_varlen_func(
             raise ValueError("flashattn: block_table takes no dropout and no return_attn_probs")
         cache_seqlens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
         left, right = _window(window_size)
-        out, _ = _ops.fwd_kvcache(
+        out, _ = _ops.kvcache(
             q, k, v, cache_seqlens, None, None, None, None, None, None, block_table,
             cu_seqlens_q, None, None, None, _scale(softmax_scale, q.shape[-1]), causal, left,
-            right, float(softcap), True, alibi_slopes, learnable_sink, 0,
+            right, float(softcap), True, alibi_slopes, learnable_sink, 0, False,
         )
         return out
     return _attention(
@@ -315,10 +315,11 @@ def flash_attn_with_kvcache(
     elif isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32)
     left, right = _window(window_size)
-    out, lse = _ops.fwd_kvcache(
+    out, lse = _ops.kvcache(
         q, k_cache, v_cache, cache_seqlens, k, v, rotary_cos, rotary_sin, cache_batch_idx,
         cache_leftpad, block_table, cu_seqlens_q, cu_seqlens_k_new, k_descale, v_descale,
         _scale(softmax_scale, q.shape[-1]), bool(causal), left, right, float(softcap),
         bool(rotary_interleaved), alibi_slopes, learnable_sink, int(num_splits),
+        return_softmax_lse,
     )
     return (out, lse) if return_softmax_lse else out
