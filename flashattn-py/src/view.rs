@@ -109,16 +109,19 @@ impl TryFrom<RawView> for View {
 
 impl View {
     /// The first element's address.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // used by the CUDA calls only
     pub fn addr(&self) -> usize {
         self.addr
     }
 
     /// Elements from the first to one past the last reachable one.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // used by the CUDA calls only
     pub fn extent(&self) -> usize {
         self.extent
     }
 
     /// Fails unless the view is contiguous (any strides when empty).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // used by the CUDA calls only
     pub fn require_contiguous(&self) -> Result<(), BindError> {
         self.check_contiguous()
     }

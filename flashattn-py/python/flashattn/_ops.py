@@ -204,10 +204,13 @@ def _direct(*tensors: Optional[Tensor]) -> bool:
 
 
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_left,
-             window_right, softcap, alibi_slopes, learnable_sink, want_lse: bool):
-    """The forward's work: (out, lse, seed); lse None when not `want_lse` (CPU only)."""
+             window_right, softcap, alibi_slopes, learnable_sink, want_lse: bool,
+             cuda: Optional[bool] = None):
+    """The forward's work: (out, lse, seed); lse None when not `want_lse` (CPU only). `cuda`:
+    the device when the caller knows it (`_on_cuda` otherwise)."""
     packed = cu_seqlens_q is not None
-    cuda = _on_cuda(q=q, k=k, v=v, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
+    if cuda is None:
+        cuda = _on_cuda(q=q, k=k, v=v, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
     seed = _new_seed() if dropout_p > 0.0 else 0
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = None
@@ -263,7 +266,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causa
                    window_left, window_right, softcap, alibi_slopes, learnable_sink)
     out, lse, seed = _forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_left,
-        window_right, softcap, alibi_slopes, learnable_sink, want_lse,
+        window_right, softcap, alibi_slopes, learnable_sink, want_lse, cuda=False,
     )
     if not want_lse:
         return out, None, None
@@ -407,9 +410,10 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale, soft
 # ---- decoding with a KV cache --------------------------------------------------------------------
 
 
-def _kvcache(a: dict, want_lse: bool = True) -> tuple[Tensor, Optional[Tensor]]:
+def _kvcache(a: dict, want_lse: bool = True,
+             cuda: Optional[bool] = None) -> tuple[Tensor, Optional[Tensor]]:
     """The body of `fwd_kvcache`, over its arguments by name; lse None when not `want_lse`
-    (CPU only)."""
+    (CPU only). `cuda`: the device when the caller knows it (`_on_cuda` otherwise)."""
     q, k_cache, v_cache, k, v = a["q"], a["k_cache"], a["v_cache"], a["k"], a["v"]
     if k_cache.numel() and k_cache.data_ptr() == v_cache.data_ptr():
         raise FlashAttnError(
@@ -422,14 +426,15 @@ def _kvcache(a: dict, want_lse: bool = True) -> tuple[Tensor, Optional[Tensor]]:
         # This costs a pass over both caches per call.
         kc = k_cache.clone(memory_format=torch.contiguous_format)
         vc = v_cache.clone(memory_format=torch.contiguous_format)
-        out, lse = _kvcache({**a, "k_cache": kc, "v_cache": vc}, want_lse)
+        out, lse = _kvcache({**a, "k_cache": kc, "v_cache": vc}, want_lse, cuda)
         if k is not None:
             k_cache.copy_(kc)
             v_cache.copy_(vc)
         return out, lse
     packed = a["cu_seqlens_q"] is not None
-    cuda = _on_cuda(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
-                    rotary_cos=a["rotary_cos"], rotary_sin=a["rotary_sin"])
+    if cuda is None:
+        cuda = _on_cuda(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
+                        rotary_cos=a["rotary_cos"], rotary_sin=a["rotary_sin"])
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = None
     if want_lse or cuda:
@@ -518,7 +523,7 @@ def kvcache(q, k_cache, v_cache, cache_seqlens, k, v, rotary_cos, rotary_sin, ca
                    k_descale, v_descale, alibi_slopes, learnable_sink):
         return fwd_kvcache(*a.values())
     torch.autograd.graph.increment_version((k_cache, v_cache))
-    return _kvcache(a, want_lse)
+    return _kvcache(a, want_lse, cuda=False)
 
 
 @fwd_kvcache.register_fake
