@@ -39,6 +39,8 @@ struct Machine {
     kind: &'static str,
     /// `flashattn::simd::active()`, e.g. "avx512+bf16".
     isa: String,
+    /// The cache sizes the CPU path sized its tiles by (`flashattn::simd::cache_sizes`).
+    caches: String,
     threads: usize,
     /// Measured peaks in GFLOP/s on `threads` threads; `null` with --no-peak or where the
     /// instruction is missing.
@@ -206,7 +208,10 @@ fn machine_line(m: &Machine) -> String {
             m.peak_used.unwrap_or("nothing"),
         ),
     };
-    format!("machine: ISA {}, {} threads; {peaks}", m.isa, m.threads)
+    format!(
+        "machine: ISA {}, {} threads, caches {}; {peaks}",
+        m.isa, m.threads, m.caches
+    )
 }
 
 /// The CPU bench on the current rayon pool: the machine line, then one row per (seqlen_q,
@@ -237,6 +242,7 @@ pub fn bench_in_pool(args: &BenchArgs, cases: &[(usize, usize)]) -> Result<()> {
     let machine = Machine {
         kind: "machine",
         isa: isa.to_string(),
+        caches: crate::report::caches(),
         threads,
         peak_f32_gflops: peak.and_then(|p| p.f32).map(|r| r.gflops),
         peak_f32_method: peak.and_then(|p| p.f32).map(|r| r.method.name()),

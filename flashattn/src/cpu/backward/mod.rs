@@ -106,7 +106,7 @@ fn backward_poisoned<T: Element>(
         (dq.len(), dk.len(), dv.len()),
         (p.out_len(), p.dk_len(), p.dk_len())
     );
-    let bs = block_sizes(Pass::Backward, p.kernels.isa);
+    let bs = block_sizes(Pass::Backward, p.kernels.isa, p.head_dim);
     let delta = compute_delta(p, g, out, dout)?;
     let dsink = sink_grad(p, g, &delta);
     let bf_in = bf16_inputs(p, q, k, v);

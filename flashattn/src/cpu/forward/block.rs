@@ -101,8 +101,12 @@ pub(super) struct Inputs<'a, T, S> {
     /// [`key_blocks_revisited`]: super::items::key_blocks_revisited
     pub(super) packed_k: Option<KeyTiles<u32>>,
     /// k and v widened to f32 tiles (`[cols][d]` per key block), when the f32 products run and
-    /// key blocks are revisited. At N = 8192, 16 heads, f32 d = 128, the per-visit copies from
-    /// k's and v's strided rows took ~16% of the forward's samples (perf, 2026-11-24).
+    /// key blocks are revisited (16 visits for f32 inputs, 2 for bf16 and f16, which the copies
+    /// widen; [`key_blocks_revisited`]). At N = 8192, 16 heads, f32 d = 128, the per-visit
+    /// copies from k's and v's strided rows took ~16% of the forward's samples (perf,
+    /// 2026-11-24).
+    ///
+    /// [`key_blocks_revisited`]: super::items::key_blocks_revisited
     pub(super) tiles_f32: Option<(KeyTiles<f32>, KeyTiles<f32>)>,
 }
 

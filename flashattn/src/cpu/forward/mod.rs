@@ -27,7 +27,7 @@ use crate::params::{Params, RowLayout};
 use crate::tensor::{DType, Element};
 use block::{forward_block, Inputs, Scratch};
 use half::bf16;
-use items::{key_blocks, key_blocks_revisited};
+use items::{key_blocks, key_blocks_revisited, PACK_VISITS_F32, PACK_VISITS_WIDENED};
 pub(crate) use items::{work_items, WorkItem};
 use rayon::prelude::*;
 pub(crate) use score_mod::ScoreMod;
@@ -99,11 +99,18 @@ fn forward_with<T: Element, S: Bf16Source>(
     } else {
         Pass::ForwardF32
     };
-    let bs = block_sizes(pass, p.kernels.isa);
+    let bs = block_sizes(pass, p.kernels.isa, p.head_dim);
     // `out` and `lse` arrive poisoned (NaN): every element is written below.
     clear_unused_rows(p, out, lse);
     let mut items = work_items(p, bs.block_m);
-    let revisited = key_blocks_revisited(p, &items, bs);
+    let revisited = key_blocks_revisited(p, &items, bs, PACK_VISITS_F32);
+    // The f32 products widen bf16 and f16 tiles as they copy them: packed, each element is
+    // widened once per call instead of at every visit.
+    let pack_f32 = bf.is_none()
+        && match T::DTYPE {
+            DType::F32 => revisited,
+            _ => key_blocks_revisited(p, &items, bs, PACK_VISITS_WIDENED),
+        };
     let d = p.head_dim;
     let tiles_of =
         |src: &[T],
@@ -137,7 +144,7 @@ fn forward_with<T: Element, S: Bf16Source>(
             .filter(|_| revisited || !S::COPY_IS_CHEAP)
             .map(|(_, kb, _)| packed_k(kb))
             .transpose()?,
-        tiles_f32: match bf.is_none() && revisited {
+        tiles_f32: match pack_f32 {
             true => Some((
                 tiles_of(
                     k,

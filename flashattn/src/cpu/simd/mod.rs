@@ -14,6 +14,7 @@
 
 #[cfg(target_arch = "aarch64")]
 pub(crate) mod aarch64_neon;
+mod caches;
 pub(crate) mod scalar;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86_avx2;
@@ -44,6 +45,7 @@ pub const fn pad_lanes(n: usize) -> usize {
 }
 
 pub use crate::isa::Isa;
+pub use caches::{cache_sizes, CacheSizes};
 
 /// The best instruction set this CPU has (detected once).
 pub fn detected() -> Isa {
