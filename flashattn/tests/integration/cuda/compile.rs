@@ -145,8 +145,9 @@ fn every_kernel_variant_compiles_without_spills() {
 /// tensor cores (`_tc`), a tile configuration a family's head dims and options that share
 /// [`KernelKey::tiles`]. Taken:
 /// - at each family's base head dim (96, not a power of two; the sm_90a forward's dims are
-///   multiples of 64: 128; a family that starts above that: its smallest), no option, all of
-///   them, and all but one: every option's code on and off, with the others on and off;
+///   multiples of 64: 128; a family that starts above that: its smallest), no option (but
+///   those the family always has), all of them, and all but one: every option's code on and
+///   off, with the others on and off;
 /// - in each tile configuration, at its largest head dim, the variants with the most options:
 ///   the most registers live for those tiles, where spills appear first;
 /// - the kernels with no head dim (decode combine and append, backward prep).
@@ -193,13 +194,14 @@ fn representative(keys: &[KernelKey]) -> std::collections::HashSet<KernelKey> {
             dims().min().unwrap_or(want)
         }
     };
-    let most = |of: &dyn Fn(&Info) -> bool| {
+    // The fewest and the most options of the variants `of` takes.
+    let span = |of: &dyn Fn(&Info) -> bool| {
         infos
             .iter()
             .filter(|o| of(o))
-            .map(|o| o.options)
-            .max()
-            .unwrap_or(0)
+            .fold((usize::MAX, 0), |(lo, hi), o| {
+                (lo.min(o.options), hi.max(o.options))
+            })
     };
     let mut subset = std::collections::HashSet::new();
     for i in &infos {
@@ -208,8 +210,10 @@ fn representative(keys: &[KernelKey]) -> std::collections::HashSet<KernelKey> {
             KernelKind::DecodeCombine | KernelKind::DecodeAppend | KernelKind::BackwardPrep
         );
         let at_base = i.key.head_dim == base_dim(i) && {
-            let m = most(&|o| o.family == i.family && o.key.head_dim == i.key.head_dim);
-            i.options == 0 || i.options + 1 >= m
+            // Fewest: the sm_90a forward and the tensor-core decode always load vectors.
+            let same = |o: &Info| o.family == i.family && o.key.head_dim == i.key.head_dim;
+            let (fewest, most) = span(&same);
+            i.options == fewest || i.options + 1 >= most
         };
         let same_tiles = |o: &Info| (o.family, o.tiles) == (i.family, i.tiles);
         let dmax = infos
@@ -219,7 +223,7 @@ fn representative(keys: &[KernelKey]) -> std::collections::HashSet<KernelKey> {
             .max()
             .unwrap_or(0);
         let top_of_tiles = i.key.head_dim == dmax
-            && i.options == most(&|o| same_tiles(o) && o.key.head_dim == dmax);
+            && i.options == span(&|o| same_tiles(o) && o.key.head_dim == dmax).1;
         if helper || at_base || top_of_tiles {
             subset.insert(i.key);
         }
