@@ -122,6 +122,12 @@ pub fn budget(default: usize) -> usize {
         .unwrap_or(default)
 }
 
+/// Whether to run every emulated case (`FLASHATTN_EMU_ALL=1`) where a test runs a representative
+/// subset by default (the build of each kernel variant, g++, takes most of an emulated test's time).
+pub fn all() -> bool {
+    std::env::var("FLASHATTN_EMU_ALL").is_ok_and(|v| v == "1")
+}
+
 /// Runs an emulation binary on its work folder `dir`; a failure fails the test, naming `what`.
 pub fn run_exe(exe: &Path, dir: &Path, what: &str) {
     let o = Command::new(exe)

@@ -1,8 +1,12 @@
 //! CUDA kernel variants compile with NVRTC for sm_80 (Ampere) and sm_90a (Hopper), with no
-//! register spills. By default a representative subset: every kernel family and dtype at head dims
-//! 96 and 256 with no option, each option alone, and all (or all but one) of its options on (~6%
-//! of the variants, a few minutes on 2 cores);
-//! `FLASHATTN_COMPILE_ALL=1` compiles every variant (20-30 minutes). Needs only libnvrtc, no GPU:
+//! register spills. By default a representative subset (~7% of the variants, ~4 CPU-minutes):
+//! every kernel family (kind, dtype, tensor-core or not) at one head dim (96; 128 for the sm_90a
+//! forward; the smallest where a family starts above that) with no option, all of them, and all
+//! but one; in every tile configuration (family and tiles) the variants with the most options at
+//! its largest head dim, where registers run out first (256 with dropout, softcap and ALiBi); and
+//! the decode combine/append and backward prep kernels (see `representative`).
+//! `FLASHATTN_COMPILE_ALL=1` compiles every variant (~65 CPU-minutes, about half an hour on 2
+//! cores). Needs only libnvrtc, no GPU:
 //! CI installs `nvidia-cuda-nvrtc==13.0.88` from PyPI and sets `FLASHATTN_REQUIRE_NVRTC=1`, which
 //! turns a missing NVRTC into a failure; elsewhere the test says why it skips. The per-variant
 //! table (registers, spills, compile time) goes to `target/cuda_compile_report.txt`, which
@@ -31,36 +35,12 @@ fn every_kernel_variant_compiles_without_spills() {
     // texts (while working on one kernel); CI compiles them all.
     let filter = std::env::var("FLASHATTN_COMPILE_FILTER").unwrap_or_default();
     let all = std::env::var("FLASHATTN_COMPILE_ALL").is_ok_and(|v| v == "1");
-    // 256 has the most registers live (where spills appear first); 96 is not a power of two.
-    // At those, each option alone, none, and all of a family's options on or all but one (the
-    // most registers live).
-    let options = |k: &KernelKey| {
-        [k.masked, k.softcap, k.alibi, k.dropout, k.vec_load, k.fp8]
-            .into_iter()
-            .filter(|&on| on)
-            .count()
-    };
     let keys = KernelKey::all();
-    let most = |k: &KernelKey| {
-        keys.iter()
-            .filter(|o| (o.kind, o.dtype, o.head_dim) == (k.kind, k.dtype, k.head_dim))
-            .map(options)
-            .max()
-            .unwrap_or(0)
-    };
-    let representative = |k: &KernelKey| {
-        // The sm_90a forward's head dims are multiples of 64: there, 128 and 256.
-        let dims = if k.kind == KernelKind::ForwardSm90 {
-            [128, 256]
-        } else {
-            [96, 256]
-        };
-        all || (dims.contains(&k.head_dim) && (options(k) <= 1 || options(k) + 1 >= most(k)))
-    };
+    let subset = representative(&keys);
     let jobs: Vec<(KernelKey, Arch)> = keys
         .iter()
         .copied()
-        .filter(|k| representative(k))
+        .filter(|k| all || subset.contains(k))
         .filter(|k| filter.split(',').any(|f| k.name().contains(f)))
         .flat_map(|k| [(k, Arch::SM80), (k, Arch::SM90)])
         .filter(|(k, arch)| k.builds_for(*arch))
@@ -159,6 +139,96 @@ fn every_kernel_variant_compiles_without_spills() {
         results.len(),
         failures.join("\n")
     );
+}
+
+/// The variants compiled by default. A family is a kernel kind and dtype on CUDA cores or on
+/// tensor cores (`_tc`), a tile configuration a family's head dims and options that share
+/// [`KernelKey::tiles`]. Taken:
+/// - at each family's base head dim (96, not a power of two; the sm_90a forward's dims are
+///   multiples of 64: 128; a family that starts above that: its smallest), no option (but
+///   those the family always has), all of them, and all but one: every option's code on and
+///   off, with the others on and off;
+/// - in each tile configuration, at its largest head dim, the variants with the most options:
+///   the most registers live for those tiles, where spills appear first;
+/// - the kernels with no head dim (decode combine and append, backward prep).
+fn representative(keys: &[KernelKey]) -> std::collections::HashSet<KernelKey> {
+    struct Info {
+        key: KernelKey,
+        family: (KernelKind, flashattn::DType, bool),
+        tiles: (usize, usize, usize),
+        options: usize,
+    }
+    let infos: Vec<Info> = keys
+        .iter()
+        .map(|&key| {
+            let t = key.tiles();
+            Info {
+                key,
+                family: (key.kind, key.dtype, key.name().contains("_tc")),
+                tiles: (t.block_m, t.block_n, t.num_warps),
+                options: [
+                    key.masked,
+                    key.softcap,
+                    key.alibi,
+                    key.dropout,
+                    key.vec_load,
+                    key.fp8,
+                ]
+                .into_iter()
+                .filter(|&on| on)
+                .count(),
+            }
+        })
+        .collect();
+    let base_dim = |i: &Info| {
+        let want = if i.key.is_sm90() { 128 } else { 96 };
+        let dims = || {
+            infos
+                .iter()
+                .filter(|o| o.family == i.family)
+                .map(|o| o.key.head_dim)
+        };
+        if dims().any(|d| d == want) {
+            want
+        } else {
+            dims().min().unwrap_or(want)
+        }
+    };
+    // The fewest and the most options of the variants `of` takes.
+    let span = |of: &dyn Fn(&Info) -> bool| {
+        infos
+            .iter()
+            .filter(|o| of(o))
+            .fold((usize::MAX, 0), |(lo, hi), o| {
+                (lo.min(o.options), hi.max(o.options))
+            })
+    };
+    let mut subset = std::collections::HashSet::new();
+    for i in &infos {
+        let helper = matches!(
+            i.key.kind,
+            KernelKind::DecodeCombine | KernelKind::DecodeAppend | KernelKind::BackwardPrep
+        );
+        let at_base = i.key.head_dim == base_dim(i) && {
+            // Fewest: the sm_90a forward and the tensor-core decode always load vectors.
+            let same = |o: &Info| o.family == i.family && o.key.head_dim == i.key.head_dim;
+            let (fewest, most) = span(&same);
+            i.options == fewest || i.options + 1 >= most
+        };
+        let same_tiles = |o: &Info| (o.family, o.tiles) == (i.family, i.tiles);
+        let dmax = infos
+            .iter()
+            .filter(|o| same_tiles(o))
+            .map(|o| o.key.head_dim)
+            .max()
+            .unwrap_or(0);
+        let top_of_tiles = i.key.head_dim == dmax
+            && i.options == span(&|o| same_tiles(o) && o.key.head_dim == dmax).1;
+        if helper || at_base || top_of_tiles {
+            subset.insert(i.key);
+        }
+    }
+    subset
 }
 
 /// The machine code of the sm_90a kernels uses the Hopper instructions they were written for:
