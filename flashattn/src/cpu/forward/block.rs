@@ -96,17 +96,17 @@ pub(super) struct Inputs<'a, T, S> {
     pub(super) bf: Option<(S, S, S)>,
     pub(super) packed_v: Option<PackedV>,
     /// k as pairs (`[cols][d2]` per key block), when the bf16 path runs and key blocks are
-    /// revisited ([`key_blocks_revisited`]); else each visit copies its tile.
+    /// revisited ([`key_block_visits`]); else each visit copies its tile.
     ///
-    /// [`key_blocks_revisited`]: super::items::key_blocks_revisited
+    /// [`key_block_visits`]: super::items::key_block_visits
     pub(super) packed_k: Option<KeyTiles<u32>>,
     /// k and v widened to f32 tiles (`[cols][d]` per key block), when the f32 products run and
     /// key blocks are revisited (16 visits for f32 inputs, 2 for bf16 and f16, which the copies
-    /// widen; [`key_blocks_revisited`]). At N = 8192, 16 heads, f32 d = 128, the per-visit
+    /// widen; [`key_block_visits`]). At N = 8192, 16 heads, f32 d = 128, the per-visit
     /// copies from k's and v's strided rows took ~16% of the forward's samples (perf,
     /// 2026-11-24).
     ///
-    /// [`key_blocks_revisited`]: super::items::key_blocks_revisited
+    /// [`key_block_visits`]: super::items::key_block_visits
     pub(super) tiles_f32: Option<(KeyTiles<f32>, KeyTiles<f32>)>,
 }
 

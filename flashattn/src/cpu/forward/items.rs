@@ -4,9 +4,9 @@ use crate::blocks::Mask;
 use crate::cpu::BlockSizes;
 use crate::params::Params;
 
-/// Whether key blocks are visited at least `min_visits` times each on average (by the query
-/// blocks of a head and the heads of a GQA group), which is when packing k and v once per call
-/// beats copying each tile at every visit.
+/// How many times each key block is visited on average (by the query blocks of a head and the
+/// heads of a GQA group), rounded down: at [`PACK_VISITS_F32`] or [`PACK_VISITS_WIDENED`] visits
+/// packing k and v once per call beats copying each tile at every visit.
 ///
 /// Packing costs a pass over k and v into fresh memory (its page faults included), while per-visit
 /// copies of f32 rows are cheap as long as k and v stay in the caches: f32, d = 128, 16 heads,
@@ -17,12 +17,7 @@ use crate::params::Params;
 /// for them packing, which widens once, pays from 2 visits ([`PACK_VISITS_WIDENED`]): AVX2 bf16
 /// d = 128, 16 heads, 2 threads, alternating runs on a loaded host (2026-11-29), packed against
 /// copied took 0.71-0.89 of the time at N = 1024 (11 visits) and 0.73-0.90 causal (~6 visits).
-pub(super) fn key_blocks_revisited(
-    p: &Params,
-    items: &[WorkItem],
-    bs: BlockSizes,
-    min_visits: usize,
-) -> bool {
+pub(super) fn key_block_visits(p: &Params, items: &[WorkItem], bs: BlockSizes) -> usize {
     let visits: usize = items.iter().map(|it| key_blocks(p, it, bs)).sum();
     let tiles: usize = p
         .seqs
@@ -30,12 +25,12 @@ pub(super) fn key_blocks_revisited(
         .map(|s| s.seqlen_k.div_ceil(bs.block_n))
         .sum::<usize>()
         * p.heads_kv;
-    visits >= min_visits * tiles.max(1)
+    visits / tiles.max(1)
 }
 
-/// [`key_blocks_revisited`]'s threshold for tiles copied without conversion.
+/// [`key_block_visits`]'s threshold for tiles copied without conversion.
 pub(super) const PACK_VISITS_F32: usize = 16;
-/// [`key_blocks_revisited`]'s threshold for tiles widened from bf16 or f16.
+/// [`key_block_visits`]'s threshold for tiles widened from bf16 or f16.
 pub(super) const PACK_VISITS_WIDENED: usize = 2;
 
 /// One (sequence, head, query block) work item.
