@@ -26,9 +26,3 @@ pub fn emit(pb: &ProgressBar, line: String) {
 pub fn to_json<T: Serialize>(x: &T) -> Result<String> {
     serde_json::to_string(x).map_err(|e| CliError(format!("cannot encode a JSON line: {e}")))
 }
-
-/// The data-cache sizes the CPU path sized its tiles by, e.g. "L1d 48 KiB, L2 2 MiB, L3 130 MiB
-/// per core (sysfs)" (`FLASHATTN_CACHE_SIZES` overrides them; see `flashattn::simd::cache_sizes`).
-pub fn caches() -> String {
-    flashattn::simd::cache_sizes().to_string()
-}

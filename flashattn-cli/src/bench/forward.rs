@@ -242,7 +242,7 @@ pub fn bench_in_pool(args: &BenchArgs, cases: &[(usize, usize)]) -> Result<()> {
     let machine = Machine {
         kind: "machine",
         isa: isa.to_string(),
-        caches: crate::report::caches(),
+        caches: flashattn::simd::cache_sizes().to_string(),
         threads,
         peak_f32_gflops: peak.and_then(|p| p.f32).map(|r| r.gflops),
         peak_f32_method: peak.and_then(|p| p.f32).map(|r| r.method.name()),
