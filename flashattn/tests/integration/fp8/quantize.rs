@@ -18,7 +18,7 @@ fn normal(g: &mut ChaCha8Rng) -> f64 {
 
 /// FlashAttention-3's test distribution: N(0, 1), plus for 0.1% of the entries an independent
 /// N(0, 10²) term (outliers).
-fn outlier_data(g: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+pub(super) fn outlier_data(g: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
     (0..n)
         .map(|_| {
             let mut x = normal(g);
@@ -299,7 +299,7 @@ fn quantize_rejects_bad_input() {
 }
 
 /// RMSE of `out` against `want`.
-fn rmse(out: &[f32], want: &[f64]) -> f64 {
+pub(super) fn rmse(out: &[f32], want: &[f64]) -> f64 {
     let s: f64 = out
         .iter()
         .zip(want)
