@@ -11,7 +11,7 @@
 #   4. NVRTC's own compile rate there (a few variants into an empty cache).
 #
 # Here: bash bench/gpu/prepare.sh && the cache (see docs/GPU.md); there (carry gpu-run):
-#   bash bench/gpu/session.sh [SECONDS] [decode|h100|ab|quick|fwd|bwd|bwdprobe|python|sm90|sm90b]
+#   bash bench/gpu/session.sh [SECONDS] [decode|h100|ab|quick|fwd|bwd|bwdprobe|python|sm90|sm90b|sm90fp8]
 # SECONDS: the budget for the whole script (500). `bwd`: after the tests, forward + backward
 # against SDPA (this build beside gpu-run/old/flashattn when carried) and the backward kernels
 # under Nsight Compute; `bwdprobe`: the same without the tests (a profile to work from).
@@ -21,6 +21,8 @@
 # decode.cu).
 # `sm90`: the Hopper forward (fwd_sm90.cu): probe, its test grids, against fwd.cu and SDPA.
 # `sm90b`: the warp-specialised fwd_sm90_ws.cu: its grids, against fwd_sm90.cu, fwd.cu, SDPA; Python.
+# `sm90fp8`: the FP8 fwd_sm90_fp8.cu (FLASHATTN_CUDA_FWD=sm90fp8): the FP8 tests on it, then e4m3
+# on it against e4m3 on fwd.cu and the bf16 kernels (fwd_sm90.cu, SDPA).
 # `python`: no Rust tests: the wgmma layout probe (bench/gpu/wgmma_probe.py), then the Python
 # package on CUDA tensors (its tests and benchmark).
 # $OUT/summary.txt grows as stages end; $OUT/logs.tgz holds every log at the end.
@@ -72,7 +74,7 @@ else
     timeout 200 "$bin" compile 2>&1 | tail -5 | tee -a "$summary"
 fi
 
-if [ "$mode" != bwdprobe ] && [ "$mode" != python ] && [ "$mode" != sm90 ]; then
+if [ "$mode" != bwdprobe ] && [ "$mode" != python ] && [ "$mode" != sm90 ] && [ "$mode" != sm90fp8 ]; then
 say "== $(date -u +%T) tests ($(left) s left)"
 tl=$(( $(left) - 220 )); [ $tl -gt 280 ] && tl=280; [ $tl -lt 60 ] && tl=60
 # shellcheck source=bench/gpu/tests.sh
@@ -193,6 +195,22 @@ if [ "$mode" = sm90b ]; then
         stage 40 python_cuda_tests env FLASHATTN_PY_CUDA=1 PYTHONPATH=/tmp/flashattn-py \
             python3 -m pytest -q -rs -p no:cacheprovider flashattn-py/tests/test_cuda.py
     fi
+    finish
+fi
+if [ "$mode" = sm90fp8 ]; then
+    # The FP8 tests with e4m3 calls on fwd_sm90_fp8.cu (the e5m2 and unaligned ones stay on
+    # fwd.cu; the test says how many ran where), the emulated FP8 kernel test beside them for
+    # the record, then the timings: e4m3 on fwd_sm90_fp8.cu (variant) against e4m3 on fwd.cu
+    # (main), and bf16 on the default fwd_sm90.cu against SDPA for scale.
+    (FLASHATTN_CUDA_FWD=sm90fp8 timeout 120 gpu-run/integration_tests_flashattn fp8::gpu:: \
+        --test-threads 1 --nocapture >"$logs/sm90fp8_gpu.log" 2>&1; echo "exit $?" >>"$logs/sm90fp8_gpu.log")
+    say "-- sm90fp8_gpu.log"
+    grep -E "test result|panicked|FP8 forward cases|out\[|^exit " "$logs/sm90fp8_gpu.log" | head -12 | tee -a "$summary"
+    stage 150 compare_fp8_e4m3 python3 bench/compare_torch_cuda.py --binary "$bin" --dtype e4m3 \
+        --dims 128,256 --seqlens 2048,8192 --rounds 1 --min-time 0.2 \
+        --variant "sm90fp8=$bin,FLASHATTN_CUDA_FWD=sm90fp8" --out "$logs/compare_fp8_e4m3.json"
+    stage 100 compare_fp8_bf16 python3 bench/compare_torch_cuda.py --binary "$bin" --dtype bf16 \
+        --dims 128,256 --seqlens 2048,8192 --rounds 1 --min-time 0.2 --out "$logs/compare_fp8_bf16.json"
     finish
 fi
 if [ "$mode" = python ]; then

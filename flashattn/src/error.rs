@@ -307,6 +307,13 @@ pub enum ErrorKind {
          inputs so that their factors are smaller"
     )]
     DescaleRange { what: &'static str, reach: f64 },
+    /// Incoherent processing (`fp8::quantize_qkv`) multiplies q and k by a Hadamard matrix of
+    /// order `head_dim`, which exists here for powers of two only.
+    #[error(
+        "incoherent processing needs head_dim to be a power of two (its Hadamard transform), \
+         got {head_dim}"
+    )]
+    IncoherentHeadDim { head_dim: usize },
     #[error("`{tensor}`[{index}] = {value} is invalid: a descale factor must be finite and > 0")]
     DescaleValue {
         tensor: TensorName,

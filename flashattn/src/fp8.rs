@@ -44,6 +44,12 @@ use rayon::prelude::*;
 
 pub use crate::dtype::Fp8Format;
 
+mod quantize;
+pub use quantize::{
+    quantize_qkv, quantize_qkv_varlen, walsh_hadamard, Granularity, Incoherent, QuantizeOptions,
+    Quantized, QuantizedQkv,
+};
+
 mod sealed {
     pub trait Sealed {}
     impl Sealed for float8::F8E4M3 {}

@@ -399,7 +399,8 @@ impl LaunchDescription {
 
     /// The same launch on the kernel `choice` names for a GPU of `arch`: the sm_90a forward
     /// (fwd_sm90.cu: its key, its tiles, grid and shared memory) on compute capability 9.0 where
-    /// it serves the call ([`KernelKey::sm90_forward`]) and `choice` asks for it; else unchanged.
+    /// it serves the call ([`KernelKey::sm90_forward`]) and `choice` asks for it; for e4m3 inputs
+    /// with [`ForwardKernel::Sm90Fp8`], fwd_sm90_fp8.cu; else unchanged.
     pub fn for_arch(mut self, arch: Arch, choice: ForwardKernel) -> LaunchDescription {
         if choice == ForwardKernel::Fa2 || arch != Arch::SM90 {
             return self;
@@ -407,7 +408,11 @@ impl LaunchDescription {
         let Some(mut key) = self.key.sm90_forward() else {
             return self;
         };
-        if choice == ForwardKernel::Sm90Ws {
+        // FP8 (fwd_sm90_fp8.cu): asked for, e4m3 only, and no warp-specialised twin.
+        if key.fp8 && (choice != ForwardKernel::Sm90Fp8 || self.fp8_e5m2 != 0) {
+            return self;
+        }
+        if choice == ForwardKernel::Sm90Ws && !key.fp8 {
             key.kind = KernelKind::ForwardSm90Ws;
         }
         self.grid.0 = (self.batch_seqlens.0 as usize).div_ceil(key.tiles().block_m) as u32;
@@ -526,6 +531,10 @@ pub enum ForwardKernel {
     Sm90,
     /// fwd_sm90_ws.cu (`FLASHATTN_CUDA_FWD=sm90ws`): warp-specialised, TMA loads.
     Sm90Ws,
+    /// `FLASHATTN_CUDA_FWD=sm90fp8`: [`ForwardKernel::Sm90`], and e4m3 inputs on the FP8 tensor
+    /// cores (fwd_sm90_fp8.cu) instead of widened to bf16 on fwd.cu. Opt-in until it has run on
+    /// a GPU: it rounds P to e4m3 (as FlashAttention-3), where the default FP8 path keeps bf16.
+    Sm90Fp8,
 }
 
 impl ForwardKernel {
@@ -534,6 +543,7 @@ impl ForwardKernel {
         *KERNEL.get_or_init(|| match std::env::var("FLASHATTN_CUDA_FWD").as_deref() {
             Ok("fa2") => ForwardKernel::Fa2,
             Ok("sm90ws") => ForwardKernel::Sm90Ws,
+            Ok("sm90fp8") => ForwardKernel::Sm90Fp8,
             _ => ForwardKernel::Sm90,
         })
     }

@@ -198,6 +198,23 @@ pub fn flash_attn_varlen_fp8(
     forward_fp8(dev, &p, [q, k, v])
 }
 
+/// The kernel variant a [`flash_attn_fp8`] call (with `cu_seqlens`: [`flash_attn_varlen_fp8`])
+/// with these arguments runs on `dev` (validated as the call would be): fwd.cu, or
+/// fwd_sm90_fp8.cu where the launch picks it (`FLASHATTN_CUDA_FWD=sm90fp8` on compute
+/// capability 9.0 with e4m3 inputs).
+pub fn fp8_kernel_key(
+    dev: &CudaDevice,
+    [q, k, v]: [&CudaFp8Tensor; 3],
+    cu_seqlens: Option<(&[i32], &[i32])>,
+    descale: &Descale,
+    opts: &AttnOptions,
+) -> Result<super::KernelKey> {
+    let p = validate_forward([q, k, v], cu_seqlens, descale, opts)?;
+    Ok(LaunchDescription::new(&p, Some(q.format))
+        .for_arch(dev.arch, super::forward::ForwardKernel::from_env())
+        .key)
+}
+
 /// The launch an FP8 forward with these host views would make (validated as the call would be):
 /// for the host emulation test of the kernel.
 #[doc(hidden)]

@@ -16,6 +16,8 @@ pub(crate) const SM90_WGMMA_CUH: &str = include_str!("kernels/sm90_wgmma.cuh");
 pub(crate) const SM90_ATTN_CUH: &str = include_str!("kernels/sm90_attn.cuh");
 /// The warp-specialised Hopper forward (TMA producer, wgmma consumers).
 pub(crate) const FWD_SM90_WS_CU: &str = include_str!("kernels/fwd_sm90_ws.cu");
+/// The sm_90a FP8 forward (e4m3 q, k, v on wgmma with e4m3 operands).
+pub(crate) const FWD_SM90_FP8_CU: &str = include_str!("kernels/fwd_sm90_fp8.cu");
 /// The decode kernels (split-KV attention over a KV cache, the merge of the splits, the append).
 pub(crate) const DECODE_CU: &str = include_str!("kernels/decode.cu");
 /// The backward kernels (dO·O and the LSE per row, dQ, dK and dV).
@@ -32,7 +34,8 @@ pub enum KernelKind {
     #[default]
     Forward,
     /// `flash_fwd` of fwd_sm90.cu: the same launch on warpgroup tensor-core instructions, for
-    /// sm_90a only (f16/bf16 with 16-byte loads; no dropout, no FP8 inputs).
+    /// sm_90a only (f16/bf16 with 16-byte loads; no dropout). With `fp8`, fwd_sm90_fp8.cu: e4m3
+    /// inputs on the FP8 tensor cores.
     ForwardSm90,
     /// `flash_fwd` of fwd_sm90_ws.cu: [`KernelKind::ForwardSm90`] warp-specialised, a producer
     /// warpgroup loading with TMA (the launch also passes the tensor maps, cuda/tma.rs).
@@ -157,6 +160,16 @@ impl KernelKey {
                 num_warps: 12,
             };
         }
+        if self.kind == KernelKind::ForwardSm90 && self.fp8 {
+            // fwd_sm90_fp8.cu: two warpgroups of 64 rows, 128 keys (one 128-byte line of the
+            // transposed V tile) up to head_dim 128; 64 at 256, where 128 keys' scores beside
+            // acc_o spilled with softcap or ALiBi (NVRTC 13.0: 16 to 40 bytes).
+            return Tiles {
+                block_m: 128,
+                block_n: if self.head_dim <= 128 { 128 } else { 64 },
+                num_warps: 8,
+            };
+        }
         if self.kind == KernelKind::ForwardSm90 {
             // Two warpgroups of 64 rows. Key blocks as wide as the registers allow: the scores
             // (block_n / 2 per thread) beside acc_o (head_dim / 2, padded to 64) and P packed
@@ -247,6 +260,11 @@ impl KernelKey {
             KernelKind::Forward => {}
             // fwd_sm90.cu: q [block_m], k and v double-buffered [2][block_n], rows of head_dim
             // padded to 64, plus 1 KiB to align the tiles to 1024 bytes.
+            // fwd_sm90_fp8.cu: one byte per element: q [block_m], k double-buffered [2][block_n],
+            // Vᵀ [head_dim][128] (128-byte lines), plus 1 KiB to align.
+            KernelKind::ForwardSm90 if self.fp8 => {
+                return (t.block_m + 2 * t.block_n + 128) * self.smem_row() + 1024
+            }
             KernelKind::ForwardSm90 => {
                 return 2 * (t.block_m + 4 * t.block_n) * self.smem_row() + 1024
             }
@@ -330,6 +348,9 @@ impl KernelKey {
     /// the call: f16/bf16 with 16-byte loads, no dropout, no FP8 inputs. Its head_dim is rounded
     /// up to a multiple of 64 (the kernel's tiles are whole 64-column slabs).
     pub fn sm90_forward(&self) -> Option<KernelKey> {
+        if self.fp8 {
+            return self.sm90_fp8_forward();
+        }
         let eligible = self.kind == KernelKind::Forward
             && self.dtype != DType::F32
             && self.vec_load
@@ -338,6 +359,22 @@ impl KernelKey {
         eligible.then(|| KernelKey {
             kind: KernelKind::ForwardSm90,
             head_dim: self.head_dim.div_ceil(64) * 64,
+            ..*self
+        })
+    }
+
+    /// The FP8 Hopper twin of an FP8 forward key (fwd_sm90_fp8.cu), where that kernel serves the
+    /// call: 16-byte loads, no dropout (and e4m3 inputs, which the launch checks: the key does not
+    /// name the format). Its head_dim is rounded up to a multiple of 128 (whole 128-byte lines).
+    pub fn sm90_fp8_forward(&self) -> Option<KernelKey> {
+        let eligible = self.kind == KernelKind::Forward
+            && self.fp8
+            && self.dtype == DType::BF16
+            && self.vec_load
+            && !self.dropout;
+        eligible.then(|| KernelKey {
+            kind: KernelKind::ForwardSm90,
+            head_dim: self.head_dim.div_ceil(128) * 128,
             ..*self
         })
     }
@@ -372,6 +409,9 @@ impl KernelKey {
     pub(crate) fn source(&self) -> (&'static str, &'static str) {
         if self.kind.is_backward() {
             return ("bwd.cu", BWD_CU);
+        }
+        if self.kind == KernelKind::ForwardSm90 && self.fp8 {
+            return ("fwd_sm90_fp8.cu", FWD_SM90_FP8_CU);
         }
         if self.kind == KernelKind::ForwardSm90 {
             return ("fwd_sm90.cu", FWD_SM90_CU);
@@ -411,6 +451,19 @@ impl KernelKey {
             // has a producer warpgroup beside them); each has its own experiment switch.
             let t = self.tiles();
             let ws = self.kind == KernelKind::ForwardSm90Ws;
+            if self.fp8 {
+                // fwd_sm90_fp8.cu: bf16 out, FP8 in, no experiment switch.
+                return vec![
+                    ("HEAD_DIM", self.smem_row().to_string()),
+                    ("IS_MASKED", flag(self.masked)),
+                    ("HAS_SOFTCAP", flag(self.softcap)),
+                    ("HAS_ALIBI", flag(self.alibi)),
+                    ("FA_BF16", "1".into()),
+                    ("FA_FP8_INPUT", "1".into()),
+                    ("BLOCK_N", t.block_n.to_string()),
+                    ("NUM_WG", (t.num_warps / 4).to_string()),
+                ];
+            }
             return vec![
                 ("HEAD_DIM", self.smem_row().to_string()),
                 ("IS_MASKED", flag(self.masked)),
@@ -595,6 +648,22 @@ impl KernelKey {
                 }
             }
         }
+        // fwd_sm90_fp8.cu: e4m3 q, k, v (bf16 out), head_dim 128 or 256.
+        for head_dim in [128, 256] {
+            for bits in 0..8u32 {
+                keys.push(KernelKey {
+                    kind: KernelKind::ForwardSm90,
+                    dtype: DType::BF16,
+                    head_dim,
+                    masked: bits & 1 != 0,
+                    softcap: bits & 2 != 0,
+                    alibi: bits & 4 != 0,
+                    dropout: false,
+                    vec_load: true,
+                    fp8: true,
+                });
+            }
+        }
         for dtype in [DType::F16, DType::BF16, DType::F32] {
             for head_dim in (HEAD_DIM_STEP..=crate::MAX_HEAD_DIM).step_by(HEAD_DIM_STEP) {
                 for bits in 0..32u32 {
@@ -697,7 +766,7 @@ mod tests {
 
     /// Every variant has its own name (the disk cache's file names and the compile report's rows)
     /// and its own defines (what NVRTC compiles); the FP8 variants are the decode split and
-    /// append kernels and the bf16 forward, each with its plain twin.
+    /// append kernels and the bf16 forwards (fwd.cu, fwd_sm90_fp8.cu), each with its plain twin.
     #[test]
     fn variants_are_distinct() {
         let keys = KernelKey::all();
@@ -713,11 +782,11 @@ mod tests {
             "two variants with the same defines"
         );
         let fp8: Vec<&KernelKey> = keys.iter().filter(|k| k.fp8).collect();
-        assert_eq!(fp8.len(), 3 * 8 * 8 + 3 + 8 * 32);
+        assert_eq!(fp8.len(), 3 * 8 * 8 + 3 + 8 * 32 + 2 * 8);
         for k in fp8 {
             let define = match k.kind {
                 KernelKind::DecodeSplit | KernelKind::DecodeAppend => "FA_FP8_CACHE",
-                KernelKind::Forward => {
+                KernelKind::Forward | KernelKind::ForwardSm90 => {
                     assert_eq!(k.dtype, DType::BF16);
                     "FA_FP8_INPUT"
                 }

@@ -65,8 +65,8 @@ pub use forward::{
     launch_description, CudaOutBuffers, ForwardKernel, LaunchDescription, SEQ_FIELDS,
 };
 pub use fp8::{
-    flash_attn_fp8, flash_attn_varlen_fp8, flash_attn_with_kvcache_fp8, launch_description_fp8,
-    CudaFp8Tensor,
+    flash_attn_fp8, flash_attn_varlen_fp8, flash_attn_with_kvcache_fp8, fp8_kernel_key,
+    launch_description_fp8, CudaFp8Tensor,
 };
 pub use key::{KernelKey, KernelKind, Tiles, HEAD_DIM_STEP};
 pub use launch::{DropoutArgs, MAX_SEQLEN};

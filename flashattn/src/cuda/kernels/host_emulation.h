@@ -209,6 +209,7 @@ struct WgOp {
     float* d;       // the thread's accumulators (n / 2 floats)
     uint32_t a[4];  // its A fragment (rs), as issued
     int group;      // the commit group it belongs to
+    bool e4m3 = false;  // 8-bit operands (WgmmaE4m3: k32, both K-major), else 16-bit (k16)
 };
 // A thread's wgmma state: issued ops, commits so far, and the true values of accumulators that
 // pending ops will write (the registers themselves read as NaN until the wait).
@@ -467,8 +468,48 @@ inline float desc_elem(uint64_t desc, int mn, int k, bool mn_major) {
     return half_to_float(smem_u16(a));
 }
 
+// The value of e4m3 (E4M3FN) byte b: bias 7, subnormals below exponent field 1, NaN 0x7f/0xff.
+inline float e4m3_to_float(uint8_t b) {
+    const int e = (b >> 3) & 15, m = b & 7;
+    float x = (b & 0x7f) == 0x7f ? NAN : e == 0 ? std::ldexp(float(m), -9) : std::ldexp(float(8 + m), e - 10);
+    return (b & 0x80) ? -x : x;
+}
+
+// x rounded to the nearest e4m3 value, ties to even, saturating at ±448 (cvt.rn.satfinite); NaN
+// to 0x7f. Found by search over the 127 magnitudes: exact, if slow.
+inline uint8_t float_to_e4m3(float x) {
+    if (std::isnan(x)) return 0x7f;
+    const uint8_t sign = std::signbit(x) ? 0x80 : 0;
+    const double a = std::fabs(double(x));
+    uint8_t best = 0;
+    for (int m = 1; m < 0x7f; ++m) {
+        const double d = std::fabs(double(e4m3_to_float(uint8_t(m))) - a),
+                     db = std::fabs(double(e4m3_to_float(best)) - a);
+        if (d < db || (d == db && (m & 1) == 0)) best = uint8_t(m);
+    }
+    return uint8_t(sign | best);
+}
+
+// The byte of an 8-bit K-major operand: element (mn, k) at start + (mn % 8) · 128 + (mn / 8) ·
+// SBO + k (k < 32 per instruction, one byte each), then the 128-byte swizzle.
+inline float desc_elem_e4m3(uint64_t desc, int mn, int k) {
+    if ((desc >> 62) != 1) {
+        std::fprintf(stderr, "emulation: wgmma descriptor without the 128-byte swizzle\n");
+        std::abort();
+    }
+    const uint32_t start = uint32_t(desc & 0x3FFF) << 4;
+    const uint32_t sbo = uint32_t((desc >> 32) & 0x3FFF) << 4;
+    uint32_t a = start + (mn % 8) * 128 + (mn / 8) * sbo + k;
+    a ^= ((a >> 7) & 7) << 4;
+    if (a + 1 > block->smem.size()) {
+        std::fprintf(stderr, "emulation: wgmma operand outside shared memory\n");
+        std::abort();
+    }
+    return e4m3_to_float(block->smem[a]);
+}
+
 inline void wg_issue(int n, bool rs, float* d, uint64_t desc_a, uint64_t desc_b, int scale_d,
-                     const uint32_t* a) {
+                     const uint32_t* a, bool e4m3 = false) {
     WgThread& me = block->wg_threads[thread_idx.x];
     bool shadowed = false;
     for (auto& p : me.shadows) shadowed |= p.first == d;
@@ -477,6 +518,7 @@ inline void wg_issue(int n, bool rs, float* d, uint64_t desc_a, uint64_t desc_b,
         for (int i = 0; i < n / 2; ++i) d[i] = NAN;
     }
     WgOp op{n, rs, desc_a, desc_b, scale_d, d, {0, 0, 0, 0}, me.commits};
+    op.e4m3 = e4m3;
     if (a) std::memcpy(op.a, a, sizeof op.a);
     me.ops.push_back(op);
 }
@@ -489,6 +531,17 @@ struct Wgmma {
     }
     static void rs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
         emu::wg_issue(N, true, &d[0][0], 0, desc_b, scale_d, a);
+    }
+};
+// e4m3 operands, k32 (fwd_sm90_fp8.cu): A and B both K-major; rs's A is mma.m16n8k32's 8-bit
+// fragment per warp.
+template <int N>
+struct WgmmaE4m3 {
+    static void ss(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+        emu::wg_issue(N, false, &d[0][0], desc_a, desc_b, scale_d, nullptr, true);
+    }
+    static void rs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
+        emu::wg_issue(N, true, &d[0][0], 0, desc_b, scale_d, a, true);
     }
 };
 
@@ -512,6 +565,14 @@ inline void wgmma_wait() {
         for (auto& p : me.shadows)
             if (p.first == op.d) acc = &p.second;
         auto A = [&](int row, int k) {
+            if (op.e4m3) {
+                if (!op.rs) return desc_elem_e4m3(op.desc_a, row, k);
+                // mma.m16n8k32's 8-bit A fragment: a[0] row g, k 4t .. 4t + 3 (lowest byte
+                // first), a[1] row g + 8, a[2] and a[3] the same at k 16 + 4t.
+                const int r16 = row % 16, owner = wg * 128 + 32 * (row / 16) + 4 * (r16 % 8) + (k % 16) / 4;
+                const uint32_t reg = block->wg_threads[owner].ops[o].a[(r16 >= 8) + 2 * (k >= 16)];
+                return e4m3_to_float(uint8_t(reg >> (8 * (k % 4))));
+            }
             if (!op.rs) return desc_elem(op.desc_a, row, k, false);
             // mma.m16n8k16's A fragment, per warp of the warpgroup.
             const int r16 = row % 16, owner = wg * 128 + 32 * (row / 16) + 4 * (r16 % 8) + (k % 8) / 2;
@@ -522,7 +583,10 @@ inline void wgmma_wait() {
             for (int e = 0; e < 4; ++e) {
                 const int row = 16 * w + g + 8 * (e >> 1), col = 8 * j + 2 * t + (e & 1);
                 float x = op.scale_d ? (*acc)[4 * j + e] : 0.f;
-                for (int k = 0; k < 16; ++k) x += A(row, k) * desc_elem(op.desc_b, col, k, op.rs);
+                if (op.e4m3)
+                    for (int k = 0; k < 32; ++k) x += A(row, k) * desc_elem_e4m3(op.desc_b, col, k);
+                else
+                    for (int k = 0; k < 16; ++k) x += A(row, k) * desc_elem(op.desc_b, col, k, op.rs);
                 (*acc)[4 * j + e] = x;
             }
     }

@@ -176,7 +176,9 @@ pub fn forward_builds() -> Builds {
 }
 
 fn exe(builds: &mut Builds, key: &KernelKey) -> std::path::PathBuf {
-    let file = if key.kind == flashattn::cuda::KernelKind::ForwardSm90 {
+    let file = if key.kind == flashattn::cuda::KernelKind::ForwardSm90 && key.fp8 {
+        "fwd_sm90_fp8.cu"
+    } else if key.kind == flashattn::cuda::KernelKind::ForwardSm90 {
         "fwd_sm90.cu"
     } else if key.kind == flashattn::cuda::KernelKind::ForwardSm90Ws {
         "fwd_sm90_ws.cu"

@@ -164,7 +164,12 @@ fn representative(keys: &[KernelKey]) -> std::collections::HashSet<KernelKey> {
             let t = key.tiles();
             Info {
                 key,
-                family: (key.kind, key.dtype, key.name().contains("_tc")),
+                // The FP8 sm_90a forward (fwd_sm90_fp8.cu) is a family of its own.
+                family: (
+                    key.kind,
+                    key.dtype,
+                    key.name().contains("_tc") || (key.is_sm90() && key.fp8),
+                ),
                 tiles: (t.block_m, t.block_n, t.num_warps),
                 options: [
                     key.masked,
@@ -232,7 +237,8 @@ fn representative(keys: &[KernelKey]) -> std::collections::HashSet<KernelKey> {
 }
 
 /// The machine code of the sm_90a kernels uses the Hopper instructions they were written for:
-/// `HGMMA` (wgmma) in both, and in the warp-specialised one `UTMALDG` (TMA loads) and
+/// `HGMMA` (wgmma; `QGMMA` for the FP8 one's e4m3 operands), and in the warp-specialised one
+/// `UTMALDG` (TMA loads) and
 /// `USETMAXREG` (register reallocation). Needs `cuobjdump` (with `nvdisasm` beside it or on the
 /// path) at `FLASHATTN_CUOBJDUMP`; CI installs both from PyPI. Unset: the check says it skips.
 fn sass_failures(
@@ -282,6 +288,9 @@ fn sass_failures(
         };
         let wanted: &[&str] = if key.kind == KernelKind::ForwardSm90Ws {
             &["HGMMA", "UTMALDG", "USETMAXREG"]
+        } else if key.fp8 {
+            // fwd_sm90_fp8.cu: wgmma with e4m3 operands.
+            &["QGMMA"]
         } else {
             &["HGMMA"]
         };
@@ -292,7 +301,9 @@ fn sass_failures(
         }
         checked += 1;
     }
-    eprintln!("SASS of {checked} sm_90a variants checked for HGMMA (and UTMALDG, USETMAXREG)");
+    eprintln!(
+        "SASS of {checked} sm_90a variants checked for HGMMA or QGMMA (and UTMALDG, USETMAXREG)"
+    );
     failures
 }
 

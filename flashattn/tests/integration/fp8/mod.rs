@@ -16,6 +16,7 @@ mod emulated;
 #[cfg(feature = "cuda")]
 mod gpu;
 mod properties;
+mod quantize;
 
 /// Raw FP8 values of one format.
 enum Raw {

@@ -1,0 +1,221 @@
+// Hopper (sm_90a) FP8 forward: e4m3 q, k and v on the FP8 tensor cores (wgmma k32 with e4m3
+// operands, f32 accumulators), as FlashAttention-3's FP8 forward. The structure is fwd_sm90.cu's
+// (SM90_OVERLAP 0: each product waited for at once): one CTA computes BLOCK_M = 64 · NUM_WG query
+// rows of one (sequence, head), warpgroup wg owns rows 64·wg .. 64·wg + 63. Per key block:
+//   S = Q·Kᵀ     wgmma m64n{BLOCK_N}k32 e4m3, Q and K K-major from shared memory through
+//                descriptors: the SW128 layout of sm90.cuh with one-byte elements, so a 128-byte
+//                line holds 128 columns and a k-step is the same 32 bytes as k16 of 16-bit types
+//                (desc_kmajor serves unchanged); the raw FP8 products, scaled by the folded
+//                softmax_scale · q_descale · k_descale of the (sequence, kv head);
+//   mask/mods    and the online softmax: sm90_attn.cuh's, unchanged (the accumulator layout is
+//                the 16-bit wgmma's);
+//   acc_o += P·V wgmma m64n{HEAD_DIM}k32 e4m3 with P from registers: P · 256 (exact; P ≤ 1, so
+//                P · 256 ≤ 256 < 448 and small probabilities stay normal longer) rounded to e4m3 and
+//                packed as the 8-bit A fragment. 8-bit wgmma reads B K-major only, so V is stored
+//                transposed in shared memory (Vᵀ: head_dim rows, keys as the K columns), written
+//                by ordinary loads and byte stores while the block's K tile is in flight.
+// The P fragment: a thread's S accumulators hold, per 32 keys, keys {0, 1, 8, 9, 16, 17, 24, 25}
+// + 2t of rows g and g + 8, while the 8-bit A fragment wants k positions 4t .. 4t + 3 and
+// 16 + 4t .. 16 + 4t + 3. Instead of exchanging registers (FlashAttention-3's
+// permute_Cregs_fp8), the contraction order is permuted: key κ of a 32-key group is stored at
+// k position kpos(κ) of the Vᵀ tile, the position its probability takes in the fragment.
+// The output is divided by 256 · row_sum and multiplied by v_descale; out is bf16, lse f32.
+//
+// Defines (cuda/key.rs): HEAD_DIM (128 or 256: whole 128-byte lines), BLOCK_N (128: one line of
+// Vᵀ; 64, the first half of its lines, where 128 keys' scores spill registers), NUM_WG, IS_MASKED, HAS_SOFTCAP, HAS_ALIBI, FA_BF16 and FA_FP8_INPUT (both 1: bf16 out,
+// FP8 in). e4m3 only (the instruction names the format; e5m2 runs on fwd.cu); 16-byte aligned
+// rows (VEC_LOAD's conditions); no dropout.
+#define FA_TENSOR_CORE_KERNEL
+#define FA_SM90_KERNEL
+#define NUM_THREADS (NUM_WG * 128)
+#define BLOCK_M (NUM_WG * 64)
+#define VEC_LOAD 1
+#define HAS_DROPOUT 0
+#define SMEM_ROW HEAD_DIM
+#include "common.cuh"
+#include "sm90.cuh"
+#include "sm90_attn.cuh"
+
+static_assert(HEAD_DIM % 128 == 0 && HEAD_DIM <= 256, "HEAD_DIM: whole 128-byte lines, at most 256");
+static_assert(BLOCK_N == 128 || BLOCK_N == 64, "BLOCK_N: at most one 128-byte line of Vᵀ");
+
+typedef unsigned char u8;
+
+// Byte offset of (row, col) in a SW128 tile of one-byte elements with `rows` rows: slabs of 128
+// columns, row r one 128-byte line, 16-byte chunk c at chunk position c ^ (r % 8).
+__device__ __forceinline__ int sw128_b(int row, int col, int rows) {
+    return (col >> 7) * rows * 128 + row * 128 + ((((col >> 4) & 7) ^ (row & 7)) << 4) + (col & 15);
+}
+
+// The k position of key κ (0 .. 31) of a 32-key group in the P fragment (see the top).
+__device__ __forceinline__ int kpos(int key) {
+    const int half = key >> 4, q = (key >> 3) & 1, c = key & 7;
+    return 16 * half + 4 * (c >> 1) + 2 * q + (c & 1);
+}
+
+// Loads ROWS rows of HEAD_DIM bytes into the SW128 tile at `tile`, 16 bytes per cp.async; rows at
+// or past `row_end` and columns at or past `head_dim` become 0.
+template <int ROWS>
+__device__ __forceinline__ void load_tile_b(u8* tile, const u8* src, i64 row_stride, int row0,
+                                            int row_end, int head_dim) {
+    constexpr int CHUNKS = ROWS * (HEAD_DIM / 16);
+#pragma unroll
+    for (int c = threadIdx.x; c < CHUNKS; c += NUM_THREADS) {
+        const int r = c / (HEAD_DIM / 16), col = (c % (HEAD_DIM / 16)) * 16;
+        const bool ok = row0 + r < row_end && col < head_dim;
+        const u8* g = ok ? src + (i64)(row0 + r) * row_stride + col : src;
+        cp_async16(smem_addr(tile + sw128_b(r, col, ROWS)), g, ok ? 16 : 0);
+    }
+}
+
+// Vᵀ of keys row0 .. row0 + BLOCK_N - 1 into the SW128 tile `vt` (HEAD_DIM rows, BLOCK_N key
+// columns in kpos order), through registers: 16 bytes of a key row per load, one byte store each.
+__device__ __forceinline__ void load_vt(u8* vt, const u8* src, i64 row_stride, int row0,
+                                        int row_end, int head_dim) {
+    constexpr int CHUNKS = BLOCK_N * (HEAD_DIM / 16);
+    for (int c = threadIdx.x; c < CHUNKS; c += NUM_THREADS) {
+        const int key = c % BLOCK_N, col = (c / BLOCK_N) * 16;
+        u32 w[4] = {0u, 0u, 0u, 0u};
+        if (row0 + key < row_end && col < head_dim) {
+#ifdef FA_HOST_EMULATION
+            std::memcpy(w, src + (i64)(row0 + key) * row_stride + col, 16);
+#else
+            const uint4 a = *reinterpret_cast<const uint4*>(src + (i64)(row0 + key) * row_stride + col);
+            w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w;
+#endif
+        }
+        const int kc = (key & ~31) + kpos(key & 31);
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+            vt[sw128_b(col + i, kc, HEAD_DIM)] = (u8)(w[i >> 2] >> (8 * (i & 3)));
+    }
+}
+
+// Four floats rounded to e4m3 (nearest even, saturating) in one word, x0 in the lowest byte.
+__device__ __forceinline__ u32 pack4_e4m3(float x0, float x1, float x2, float x3) {
+#ifdef FA_HOST_EMULATION
+    return (u32)emu::float_to_e4m3(x0) | (u32)emu::float_to_e4m3(x1) << 8 |
+           (u32)emu::float_to_e4m3(x2) << 16 | (u32)emu::float_to_e4m3(x3) << 24;
+#else
+    unsigned short lo, hi;
+    // cvt ...e4m3x2.f32 d, a, b: a to the upper byte, b to the lower.
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(x1), "f"(x0));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(x3), "f"(x2));
+    return (u32)lo | (u32)hi << 16;
+#endif
+}
+
+// The A fragment of k-step j (keys 32j .. 32j + 31) from the probabilities in s, times 256.
+__device__ __forceinline__ void pack_p_e4m3(u32 (&a)[4], const float (&s)[BLOCK_N / 8][4], int j) {
+    const float k = 256.f;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        a[r] = pack4_e4m3(s[4 * j][2 * r] * k, s[4 * j][2 * r + 1] * k, s[4 * j + 1][2 * r] * k,
+                          s[4 * j + 1][2 * r + 1] * k);
+        a[2 + r] = pack4_e4m3(s[4 * j + 2][2 * r] * k, s[4 * j + 2][2 * r + 1] * k,
+                              s[4 * j + 3][2 * r] * k, s[4 * j + 3][2 * r + 1] * k);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
+flash_fwd(FLASH_FWD_PARAMS(u8, u16)) {
+    FA_DYNAMIC_SMEM(unsigned char, smem_raw);
+    // Tiles start 1024-byte aligned: the hardware's swizzle reads address bits 7-9 as the row.
+    u8* q_tile = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+    u8* k_tiles = q_tile + BLOCK_M * HEAD_DIM;       // 2 buffers of [BLOCK_N][HEAD_DIM]
+    u8* vt_tile = k_tiles + 2 * BLOCK_N * HEAD_DIM;  // [HEAD_DIM][128]: lines of 128 bytes
+
+    CtaWork<u8> w8;
+    if (!cta_work<u8, u16, BLOCK_M, BLOCK_N>(w8, FLASH_FWD_ARGS)) return;
+    // sm90_attn.cuh's helpers read everything but the tensor pointers, which stay in w8.
+    CtaWork<u16> w;
+    w.b = w8.b, w.h = w8.h, w.m0 = w8.m0, w.m_end = w8.m_end;
+    w.seqlen_q = w8.seqlen_q, w.seqlen_k = w8.seqlen_k;
+    w.q_g = w.k_g = w.v_g = nullptr;
+    w.out_row0 = w8.out_row0, w.lse_base = w8.lse_base;
+    w.mask = w8.mask, w.mods = w8.mods, w.drop = w8.drop, w.sink = w8.sink;
+    w.n_block_min = w8.n_block_min, w.n_block_max = w8.n_block_max;
+    // P was scaled by 256 before rounding: the rows are divided by it once, at the end.
+    w.out_scale = w8.out_scale * (1.f / 256.f);
+    const int m0 = w.m0, seqlen_q = w.seqlen_q, seqlen_k = w.seqlen_k;
+    const int n_block_min = w.n_block_min, n_block_max = w.n_block_max;
+
+    const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    (void)fp8_e5m2;  // e4m3 only: the launch picks this kernel for e4m3 inputs
+
+    load_tile_b<BLOCK_M>(q_tile, w8.q_g, q_row_stride, m0, seqlen_q, head_dim);
+    if (n_block_min < n_block_max)
+        load_tile_b<BLOCK_N>(k_tiles, w8.k_g, k_row_stride, n_block_min * BLOCK_N, seqlen_k,
+                             head_dim);
+    cp_async_commit();
+
+    // This thread's rows of the tile: 64·wg + 16·warp + g and + 8.
+    float acc_o[HEAD_DIM / 8][4];
+    float row_max[2], row_sum[2];
+    int row_i[2];
+#pragma unroll
+    for (int i = 0; i < HEAD_DIM / 8; ++i) acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        row_max[r] = -FA_INF;
+        row_sum[r] = 0.f;
+        row_i[r] = m0 + 64 * wg + 16 * warp + g + 8 * r;
+    }
+    const u32 q_addr = smem_addr(q_tile), vt_addr = smem_addr(vt_tile);
+
+    for (int n_block = n_block_min; n_block < n_block_max; ++n_block) {
+        const int buf = (n_block - n_block_min) & 1;
+        if (n_block + 1 < n_block_max) {
+            // The other K buffer was released by the __syncthreads ending the previous iteration.
+            load_tile_b<BLOCK_N>(k_tiles + (buf ^ 1) * BLOCK_N * HEAD_DIM, w8.k_g, k_row_stride,
+                                 (n_block + 1) * BLOCK_N, seqlen_k, head_dim);
+        }
+        cp_async_commit();
+        // Vᵀ of this block while K[n + 1] is in flight (the previous P·V has retired: its wait and
+        // the __syncthreads ending the iteration came before).
+        load_vt(vt_tile, w8.v_g, v_row_stride, n_block * BLOCK_N, seqlen_k, head_dim);
+        cp_async_wait<1>();  // K[n] (and the q tile) have landed
+        // cp.async and the Vᵀ stores wrote through the generic proxy; wgmma reads through the
+        // async one.
+        fence_proxy_async();
+        __syncthreads();
+
+        // S = Q·Kᵀ for this warpgroup's 64 rows × BLOCK_N keys.
+        float s[BLOCK_N / 8][4];
+        const u32 k_addr = smem_addr(k_tiles + buf * BLOCK_N * HEAD_DIM);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 32; ++kk)
+            WgmmaE4m3<BLOCK_N>::ss(s, desc_kmajor(q_addr, BLOCK_M, 64 * wg, kk),
+                                   desc_kmajor(k_addr, BLOCK_N, 0, kk), kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        reg_fence_all(s);
+
+        mask_scores(s, w, row_i, n_block * BLOCK_N, t);
+        float alpha[2];
+        softmax_rows(s, row_max, row_sum, alpha);
+        // P packed whole before acc_o is touched: the scores' registers are free again while
+        // acc_o is rescaled and the products issue (at head_dim 256 with ALiBi, packing k-step by
+        // k-step between the issues spilled).
+        u32 p_frag[BLOCK_N / 32][4];
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 32; ++j) pack_p_e4m3(p_frag[j], s, j);
+        rescale_o(acc_o, alpha);
+
+        // acc_o += P·V: k-step j is keys 32j .. 32j + 31, B the Vᵀ tile's columns there.
+        reg_fence_all(acc_o);
+        wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 32; ++j)
+            WgmmaE4m3<HEAD_DIM>::rs(acc_o, p_frag[j], desc_kmajor(vt_addr, HEAD_DIM, 0, j), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        reg_fence_all(acc_o);
+        __syncthreads();  // every warpgroup is done with this K buffer and the Vᵀ tile
+    }
+    cp_async_wait<0>();  // a CTA that saw no key block still has its q tile in flight
+
+    store_rows(acc_o, row_max, row_sum, row_i, w, out, lse, heads, head_dim, lse_head_stride, t);
+}
