@@ -169,15 +169,21 @@ unsafe fn store_tile<const R: usize>(
 }
 
 /// `2^x` per lane, as [`crate::cpu::softmax::exp2`] (same reduction and polynomial, with FMAs).
+/// The rounding adds and subtracts 1.5 · 2^23 (2 µops, where `vroundps` and `vcvtps2dq` take 3 on
+/// the FMA ports), the integer comes from the sum's low mantissa bits, and the underflow lanes
+/// are cleared with `vandnps` (any vector port) instead of a blend: the same values as rounding
+/// with `vroundps` to nearest-even (exact for |x| <= 127) and blending, lane for lane.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 unsafe fn exp2_ps(x: __m256) -> __m256 {
+    const ROUND: f32 = 12_582_912.0;
     // max/min return their second operand when either is NaN, so NaN passes through.
     let xc = _mm256_min_ps(
         _mm256_set1_ps(127.0),
         _mm256_max_ps(_mm256_set1_ps(-126.0), x),
     );
-    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(xc);
+    let shifted = _mm256_add_ps(xc, _mm256_set1_ps(ROUND));
+    let n = _mm256_sub_ps(shifted, _mm256_set1_ps(ROUND));
     let f = _mm256_mul_ps(_mm256_sub_ps(xc, n), _mm256_set1_ps(std::f32::consts::LN_2));
     let mut p = _mm256_set1_ps(1.0 / 5040.0);
     for c in [
@@ -191,14 +197,15 @@ unsafe fn exp2_ps(x: __m256) -> __m256 {
     ] {
         p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
     }
-    // 2^n from its exponent bits; n is in [-126, 127] here.
+    // 2^n from its exponent bits: `shifted`'s bits are ROUND's plus n (n in [-126, 127]); the
+    // shift drops ROUND's own mantissa bit, leaving (n + 127) << 23.
     let bits = _mm256_slli_epi32::<23>(_mm256_add_epi32(
-        _mm256_cvtps_epi32(n),
+        _mm256_castps_si256(shifted),
         _mm256_set1_epi32(127),
     ));
     let r = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
     let under = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-126.0));
-    _mm256_blendv_ps(r, _mm256_setzero_ps(), under)
+    _mm256_andnot_ps(under, r)
 }
 
 #[target_feature(enable = "avx2,fma")]
