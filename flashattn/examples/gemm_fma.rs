@@ -96,37 +96,41 @@ struct Case {
     accumulate: bool,
 }
 
-/// `cold`: each call reads the next of many A tiles (16 MiB in all, as the forward's packed k/v
-/// tiles of a long sequence, which come from L3 or memory), else the same A every call.
-fn rate(kern: &Kernels, c: &Case, dur: Duration, cold: bool) -> f64 {
+/// Which operands come from L3 or memory: `cold_a`, each call reads the next of many A tiles (16
+/// MiB in all, as the forward's packed k/v tiles of a long sequence); `cold_bc`, also B and C
+/// (as the backward's query tiles and dQ copies); else the same operands every call.
+fn rate(kern: &Kernels, c: &Case, dur: Duration, cold_a: bool, cold_bc: bool) -> f64 {
     let a_len = (c.m - 1) * c.a_rs + (c.k - 1) * c.a_cs + 1;
-    let tiles = if cold { (4 << 20) / a_len } else { 1 };
+    let (b_len, c_len) = (c.k * c.n, c.m * c.n);
+    let tiles = if cold_a { (4 << 20) / (a_len + b_len + c_len) } else { 1 };
     let a_all = values(a_len * tiles, 1);
-    let b = values(c.k * c.n, 2);
-    let mut out = values(c.m * c.n, 3);
-    let g = |t: usize| Gemm {
-        m: c.m,
-        n: c.n,
-        k: c.k,
-        a: &a_all[t * a_len..(t + 1) * a_len],
-        a_rs: c.a_rs,
-        a_cs: c.a_cs,
-        b: &b,
-        b_rs: c.n,
-        accumulate: c.accumulate,
-        kc: KC,
-    };
+    let bc_tiles = if cold_bc { tiles } else { 1 };
+    let b_all = values(b_len * bc_tiles, 2);
+    let mut out_all = values(c_len * bc_tiles, 3);
     let start = cpu_secs();
-    let mut calls = 0u64;
+    let mut calls = 0usize;
     while cpu_secs() - start < dur.as_secs_f64() {
-        for t in 0..16 {
-            let g = g((calls as usize + t) % tiles);
-            kern.gemm(black_box(&g), black_box(&mut out), c.n);
+        for _ in 0..16 {
+            let (t, u) = (calls % tiles, calls % bc_tiles);
+            let g = Gemm {
+                m: c.m,
+                n: c.n,
+                k: c.k,
+                a: &a_all[t * a_len..(t + 1) * a_len],
+                a_rs: c.a_rs,
+                a_cs: c.a_cs,
+                b: &b_all[u * b_len..(u + 1) * b_len],
+                b_rs: c.n,
+                accumulate: c.accumulate,
+                kc: KC,
+            };
+            let out = &mut out_all[u * c_len..(u + 1) * c_len];
+            kern.gemm(black_box(&g), black_box(out), c.n);
+            calls += 1;
         }
-        calls += 16;
     }
-    black_box(&out);
-    (calls * 2 * (c.m * c.n * c.k) as u64) as f64 / (cpu_secs() - start)
+    black_box(&out_all);
+    (calls as u64 * 2 * (c.m * c.n * c.k) as u64) as f64 / (cpu_secs() - start)
 }
 
 fn main() {
@@ -190,13 +194,15 @@ fn main() {
         }
     };
     let dur = Duration::from_millis(200);
-    let mut best = vec![(0.0f64, 0.0f64); 2 * cases.len()];
+    const MODES: [&str; 3] = ["hot", "A", "ABC"];
+    let mut best = vec![(0.0f64, 0.0f64); MODES.len() * cases.len()];
     let mut peaks = Vec::new();
     for _ in 0..rounds {
         let pk = peak(isa, dur);
         peaks.push(pk);
         for (i, b) in best.iter_mut().enumerate() {
-            let r = rate(kern, &cases[i / 2], dur, i % 2 == 1);
+            let mode = i % MODES.len();
+            let r = rate(kern, &cases[i / MODES.len()], dur, mode >= 1, mode == 2);
             if r / pk > b.1 {
                 *b = (r, r / pk);
             }
@@ -211,9 +217,9 @@ fn main() {
             .map(|p| (p / 1e8).round() / 10.0)
             .collect::<Vec<_>>()
     );
-    println!("product        d    m    n    k  A     GFLOP/s  of round's peak");
+    println!("product        d    m    n    k  cold   GFLOP/s  of round's peak");
     for (i, (r, f)) in best.iter().enumerate() {
-        let c = &cases[i / 2];
+        let c = &cases[i / MODES.len()];
         println!(
             "{:<12} {:>3} {:>4} {:>4} {:>4}  {:<4} {:>9.1} {:>8.1}%",
             c.name,
@@ -221,7 +227,7 @@ fn main() {
             c.m,
             c.n,
             c.k,
-            if i % 2 == 1 { "cold" } else { "hot" },
+            MODES[i % MODES.len()],
             r / 1e9,
             100.0 * f
         );

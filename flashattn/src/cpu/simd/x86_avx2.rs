@@ -47,11 +47,10 @@ pub(crate) unsafe fn gemm(g: &Gemm<f32>, c: &mut [f32], c_rs: usize) {
 unsafe fn gemm_as<const L: u8>(g: &Gemm<f32>, c: &mut [f32], c_rs: usize) {
     let cp = c.as_mut_ptr();
     for j in (0..g.n).step_by(2 * W) {
-        // The first tile of a strip also prefetches B's next strip (see `tile`).
-        let pb = j + 2 * W < g.n;
+        // The first tile of a strip also prefetches B (see `tile`).
         let mut i = 0;
         while i + MR <= g.m {
-            if i == 0 && pb {
+            if i == 0 {
                 tile::<MR, L, true>(g, cp, c_rs, i, j);
             } else {
                 tile::<MR, L, false>(g, cp, c_rs, i, j);
@@ -71,10 +70,11 @@ unsafe fn gemm_as<const L: u8>(g: &Gemm<f32>, c: &mut [f32], c_rs: usize) {
 
 /// Rows `i..i + R`, lanes `j..j + 16` of C; `L` is an [`ALayout`] the operands satisfy.
 ///
-/// Each k step also prefetches (into L1) the A that a later tile reads, and with `PB` the B
-/// lanes of the next strip: packed k and v tiles arrive from L3 or memory at every key block
-/// (the forward's) and the backward's query tiles at every query block, and the hardware
-/// prefetchers cover their strided first reads badly. With a 16 MiB rotation of A tiles, one
+/// Each k step also prefetches (into L1) the A that a later tile reads, and with `PB` (the
+/// first tile of a strip) the B lanes of the next strip and of its own 16 rows ahead; a tile that
+/// adds to C prefetches the next tile's C rows. Packed k and v tiles arrive from L3 or memory at
+/// every key block (the forward's), the backward's query tiles and dQ copies at every query
+/// block, and the hardware prefetchers cover their strided first reads badly. With a 16 MiB rotation of A tiles, one
 /// core, the products ran at 62-82% of the FMA peak against 86-98% with A hot
 /// (`examples/gemm_fma.rs`). ContiguousK: the next tile's rows, one line per k step
 /// (its `R · a_rs` floats span at most `16 k` when `a_rs <= 2.6 k`, as the packed tiles'
@@ -108,7 +108,14 @@ unsafe fn tile<const R: usize, const L: u8, const PB: bool>(
     } else {
         (a, 0)
     };
-    let pb = b.wrapping_add(2 * W);
+    // B's next strip (its own lanes again when there is none: a hit), and this strip 16 rows on.
+    let pb = b.wrapping_add(if j + 2 * W < g.n { 2 * W } else { 0 });
+    let pb_own = b.wrapping_add(16 * g.b_rs);
+    if g.accumulate {
+        for r in R..2 * R {
+            _mm_prefetch::<_MM_HINT_T0>(cp.wrapping_add((i + r) * c_rs + j) as *const i8);
+        }
+    }
     let mut first = !g.accumulate;
     if g.k == 0 && first {
         store_tile::<R>(&[[_mm256_setzero_ps(); 2]; R], cp, c_rs, i, j, true);
@@ -122,6 +129,7 @@ unsafe fn tile<const R: usize, const L: u8, const PB: bool>(
             }
             if PB {
                 _mm_prefetch::<_MM_HINT_T0>(pb.wrapping_add(k * g.b_rs) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(pb_own.wrapping_add(k * g.b_rs) as *const i8);
             }
             let bv = [_mm256_loadu_ps(bk), _mm256_loadu_ps(bk.add(W))];
             let ak = a.add(k * g.a_cs);
