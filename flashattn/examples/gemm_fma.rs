@@ -102,7 +102,11 @@ struct Case {
 fn rate(kern: &Kernels, c: &Case, dur: Duration, cold_a: bool, cold_bc: bool) -> f64 {
     let a_len = (c.m - 1) * c.a_rs + (c.k - 1) * c.a_cs + 1;
     let (b_len, c_len) = (c.k * c.n, c.m * c.n);
-    let tiles = if cold_a { (4 << 20) / (a_len + b_len + c_len) } else { 1 };
+    let tiles = if cold_a {
+        (4 << 20) / (a_len + b_len + c_len)
+    } else {
+        1
+    };
     let a_all = values(a_len * tiles, 1);
     let bc_tiles = if cold_bc { tiles } else { 1 };
     let b_all = values(b_len * bc_tiles, 2);
