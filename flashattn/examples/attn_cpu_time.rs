@@ -1,0 +1,102 @@
+//! The CPU forward (and backward) rate per second of CPU time, for A/B comparisons on a shared
+//! host: `flops / CLOCK_PROCESS_CPUTIME_ID` counts only the time this process ran, so other
+//! processes' load changes it much less than wall-clock rates (caches and the core's sibling
+//! still interfere).
+//!
+//! `FLASHATTN_ISA=avx2 cargo run --release -p flashattn --example attn_cpu_time -- N D [causal]
+//! [bwd] [THREADS] [REPS]` prints GFLOP per CPU-second, the median over REPS calls (default 5, after
+//! one warm-up), and the wall-clock median.
+
+use flashattn::{flash_attn, flops, AttnOptions, TensorRef};
+use std::time::Instant;
+
+fn cpu_secs() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec for the call to write.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    assert_eq!(rc, 0, "clock_gettime");
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+fn values(len: usize, seed: u32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+    (0..len)
+        .map(|_| {
+            s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            (s >> 8) as f32 / (1u32 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let n: usize = args.first().and_then(|s| s.parse().ok()).unwrap_or(1024);
+    let d: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(64);
+    let causal = args.iter().any(|a| a == "causal");
+    let bwd = args.iter().any(|a| a == "bwd");
+    let nums: Vec<usize> = args[2.min(args.len())..]
+        .iter()
+        .filter_map(|s| s.parse().ok())
+        .collect();
+    let threads = nums.first().copied().unwrap_or(2);
+    let reps = nums.get(1).copied().unwrap_or(5);
+    let heads = 16;
+    let shape = [1, n, heads, d];
+    let strides = [n * heads * d, heads * d, d, 1];
+    let (qv, kv, vv, dov) = (
+        values(n * heads * d, 1),
+        values(n * heads * d, 2),
+        values(n * heads * d, 3),
+        values(n * heads * d, 4),
+    );
+    let (q, k, v, dout) = (
+        TensorRef::new(&qv, &shape, &strides),
+        TensorRef::new(&kv, &shape, &strides),
+        TensorRef::new(&vv, &shape, &strides),
+        TensorRef::new(&dov, &shape, &strides),
+    );
+    let opts = AttnOptions::default().causal(causal);
+    let fwd_flop = flops::forward(1, heads, n, n, d, causal, opts.window);
+    let flop = if bwd {
+        fwd_flop + flops::backward(fwd_flop)
+    } else {
+        fwd_flop
+    };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("pool");
+    let (mut cpu, mut wall) = (Vec::new(), Vec::new());
+    pool.install(|| {
+        for rep in 0..=reps {
+            let (c0, w0) = (cpu_secs(), Instant::now());
+            let res = flash_attn(&q, &k, &v, &opts).expect("forward");
+            if bwd {
+                drop(res.backward(&q, &k, &v, &dout, &opts).expect("backward"));
+            }
+            drop(res);
+            if rep > 0 {
+                cpu.push(cpu_secs() - c0);
+                wall.push(w0.elapsed().as_secs_f64());
+            }
+        }
+    });
+    let (c, w) = (median(cpu), median(wall));
+    println!(
+        "N {n} d {d} {} {} threads {threads}: {:.1} GFLOP per CPU-s (median {:.1} ms CPU), wall {:.1} ms = {:.1} GFLOP/s",
+        if causal { "causal" } else { "full" },
+        if bwd { "fwd+bwd" } else { "fwd" },
+        flop / c / 1e9,
+        c * 1e3,
+        w * 1e3,
+        flop / w / 1e9
+    );
+}
