@@ -201,7 +201,7 @@ fn decode_on_the_gpu() {
     }
 }
 
-/// The `_into` forms (f32/f16/bf16 caches and FP8 ones) into NaN-poisoned `out` and `lse`: checked
+/// The `_into` forms (f32/f16/bf16 caches and e4m3 ones) into NaN-poisoned `out` and `lse`: checked
 /// as the allocating calls (caches afterwards, result against the reference), and bit for bit the
 /// allocating calls' out, lse and caches.
 #[test]
@@ -216,7 +216,7 @@ fn decode_into_on_the_gpu() {
     let bits = |t: &flashattn::Tensor| -> Vec<u32> {
         t.to_f32_vec().iter().map(|x| x.to_bits()).collect()
     };
-    for fp8 in [None, Some(Fp8Format::E4M3), Some(Fp8Format::E5M2)] {
+    for fp8 in [None, Some(Fp8Format::E4M3)] {
         for dtype in DTYPES {
             for c in super::emulated::kernel_cases(dtype) {
                 let c = DCase { fp8, ..c.clone() };
