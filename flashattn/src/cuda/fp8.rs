@@ -167,6 +167,7 @@ pub fn flash_attn_with_kvcache_fp8_into(
     kvcache_fp8_into(dev, &dp, &dk, q, (k_cache, v_cache), new_kv, dst)
 }
 
+/// The FP8 decode's validation (host `new_kv` refused): its parameters and the k factors.
 fn validate_kvcache_fp8(
     q: &CudaTensor,
     (k_cache, v_cache): (&CudaFp8Tensor, &CudaFp8Tensor),
