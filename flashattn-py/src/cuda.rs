@@ -5,11 +5,12 @@
 //!
 //! Work is queued on the stream torch is using (`torch.cuda.current_stream().cuda_stream`), in
 //! the device's primary context (the one torch's runtime uses), with no synchronisation inside a
-//! call. Inputs, in-place caches and the forward's `out` and `lse` are torch's memory, borrowed as
-//! cudarc slices that are leaked, never freed, when the call ends ([`Borrowed`]): the forward
-//! writes into them directly. The backward's gradients, the FP8 forward's and the decode output
-//! are still allocated by the library on that stream and copied into torch's tensors on the same
-//! stream (an O(N·d) device copy beside the attention's work). The small option tables (ALiBi
+//! call (except the backward with learnable sinks, whose `dsink` is summed on the host). Inputs,
+//! in-place caches and every output (the forwards' and the decode's `out` and `lse`, the
+//! backward's dq, dk, dv and dsink) are torch's memory, borrowed as cudarc slices that are leaked,
+//! never freed, when the call ends ([`Borrowed`]): the kernels write into them directly through
+//! the library's `_into` calls, no copy (the library's `_into` forms for the backward, the FP8
+//! forward and the decode are compiled, not yet run on a GPU). The small option tables (ALiBi
 //! slopes, sinks, rotary cos/sin) arrive as host copies: the library uploads them per call.
 
 use std::collections::HashMap;
@@ -172,52 +173,6 @@ impl Drop for Borrowed {
     }
 }
 
-/// Copies a contiguous library result into torch's contiguous tensor `dst`, on the stream.
-fn copy_into(dev: &CudaDevice, src: &CudaTensor, dst: &View) -> Result<(), BindError> {
-    dst.require_contiguous()?;
-    let (ptr, len) = (dst.addr() as sys::CUdeviceptr, dst.extent());
-    if src.buffer().len() != len {
-        return Err(BindError::Value(format!(
-            "{}: {} elements, but the result has {}",
-            dst.name,
-            len,
-            src.buffer().len()
-        )));
-    }
-    let s = dev.stream();
-    let err = |e: cuda::cudarc::driver::DriverError| {
-        BindError::Value(format!("cuMemcpyDtoDAsync into {} failed: {e}", dst.name))
-    };
-    // SAFETY: `ptr` is the device address of `len` contiguous elements of `dst`'s dtype (a fresh
-    // torch tensor, alive for the call, written by nothing else); the slice is leaked, not freed.
-    unsafe {
-        match (src.buffer(), dst.dt) {
-            (DeviceBuffer::F32(a), Dt::F32) => {
-                let mut b = s.upgrade_device_ptr::<f32>(ptr, len);
-                let r = s.memcpy_dtod(a, &mut b);
-                b.leak();
-                r.map_err(err)
-            }
-            (DeviceBuffer::F16(a), Dt::F16) => {
-                let mut b = s.upgrade_device_ptr::<half::f16>(ptr, len);
-                let r = s.memcpy_dtod(a, &mut b);
-                b.leak();
-                r.map_err(err)
-            }
-            (DeviceBuffer::BF16(a), Dt::BF16) => {
-                let mut b = s.upgrade_device_ptr::<half::bf16>(ptr, len);
-                let r = s.memcpy_dtod(a, &mut b);
-                b.leak();
-                r.map_err(err)
-            }
-            _ => Err(BindError::Type(format!(
-                "{}: dtype differs from the result's",
-                dst.name
-            ))),
-        }
-    }
-}
-
 /// Forward on CUDA tensors (see the module documentation).
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
@@ -258,7 +213,7 @@ pub fn cuda_fwd(
     Ok(())
 }
 
-/// FP8 forward on CUDA tensors (e4m3fn or e5m2 q, k, v; out bf16, copied into torch's `out`).
+/// FP8 forward on CUDA tensors (e4m3fn or e5m2 q, k, v; out bf16, written into torch's `out`).
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 pub fn cuda_fwd_fp8(
@@ -286,15 +241,24 @@ pub fn cuda_fwd_fp8(
             k: k_descale.as_deref(),
             v: v_descale.as_deref(),
         };
-        // SAFETY: torch holds q, k and v alive for the call; they are only read.
-        let b = unsafe { Borrowed::all(&dev, &[&q, &k, &v])? };
-        let (qt, kt, vt) = (b[0].fp8()?, b[1].fp8()?, b[2].fp8()?);
-        let res = match &opts.cu_seqlens {
-            Some((cq, ck)) => cuda::flash_attn_varlen_fp8(&dev, qt, kt, vt, cq, ck, &descale, &ao),
-            None => cuda::flash_attn_fp8(&dev, qt, kt, vt, &descale, &ao),
+        // SAFETY: torch holds every tensor of the call alive; q, k and v are only read, out and
+        // lse are fresh tensors of the call, written only by the kernel.
+        let [qb, kb, vb, mut ob, mut lb]: [Borrowed; 5] =
+            unsafe { Borrowed::all(&dev, &[&q, &k, &v, &out, &lse])? }
+                .try_into()
+                .unwrap_or_else(|_| unreachable!("five views, five borrows"));
+        let (qt, kt, vt) = (qb.fp8()?, kb.fp8()?, vb.fp8()?);
+        let dst = cuda::CudaOutBuffers {
+            out: ob.get_mut()?,
+            lse: lb.get_mut()?,
+        };
+        match &opts.cu_seqlens {
+            Some((cq, ck)) => {
+                cuda::flash_attn_varlen_fp8_into(&dev, qt, kt, vt, cq, ck, &descale, &ao, dst)
+            }
+            None => cuda::flash_attn_fp8_into(&dev, qt, kt, vt, &descale, &ao, dst),
         }?;
-        copy_into(&dev, &res.out, &out)?;
-        copy_into(&dev, &res.lse, &lse)
+        Ok(())
     })?;
     Ok(())
 }
@@ -325,25 +289,35 @@ pub fn cuda_bwd(
         let dev = device(ordinal, stream)?;
         // SAFETY: as in `cuda_fwd`.
         let ao = unsafe { opts.attn(&ov)? };
-        // SAFETY: as in `cuda_fwd`.
+        // SAFETY: as in `cuda_fwd`: the inputs are only read; dq, dk, dv (and dsink) are fresh
+        // tensors of the call, written only by the kernels.
         let b = unsafe { Borrowed::all(&dev, &[&q, &k, &v, &out, &lse, &dout])? };
         let t = b.iter().map(Borrowed::get).collect::<Result<Vec<_>, _>>()?;
-        let g = match &opts.cu_seqlens {
-            Some((cq, ck)) => cuda::flash_attn_varlen_backward(
-                &dev, t[0], t[1], t[2], t[3], t[4], t[5], cq, ck, &ao,
+        // SAFETY: as above.
+        let [mut dqb, mut dkb, mut dvb]: [Borrowed; 3] =
+            unsafe { Borrowed::all(&dev, &[&dq, &dk, &dv])? }
+                .try_into()
+                .unwrap_or_else(|_| unreachable!("three views, three borrows"));
+        // SAFETY: as above.
+        let mut dsb = match &dsink {
+            Some(w) => Some(unsafe { Borrowed::new(&dev, w)? }),
+            None => None,
+        };
+        let dst = cuda::CudaGradBuffers {
+            dq: dqb.get_mut()?,
+            dk: dkb.get_mut()?,
+            dv: dvb.get_mut()?,
+            dsink: dsb.as_mut().map(Borrowed::get_mut).transpose()?,
+        };
+        match &opts.cu_seqlens {
+            Some((cq, ck)) => cuda::flash_attn_varlen_backward_into(
+                &dev, t[0], t[1], t[2], t[3], t[4], t[5], cq, ck, &ao, dst,
             ),
-            None => cuda::flash_attn_backward(&dev, t[0], t[1], t[2], t[3], t[4], t[5], &ao),
+            None => {
+                cuda::flash_attn_backward_into(&dev, t[0], t[1], t[2], t[3], t[4], t[5], &ao, dst)
+            }
         }?;
-        copy_into(&dev, &g.dq, &dq)?;
-        copy_into(&dev, &g.dk, &dk)?;
-        copy_into(&dev, &g.dv, &dv)?;
-        match (&dsink, &g.dsink) {
-            (Some(w), Some(s)) => copy_into(&dev, s, w),
-            (None, None) => Ok(()),
-            _ => Err(BindError::Value(
-                "dsink must be given exactly when the call has a learnable_sink".into(),
-            )),
-        }
+        Ok(())
     })?;
     Ok(())
 }
@@ -378,12 +352,15 @@ pub fn cuda_kvcache(
             opt(&kv.rotary_sin)?,
         );
         // SAFETY: torch holds every tensor alive; the caches are written in place and checked
-        // disjoint from q and from each other.
-        let (qb, mut kcb, mut vcb) = unsafe {
+        // disjoint from q and from each other; out and lse are fresh tensors of the call, written
+        // only by the kernels.
+        let (qb, mut kcb, mut vcb, mut ob, mut lb) = unsafe {
             (
                 Borrowed::new(&dev, &q)?,
                 Borrowed::new(&dev, &kc)?,
                 Borrowed::new(&dev, &vc)?,
+                Borrowed::new(&dev, &out)?,
+                Borrowed::new(&dev, &lse)?,
             )
         };
         let new_kv = match (&kn, &vn) {
@@ -414,13 +391,17 @@ pub fn cuda_kvcache(
             Some((k, v)) => Some((k.get()?, v.get()?)),
             None => None,
         };
-        let res = if matches!(kc.dt, Dt::F8E4M3 | Dt::F8E5M2) {
+        let dst = cuda::CudaOutBuffers {
+            out: ob.get_mut()?,
+            lse: lb.get_mut()?,
+        };
+        if matches!(kc.dt, Dt::F8E4M3 | Dt::F8E5M2) {
             let descale = Descale {
                 q: None,
                 k: kv.k_descale.as_deref(),
                 v: kv.v_descale.as_deref(),
             };
-            cuda::flash_attn_with_kvcache_fp8(
+            cuda::flash_attn_with_kvcache_fp8_into(
                 &dev,
                 qb.get()?,
                 kcb.fp8_mut()?,
@@ -429,9 +410,10 @@ pub fn cuda_kvcache(
                 nk,
                 &descale,
                 &ko,
+                dst,
             )?
         } else {
-            cuda::flash_attn_with_kvcache(
+            cuda::flash_attn_with_kvcache_into(
                 &dev,
                 qb.get()?,
                 kcb.get_mut()?,
@@ -439,10 +421,10 @@ pub fn cuda_kvcache(
                 &cache_seqlens,
                 nk,
                 &ko,
+                dst,
             )?
         };
-        copy_into(&dev, &res.out, &out)?;
-        copy_into(&dev, &res.lse, &lse)
+        Ok(())
     })?;
     Ok(())
 }

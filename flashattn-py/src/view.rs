@@ -120,12 +120,6 @@ impl View {
         self.extent
     }
 
-    /// Fails unless the view is contiguous (any strides when empty).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // used by the CUDA calls only
-    pub fn require_contiguous(&self) -> Result<(), BindError> {
-        self.check_contiguous()
-    }
-
     fn bytes(&self) -> std::ops::Range<usize> {
         self.addr..self.addr + self.extent * self.dt.size()
     }

@@ -160,6 +160,13 @@ def _lse_shape(q: Tensor, packed: bool) -> tuple:
     return (q.shape[1], q.shape[0]) if packed else (q.shape[0], q.shape[2], q.shape[1])
 
 
+def _empty_like(t: Tensor) -> Tensor:
+    """A new contiguous tensor of `t`'s shape, dtype and device: what
+    `torch.empty(t.shape, dtype=t.dtype, device=t.device)` makes, in a fraction of its time
+    (~1 us instead of ~3 on a tiny CPU call: no keyword parsing of a shape, dtype and device)."""
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
 def _new_seed() -> int:
     # From torch's default CPU generator, so torch.manual_seed makes dropout reproducible.
     return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
@@ -212,7 +219,7 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, caus
     if cuda is None:
         cuda = _on_cuda(q=q, k=k, v=v, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
     seed = _new_seed() if dropout_p > 0.0 else 0
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = _empty_like(q)
     lse = None
     if want_lse or cuda:
         lse = torch.empty(_lse_shape(q, packed), dtype=torch.float32, device=q.device)
@@ -308,9 +315,7 @@ def bwd(
         dout = dout.contiguous()
     cuda = _on_cuda(q=q, k=k, v=v, out=out, lse=lse, dout=dout, alibi_slopes=alibi_slopes,
                     learnable_sink=learnable_sink)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=q.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=q.device)
+    dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
     has_sink = learnable_sink is not None
     dsink = torch.empty((q.shape[-2],) if has_sink else (0,), dtype=torch.float32, device=q.device)
     opts = _opts(
@@ -435,7 +440,7 @@ def _kvcache(a: dict, want_lse: bool = True,
     if cuda is None:
         cuda = _on_cuda(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v,
                         rotary_cos=a["rotary_cos"], rotary_sin=a["rotary_sin"])
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = _empty_like(q)
     lse = None
     if want_lse or cuda:
         lse = torch.empty(_lse_shape(q, packed), dtype=torch.float32, device=q.device)

@@ -37,6 +37,18 @@ def _window(window_size: Sequence[int]) -> tuple[int, int]:
     return int(window_size[0]), int(window_size[1])
 
 
+_ACCEPTED_DTYPES = frozenset(_ops.FLOAT_DTYPES + _ops.FP8_DTYPES)
+
+
+def _check_qkv(q, k, v) -> None:
+    """`_check_dtypes(q=q, k=k, v=v)`, with a fast path for the common case (plain tensors of
+    one accepted dtype) that builds no keyword dict and loops over nothing."""
+    d = getattr(q, "dtype", None)
+    if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
+            and d in _ACCEPTED_DTYPES and k.dtype == d and v.dtype == d):
+        _check_dtypes(q=q, k=k, v=v)
+
+
 def _check_dtypes(**tensors: Optional[Tensor]) -> None:
     dtype = None
     for name, t in tensors.items():
@@ -44,7 +56,7 @@ def _check_dtypes(**tensors: Optional[Tensor]) -> None:
             continue
         if not isinstance(t, Tensor):
             raise TypeError(f"flashattn: `{name}` must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in _ops.FLOAT_DTYPES + _ops.FP8_DTYPES:
+        if t.dtype not in _ACCEPTED_DTYPES:
             raise TypeError(
                 f"flashattn: `{name}` has dtype {t.dtype}; expected float32, float16, bfloat16, "
                 "float8_e4m3fn or float8_e5m2"
@@ -72,7 +84,7 @@ def _attention(
     k_descale: Optional[Tensor],
     v_descale: Optional[Tensor],
 ):
-    _check_dtypes(q=q, k=k, v=v)
+    _check_qkv(q, k, v)
     scale = _scale(softmax_scale, q.shape[-1])
     left, right = _window(window_size)
     if q.dtype in _ops.FP8_DTYPES:
@@ -84,7 +96,7 @@ def _attention(
         )
         rng_state = None
     else:
-        if any(d is not None for d in (q_descale, k_descale, v_descale)):
+        if q_descale is not None or k_descale is not None or v_descale is not None:
             raise ValueError("flashattn: q_descale/k_descale/v_descale go with FP8 inputs only")
         out, lse, rng_state = _ops.forward(
             q, k, v, cu_seqlens_q, cu_seqlens_k, float(dropout_p), scale, causal, left, right,
@@ -302,7 +314,7 @@ def flash_attn_with_kvcache(
     ``k_descale``/``v_descale``; ``cu_seqlens_q``/``cu_seqlens_k_new`` pack queries and new keys
     of different lengths (flash-attn 3's chunked prefill). Inference only: no gradient.
     """
-    _check_dtypes(q=q, k=k, v=v)
+    _check_qkv(q, k, v)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, Tensor):
             raise TypeError(f"flashattn: `{name}` must be a torch.Tensor, got {type(t).__name__}")

@@ -4,14 +4,16 @@
 //! on CUDA cores otherwise): `bwd_prep` (dO·O per row and the LSE
 //! in the log2 domain), `bwd_dq` (one CTA per query block) and `bwd_dkdv` (one CTA per key block
 //! and kv head, summing the heads of its group). No atomics: the gradients are bit-identical from
-//! run to run.
+//! run to run. The `_into` forms write the gradients into caller-provided buffers
+//! ([`CudaGradBuffers`]); the allocating forms allocate them and call the same code.
 
 use super::buffer::{CudaAttnOutput, CudaTensor, DeviceBuffer};
 use super::device::CudaDevice;
 use super::error::driver_err;
+use super::forward::check_destination;
 use super::key::{KernelKey, KernelKind};
 use super::launch::{alloc_output, check_launchable, DropoutArgs};
-use crate::error::Result;
+use crate::error::{ErrorKind, Result};
 use crate::params::{self, AttnOptions, Params, QLike};
 use crate::tensor::{DType, TensorRef, ViewDesc};
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
@@ -304,6 +306,18 @@ pub struct CudaAttnGrads {
     pub dsink: Option<CudaTensor>,
 }
 
+/// Caller-provided destinations of a CUDA backward ([`flash_attn_backward_into`]): dq with q's
+/// shape, dk and dv with k's, in q's dtype, and `dsink` (f32 `[heads]`) exactly when the call has
+/// a learnable sink; each contiguous and in `dev`'s context (e.g. a framework's tensors viewed as
+/// [`CudaTensor`]s). Every element is written.
+#[derive(Debug)]
+pub struct CudaGradBuffers<'a> {
+    pub dq: &'a mut CudaTensor,
+    pub dk: &'a mut CudaTensor,
+    pub dv: &'a mut CudaTensor,
+    pub dsink: Option<&'a mut CudaTensor>,
+}
+
 impl CudaAttnOutput {
     /// The backward pass of the batched [`super::flash_attn`] call that produced `self` (same q,
     /// k, v and options). See [`flash_attn_backward`].
@@ -326,6 +340,8 @@ impl CudaAttnOutput {
 /// from run to run. f16/bf16 up to head_dim 128 run on tensor cores (P and dS rounded to the input
 /// type for their products, as FlashAttention-2), f32 and larger head dims on CUDA cores. With
 /// dropout the kernels regenerate the forward's mask from `opts`' seed (pass the forward's options).
+/// With learnable sinks, `dsink` is summed on the host from the prep kernel's workspaces: that
+/// call waits for the stream.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_backward(
     dev: &CudaDevice,
@@ -359,13 +375,128 @@ pub fn flash_attn_varlen_backward(
     backward(dev, &p, [q, k, v, out, lse, dout])
 }
 
-fn backward(dev: &CudaDevice, p: &Params, t: [&CudaTensor; 6]) -> Result<CudaAttnGrads> {
-    let [q, k, v, out, lse, dout] = t;
+/// [`flash_attn_backward`] writing into caller-provided buffers ([`CudaGradBuffers`]): no
+/// allocation of the gradients, no copy. Everything (inputs and destinations: dtype, length,
+/// contiguity, context) is validated before anything is queued: on error nothing is written.
+/// Queued on `dev`'s stream without waiting (except with sinks, as [`flash_attn_backward`]).
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_backward_into(
+    dev: &CudaDevice,
+    q: &CudaTensor,
+    k: &CudaTensor,
+    v: &CudaTensor,
+    out: &CudaTensor,
+    lse: &CudaTensor,
+    dout: &CudaTensor,
+    opts: &AttnOptions,
+    dst: CudaGradBuffers,
+) -> Result<()> {
+    let p = params::batched(q, k, v, opts)?;
+    let t = [q, k, v, out, lse, dout];
+    let d = plan(dev, &p, t)?;
+    backward_into(dev, &p, &d, t, dst)
+}
+
+/// [`flash_attn_varlen_backward`] writing into caller-provided buffers (see
+/// [`flash_attn_backward_into`]).
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_varlen_backward_into(
+    dev: &CudaDevice,
+    q: &CudaTensor,
+    k: &CudaTensor,
+    v: &CudaTensor,
+    out: &CudaTensor,
+    lse: &CudaTensor,
+    dout: &CudaTensor,
+    cu_seqlens_q: &[i32],
+    cu_seqlens_k: &[i32],
+    opts: &AttnOptions,
+    dst: CudaGradBuffers,
+) -> Result<()> {
+    let p = params::varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, opts)?;
+    let t = [q, k, v, out, lse, dout];
+    let d = plan(dev, &p, t)?;
+    backward_into(dev, &p, &d, t, dst)
+}
+
+/// Validates the call's inputs (q, k, v and the options in `p`; out, lse and dout here) and
+/// checks its launches against `dev`.
+fn plan(dev: &CudaDevice, p: &Params, t: [&CudaTensor; 6]) -> Result<BackwardLaunch> {
+    let [_, _, _, out, lse, dout] = t;
     let (o, g, ls) = validate(p, out, lse, dout)?;
     let d = BackwardLaunch::new(p, &o, &g, &ls);
     let contexts = t.map(|x| x.buf.context());
     check_launchable(dev, p, &d.dkdv, &contexts)?;
     check_launchable(dev, p, &d.dq, &contexts)?;
+    Ok(d)
+}
+
+/// The allocating backward: new (poisoned, see `alloc_output`) gradients, written by
+/// [`backward_into`].
+fn backward(dev: &CudaDevice, p: &Params, t: [&CudaTensor; 6]) -> Result<CudaAttnGrads> {
+    let d = plan(dev, p, t)?;
+    let s = &dev.stream;
+    let alloc = |len: usize, shape: &[usize]| -> Result<CudaTensor> {
+        let buf = match p.dtype {
+            DType::F32 => DeviceBuffer::F32(alloc_output(s, len)?),
+            DType::F16 => DeviceBuffer::F16(alloc_output(s, len)?),
+            DType::BF16 => DeviceBuffer::BF16(alloc_output(s, len)?),
+        };
+        Ok(CudaTensor::contiguous(buf, shape))
+    };
+    let mut dq = alloc(d.dq_len, &d.q_shape)?;
+    let mut dk = alloc(d.dk_len, &d.k_shape)?;
+    let mut dv = alloc(d.dk_len, &d.k_shape)?;
+    let mut dsink = match &d.sink {
+        Some(x) => Some(CudaTensor::contiguous(
+            DeviceBuffer::F32(alloc_output(s, x.len())?),
+            &[x.len()],
+        )),
+        None => None,
+    };
+    let dst = CudaGradBuffers {
+        dq: &mut dq,
+        dk: &mut dk,
+        dv: &mut dv,
+        dsink: dsink.as_mut(),
+    };
+    backward_into(dev, p, &d, t, dst)?;
+    Ok(CudaAttnGrads { dq, dk, dv, dsink })
+}
+
+/// Checks the destinations against the planned launches `d`, then queues them writing into `dst`.
+fn backward_into(
+    dev: &CudaDevice,
+    p: &Params,
+    d: &BackwardLaunch,
+    t: [&CudaTensor; 6],
+    dst: CudaGradBuffers,
+) -> Result<()> {
+    let [q, k, v, out, lse, dout] = t;
+    check_destination("dq", dst.dq, p.dtype, &d.q_shape)?;
+    check_destination("dk", dst.dk, p.dtype, &d.k_shape)?;
+    check_destination("dv", dst.dv, p.dtype, &d.k_shape)?;
+    let sink_shape = [d.sink.as_ref().map_or(0, Vec::len)];
+    match (&d.sink, &dst.dsink) {
+        (Some(_), Some(ds)) => check_destination("dsink", ds, DType::F32, &sink_shape)?,
+        (None, None) => {}
+        _ => {
+            return Err(ErrorKind::DestinationLength {
+                tensor: "dsink",
+                expected: sink_shape[0],
+                got: dst.dsink.as_ref().map_or(0, |x| x.buf.len()),
+                shape: sink_shape.to_vec(),
+            }
+            .into())
+        }
+    }
+    let mut dst_contexts = vec![
+        dst.dq.buf.context(),
+        dst.dk.buf.context(),
+        dst.dv.buf.context(),
+    ];
+    dst_contexts.extend(dst.dsink.as_ref().map(|x| x.buf.context()));
+    check_launchable(dev, p, &d.dq, &dst_contexts)?;
     let f = [
         dev.function(&d.prep)?.0,
         dev.function(&d.dq)?.0,
@@ -382,7 +513,7 @@ fn backward(dev: &CudaDevice, p: &Params, t: [&CudaTensor; 6]) -> Result<CudaAtt
         unreachable!("lse was validated as f32")
     };
     macro_rules! typed {
-        ($variant:ident, $t:ty) => {{
+        ($variant:ident) => {{
             let bufs = (&q.buf, &k.buf, &v.buf, &out.buf, &dout.buf);
             let (
                 DeviceBuffer::$variant(qb),
@@ -394,50 +525,51 @@ fn backward(dev: &CudaDevice, p: &Params, t: [&CudaTensor; 6]) -> Result<CudaAtt
             else {
                 unreachable!("q, k, v, out and dout were validated to share one dtype")
             };
-            let mut grads = [
-                alloc_output::<$t>(s, d.dq_len)?,
-                alloc_output::<$t>(s, d.dk_len)?,
-                alloc_output::<$t>(s, d.dk_len)?,
-            ];
-            let ins = [qb, kb, vb, ob, gb];
-            launch(
-                dev, &d, &f, ins, lse_b, &mut ws, &mut grads, &table, &slopes,
-            )?;
-            let [dq, dk, dv] = grads;
-            [
+            let grads = (&mut dst.dq.buf, &mut dst.dk.buf, &mut dst.dv.buf);
+            let (
                 DeviceBuffer::$variant(dq),
                 DeviceBuffer::$variant(dk),
                 DeviceBuffer::$variant(dv),
-            ]
+            ) = grads
+            else {
+                unreachable!("dq, dk and dv were checked against q's dtype")
+            };
+            let ins = [qb, kb, vb, ob, gb];
+            launch(
+                dev,
+                d,
+                &f,
+                ins,
+                lse_b,
+                &mut ws,
+                &mut [dq, dk, dv],
+                &table,
+                &slopes,
+            )?;
         }};
     }
-    let [dq, dk, dv] = match p.dtype {
-        DType::F32 => typed!(F32, f32),
-        DType::F16 => typed!(F16, half::f16),
-        DType::BF16 => typed!(BF16, half::bf16),
-    };
+    match p.dtype {
+        DType::F32 => typed!(F32),
+        DType::F16 => typed!(F16),
+        DType::BF16 => typed!(BF16),
+    }
     // The sinks' gradient: a sum over every row per head, from the prep kernel's workspaces
     // (rows × heads f32 each, a head_dim-th of dq's size), on the host in f64 as the CPU path.
-    let dsink = match d.sink {
-        Some(_) => {
-            let dtoh = driver_err("cuMemcpyDtoH");
-            let lse2 = s.clone_dtoh(&ws[0]).map_err(dtoh)?;
-            let dsum = s.clone_dtoh(&ws[1]).map_err(driver_err("cuMemcpyDtoH"))?;
-            dev.synchronize()?;
-            let ds = d.dsink(&lse2, &dsum).expect("the launch has sinks");
-            Some(CudaTensor::contiguous(
-                DeviceBuffer::F32(dev.htod(&ds)?),
-                &[ds.len()],
-            ))
+    if let Some(ds_dst) = dst.dsink {
+        let dtoh = driver_err("cuMemcpyDtoH");
+        let lse2 = s.clone_dtoh(&ws[0]).map_err(dtoh)?;
+        let dsum = s.clone_dtoh(&ws[1]).map_err(driver_err("cuMemcpyDtoH"))?;
+        dev.synchronize()?;
+        let ds = d.dsink(&lse2, &dsum).expect("the launch has sinks");
+        let DeviceBuffer::F32(slice) = &mut ds_dst.buf else {
+            unreachable!("dsink was checked as f32")
+        };
+        if !ds.is_empty() {
+            s.memcpy_htod(&ds, slice)
+                .map_err(driver_err("cuMemcpyHtoDAsync"))?;
         }
-        None => None,
-    };
-    Ok(CudaAttnGrads {
-        dq: CudaTensor::contiguous(dq, &d.q_shape),
-        dk: CudaTensor::contiguous(dk, &d.k_shape),
-        dv: CudaTensor::contiguous(dv, &d.k_shape),
-        dsink,
-    })
+    }
+    Ok(())
 }
 
 /// Queues `bwd_prep`, `bwd_dq` and `bwd_dkdv`.
@@ -449,7 +581,7 @@ fn launch<T>(
     ins: [&CudaSlice<T>; 5],
     lse: &CudaSlice<f32>,
     ws: &mut [CudaSlice<f32>; 2],
-    grads: &mut [CudaSlice<T>; 3],
+    grads: &mut [&mut CudaSlice<T>; 3],
     table: &CudaSlice<i64>,
     slopes: &Option<CudaSlice<f32>>,
 ) -> Result<()> {
@@ -469,7 +601,7 @@ fn launch<T>(
         let [lse2, dsum] = ws;
         b.arg(lse2).arg(dsum);
         let [dq, dk, dv] = grads;
-        b.arg(dq).arg(dk).arg(dv);
+        b.arg(&mut **dq).arg(&mut **dk).arg(&mut **dv);
         b.arg(table);
         match slopes {
             Some(t) => b.arg(t),

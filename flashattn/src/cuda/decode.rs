@@ -2,12 +2,14 @@
 //! (same validation, `crate::params::decode::validate`) with q, the caches and the new keys/values in GPU
 //! memory. Three kernels of `kernels/decode.cu` run on the device's stream: the append (new keys,
 //! rotated, and values into the caches), one CTA per (query row block, key split, kv head,
-//! sequence) writing partial results, and the merge of the splits through their LSEs.
+//! sequence) writing partial results, and the merge of the splits through their LSEs, into
+//! `out` and `lse`: the caller's ([`flash_attn_with_kvcache_into`]) or new ones.
 
 use super::buffer::{CudaAttnOutput, CudaTensor, DeviceBuffer};
 use super::decode_plan::{limit, DecodeKernel, DecodeLaunch};
 use super::device::CudaDevice;
 use super::error::driver_err;
+use super::forward::{check_destination, CudaOutBuffers};
 use super::launch::alloc_output;
 use crate::decode::KvCacheOptions;
 use crate::error::{ErrorKind, Result};
@@ -44,9 +46,48 @@ pub fn flash_attn_with_kvcache(
 ) -> Result<CudaAttnOutput> {
     refuse_host_new_kv(opts)?;
     let dp = validate(q, &*k_cache, &*v_cache, new_kv, cache_seqlens, opts)?;
+    let mut res = alloc_outputs(dev, &dp)?;
+    let dst = CudaOutBuffers {
+        out: &mut res.out,
+        lse: &mut res.lse,
+    };
+    kvcache_into(dev, &dp, q, (k_cache, v_cache), new_kv, dst)?;
+    Ok(res)
+}
+
+/// [`flash_attn_with_kvcache`] writing `out` and `lse` into caller-provided buffers
+/// ([`CudaOutBuffers`]: `out` in q's dtype and shape, `lse` f32 `[batch, heads, seqlen_q]` or,
+/// packed, `[heads, total_q]`, both contiguous): no allocation of them, no copy. Every input and
+/// both destinations are validated before anything is queued: on error nothing is written (the
+/// caches are untouched too). Queued on `dev`'s stream without waiting.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_with_kvcache_into(
+    dev: &CudaDevice,
+    q: &CudaTensor,
+    k_cache: &mut CudaTensor,
+    v_cache: &mut CudaTensor,
+    cache_seqlens: &[i32],
+    new_kv: Option<(&CudaTensor, &CudaTensor)>,
+    opts: &KvCacheOptions,
+    dst: CudaOutBuffers,
+) -> Result<()> {
+    refuse_host_new_kv(opts)?;
+    let dp = validate(q, &*k_cache, &*v_cache, new_kv, cache_seqlens, opts)?;
+    kvcache_into(dev, &dp, q, (k_cache, v_cache), new_kv, dst)
+}
+
+/// The decode of validated `dp` on f32/f16/bf16 caches, into `dst`.
+fn kvcache_into(
+    dev: &CudaDevice,
+    dp: &DecodeParams,
+    q: &CudaTensor,
+    (k_cache, v_cache): (&mut CudaTensor, &mut CudaTensor),
+    new_kv: Option<(&CudaTensor, &CudaTensor)>,
+    dst: CudaOutBuffers,
+) -> Result<()> {
     let d = prepare(
         dev,
-        &dp,
+        dp,
         [
             q.buf.context(),
             k_cache.buf.context(),
@@ -54,13 +95,33 @@ pub fn flash_attn_with_kvcache(
         ],
         new_kv,
         None,
+        &dst,
     )?;
     match (&mut k_cache.buf, &mut v_cache.buf) {
-        (DeviceBuffer::F32(k), DeviceBuffer::F32(v)) => queue(dev, &d, q, (k, v), new_kv),
-        (DeviceBuffer::F16(k), DeviceBuffer::F16(v)) => queue(dev, &d, q, (k, v), new_kv),
-        (DeviceBuffer::BF16(k), DeviceBuffer::BF16(v)) => queue(dev, &d, q, (k, v), new_kv),
+        (DeviceBuffer::F32(k), DeviceBuffer::F32(v)) => queue(dev, &d, q, (k, v), new_kv, dst),
+        (DeviceBuffer::F16(k), DeviceBuffer::F16(v)) => queue(dev, &d, q, (k, v), new_kv, dst),
+        (DeviceBuffer::BF16(k), DeviceBuffer::BF16(v)) => queue(dev, &d, q, (k, v), new_kv, dst),
         _ => unreachable!("the caches' dtype was validated against q's"),
     }
+}
+
+/// New (poisoned, see `alloc_output`) `out` (q's dtype) and `lse` for validated `dp`: what the
+/// allocating decode calls pass to their `_into` code.
+pub(crate) fn alloc_outputs(dev: &CudaDevice, dp: &DecodeParams) -> Result<CudaAttnOutput> {
+    let s = &dev.stream;
+    let (p, out_len) = (&dp.p, dp.p.out_len());
+    let out = match p.dtype {
+        DType::F32 => DeviceBuffer::F32(alloc_output(s, out_len)?),
+        DType::F16 => DeviceBuffer::F16(alloc_output(s, out_len)?),
+        DType::BF16 => DeviceBuffer::BF16(alloc_output(s, out_len)?),
+    };
+    Ok(CudaAttnOutput {
+        out: CudaTensor::contiguous(out, &p.out_shape),
+        lse: CudaTensor::contiguous(
+            DeviceBuffer::F32(alloc_output(s, p.lse_len())?),
+            &p.lse_shape,
+        ),
+    })
 }
 
 /// The GPU calls take the new keys and values as device tensors (their `new_kv` argument), not
@@ -77,16 +138,21 @@ pub(crate) fn refuse_host_new_kv(opts: &KvCacheOptions) -> Result<()> {
     Ok(())
 }
 
-/// What both decode calls check after validation (every tensor on `dev`'s context, a device
-/// that runs the dtype), then the launches.
+/// What both decode calls check after validation (the destinations: out in q's dtype, lse in
+/// f32, their lengths, contiguous; every tensor on `dev`'s context, a device that runs the
+/// dtype), then the launches.
 pub(crate) fn prepare(
     dev: &CudaDevice,
     dp: &DecodeParams,
     contexts: [&Arc<CudaContext>; 3],
     new_kv: Option<(&CudaTensor, &CudaTensor)>,
     fp8: Option<(Fp8Format, &[f32])>,
+    dst: &CudaOutBuffers,
 ) -> Result<DecodeLaunch> {
+    check_destination("out", dst.out, dp.p.dtype, &dp.p.out_shape)?;
+    check_destination("lse", dst.lse, DType::F32, &dp.p.lse_shape)?;
     let mut all = contexts.to_vec();
+    all.extend([dst.out.buf.context(), dst.lse.buf.context()]);
     all.extend(
         new_kv
             .iter()
@@ -119,14 +185,15 @@ pub(crate) fn prepare(
 }
 
 /// Compiles (or finds) the kernels of `d`, uploads its tables and queues the launches on caches
-/// of element type `C` (q's type, or FP8 bytes).
+/// of element type `C` (q's type, or FP8 bytes), writing `dst` (checked by [`prepare`]).
 pub(crate) fn queue<C: DeviceRepr>(
     dev: &CudaDevice,
     d: &DecodeLaunch,
     q: &CudaTensor,
     (k, v): (&mut CudaSlice<C>, &mut CudaSlice<C>),
     new_kv: Option<(&CudaTensor, &CudaTensor)>,
-) -> Result<CudaAttnOutput> {
+    dst: CudaOutBuffers,
+) -> Result<()> {
     // The launches below rely on this: the kernels read bytes exactly when compiled for FP8.
     assert_eq!(
         d.split.fp8,
@@ -148,10 +215,12 @@ pub(crate) fn queue<C: DeviceRepr>(
         tables: PackedTables::upload(dev, d)?,
         ws_o: alloc_output::<f32>(s, ws_o_len)?,
         ws_lse: alloc_output::<f32>(s, ws_lse_len)?,
-        lse: alloc_output::<f32>(s, d.lse_len)?,
+    };
+    let DeviceBuffer::F32(lse) = &mut dst.lse.buf else {
+        unreachable!("prepare checked lse as f32")
     };
     macro_rules! typed {
-        ($variant:ident, $t:ty) => {{
+        ($variant:ident) => {{
             let DeviceBuffer::$variant(qb) = &q.buf else {
                 unreachable!("matched on q's dtype")
             };
@@ -162,20 +231,17 @@ pub(crate) fn queue<C: DeviceRepr>(
                 },
                 None => None,
             };
-            let mut out = alloc_output::<$t>(s, d.out_len)?;
-            let lse = launch(dev, d, &kernels, up, (qb, k, v), new, &mut out)?;
-            (DeviceBuffer::$variant(out), lse)
+            let DeviceBuffer::$variant(out) = &mut dst.out.buf else {
+                unreachable!("prepare checked out against q's dtype")
+            };
+            launch(dev, d, &kernels, up, (qb, k, v), new, out, lse)
         }};
     }
-    let (out, lse) = match q.dtype() {
-        DType::F32 => typed!(F32, f32),
-        DType::F16 => typed!(F16, half::f16),
-        DType::BF16 => typed!(BF16, half::bf16),
-    };
-    Ok(CudaAttnOutput {
-        out: CudaTensor::contiguous(out, &d.out_shape),
-        lse: CudaTensor::contiguous(DeviceBuffer::F32(lse), &d.lse_shape),
-    })
+    match q.dtype() {
+        DType::F32 => typed!(F32),
+        DType::F16 => typed!(F16),
+        DType::BF16 => typed!(BF16),
+    }
 }
 
 struct Kernels {
@@ -184,12 +250,11 @@ struct Kernels {
     append: Option<CudaFunction>,
 }
 
-/// The call's tables on the device, its workspace and its lse.
+/// The call's tables on the device and its workspace.
 struct Uploads {
     tables: PackedTables,
     ws_o: CudaSlice<f32>,
     ws_lse: CudaSlice<f32>,
-    lse: CudaSlice<f32>,
 }
 
 /// The call's host tables (sequence table, pages, and the slopes, rotary table and FP8 factors
@@ -243,7 +308,8 @@ impl PackedTables {
 /// q, then the caches (elements of q's type, or FP8 bytes).
 type Cache<'a, T, C> = (&'a CudaSlice<T>, &'a mut CudaSlice<C>, &'a mut CudaSlice<C>);
 
-/// Queues the append (if any), the splits and the merge; returns lse.
+/// Queues the append (if any), the splits and the merge into `out` and `lse`.
+#[allow(clippy::too_many_arguments)]
 fn launch<T, C>(
     dev: &CudaDevice,
     d: &DecodeLaunch,
@@ -252,7 +318,8 @@ fn launch<T, C>(
     (q, k, v): Cache<'_, T, C>,
     new: Option<(&CudaSlice<T>, &CudaSlice<T>)>,
     out: &mut CudaSlice<T>,
-) -> Result<CudaSlice<f32>> {
+    lse: &mut CudaSlice<f32>,
+) -> Result<()> {
     let cfg = |grid: (u32, u32, u32), smem: usize| LaunchConfig {
         grid_dim: grid,
         block_dim: (128, 1, 1),
@@ -289,7 +356,7 @@ fn launch<T, C>(
         }
     }
     if d.is_empty() {
-        return Ok(up.lse);
+        return Ok(());
     }
     let splits = d.splits as i32;
     let mut b = dev.stream.launch_builder(&f.split);
@@ -328,7 +395,7 @@ fn launch<T, C>(
     b.arg(&up.ws_o)
         .arg(&up.ws_lse)
         .arg(out)
-        .arg(&mut up.lse)
+        .arg(lse)
         .arg(&up.tables.table);
     b.arg(&d.heads).arg(&d.head_dim).arg(&splits);
     b.arg(&d.lse_head_stride).arg(&d.total_rows);
@@ -338,5 +405,5 @@ fn launch<T, C>(
     // query, head) row of the table lies inside them (the tail sequence covers packed rows after
     // the last); the sinks, when present, hold `heads` logits per launched sequence.
     unsafe { b.launch(cfg(d.combine_grid(), 0)) }.map_err(driver_err("cuLaunchKernel"))?;
-    Ok(up.lse)
+    Ok(())
 }

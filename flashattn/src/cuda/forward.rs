@@ -87,8 +87,8 @@ pub fn flash_attn_varlen_into(
 }
 
 /// Checks a caller's destination: `dtype`, `shape`'s element count, and a contiguous view of
-/// exactly its buffer.
-fn check_destination(
+/// exactly its buffer (shared by every CUDA `_into` call).
+pub(super) fn check_destination(
     tensor: &'static str,
     t: &CudaTensor,
     dtype: DType,
@@ -240,7 +240,7 @@ pub(crate) fn run_forward<TI, TO: cudarc::driver::DeviceRepr>(
 
 /// Checks, compiles (or fetches) and queues the forward of validated `p` into `out` (p.out_len()
 /// elements of type `TO`) and `lse` (p.lse_len()).
-fn launch_forward<TI, TO: cudarc::driver::DeviceRepr>(
+pub(super) fn launch_forward<TI, TO: cudarc::driver::DeviceRepr>(
     dev: &CudaDevice,
     p: &Params,
     fp8: Option<crate::fp8::Fp8Format>,

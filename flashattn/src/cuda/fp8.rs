@@ -4,17 +4,19 @@
 //! `kernels/fwd.cu` compiled with `FA_FP8_INPUT`; and [`flash_attn_with_kvcache_fp8`], the CPU's
 //! [`crate::fp8::flash_attn_with_kvcache_fp8`] with the same validation
 //! (`crate::fp8::validate_kvcache`) and the decode kernels of `kernels/decode.cu` compiled with
-//! `FA_FP8_CACHE`.
+//! `FA_FP8_CACHE`. Each has an `_into` form writing `out` and `lse` into caller-provided buffers.
 
 use super::buffer::{gather, CudaAttnOutput, CudaTensor, DeviceBuffer};
-use super::decode::{prepare, queue, refuse_host_new_kv};
+use super::decode::{alloc_outputs, prepare, queue, refuse_host_new_kv};
 use super::device::CudaDevice;
 use super::error::driver_err;
-use super::forward::{run_forward, LaunchDescription};
+use super::forward::{
+    check_destination, launch_forward, run_forward, CudaOutBuffers, LaunchDescription,
+};
 use crate::decode::KvCacheOptions;
 use crate::error::Result;
 use crate::fp8::{validate_forward, Descale, Fp8Format, Fp8TensorRef, Fp8View};
-use crate::params::{self, AttnOptions, Params};
+use crate::params::{self, AttnOptions, DecodeParams, Params};
 use crate::tensor::{DType, ViewDesc, ViewInfo};
 use cudarc::driver::CudaSlice;
 use half::bf16;
@@ -134,27 +136,87 @@ pub fn flash_attn_with_kvcache_fp8(
     descale: &Descale,
     opts: &KvCacheOptions,
 ) -> Result<CudaAttnOutput> {
+    let (dp, dk) =
+        validate_kvcache_fp8(q, (k_cache, v_cache), new_kv, cache_seqlens, descale, opts)?;
+    let mut res = alloc_outputs(dev, &dp)?;
+    let dst = CudaOutBuffers {
+        out: &mut res.out,
+        lse: &mut res.lse,
+    };
+    kvcache_fp8_into(dev, &dp, &dk, q, (k_cache, v_cache), new_kv, dst)?;
+    Ok(res)
+}
+
+/// [`flash_attn_with_kvcache_fp8`] writing `out` (q's dtype) and `lse` into caller-provided
+/// buffers, as [`super::flash_attn_with_kvcache_into`]: everything validated first (on error
+/// nothing is written, the caches untouched), queued without waiting.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_with_kvcache_fp8_into(
+    dev: &CudaDevice,
+    q: &CudaTensor,
+    k_cache: &mut CudaFp8Tensor,
+    v_cache: &mut CudaFp8Tensor,
+    cache_seqlens: &[i32],
+    new_kv: Option<(&CudaTensor, &CudaTensor)>,
+    descale: &Descale,
+    opts: &KvCacheOptions,
+    dst: CudaOutBuffers,
+) -> Result<()> {
+    let (dp, dk) =
+        validate_kvcache_fp8(q, (k_cache, v_cache), new_kv, cache_seqlens, descale, opts)?;
+    kvcache_fp8_into(dev, &dp, &dk, q, (k_cache, v_cache), new_kv, dst)
+}
+
+/// The FP8 decode's validation (host `new_kv` refused): its parameters and the k factors.
+fn validate_kvcache_fp8(
+    q: &CudaTensor,
+    (k_cache, v_cache): (&CudaFp8Tensor, &CudaFp8Tensor),
+    new_kv: Option<(&CudaTensor, &CudaTensor)>,
+    cache_seqlens: &[i32],
+    descale: &Descale,
+    opts: &KvCacheOptions,
+) -> Result<(DecodeParams, Vec<f32>)> {
     refuse_host_new_kv(opts)?;
-    let (dp, dk) = crate::fp8::validate_kvcache(
+    crate::fp8::validate_kvcache(
         &ViewInfo::of(q),
-        (&*k_cache, &*v_cache),
+        (k_cache, v_cache),
         new_kv.map(|(k, v)| (ViewInfo::of(k), ViewInfo::of(v))),
         cache_seqlens,
         descale,
         opts,
-    )?;
+    )
+}
+
+/// The decode of validated `dp` (k factors `dk`) on FP8 caches, into `dst`.
+fn kvcache_fp8_into(
+    dev: &CudaDevice,
+    dp: &DecodeParams,
+    dk: &[f32],
+    q: &CudaTensor,
+    (k_cache, v_cache): (&mut CudaFp8Tensor, &mut CudaFp8Tensor),
+    new_kv: Option<(&CudaTensor, &CudaTensor)>,
+    dst: CudaOutBuffers,
+) -> Result<()> {
     let d = prepare(
         dev,
-        &dp,
+        dp,
         [
             q.buf.context(),
             k_cache.buf.context(),
             v_cache.buf.context(),
         ],
         new_kv,
-        Some((k_cache.format, &dk)),
+        Some((k_cache.format, dk)),
+        &dst,
     )?;
-    queue(dev, &d, q, (&mut k_cache.buf, &mut v_cache.buf), new_kv)
+    queue(
+        dev,
+        &d,
+        q,
+        (&mut k_cache.buf, &mut v_cache.buf),
+        new_kv,
+        dst,
+    )
 }
 
 /// [`crate::fp8::flash_attn_fp8`] on the GPU, queued on `dev`'s stream (returns without waiting):
@@ -215,6 +277,40 @@ pub fn fp8_kernel_key(
         .key)
 }
 
+/// [`flash_attn_fp8`] writing into caller-provided buffers ([`CudaOutBuffers`]: `out` bf16 with
+/// q's shape, `lse` f32, both contiguous), as [`super::flash_attn_into`]: everything validated
+/// first (on error nothing is written), queued without waiting.
+pub fn flash_attn_fp8_into(
+    dev: &CudaDevice,
+    q: &CudaFp8Tensor,
+    k: &CudaFp8Tensor,
+    v: &CudaFp8Tensor,
+    descale: &Descale,
+    opts: &AttnOptions,
+    dst: CudaOutBuffers,
+) -> Result<()> {
+    let p = validate_forward([q, k, v], None, descale, opts)?;
+    forward_fp8_into(dev, &p, [q, k, v], dst)
+}
+
+/// [`flash_attn_varlen_fp8`] writing into caller-provided buffers (see [`flash_attn_fp8_into`]).
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_varlen_fp8_into(
+    dev: &CudaDevice,
+    q: &CudaFp8Tensor,
+    k: &CudaFp8Tensor,
+    v: &CudaFp8Tensor,
+    cu_seqlens_q: &[i32],
+    cu_seqlens_k: &[i32],
+    descale: &Descale,
+    opts: &AttnOptions,
+    dst: CudaOutBuffers,
+) -> Result<()> {
+    let cu = Some((cu_seqlens_q, cu_seqlens_k));
+    let p = validate_forward([q, k, v], cu, descale, opts)?;
+    forward_fp8_into(dev, &p, [q, k, v], dst)
+}
+
 /// The launch an FP8 forward with these host views would make (validated as the call would be):
 /// for the host emulation test of the kernel.
 #[doc(hidden)]
@@ -238,4 +334,28 @@ fn forward_fp8(
     let contexts = [q.buf.context(), k.buf.context(), v.buf.context()];
     let qkv = (&q.buf, &k.buf, &v.buf);
     run_forward::<u8, bf16>(dev, p, Some(q.format), contexts, qkv, DeviceBuffer::BF16)
+}
+
+fn forward_fp8_into(
+    dev: &CudaDevice,
+    p: &Params,
+    [q, k, v]: [&CudaFp8Tensor; 3],
+    dst: CudaOutBuffers,
+) -> Result<()> {
+    check_destination("out", dst.out, DType::BF16, &p.out_shape)?;
+    check_destination("lse", dst.lse, DType::F32, &p.lse_shape)?;
+    let (out_ctx, lse_ctx) = (dst.out.buf.context().clone(), dst.lse.buf.context().clone());
+    let contexts = [
+        q.buf.context(),
+        k.buf.context(),
+        v.buf.context(),
+        &out_ctx,
+        &lse_ctx,
+    ];
+    let (DeviceBuffer::BF16(out), DeviceBuffer::F32(lse)) = (&mut dst.out.buf, &mut dst.lse.buf)
+    else {
+        unreachable!("checked: out is bf16, lse f32")
+    };
+    let qkv = (&q.buf, &k.buf, &v.buf);
+    launch_forward::<u8, bf16>(dev, p, Some(q.format), &contexts, qkv, out, lse)
 }

@@ -48,13 +48,14 @@ mod tma;
 pub use arch::{Arch, GpuShape};
 pub use backward::{
     backward_kernel_key, backward_launch_description, flash_attn_backward,
-    flash_attn_varlen_backward, BackwardLaunch, CudaAttnGrads, BWD_FIELDS,
+    flash_attn_backward_into, flash_attn_varlen_backward, flash_attn_varlen_backward_into,
+    BackwardLaunch, CudaAttnGrads, CudaGradBuffers, BWD_FIELDS,
 };
 pub use buffer::{CudaAttnOutput, CudaTensor, DeviceBuffer};
 /// The cudarc this backend is built on (0.19, CUDA 13.0 API), for streams, events and slices of
 /// matching types.
 pub use cudarc;
-pub use decode::flash_attn_with_kvcache;
+pub use decode::{flash_attn_with_kvcache, flash_attn_with_kvcache_into};
 pub use decode_plan::{
     choose_splits, choose_splits_for, decode_launch_description, decode_launch_description_fp8,
     decode_launch_description_with, DecodeKernel, DecodeLaunch, DECODE_FIELDS,
@@ -65,7 +66,8 @@ pub use forward::{
     launch_description, CudaOutBuffers, ForwardKernel, LaunchDescription, SEQ_FIELDS,
 };
 pub use fp8::{
-    flash_attn_fp8, flash_attn_varlen_fp8, flash_attn_with_kvcache_fp8, fp8_kernel_key,
+    flash_attn_fp8, flash_attn_fp8_into, flash_attn_varlen_fp8, flash_attn_varlen_fp8_into,
+    flash_attn_with_kvcache_fp8, flash_attn_with_kvcache_fp8_into, fp8_kernel_key,
     launch_description_fp8, CudaFp8Tensor,
 };
 pub use key::{KernelKey, KernelKind, Tiles, HEAD_DIM_STEP};

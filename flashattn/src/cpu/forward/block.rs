@@ -42,8 +42,12 @@ pub(crate) struct Scratch {
 }
 
 impl Scratch {
-    pub fn new(bs: BlockSizes, d: usize) -> Self {
-        let (np, bn) = (pad_lanes(bs.block_m), bs.block_n);
+    /// Tiles for items of at most `rows` query rows and `cols` keys per block (`bs.block_m` and
+    /// `bs.block_n`, or less for a call whose sequences are shorter: a one-row, one-key call then
+    /// allocates and zeroes a few hundred bytes instead of full blocks).
+    pub fn new(bs: BlockSizes, d: usize, (rows, cols): (usize, usize)) -> Self {
+        debug_assert!(rows <= bs.block_m && cols <= bs.block_n);
+        let (np, bn) = (pad_lanes(rows), cols);
         let d2 = d.div_ceil(2);
         Scratch {
             qt: buf(0.0, d * np),

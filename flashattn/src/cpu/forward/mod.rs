@@ -171,6 +171,12 @@ fn forward_with<T: Element, S: Bf16Source>(
     let pool: Vec<Mutex<Option<ThreadScratch<T>>>> = (0..rayon::current_num_threads())
         .map(|_| Mutex::new(None))
         .collect();
+    // The largest tile any item uses: full blocks, or a short call's rows and keys.
+    let longest = |f: fn(&crate::params::Seq) -> usize| p.seqs.iter().map(f).max().unwrap_or(0);
+    let tile = (
+        bs.block_m.min(longest(|s| s.seqlen_q)).max(1),
+        bs.block_n.min(longest(|s| s.seqlen_k)).max(1),
+    );
     items.par_iter().with_max_len(1).for_each(|item| {
         let slot = rayon::current_thread_index().and_then(|i| pool.get(i));
         let mut guard = slot.map(|m| m.lock().unwrap_or_else(|e| e.into_inner()));
@@ -179,7 +185,12 @@ fn forward_with<T: Element, S: Bf16Source>(
             Some(own) => own,
             None => &mut local,
         }
-        .get_or_insert_with(|| (Scratch::new(bs, p.head_dim), vec![T::default(); p.head_dim]));
+        .get_or_insert_with(|| {
+            (
+                Scratch::new(bs, p.head_dim, tile),
+                vec![T::default(); p.head_dim],
+            )
+        });
         forward_block(p, &inputs, *item, bs, scratch, row_buf, &out_w, &lse_w)
     });
     Ok(())

@@ -350,3 +350,282 @@ mod backward {
         );
     }
 }
+
+/// The `_into` forms (forward, backward; batched and packed; with sinks): into caller buffers
+/// poisoned with NaN they write the allocating forms' bits, and a bad destination is a typed
+/// error that writes nothing.
+mod into {
+    use super::device;
+    use crate::common::backward::{cases, GradData};
+    use crate::common::{test_sinks, varlen_cases, DTYPES};
+    use flashattn::cuda::{self, CudaDevice, CudaGradBuffers, CudaOutBuffers, CudaTensor};
+    use flashattn::{AttnOptions, DType, Element, ErrorKind, Tensor, TensorRef};
+
+    /// A contiguous device tensor of `shape` filled with NaN.
+    fn poisoned<T: Element>(dev: &CudaDevice, shape: &[usize]) -> CudaTensor {
+        let n = shape.iter().product();
+        let host = vec![T::from_f32(f32::NAN); n];
+        dev.upload(&TensorRef::contiguous(&host, shape))
+            .expect("upload")
+    }
+
+    fn poisoned_as(dev: &CudaDevice, like: &CudaTensor) -> CudaTensor {
+        match like.dtype() {
+            DType::F32 => poisoned::<f32>(dev, like.shape()),
+            DType::F16 => poisoned::<half::f16>(dev, like.shape()),
+            DType::BF16 => poisoned::<half::bf16>(dev, like.shape()),
+        }
+    }
+
+    fn host(dev: &CudaDevice, t: &CudaTensor) -> Tensor {
+        t.to_host(dev).expect("download")
+    }
+
+    /// Every element NaN: nothing was written.
+    fn untouched(dev: &CudaDevice, t: &CudaTensor, ctx: &str) {
+        let h = host(dev, t);
+        assert!(
+            h.to_f32_vec().iter().all(|x| x.is_nan()),
+            "{ctx}: a refused call wrote into its destination"
+        );
+    }
+
+    /// Forward and backward, allocating and `_into`, batched (`cu` None) or packed.
+    #[allow(clippy::too_many_arguments)]
+    fn compare(
+        dev: &CudaDevice,
+        [q, k, v, dout]: [&CudaTensor; 4],
+        cu: Option<(&[i32], &[i32])>,
+        opts: &AttnOptions,
+        ctx: &str,
+    ) {
+        let fwd = match cu {
+            Some((cq, ck)) => cuda::flash_attn_varlen(dev, q, k, v, cq, ck, opts),
+            None => cuda::flash_attn(dev, q, k, v, opts),
+        }
+        .unwrap_or_else(|e| panic!("{ctx}: {e}"));
+        let (mut out, mut lse) = (poisoned_as(dev, &fwd.out), poisoned_as(dev, &fwd.lse));
+        let dst = CudaOutBuffers {
+            out: &mut out,
+            lse: &mut lse,
+        };
+        match cu {
+            Some((cq, ck)) => cuda::flash_attn_varlen_into(dev, q, k, v, cq, ck, opts, dst),
+            None => cuda::flash_attn_into(dev, q, k, v, opts, dst),
+        }
+        .unwrap_or_else(|e| panic!("{ctx}: forward into: {e}"));
+        assert_eq!(host(dev, &out), host(dev, &fwd.out), "{ctx}: out");
+        assert_eq!(host(dev, &lse), host(dev, &fwd.lse), "{ctx}: lse");
+        let (o, l) = (&fwd.out, &fwd.lse);
+        let g = match cu {
+            Some((cq, ck)) => {
+                cuda::flash_attn_varlen_backward(dev, q, k, v, o, l, dout, cq, ck, opts)
+            }
+            None => cuda::flash_attn_backward(dev, q, k, v, o, l, dout, opts),
+        }
+        .unwrap_or_else(|e| panic!("{ctx}: {e}"));
+        let (mut dq, mut dk, mut dv) = (
+            poisoned_as(dev, &g.dq),
+            poisoned_as(dev, &g.dk),
+            poisoned_as(dev, &g.dv),
+        );
+        let mut dsink = g.dsink.as_ref().map(|s| poisoned_as(dev, s));
+        let dst = CudaGradBuffers {
+            dq: &mut dq,
+            dk: &mut dk,
+            dv: &mut dv,
+            dsink: dsink.as_mut(),
+        };
+        match cu {
+            Some((cq, ck)) => {
+                cuda::flash_attn_varlen_backward_into(dev, q, k, v, o, l, dout, cq, ck, opts, dst)
+            }
+            None => cuda::flash_attn_backward_into(dev, q, k, v, o, l, dout, opts, dst),
+        }
+        .unwrap_or_else(|e| panic!("{ctx}: backward into: {e}"));
+        assert_eq!(host(dev, &dq), host(dev, &g.dq), "{ctx}: dq");
+        assert_eq!(host(dev, &dk), host(dev, &g.dk), "{ctx}: dk");
+        assert_eq!(host(dev, &dv), host(dev, &g.dv), "{ctx}: dv");
+        match (&dsink, &g.dsink) {
+            (Some(a), Some(b)) => assert_eq!(host(dev, a), host(dev, b), "{ctx}: dsink"),
+            (None, None) => {}
+            _ => panic!("{ctx}: dsink in one result only"),
+        }
+    }
+
+    fn grid<T: Element>(dev: &CudaDevice) {
+        for (i, c) in cases(true).iter().enumerate().filter(|(i, _)| i % 4 == 0) {
+            let data = GradData::<T>::new(c);
+            let views = data.views();
+            let [q, k, v, dout] = views.each_ref().map(|t| dev.upload(t).expect("upload"));
+            let heads = c.shape.3;
+            let sinks = test_sinks(heads);
+            let opts = if i % 8 == 0 {
+                c.opts
+                    .clone()
+                    .learnable_sink(TensorRef::contiguous(&sinks, &[heads]))
+            } else {
+                c.opts.clone()
+            };
+            let ctx = format!("into {} seed={} opts={opts:?}", T::DTYPE, c.seed);
+            compare(dev, [&q, &k, &v, &dout], None, &opts, &ctx);
+        }
+    }
+
+    #[test]
+    fn batched_matches_allocating() {
+        let Some(dev) = device() else { return };
+        grid::<f32>(&dev);
+        grid::<half::f16>(&dev);
+        grid::<half::bf16>(&dev);
+    }
+
+    #[test]
+    fn packed_matches_allocating() {
+        let Some(dev) = device() else { return };
+        for dtype in DTYPES {
+            for (i, case) in varlen_cases(dtype, 4, 2, 64).into_iter().enumerate() {
+                let inputs = case.build();
+                let (q, k, v) = inputs.views();
+                let [q, k, v] = [q, k, v].map(|t| dev.upload(&t).expect("upload"));
+                let sinks = test_sinks(4);
+                let opts = if i % 2 == 0 {
+                    inputs.opts()
+                } else {
+                    inputs
+                        .opts()
+                        .learnable_sink(TensorRef::contiguous(&sinks, &[4]))
+                };
+                let cu = Some((&inputs.cu_q[..], &inputs.cu_k[..]));
+                // q stands in for dout (same shape and dtype).
+                let ctx = format!("into packed {case:?}");
+                compare(&dev, [&q, &k, &v, &q], cu, &opts, &ctx);
+            }
+        }
+    }
+
+    /// Wrong dtype, wrong length, a non-contiguous view, a missing or unexpected dsink: typed
+    /// errors, every destination still NaN.
+    #[test]
+    fn bad_destinations_are_typed_errors_and_write_nothing() {
+        let Some(dev) = device() else { return };
+        let host_q = vec![half::bf16::from_f32(0.25); 2 * 16 * 4 * 64];
+        let shape = [2, 16, 4, 64];
+        let t = dev.upload(&TensorRef::contiguous(&host_q, &shape)).unwrap();
+        let opts = AttnOptions::default();
+        let fwd = cuda::flash_attn(&dev, &t, &t, &t, &opts).unwrap();
+        let good = || poisoned::<half::bf16>(&dev, &shape);
+        let (o, l) = (&fwd.out, &fwd.lse);
+        // Forward: out in f32, lse too short.
+        let (mut out32, mut lse) = (poisoned::<f32>(&dev, &shape), poisoned_as(&dev, l));
+        let dst = CudaOutBuffers {
+            out: &mut out32,
+            lse: &mut lse,
+        };
+        let e = cuda::flash_attn_into(&dev, &t, &t, &t, &opts, dst).unwrap_err();
+        assert!(
+            matches!(e.kind(), ErrorKind::DType { tensor: "out", .. }),
+            "{e}"
+        );
+        let (mut out, mut short) = (good(), poisoned::<f32>(&dev, &[2, 4, 15]));
+        let dst = CudaOutBuffers {
+            out: &mut out,
+            lse: &mut short,
+        };
+        let e = cuda::flash_attn_into(&dev, &t, &t, &t, &opts, dst).unwrap_err();
+        assert!(
+            matches!(e.kind(), ErrorKind::DestinationLength { tensor: "lse", .. }),
+            "{e}"
+        );
+        for (x, what) in [
+            (&out32, "out"),
+            (&lse, "lse"),
+            (&out, "out"),
+            (&short, "lse"),
+        ] {
+            untouched(&dev, x, what);
+        }
+        // Backward: dk of the wrong length, dv strided, a dsink the call has no sink for.
+        let (mut dq, mut dk, mut dv) = (good(), good(), good());
+        let mut dk_short = poisoned::<half::bf16>(&dev, &[2, 15, 4, 64]);
+        let dst = CudaGradBuffers {
+            dq: &mut dq,
+            dk: &mut dk_short,
+            dv: &mut dv,
+            dsink: None,
+        };
+        let e = cuda::flash_attn_backward_into(&dev, &t, &t, &t, o, l, &t, &opts, dst).unwrap_err();
+        assert!(
+            matches!(e.kind(), ErrorKind::DestinationLength { tensor: "dk", .. }),
+            "{e}"
+        );
+        // dv's buffer with q's shape, heads outermost: not contiguous.
+        let mut dv_strided =
+            CudaTensor::from_buffer(dv.buffer().clone(), &shape, &[4096, 64, 1024, 1]);
+        let dst = CudaGradBuffers {
+            dq: &mut dq,
+            dk: &mut dk,
+            dv: &mut dv_strided,
+            dsink: None,
+        };
+        let e = cuda::flash_attn_backward_into(&dev, &t, &t, &t, o, l, &t, &opts, dst).unwrap_err();
+        assert!(
+            matches!(e.kind(), ErrorKind::Shape { tensor: "dv", .. }),
+            "{e}"
+        );
+        let mut extra = poisoned::<f32>(&dev, &[4]);
+        let dst = CudaGradBuffers {
+            dq: &mut dq,
+            dk: &mut dk,
+            dv: &mut dv,
+            dsink: Some(&mut extra),
+        };
+        let e = cuda::flash_attn_backward_into(&dev, &t, &t, &t, o, l, &t, &opts, dst).unwrap_err();
+        assert!(
+            matches!(
+                e.kind(),
+                ErrorKind::DestinationLength {
+                    tensor: "dsink",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        for (x, what) in [
+            (&dq, "dq"),
+            (&dk, "dk"),
+            (&dv, "dv"),
+            (&dk_short, "dk"),
+            (&extra, "dsink"),
+        ] {
+            untouched(&dev, x, what);
+        }
+        // With sinks but no dsink destination.
+        let sinks = test_sinks(4);
+        let with_sink = opts.learnable_sink(TensorRef::contiguous(&sinks, &[4]));
+        let fwd = cuda::flash_attn(&dev, &t, &t, &t, &with_sink).unwrap();
+        let dst = CudaGradBuffers {
+            dq: &mut dq,
+            dk: &mut dk,
+            dv: &mut dv,
+            dsink: None,
+        };
+        let e = cuda::flash_attn_backward_into(
+            &dev, &t, &t, &t, &fwd.out, &fwd.lse, &t, &with_sink, dst,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                e.kind(),
+                ErrorKind::DestinationLength {
+                    tensor: "dsink",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        for (x, what) in [(&dq, "dq"), (&dk, "dk"), (&dv, "dv")] {
+            untouched(&dev, x, what);
+        }
+    }
+}

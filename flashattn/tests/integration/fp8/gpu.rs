@@ -50,6 +50,33 @@ fn fp8_forward_on_the_gpu() {
                 out: res.out.to_host(&dev).expect("download out"),
                 lse: res.lse.to_host(&dev).expect("download lse"),
             };
+            // The `_into` form, into NaN-poisoned buffers: the same bits.
+            let nan = |t: &cuda::CudaTensor| {
+                let n = t.shape().iter().product();
+                let t = match t.dtype() {
+                    DType::F32 => dev.upload(&TensorRef::contiguous(&vec![f32::NAN; n], t.shape())),
+                    _ => dev.upload(&TensorRef::contiguous(&vec![half::bf16::NAN; n], t.shape())),
+                };
+                t.expect("upload")
+            };
+            let (mut o, mut l) = (nan(&res.out), nan(&res.lse));
+            let dst = cuda::CudaOutBuffers {
+                out: &mut o,
+                lse: &mut l,
+            };
+            if c.packed {
+                let (cq, ck) = (&built.cu_q, &built.cu_k);
+                let d = built.descale();
+                cuda::flash_attn_varlen_fp8_into(&dev, &q, &k, &v, cq, ck, &d, &opts, dst)
+            } else {
+                cuda::flash_attn_fp8_into(&dev, &q, &k, &v, &built.descale(), &opts, dst)
+            }
+            .unwrap_or_else(|e| panic!("{c:?}: into: {e}"));
+            let bits = |t: &flashattn::Tensor| -> Vec<u32> {
+                t.to_f32_vec().iter().map(|x| x.to_bits()).collect()
+            };
+            let into = [o, l].map(|t| bits(&t.to_host(&dev).expect("download")));
+            assert_eq!(into, [bits(&out.out), bits(&out.lse)], "{c:?}: into");
             // With FLASHATTN_CUDA_FWD=sm90fp8, e4m3 calls may run on fwd_sm90_fp8.cu, which
             // rounds P to e4m3: its bound is that rounding's.
             let cu = c.packed.then_some((&built.cu_q[..], &built.cu_k[..]));
