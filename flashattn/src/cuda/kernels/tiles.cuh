@@ -38,13 +38,34 @@ template <int ROWS>
 __device__ __forceinline__ void load_tile(u16* tile, const u16* src, i64 row_stride, int row0,
                                           int row_end, int head_dim) {
 #if VEC_LOAD
-    constexpr int CHUNKS = ROWS * (HEAD_DIM / 8);
+    constexpr int ROW_CHUNKS = HEAD_DIM / 8;
+    constexpr int CHUNKS = ROWS * ROW_CHUNKS;
+    if constexpr (NUM_THREADS % ROW_CHUNKS == 0) {
+        // Chunk c = threadIdx.x + it * NUM_THREADS (as in the loop below; the CTA has
+        // NUM_THREADS threads) is in this thread's column in every step, RSTEP rows further on each time: one running element offset
+        // instead of a pointer per chunk. (Held across the key loop, those pointers, four for
+        // k and four for v at block_n 32, head_dim 128, made 255-register variants spill.)
+        constexpr int RSTEP = NUM_THREADS / ROW_CHUNKS;
+        const int r0 = threadIdx.x / ROW_CHUNKS, col = (threadIdx.x % ROW_CHUNKS) * 8;
+        const bool col_ok = col < head_dim;
+        i64 off = (i64)(row0 + r0) * row_stride + col;
+        const i64 step = RSTEP * row_stride;
 #pragma unroll
-    for (int c = threadIdx.x; c < CHUNKS; c += NUM_THREADS) {
-        int r = c / (HEAD_DIM / 8), col = (c % (HEAD_DIM / 8)) * 8;
-        bool ok = row0 + r < row_end && col < head_dim;
-        const u16* g = ok ? src + (i64)(row0 + r) * row_stride + col : src;
-        cp_async16(smem_addr(tile + swz(r, col)), g, ok ? 16 : 0);
+        for (int it = 0; it < (ROWS + RSTEP - 1) / RSTEP; ++it) {
+            const int r = r0 + it * RSTEP;
+            if (ROWS % RSTEP != 0 && r >= ROWS) break;
+            const bool ok = row0 + r < row_end && col_ok;
+            cp_async16(smem_addr(tile + swz(r, col)), ok ? src + off : src, ok ? 16 : 0);
+            off += step;  // (row0 + r + RSTEP) * row_stride + col
+        }
+    } else {
+#pragma unroll
+        for (int c = threadIdx.x; c < CHUNKS; c += NUM_THREADS) {
+            int r = c / (HEAD_DIM / 8), col = (c % (HEAD_DIM / 8)) * 8;
+            bool ok = row0 + r < row_end && col < head_dim;
+            const u16* g = ok ? src + (i64)(row0 + r) * row_stride + col : src;
+            cp_async16(smem_addr(tile + swz(r, col)), g, ok ? 16 : 0);
+        }
     }
 #else
     constexpr int ELEMS = ROWS * HEAD_DIM;
