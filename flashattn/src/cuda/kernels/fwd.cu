@@ -237,11 +237,11 @@ flash_fwd(const __grid_constant__ FwdParams p) {
     }
     cp_async_commit();
 #else
-    load_tile<BLOCK_M>(q_tile, q_g, p.q_row_stride, m0, seqlen_q, p.head_dim);
+    load_tile<BLOCK_M, true>(q_tile, q_g, p.q_row_stride, m0, seqlen_q, p.head_dim);
     cp_async_commit();
     if (n_block_min < n_block_max) {
-        load_tile<BLOCK_N>(k_tiles, k_g, p.k_row_stride, n_block_min * BLOCK_N, seqlen_k, p.head_dim);
-        load_tile<BLOCK_N>(v_tiles, v_g, p.v_row_stride, n_block_min * BLOCK_N, seqlen_k, p.head_dim);
+        load_tile<BLOCK_N, true>(k_tiles, k_g, p.k_row_stride, n_block_min * BLOCK_N, seqlen_k, p.head_dim);
+        load_tile<BLOCK_N, true>(v_tiles, v_g, p.v_row_stride, n_block_min * BLOCK_N, seqlen_k, p.head_dim);
     }
     cp_async_commit();
 #endif
@@ -295,9 +295,9 @@ flash_fwd(const __grid_constant__ FwdParams p) {
         u16* v_tile = v_tiles + buf * BLOCK_N * SMEM_ROW;
         if (n_block + 1 < n_block_max) {
             // The other buffer was released by the __syncthreads ending the previous iteration.
-            load_tile<BLOCK_N>(k_tiles + (buf ^ 1) * BLOCK_N * SMEM_ROW, k_g, p.k_row_stride,
+            load_tile<BLOCK_N, true>(k_tiles + (buf ^ 1) * BLOCK_N * SMEM_ROW, k_g, p.k_row_stride,
                                (n_block + 1) * BLOCK_N, seqlen_k, p.head_dim);
-            load_tile<BLOCK_N>(v_tiles + (buf ^ 1) * BLOCK_N * SMEM_ROW, v_g, p.v_row_stride,
+            load_tile<BLOCK_N, true>(v_tiles + (buf ^ 1) * BLOCK_N * SMEM_ROW, v_g, p.v_row_stride,
                                (n_block + 1) * BLOCK_N, seqlen_k, p.head_dim);
             cp_async_commit();
             cp_async_wait<1>();

@@ -34,13 +34,15 @@ __device__ __forceinline__ int swz(int row, int col) {
 
 // Loads `rows` rows (row r from src + (row0 + r) * row_stride) of HEAD_DIM columns into a
 // swizzled tile; rows at or past `row_end` and columns at or past `head_dim` become 0.
-template <int ROWS>
+// RUNNING_OFFSET (the forward kernel's choice): see below; the backward keeps the plain loop
+// (there the running offset cost registers: a d = 128 dK/dV variant spilled on sm_90a).
+template <int ROWS, bool RUNNING_OFFSET = false>
 __device__ __forceinline__ void load_tile(u16* tile, const u16* src, i64 row_stride, int row0,
                                           int row_end, int head_dim) {
 #if VEC_LOAD
     constexpr int ROW_CHUNKS = HEAD_DIM / 8;
     constexpr int CHUNKS = ROWS * ROW_CHUNKS;
-    if constexpr (NUM_THREADS % ROW_CHUNKS == 0) {
+    if constexpr (RUNNING_OFFSET && NUM_THREADS % ROW_CHUNKS == 0) {
         // Chunk c = threadIdx.x + it * NUM_THREADS (as in the loop below; the CTA has
         // NUM_THREADS threads) is in this thread's column in every step, RSTEP rows further on each time: one running element offset
         // instead of a pointer per chunk. (Held across the key loop, those pointers, four for
