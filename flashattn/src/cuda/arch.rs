@@ -33,7 +33,6 @@ impl std::fmt::Display for Arch {
 
 /// What the launch choices need to know of the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[doc(hidden)]
 pub struct GpuShape {
     pub sm_count: usize,
     /// Shared memory one block may opt in to, bytes.

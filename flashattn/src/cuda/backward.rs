@@ -12,11 +12,16 @@ use super::device::CudaDevice;
 use super::error::driver_err;
 use super::forward::check_destination;
 use super::key::{KernelKey, KernelKind};
-use super::launch::{alloc_output, check_launchable, DropoutArgs};
+use super::launch::{alloc_output, check_launchable};
+use super::params::{BwdParams, DropoutParams};
 use crate::error::{ErrorKind, Result};
 use crate::params::{self, AttnOptions, Params, QLike};
-use crate::tensor::{DType, TensorRef, ViewDesc};
-use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+#[cfg(feature = "test-hooks")]
+use crate::tensor::TensorRef;
+use crate::tensor::{DType, ViewDesc};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
 
 /// Entries per launched sequence of the backward kernels' table (bwd.cu: BWD_FIELDS).
 pub const BWD_FIELDS: usize = 11;
@@ -25,9 +30,8 @@ const PREP_ROWS: usize = 16;
 
 /// Everything the backward launches pass besides the tensors, computed on the host from a
 /// validated call: what the GPU path uploads and launches, and what the host emulation of bwd.cu
-/// (tests/cuda_emulated.rs) runs.
+/// (tests/integration/cuda/emulated.rs) runs.
 #[derive(Clone, Debug)]
-#[doc(hidden)]
 pub struct BackwardLaunch {
     pub prep: KernelKey,
     pub dq: KernelKey,
@@ -41,17 +45,8 @@ pub struct BackwardLaunch {
     pub table: Vec<i64>,
     /// ALiBi slopes, one row of `heads` per launched sequence.
     pub slopes: Option<Vec<f32>>,
-    pub heads: i32,
-    pub heads_kv: i32,
-    pub head_dim: i32,
-    /// Row and head strides of q, k, v, out, dout; the caller's lse head and row strides; the
-    /// head stride of the f32 workspaces (laid out as the forward's contiguous lse).
-    pub strides: [i64; 13],
-    pub softmax_scale: f32,
-    pub softcap: f32,
-    /// Window sides, -1 unbounded, clamped to seqlen_q + seqlen_k.
-    pub window: (i32, i32),
-    pub dropout: DropoutArgs,
+    /// The three kernels' parameter, its device addresses 0: the launch fills them in.
+    pub params: BwdParams,
     /// Elements of dq (and of out), of dk and dv, and of the workspaces (and of lse).
     pub dq_len: usize,
     pub dk_len: usize,
@@ -72,7 +67,7 @@ impl BackwardLaunch {
     /// as the forward's contiguous lse; `None` without sinks.
     pub fn dsink(&self, lse2: &[f32], dsum: &[f32]) -> Option<Vec<f32>> {
         let sinks = self.sink.as_ref()?;
-        let head_stride = self.strides[12] as usize;
+        let head_stride = self.params.lse_head_stride as usize;
         let dsink = sinks.iter().enumerate().map(|(h, &sink)| {
             let s2 = sink as f64 * std::f64::consts::LOG2_E;
             let mut acc = 0f64;
@@ -190,29 +185,30 @@ impl BackwardLaunch {
             max_k,
             table,
             slopes,
-            heads: p.heads as i32,
-            heads_kv: p.heads_kv as i32,
-            head_dim: p.head_dim as i32,
-            strides: [
-                p.q.row_stride,
-                p.q.head_stride,
-                p.k.row_stride,
-                p.k.head_stride,
-                p.v.row_stride,
-                p.v.head_stride,
-                out.layout.row_stride,
-                out.layout.head_stride,
-                dout.layout.row_stride,
-                dout.layout.head_stride,
-                lse_hs,
-                lse_rs,
-                p.lse_head_stride,
-            ]
-            .map(|x| x as i64),
-            softmax_scale: p.softmax_scale,
-            softcap: p.softcap.unwrap_or(1.0),
-            window: (side(p.window_left), side(p.window_right)),
-            dropout: DropoutArgs::new(p.dropout),
+            params: BwdParams {
+                q_row_stride: p.q.row_stride as i64,
+                q_head_stride: p.q.head_stride as i64,
+                k_row_stride: p.k.row_stride as i64,
+                k_head_stride: p.k.head_stride as i64,
+                v_row_stride: p.v.row_stride as i64,
+                v_head_stride: p.v.head_stride as i64,
+                out_row_stride: out.layout.row_stride as i64,
+                out_head_stride: out.layout.head_stride as i64,
+                dout_row_stride: dout.layout.row_stride as i64,
+                dout_head_stride: dout.layout.head_stride as i64,
+                lse_view_head_stride: lse_hs as i64,
+                lse_view_row_stride: lse_rs as i64,
+                lse_head_stride: p.lse_head_stride as i64,
+                drop: DropoutParams::new(p.dropout),
+                heads: p.heads as i32,
+                heads_kv: p.heads_kv as i32,
+                head_dim: p.head_dim as i32,
+                softmax_scale: p.softmax_scale,
+                softcap: p.softcap.unwrap_or(1.0),
+                window_left: side(p.window_left),
+                window_right: side(p.window_right),
+                ..BwdParams::default()
+            },
             dq_len: p.out_len(),
             dk_len: p.dk_len(),
             lse_len: p.lse_len(),
@@ -225,17 +221,17 @@ impl BackwardLaunch {
 
     /// Grid of `bwd_prep` (None: no query row).
     pub fn prep_grid(&self) -> Option<(u32, u32, u32)> {
-        self.grid(self.max_q, PREP_ROWS, self.heads)
+        self.grid(self.max_q, PREP_ROWS, self.params.heads)
     }
 
     /// Grid of `bwd_dq` (None: no query row).
     pub fn dq_grid(&self) -> Option<(u32, u32, u32)> {
-        self.grid(self.max_q, self.dq.tiles().block_m, self.heads)
+        self.grid(self.max_q, self.dq.tiles().block_m, self.params.heads)
     }
 
     /// Grid of `bwd_dkdv` (None: no key).
     pub fn dkdv_grid(&self) -> Option<(u32, u32, u32)> {
-        self.grid(self.max_k, self.dkdv.tiles().block_n, self.heads_kv)
+        self.grid(self.max_k, self.dkdv.tiles().block_n, self.params.heads_kv)
     }
 
     fn grid(&self, len: usize, block: usize, heads: i32) -> Option<(u32, u32, u32)> {
@@ -260,7 +256,7 @@ fn validate<V: ViewDesc + ?Sized>(
 
 /// The launches a backward call with these host views would make (validated as the call would
 /// be). For the host emulation test of the kernels.
-#[doc(hidden)]
+#[cfg(feature = "test-hooks")]
 #[allow(clippy::too_many_arguments)]
 pub fn backward_launch_description(
     q: &TensorRef,
@@ -585,7 +581,36 @@ fn launch<T>(
     table: &CudaSlice<i64>,
     slopes: &Option<CudaSlice<f32>>,
 ) -> Result<()> {
-    let null: u64 = 0;
+    let s = &dev.stream;
+    // The buffers' device addresses; each guard records the launches' use of its buffer when
+    // dropped, after they are queued (what `arg` does for a buffer pushed directly).
+    let [q, k, v, out, dout] = ins.map(|x| x.device_ptr(s));
+    let (lse_ptr, _lse) = lse.device_ptr(s);
+    let [lse2, dsum] = ws;
+    let (lse2_ptr, _lse2) = lse2.device_ptr_mut(s);
+    let (dsum_ptr, _dsum) = dsum.device_ptr_mut(s);
+    let [dq, dk, dv] = grads;
+    let (dq_ptr, _dq) = dq.device_ptr_mut(s);
+    let (dk_ptr, _dk) = dk.device_ptr_mut(s);
+    let (dv_ptr, _dv) = dv.device_ptr_mut(s);
+    let (table_ptr, _table) = table.device_ptr(s);
+    let slopes = slopes.as_ref().map(|t| t.device_ptr(s));
+    let params = BwdParams {
+        q: q.0,
+        k: k.0,
+        v: v.0,
+        out: out.0,
+        dout: dout.0,
+        lse: lse_ptr,
+        lse2: lse2_ptr,
+        dsum: dsum_ptr,
+        dq: dq_ptr,
+        dk: dk_ptr,
+        dv: dv_ptr,
+        seqs: table_ptr,
+        alibi_slopes: slopes.as_ref().map_or(0, |t| t.0),
+        ..d.params
+    };
     let launches = [
         (&f[0], &d.prep, d.prep_grid()),
         (&f[1], &d.dq, d.dq_grid()),
@@ -593,35 +618,18 @@ fn launch<T>(
     ];
     for (function, key, grid) in launches {
         let Some(grid) = grid else { continue };
-        let mut b = dev.stream.launch_builder(function);
-        for x in ins {
-            b.arg(x);
-        }
-        b.arg(lse);
-        let [lse2, dsum] = ws;
-        b.arg(lse2).arg(dsum);
-        let [dq, dk, dv] = grads;
-        b.arg(&mut **dq).arg(&mut **dk).arg(&mut **dv);
-        b.arg(table);
-        match slopes {
-            Some(t) => b.arg(t),
-            None => b.arg(&null),
-        };
-        b.arg(&d.heads).arg(&d.heads_kv).arg(&d.head_dim);
-        for x in &d.strides {
-            b.arg(x);
-        }
-        b.arg(&d.softmax_scale).arg(&d.softcap);
-        b.arg(&d.window.0).arg(&d.window.1);
-        d.dropout.push(&mut b);
+        let mut b = s.launch_builder(function);
+        b.arg(&params);
         let cfg = LaunchConfig {
             grid_dim: grid,
             block_dim: (key.threads() as u32, 1, 1),
             shared_mem_bytes: key.smem_bytes() as u32,
         };
-        // SAFETY: the arguments match FLASH_BWD_PARAMS in bwd.cu: pointers to T x5, f32 x3, T x3,
-        // i64, f32 (or null: no ALiBi, then never read); i32 x3; i64 x13; f32 x2; i32 x2; u32 x2,
-        // i64, f32.
+        // SAFETY: the argument matches the BwdParams every bwd.cu kernel takes, laid out as
+        // params.cuh's (the size and offset checks on both sides); its addresses are those of q,
+        // k, v, out, dout (T), lse (f32), the workspaces (f32), dq, dk, dv (T), the table (i64) and
+        // the slopes (f32; null without ALiBi, then never read), all borrowed here and alive past
+        // the launches (their guards record the launches when dropped at the end).
         // Validation checked that every row each table entry names (bases, strides and lengths
         // of q, k, v, out, dout and the caller's lse) lies inside its buffer; the workspaces hold
         // lse_len elements indexed as the forward's contiguous lse, dq dq_len and dk/dv dk_len

@@ -6,7 +6,7 @@
 //! processes never read a partial cubin; any I/O failure just means compiling again.
 
 use super::arch::Arch;
-use super::key::{KernelKey, COMMON_CUH, SM90_ATTN_CUH, SM90_CUH, SM90_WGMMA_CUH};
+use super::key::{KernelKey, COMMON_HEADERS, SM90_ATTN_CUH, SM90_CUH, SM90_WGMMA_CUH};
 use std::path::{Path, PathBuf};
 
 pub(crate) fn dir() -> Option<PathBuf> {
@@ -41,9 +41,10 @@ pub(crate) fn path(key: &KernelKey, arch: Arch, nvrtc: (i32, i32)) -> Option<Pat
     } else {
         String::new()
     };
+    let common: String = COMMON_HEADERS.iter().map(|h| h.1).collect();
     let h = fnv1a(&[
         env!("CARGO_PKG_VERSION").as_bytes(),
-        COMMON_CUH.as_bytes(),
+        common.as_bytes(),
         sm90.as_bytes(),
         src.as_bytes(),
         defines.as_bytes(),

@@ -23,9 +23,10 @@ const MIN_SPLIT_KEYS_GPU: usize = 256;
 
 /// Everything the decode launches pass besides the tensors, computed on the host from a validated
 /// call: what the GPU path uploads and launches, and what the host emulation of decode.cu
-/// (tests/decode.rs) runs, so both exercise the same argument logic.
+/// (tests/integration/decode/emulated.rs) runs, so both exercise the same argument logic.
+/// Returned by [`decode_launch_description_with`] and [`decode_launch_description_fp8`] (the
+/// CLI's decode benchmark reports the splits and kernels from it).
 #[derive(Clone, Debug)]
-#[doc(hidden)]
 pub struct DecodeLaunch {
     pub split: KernelKey,
     pub combine: KernelKey,
@@ -125,7 +126,6 @@ impl DecodeLaunch {
 /// one (every other call). `FLASHATTN_CUDA_DECODE=cuda-core` keeps every call on the second (read
 /// once per process).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[doc(hidden)]
 pub enum DecodeKernel {
     CudaCore,
     #[default]
@@ -413,7 +413,7 @@ impl DecodeLaunch {
 /// call would be) on a device of `sm_count` SMs with the CUDA-core split kernel, which the GPU
 /// path runs where the tensor-core one cannot (the rest: [`decode_launch_description_with`]). For
 /// the host emulation test of the kernels.
-#[doc(hidden)]
+#[cfg(feature = "test-hooks")]
 pub fn decode_launch_description(
     q: &TensorRef,
     k_cache: &TensorRef,
@@ -437,9 +437,9 @@ pub fn decode_launch_description(
     )
 }
 
-/// [`decode_launch_description`] on a device of shape `gpu`, with the split kernel `kernel` where
-/// the call allows it.
-#[doc(hidden)]
+/// The launches a decode call with these host views and options would make (validated as the
+/// call would be) on a device of shape `gpu`, with the split kernel `kernel` where the call allows
+/// it.
 pub fn decode_launch_description_with(
     q: &TensorRef,
     k_cache: &TensorRef,
@@ -454,9 +454,8 @@ pub fn decode_launch_description_with(
     DecodeLaunch::new(&dp, gpu, None, kernel)
 }
 
-/// [`decode_launch_description`] for FP8 caches (the launches of
-/// [`super::flash_attn_with_kvcache_fp8`]), validated as that call would be.
-#[doc(hidden)]
+/// The launches of [`super::flash_attn_with_kvcache_fp8`] with these host views, factors and
+/// options on a device of `sm_count` SMs (validated as that call would be).
 pub fn decode_launch_description_fp8(
     q: &TensorRef,
     k_cache: &Fp8TensorRef,

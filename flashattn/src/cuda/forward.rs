@@ -9,12 +9,17 @@ use super::buffer::{CudaAttnOutput, CudaTensor, DeviceBuffer};
 use super::device::CudaDevice;
 use super::error::driver_err;
 use super::key::{KernelKey, KernelKind};
-use super::launch::{alloc_output, check_launchable, sink_table, DropoutArgs};
+use super::launch::{alloc_output, check_launchable, sink_table};
+use super::params::{DropoutParams, FwdParams};
 use super::tma::TmaSpec;
 use crate::error::{ErrorKind, Result};
 use crate::params::{self, AttnOptions, Params};
-use crate::tensor::{DType, TensorRef};
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use crate::tensor::DType;
+#[cfg(feature = "test-hooks")]
+use crate::tensor::TensorRef;
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
 use std::sync::Arc;
 
 /// Entries per sequence of the table the kernels read (common.cuh: SEQ_FIELDS).
@@ -258,11 +263,13 @@ pub(super) fn launch_forward<TI, TO: cudarc::driver::DeviceRepr>(
 
 /// Everything a forward launch passes besides the tensors, computed on the host from validated
 /// parameters: what the GPU path uploads and launches, and what the host emulation of the kernels
-/// (tests/cuda_emulated.rs) runs, so both exercise the same argument logic.
+/// (tests/integration/cuda/emulated.rs) runs, so both exercise the same argument logic. Returned
+/// by [`super::launch_description_fp8`] (the CLI's benchmark reads the kernel key from it).
 #[derive(Clone, Debug)]
-#[doc(hidden)]
 pub struct LaunchDescription {
+    /// The kernel variant.
     pub key: KernelKey,
+    /// Grid (query blocks, heads, launched sequences), threads per CTA and dynamic shared memory.
     pub grid: (u32, u32, u32),
     pub threads: u32,
     pub smem_bytes: u32,
@@ -271,28 +278,16 @@ pub struct LaunchDescription {
     pub table: Option<Vec<i64>>,
     /// ALiBi slopes, one row of `heads` per launched sequence, when ALiBi is on.
     pub slopes: Option<Vec<f32>>,
-    pub heads: i32,
-    pub heads_kv: i32,
-    pub head_dim: i32,
-    /// q row, q head, k row, k head, v row, v head strides, lse head stride.
-    pub strides: [i64; 7],
-    pub softmax_scale: f32,
-    pub softcap: f32,
-    /// Window sides, -1 unbounded, clamped to seqlen_q + seqlen_k.
-    pub window: (i32, i32),
-    /// Batched calls: seqlen_q, seqlen_k and the batch strides of q, k, v.
-    pub batch_seqlens: (i32, i32),
-    pub batch_strides: [i64; 3],
     /// FP8 inputs: the score scale and the v factor per (launched sequence, kv head), 2 each
-    /// (common.cuh: FLASH_FWD_PARAMS); `None` (a null pointer) otherwise.
+    /// (params.cuh: FwdParams); `None` (a null pointer) otherwise.
     pub descale: Option<Vec<f32>>,
-    /// FP8 inputs: 1 for e5m2, 0 for e4m3 (and for 16-bit and f32 inputs).
-    pub fp8_e5m2: i32,
     /// Learnable sinks: the logit of (launched sequence, head), `heads` per launched sequence,
     /// -inf for the tail of packed rows after the last sequence (no sink: out 0, lse -inf, as on
     /// the CPU); `None` (a null pointer) without sinks.
     pub sink: Option<Vec<f32>>,
-    pub dropout: DropoutArgs,
+    /// The kernel's parameter, its device addresses 0: the launch fills them in.
+    pub params: FwdParams,
+    /// Elements and shapes of out and lse.
     pub out_len: usize,
     pub lse_len: usize,
     pub out_shape: Vec<usize>,
@@ -363,31 +358,32 @@ impl LaunchDescription {
             smem_bytes: key.smem_bytes() as u32,
             table,
             slopes,
-            heads: p.heads as i32,
-            heads_kv: p.heads_kv as i32,
-            head_dim: p.head_dim as i32,
-            strides: [
-                p.q.row_stride as i64,
-                p.q.head_stride as i64,
-                p.k.row_stride as i64,
-                p.k.head_stride as i64,
-                p.v.row_stride as i64,
-                p.v.head_stride as i64,
-                p.lse_head_stride as i64,
-            ],
-            softmax_scale: p.softmax_scale,
-            softcap: p.softcap.unwrap_or(1.0),
-            window: (side(p.window_left), side(p.window_right)),
-            batch_seqlens: (max_q as i32, max_k as i32),
-            batch_strides: [
-                stride(|s| s.q_base),
-                stride(|s| s.k_base),
-                stride(|s| s.v_base),
-            ],
             descale,
-            fp8_e5m2: (fp8 == Some(crate::fp8::Fp8Format::E5M2)) as i32,
             sink: sink_table(p, seqs.len()),
-            dropout: DropoutArgs::new(p.dropout),
+            params: FwdParams {
+                q_row_stride: p.q.row_stride as i64,
+                q_head_stride: p.q.head_stride as i64,
+                k_row_stride: p.k.row_stride as i64,
+                k_head_stride: p.k.head_stride as i64,
+                v_row_stride: p.v.row_stride as i64,
+                v_head_stride: p.v.head_stride as i64,
+                lse_head_stride: p.lse_head_stride as i64,
+                q_batch_stride: stride(|s| s.q_base),
+                k_batch_stride: stride(|s| s.k_base),
+                v_batch_stride: stride(|s| s.v_base),
+                drop: DropoutParams::new(p.dropout),
+                heads: p.heads as i32,
+                heads_kv: p.heads_kv as i32,
+                head_dim: p.head_dim as i32,
+                softmax_scale: p.softmax_scale,
+                softcap: p.softcap.unwrap_or(1.0),
+                window_left: side(p.window_left),
+                window_right: side(p.window_right),
+                batch_seqlen_q: max_q as i32,
+                batch_seqlen_k: max_k as i32,
+                fp8_e5m2: (fp8 == Some(crate::fp8::Fp8Format::E5M2)) as i32,
+                ..FwdParams::default()
+            },
             out_len: p.out_len(),
             lse_len: p.lse_len(),
             out_shape: p.out_shape.clone(),
@@ -409,13 +405,13 @@ impl LaunchDescription {
             return self;
         };
         // FP8 (fwd_sm90_fp8.cu): asked for, e4m3 only, and no warp-specialised twin.
-        if key.fp8 && (choice != ForwardKernel::Sm90Fp8 || self.fp8_e5m2 != 0) {
+        if key.fp8 && (choice != ForwardKernel::Sm90Fp8 || self.params.fp8_e5m2 != 0) {
             return self;
         }
         if choice == ForwardKernel::Sm90Ws && !key.fp8 {
             key.kind = KernelKind::ForwardSm90Ws;
         }
-        self.grid.0 = (self.batch_seqlens.0 as usize).div_ceil(key.tiles().block_m) as u32;
+        self.grid.0 = (self.params.batch_seqlen_q as usize).div_ceil(key.tiles().block_m) as u32;
         self.threads = key.threads() as u32;
         self.smem_bytes = key.smem_bytes() as u32;
         self.key = key;
@@ -429,7 +425,16 @@ impl LaunchDescription {
     /// (batch_seqlens), a packed call's reach the last row any sequence uses.
     fn tensor_maps(&self) -> [TmaSpec; 3] {
         let t = self.key.tiles();
-        let [q_row, q_head, k_row, k_head, v_row, v_head, _] = self.strides.map(|x| x as u64);
+        let p = &self.params;
+        let [q_row, q_head, k_row, k_head, v_row, v_head] = [
+            p.q_row_stride,
+            p.q_head_stride,
+            p.k_row_stride,
+            p.k_head_stride,
+            p.v_row_stride,
+            p.v_head_stride,
+        ]
+        .map(|x| x as u64);
         let (batches, q_rows, k_rows, v_rows, batch_strides) = match &self.table {
             Some(table) => {
                 // Table fields per sequence: seqlen_q, seqlen_k, q_base, k_base, v_base,
@@ -451,36 +456,29 @@ impl LaunchDescription {
             }
             None => {
                 let (sq, sk) = (
-                    self.batch_seqlens.0.max(1) as u64,
-                    self.batch_seqlens.1.max(1) as u64,
+                    p.batch_seqlen_q.max(1) as u64,
+                    p.batch_seqlen_k.max(1) as u64,
                 );
                 (
                     self.grid.2.max(1) as u64,
                     sq,
                     sk,
                     sk,
-                    self.batch_strides.map(|x| x as u64),
+                    [p.q_batch_stride, p.k_batch_stride, p.v_batch_stride].map(|x| x as u64),
                 )
             }
         };
         let spec =
             |rows: u64, heads: i32, row: u64, head: u64, batch: u64, box_rows: usize| TmaSpec {
-                dims: [self.head_dim as u64, rows, heads as u64, batches],
+                dims: [p.head_dim as u64, rows, heads as u64, batches],
                 strides: [2 * row, 2 * head, 2 * batch],
                 box_rows: box_rows as u32,
             };
         [
-            spec(
-                q_rows,
-                self.heads,
-                q_row,
-                q_head,
-                batch_strides[0],
-                t.block_m,
-            ),
+            spec(q_rows, p.heads, q_row, q_head, batch_strides[0], t.block_m),
             spec(
                 k_rows,
-                self.heads_kv,
+                p.heads_kv,
                 k_row,
                 k_head,
                 batch_strides[1],
@@ -488,7 +486,7 @@ impl LaunchDescription {
             ),
             spec(
                 v_rows,
-                self.heads_kv,
+                p.heads_kv,
                 v_row,
                 v_head,
                 batch_strides[2],
@@ -505,7 +503,7 @@ impl LaunchDescription {
 
 /// The launch a batched forward with these host views and options would make (validated as the
 /// call would be). For the host emulation test of the kernels.
-#[doc(hidden)]
+#[cfg(feature = "test-hooks")]
 pub fn launch_description(
     q: &TensorRef,
     k: &TensorRef,
@@ -595,53 +593,42 @@ impl Plan {
         if d.is_empty() {
             return Ok(());
         }
-        let null: u64 = 0;
+        let s = &dev.stream;
+        // The buffers' device addresses; each guard records this launch's use of its buffer when
+        // dropped, after the launch is queued (what `arg` does for a buffer pushed directly).
+        let (q_ptr, _q) = q.device_ptr(s);
+        let (k_ptr, _k) = k.device_ptr(s);
+        let (v_ptr, _v) = v.device_ptr(s);
+        let (out_ptr, _out) = out.device_ptr_mut(s);
+        let (lse_ptr, _lse) = lse.device_ptr_mut(s);
+        let table = self.table.as_ref().map(|t| t.device_ptr(s));
+        let slopes = self.slopes.as_ref().map(|t| t.device_ptr(s));
+        let descale = self.descale.as_ref().map(|t| t.device_ptr(s));
+        let sink = self.sink.as_ref().map(|t| t.device_ptr(s));
+        let addr = |t: &Option<(u64, _)>| t.as_ref().map_or(0, |t| t.0);
+        let params = FwdParams {
+            q: q_ptr,
+            k: k_ptr,
+            v: v_ptr,
+            out: out_ptr,
+            lse: lse_ptr,
+            seqs: addr(&table),
+            alibi_slopes: addr(&slopes),
+            descale: addr(&descale),
+            sink: addr(&sink),
+            ..d.params
+        };
         // The warp-specialised kernel's tensor maps, encoded over q, k and v's device memory.
         let maps = match &d.tma {
-            Some(specs) => {
-                use cudarc::driver::DevicePtr;
-                let s = &dev.stream;
-                let (qp, _qr) = q.device_ptr(s);
-                let (kp, _kr) = k.device_ptr(s);
-                let (vp, _vr) = v.device_ptr(s);
-                Some([
-                    specs[0].encode(qp, d.key.dtype)?,
-                    specs[1].encode(kp, d.key.dtype)?,
-                    specs[2].encode(vp, d.key.dtype)?,
-                ])
-            }
+            Some(specs) => Some([
+                specs[0].encode(q_ptr, d.key.dtype)?,
+                specs[1].encode(k_ptr, d.key.dtype)?,
+                specs[2].encode(v_ptr, d.key.dtype)?,
+            ]),
             None => None,
         };
         let mut b = dev.stream.launch_builder(function);
-        b.arg(q).arg(k).arg(v).arg(out).arg(lse);
-        match &self.table {
-            Some(t) => b.arg(t),
-            None => b.arg(&null),
-        };
-        match &self.slopes {
-            Some(t) => b.arg(t),
-            None => b.arg(&null),
-        };
-        b.arg(&d.heads).arg(&d.heads_kv).arg(&d.head_dim);
-        for s in &d.strides {
-            b.arg(s);
-        }
-        b.arg(&d.softmax_scale).arg(&d.softcap);
-        b.arg(&d.window.0).arg(&d.window.1);
-        b.arg(&d.batch_seqlens.0).arg(&d.batch_seqlens.1);
-        for s in &d.batch_strides {
-            b.arg(s);
-        }
-        match &self.descale {
-            Some(t) => b.arg(t),
-            None => b.arg(&null),
-        };
-        b.arg(&d.fp8_e5m2);
-        match &self.sink {
-            Some(t) => b.arg(t),
-            None => b.arg(&null),
-        };
-        d.dropout.push(&mut b);
+        b.arg(&params);
         if let Some(m) = &maps {
             b.arg(&m[0]).arg(&m[1]).arg(&m[2]);
         }
@@ -650,13 +637,13 @@ impl Plan {
             block_dim: (d.threads, 1, 1),
             shared_mem_bytes: d.smem_bytes,
         };
-        // SAFETY: the argument list matches `flash_fwd` in fwd.cu / fwd_f32.cu: pointers to TI,
-        // TI, TI, TO, f32, i64 (or null: batched), f32 (or null: no ALiBi, then never read);
-        // i32 x3; i64 x7; f32 x2; i32 x4; i64 x3; f32 pointer (or null), i32; f32 pointer (or
-        // null); u32 x2, i64, f32
-        // (a null pointer is pushed as a 64-bit zero); for fwd_sm90_ws.cu then three TmaDesc
-        // maps encoded over q, k and v themselves. TI and TO are the element types the
-        // variant was compiled for: the callers pick the key from the same buffers (forward:
+        // SAFETY: the arguments match `flash_fwd` in every forward kernel: one FwdParams, laid out
+        // as params.cuh's (the size and offset checks on both sides), whose addresses are those
+        // of q, k, v (elements of TI), out (TO), lse (f32) and the uploaded tables (i64, f32) or
+        // null for a table the call does not use (then never read), all alive past the launch
+        // (borrowed here; their guards record the launch when dropped below); for
+        // fwd_sm90_ws.cu then three TmaDesc maps encoded over q, k and v themselves. TI and TO
+        // are the element types the variant was compiled for: the callers pick the key from the same buffers (forward:
         // one dtype, FA_FP8_INPUT off; forward_fp8: bytes in, bf16 out, FA_FP8_INPUT on), and a
         // descale table is pushed exactly for FP8 keys. Params validated every view, so each
         // element the kernels address (bases and row/head strides over the sequence table or the

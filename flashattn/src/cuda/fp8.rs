@@ -313,7 +313,6 @@ pub fn flash_attn_varlen_fp8_into(
 
 /// The launch an FP8 forward with these host views would make (validated as the call would be):
 /// for the host emulation test of the kernel.
-#[doc(hidden)]
 pub fn launch_description_fp8(
     q: &Fp8TensorRef,
     k: &Fp8TensorRef,

@@ -5,8 +5,20 @@
 use super::arch::{Arch, GpuShape};
 use crate::tensor::DType;
 
+/// The headers every kernel includes (through common.cuh), by the name it includes them under:
+/// the host-kernel contract (params.cuh) and the shared device code, one concern per file.
+pub(crate) const COMMON_HEADERS: [(&str, &str); 9] = [
+    ("types.cuh", include_str!("kernels/types.cuh")),
+    ("params.cuh", include_str!("kernels/params.cuh")),
+    ("convert.cuh", include_str!("kernels/convert.cuh")),
+    ("mask.cuh", include_str!("kernels/mask.cuh")),
+    ("dropout.cuh", include_str!("kernels/dropout.cuh")),
+    ("softmax.cuh", include_str!("kernels/softmax.cuh")),
+    ("tiles.cuh", include_str!("kernels/tiles.cuh")),
+    ("mma.cuh", include_str!("kernels/mma.cuh")),
+    ("common.cuh", include_str!("kernels/common.cuh")),
+];
 /// The forward kernel sources, embedded in the library (compiled by NVRTC at first use).
-pub(crate) const COMMON_CUH: &str = include_str!("kernels/common.cuh");
 pub(crate) const FWD_CU: &str = include_str!("kernels/fwd.cu");
 pub(crate) const FWD_F32_CU: &str = include_str!("kernels/fwd_f32.cu");
 /// The Hopper forward (wgmma) and its headers.

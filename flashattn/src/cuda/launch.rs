@@ -1,7 +1,6 @@
 //! What every launch shares: the limits of the kernels' grids and index arithmetic and the check
-//! of a call against them and the device ([`check_launchable`]), the dropout arguments
-//! ([`DropoutArgs`]), the sinks table, and the allocation of kernel outputs and workspaces
-//! ([`alloc_output`]).
+//! of a call against them and the device ([`check_launchable`]), the sinks table, and the
+//! allocation of kernel outputs and workspaces ([`alloc_output`]).
 
 use super::device::CudaDevice;
 use super::error::driver_err;
@@ -9,7 +8,7 @@ use super::key::KernelKey;
 use crate::error::{ErrorKind, Result};
 use crate::params::Params;
 use crate::tensor::DType;
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtrMut};
 use std::sync::Arc;
 
 /// Longest sequence the kernels accept: their in-sequence index arithmetic is 32-bit, and with
@@ -67,44 +66,6 @@ pub(crate) fn check_launchable(
         key.smem_bytes(),
         dev.smem_optin,
     )
-}
-
-/// The dropout arguments every attention kernel takes last (common.cuh: FA_DROPOUT_PARAMS): the
-/// seed's halves, the keep threshold and 1 / (1 - p); threshold 2^32 and scale 1 without dropout.
-#[derive(Clone, Copy, Debug, PartialEq)]
-#[doc(hidden)]
-pub struct DropoutArgs {
-    pub seed_lo: u32,
-    pub seed_hi: u32,
-    pub threshold: i64,
-    pub scale: f32,
-}
-
-impl DropoutArgs {
-    pub(crate) fn new(d: Option<crate::dropout::Dropout>) -> DropoutArgs {
-        d.map_or(
-            DropoutArgs {
-                seed_lo: 0,
-                seed_hi: 0,
-                threshold: 1 << 32,
-                scale: 1.0,
-            },
-            |d| DropoutArgs {
-                seed_lo: d.seed() as u32,
-                seed_hi: (d.seed() >> 32) as u32,
-                threshold: d.threshold() as i64,
-                scale: d.scale(),
-            },
-        )
-    }
-
-    /// Pushes the four arguments (u32, u32, i64, f32).
-    pub(crate) fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
-        b.arg(&self.seed_lo)
-            .arg(&self.seed_hi)
-            .arg(&self.threshold)
-            .arg(&self.scale);
-    }
 }
 
 /// The learnable sinks of `p` for the kernels: `heads` logits per launched sequence (`launched`,

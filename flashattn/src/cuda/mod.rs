@@ -42,28 +42,35 @@ mod key;
 mod launch;
 mod loader;
 mod nvrtc;
+mod params;
 mod probe;
 mod tma;
 
 pub use arch::{Arch, GpuShape};
 pub use backward::{
-    backward_kernel_key, backward_launch_description, flash_attn_backward,
-    flash_attn_backward_into, flash_attn_varlen_backward, flash_attn_varlen_backward_into,
-    BackwardLaunch, CudaAttnGrads, CudaGradBuffers, BWD_FIELDS,
+    backward_kernel_key, flash_attn_backward, flash_attn_backward_into,
+    flash_attn_varlen_backward, flash_attn_varlen_backward_into, CudaAttnGrads, CudaGradBuffers,
+    BWD_FIELDS,
 };
+#[cfg(feature = "test-hooks")]
+pub use backward::{backward_launch_description, BackwardLaunch};
 pub use buffer::{CudaAttnOutput, CudaTensor, DeviceBuffer};
 /// The cudarc this backend is built on (0.19, CUDA 13.0 API), for streams, events and slices of
 /// matching types.
 pub use cudarc;
 pub use decode::{flash_attn_with_kvcache, flash_attn_with_kvcache_into};
+#[cfg(feature = "test-hooks")]
+pub use decode_plan::decode_launch_description;
 pub use decode_plan::{
-    choose_splits, choose_splits_for, decode_launch_description, decode_launch_description_fp8,
+    choose_splits, choose_splits_for, decode_launch_description_fp8,
     decode_launch_description_with, DecodeKernel, DecodeLaunch, DECODE_FIELDS,
 };
 pub use device::CudaDevice;
+#[cfg(feature = "test-hooks")]
+pub use forward::launch_description;
 pub use forward::{
     flash_attn, flash_attn_into, flash_attn_varlen, flash_attn_varlen_into, kernel_key,
-    launch_description, CudaOutBuffers, ForwardKernel, LaunchDescription, SEQ_FIELDS,
+    CudaOutBuffers, ForwardKernel, LaunchDescription, SEQ_FIELDS,
 };
 pub use fp8::{
     flash_attn_fp8, flash_attn_fp8_into, flash_attn_varlen_fp8, flash_attn_varlen_fp8_into,
@@ -71,7 +78,12 @@ pub use fp8::{
     launch_description_fp8, CudaFp8Tensor,
 };
 pub use key::{KernelKey, KernelKind, Tiles, HEAD_DIM_STEP};
-pub use launch::{DropoutArgs, MAX_SEQLEN};
+pub use launch::MAX_SEQLEN;
 pub use loader::{precompile, KernelOrigin, Precompile, Precompiled, Prepared};
 pub use nvrtc::{compile, version as nvrtc_version, CompiledKernel};
+/// The contract structs' C names, sizes and fields (name, offset, size), for the tests that
+/// compare them with params.cuh.
+#[cfg(feature = "test-hooks")]
+pub use params::layouts as params_layouts;
+pub use params::{BwdParams, DropoutParams, FwdParams};
 pub use tma::TmaSpec;

@@ -3,7 +3,7 @@
 //! JIT at load time and lets the compile log report registers and spills (`ptxas -v`).
 
 use super::arch::Arch;
-use super::key::{KernelKey, COMMON_CUH, SM90_ATTN_CUH, SM90_CUH, SM90_WGMMA_CUH};
+use super::key::{KernelKey, COMMON_HEADERS, SM90_ATTN_CUH, SM90_CUH, SM90_WGMMA_CUH};
 use super::probe;
 use crate::error::{ErrorKind, Result};
 use cudarc::nvrtc::sys;
@@ -64,14 +64,13 @@ pub fn compile(key: &KernelKey, arch: Arch) -> Result<CompiledKernel> {
         .into());
     }
     // Every header a kernel may include, by the name it includes it under.
-    let header_texts = [
-        ("common.cuh", COMMON_CUH),
+    let header_texts = COMMON_HEADERS.iter().copied().chain([
         ("sm90.cuh", SM90_CUH),
         ("sm90_wgmma.cuh", SM90_WGMMA_CUH),
         ("sm90_attn.cuh", SM90_ATTN_CUH),
-    ];
-    let hdr_c: Vec<CString> = header_texts.iter().map(|h| cstr(h.1)).collect();
-    let hdr_name_c: Vec<CString> = header_texts.iter().map(|h| cstr(h.0)).collect();
+    ]);
+    let hdr_c: Vec<CString> = header_texts.clone().map(|h| cstr(h.1)).collect();
+    let hdr_name_c: Vec<CString> = header_texts.map(|h| cstr(h.0)).collect();
     let mut options = vec![
         format!("--gpu-architecture={}", arch.target()),
         "-std=c++17".into(),

@@ -1,7 +1,8 @@
 // Runs one flashattn CUDA kernel variant on the CPU through host_emulation.h.
 // Built by tests/integration/cuda/emulated.rs: g++ -std=c++17 -DFA_HOST_EMULATION -D<variant defines>
 //   -DFA_KERNEL='"<path to fwd.cu or fwd_f32.cu>"' -I<kernels dir> driver.cpp
-// Usage: driver DIR. DIR holds params.txt (the launch, in the order read below) and q.bin, k.bin,
+// Usage: driver DIR. DIR holds params.txt (the launch's shape and which tables it has, in the
+// order read below), params.bin (the kernel's FwdParams as the library wrote it) and q.bin, k.bin,
 // v.bin (raw elements: FP8 bytes with FA_FP8_INPUT), table.bin, slopes.bin, descale.bin and
 // sink.bin when used; out.bin and lse.bin are written there.
 #include FA_KERNEL
@@ -23,20 +24,10 @@ int main(int argc, char** argv) {
     if (argc != 2) return 2;
     const Dir dir{argv[1]};
     Numbers pf(dir + "/params.txt");
-    long long gx, gy, gz, threads, smem, has_table, has_slopes, heads, heads_kv, head_dim;
-    long long st[7], window_left, window_right, bsq, bsk, bs[3], out_len, lse_len;
-    float scale, softcap;
-    pf >> gx >> gy >> gz >> threads >> smem >> has_table >> has_slopes >> heads >> heads_kv >>
-        head_dim;
-    for (auto& x : st) pf >> x;
-    pf >> scale >> softcap >> window_left >> window_right >> bsq >> bsk;
-    for (auto& x : bs) pf >> x;
-    pf >> out_len >> lse_len;
-    long long drop_lo, drop_hi, drop_threshold;
-    float drop_scale;
-    pf >> drop_lo >> drop_hi >> drop_threshold >> drop_scale;
-    long long has_descale, e5m2, has_sink;
-    pf >> has_descale >> e5m2 >> has_sink;
+    long long gx, gy, gz, threads, smem, has_table, has_slopes, out_len, lse_len, has_descale,
+        has_sink;
+    pf >> gx >> gy >> gz >> threads >> smem >> has_table >> has_slopes >> out_len >> lse_len >>
+        has_descale >> has_sink;
 #ifdef FA_SM90_WS
     // The tensor maps of q, k and v: 4 dims, 3 byte strides and the box rows each.
     TmaDesc maps[3];
@@ -48,6 +39,10 @@ int main(int argc, char** argv) {
     }
 #endif
     if (!pf) return 3;
+    // The kernel's parameter as the library built it (its device addresses 0), set below to the
+    // host buffers.
+    FwdParams p;
+    if (!read_struct(dir + "/params.bin", &p)) return 3;
     auto q = read<drv_in_t>(dir + "/q.bin");
     auto k = read<drv_in_t>(dir + "/k.bin");
     auto v = read<drv_in_t>(dir + "/v.bin");
@@ -61,19 +56,22 @@ int main(int argc, char** argv) {
     std::vector<float> lse(lse_len);
     std::memset(out.data(), 0xFF, out.size() * sizeof(drv_out_t));
     std::memset(lse.data(), 0xFF, lse.size() * sizeof(float));
+    p.q = q.data();
+    p.k = k.data();
+    p.v = v.data();
+    p.out = out.data();
+    p.lse = lse.data();
+    p.seqs = has_table ? table.data() : nullptr;
+    p.alibi_slopes = has_slopes ? slopes.data() : nullptr;
+    p.descale = has_descale ? descale.data() : nullptr;
+    p.sink = has_sink ? sink.data() : nullptr;
 #ifdef FA_SM90_WS
     maps[0].base = reinterpret_cast<const unsigned char*>(q.data());
     maps[1].base = reinterpret_cast<const unsigned char*>(k.data());
     maps[2].base = reinterpret_cast<const unsigned char*>(v.data());
 #endif
     emu::launch({unsigned(gx), unsigned(gy), unsigned(gz)}, int(threads), size_t(smem), [&] {
-        flash_fwd(q.data(), k.data(), v.data(), out.data(), lse.data(),
-                  has_table ? table.data() : nullptr, has_slopes ? slopes.data() : nullptr,
-                  int(heads), int(heads_kv), int(head_dim), st[0], st[1], st[2], st[3], st[4],
-                  st[5], st[6], scale, softcap, int(window_left), int(window_right), int(bsq),
-                  int(bsk), bs[0], bs[1], bs[2], has_descale ? descale.data() : nullptr,
-                  int(e5m2), has_sink ? sink.data() : nullptr, u32(drop_lo), u32(drop_hi),
-                  drop_threshold, drop_scale
+        flash_fwd(p
 #ifdef FA_SM90_WS
                   , maps[0], maps[1], maps[2]
 #endif

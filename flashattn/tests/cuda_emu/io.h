@@ -44,6 +44,19 @@ static std::vector<T> read(const Path& path) {
     return v;
 }
 
+// A kernel's parameter struct from the bytes the library wrote (params.cuh, cuda/params.rs); false
+// when the file is missing or its size is not the struct's.
+template <typename T>
+static bool read_struct(const Path& path, T* out) {
+    const std::vector<unsigned char> b = read<unsigned char>(path);
+    if (b.size() != sizeof(T) + 1) {
+        std::fprintf(stderr, "%s: %zu bytes, the struct has %zu\n", path.s, b.size() - 1, sizeof(T));
+        return false;
+    }
+    std::memcpy(out, b.data(), sizeof(T));
+    return true;
+}
+
 template <typename T>
 static void write(const Path& path, const T* p, size_t n) {
     FILE* f = std::fopen(path.s, "wb");

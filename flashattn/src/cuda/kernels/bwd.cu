@@ -29,7 +29,7 @@
 // instead (mma.sync m16n8k16 through the forward's primitives, common.cuh): the same steps, tiles
 // of 64 rows or keys, P and dS rounded to the input type for their products, as FlashAttention-2.
 //
-// Dropout (HAS_DROPOUT) regenerates the forward's mask (common.cuh: Dropout): with keep mask Z
+// Dropout (HAS_DROPOUT) regenerates the forward's mask (dropout.cuh: Dropout): with keep mask Z
 // and P̃ = P ∘ Z / (1 - p) (what multiplied V), dV += P̃ᵀ·dO and dS = P ∘ (dP ∘ Z / (1 - p) - dsum),
 // dsum being dO·O of the dropped output, as on the CPU.
 //
@@ -54,18 +54,6 @@ static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "HEAD_DIM: a multiple of 32
 static_assert(BLOCK_Q * STEP_K == 4 * NUM_THREADS && STEP_Q * BLOCK_K == 4 * NUM_THREADS,
               "each thread computes 4 entries of a tile pair");
 
-#define FLASH_BWD_PARAMS                                                                          \
-    const elem_t *__restrict__ q, const elem_t *__restrict__ k, const elem_t *__restrict__ v,     \
-        const elem_t *__restrict__ out, const elem_t *__restrict__ dout,                          \
-        const float *__restrict__ lse, float *__restrict__ lse2, float *__restrict__ dsum,        \
-        elem_t *__restrict__ dq, elem_t *__restrict__ dk, elem_t *__restrict__ dv,                \
-        const i64 *__restrict__ seqs, const float *__restrict__ alibi_slopes, int heads,          \
-        int heads_kv, int head_dim, i64 q_row_stride, i64 q_head_stride, i64 k_row_stride,        \
-        i64 k_head_stride, i64 v_row_stride, i64 v_head_stride, i64 out_row_stride,               \
-        i64 out_head_stride, i64 dout_row_stride, i64 dout_head_stride, i64 lse_view_head_stride, \
-        i64 lse_view_row_stride, i64 lse_head_stride, float softmax_scale, float softcap,         \
-        int window_left, int window_right, FA_DROPOUT_PARAMS
-
 struct BwdSeq {
     int seqlen_q, seqlen_k;
     i64 q_base, k_base, v_base, out_base, dout_base, out_row0, lse_base, lse_view_base, k_row0;
@@ -85,21 +73,28 @@ struct BwdSeq {
 };
 
 #if FA_BWD_ENTRY == 1 || FA_BWD_ENTRY == 0
-extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_prep(FLASH_BWD_PARAMS) {
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
+bwd_prep(const __grid_constant__ BwdParams p) {
+    const elem_t* __restrict__ out = static_cast<const elem_t*>(p.out);
+    const elem_t* __restrict__ dout = static_cast<const elem_t*>(p.dout);
+    const float* __restrict__ lse = p.lse;
+    float* __restrict__ lse2 = p.lse2;
+    float* __restrict__ dsum = p.dsum;
+    const i64* __restrict__ seqs = p.seqs;
     const BwdSeq seq(seqs + BWD_FIELDS * blockIdx.z);
     const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int r = warp; r < BLOCK_Q; r += NUM_THREADS / 32) {
         const int i = blockIdx.x * BLOCK_Q + r;
         if (i >= seq.seqlen_q) break;
-        const elem_t* o = out + seq.out_base + i * out_row_stride + h * out_head_stride;
-        const elem_t* g = dout + seq.dout_base + i * dout_row_stride + h * dout_head_stride;
+        const elem_t* o = out + seq.out_base + i * p.out_row_stride + h * p.out_head_stride;
+        const elem_t* g = dout + seq.dout_base + i * p.dout_row_stride + h * p.dout_head_stride;
         float acc = 0.f;
-        for (int c = lane; c < head_dim; c += 32) acc = fmaf(to_f32(o[c]), to_f32(g[c]), acc);
+        for (int c = lane; c < p.head_dim; c += 32) acc = fmaf(to_f32(o[c]), to_f32(g[c]), acc);
 #pragma unroll
         for (int m = 16; m >= 1; m /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, m);
         if (lane == 0) {
-            const i64 w = seq.lse_base + h * lse_head_stride + i;
-            const float l = lse[seq.lse_view_base + h * lse_view_head_stride + i * lse_view_row_stride];
+            const i64 w = seq.lse_base + h * p.lse_head_stride + i;
+            const float l = lse[seq.lse_view_base + h * p.lse_view_head_stride + i * p.lse_view_row_stride];
             dsum[w] = acc;
             lse2[w] = l == -FA_INF ? FA_INF : l * FA_LOG2E;
         }
@@ -213,7 +208,17 @@ __device__ __forceinline__ void tile_pair(const float* q_t, const float* do_t, c
 #endif  // FA_BWD_ENTRY != 1
 
 #if (FA_BWD_ENTRY == 2 || FA_BWD_ENTRY == 0) && !BWD_TENSOR_CORES
-extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dq(FLASH_BWD_PARAMS) {
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
+bwd_dq(const __grid_constant__ BwdParams p) {
+    const elem_t* __restrict__ q = static_cast<const elem_t*>(p.q);
+    const elem_t* __restrict__ k = static_cast<const elem_t*>(p.k);
+    const elem_t* __restrict__ v = static_cast<const elem_t*>(p.v);
+    const elem_t* __restrict__ dout = static_cast<const elem_t*>(p.dout);
+    float* __restrict__ lse2 = p.lse2;
+    float* __restrict__ dsum = p.dsum;
+    elem_t* __restrict__ dq = static_cast<elem_t*>(p.dq);
+    const i64* __restrict__ seqs = p.seqs;
+    const float* __restrict__ alibi_slopes = p.alibi_slopes;
     FA_DYNAMIC_SMEM(float, smem_f);
     float* q_t = smem_f;                        // [BLOCK_Q][PITCH]
     float* do_t = q_t + BLOCK_Q * PITCH;        // [BLOCK_Q][PITCH]
@@ -229,20 +234,20 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dq(FLASH_BWD_PA
     const int m0 = blockIdx.x * BLOCK_Q;
     if (m0 >= seq.seqlen_q) return;
     const int m_end = min(m0 + BLOCK_Q, seq.seqlen_q);
-    const int hk = h / (heads / heads_kv);
-    const Mask mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, window_left, window_right};
-    const Dropout drop{drop_seed_lo, drop_seed_hi, drop_threshold, drop_scale};
-    const BwdMod mod = bwd_mod(softmax_scale, softcap,
-                               HAS_ALIBI ? alibi_slopes[b * heads + h] : 0.f, mask.offset);
-    const elem_t* q_g = q + seq.q_base + h * q_head_stride;
-    const elem_t* do_g = dout + seq.dout_base + h * dout_head_stride;
-    const elem_t* k_g = k + seq.k_base + hk * k_head_stride;
-    const elem_t* v_g = v + seq.v_base + hk * v_head_stride;
+    const int hk = h / (p.heads / p.heads_kv);
+    const Mask mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, p.window_left, p.window_right};
+    const Dropout drop{p.drop};
+    const BwdMod mod = bwd_mod(p.softmax_scale, p.softcap,
+                               HAS_ALIBI ? alibi_slopes[b * p.heads + h] : 0.f, mask.offset);
+    const elem_t* q_g = q + seq.q_base + h * p.q_head_stride;
+    const elem_t* do_g = dout + seq.dout_base + h * p.dout_head_stride;
+    const elem_t* k_g = k + seq.k_base + hk * p.k_head_stride;
+    const elem_t* v_g = v + seq.v_base + hk * p.v_head_stride;
 
-    stage(q_t, BLOCK_Q, q_g, q_row_stride, m0, seq.seqlen_q, head_dim);
-    stage(do_t, BLOCK_Q, do_g, dout_row_stride, m0, seq.seqlen_q, head_dim);
+    stage(q_t, BLOCK_Q, q_g, p.q_row_stride, m0, seq.seqlen_q, p.head_dim);
+    stage(do_t, BLOCK_Q, do_g, p.dout_row_stride, m0, seq.seqlen_q, p.head_dim);
     for (int r = threadIdx.x; r < BLOCK_Q; r += NUM_THREADS) {
-        const i64 w = seq.lse_base + h * lse_head_stride + min(m0 + r, m_end - 1);
+        const i64 w = seq.lse_base + h * p.lse_head_stride + min(m0 + r, m_end - 1);
         lse2_r[r] = lse2[w];
         dsum_r[r] = dsum[w];
     }
@@ -255,8 +260,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dq(FLASH_BWD_PA
     const int lo = mask.lo(m0), hi = mask.hi(m_end - 1);
     for (int n0 = (lo / STEP_K) * STEP_K; n0 < hi; n0 += STEP_K) {
         __syncthreads();  // the previous step's tiles are no longer read
-        stage(k_t, STEP_K, k_g, k_row_stride, n0, seq.seqlen_k, head_dim);
-        stage(v_t, STEP_K, v_g, v_row_stride, n0, seq.seqlen_k, head_dim);
+        stage(k_t, STEP_K, k_g, p.k_row_stride, n0, seq.seqlen_k, p.head_dim);
+        stage(v_t, STEP_K, v_g, p.v_row_stride, n0, seq.seqlen_k, p.head_dim);
         __syncthreads();
         const bool need_mask =
             n0 + STEP_K > seq.seqlen_k ||
@@ -276,18 +281,29 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dq(FLASH_BWD_PA
 
     const int i = m0 + r;
     if (i < seq.seqlen_q) {
-        elem_t* o = dq + ((seq.out_row0 + i) * heads + h) * (i64)head_dim;
+        elem_t* o = dq + ((seq.out_row0 + i) * p.heads + h) * (i64)p.head_dim;
 #pragma unroll
         for (int c = 0; c < HEAD_DIM / 8; ++c) {
             const int col = c8 + 8 * c;
-            if (col < head_dim) o[col] = from_f32_elem(acc[c]);
+            if (col < p.head_dim) o[col] = from_f32_elem(acc[c]);
         }
     }
 }
 #endif  // FA_BWD_ENTRY == 2
 
 #if (FA_BWD_ENTRY == 3 || FA_BWD_ENTRY == 0) && !BWD_TENSOR_CORES
-extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dkdv(FLASH_BWD_PARAMS) {
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
+bwd_dkdv(const __grid_constant__ BwdParams p) {
+    const elem_t* __restrict__ q = static_cast<const elem_t*>(p.q);
+    const elem_t* __restrict__ k = static_cast<const elem_t*>(p.k);
+    const elem_t* __restrict__ v = static_cast<const elem_t*>(p.v);
+    const elem_t* __restrict__ dout = static_cast<const elem_t*>(p.dout);
+    float* __restrict__ lse2 = p.lse2;
+    float* __restrict__ dsum = p.dsum;
+    elem_t* __restrict__ dk = static_cast<elem_t*>(p.dk);
+    elem_t* __restrict__ dv = static_cast<elem_t*>(p.dv);
+    const i64* __restrict__ seqs = p.seqs;
+    const float* __restrict__ alibi_slopes = p.alibi_slopes;
     FA_DYNAMIC_SMEM(float, smem_f);
     float* k_t = smem_f;                        // [BLOCK_K][PITCH]
     float* v_t = k_t + BLOCK_K * PITCH;         // [BLOCK_K][PITCH]
@@ -303,12 +319,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dkdv(FLASH_BWD_
     const int n0 = blockIdx.x * BLOCK_K;
     if (n0 >= seq.seqlen_k) return;
     const int n_end = min(n0 + BLOCK_K, seq.seqlen_k);
-    const int group = heads / heads_kv;
-    const Mask mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, window_left, window_right};
-    const Dropout drop{drop_seed_lo, drop_seed_hi, drop_threshold, drop_scale};
+    const int group = p.heads / p.heads_kv;
+    const Mask mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, p.window_left, p.window_right};
+    const Dropout drop{p.drop};
 
-    stage(k_t, BLOCK_K, k + seq.k_base + hk * k_head_stride, k_row_stride, n0, seq.seqlen_k, head_dim);
-    stage(v_t, BLOCK_K, v + seq.v_base + hk * v_head_stride, v_row_stride, n0, seq.seqlen_k, head_dim);
+    stage(k_t, BLOCK_K, k + seq.k_base + hk * p.k_head_stride, p.k_row_stride, n0, seq.seqlen_k, p.head_dim);
+    stage(v_t, BLOCK_K, v + seq.v_base + hk * p.v_head_stride, p.v_row_stride, n0, seq.seqlen_k, p.head_dim);
 
     const int jc = threadIdx.x / 8, c8 = threadIdx.x % 8;  // this thread's key and column phase
     float acc_k[HEAD_DIM / 8], acc_v[HEAD_DIM / 8];
@@ -318,18 +334,18 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dkdv(FLASH_BWD_
     // The query rows that may see keys n0..n_end: lo and hi are non-decreasing in the row, so
     // they form one range; a step outside it is skipped whole.
     for (int h = hk * group; h < (hk + 1) * group; ++h) {
-        const BwdMod mod = bwd_mod(softmax_scale, softcap,
-                                   HAS_ALIBI ? alibi_slopes[b * heads + h] : 0.f, mask.offset);
-        const elem_t* q_g = q + seq.q_base + h * q_head_stride;
-        const elem_t* do_g = dout + seq.dout_base + h * dout_head_stride;
+        const BwdMod mod = bwd_mod(p.softmax_scale, p.softcap,
+                                   HAS_ALIBI ? alibi_slopes[b * p.heads + h] : 0.f, mask.offset);
+        const elem_t* q_g = q + seq.q_base + h * p.q_head_stride;
+        const elem_t* do_g = dout + seq.dout_base + h * p.dout_head_stride;
         for (int m0 = 0; m0 < seq.seqlen_q; m0 += STEP_Q) {
             const int m_end = min(m0 + STEP_Q, seq.seqlen_q);
             if (mask.hi(m_end - 1) <= n0 || mask.lo(m0) >= n_end) continue;
             __syncthreads();  // the previous step's tiles are no longer read
-            stage(q_t, STEP_Q, q_g, q_row_stride, m0, seq.seqlen_q, head_dim);
-            stage(do_t, STEP_Q, do_g, dout_row_stride, m0, seq.seqlen_q, head_dim);
+            stage(q_t, STEP_Q, q_g, p.q_row_stride, m0, seq.seqlen_q, p.head_dim);
+            stage(do_t, STEP_Q, do_g, p.dout_row_stride, m0, seq.seqlen_q, p.head_dim);
             for (int r = threadIdx.x; r < STEP_Q; r += NUM_THREADS) {
-                const i64 w = seq.lse_base + h * lse_head_stride + min(m0 + r, m_end - 1);
+                const i64 w = seq.lse_base + h * p.lse_head_stride + min(m0 + r, m_end - 1);
                 lse2_r[r] = lse2[w];
                 dsum_r[r] = dsum[w];
             }
@@ -357,11 +373,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dkdv(FLASH_BWD_
 
     const int j = n0 + jc;
     if (j < seq.seqlen_k) {
-        const i64 row = ((seq.k_row0 + j) * heads_kv + hk) * (i64)head_dim;
+        const i64 row = ((seq.k_row0 + j) * p.heads_kv + hk) * (i64)p.head_dim;
 #pragma unroll
         for (int c = 0; c < HEAD_DIM / 8; ++c) {
             const int col = c8 + 8 * c;
-            if (col < head_dim) {
+            if (col < p.head_dim) {
                 dk[row + col] = from_f32_elem(acc_k[c]);
                 dv[row + col] = from_f32_elem(acc_v[c]);
             }
@@ -401,7 +417,17 @@ __device__ __forceinline__ void store_rows(const float (&acc)[HEAD_DIM / 8][4], 
 #endif  // BWD_TENSOR_CORES && FA_BWD_ENTRY != 1
 
 #if BWD_TENSOR_CORES && (FA_BWD_ENTRY == 2 || FA_BWD_ENTRY == 0)
-extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dq(FLASH_BWD_PARAMS) {
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
+bwd_dq(const __grid_constant__ BwdParams p) {
+    const elem_t* __restrict__ q = static_cast<const elem_t*>(p.q);
+    const elem_t* __restrict__ k = static_cast<const elem_t*>(p.k);
+    const elem_t* __restrict__ v = static_cast<const elem_t*>(p.v);
+    const elem_t* __restrict__ dout = static_cast<const elem_t*>(p.dout);
+    float* __restrict__ lse2 = p.lse2;
+    float* __restrict__ dsum = p.dsum;
+    elem_t* __restrict__ dq = static_cast<elem_t*>(p.dq);
+    const i64* __restrict__ seqs = p.seqs;
+    const float* __restrict__ alibi_slopes = p.alibi_slopes;
     FA_DYNAMIC_SMEM(u16, smem);
     u16* q_tile = smem;                             // [TC_DQ_M][SMEM_ROW]
     u16* do_tile = q_tile + TC_DQ_M * SMEM_ROW;     // [TC_DQ_M]
@@ -413,25 +439,25 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dq(FLASH_BWD_PA
     const int m0 = blockIdx.x * TC_DQ_M;
     if (m0 >= seq.seqlen_q) return;
     const int m_end = min(m0 + TC_DQ_M, seq.seqlen_q);
-    const int hk = h / (heads / heads_kv);
-    const Mask mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, window_left, window_right};
-    const Dropout drop{drop_seed_lo, drop_seed_hi, drop_threshold, drop_scale};
-    const BwdMod mod = bwd_mod(softmax_scale, softcap,
-                               HAS_ALIBI ? alibi_slopes[b * heads + h] : 0.f, mask.offset);
-    const u16* q_g = q + seq.q_base + h * q_head_stride;
-    const u16* do_g = dout + seq.dout_base + h * dout_head_stride;
-    const u16* k_g = k + seq.k_base + hk * k_head_stride;
-    const u16* v_g = v + seq.v_base + hk * v_head_stride;
+    const int hk = h / (p.heads / p.heads_kv);
+    const Mask mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, p.window_left, p.window_right};
+    const Dropout drop{p.drop};
+    const BwdMod mod = bwd_mod(p.softmax_scale, p.softcap,
+                               HAS_ALIBI ? alibi_slopes[b * p.heads + h] : 0.f, mask.offset);
+    const u16* q_g = q + seq.q_base + h * p.q_head_stride;
+    const u16* do_g = dout + seq.dout_base + h * p.dout_head_stride;
+    const u16* k_g = k + seq.k_base + hk * p.k_head_stride;
+    const u16* v_g = v + seq.v_base + hk * p.v_head_stride;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 
     const int lo = mask.lo(m0), hi = mask.hi(m_end - 1);
     const int nb_min = lo / TC_DQ_N, nb_max = hi > lo ? (hi + TC_DQ_N - 1) / TC_DQ_N : nb_min;
-    load_tile<TC_DQ_M>(q_tile, q_g, q_row_stride, m0, seq.seqlen_q, head_dim);
-    load_tile<TC_DQ_M>(do_tile, do_g, dout_row_stride, m0, seq.seqlen_q, head_dim);
+    load_tile<TC_DQ_M>(q_tile, q_g, p.q_row_stride, m0, seq.seqlen_q, p.head_dim);
+    load_tile<TC_DQ_M>(do_tile, do_g, p.dout_row_stride, m0, seq.seqlen_q, p.head_dim);
     cp_async_commit();
     if (nb_min < nb_max) {
-        load_tile<TC_DQ_N>(k_tiles, k_g, k_row_stride, nb_min * TC_DQ_N, seq.seqlen_k, head_dim);
-        load_tile<TC_DQ_N>(v_tiles, v_g, v_row_stride, nb_min * TC_DQ_N, seq.seqlen_k, head_dim);
+        load_tile<TC_DQ_N>(k_tiles, k_g, p.k_row_stride, nb_min * TC_DQ_N, seq.seqlen_k, p.head_dim);
+        load_tile<TC_DQ_N>(v_tiles, v_g, p.v_row_stride, nb_min * TC_DQ_N, seq.seqlen_k, p.head_dim);
     }
     cp_async_commit();
 
@@ -443,7 +469,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dq(FLASH_BWD_PA
         row_i[r] = m0 + warp * 16 + g + 8 * r;
         row_lo[r] = mask.lo(row_i[r]);
         row_hi[r] = mask.hi(row_i[r]);
-        const i64 w = seq.lse_base + h * lse_head_stride + min(row_i[r], m_end - 1);
+        const i64 w = seq.lse_base + h * p.lse_head_stride + min(row_i[r], m_end - 1);
         row_lse2[r] = lse2[w];
         row_dsum[r] = dsum[w];
     }
@@ -457,10 +483,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dq(FLASH_BWD_PA
         const u16* v_tile = v_tiles + buf * TC_DQ_N * SMEM_ROW;
         if (nb + 1 < nb_max) {
             // The other buffers were released by the __syncthreads ending the previous step.
-            load_tile<TC_DQ_N>(k_tiles + (buf ^ 1) * TC_DQ_N * SMEM_ROW, k_g, k_row_stride,
-                               (nb + 1) * TC_DQ_N, seq.seqlen_k, head_dim);
-            load_tile<TC_DQ_N>(v_tiles + (buf ^ 1) * TC_DQ_N * SMEM_ROW, v_g, v_row_stride,
-                               (nb + 1) * TC_DQ_N, seq.seqlen_k, head_dim);
+            load_tile<TC_DQ_N>(k_tiles + (buf ^ 1) * TC_DQ_N * SMEM_ROW, k_g, p.k_row_stride,
+                               (nb + 1) * TC_DQ_N, seq.seqlen_k, p.head_dim);
+            load_tile<TC_DQ_N>(v_tiles + (buf ^ 1) * TC_DQ_N * SMEM_ROW, v_g, p.v_row_stride,
+                               (nb + 1) * TC_DQ_N, seq.seqlen_k, p.head_dim);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -511,14 +537,25 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dq(FLASH_BWD_PA
 #pragma unroll
     for (int r = 0; r < 2; ++r)
         rows[r] = row_i[r] < seq.seqlen_q
-                      ? dq + ((seq.out_row0 + row_i[r]) * heads + h) * (i64)head_dim
+                      ? dq + ((seq.out_row0 + row_i[r]) * p.heads + h) * (i64)p.head_dim
                       : nullptr;
-    store_rows(acc, rows, t, head_dim);
+    store_rows(acc, rows, t, p.head_dim);
 }
 #endif  // BWD_TENSOR_CORES && FA_BWD_ENTRY == 2
 
 #if BWD_TENSOR_CORES && (FA_BWD_ENTRY == 3 || FA_BWD_ENTRY == 0)
-extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dkdv(FLASH_BWD_PARAMS) {
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
+bwd_dkdv(const __grid_constant__ BwdParams p) {
+    const elem_t* __restrict__ q = static_cast<const elem_t*>(p.q);
+    const elem_t* __restrict__ k = static_cast<const elem_t*>(p.k);
+    const elem_t* __restrict__ v = static_cast<const elem_t*>(p.v);
+    const elem_t* __restrict__ dout = static_cast<const elem_t*>(p.dout);
+    float* __restrict__ lse2 = p.lse2;
+    float* __restrict__ dsum = p.dsum;
+    elem_t* __restrict__ dk = static_cast<elem_t*>(p.dk);
+    elem_t* __restrict__ dv = static_cast<elem_t*>(p.dv);
+    const i64* __restrict__ seqs = p.seqs;
+    const float* __restrict__ alibi_slopes = p.alibi_slopes;
     FA_DYNAMIC_SMEM(u16, smem);
     u16* k_tile = smem;                               // [TC_KV_N][SMEM_ROW]
     u16* v_tile = k_tile + TC_KV_N * SMEM_ROW;        // [TC_KV_N]
@@ -534,38 +571,38 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dkdv(FLASH_BWD_
     const int n0 = blockIdx.x * TC_KV_N;
     if (n0 >= seq.seqlen_k) return;
     const int n_end = min(n0 + TC_KV_N, seq.seqlen_k);
-    const int group = heads / heads_kv;
-    const Mask mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, window_left, window_right};
-    const Dropout drop{drop_seed_lo, drop_seed_hi, drop_threshold, drop_scale};
+    const int group = p.heads / p.heads_kv;
+    const Mask mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, p.window_left, p.window_right};
+    const Dropout drop{p.drop};
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 
     // The query rows that may see keys n0..n_end: hi(i) > n0 from i_min on, lo(i) < n_end below
     // i_max (lo and hi are non-decreasing in i).
-    const int i_min = window_right < 0 ? 0 : max(0, n0 - mask.offset - window_right);
-    const int i_max = window_left < 0 ? seq.seqlen_q
-                                      : min(seq.seqlen_q, n_end - mask.offset + window_left);
+    const int i_min = p.window_right < 0 ? 0 : max(0, n0 - mask.offset - p.window_right);
+    const int i_max = p.window_left < 0 ? seq.seqlen_q
+                                      : min(seq.seqlen_q, n_end - mask.offset + p.window_left);
     const int mb_min = i_min / TC_KV_M;
     const int mb_count = i_max > i_min ? (i_max + TC_KV_M - 1) / TC_KV_M - mb_min : 0;
     const int steps = group * mb_count;  // (head, query block) pairs, head-major
 
-    load_tile<TC_KV_N>(k_tile, k + seq.k_base + hk * k_head_stride, k_row_stride, n0, seq.seqlen_k,
-                       head_dim);
-    load_tile<TC_KV_N>(v_tile, v + seq.v_base + hk * v_head_stride, v_row_stride, n0, seq.seqlen_k,
-                       head_dim);
+    load_tile<TC_KV_N>(k_tile, k + seq.k_base + hk * p.k_head_stride, p.k_row_stride, n0, seq.seqlen_k,
+                       p.head_dim);
+    load_tile<TC_KV_N>(v_tile, v + seq.v_base + hk * p.v_head_stride, p.v_row_stride, n0, seq.seqlen_k,
+                       p.head_dim);
     cp_async_commit();
     auto load_step = [&](int step, int buf) {
         const int h = hk * group + step / mb_count, m0 = (mb_min + step % mb_count) * TC_KV_M;
-        load_tile<TC_KV_M>(q_tiles + buf * TC_KV_M * SMEM_ROW, q + seq.q_base + h * q_head_stride,
-                           q_row_stride, m0, seq.seqlen_q, head_dim);
+        load_tile<TC_KV_M>(q_tiles + buf * TC_KV_M * SMEM_ROW, q + seq.q_base + h * p.q_head_stride,
+                           p.q_row_stride, m0, seq.seqlen_q, p.head_dim);
         load_tile<TC_KV_M>(do_tiles + buf * TC_KV_M * SMEM_ROW,
-                           dout + seq.dout_base + h * dout_head_stride, dout_row_stride, m0,
-                           seq.seqlen_q, head_dim);
+                           dout + seq.dout_base + h * p.dout_head_stride, p.dout_row_stride, m0,
+                           seq.seqlen_q, p.head_dim);
         if (threadIdx.x < 2 * TC_KV_M) {
             // Rows past the sequence read its last row's (their entries are masked).
             const int which = threadIdx.x / TC_KV_M, r = threadIdx.x % TC_KV_M;
             const int i = min(m0 + r, seq.seqlen_q - 1);
             cp_async4(smem_addr(stats + (2 * buf + which) * TC_KV_M + r),
-                      (which ? dsum : lse2) + seq.lse_base + h * lse_head_stride + i);
+                      (which ? dsum : lse2) + seq.lse_base + h * p.lse_head_stride + i);
         }
     };
     if (steps > 0) load_step(0, 0);
@@ -595,8 +632,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dkdv(FLASH_BWD_
 
         const int h = hk * group + step / mb_count, m0 = (mb_min + step % mb_count) * TC_KV_M;
         const int m_end = min(m0 + TC_KV_M, seq.seqlen_q);
-        const BwdMod mod = bwd_mod(softmax_scale, softcap,
-                                   HAS_ALIBI ? alibi_slopes[b * heads + h] : 0.f, mask.offset);
+        const BwdMod mod = bwd_mod(p.softmax_scale, p.softcap,
+                                   HAS_ALIBI ? alibi_slopes[b * p.heads + h] : 0.f, mask.offset);
         // Transposed: rows are this warp's keys, columns the step's query rows.
         float st[TC_KV_M / 8][4], dpt[TC_KV_M / 8][4];
         mma_abt<TC_KV_M>(st, k_tile, q_tile, warp, lane);
@@ -647,12 +684,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) bwd_dkdv(FLASH_BWD_
 #pragma unroll
     for (int r = 0; r < 2; ++r)
         rows[r] = key_j[r] < seq.seqlen_k
-                      ? dk + ((seq.k_row0 + key_j[r]) * heads_kv + hk) * (i64)head_dim
+                      ? dk + ((seq.k_row0 + key_j[r]) * p.heads_kv + hk) * (i64)p.head_dim
                       : nullptr;
-    store_rows(acc_k, rows, t, head_dim);
+    store_rows(acc_k, rows, t, p.head_dim);
 #pragma unroll
     for (int r = 0; r < 2; ++r)
         if (rows[r] != nullptr) rows[r] = dv + (rows[r] - dk);
-    store_rows(acc_v, rows, t, head_dim);
+    store_rows(acc_v, rows, t, p.head_dim);
 }
 #endif  // BWD_TENSOR_CORES && FA_BWD_ENTRY == 3

@@ -478,7 +478,7 @@ decode_split(DECODE_SPLIT_PARAMS) {
 // between the warps. Per stage TC_BLOCK_N keys of k and v are copied by cp.async into swizzled
 // shared memory while the warps compute the previous stage; warp w takes keys 16w..16w+15 of each
 // stage:
-//   S = Q·Kᵀ   16 rows x 16 keys, mma.sync m16n8k16 (common.cuh: mma_abt);
+//   S = Q·Kᵀ   16 rows x 16 keys, mma.sync m16n8k16 (mma.cuh: mma_abt);
 //   softmax    online, in registers, per warp (its own row_max, row_sum, acc_o);
 //   acc_o     += P·V with P rounded to the cache's type as the A operand (mma_xb), as
 //               flash-attn's kernels and the CPU's bf16 path do.

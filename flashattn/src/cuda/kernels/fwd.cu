@@ -27,7 +27,7 @@
 // bytes of the next key block are staged in shared memory by cp.async (double-buffered, the same
 // overlap as the 16-bit kernel) and widened into single bf16 K and V tiles just before use. The
 // format is a launch argument (fp8_e5m2); the folded score scale and v_descale of each (sequence,
-// kv head) come from `descale` (common.cuh: FLASH_FWD_PARAMS). out is bf16.
+// kv head) come from `descale` (params.cuh: FwdParams). out is bf16.
 #define FA_TENSOR_CORE_KERNEL
 #define NUM_THREADS (NUM_WARPS * 32)
 #include "common.cuh"
@@ -40,7 +40,7 @@ static_assert(BLOCK_M == 16 * NUM_WARPS * M_TILES && M_TILES >= 1,
 static_assert(BLOCK_N % 16 == 0, "key blocks are whole mma k-steps");
 
 // Shared-memory addressing of the products' ldmatrix reads. A lane's x4 read at 16-row block 0 and
-// k-step 0 starts at (row, chunk c in 0..1) of a swizzled tile (common.cuh: swz); at k-step kk
+// k-step 0 starts at (row, chunk c in 0..1) of a swizzled tile (tiles.cuh: swz); at k-step kk
 // its chunk is 2kk + c, whose byte offset is that of k-step 0 with bits 4-6 XORed by
 // 16 · (2kk mod 8), plus 128 bytes per 8 chunks (rows are whole 128-byte swizzle groups, so
 // row · row_bytes has bits 4-6 clear); another 16-row block adds 16 rows, which keeps row % 8.
@@ -55,7 +55,7 @@ __device__ __forceinline__ u32 kstep_offset(u32 off, int kk) {
 }
 
 // c[t][n] and c[t][n + 1] += the t-th A fragment times the two n8 halves of one x4 B fragment
-// (common.cuh: mma_x4), for every block t: each B fragment read from shared memory feeds all MT
+// (mma.cuh: mma_x4), for every block t: each B fragment read from shared memory feeds all MT
 // blocks.
 template <int MT, int N>
 __device__ __forceinline__ void mma_x4_mt(float (&c)[MT][N][4], int n, const u32 (&af)[MT][4],
@@ -194,14 +194,14 @@ typedef u16 in_t;
 #endif
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
-flash_fwd(FLASH_FWD_PARAMS(in_t, u16)) {
+flash_fwd(const __grid_constant__ FwdParams p) {
     FA_DYNAMIC_SMEM(u16, smem);
     u16* q_tile = smem;
     u16* k_tiles = q_tile + BLOCK_M * SMEM_ROW;            // KV_BUFS buffers
     u16* v_tiles = k_tiles + KV_BUFS * BLOCK_N * SMEM_ROW;  // KV_BUFS buffers
 
     CtaWork<in_t> w;
-    if (!cta_work<in_t, u16, BLOCK_M, BLOCK_N>(w, FLASH_FWD_ARGS)) return;
+    if (!cta_work<in_t, BLOCK_M, BLOCK_N>(w, p)) return;
     const int h = w.h, m0 = w.m0, m_end = w.m_end, seqlen_q = w.seqlen_q, seqlen_k = w.seqlen_k;
     const in_t* q_g = w.q_g;
     const in_t* k_g = w.k_g;
@@ -225,23 +225,23 @@ flash_fwd(FLASH_FWD_PARAMS(in_t, u16)) {
     auto raw_k = [&](int b) { return raw + (2 * b) * BLOCK_N * HEAD_DIM; };
     auto raw_v = [&](int b) { return raw + (2 * b + 1) * BLOCK_N * HEAD_DIM; };
     // The q tile goes through the staging area first (it fits: BLOCK_M <= 4 * BLOCK_N).
-    stage_tile<BLOCK_M>(raw, q_g, q_row_stride, m0, seqlen_q, head_dim);
+    stage_tile<BLOCK_M>(raw, q_g, p.q_row_stride, m0, seqlen_q, p.head_dim);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
-    widen_tile<BLOCK_M>(q_tile, raw, fp8_e5m2);
+    widen_tile<BLOCK_M>(q_tile, raw, p.fp8_e5m2);
     __syncthreads();  // the staging area is free again
     if (n_block_min < n_block_max) {
-        stage_tile<BLOCK_N>(raw_k(0), k_g, k_row_stride, n_block_min * BLOCK_N, seqlen_k, head_dim);
-        stage_tile<BLOCK_N>(raw_v(0), v_g, v_row_stride, n_block_min * BLOCK_N, seqlen_k, head_dim);
+        stage_tile<BLOCK_N>(raw_k(0), k_g, p.k_row_stride, n_block_min * BLOCK_N, seqlen_k, p.head_dim);
+        stage_tile<BLOCK_N>(raw_v(0), v_g, p.v_row_stride, n_block_min * BLOCK_N, seqlen_k, p.head_dim);
     }
     cp_async_commit();
 #else
-    load_tile<BLOCK_M>(q_tile, q_g, q_row_stride, m0, seqlen_q, head_dim);
+    load_tile<BLOCK_M, true>(q_tile, q_g, p.q_row_stride, m0, seqlen_q, p.head_dim);
     cp_async_commit();
     if (n_block_min < n_block_max) {
-        load_tile<BLOCK_N>(k_tiles, k_g, k_row_stride, n_block_min * BLOCK_N, seqlen_k, head_dim);
-        load_tile<BLOCK_N>(v_tiles, v_g, v_row_stride, n_block_min * BLOCK_N, seqlen_k, head_dim);
+        load_tile<BLOCK_N, true>(k_tiles, k_g, p.k_row_stride, n_block_min * BLOCK_N, seqlen_k, p.head_dim);
+        load_tile<BLOCK_N, true>(v_tiles, v_g, p.v_row_stride, n_block_min * BLOCK_N, seqlen_k, p.head_dim);
     }
     cp_async_commit();
 #endif
@@ -273,10 +273,10 @@ flash_fwd(FLASH_FWD_PARAMS(in_t, u16)) {
         if (n_block + 1 < n_block_max) {
             // The other staging buffer was last read before the previous iteration's final
             // __syncthreads.
-            stage_tile<BLOCK_N>(raw_k(buf ^ 1), k_g, k_row_stride, (n_block + 1) * BLOCK_N,
-                                seqlen_k, head_dim);
-            stage_tile<BLOCK_N>(raw_v(buf ^ 1), v_g, v_row_stride, (n_block + 1) * BLOCK_N,
-                                seqlen_k, head_dim);
+            stage_tile<BLOCK_N>(raw_k(buf ^ 1), k_g, p.k_row_stride, (n_block + 1) * BLOCK_N,
+                                seqlen_k, p.head_dim);
+            stage_tile<BLOCK_N>(raw_v(buf ^ 1), v_g, p.v_row_stride, (n_block + 1) * BLOCK_N,
+                                seqlen_k, p.head_dim);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -287,18 +287,18 @@ flash_fwd(FLASH_FWD_PARAMS(in_t, u16)) {
 #endif
         // (With VEC_LOAD each thread widens the chunks its own cp.async filled, visible to it
         // after the wait; the K and V tiles were released by the previous iteration's barrier.)
-        widen_tile<BLOCK_N>(k_tile, raw_k(buf), fp8_e5m2);
-        widen_tile<BLOCK_N>(v_tile, raw_v(buf), fp8_e5m2);
+        widen_tile<BLOCK_N>(k_tile, raw_k(buf), p.fp8_e5m2);
+        widen_tile<BLOCK_N>(v_tile, raw_v(buf), p.fp8_e5m2);
         __syncthreads();
 #else
         u16* k_tile = k_tiles + buf * BLOCK_N * SMEM_ROW;
         u16* v_tile = v_tiles + buf * BLOCK_N * SMEM_ROW;
         if (n_block + 1 < n_block_max) {
             // The other buffer was released by the __syncthreads ending the previous iteration.
-            load_tile<BLOCK_N>(k_tiles + (buf ^ 1) * BLOCK_N * SMEM_ROW, k_g, k_row_stride,
-                               (n_block + 1) * BLOCK_N, seqlen_k, head_dim);
-            load_tile<BLOCK_N>(v_tiles + (buf ^ 1) * BLOCK_N * SMEM_ROW, v_g, v_row_stride,
-                               (n_block + 1) * BLOCK_N, seqlen_k, head_dim);
+            load_tile<BLOCK_N, true>(k_tiles + (buf ^ 1) * BLOCK_N * SMEM_ROW, k_g, p.k_row_stride,
+                               (n_block + 1) * BLOCK_N, seqlen_k, p.head_dim);
+            load_tile<BLOCK_N, true>(v_tiles + (buf ^ 1) * BLOCK_N * SMEM_ROW, v_g, p.v_row_stride,
+                               (n_block + 1) * BLOCK_N, seqlen_k, p.head_dim);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -391,20 +391,20 @@ flash_fwd(FLASH_FWD_PARAMS(in_t, u16)) {
                 inv *= factor;
             }
             const float row_lse = row_lse2 * FA_LN2;
-            u16* o = out + ((out_row0 + i) * heads + h) * (i64)head_dim;
+            u16* o = static_cast<u16*>(p.out) + ((out_row0 + i) * p.heads + h) * (i64)p.head_dim;
 #pragma unroll
             for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
                 const int col = dt * 8 + 2 * t;
                 const float x0 = acc_o[mt][dt][2 * r] * inv, x1 = acc_o[mt][dt][2 * r + 1] * inv;
 #if VEC_LOAD
                 // head_dim is even, so a pair is either wholly inside the row or wholly past it.
-                if (col < head_dim) *reinterpret_cast<u32*>(o + col) = pack2(x0, x1);
+                if (col < p.head_dim) *reinterpret_cast<u32*>(o + col) = pack2(x0, x1);
 #else
-                if (col < head_dim) o[col] = from_f32(x0);
-                if (col + 1 < head_dim) o[col + 1] = from_f32(x1);
+                if (col < p.head_dim) o[col] = from_f32(x0);
+                if (col + 1 < p.head_dim) o[col + 1] = from_f32(x1);
 #endif
             }
-            if (t == 0) lse[lse_base + (i64)h * lse_head_stride + i] = row_lse;
+            if (t == 0) p.lse[lse_base + (i64)h * p.lse_head_stride + i] = row_lse;
         }
     }
 }

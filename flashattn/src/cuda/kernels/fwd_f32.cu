@@ -21,7 +21,7 @@ static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "HEAD_DIM: a multiple of 32
 static_assert(NUM_THREADS == 8 * BLOCK_M && BLOCK_N == 32, "8 threads per row, 4 keys each");
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
-flash_fwd(FLASH_FWD_PARAMS(float, float)) {
+flash_fwd(const __grid_constant__ FwdParams p) {
     FA_DYNAMIC_SMEM(float, smem_f);
     float* q_tile = smem_f;                      // [BLOCK_M][PITCH]
     float* k_tile = q_tile + BLOCK_M * PITCH;    // [BLOCK_N][PITCH]
@@ -29,7 +29,7 @@ flash_fwd(FLASH_FWD_PARAMS(float, float)) {
     float* p_tile = v_tile + BLOCK_N * HEAD_DIM; // [BLOCK_M][P_PITCH]
 
     CtaWork<float> w;
-    if (!cta_work<float, float, BLOCK_M, BLOCK_N>(w, FLASH_FWD_ARGS)) return;
+    if (!cta_work<float, BLOCK_M, BLOCK_N>(w, p)) return;
     const int h = w.h, m0 = w.m0, m_end = w.m_end, seqlen_q = w.seqlen_q, seqlen_k = w.seqlen_k;
     const float* q_g = w.q_g;
     const float* k_g = w.k_g;
@@ -46,7 +46,7 @@ flash_fwd(FLASH_FWD_PARAMS(float, float)) {
     for (int e = threadIdx.x; e < BLOCK_M * HEAD_DIM; e += NUM_THREADS) {
         int rr = e / HEAD_DIM, col = e % HEAD_DIM;
         q_tile[rr * PITCH + col] =
-            (m0 + rr < seqlen_q && col < head_dim) ? q_g[(i64)(m0 + rr) * q_row_stride + col] : 0.f;
+            (m0 + rr < seqlen_q && col < p.head_dim) ? q_g[(i64)(m0 + rr) * p.q_row_stride + col] : 0.f;
     }
 
     float acc_o[HEAD_DIM / 8];
@@ -58,9 +58,9 @@ flash_fwd(FLASH_FWD_PARAMS(float, float)) {
         const int n0 = n_block * BLOCK_N;
         for (int e = threadIdx.x; e < BLOCK_N * HEAD_DIM; e += NUM_THREADS) {
             int rr = e / HEAD_DIM, col = e % HEAD_DIM;
-            bool ok = n0 + rr < seqlen_k && col < head_dim;
-            k_tile[rr * PITCH + col] = ok ? k_g[(i64)(n0 + rr) * k_row_stride + col] : 0.f;
-            v_tile[rr * HEAD_DIM + col] = ok ? v_g[(i64)(n0 + rr) * v_row_stride + col] : 0.f;
+            bool ok = n0 + rr < seqlen_k && col < p.head_dim;
+            k_tile[rr * PITCH + col] = ok ? k_g[(i64)(n0 + rr) * p.k_row_stride + col] : 0.f;
+            v_tile[rr * HEAD_DIM + col] = ok ? v_g[(i64)(n0 + rr) * p.v_row_stride + col] : 0.f;
         }
         __syncthreads();
 
@@ -142,12 +142,12 @@ flash_fwd(FLASH_FWD_PARAMS(float, float)) {
             row_lse = fold_sink(row_lse, w.sink, &factor);
             inv *= factor;
         }
-        float* o = out + ((out_row0 + i) * heads + h) * (i64)head_dim;
+        float* o = static_cast<float*>(p.out) + ((out_row0 + i) * p.heads + h) * (i64)p.head_dim;
 #pragma unroll
         for (int c = 0; c < HEAD_DIM / 8; ++c) {
             const int col = c8 + 8 * c;
-            if (col < head_dim) o[col] = acc_o[c] * inv;
+            if (col < p.head_dim) o[col] = acc_o[c] * inv;
         }
-        if (c8 == 0) lse[lse_base + (i64)h * lse_head_stride + i] = row_lse;
+        if (c8 == 0) p.lse[lse_base + (i64)h * p.lse_head_stride + i] = row_lse;
     }
 }

@@ -55,7 +55,7 @@ __device__ __forceinline__ void load_tile_sw128(u16* tile, const u16* src, i64 r
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
-flash_fwd(FLASH_FWD_PARAMS(u16, u16)) {
+flash_fwd(const __grid_constant__ FwdParams p) {
     FA_DYNAMIC_SMEM(unsigned char, smem_raw);
     // Tiles start 1024-byte aligned: the hardware's swizzle reads address bits 7-9 as the row.
     u16* q_tile = reinterpret_cast<u16*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
@@ -63,7 +63,7 @@ flash_fwd(FLASH_FWD_PARAMS(u16, u16)) {
     u16* v_tiles = k_tiles + 2 * BLOCK_N * HEAD_DIM;  // 2 buffers
 
     CtaWork<u16> w;
-    if (!cta_work<u16, u16, BLOCK_M, BLOCK_N>(w, FLASH_FWD_ARGS)) return;
+    if (!cta_work<u16, BLOCK_M, BLOCK_N>(w, p)) return;
     const int m0 = w.m0, seqlen_q = w.seqlen_q, seqlen_k = w.seqlen_k;
     const int n_block_min = w.n_block_min, n_block_max = w.n_block_max;
 
@@ -75,10 +75,10 @@ flash_fwd(FLASH_FWD_PARAMS(u16, u16)) {
     // cp.async group) while S = Q·K[n]ᵀ and O += P[n - 1]·V[n - 1] run. A K buffer is rewritten
     // two iterations after its product was issued, a V buffer likewise: the __syncthreads ending
     // each iteration orders every warpgroup's waits before those writes.
-    load_tile_sw128<BLOCK_M>(q_tile, w.q_g, q_row_stride, m0, seqlen_q, head_dim);
+    load_tile_sw128<BLOCK_M>(q_tile, w.q_g, p.q_row_stride, m0, seqlen_q, p.head_dim);
     if (n_block_min < n_block_max)
-        load_tile_sw128<BLOCK_N>(k_tiles, w.k_g, k_row_stride, n_block_min * BLOCK_N, seqlen_k,
-                                 head_dim);
+        load_tile_sw128<BLOCK_N>(k_tiles, w.k_g, p.k_row_stride, n_block_min * BLOCK_N, seqlen_k,
+                                 p.head_dim);
     cp_async_commit();
 
     // This thread's rows of the tile: 64·wg + 16·warp + g and + 8.
@@ -99,10 +99,10 @@ flash_fwd(FLASH_FWD_PARAMS(u16, u16)) {
     for (int n_block = n_block_min; n_block < n_block_max; ++n_block) {
         const int it = n_block - n_block_min, buf = it & 1;
         if (n_block + 1 < n_block_max)
-            load_tile_sw128<BLOCK_N>(k_tiles + (buf ^ 1) * BLOCK_N * HEAD_DIM, w.k_g, k_row_stride,
-                                     (n_block + 1) * BLOCK_N, seqlen_k, head_dim);
-        load_tile_sw128<BLOCK_N>(v_tiles + buf * BLOCK_N * HEAD_DIM, w.v_g, v_row_stride,
-                                 n_block * BLOCK_N, seqlen_k, head_dim);
+            load_tile_sw128<BLOCK_N>(k_tiles + (buf ^ 1) * BLOCK_N * HEAD_DIM, w.k_g, p.k_row_stride,
+                                     (n_block + 1) * BLOCK_N, seqlen_k, p.head_dim);
+        load_tile_sw128<BLOCK_N>(v_tiles + buf * BLOCK_N * HEAD_DIM, w.v_g, p.v_row_stride,
+                                 n_block * BLOCK_N, seqlen_k, p.head_dim);
         cp_async_commit();
         cp_async_wait<1>();  // K[n] and V[n - 1] (this thread's copies) have landed
         fence_proxy_async();
@@ -156,13 +156,13 @@ flash_fwd(FLASH_FWD_PARAMS(u16, u16)) {
         reg_fence_all(acc_o);
     }
 #else
-    load_tile_sw128<BLOCK_M>(q_tile, w.q_g, q_row_stride, m0, seqlen_q, head_dim);
+    load_tile_sw128<BLOCK_M>(q_tile, w.q_g, p.q_row_stride, m0, seqlen_q, p.head_dim);
     cp_async_commit();
     if (n_block_min < n_block_max) {
-        load_tile_sw128<BLOCK_N>(k_tiles, w.k_g, k_row_stride, n_block_min * BLOCK_N, seqlen_k,
-                                 head_dim);
-        load_tile_sw128<BLOCK_N>(v_tiles, w.v_g, v_row_stride, n_block_min * BLOCK_N, seqlen_k,
-                                 head_dim);
+        load_tile_sw128<BLOCK_N>(k_tiles, w.k_g, p.k_row_stride, n_block_min * BLOCK_N, seqlen_k,
+                                 p.head_dim);
+        load_tile_sw128<BLOCK_N>(v_tiles, w.v_g, p.v_row_stride, n_block_min * BLOCK_N, seqlen_k,
+                                 p.head_dim);
     }
     cp_async_commit();
 
@@ -186,10 +186,10 @@ flash_fwd(FLASH_FWD_PARAMS(u16, u16)) {
         u16* v_tile = v_tiles + buf * BLOCK_N * HEAD_DIM;
         if (n_block + 1 < n_block_max) {
             // The other buffer was released by the __syncthreads ending the previous iteration.
-            load_tile_sw128<BLOCK_N>(k_tiles + (buf ^ 1) * BLOCK_N * HEAD_DIM, w.k_g, k_row_stride,
-                                     (n_block + 1) * BLOCK_N, seqlen_k, head_dim);
-            load_tile_sw128<BLOCK_N>(v_tiles + (buf ^ 1) * BLOCK_N * HEAD_DIM, w.v_g, v_row_stride,
-                                     (n_block + 1) * BLOCK_N, seqlen_k, head_dim);
+            load_tile_sw128<BLOCK_N>(k_tiles + (buf ^ 1) * BLOCK_N * HEAD_DIM, w.k_g, p.k_row_stride,
+                                     (n_block + 1) * BLOCK_N, seqlen_k, p.head_dim);
+            load_tile_sw128<BLOCK_N>(v_tiles + (buf ^ 1) * BLOCK_N * HEAD_DIM, w.v_g, p.v_row_stride,
+                                     (n_block + 1) * BLOCK_N, seqlen_k, p.head_dim);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -232,5 +232,5 @@ flash_fwd(FLASH_FWD_PARAMS(u16, u16)) {
 #endif
     cp_async_wait<0>();  // a CTA that saw no key block still has its q tile in flight
 
-    store_rows(acc_o, row_max, row_sum, row_i, w, out, lse, heads, head_dim, lse_head_stride, t);
+    store_rows(acc_o, row_max, row_sum, row_i, w, p, t);
 }

@@ -118,7 +118,7 @@ __device__ __forceinline__ void pack_p_e4m3(u32 (&a)[4], const float (&s)[BLOCK_
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
-flash_fwd(FLASH_FWD_PARAMS(u8, u16)) {
+flash_fwd(const __grid_constant__ FwdParams p) {
     FA_DYNAMIC_SMEM(unsigned char, smem_raw);
     // Tiles start 1024-byte aligned: the hardware's swizzle reads address bits 7-9 as the row.
     u8* q_tile = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
@@ -126,7 +126,7 @@ flash_fwd(FLASH_FWD_PARAMS(u8, u16)) {
     u8* vt_tile = k_tiles + 2 * BLOCK_N * HEAD_DIM;  // [HEAD_DIM][128]: lines of 128 bytes
 
     CtaWork<u8> w8;
-    if (!cta_work<u8, u16, BLOCK_M, BLOCK_N>(w8, FLASH_FWD_ARGS)) return;
+    if (!cta_work<u8, BLOCK_M, BLOCK_N>(w8, p)) return;
     // sm90_attn.cuh's helpers read everything but the tensor pointers, which stay in w8.
     CtaWork<u16> w;
     w.b = w8.b, w.h = w8.h, w.m0 = w8.m0, w.m_end = w8.m_end;
@@ -142,12 +142,11 @@ flash_fwd(FLASH_FWD_PARAMS(u8, u16)) {
 
     const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
-    (void)fp8_e5m2;  // e4m3 only: the launch picks this kernel for e4m3 inputs
 
-    load_tile_b<BLOCK_M>(q_tile, w8.q_g, q_row_stride, m0, seqlen_q, head_dim);
+    load_tile_b<BLOCK_M>(q_tile, w8.q_g, p.q_row_stride, m0, seqlen_q, p.head_dim);
     if (n_block_min < n_block_max)
-        load_tile_b<BLOCK_N>(k_tiles, w8.k_g, k_row_stride, n_block_min * BLOCK_N, seqlen_k,
-                             head_dim);
+        load_tile_b<BLOCK_N>(k_tiles, w8.k_g, p.k_row_stride, n_block_min * BLOCK_N, seqlen_k,
+                             p.head_dim);
     cp_async_commit();
 
     // This thread's rows of the tile: 64·wg + 16·warp + g and + 8.
@@ -168,13 +167,13 @@ flash_fwd(FLASH_FWD_PARAMS(u8, u16)) {
         const int buf = (n_block - n_block_min) & 1;
         if (n_block + 1 < n_block_max) {
             // The other K buffer was released by the __syncthreads ending the previous iteration.
-            load_tile_b<BLOCK_N>(k_tiles + (buf ^ 1) * BLOCK_N * HEAD_DIM, w8.k_g, k_row_stride,
-                                 (n_block + 1) * BLOCK_N, seqlen_k, head_dim);
+            load_tile_b<BLOCK_N>(k_tiles + (buf ^ 1) * BLOCK_N * HEAD_DIM, w8.k_g, p.k_row_stride,
+                                 (n_block + 1) * BLOCK_N, seqlen_k, p.head_dim);
         }
         cp_async_commit();
         // Vᵀ of this block while K[n + 1] is in flight (the previous P·V has retired: its wait and
         // the __syncthreads ending the iteration came before).
-        load_vt(vt_tile, w8.v_g, v_row_stride, n_block * BLOCK_N, seqlen_k, head_dim);
+        load_vt(vt_tile, w8.v_g, p.v_row_stride, n_block * BLOCK_N, seqlen_k, p.head_dim);
         cp_async_wait<1>();  // K[n] (and the q tile) have landed
         // cp.async and the Vᵀ stores wrote through the generic proxy; wgmma reads through the
         // async one.
@@ -217,5 +216,5 @@ flash_fwd(FLASH_FWD_PARAMS(u8, u16)) {
     }
     cp_async_wait<0>();  // a CTA that saw no key block still has its q tile in flight
 
-    store_rows(acc_o, row_max, row_sum, row_i, w, out, lse, heads, head_dim, lse_head_stride, t);
+    store_rows(acc_o, row_max, row_sum, row_i, w, p, t);
 }

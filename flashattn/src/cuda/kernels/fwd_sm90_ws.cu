@@ -19,9 +19,9 @@
 // Defines (cuda/key.rs): FA_BF16 (else f16), HEAD_DIM (multiple of 64), BLOCK_N, NUM_WG,
 // IS_MASKED, HAS_SOFTCAP, HAS_ALIBI, SM90_PINGPONG (1: the two consumer warpgroups take turns
 // issuing their products, named barriers 1 and 2, so one's softmax runs under the other's
-// products, FlashAttention-3's pingpong). The launch passes FLASH_FWD_PARAMS and then the tensor maps
-// of q, k and v (cuda/tma.rs): 4-D {head_dim, rows, heads, batches} of 16-bit elements, box
-// {64, BLOCK_M or BLOCK_N, 1, 1}, 128-byte swizzle.
+// products, FlashAttention-3's pingpong). The launch passes FwdParams (params.cuh) and then the
+// tensor maps of q, k and v (cuda/tma.rs): 4-D {head_dim, rows, heads, batches} of 16-bit
+// elements, box {64, BLOCK_M or BLOCK_N, 1, 1}, 128-byte swizzle.
 #define FA_TENSOR_CORE_KERNEL
 #define FA_SM90_KERNEL
 #define FA_SM90_WS  // the launch passes tensor maps (tests/cuda_emu/driver.cpp reads this)
@@ -96,8 +96,8 @@ __device__ __forceinline__ void produce(const CtaWork<u16>& w, const Smem& sm, b
 
 // A consumer warpgroup (warpgroup 1 + c of the CTA): its 64 rows through every key block, then
 // out and lse.
-__device__ __forceinline__ void consume(const CtaWork<u16>& w, const Smem& sm, int c, u16* out,
-                                        float* lse, int heads, int head_dim, i64 lse_head_stride) {
+__device__ __forceinline__ void consume(const CtaWork<u16>& w, const Smem& sm, int c,
+                                        const FwdParams& p) {
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     const bool releaser = threadIdx.x % 128 == 0;  // arrives on `empty` for its warpgroup
@@ -183,11 +183,11 @@ __device__ __forceinline__ void consume(const CtaWork<u16>& w, const Smem& sm, i
         named_bar_arrive(1 + (c ^ 1), 256);
 #endif
     }
-    store_rows(acc_o, row_max, row_sum, row_i, w, out, lse, heads, head_dim, lse_head_stride, t);
+    store_rows(acc_o, row_max, row_sum, row_i, w, p, t);
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
-flash_fwd(FLASH_FWD_PARAMS(u16, u16), const __grid_constant__ TmaDesc q_map,
+flash_fwd(const __grid_constant__ FwdParams p, const __grid_constant__ TmaDesc q_map,
           const __grid_constant__ TmaDesc k_map, const __grid_constant__ TmaDesc v_map) {
     FA_DYNAMIC_SMEM(unsigned char, smem_raw);
     // Tiles start 1024-byte aligned: the swizzle reads address bits 7-9 as the row.
@@ -197,7 +197,7 @@ flash_fwd(FLASH_FWD_PARAMS(u16, u16), const __grid_constant__ TmaDesc q_map,
 
     {
         CtaWork<u16> w;
-        if (!cta_work<u16, u16, BLOCK_M, BLOCK_N>(w, FLASH_FWD_ARGS)) return;
+        if (!cta_work<u16, BLOCK_M, BLOCK_N>(w, p)) return;
     }
     if (threadIdx.x == 0) {
         mbar_init(sm.q_full(), 1);
@@ -220,20 +220,22 @@ flash_fwd(FLASH_FWD_PARAMS(u16, u16), const __grid_constant__ TmaDesc q_map,
         regs_dealloc<PRODUCER_REGS>();
         if (threadIdx.x == 0) {
             CtaWork<u16> w;
-            cta_work<u16, u16, BLOCK_M, BLOCK_N>(w, FLASH_FWD_ARGS);
-            const bool packed = seqs != nullptr;
-            const int hk = w.h / (heads / heads_kv);
+            cta_work<u16, BLOCK_M, BLOCK_N>(w, p);
+            const bool packed = p.seqs != nullptr;
+            const int hk = w.h / (p.heads / p.heads_kv);
+            const u16* k = static_cast<const u16*>(p.k);
+            const u16* v = static_cast<const u16*>(p.v);
             const int k_row0 =
-                packed ? (int)((w.k_g - k - (i64)hk * k_head_stride) / k_row_stride) : 0;
+                packed ? (int)((w.k_g - k - (i64)hk * p.k_head_stride) / p.k_row_stride) : 0;
             const int v_row0 =
-                packed ? (int)((w.v_g - v - (i64)hk * v_head_stride) / v_row_stride) : 0;
+                packed ? (int)((w.v_g - v - (i64)hk * p.v_head_stride) / p.v_row_stride) : 0;
             produce(w, sm, packed, packed ? (int)w.out_row0 : 0, k_row0, v_row0, hk, &q_map,
                     &k_map, &v_map);
         }
     } else {
         regs_alloc<CONSUMER_REGS>();
         CtaWork<u16> w;
-        cta_work<u16, u16, BLOCK_M, BLOCK_N>(w, FLASH_FWD_ARGS);
-        consume(w, sm, wg - 1, out, lse, heads, head_dim, lse_head_stride);
+        cta_work<u16, BLOCK_M, BLOCK_N>(w, p);
+        consume(w, sm, wg - 1, p);
     }
 }

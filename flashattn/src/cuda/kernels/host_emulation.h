@@ -28,6 +28,7 @@
 #define __device__
 #define __forceinline__ inline
 #define __restrict__
+#define __grid_constant__
 #define __launch_bounds__(...)
 #define __align__(n) alignas(n)
 
@@ -614,7 +615,6 @@ inline void wgmma_wait() {
 // its destination at issue and is delivered (copied, swizzled, out-of-bounds elements 0, its bytes
 // completed) only when a thread first waits on its barrier, so a read that does not wait for the
 // load sees the poison.
-#define __grid_constant__
 struct TmaDesc {
     const unsigned char* base;
     uint64_t dims[4], strides[3];

@@ -68,9 +68,8 @@ __device__ __forceinline__ void rescale_o(float (&acc_o)[HEAD_DIM / 8][4], const
 // their lse; fully masked rows (row_sum 0) give 0 and lse -inf (with a sink: 0 and lse = sink).
 __device__ __forceinline__ void store_rows(const float (&acc_o)[HEAD_DIM / 8][4],
                                            const float (&row_max)[2], const float (&row_sum)[2],
-                                           const int (&row_i)[2], const CtaWork<u16>& w, u16* out,
-                                           float* lse, int heads, int head_dim,
-                                           i64 lse_head_stride, int t) {
+                                           const int (&row_i)[2], const CtaWork<u16>& w,
+                                           const FwdParams& p, int t) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float sum = row_sum[r];
@@ -85,15 +84,15 @@ __device__ __forceinline__ void store_rows(const float (&acc_o)[HEAD_DIM / 8][4]
             row_lse2 = fold_sink_log2(row_lse2, w.sink * FA_LOG2E, &factor);
             inv *= factor;
         }
-        u16* o = out + ((w.out_row0 + i) * heads + w.h) * (i64)head_dim;
+        u16* o = static_cast<u16*>(p.out) + ((w.out_row0 + i) * p.heads + w.h) * (i64)p.head_dim;
 #pragma unroll
         for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
             const int col = dt * 8 + 2 * t;
             // head_dim is a multiple of 8, so a pair is either wholly inside the row or past it.
-            if (col < head_dim)
+            if (col < p.head_dim)
                 *reinterpret_cast<u32*>(o + col) =
                     pack2(acc_o[dt][2 * r] * inv, acc_o[dt][2 * r + 1] * inv);
         }
-        if (t == 0) lse[w.lse_base + (i64)w.h * lse_head_stride + i] = row_lse2 * FA_LN2;
+        if (t == 0) p.lse[w.lse_base + (i64)w.h * p.lse_head_stride + i] = row_lse2 * FA_LN2;
     }
 }

@@ -209,32 +209,13 @@ pub fn run_forward(
         d.smem_bytes as i64,
         d.table.is_some() as i64,
         d.slopes.is_some() as i64,
-        d.heads as i64,
-        d.heads_kv as i64,
-        d.head_dim as i64,
+        d.out_len as i64,
+        d.lse_len as i64,
+        d.descale.is_some() as i64,
+        d.sink.is_some() as i64,
     ]
     .iter()
     .map(|x| x.to_string())
-    .chain(d.strides.iter().map(|x| x.to_string()))
-    .chain([format!("{:e}", d.softmax_scale), format!("{:e}", d.softcap)])
-    .chain(
-        [
-            d.window.0 as i64,
-            d.window.1 as i64,
-            d.batch_seqlens.0 as i64,
-            d.batch_seqlens.1 as i64,
-        ]
-        .iter()
-        .map(|x| x.to_string()),
-    )
-    .chain(d.batch_strides.iter().map(|x| x.to_string()))
-    .chain([d.out_len.to_string(), d.lse_len.to_string()])
-    .chain(dropout_params(&d.dropout))
-    .chain([
-        (d.descale.is_some() as i32).to_string(),
-        d.fp8_e5m2.to_string(),
-        (d.sink.is_some() as i32).to_string(),
-    ])
     // The warp-specialised kernel's tensor maps (driver.cpp reads them when the kernel has them).
     .chain(d.tma.iter().flatten().flat_map(|m| {
         m.dims
@@ -245,6 +226,9 @@ pub fn run_forward(
             .collect::<Vec<_>>()
     }))
     .collect();
+    // The kernel's parameter, byte for byte as a GPU launch passes it (its addresses 0: the
+    // driver sets them to its buffers).
+    std::fs::write(dir.join("params.bin"), d.params.as_bytes()).unwrap();
     std::fs::write(dir.join("params.txt"), nums.join("\n")).unwrap();
     std::fs::write(dir.join("q.bin"), q).unwrap();
     std::fs::write(dir.join("k.bin"), k).unwrap();
@@ -286,14 +270,4 @@ pub fn run_forward(
         out: Tensor::from_buffer(out, &d.out_shape).expect("out length"),
         lse: Tensor::from_vec(lse, &d.lse_shape).expect("lse length"),
     }
-}
-
-/// The dropout arguments as the drivers read them: seed halves, threshold, scale.
-pub fn dropout_params(d: &flashattn::cuda::DropoutArgs) -> [String; 4] {
-    [
-        d.seed_lo.to_string(),
-        d.seed_hi.to_string(),
-        d.threshold.to_string(),
-        format!("{:e}", d.scale),
-    ]
 }

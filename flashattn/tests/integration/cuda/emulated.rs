@@ -144,6 +144,63 @@ fn run_grid_sm90(kernel: ForwardKernel) {
     }
 }
 
+/// Every kernel parameter struct of cuda/params.rs has the layout of its mirror in params.cuh:
+/// the same size and every field at the same offset, as g++ lays them out (the emulation builds
+/// run the kernels on those bytes; NVRTC checks the sizes and some offsets by static_assert).
+#[test]
+fn params_structs_match_params_cuh() {
+    if !have_compiler() {
+        return;
+    }
+    let layouts = flashattn::cuda::params_layouts();
+    let mut src = String::from("#include \"params.cuh\"\n#include <cstdio>\nint main() {\n");
+    let mut want = Vec::new();
+    for (name, size, fields) in &layouts {
+        src += &format!("    std::printf(\"%zu\\n\", sizeof({name}));\n");
+        want.push(format!("sizeof({name}) = {size}"));
+        for (field, offset, _) in fields {
+            src += &format!("    std::printf(\"%zu\\n\", __builtin_offsetof({name}, {field}));\n");
+            want.push(format!("{name}.{field} at {offset}"));
+        }
+    }
+    src += "    return 0;\n}\n";
+    let dir = common::emu::case_dir("params", "probe");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (cpp, exe) = (dir.join("probe.cpp"), dir.join("probe"));
+    std::fs::write(&cpp, src).unwrap();
+    let out = std::process::Command::new("g++")
+        .args(["-std=c++17", "-DFA_HOST_EMULATION"])
+        .arg(format!("-I{}", common::emu::KERNELS))
+        .arg(&cpp)
+        .arg("-o")
+        .arg(&exe)
+        .output()
+        .expect("run g++");
+    assert!(
+        out.status.success(),
+        "the probe of params.cuh does not compile:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let run = std::process::Command::new(&exe)
+        .output()
+        .expect("run the probe");
+    let _ = std::fs::remove_dir_all(&dir);
+    let got: Vec<&str> = std::str::from_utf8(&run.stdout).unwrap().lines().collect();
+    let want_numbers: Vec<String> = layouts
+        .iter()
+        .flat_map(|(_, size, fields)| {
+            std::iter::once(size.to_string()).chain(fields.iter().map(|f| f.1.to_string()))
+        })
+        .collect();
+    assert_eq!(got.len(), want.len(), "probe output: {got:?}");
+    for ((g, w), what) in got.iter().zip(&want_numbers).zip(&want) {
+        assert_eq!(
+            g, w,
+            "params.cuh differs from cuda/params.rs: want {what}, C has {g}"
+        );
+    }
+}
+
 /// Packed sequences, including empty ones and rows after the last sequence (launched as a tail
 /// sequence that sees no key: out 0, lse -inf).
 #[test]
@@ -262,25 +319,15 @@ mod backward {
                 d.dq.smem_bytes() as i64,
                 d.dkdv.smem_bytes() as i64,
                 d.slopes.is_some() as i64,
-                d.heads as i64,
-                d.heads_kv as i64,
-                d.head_dim as i64,
+                d.dq_len as i64,
+                d.dk_len as i64,
+                d.lse_len as i64,
             ])
-            .chain(d.strides)
             .map(|x| x.to_string())
-            .chain([format!("{:e}", d.softmax_scale), format!("{:e}", d.softcap)])
-            .chain(
-                [
-                    d.window.0 as i64,
-                    d.window.1 as i64,
-                    d.dq_len as i64,
-                    d.dk_len as i64,
-                    d.lse_len as i64,
-                ]
-                .map(|x| x.to_string()),
-            )
-            .chain(super::common::emu::dropout_params(&d.dropout))
             .collect();
+        // The kernels' parameter, byte for byte as a GPU launch passes it (its addresses 0: the
+        // driver sets them to its buffers).
+        std::fs::write(dir.join("params.bin"), d.params.as_bytes()).unwrap();
         std::fs::write(dir.join("params.txt"), nums.join("\n")).unwrap();
         for (name, t) in [
             ("q", q),
