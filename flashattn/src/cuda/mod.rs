@@ -48,9 +48,8 @@ mod tma;
 
 pub use arch::{Arch, GpuShape};
 pub use backward::{
-    backward_kernel_key, flash_attn_backward, flash_attn_backward_into,
-    flash_attn_varlen_backward, flash_attn_varlen_backward_into, CudaAttnGrads, CudaGradBuffers,
-    BWD_FIELDS,
+    backward_kernel_key, flash_attn_backward, flash_attn_backward_into, flash_attn_varlen_backward,
+    flash_attn_varlen_backward_into, CudaAttnGrads, CudaGradBuffers, BWD_FIELDS,
 };
 #[cfg(feature = "test-hooks")]
 pub use backward::{backward_launch_description, BackwardLaunch};
@@ -84,6 +83,6 @@ pub use nvrtc::{compile, version as nvrtc_version, CompiledKernel};
 /// The contract structs' C names, sizes and fields (name, offset, size), for the tests that
 /// compare them with params.cuh.
 #[cfg(feature = "test-hooks")]
-pub use params::layouts as params_layouts;
+pub use params::{layouts as params_layouts, FieldLayout, StructLayout};
 pub use params::{BwdParams, DropoutParams, FwdParams};
 pub use tma::TmaSpec;

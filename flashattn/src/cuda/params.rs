@@ -29,8 +29,12 @@ macro_rules! contract {
         impl $name {
             /// Every field's name, byte offset and size, in declaration order.
             #[cfg(any(test, feature = "test-hooks"))]
-            pub fn fields() -> Vec<(&'static str, usize, usize)> {
-                vec![$((stringify!($f), core::mem::offset_of!($name, $f), size_of::<$t>()),)*]
+            pub fn fields() -> Vec<FieldLayout> {
+                vec![$(FieldLayout {
+                    name: stringify!($f),
+                    offset: core::mem::offset_of!($name, $f),
+                    size: size_of::<$t>(),
+                },)*]
             }
 
             /// The struct's bytes, as the kernel receives them.
@@ -194,18 +198,36 @@ const _: () = assert!(core::mem::offset_of!(BwdParams, drop) == 208);
 const _: () = assert!(core::mem::offset_of!(BwdParams, heads) == 232);
 const _: () = assert!(core::mem::offset_of!(BwdParams, window_right) == 256);
 
-/// Every contract struct: its C name (params.cuh), size and fields, for the tests that compare
-/// them with the C side's.
+/// One field of a contract struct: its name, byte offset and size.
 #[cfg(any(test, feature = "test-hooks"))]
-pub fn layouts() -> Vec<(&'static str, usize, Vec<(&'static str, usize, usize)>)> {
+#[derive(Clone, Copy, Debug)]
+pub struct FieldLayout {
+    pub name: &'static str,
+    pub offset: usize,
+    pub size: usize,
+}
+
+/// One contract struct: its C name (params.cuh), size and fields in declaration order.
+#[cfg(any(test, feature = "test-hooks"))]
+#[derive(Clone, Debug)]
+pub struct StructLayout {
+    pub name: &'static str,
+    pub size: usize,
+    pub fields: Vec<FieldLayout>,
+}
+
+/// Every contract struct, for the tests that compare them with the C side's.
+#[cfg(any(test, feature = "test-hooks"))]
+pub fn layouts() -> Vec<StructLayout> {
+    let layout = |name, size, fields| StructLayout { name, size, fields };
     vec![
-        (
+        layout(
             "DropoutParams",
             size_of::<DropoutParams>(),
             DropoutParams::fields(),
         ),
-        ("FwdParams", size_of::<FwdParams>(), FwdParams::fields()),
-        ("BwdParams", size_of::<BwdParams>(), BwdParams::fields()),
+        layout("FwdParams", size_of::<FwdParams>(), FwdParams::fields()),
+        layout("BwdParams", size_of::<BwdParams>(), BwdParams::fields()),
     ]
 }
 
@@ -215,13 +237,13 @@ mod tests {
     /// see uninitialised.
     #[test]
     fn no_padding() {
-        for (name, size, fields) in super::layouts() {
+        for s in super::layouts() {
             let mut end = 0;
-            for (field, offset, len) in fields {
-                assert_eq!(offset, end, "{name}.{field} follows a gap");
-                end = offset + len;
+            for f in &s.fields {
+                assert_eq!(f.offset, end, "{}.{} follows a gap", s.name, f.name);
+                end = f.offset + f.size;
             }
-            assert_eq!(end, size, "{name} has tail padding");
+            assert_eq!(end, s.size, "{} has tail padding", s.name);
         }
     }
 }

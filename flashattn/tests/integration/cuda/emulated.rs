@@ -155,10 +155,12 @@ fn params_structs_match_params_cuh() {
     let layouts = flashattn::cuda::params_layouts();
     let mut src = String::from("#include \"params.cuh\"\n#include <cstdio>\nint main() {\n");
     let mut want = Vec::new();
-    for (name, size, fields) in &layouts {
+    for s in &layouts {
+        let (name, size) = (s.name, s.size);
         src += &format!("    std::printf(\"%zu\\n\", sizeof({name}));\n");
         want.push(format!("sizeof({name}) = {size}"));
-        for (field, offset, _) in fields {
+        for f in &s.fields {
+            let (field, offset) = (f.name, f.offset);
             src += &format!("    std::printf(\"%zu\\n\", __builtin_offsetof({name}, {field}));\n");
             want.push(format!("{name}.{field} at {offset}"));
         }
@@ -188,8 +190,8 @@ fn params_structs_match_params_cuh() {
     let got: Vec<&str> = std::str::from_utf8(&run.stdout).unwrap().lines().collect();
     let want_numbers: Vec<String> = layouts
         .iter()
-        .flat_map(|(_, size, fields)| {
-            std::iter::once(size.to_string()).chain(fields.iter().map(|f| f.1.to_string()))
+        .flat_map(|s| {
+            std::iter::once(s.size.to_string()).chain(s.fields.iter().map(|f| f.offset.to_string()))
         })
         .collect();
     assert_eq!(got.len(), want.len(), "probe output: {got:?}");
