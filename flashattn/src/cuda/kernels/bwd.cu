@@ -456,8 +456,8 @@ bwd_dq(const __grid_constant__ BwdParams p) {
     load_tile<TC_DQ_M>(do_tile, do_g, p.dout_row_stride, m0, seq.seqlen_q, p.head_dim);
     cp_async_commit();
     if (nb_min < nb_max) {
-        load_tile<TC_DQ_N>(k_tiles, k_g, p.k_row_stride, nb_min * TC_DQ_N, seq.seqlen_k, p.head_dim);
-        load_tile<TC_DQ_N>(v_tiles, v_g, p.v_row_stride, nb_min * TC_DQ_N, seq.seqlen_k, p.head_dim);
+        load_tile<TC_DQ_N, true>(k_tiles, k_g, p.k_row_stride, nb_min * TC_DQ_N, seq.seqlen_k, p.head_dim);
+        load_tile<TC_DQ_N, true>(v_tiles, v_g, p.v_row_stride, nb_min * TC_DQ_N, seq.seqlen_k, p.head_dim);
     }
     cp_async_commit();
 
@@ -483,9 +483,9 @@ bwd_dq(const __grid_constant__ BwdParams p) {
         const u16* v_tile = v_tiles + buf * TC_DQ_N * SMEM_ROW;
         if (nb + 1 < nb_max) {
             // The other buffers were released by the __syncthreads ending the previous step.
-            load_tile<TC_DQ_N>(k_tiles + (buf ^ 1) * TC_DQ_N * SMEM_ROW, k_g, p.k_row_stride,
+            load_tile<TC_DQ_N, true>(k_tiles + (buf ^ 1) * TC_DQ_N * SMEM_ROW, k_g, p.k_row_stride,
                                (nb + 1) * TC_DQ_N, seq.seqlen_k, p.head_dim);
-            load_tile<TC_DQ_N>(v_tiles + (buf ^ 1) * TC_DQ_N * SMEM_ROW, v_g, p.v_row_stride,
+            load_tile<TC_DQ_N, true>(v_tiles + (buf ^ 1) * TC_DQ_N * SMEM_ROW, v_g, p.v_row_stride,
                                (nb + 1) * TC_DQ_N, seq.seqlen_k, p.head_dim);
             cp_async_commit();
             cp_async_wait<1>();

@@ -34,8 +34,9 @@ __device__ __forceinline__ int swz(int row, int col) {
 
 // Loads `rows` rows (row r from src + (row0 + r) * row_stride) of HEAD_DIM columns into a
 // swizzled tile; rows at or past `row_end` and columns at or past `head_dim` become 0.
-// RUNNING_OFFSET (the forward kernel's choice): see below; the backward keeps the plain loop
-// (there the running offset cost registers: a d = 128 dK/dV variant spilled on sm_90a).
+// RUNNING_OFFSET (the forward's and the dQ kernel's key tiles): see below. The dK/dV kernel keeps
+// the plain loop: there the running offset cost registers (d = 128 dropout variants spilled on
+// sm_90a), where in the dQ kernel it made room (d = 128 softcap+ALiBi+dropout spilled on sm_80).
 template <int ROWS, bool RUNNING_OFFSET = false>
 __device__ __forceinline__ void load_tile(u16* tile, const u16* src, i64 row_stride, int row0,
                                           int row_end, int head_dim) {
