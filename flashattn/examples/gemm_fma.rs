@@ -13,26 +13,12 @@ use flashattn::simd::{self, Gemm, Isa, Kernels, KC};
 use std::hint::black_box;
 use std::time::Duration;
 
-/// Seconds of CPU time this thread has used.
-fn cpu_secs() -> f64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid timespec for the call to write.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    assert_eq!(rc, 0, "clock_gettime");
-    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
-}
+#[path = "common/timing.rs"]
+mod timing;
+use timing::values;
 
-fn values(len: usize, seed: u32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
-    (0..len)
-        .map(|_| {
-            s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-            (s >> 8) as f32 / (1u32 << 23) as f32 - 1.0
-        })
-        .collect()
+fn cpu_secs() -> f64 {
+    timing::cpu_secs(libc::CLOCK_THREAD_CPUTIME_ID)
 }
 
 /// FLOP/s of 12 chains of `vfmadd231ps` (8 or 16 lanes) on this thread for `dur`.
