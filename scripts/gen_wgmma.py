@@ -20,12 +20,19 @@ def wrap(items, indent):
                          subsequent_indent=indent, break_long_words=False)
 
 
-def spec(n):
+def accumulators(n):
+    """The n/2 f32 accumulator registers of an m64nN product: their asm operand list (as lines of
+    the instruction string) and their "+f" constraints."""
     regs = n // 2
     dl = ", ".join(f"%{i}" for i in range(regs))
     dl_lines = "\n".join(f'            "{line} "' for line in textwrap.wrap(dl, 88))
     ops = wrap([f'"+f"(d[{i // 4}][{i % 4}])' for i in range(regs)], " " * 14)
-    a = regs
+    return dl_lines, ops
+
+
+def spec(n):
+    dl_lines, ops = accumulators(n)
+    a = n // 2
     return f"""template <>
 struct Wgmma<{n}> {{
     __device__ __forceinline__ static void ss(float (&d)[{n // 8}][4], u64 desc_a, u64 desc_b,
@@ -57,11 +64,8 @@ struct Wgmma<{n}> {{
 def spec_e4m3(n):
     """8-bit operands: k32 (32 bytes per row and k-step, as k16 of 16-bit types), both operands
     K-major (the ISA has no transpose for them), and no transpose immediates."""
-    regs = n // 2
-    dl = ", ".join(f"%{i}" for i in range(regs))
-    dl_lines = "\n".join(f'            "{line} "' for line in textwrap.wrap(dl, 88))
-    ops = wrap([f'"+f"(d[{i // 4}][{i % 4}])' for i in range(regs)], " " * 14)
-    a = regs
+    dl_lines, ops = accumulators(n)
+    a = n // 2
     return f"""template <>
 struct WgmmaE4m3<{n}> {{
     __device__ __forceinline__ static void ss(float (&d)[{n // 8}][4], u64 desc_a, u64 desc_b,
