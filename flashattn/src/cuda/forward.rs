@@ -11,6 +11,7 @@ use super::error::driver_err;
 use super::key::{KernelKey, KernelKind};
 use super::launch::{alloc_output, check_launchable, sink_table};
 use super::params::{DropoutParams, FwdParams};
+use super::schedule;
 use super::tma::TmaSpec;
 use crate::error::{ErrorKind, Result};
 use crate::params::{self, AttnOptions, Params};
@@ -254,7 +255,10 @@ pub(super) fn launch_forward<TI, TO: cudarc::driver::DeviceRepr>(
     out: &mut CudaSlice<TO>,
     lse: &mut CudaSlice<f32>,
 ) -> Result<()> {
-    let desc = LaunchDescription::new(p, fp8).for_arch(dev.arch, ForwardKernel::from_env());
+    let mut desc = LaunchDescription::new(p, fp8).for_arch(dev.arch, ForwardKernel::from_env());
+    if let Some(ctas) = schedule::persistent_ctas(dev.sm_count()) {
+        desc = desc.persistent(ctas);
+    }
     check_launchable(dev, p, &desc.key, contexts)?;
     let (function, _) = dev.function(&desc.key)?;
     let plan = Plan::new(dev, desc)?;
@@ -269,7 +273,8 @@ pub(super) fn launch_forward<TI, TO: cudarc::driver::DeviceRepr>(
 pub struct LaunchDescription {
     /// The kernel variant.
     pub key: KernelKey,
-    /// Grid (query blocks, heads, launched sequences), threads per CTA and dynamic shared memory.
+    /// Grid (query blocks, heads, launched sequences; fwd_sm90_ws.cu: (CTAs, 1, 1) over its work
+    /// tiles, cuda/schedule.rs), threads per CTA and dynamic shared memory.
     pub grid: (u32, u32, u32),
     pub threads: u32,
     pub smem_bytes: u32,
@@ -382,6 +387,7 @@ impl LaunchDescription {
                 batch_seqlen_q: max_q as i32,
                 batch_seqlen_k: max_k as i32,
                 fp8_e5m2: (fp8 == Some(crate::fp8::Fp8Format::E5M2)) as i32,
+                num_seqs: seqs.len() as i32,
                 ..FwdParams::default()
             },
             out_len: p.out_len(),
@@ -417,6 +423,17 @@ impl LaunchDescription {
         self.key = key;
         if key.kind == KernelKind::ForwardSm90Ws {
             self.tma = Some(self.tensor_maps());
+            // One CTA per work tile (cuda/schedule.rs); `persistent` makes them loop.
+            self.grid = schedule::tile_grid(self.grid);
+        }
+        self
+    }
+
+    /// The same launch with at most `ctas` CTAs, each looping over the work tiles
+    /// (cuda/schedule.rs), for the warp-specialised sm_90a forward; other kernels unchanged.
+    pub fn persistent(mut self, ctas: usize) -> LaunchDescription {
+        if self.key.kind == KernelKind::ForwardSm90Ws {
+            self.grid = schedule::persistent_grid(self.grid, ctas);
         }
         self
     }
@@ -460,7 +477,7 @@ impl LaunchDescription {
                     p.batch_seqlen_k.max(1) as u64,
                 );
                 (
-                    self.grid.2.max(1) as u64,
+                    p.num_seqs.max(1) as u64,
                     sq,
                     sk,
                     sk,

@@ -281,9 +281,9 @@ impl KernelKey {
                 return 2 * (t.block_m + 4 * t.block_n) * self.smem_row() + 1024
             }
             // fwd_sm90_ws.cu: q [block_m], k and v in rings of 2 stages [2][block_n], 1 KiB to
-            // align, and the mbarriers (q_full and 4 per stage, 8 bytes each).
+            // align, and the mbarriers (q_full, 4 per stage and q_empty, 8 bytes each).
             KernelKind::ForwardSm90Ws => {
-                return 2 * (t.block_m + 4 * t.block_n) * self.smem_row() + 1024 + 8 * 9
+                return 2 * (t.block_m + 4 * t.block_n) * self.smem_row() + 1024 + 8 * 10
             }
             // decode.cu: the tile's v row offsets [128] (i64), q [16][d] and p [16][128] in
             // f32, two [4 warps][16] reductions, then 5 + 3 per-row statistics of 4 bytes.

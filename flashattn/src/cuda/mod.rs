@@ -44,6 +44,7 @@ mod loader;
 mod nvrtc;
 mod params;
 mod probe;
+mod schedule;
 mod tma;
 
 pub use arch::{Arch, GpuShape};

@@ -136,10 +136,14 @@ contract! {
         pub batch_seqlen_k: i32,
         /// FP8 inputs: 1 for e5m2, 0 for e4m3 (and for 16-bit and f32 inputs).
         pub fp8_e5m2: i32,
+        /// Launched sequences (packed calls: the table's rows; batched calls: the batch): the
+        /// tile grid of fwd_sm90_ws.cu's persistent launch.
+        pub num_seqs: i32,
+        pub pad: u32,
     }
 }
 
-const _: () = assert!(size_of::<FwdParams>() == 216);
+const _: () = assert!(size_of::<FwdParams>() == 224);
 const _: () = assert!(core::mem::offset_of!(FwdParams, q_row_stride) == 72);
 const _: () = assert!(core::mem::offset_of!(FwdParams, drop) == 152);
 const _: () = assert!(core::mem::offset_of!(FwdParams, heads) == 176);

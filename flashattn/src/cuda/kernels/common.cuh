@@ -71,15 +71,13 @@ struct CtaWork {
     }
 };
 
-// Fills `w` for this CTA; false when its query block lies past the sequence (nothing to do).
+// Fills `w` for query block m_block of head h of launched sequence b; false when the block lies
+// past the sequence (nothing to do).
 template <typename T, int BM, int BN>
-__device__ __forceinline__ bool cta_work(CtaWork<T>& w, const FwdParams& p) {
-    // Masked (causal) query blocks get more keys the later they come: launch those first, so the
-    // longest CTAs do not start last and leave SMs idle at the end (as FlashAttention-2 does).
-    const int m_block = IS_MASKED ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
-    const int b = blockIdx.z;
+__device__ __forceinline__ bool cta_work_at(CtaWork<T>& w, const FwdParams& p, int m_block, int h,
+                                            int b) {
     w.b = b;
-    w.h = blockIdx.y;
+    w.h = h;
     w.drop = Dropout{p.drop};
     // The pointers as restrict-qualified locals, as they were when they were kernel parameters:
     // through the struct's fields alone ptxas allocated worse (d = 128 variants spilled on sm_80).
@@ -121,5 +119,15 @@ __device__ __forceinline__ bool cta_work(CtaWork<T>& w, const FwdParams& p) {
         w.n_block_max = (hi + BN - 1) / BN;
     }
     return true;
+}
+
+// Fills `w` for this CTA (query block, head, sequence from the grid); false when its query block
+// lies past the sequence (nothing to do).
+template <typename T, int BM, int BN>
+__device__ __forceinline__ bool cta_work(CtaWork<T>& w, const FwdParams& p) {
+    // Masked (causal) query blocks get more keys the later they come: launch those first, so the
+    // longest CTAs do not start last and leave SMs idle at the end (as FlashAttention-2 does).
+    const int m_block = IS_MASKED ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
+    return cta_work_at<T, BM, BN>(w, p, m_block, (int)blockIdx.y, (int)blockIdx.z);
 }
 

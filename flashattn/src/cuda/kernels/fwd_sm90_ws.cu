@@ -11,6 +11,12 @@
 //              wait K full; S = Q·Kᵀ (wgmma, both operands in shared memory); then, while the
 //              scores are masked and exponentiated, O += P·V of the previous block (wgmma, P from
 //              registers); release each buffer as soon as its product has retired.
+// Work tiles (tile_coords below): the grid is one-dimensional and each CTA loops over work tiles,
+// one (query block, head, sequence) each, numbered heaviest first for causal masks; a launch of
+// one CTA per tile runs one iteration, a persistent one (cuda/schedule.rs: SMs x CTAs per SM,
+// FlashAttention-3's persistent scheduler) many. The mbarrier phases run on across tiles: the
+// K/V ring position is counted over every key block the CTA has taken, and Q's buffer is
+// reloaded once the consumers release it on q_empty.
 // No __syncthreads after the set-up: the warpgroups meet only at the mbarriers. Tiles are the
 // SW128 slabs of sm90.cuh, which TMA writes with its 128-byte swizzle (a box of 64 columns per
 // slab). Rows past a tensor's end arrive as zeros (TMA's out-of-bounds fill); rows past a
@@ -48,7 +54,7 @@ static_assert(NUM_WG == 2, "the register split below is for two consumer warpgro
 #define TILE_BYTES (BLOCK_N * HEAD_DIM * 2)
 
 // Shared-memory addresses: the Q tile, the K and V rings, then the mbarriers: q_full, then per
-// stage k_full, k_empty, v_full, v_empty.
+// stage k_full, k_empty, v_full, v_empty, then q_empty.
 struct Smem {
     u32 q, k0, v0, bars;
     __device__ __forceinline__ u32 k(int s) const { return k0 + s * TILE_BYTES; }
@@ -58,6 +64,39 @@ struct Smem {
     __device__ __forceinline__ u32 k_empty(int s) const { return bars + 8 * (2 + 4 * s); }
     __device__ __forceinline__ u32 v_full(int s) const { return bars + 8 * (3 + 4 * s); }
     __device__ __forceinline__ u32 v_empty(int s) const { return bars + 8 * (4 + 4 * s); }
+    __device__ __forceinline__ u32 q_empty() const { return bars + 8 * (1 + 4 * STAGES); }
+};
+
+// The work tiles: (m_block, head, sequence) of every launched sequence. With a mask (causal,
+// window) the query blocks nearer the end see more keys: tiles are numbered by m_block from the
+// last down, so the longest start first and the short ones fill the gaps at the end
+// (FlashAttention-3's longest-processing-time-first order); without one every tile costs the
+// same, and consecutive tiles share their head (and its K and V in L2).
+struct Tiles {
+    int m_blocks, heads, seqs, count;
+    __device__ __forceinline__ explicit Tiles(const FwdParams& p)
+        : m_blocks((p.batch_seqlen_q + BLOCK_M - 1) / BLOCK_M), heads(p.heads), seqs(p.num_seqs),
+          count(m_blocks * p.heads * p.num_seqs) {}
+    __device__ __forceinline__ void coords(int tile, int& m_block, int& h, int& b) const {
+        if (IS_MASKED) {
+            m_block = m_blocks - 1 - tile / (heads * seqs);
+            b = (tile / heads) % seqs;
+            h = tile % heads;
+        } else {
+            m_block = tile % m_blocks;
+            h = (tile / m_blocks) % heads;
+            b = tile / (m_blocks * heads);
+        }
+    }
+    // The tile this CTA takes in round `round` (rounds of gridDim.x tiles, the CTAs in order in
+    // even rounds and in reverse in odd ones, so that with the heaviest tiles first no CTA takes
+    // the heaviest of every round); -1 past the last round; count or more when this round has
+    // none for this CTA.
+    __device__ __forceinline__ int take(int round) const {
+        const long long first = (long long)round * gridDim.x;
+        if (first >= count) return -1;
+        return (int)first + ((round & 1) ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x);
+    }
 };
 
 // The TMA loads of one tile: HEAD_DIM / 64 boxes of ROWS rows, one per slab.
@@ -69,18 +108,24 @@ __device__ __forceinline__ void tma_tile(u32 dst, const TmaDesc* map, int row, i
         tma_load_4d(dst + slab * ROWS * 128, map, 64 * slab, row, head, batch, bar);
 }
 
-// The producer's one thread: every TMA load of the CTA. Tensor-map coordinates: packed calls
-// address rows of the whole tensor (a sequence's first row from its base offset), batched calls
-// rows of batch w.b.
+// The producer's one thread: every TMA load of one work tile. Tensor-map coordinates: packed
+// calls address rows of the whole tensor (a sequence's first row from its base offset), batched
+// calls rows of batch w.b. `ring`: the key blocks this CTA loaded before this tile (the K/V ring's
+// position); `q_phase`: the parity of this tile's Q (Q tiles loaded before it, mod 2). A tile that
+// sees no key block loads nothing (its rows are written without Q).
 __device__ __forceinline__ void produce(const CtaWork<u16>& w, const Smem& sm, bool packed,
                                         int q_row0, int k_row0, int v_row0, int hk,
                                         const TmaDesc* q_map, const TmaDesc* k_map,
-                                        const TmaDesc* v_map) {
+                                        const TmaDesc* v_map, int ring, int q_phase) {
+    if (w.n_block_min == w.n_block_max) return;
     const int batch = packed ? 0 : w.b;
+    // The previous tile's Q stays until both consumers' last Q·Kᵀ has retired.
+    mbar_wait(sm.q_empty(), q_phase ^ 1);
     mbar_arrive_expect_tx(sm.q_full(), BLOCK_M * HEAD_DIM * 2);
     tma_tile<BLOCK_M>(sm.q, q_map, q_row0 + w.m0, w.h, batch, sm.q_full());
     for (int n_block = w.n_block_min; n_block < w.n_block_max; ++n_block) {
-        const int it = n_block - w.n_block_min, stage = it % STAGES, phase = (it / STAGES) & 1;
+        const int it = ring + n_block - w.n_block_min, stage = it % STAGES,
+                  phase = (it / STAGES) & 1;
         // A fresh mbarrier counts as having completed the phase before its first: the first
         // lap's waits on `empty` (parity 1) pass at once.
         mbar_wait(sm.k_empty(stage), phase ^ 1);
@@ -94,10 +139,10 @@ __device__ __forceinline__ void produce(const CtaWork<u16>& w, const Smem& sm, b
     }
 }
 
-// A consumer warpgroup (warpgroup 1 + c of the CTA): its 64 rows through every key block, then
-// out and lse.
+// A consumer warpgroup (warpgroup 1 + c of the CTA): its 64 rows of one work tile through every
+// key block, then out and lse. `ring` and `q_phase` as for produce.
 __device__ __forceinline__ void consume(const CtaWork<u16>& w, const Smem& sm, int c,
-                                        const FwdParams& p) {
+                                        const FwdParams& p, int ring, int q_phase) {
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     const bool releaser = threadIdx.x % 128 == 0;  // arrives on `empty` for its warpgroup
@@ -112,18 +157,23 @@ __device__ __forceinline__ void consume(const CtaWork<u16>& w, const Smem& sm, i
         row_sum[r] = 0.f;
         row_i[r] = w.m0 + 64 * c + 16 * warp + g + 8 * r;
     }
-    mbar_wait(sm.q_full(), 0);
-#if SM90_PINGPONG
-    if (c == 1) named_bar_arrive(1, 256);  // consumer 0 takes the first turn
-#endif
+    // A tile that sees no key block waits for no Q (the producer loads none): had it waited and
+    // released Q at once, the releasing thread could run ahead of its warpgroup, the next Q load
+    // complete a second phase, and a thread not yet past this wait would miss the parity it waits
+    // for (the emulation deadlocked on packed sequences with no keys).
+    const bool has_keys = w.n_block_min < w.n_block_max;
+    if (has_keys) mbar_wait(sm.q_full(), q_phase);
 
     u32 p_frag[BLOCK_N / 16][4];  // P of the previous block, the A operand of its P·V
     for (int n_block = w.n_block_min; n_block < w.n_block_max; ++n_block) {
-        const int it = n_block - w.n_block_min, stage = it % STAGES, phase = (it / STAGES) & 1;
+        // i: the block's place in this tile; it: in the ring, counted over the CTA's tiles.
+        const int i = n_block - w.n_block_min, it = ring + i;
+        const int stage = it % STAGES, phase = (it / STAGES) & 1;
+        // The previous block's buffer (used when i > 0, so it - 1 >= 0).
         const int prev = (it + STAGES - 1) % STAGES, prev_phase = ((it + STAGES - 1) / STAGES - 1) & 1;
         float s[BLOCK_N / 8][4];
         mbar_wait(sm.k_full(stage), phase);
-        if (it > 0) mbar_wait(sm.v_full(prev), prev_phase);
+        if (i > 0) mbar_wait(sm.v_full(prev), prev_phase);
 #if SM90_PINGPONG
         named_bar_sync(1 + c, 256);  // this warpgroup's turn to issue
 #endif
@@ -134,14 +184,14 @@ __device__ __forceinline__ void consume(const CtaWork<u16>& w, const Smem& sm, i
             Wgmma<BLOCK_N>::ss(s, desc_kmajor(sm.q, BLOCK_M, 64 * c, kk),
                                desc_kmajor(sm.k(stage), BLOCK_N, 0, kk), kk > 0);
         wgmma_commit();
-        if (it > 0) {
+        if (i > 0) {
             // O += P·V of the previous block runs while these scores are masked and exponentiated.
 #pragma unroll
             for (int j = 0; j < BLOCK_N / 16; ++j)
                 Wgmma<HEAD_DIM>::rs(acc_o, p_frag[j], desc_mnmajor(sm.v(prev), BLOCK_N, j), 1);
             wgmma_commit();
         }
-        if (it > 0) {
+        if (i > 0) {
             wgmma_wait<1>();  // S is ready; the P·V group may still run
         } else {
             wgmma_wait<0>();
@@ -159,14 +209,17 @@ __device__ __forceinline__ void consume(const CtaWork<u16>& w, const Smem& sm, i
         softmax_rows(s, row_max, row_sum, alpha);
         wgmma_wait<0>();  // acc_o holds O through the previous block
         reg_fence_all(acc_o);
-        if (it > 0 && releaser) mbar_arrive(sm.v_empty(prev));
+        if (i > 0 && releaser) mbar_arrive(sm.v_empty(prev));
         rescale_o(acc_o, alpha);
 #pragma unroll
         for (int j = 0; j < BLOCK_N / 16; ++j) pack_kstep<BLOCK_N>(p_frag[j], s, j);
     }
-    if (w.n_block_min < w.n_block_max) {
+    if (has_keys) {
+        // Every Q·Kᵀ of this tile has retired (the whole warpgroup has waited for its products):
+        // the producer may load the next tile's Q.
+        if (releaser) mbar_arrive(sm.q_empty());
         // The last block's P·V.
-        const int it = w.n_block_max - 1 - w.n_block_min, stage = it % STAGES;
+        const int it = ring + w.n_block_max - 1 - w.n_block_min, stage = it % STAGES;
         mbar_wait(sm.v_full(stage), (it / STAGES) & 1);
 #if SM90_PINGPONG
         named_bar_sync(1 + c, 256);
@@ -179,6 +232,8 @@ __device__ __forceinline__ void consume(const CtaWork<u16>& w, const Smem& sm, i
         wgmma_commit();
         wgmma_wait<0>();
         reg_fence_all(acc_o);
+        // The buffer goes back to the ring: the CTA's next tile loads into it.
+        if (releaser) mbar_arrive(sm.v_empty(stage));
 #if SM90_PINGPONG
         named_bar_arrive(1 + (c ^ 1), 256);
 #endif
@@ -195,12 +250,9 @@ flash_fwd(const __grid_constant__ FwdParams p, const __grid_constant__ TmaDesc q
     const Smem sm{q0, q0 + BLOCK_M * HEAD_DIM * 2, q0 + BLOCK_M * HEAD_DIM * 2 + STAGES * TILE_BYTES,
                   q0 + BLOCK_M * HEAD_DIM * 2 + 2 * STAGES * TILE_BYTES};
 
-    {
-        CtaWork<u16> w;
-        if (!cta_work<u16, BLOCK_M, BLOCK_N>(w, p)) return;
-    }
     if (threadIdx.x == 0) {
         mbar_init(sm.q_full(), 1);
+        mbar_init(sm.q_empty(), NUM_WG);
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(sm.k_full(s), 1);
             mbar_init(sm.v_full(s), 1);
@@ -214,28 +266,57 @@ flash_fwd(const __grid_constant__ FwdParams p, const __grid_constant__ TmaDesc q
     // One branch per role, as setmaxnreg needs: the producer warpgroup gives registers up, the
     // consumers take them.
     const int wg = threadIdx.x / 128;
-    // Each role works out its CTA's work itself, after its register change, so that nothing
-    // computed before the branch stays live across it (ptxas then spilled the consumers).
+    // Each role works out its tiles itself, after its register change, so that nothing computed
+    // before the branch stays live across it (ptxas then spilled the consumers). Both walk the
+    // same tiles in the same order and skip the same empty ones (query blocks past a shorter
+    // sequence of a packed call).
     if (wg == 0) {
         regs_dealloc<PRODUCER_REGS>();
         if (threadIdx.x == 0) {
-            CtaWork<u16> w;
-            cta_work<u16, BLOCK_M, BLOCK_N>(w, p);
-            const bool packed = p.seqs != nullptr;
-            const int hk = w.h / (p.heads / p.heads_kv);
-            const u16* k = static_cast<const u16*>(p.k);
-            const u16* v = static_cast<const u16*>(p.v);
-            const int k_row0 =
-                packed ? (int)((w.k_g - k - (i64)hk * p.k_head_stride) / p.k_row_stride) : 0;
-            const int v_row0 =
-                packed ? (int)((w.v_g - v - (i64)hk * p.v_head_stride) / p.v_row_stride) : 0;
-            produce(w, sm, packed, packed ? (int)w.out_row0 : 0, k_row0, v_row0, hk, &q_map,
-                    &k_map, &v_map);
+            const Tiles tiles(p);
+            int ring = 0, q_loads = 0;
+            for (int round = 0;; ++round) {
+                const int tile = tiles.take(round);
+                if (tile < 0) break;
+                if (tile >= tiles.count) continue;
+                int m_block, h, b;
+                tiles.coords(tile, m_block, h, b);
+                CtaWork<u16> w;
+                if (!cta_work_at<u16, BLOCK_M, BLOCK_N>(w, p, m_block, h, b)) continue;
+                const bool packed = p.seqs != nullptr;
+                const int hk = w.h / (p.heads / p.heads_kv);
+                const u16* k = static_cast<const u16*>(p.k);
+                const u16* v = static_cast<const u16*>(p.v);
+                const int k_row0 =
+                    packed ? (int)((w.k_g - k - (i64)hk * p.k_head_stride) / p.k_row_stride) : 0;
+                const int v_row0 =
+                    packed ? (int)((w.v_g - v - (i64)hk * p.v_head_stride) / p.v_row_stride) : 0;
+                produce(w, sm, packed, packed ? (int)w.out_row0 : 0, k_row0, v_row0, hk, &q_map,
+                        &k_map, &v_map, ring, q_loads & 1);
+                ring += w.n_block_max - w.n_block_min;
+                q_loads += w.n_block_min < w.n_block_max;
+            }
         }
     } else {
         regs_alloc<CONSUMER_REGS>();
-        CtaWork<u16> w;
-        cta_work<u16, BLOCK_M, BLOCK_N>(w, p);
-        consume(w, sm, wg - 1, p);
+#if SM90_PINGPONG
+        // Consumer 0 takes the first turn, once per CTA: every tile then leaves the turns as it
+        // found them (each consumer syncs and arrives once per product issue).
+        if (wg == 2) named_bar_arrive(1, 256);
+#endif
+        const Tiles tiles(p);
+        int ring = 0, q_loads = 0;
+        for (int round = 0;; ++round) {
+            const int tile = tiles.take(round);
+            if (tile < 0) break;
+            if (tile >= tiles.count) continue;
+            int m_block, h, b;
+            tiles.coords(tile, m_block, h, b);
+            CtaWork<u16> w;
+            if (!cta_work_at<u16, BLOCK_M, BLOCK_N>(w, p, m_block, h, b)) continue;
+            consume(w, sm, wg - 1, p, ring, q_loads & 1);
+            ring += w.n_block_max - w.n_block_min;  // the consumers' ring position
+            q_loads += w.n_block_min < w.n_block_max;
+        }
     }
 }

@@ -58,8 +58,10 @@ struct FwdParams {
     int window_left, window_right;
     int batch_seqlen_q, batch_seqlen_k;
     int fp8_e5m2;
+    int num_seqs;  // launched sequences (the tile grid of fwd_sm90_ws.cu's persistent launch)
+    int pad;
 };
-static_assert(sizeof(FwdParams) == 216, "FwdParams: params.rs");
+static_assert(sizeof(FwdParams) == 224, "FwdParams: params.rs");
 static_assert(FA_OFFSETOF(FwdParams, q_row_stride) == 72, "FwdParams: params.rs");
 static_assert(FA_OFFSETOF(FwdParams, drop) == 152, "FwdParams: params.rs");
 static_assert(FA_OFFSETOF(FwdParams, heads) == 176, "FwdParams: params.rs");

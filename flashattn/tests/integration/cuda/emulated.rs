@@ -41,7 +41,7 @@ fn run_grid(dtype: DType) {
     if !have_compiler() {
         return;
     }
-    let ran = grid_cases(&mut forward_builds(), dtype, None);
+    let ran = grid_cases(&mut forward_builds(), dtype, None, None);
     eprintln!("{dtype}: {ran} grid cases emulated");
     assert!(
         ran >= 10.min(budget()),
@@ -50,8 +50,14 @@ fn run_grid(dtype: DType) {
 }
 
 /// Runs the grid cases of `dtype` that fit the emulation budget against the f64 reference; with
-/// `sm90`, on that sm_90a kernel, skipping the cases it does not serve. Returns how many ran.
-fn grid_cases(builds: &mut Builds, dtype: DType, sm90: Option<ForwardKernel>) -> usize {
+/// `sm90`, on that sm_90a kernel, skipping the cases it does not serve; with `ctas`, launched
+/// persistent with that many CTAs (the warp-specialised kernel). Returns how many ran.
+fn grid_cases(
+    builds: &mut Builds,
+    dtype: DType,
+    sm90: Option<ForwardKernel>,
+    ctas: Option<usize>,
+) -> usize {
     let mut ran = 0;
     for (i, case) in grid(dtype).into_iter().enumerate() {
         if case.cost() > budget() {
@@ -65,6 +71,9 @@ fn grid_cases(builds: &mut Builds, dtype: DType, sm90: Option<ForwardKernel>) ->
             if !d.key.is_sm90() {
                 continue; // dropout, or rows not 16-byte aligned: fwd.cu serves those
             }
+        }
+        if let Some(n) = ctas {
+            d = d.persistent(n);
         }
         let tag = format!(
             "{}{dtype}_{i}",
@@ -108,7 +117,7 @@ fn grid_f32() {
 /// wait and poisons its accumulators until then.
 #[test]
 fn grid_sm90() {
-    run_grid_sm90(ForwardKernel::Sm90);
+    run_grid_sm90(ForwardKernel::Sm90, None);
 }
 
 /// The warp-specialised sm_90a forward (fwd_sm90_ws.cu: TMA loads completing on mbarriers, a
@@ -116,16 +125,117 @@ fn grid_sm90() {
 /// load only when its barrier is first waited for and aborts on a deadlock.
 #[test]
 fn grid_sm90_ws() {
-    run_grid_sm90(ForwardKernel::Sm90Ws);
+    run_grid_sm90(ForwardKernel::Sm90Ws, None);
 }
 
-fn run_grid_sm90(kernel: ForwardKernel) {
+/// The warp-specialised sm_90a forward launched persistent (cuda/schedule.rs) with 3 CTAs, so
+/// that each loops over many work tiles (causal ones heaviest first) and its mbarrier phases run
+/// on across them: the grid cases (causal and not, GQA, windows), packed sequences and, on every
+/// fourth grid case, learnable sinks.
+#[test]
+fn grid_sm90_ws_persistent() {
+    run_grid_sm90(ForwardKernel::Sm90Ws, Some(PERSISTENT_CTAS));
     if !have_compiler() {
         return;
     }
     let mut builds = forward_builds();
     for dtype in [DType::BF16, DType::F16] {
-        let ran = grid_cases(&mut builds, dtype, Some(kernel));
+        let mut ran = 0;
+        for (i, case) in grid(dtype).into_iter().enumerate() {
+            if i % 4 != 1 || case.cost() > budget() {
+                continue;
+            }
+            let inputs = case.build();
+            let (q, k, v) = inputs.views();
+            let sinks = test_sinks(case.heads);
+            let opts = inputs
+                .opts()
+                .learnable_sink(TensorRef::contiguous(&sinks, &[case.heads]));
+            let d = launch_description(&q, &k, &v, None, &opts)
+                .unwrap()
+                .for_arch(Arch::SM90, ForwardKernel::Sm90Ws)
+                .persistent(PERSISTENT_CTAS);
+            if !d.key.is_sm90() {
+                continue;
+            }
+            let tag = format!("ws_persistent_sink_{dtype}_{i}");
+            let flash = run(&mut builds, &d, &q, &k, &v, &tag);
+            inputs.check_with(&flash, &format!("sinks emulated {}", d.key.name()), &opts);
+            ran += 1;
+        }
+        eprintln!("{dtype}: {ran} grid cases with sinks emulated on the persistent ws kernel");
+        assert!(ran >= 2.min(budget()), "too few sink cases ran: {ran}");
+    }
+}
+
+/// CTAs of the emulated persistent launches: few, so that every CTA takes several tiles.
+const PERSISTENT_CTAS: usize = 3;
+
+/// The emulation catches a phase mistake of the persistent kernel: fwd_sm90_ws.cu with the
+/// consumers' K/V ring position restarted at every tile (the producer's runs on) must fail,
+/// deadlocked or wrong, on a causal case whose tiles see odd numbers of key blocks; the kernel
+/// as it is passes the same case.
+#[test]
+fn persistent_ring_phase_mistake_fails() {
+    if !have_compiler() {
+        return;
+    }
+    let src = std::fs::read_to_string(format!("{}/fwd_sm90_ws.cu", common::emu::KERNELS)).unwrap();
+    let advance = "ring += w.n_block_max - w.n_block_min;  // the consumers' ring position";
+    assert_eq!(
+        src.matches(advance).count(),
+        1,
+        "the consumers' ring advance moved"
+    );
+    let dir = common::emu::case_dir("broken", "ws_ring");
+    std::fs::create_dir_all(&dir).unwrap();
+    let broken = dir.join("fwd_sm90_ws_broken.cu");
+    std::fs::write(&broken, src.replace(advance, "// (ring not advanced)")).unwrap();
+
+    // Three query blocks of 128 rows and 320 keys in blocks of 128: under the bottom-right causal
+    // mask they see 1, 2 and 3 key blocks; two heads: six tiles on one CTA.
+    let case = Case {
+        dtype: DType::BF16,
+        seqlen_q: 384,
+        seqlen_k: 320,
+        heads: 2,
+        heads_kv: 2,
+        head_dim: 64,
+        causal: true,
+        seed: 7,
+        ..Case::default()
+    };
+    let inputs = case.build();
+    let (q, k, v) = inputs.views();
+    let d = launch_description(&q, &k, &v, None, &inputs.opts())
+        .unwrap()
+        .for_arch(Arch::SM90, ForwardKernel::Sm90Ws)
+        .persistent(1);
+    assert_eq!(d.grid, (1, 1, 1));
+    let good = run(&mut forward_builds(), &d, &q, &k, &v, "ws_ring_good");
+    inputs.check_with(&good, "the persistent ws kernel", &inputs.opts());
+
+    eprintln!("the broken kernel's failure below is expected:");
+    let mut builds = forward_builds();
+    builds.get(&d.key, &[format!("-DFA_KERNEL=\"{}\"", broken.display())]);
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let out = run(&mut builds, &d, &q, &k, &v, "ws_ring_broken");
+        inputs.check_with(&out, "the broken kernel", &inputs.opts());
+    }));
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        result.is_err(),
+        "the emulation missed a K/V ring phase restarted at every tile"
+    );
+}
+
+fn run_grid_sm90(kernel: ForwardKernel, ctas: Option<usize>) {
+    if !have_compiler() {
+        return;
+    }
+    let mut builds = forward_builds();
+    for dtype in [DType::BF16, DType::F16] {
+        let ran = grid_cases(&mut builds, dtype, Some(kernel), ctas);
         eprintln!("{dtype}: {ran} grid cases emulated on the sm_90a forward ({kernel:?})");
         assert!(ran >= 5.min(budget()), "too few sm_90a cases ran: {ran}");
         // Packed sequences (the tensor maps then span the whole packed tensor).
@@ -133,9 +243,12 @@ fn run_grid_sm90(kernel: ForwardKernel) {
             let inputs = case.build();
             let (q, k, v) = inputs.views();
             let cu = Some((&inputs.cu_q[..], &inputs.cu_k[..]));
-            let d = launch_description(&q, &k, &v, cu, &inputs.opts())
+            let mut d = launch_description(&q, &k, &v, cu, &inputs.opts())
                 .unwrap()
                 .for_arch(Arch::SM90, kernel);
+            if let Some(n) = ctas {
+                d = d.persistent(n);
+            }
             assert!(d.key.is_sm90(), "{}", d.key.name());
             let tag = format!("sm90_varlen_{kernel:?}_{dtype}_{n}");
             let flash = run(&mut builds, &d, &q, &k, &v, &tag);
