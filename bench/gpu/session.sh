@@ -20,9 +20,11 @@
 # kernel and a split-count sweep of the tensor-core one at the decode benchmark shape (for work on
 # decode.cu).
 # `sm90`: the Hopper forward (fwd_sm90.cu): probe, its test grids, against fwd.cu and SDPA.
-# `sm90b`: the warp-specialised fwd_sm90_ws.cu: its grids, against fwd_sm90.cu, fwd.cu, SDPA; Python.
-# `sm90fp8`: the FP8 fwd_sm90_fp8.cu (FLASHATTN_CUDA_FWD=sm90fp8): the FP8 tests on it, then e4m3
-# on it against e4m3 on fwd.cu and the bf16 kernels (fwd_sm90.cu, SDPA).
+# `sm90b`: the warp-specialised fwd_sm90_ws.cu: its grids (persistent, one also with one CTA per
+# tile and one with pingpong), against fwd_sm90.cu, fwd.cu, SDPA, persistent on and off; Python.
+# `sm90fp8`: the FP8 fwd_sm90_fp8.cu (FLASHATTN_CUDA_FWD=sm90fp8): the FP8 tests on it (overlap on
+# and off), then e4m3 on it, with and without the overlap, against e4m3 on fwd.cu and the bf16
+# kernels (fwd_sm90.cu, SDPA).
 # `python`: no Rust tests: the wgmma layout probe (bench/gpu/wgmma_probe.py), then the Python
 # package on CUDA tensors (its tests and benchmark).
 # $OUT/summary.txt grows as stages end; $OUT/logs.tgz holds every log at the end.
@@ -165,24 +167,31 @@ if [ "$mode" = sm90 ]; then
     finish
 fi
 if [ "$mode" = sm90b ]; then
-    # The warp-specialised sm_90a forward (fwd_sm90_ws.cu): its test grids, then it beside the
-    # default (fwd_sm90.cu), fwd.cu and SDPA's flash and cuDNN backends; the Python package.
+    # The warp-specialised sm_90a forward (fwd_sm90_ws.cu): its test grids (launched persistent,
+    # the default), then it beside the default (fwd_sm90.cu), fwd.cu and SDPA's flash and cuDNN
+    # backends, persistent on and off (FLASHATTN_SM90_PERSISTENT=0: one CTA per work tile); the
+    # Python package.
     for t in grid_bf16 grid_f16 varlen_matches_reference sinks_match_reference; do
         (FLASHATTN_CUDA_FWD=sm90ws timeout 100 gpu-run/integration_tests_flashattn "cuda::device::$t" --exact \
             --nocapture >"$logs/ws_$t.log" 2>&1; echo "exit $?" >>"$logs/ws_$t.log") &
     done
-    # The pingpong variant on one grid.
+    # The pingpong variant on one grid, and one grid with one CTA per tile.
     (FLASHATTN_CUDA_FWD=sm90ws FLASHATTN_SM90_PINGPONG=1 timeout 100 gpu-run/integration_tests_flashattn \
         cuda::device::grid_bf16 --exact --nocapture >"$logs/ws_pingpong_grid_bf16.log" 2>&1
         echo "exit $?" >>"$logs/ws_pingpong_grid_bf16.log") &
+    (FLASHATTN_CUDA_FWD=sm90ws FLASHATTN_SM90_PERSISTENT=0 timeout 100 gpu-run/integration_tests_flashattn \
+        cuda::device::grid_f16 --exact --nocapture >"$logs/ws_nonpersistent_grid_f16.log" 2>&1
+        echo "exit $?" >>"$logs/ws_nonpersistent_grid_f16.log") &
     wait
     for f in "$logs"/ws_*.log; do
         say "-- $(basename "$f")"
         grep -E "test result|panicked|cases per forward kernel|error too large|^exit " "$f" | head -12 | tee -a "$summary"
     done
-    stage 130 compare_ws_d128 python3 bench/compare_torch_cuda.py --binary "$bin" --cudnn \
+    # d = 128, causal and not: the causal rows show what the persistent scheduler buys.
+    stage 160 compare_ws_d128 python3 bench/compare_torch_cuda.py --binary "$bin" --cudnn \
         --dims 128 --seqlens 8192 --rounds 1 --min-time 0.2 \
         --variant "sm90ws=$bin,FLASHATTN_CUDA_FWD=sm90ws" \
+        --variant "sm90ws_tile_per_cta=$bin,FLASHATTN_CUDA_FWD=sm90ws,FLASHATTN_SM90_PERSISTENT=0" \
         --variant "sm90ws_pingpong=$bin,FLASHATTN_CUDA_FWD=sm90ws,FLASHATTN_SM90_PINGPONG=1" \
         --variant "fa2=$bin,FLASHATTN_CUDA_FWD=fa2" --out "$logs/compare_ws_d128.json"
     stage 100 compare_ws_d64_256 python3 bench/compare_torch_cuda.py --binary "$bin" --cudnn \
@@ -202,13 +211,22 @@ if [ "$mode" = sm90fp8 ]; then
     # fwd.cu; the test says how many ran where), the emulated FP8 kernel test beside them for
     # the record, then the timings: e4m3 on fwd_sm90_fp8.cu (variant) against e4m3 on fwd.cu
     # (main), and bf16 on the default fwd_sm90.cu against SDPA for scale.
+    # The same tests without the softmax/P·V overlap (FLASHATTN_SM90_OVERLAP=0), side by side.
     (FLASHATTN_CUDA_FWD=sm90fp8 timeout 120 gpu-run/integration_tests_flashattn fp8::gpu:: \
-        --test-threads 1 --nocapture >"$logs/sm90fp8_gpu.log" 2>&1; echo "exit $?" >>"$logs/sm90fp8_gpu.log")
-    say "-- sm90fp8_gpu.log"
-    grep -E "test result|panicked|FP8 forward cases|out\[|^exit " "$logs/sm90fp8_gpu.log" | head -12 | tee -a "$summary"
-    stage 150 compare_fp8_e4m3 python3 bench/compare_torch_cuda.py --binary "$bin" --dtype e4m3 \
+        --test-threads 1 --nocapture >"$logs/sm90fp8_gpu.log" 2>&1; echo "exit $?" >>"$logs/sm90fp8_gpu.log") &
+    (FLASHATTN_CUDA_FWD=sm90fp8 FLASHATTN_SM90_OVERLAP=0 timeout 120 gpu-run/integration_tests_flashattn \
+        fp8::gpu:: --test-threads 1 --nocapture >"$logs/sm90fp8_no_overlap_gpu.log" 2>&1
+        echo "exit $?" >>"$logs/sm90fp8_no_overlap_gpu.log") &
+    wait
+    for f in "$logs"/sm90fp8_gpu.log "$logs"/sm90fp8_no_overlap_gpu.log; do
+        say "-- $(basename "$f")"
+        grep -E "test result|panicked|FP8 forward cases|out\[|^exit " "$f" | head -12 | tee -a "$summary"
+    done
+    stage 170 compare_fp8_e4m3 python3 bench/compare_torch_cuda.py --binary "$bin" --dtype e4m3 \
         --dims 128,256 --seqlens 2048,8192 --rounds 1 --min-time 0.2 \
-        --variant "sm90fp8=$bin,FLASHATTN_CUDA_FWD=sm90fp8" --out "$logs/compare_fp8_e4m3.json"
+        --variant "sm90fp8=$bin,FLASHATTN_CUDA_FWD=sm90fp8" \
+        --variant "sm90fp8_no_overlap=$bin,FLASHATTN_CUDA_FWD=sm90fp8,FLASHATTN_SM90_OVERLAP=0" \
+        --out "$logs/compare_fp8_e4m3.json"
     stage 100 compare_fp8_bf16 python3 bench/compare_torch_cuda.py --binary "$bin" --dtype bf16 \
         --dims 128,256 --seqlens 2048,8192 --rounds 1 --min-time 0.2 --out "$logs/compare_fp8_bf16.json"
     finish

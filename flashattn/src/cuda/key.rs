@@ -273,9 +273,10 @@ impl KernelKey {
             // fwd_sm90.cu: q [block_m], k and v double-buffered [2][block_n], rows of head_dim
             // padded to 64, plus 1 KiB to align the tiles to 1024 bytes.
             // fwd_sm90_fp8.cu: one byte per element: q [block_m], k double-buffered [2][block_n],
-            // Vᵀ [head_dim][128] (128-byte lines), plus 1 KiB to align.
+            // Vᵀ double-buffered [2][head_dim][128] (128-byte lines; the second for the overlap of
+            // the softmax with the previous block's P·V), plus 1 KiB to align.
             KernelKind::ForwardSm90 if self.fp8 => {
-                return (t.block_m + 2 * t.block_n + 128) * self.smem_row() + 1024
+                return (t.block_m + 2 * t.block_n + 2 * 128) * self.smem_row() + 1024
             }
             KernelKind::ForwardSm90 => {
                 return 2 * (t.block_m + 4 * t.block_n) * self.smem_row() + 1024
@@ -464,7 +465,7 @@ impl KernelKey {
             let t = self.tiles();
             let ws = self.kind == KernelKind::ForwardSm90Ws;
             if self.fp8 {
-                // fwd_sm90_fp8.cu: bf16 out, FP8 in, no experiment switch.
+                // fwd_sm90_fp8.cu: bf16 out, FP8 in, the overlap switch of fwd_sm90.cu.
                 return vec![
                     ("HEAD_DIM", self.smem_row().to_string()),
                     ("IS_MASKED", flag(self.masked)),
@@ -474,6 +475,7 @@ impl KernelKey {
                     ("FA_FP8_INPUT", "1".into()),
                     ("BLOCK_N", t.block_n.to_string()),
                     ("NUM_WG", (t.num_warps / 4).to_string()),
+                    ("SM90_OVERLAP", flag(sm90_overlap())),
                 ];
             }
             return vec![
@@ -756,8 +758,8 @@ impl KernelKey {
 }
 
 /// Whether the sm_90a forward overlaps the softmax of a key block with the P·V product of the one
-/// before (fwd_sm90.cu: SM90_OVERLAP): on unless `FLASHATTN_SM90_OVERLAP=0` (read once per
-/// process; for measuring what the overlap buys).
+/// before (fwd_sm90.cu and fwd_sm90_fp8.cu: SM90_OVERLAP): on unless `FLASHATTN_SM90_OVERLAP=0`
+/// (read once per process; for measuring what the overlap buys).
 fn sm90_overlap() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("FLASHATTN_SM90_OVERLAP").as_deref() != Ok("0"))

@@ -1,6 +1,7 @@
 // Hopper (sm_90a) FP8 forward: e4m3 q, k and v on the FP8 tensor cores (wgmma k32 with e4m3
 // operands, f32 accumulators), as FlashAttention-3's FP8 forward. The structure is fwd_sm90.cu's
-// (SM90_OVERLAP 0: each product waited for at once): one CTA computes BLOCK_M = 64 · NUM_WG query
+// (with SM90_OVERLAP the softmax of a key block runs while P·V of the one before is in flight):
+// one CTA computes BLOCK_M = 64 · NUM_WG query
 // rows of one (sequence, head), warpgroup wg owns rows 64·wg .. 64·wg + 63. Per key block:
 //   S = Q·Kᵀ     wgmma m64n{BLOCK_N}k32 e4m3, Q and K K-major from shared memory through
 //                descriptors: the SW128 layout of sm90.cuh with one-byte elements, so a 128-byte
@@ -13,7 +14,9 @@
 //                P · 256 ≤ 256 < 448 and small probabilities stay normal longer) rounded to e4m3 and
 //                packed as the 8-bit A fragment. 8-bit wgmma reads B K-major only, so V is stored
 //                transposed in shared memory (Vᵀ: head_dim rows, keys as the K columns), written
-//                by ordinary loads and byte stores while the block's K tile is in flight.
+//                by ordinary loads and byte stores while the next block's K tile is in flight;
+//                two Vᵀ buffers, so that block n's is written while P·V of block n - 1 may still
+//                read the other (SM90_OVERLAP).
 // The P fragment: a thread's S accumulators hold, per 32 keys, keys {0, 1, 8, 9, 16, 17, 24, 25}
 // + 2t of rows g and g + 8, while the 8-bit A fragment wants k positions 4t .. 4t + 3 and
 // 16 + 4t .. 16 + 4t + 3. Instead of exchanging registers (FlashAttention-3's
@@ -23,7 +26,7 @@
 //
 // Defines (cuda/key.rs): HEAD_DIM (128 or 256: whole 128-byte lines), BLOCK_N (128: one line of
 // Vᵀ; 64, the first half of its lines, where 128 keys' scores spill registers), NUM_WG, IS_MASKED, HAS_SOFTCAP, HAS_ALIBI, FA_BF16 and FA_FP8_INPUT (both 1: bf16 out,
-// FP8 in). e4m3 only (the instruction names the format; e5m2 runs on fwd.cu); 16-byte aligned
+// FP8 in), SM90_OVERLAP (default 1; 0: each product waited for at once, as fwd_sm90.cu's switch). e4m3 only (the instruction names the format; e5m2 runs on fwd.cu); 16-byte aligned
 // rows (VEC_LOAD's conditions); no dropout.
 #define FA_TENSOR_CORE_KERNEL
 #define FA_SM90_KERNEL
@@ -35,6 +38,9 @@
 #include "common.cuh"
 #include "sm90.cuh"
 #include "sm90_attn.cuh"
+#ifndef SM90_OVERLAP
+#define SM90_OVERLAP 1
+#endif
 
 static_assert(HEAD_DIM % 128 == 0 && HEAD_DIM <= 256, "HEAD_DIM: whole 128-byte lines, at most 256");
 static_assert(BLOCK_N == 128 || BLOCK_N == 64, "BLOCK_N: at most one 128-byte line of Vᵀ");
@@ -123,7 +129,7 @@ flash_fwd(const __grid_constant__ FwdParams p) {
     // Tiles start 1024-byte aligned: the hardware's swizzle reads address bits 7-9 as the row.
     u8* q_tile = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
     u8* k_tiles = q_tile + BLOCK_M * HEAD_DIM;       // 2 buffers of [BLOCK_N][HEAD_DIM]
-    u8* vt_tile = k_tiles + 2 * BLOCK_N * HEAD_DIM;  // [HEAD_DIM][128]: lines of 128 bytes
+    u8* vt_tiles = k_tiles + 2 * BLOCK_N * HEAD_DIM;  // 2 buffers of [HEAD_DIM][128]: 128-byte lines
 
     CtaWork<u8> w8;
     if (!cta_work<u8, BLOCK_M, BLOCK_N>(w8, p)) return;
@@ -161,8 +167,77 @@ flash_fwd(const __grid_constant__ FwdParams p) {
         row_sum[r] = 0.f;
         row_i[r] = m0 + 64 * wg + 16 * warp + g + 8 * r;
     }
-    const u32 q_addr = smem_addr(q_tile), vt_addr = smem_addr(vt_tile);
+    const u32 q_addr = smem_addr(q_tile);
 
+#if SM90_OVERLAP
+    u32 p_frag[BLOCK_N / 32][4];  // P of the previous block, the A operand of its P·V
+    for (int n_block = n_block_min; n_block < n_block_max; ++n_block) {
+        const int it = n_block - n_block_min, buf = it & 1;
+        if (n_block + 1 < n_block_max) {
+            // The other K buffer was released by the __syncthreads ending the previous iteration.
+            load_tile_b<BLOCK_N>(k_tiles + (buf ^ 1) * BLOCK_N * HEAD_DIM, w8.k_g, p.k_row_stride,
+                                 (n_block + 1) * BLOCK_N, seqlen_k, p.head_dim);
+        }
+        cp_async_commit();
+        // Vᵀ of this block into buffer buf while K[n + 1] is in flight. Its last reader, P·V of
+        // block n - 2, retired (wait 0) before the __syncthreads ending the previous iteration;
+        // P·V of block n - 1, issued below, reads the other buffer.
+        load_vt(vt_tiles + buf * HEAD_DIM * 128, w8.v_g, p.v_row_stride, n_block * BLOCK_N,
+                seqlen_k, p.head_dim);
+        cp_async_wait<1>();  // K[n] (and the q tile) have landed
+        fence_proxy_async();
+        __syncthreads();
+
+        float s[BLOCK_N / 8][4];
+        const u32 k_addr = smem_addr(k_tiles + buf * BLOCK_N * HEAD_DIM);
+        reg_fence_all(acc_o);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 32; ++kk)
+            WgmmaE4m3<BLOCK_N>::ss(s, desc_kmajor(q_addr, BLOCK_M, 64 * wg, kk),
+                                   desc_kmajor(k_addr, BLOCK_N, 0, kk), kk > 0);
+        wgmma_commit();
+        if (it > 0) {
+            // O += P[n - 1]·V[n - 1] runs while this block's scores are masked and exponentiated.
+            const u32 vt_addr = smem_addr(vt_tiles + (buf ^ 1) * HEAD_DIM * 128);
+#pragma unroll
+            for (int j = 0; j < BLOCK_N / 32; ++j)
+                WgmmaE4m3<HEAD_DIM>::rs(acc_o, p_frag[j], desc_kmajor(vt_addr, HEAD_DIM, 0, j), 1);
+            wgmma_commit();
+            wgmma_wait<1>();  // S is ready; the P·V group may still run
+        } else {
+            wgmma_wait<0>();
+        }
+        reg_fence_all(s);
+
+        mask_scores(s, w, row_i, n_block * BLOCK_N, t);
+        float alpha[2];
+        softmax_rows(s, row_max, row_sum, alpha);
+        // acc_o holds O through block n - 1 and p_frag is free once P·V has retired: only then is
+        // acc_o rescaled for block n's maximum and P[n] packed over the registers it read.
+        wgmma_wait<0>();
+        reg_fence_all(acc_o);
+        rescale_o(acc_o, alpha);
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 32; ++j) pack_p_e4m3(p_frag[j], s, j);
+        __syncthreads();  // every warpgroup is done with K[n] and Vᵀ[n - 1]
+    }
+    if (n_block_min < n_block_max) {
+        // The last block's P·V: its Vᵀ was written and fenced before the last iteration's
+        // __syncthreads.
+        const u32 vt_addr =
+            smem_addr(vt_tiles + ((n_block_max - 1 - n_block_min) & 1) * HEAD_DIM * 128);
+        reg_fence_all(acc_o);
+        wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 32; ++j)
+            WgmmaE4m3<HEAD_DIM>::rs(acc_o, p_frag[j], desc_kmajor(vt_addr, HEAD_DIM, 0, j), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        reg_fence_all(acc_o);
+    }
+#else
+    const u32 vt_addr = smem_addr(vt_tiles);
     for (int n_block = n_block_min; n_block < n_block_max; ++n_block) {
         const int buf = (n_block - n_block_min) & 1;
         if (n_block + 1 < n_block_max) {
@@ -173,7 +248,7 @@ flash_fwd(const __grid_constant__ FwdParams p) {
         cp_async_commit();
         // Vᵀ of this block while K[n + 1] is in flight (the previous P·V has retired: its wait and
         // the __syncthreads ending the iteration came before).
-        load_vt(vt_tile, w8.v_g, p.v_row_stride, n_block * BLOCK_N, seqlen_k, p.head_dim);
+        load_vt(vt_tiles, w8.v_g, p.v_row_stride, n_block * BLOCK_N, seqlen_k, p.head_dim);
         cp_async_wait<1>();  // K[n] (and the q tile) have landed
         // cp.async and the Vᵀ stores wrote through the generic proxy; wgmma reads through the
         // async one.
@@ -214,6 +289,7 @@ flash_fwd(const __grid_constant__ FwdParams p) {
         reg_fence_all(acc_o);
         __syncthreads();  // every warpgroup is done with this K buffer and the Vᵀ tile
     }
+#endif
     cp_async_wait<0>();  // a CTA that saw no key block still has its q tile in flight
 
     store_rows(acc_o, row_max, row_sum, row_i, w, p, t);
