@@ -223,6 +223,16 @@ fn persistent_ring_phase_mistake_fails() {
         inputs.check_with(&out, "the broken kernel", &inputs.opts());
     }));
     let _ = std::fs::remove_dir_all(&dir);
+    // The failed run leaves its work folder (run_forward removes it only after a success).
+    let prefix = format!("case_{}_ws_ring_broken_", std::process::id());
+    for e in std::fs::read_dir(common::emu::work_dir())
+        .unwrap()
+        .flatten()
+    {
+        if e.file_name().to_string_lossy().starts_with(&prefix) {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
     assert!(
         result.is_err(),
         "the emulation missed a K/V ring phase restarted at every tile"
