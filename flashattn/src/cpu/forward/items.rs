@@ -15,9 +15,9 @@ use crate::params::Params;
 /// visits) and up to 20% slower at N = 512 or causal N = 2048 (4-9 visits), hence 16 for f32
 /// inputs then (see [`pack_visits_f32`] now). Copies of bf16 or f16 rows also widen every element
 /// at every visit (and a head's rows 4 KiB apart, as bf16 d = 128 with 16 heads, do not stay in
-/// L2), so for them packing, which widens once, pays from 2 visits ([`PACK_VISITS_WIDENED`]): AVX2 bf16
-/// d = 128, 16 heads, 2 threads, alternating runs on a loaded host (2026-11-29), packed against
-/// copied took 0.71-0.89 of the time at N = 1024 (11 visits) and 0.73-0.90 causal (~6 visits).
+/// L2), so for them packing, which widens once, pays from 2 visits ([`PACK_VISITS_WIDENED`]):
+/// AVX2 bf16 d = 128, 16 heads, 2 threads, alternating runs on a loaded host (2026-11-29), packed
+/// against copied took 0.71-0.89 of the time at N = 1024 (11 visits) and 0.73-0.90 causal (~6 visits).
 pub(super) fn key_block_visits(p: &Params, items: &[WorkItem], bs: BlockSizes) -> usize {
     let visits: usize = items.iter().map(|it| key_blocks(p, it, bs)).sum();
     let tiles: usize = p
