@@ -17,7 +17,8 @@ use crate::params::Params;
 /// at every visit (and a head's rows 4 KiB apart, as bf16 d = 128 with 16 heads, do not stay in
 /// L2), so for them packing, which widens once, pays from 2 visits ([`PACK_VISITS_WIDENED`]):
 /// AVX2 bf16 d = 128, 16 heads, 2 threads, alternating runs on a loaded host (2026-11-29), packed
-/// against copied took 0.71-0.89 of the time at N = 1024 (11 visits) and 0.73-0.90 causal (~6 visits).
+/// against copied took 0.71-0.89 of the time at N = 1024 (11 visits) and 0.73-0.90 causal (~6
+/// visits).
 pub(super) fn key_block_visits(p: &Params, items: &[WorkItem], bs: BlockSizes) -> usize {
     let visits: usize = items.iter().map(|it| key_blocks(p, it, bs)).sum();
     let tiles: usize = p
