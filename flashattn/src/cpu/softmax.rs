@@ -47,6 +47,16 @@ pub(crate) fn finalize(acc_row: &mut [f32], row_max: f32, row_sum: f32, out_scal
     (row_max + row_sum.log2()) * std::f32::consts::LN_2
 }
 
+/// The end of [`finalize`] for a row already multiplied by `out_scale / row_sum` (in lanes, by the
+/// forward): zeroes a row that saw no key (`row_sum == 0`) and returns the row's LSE.
+pub(crate) fn finalize_lse(acc_row: &mut [f32], row_max: f32, row_sum: f32) -> f32 {
+    if row_sum == 0.0 {
+        acc_row.iter_mut().for_each(|x| *x = 0.0);
+        return f32::NEG_INFINITY;
+    }
+    (row_max + row_sum.log2()) * std::f32::consts::LN_2
+}
+
 /// Adds a learnable sink (a logit with no value) to a finalised row's normaliser: the row
 /// (normalised by its keys alone, LSE `lse`) becomes `row · exp(lse - lse')` with `lse' =
 /// log(exp(lse) + exp(sink))`, which is returned. A row that saw no key (0, lse -inf) stays 0

@@ -1,22 +1,24 @@
 //! The forward's work items (sequence, head, query block) and the key blocks they visit.
 
 use crate::blocks::Mask;
+use crate::cpu::simd::Isa;
 use crate::cpu::BlockSizes;
 use crate::params::Params;
 
 /// How many times each key block is visited on average (by the query blocks of a head and the
-/// heads of a GQA group), rounded down: at [`PACK_VISITS_F32`] or [`PACK_VISITS_WIDENED`] visits
+/// heads of a GQA group), rounded down: at [`pack_visits_f32`] or [`PACK_VISITS_WIDENED`] visits
 /// packing k and v once per call beats copying each tile at every visit.
 ///
 /// Packing costs a pass over k and v into fresh memory (its page faults included), while per-visit
 /// copies of f32 rows are cheap as long as k and v stay in the caches: f32, d = 128, 16 heads,
 /// 2 threads (2026-11-24), packing was 4-10% faster at N = 2048-8192 without a mask (16-64
 /// visits) and up to 20% slower at N = 512 or causal N = 2048 (4-9 visits), hence 16 for f32
-/// inputs ([`PACK_VISITS_F32`]). Copies of bf16 or f16 rows also widen every element at every
-/// visit (and a head's rows 4 KiB apart, as bf16 d = 128 with 16 heads, do not stay in L2), so
-/// for them packing, which widens once, pays from 2 visits ([`PACK_VISITS_WIDENED`]): AVX2 bf16
-/// d = 128, 16 heads, 2 threads, alternating runs on a loaded host (2026-11-29), packed against
-/// copied took 0.71-0.89 of the time at N = 1024 (11 visits) and 0.73-0.90 causal (~6 visits).
+/// inputs then (see [`pack_visits_f32`] now). Copies of bf16 or f16 rows also widen every element
+/// at every visit (and a head's rows 4 KiB apart, as bf16 d = 128 with 16 heads, do not stay in
+/// L2), so for them packing, which widens once, pays from 2 visits ([`PACK_VISITS_WIDENED`]):
+/// AVX2 bf16 d = 128, 16 heads, 2 threads, alternating runs on a loaded host (2026-11-29), packed
+/// against copied took 0.71-0.89 of the time at N = 1024 (11 visits) and 0.73-0.90 causal (~6
+/// visits).
 pub(super) fn key_block_visits(p: &Params, items: &[WorkItem], bs: BlockSizes) -> usize {
     let visits: usize = items.iter().map(|it| key_blocks(p, it, bs)).sum();
     let tiles: usize = p
@@ -28,8 +30,18 @@ pub(super) fn key_block_visits(p: &Params, items: &[WorkItem], bs: BlockSizes) -
     visits / tiles.max(1)
 }
 
-/// [`key_block_visits`]'s threshold for tiles copied without conversion.
-pub(super) const PACK_VISITS_F32: usize = 16;
+/// [`key_block_visits`]'s threshold for tiles copied without conversion. Since packed tiles are
+/// kept from one call to the next (`cpu::reuse`: no page faults), packing pays from fewer visits
+/// on AVX2, whose products prefetch the packed tiles as they arrive from L3: per-process CPU
+/// time, alternating, loaded host, 16 heads, packing from 8 visits instead of 16 took 0.87-0.93
+/// of the time at N = 1024 d = 64 and 128 and causal N = 2048 d = 128 (2 threads; 8-10 visits).
+/// On AVX-512 the same took 1.00-1.07 except at N = 1024 d = 64 (0.95), so it keeps 16.
+pub(super) fn pack_visits_f32(isa: Isa) -> usize {
+    match isa {
+        Isa::Avx2 => 8,
+        _ => 16,
+    }
+}
 /// [`key_block_visits`]'s threshold for tiles widened from bf16 or f16.
 pub(super) const PACK_VISITS_WIDENED: usize = 2;
 

@@ -27,7 +27,7 @@ use crate::params::{Params, RowLayout};
 use crate::tensor::{DType, Element};
 use block::{forward_block, Inputs, Scratch};
 use half::bf16;
-use items::{key_block_visits, key_blocks, PACK_VISITS_F32, PACK_VISITS_WIDENED};
+use items::{key_block_visits, key_blocks, pack_visits_f32, PACK_VISITS_WIDENED};
 pub(crate) use items::{work_items, WorkItem};
 use rayon::prelude::*;
 pub(crate) use score_mod::ScoreMod;
@@ -104,7 +104,7 @@ fn forward_with<T: Element, S: Bf16Source>(
     clear_unused_rows(p, out, lse);
     let mut items = work_items(p, bs.block_m);
     let visits = key_block_visits(p, &items, bs);
-    let revisited = visits >= PACK_VISITS_F32;
+    let revisited = visits >= pack_visits_f32(p.kernels.isa);
     // The f32 products widen bf16 and f16 tiles as they copy them: packed, each element is
     // widened once per call instead of at every visit.
     let pack_f32 = bf.is_none()
