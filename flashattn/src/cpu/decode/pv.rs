@@ -1,5 +1,5 @@
 //! The product `acc_o += P·V` of a few query rows over a tile's keys ([`pv_acc`]): the dispatch
-//! to the kernels of an ISA, and the portable one.
+//! to the kernels the kernel table names ([`DecodeKernels`]), and the portable one.
 
 #[cfg(target_arch = "x86_64")]
 use super::avx2;

@@ -1,5 +1,6 @@
 //! The score product `S = Q·Kᵀ` of a few query rows against a tile's keys ([`scores`]): q's
-//! forms ([`QRows`], [`QTrans`]) and the dispatch to the kernels of an ISA, with the portable one.
+//! forms ([`QRows`], [`QTrans`]) and the dispatch to the kernels the kernel table names
+//! ([`DecodeKernels`]), with the portable one.
 
 #[cfg(target_arch = "x86_64")]
 use super::avx2;
