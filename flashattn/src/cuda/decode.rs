@@ -11,6 +11,7 @@ use super::device::CudaDevice;
 use super::error::driver_err;
 use super::forward::{check_destination, CudaOutBuffers};
 use super::launch::alloc_output;
+use super::params;
 use crate::decode::KvCacheOptions;
 use crate::error::{ErrorKind, Result};
 use crate::fp8::Fp8Format;
@@ -18,7 +19,8 @@ use crate::params::decode::validate;
 use crate::params::DecodeParams;
 use crate::tensor::DType;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
+    PushKernelArg,
 };
 use std::sync::Arc;
 
@@ -308,7 +310,8 @@ impl PackedTables {
 /// q, then the caches (elements of q's type, or FP8 bytes).
 type Cache<'a, T, C> = (&'a CudaSlice<T>, &'a mut CudaSlice<C>, &'a mut CudaSlice<C>);
 
-/// Queues the append (if any), the splits and the merge into `out` and `lse`.
+/// Queues the append (if any), the splits and the merge into `out` and `lse`, each kernel with
+/// `d.params`, its device addresses set to these buffers and the uploaded tables.
 #[allow(clippy::too_many_arguments)]
 fn launch<T, C>(
     dev: &CudaDevice,
@@ -325,28 +328,47 @@ fn launch<T, C>(
         block_dim: (128, 1, 1),
         shared_mem_bytes: smem as u32,
     };
-    let (page_size, max_blocks) = (d.page_size, d.max_blocks);
-    if let (Some(fa), Some((kn, vn))) = (&f.append, new) {
+    let s = &dev.stream;
+    // The buffers' device addresses; each guard records the launches' use of its buffer when
+    // dropped, after they are queued (what `arg` does for a buffer pushed directly).
+    let (q_ptr, _q) = q.device_ptr(s);
+    let (k_ptr, _k) = k.device_ptr_mut(s);
+    let (v_ptr, _v) = v.device_ptr_mut(s);
+    let (out_ptr, _out) = out.device_ptr_mut(s);
+    let (lse_ptr, _lse) = lse.device_ptr_mut(s);
+    let (ws_o_ptr, _ws_o) = up.ws_o.device_ptr_mut(s);
+    let (ws_lse_ptr, _ws_lse) = up.ws_lse.device_ptr_mut(s);
+    let kn = new.map(|(kn, _)| kn.device_ptr(s));
+    let vn = new.map(|(_, vn)| vn.device_ptr(s));
+    let addr = |t: &Option<(u64, _)>| t.as_ref().map_or(0, |t| t.0);
+    let t = &up.tables;
+    let params = params::DecodeParams {
+        q: q_ptr,
+        k_cache: k_ptr,
+        v_cache: v_ptr,
+        k_new: addr(&kn),
+        v_new: addr(&vn),
+        out: out_ptr,
+        lse: lse_ptr,
+        ws_o: ws_o_ptr,
+        ws_lse: ws_lse_ptr,
+        seqs: t.table,
+        pages: t.pages,
+        alibi_slopes: t.slopes,
+        rot: t.rot,
+        descale: t.descale,
+        sink: t.sink,
+        ..d.params
+    };
+    if let (Some(fa), Some(_)) = (&f.append, new) {
         if d.batch > 0 {
-            let batch = d.batch as i32;
-            let mut b = dev.stream.launch_builder(fa);
-            b.arg(kn).arg(vn).arg(&mut *k).arg(&mut *v);
-            b.arg(&up.tables.table)
-                .arg(&up.tables.pages)
-                .arg(&up.tables.rot);
-            b.arg(&batch).arg(&d.head_dim);
-            for x in d.kn_strides.iter().chain(&d.vn_strides) {
-                b.arg(x);
-            }
-            for x in d.k_strides.iter().chain(&d.v_strides) {
-                b.arg(x);
-            }
-            b.arg(&page_size).arg(&max_blocks);
-            b.arg(&d.rot_half).arg(&d.rot_interleaved).arg(&d.rot_npos);
-            b.arg(&up.tables.descale);
-            b.arg(&d.e5m2);
-            // SAFETY: the arguments match `decode_append` in decode.cu (pointers to T, T, C, C,
-            // i64, i32, f32 or null; i32 x2; i64 x10; i32 x5; f32 or null; i32), C being u8
+            let mut b = s.launch_builder(fa);
+            b.arg(&params);
+            // SAFETY: the argument matches `decode_append` in decode.cu: one DecodeParams, laid
+            // out as params.cuh's (the size and offset checks on both sides), whose addresses
+            // are those of k_new and v_new (elements of T), the caches (C), the uploaded table,
+            // pages, rotary table (or null) and FP8 factors (or null), all alive past the
+            // launch (borrowed here; their guards record the launches when dropped). C is u8
             // exactly when the kernel was compiled with FA_FP8_CACHE (the key's fp8), which
             // then reads 3 factors per (sequence, kv head). Validation checked that every new
             // row (table: bases, lengths) lies inside k_new/v_new, that cache_seqlen + new_len
@@ -358,52 +380,25 @@ fn launch<T, C>(
     if d.is_empty() {
         return Ok(());
     }
-    let splits = d.splits as i32;
-    let mut b = dev.stream.launch_builder(&f.split);
-    b.arg(q)
-        .arg(&*k)
-        .arg(&*v)
-        .arg(&mut up.ws_o)
-        .arg(&mut up.ws_lse);
-    b.arg(&up.tables.table).arg(&up.tables.pages);
-    b.arg(&up.tables.slopes).arg(&up.tables.rot);
-    b.arg(&d.heads)
-        .arg(&d.heads_kv)
-        .arg(&d.head_dim)
-        .arg(&splits);
-    for x in d.q_strides.iter().chain(&d.k_strides).chain(&d.v_strides) {
-        b.arg(x);
-    }
-    b.arg(&page_size).arg(&max_blocks);
-    b.arg(&d.softmax_scale).arg(&d.softcap);
-    b.arg(&d.window.0).arg(&d.window.1);
-    b.arg(&d.rot_half).arg(&d.rot_interleaved).arg(&d.rot_npos);
-    b.arg(&d.total_rows).arg(&d.vec_loads);
-    b.arg(&up.tables.descale);
-    b.arg(&d.e5m2);
-    // SAFETY: the arguments match `decode_split` in decode.cu (pointers to T, C x2, f32 x2, i64,
-    // i32, f32 or null x2; i32 x4; i64 x8; i32 x2; f32 x2; i32 x5; i64; i32; f32 or null; i32),
-    // C being u8 exactly when the kernel was compiled with FA_FP8_CACHE, which then reads 3
-    // factors per (launched sequence, kv head), all uploaded. With vec_loads every k
-    // row start is a multiple of 8 elements from the buffer's 256-byte-aligned start. Validation checked every q row
-    // and every cache row a sequence attends (keys leftpad..seqlen_k through its pages); the
+    let mut b = s.launch_builder(&f.split);
+    b.arg(&params);
+    // SAFETY: the argument matches `decode_split` in decode.cu (either kernel): one DecodeParams
+    // as above, with the addresses of q (T), the caches (C), the workspace (f32) and the uploaded
+    // tables (null for the slopes, rotary table and FP8 factors a call does not use), C being u8
+    // exactly when the kernel was compiled with FA_FP8_CACHE, which then reads 3 factors per
+    // (launched sequence, kv head), all uploaded. With vec_loads every k row start is a multiple
+    // of 8 elements from the buffer's 256-byte-aligned start. Validation checked every q row and
+    // every cache row a sequence attends (keys leftpad..seqlen_k through its pages); the
     // workspace holds splits · total_rows rows of head_dim, each written by the one CTA that owns
     // (split, row); the slopes hold one row of heads per launched sequence.
     unsafe { b.launch(cfg(d.split_grid(), d.split.smem_bytes())) }
         .map_err(driver_err("cuLaunchKernel"))?;
-    let mut b = dev.stream.launch_builder(&f.combine);
-    b.arg(&up.ws_o)
-        .arg(&up.ws_lse)
-        .arg(out)
-        .arg(lse)
-        .arg(&up.tables.table);
-    b.arg(&d.heads).arg(&d.head_dim).arg(&splits);
-    b.arg(&d.lse_head_stride).arg(&d.total_rows);
-    b.arg(&up.tables.sink);
-    // SAFETY: the arguments match `decode_combine` (pointers to f32 x2, T, f32, i64; i32 x3;
-    // i64 x2; f32 or null); out and lse hold out_len / lse_len elements, and every (sequence,
-    // query, head) row of the table lies inside them (the tail sequence covers packed rows after
-    // the last); the sinks, when present, hold `heads` logits per launched sequence.
+    let mut b = s.launch_builder(&f.combine);
+    b.arg(&params);
+    // SAFETY: the argument matches `decode_combine`: one DecodeParams as above, whose workspace
+    // the split kernel wrote; out (T) and lse (f32) hold out_len / lse_len elements, and every
+    // (sequence, query, head) row of the table lies inside them (the tail sequence covers packed
+    // rows after the last); the sinks, when present, hold `heads` logits per launched sequence.
     unsafe { b.launch(cfg(d.combine_grid(), 0)) }.map_err(driver_err("cuLaunchKernel"))?;
     Ok(())
 }

@@ -6,6 +6,7 @@
 use super::arch::GpuShape;
 use super::key::{KernelKey, KernelKind};
 use super::launch::{sink_table, MAX_GRID_YZ, MAX_SEQLEN};
+use super::params;
 use crate::decode::KvCacheOptions;
 use crate::error::{ErrorKind, Result};
 use crate::fp8::{Descale, Fp8Format, Fp8TensorRef};
@@ -42,44 +43,19 @@ pub struct DecodeLaunch {
     pub table: Vec<i64>,
     /// Page of (sequence, block), `batch · max_blocks` entries.
     pub pages: Vec<i32>,
-    pub page_size: i32,
-    pub max_blocks: i32,
     /// ALiBi slopes, one row of `heads` per launched sequence.
     pub slopes: Option<Vec<f32>>,
     /// Rotary cos/sin per (sequence, position offset): `rot_half` cos then `rot_half` sin, f32.
     pub rot: Option<Vec<f32>>,
-    pub rot_half: i32,
-    pub rot_interleaved: i32,
-    pub rot_npos: i32,
-    pub heads: i32,
-    pub heads_kv: i32,
-    pub head_dim: i32,
-    /// q row, q head strides.
-    pub q_strides: [i64; 2],
-    /// k_cache, v_cache page, row, head strides.
-    pub k_strides: [i64; 3],
-    pub v_strides: [i64; 3],
-    /// k_new, v_new row, head strides (0 without new keys).
-    pub kn_strides: [i64; 2],
-    pub vn_strides: [i64; 2],
-    pub softmax_scale: f32,
-    pub softcap: f32,
-    /// Window sides, -1 unbounded, clamped to seqlen_q + seqlen_k.
-    pub window: (i32, i32),
-    pub lse_head_stride: i64,
-    /// Rows of out (total_q · heads): the stride of one split in the workspace.
-    pub total_rows: i64,
-    /// 1 when head_dim and every cache stride are multiples of 8 elements: `decode_split` reads
-    /// keys 16 bytes at a time (device buffers start 256-byte aligned).
-    pub vec_loads: i32,
     /// FP8 caches: three factors per (launched sequence, kv head), `3 · (b · heads_kv + hk)`:
     /// the score scale (`softmax_scale · k_descale`, rounded once), k_descale and v_descale.
     pub descale: Option<Vec<f32>>,
-    /// FP8 caches in e5m2 (1) or e4m3 (0).
-    pub e5m2: i32,
     /// Learnable sinks, `heads` logits per launched sequence (-inf for the tail of packed rows),
     /// folded in by `decode_combine`; `None` without sinks.
     pub sink: Option<Vec<f32>>,
+    /// The kernels' parameter (all three take the same), its device addresses 0: the launch
+    /// fills them in.
+    pub params: params::DecodeParams,
     /// Largest seqlen_q of a launched sequence.
     pub max_q: usize,
     pub out_len: usize,
@@ -93,26 +69,26 @@ impl DecodeLaunch {
     pub fn split_grid(&self) -> (u32, u32, u32) {
         (
             (self.row_blocks * self.splits) as u32,
-            self.heads_kv as u32,
+            self.params.heads_kv as u32,
             self.seqs as u32,
         )
     }
     /// Grid of `decode_combine` (a block per output row and 32 dims).
     pub fn combine_grid(&self) -> (u32, u32, u32) {
         (
-            (self.max_q * self.heads as usize) as u32,
-            (self.head_dim as usize).div_ceil(32) as u32,
+            (self.max_q * self.params.heads as usize) as u32,
+            (self.params.head_dim as usize).div_ceil(32) as u32,
             self.seqs as u32,
         )
     }
     /// Grid of `decode_append`.
     pub fn append_grid(&self) -> (u32, u32, u32) {
-        (self.heads_kv as u32, 1, 1)
+        (self.params.heads_kv as u32, 1, 1)
     }
     /// Elements of the partial outputs (f32) and of the partial LSEs.
     pub fn workspace_len(&self) -> (usize, usize) {
-        let rows = self.splits * self.total_rows as usize;
-        (rows * self.head_dim as usize, rows)
+        let rows = self.splits * self.params.total_rows as usize;
+        (rows * self.params.head_dim as usize, rows)
     }
     /// Nothing to attend: no query row.
     pub fn is_empty(&self) -> bool {
@@ -361,45 +337,50 @@ impl DecodeLaunch {
             batch,
             table,
             pages,
-            page_size: dp.cache.page_size as i32,
-            max_blocks: dp.cache.max_blocks as i32,
             slopes,
             rot: rot.map(|r| r.table.clone()),
-            rot_half: rot.map_or(0, |r| r.half as i32),
-            rot_interleaved: rot.is_some_and(|r| r.interleaved) as i32,
-            rot_npos: rot.map_or(0, |r| r.n_pos as i32),
-            heads: p.heads as i32,
-            heads_kv: p.heads_kv as i32,
-            head_dim: p.head_dim as i32,
-            q_strides: [p.q.row_stride as i64, p.q.head_stride as i64],
-            k_strides: [
-                dp.cache.k_page_stride as i64,
-                dp.cache.k.row_stride as i64,
-                dp.cache.k.head_stride as i64,
-            ],
-            v_strides: [
-                dp.cache.v_page_stride as i64,
-                dp.cache.v.row_stride as i64,
-                dp.cache.v.head_stride as i64,
-            ],
-            kn_strides: new.map_or([0, 0], |n| [n.k.row_stride as i64, n.k.head_stride as i64]),
-            vn_strides: new.map_or([0, 0], |n| [n.v.row_stride as i64, n.v.head_stride as i64]),
-            softmax_scale: p.softmax_scale,
-            softcap: p.softcap.unwrap_or(1.0),
-            window: (side(p.window_left), side(p.window_right)),
-            lse_head_stride: p.lse_head_stride as i64,
-            vec_loads: [
-                p.head_dim,
-                dp.cache.k_page_stride,
-                dp.cache.k.row_stride,
-                dp.cache.k.head_stride,
-            ]
-            .iter()
-            .all(|x| x.is_multiple_of(8)) as i32,
-            total_rows: (p.total_q * p.heads) as i64,
             descale,
-            e5m2: matches!(fp8, Some((Fp8Format::E5M2, _))) as i32,
             sink: sink_table(p, seqs),
+            params: params::DecodeParams {
+                batch: batch as i32,
+                heads: p.heads as i32,
+                heads_kv: p.heads_kv as i32,
+                head_dim: p.head_dim as i32,
+                splits: splits as i32,
+                q_row_stride: p.q.row_stride as i64,
+                q_head_stride: p.q.head_stride as i64,
+                k_page_stride: dp.cache.k_page_stride as i64,
+                k_row_stride: dp.cache.k.row_stride as i64,
+                k_head_stride: dp.cache.k.head_stride as i64,
+                v_page_stride: dp.cache.v_page_stride as i64,
+                v_row_stride: dp.cache.v.row_stride as i64,
+                v_head_stride: dp.cache.v.head_stride as i64,
+                kn_row_stride: new.map_or(0, |n| n.k.row_stride as i64),
+                kn_head_stride: new.map_or(0, |n| n.k.head_stride as i64),
+                vn_row_stride: new.map_or(0, |n| n.v.row_stride as i64),
+                vn_head_stride: new.map_or(0, |n| n.v.head_stride as i64),
+                page_size: dp.cache.page_size as i32,
+                max_blocks: dp.cache.max_blocks as i32,
+                softmax_scale: p.softmax_scale,
+                softcap: p.softcap.unwrap_or(1.0),
+                window_left: side(p.window_left),
+                window_right: side(p.window_right),
+                rot_half: rot.map_or(0, |r| r.half as i32),
+                rot_interleaved: rot.is_some_and(|r| r.interleaved) as i32,
+                rot_npos: rot.map_or(0, |r| r.n_pos as i32),
+                lse_head_stride: p.lse_head_stride as i64,
+                total_rows: (p.total_q * p.heads) as i64,
+                vec_loads: [
+                    p.head_dim,
+                    dp.cache.k_page_stride,
+                    dp.cache.k.row_stride,
+                    dp.cache.k.head_stride,
+                ]
+                .iter()
+                .all(|x| x.is_multiple_of(8)) as i32,
+                fp8_e5m2: matches!(fp8, Some((Fp8Format::E5M2, _))) as i32,
+                ..Default::default()
+            },
             max_q,
             out_len: p.out_len(),
             lse_len: p.lse_len(),

@@ -85,5 +85,5 @@ pub use nvrtc::{compile, version as nvrtc_version, CompiledKernel};
 /// compare them with params.cuh.
 #[cfg(feature = "test-hooks")]
 pub use params::{layouts as params_layouts, FieldLayout, StructLayout};
-pub use params::{BwdParams, DropoutParams, FwdParams};
+pub use params::{BwdParams, DecodeParams, DropoutParams, FwdParams};
 pub use tma::TmaSpec;

@@ -202,6 +202,82 @@ const _: () = assert!(core::mem::offset_of!(BwdParams, drop) == 208);
 const _: () = assert!(core::mem::offset_of!(BwdParams, heads) == 232);
 const _: () = assert!(core::mem::offset_of!(BwdParams, window_right) == 256);
 
+contract! {
+    /// The decode kernels' parameters (decode.cu: decode_append, decode_split, decode_combine),
+    /// one for the three launches of a call; params.cuh: DecodeParams documents each field.
+    /// Strides in elements; window sides -1 for unbounded; null (0) for the tables a call does
+    /// not use.
+    pub struct DecodeParams {
+        pub q: CUdeviceptr,
+        /// Elements of q's type, or FP8 bytes: written by the append, read by the splits.
+        pub k_cache: CUdeviceptr,
+        pub v_cache: CUdeviceptr,
+        /// The new keys and values (null without an append).
+        pub k_new: CUdeviceptr,
+        pub v_new: CUdeviceptr,
+        pub out: CUdeviceptr,
+        pub lse: CUdeviceptr,
+        /// The splits' partial rows (f32, `splits · total_rows` rows of head_dim) and LSEs.
+        pub ws_o: CUdeviceptr,
+        pub ws_lse: CUdeviceptr,
+        /// DECODE_FIELDS i64 per launched sequence.
+        pub seqs: CUdeviceptr,
+        /// The page of (sequence, block), `batch · max_blocks` i32.
+        pub pages: CUdeviceptr,
+        /// ALiBi: `heads` slopes per launched sequence.
+        pub alibi_slopes: CUdeviceptr,
+        /// Rotary: `rot_half` cos then `rot_half` sin per (sequence, position).
+        pub rot: CUdeviceptr,
+        /// FP8 caches: three factors per (launched sequence, kv head).
+        pub descale: CUdeviceptr,
+        /// Learnable sinks: `heads` logits per launched sequence.
+        pub sink: CUdeviceptr,
+        pub q_row_stride: i64,
+        pub q_head_stride: i64,
+        pub k_page_stride: i64,
+        pub k_row_stride: i64,
+        pub k_head_stride: i64,
+        pub v_page_stride: i64,
+        pub v_row_stride: i64,
+        pub v_head_stride: i64,
+        /// k_new and v_new (0 without new keys).
+        pub kn_row_stride: i64,
+        pub kn_head_stride: i64,
+        pub vn_row_stride: i64,
+        pub vn_head_stride: i64,
+        pub lse_head_stride: i64,
+        /// Rows of out (total_q · heads): the stride of one split in the workspace.
+        pub total_rows: i64,
+        /// The sequences the append writes (the launched ones less a tail of packed rows).
+        pub batch: i32,
+        pub heads: i32,
+        pub heads_kv: i32,
+        pub head_dim: i32,
+        pub splits: i32,
+        pub page_size: i32,
+        pub max_blocks: i32,
+        pub softmax_scale: f32,
+        pub softcap: f32,
+        /// Window sides, -1 unbounded, clamped to seqlen_q + seqlen_k.
+        pub window_left: i32,
+        pub window_right: i32,
+        pub rot_half: i32,
+        pub rot_interleaved: i32,
+        pub rot_npos: i32,
+        /// 1 when head_dim and every k cache stride are multiples of 8 elements: the CUDA-core
+        /// `decode_split` reads keys 16 bytes at a time.
+        pub vec_loads: i32,
+        /// FP8 caches: 1 for e5m2, 0 for e4m3 (and for caches that are not FP8).
+        pub fp8_e5m2: i32,
+    }
+}
+
+const _: () = assert!(size_of::<DecodeParams>() == 296);
+const _: () = assert!(core::mem::offset_of!(DecodeParams, q_row_stride) == 120);
+const _: () = assert!(core::mem::offset_of!(DecodeParams, batch) == 232);
+const _: () = assert!(core::mem::offset_of!(DecodeParams, softmax_scale) == 260);
+const _: () = assert!(core::mem::offset_of!(DecodeParams, fp8_e5m2) == 292);
+
 /// One field of a contract struct: its name, byte offset and size.
 #[cfg(any(test, feature = "test-hooks"))]
 #[derive(Clone, Copy, Debug)]
@@ -232,6 +308,11 @@ pub fn layouts() -> Vec<StructLayout> {
         ),
         layout("FwdParams", size_of::<FwdParams>(), FwdParams::fields()),
         layout("BwdParams", size_of::<BwdParams>(), BwdParams::fields()),
+        layout(
+            "DecodeParams",
+            size_of::<DecodeParams>(),
+            DecodeParams::fields(),
+        ),
     ]
 }
 

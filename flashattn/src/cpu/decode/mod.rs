@@ -37,7 +37,8 @@
 //! count), [`append`] (writing the new keys and values), [`attend`] (running the items and
 //! merging their partials), [`tile_loop`] (one item's loop over its tiles), [`rows`] and
 //! [`prefetch`] (where a tile's rows lie, and asking for the next tile ahead of use),
-//! [`scores`](mod@scores) and [`pv`] (the two products, dispatching to the kernels of an ISA), and the x86-64 kernels:
+//! [`scores`](mod@scores) and [`pv`] (the two products, dispatching to the kernels that the
+//! call's kernel table names, [`DecodeKernels`], beside the forward's), and the x86-64 kernels:
 //! `x86_blocks` (shared pieces), `x86_scores`, `x86_scores_qt` and `x86_pv` (AVX-512) and `avx2`.
 //!
 //! [`append`]: mod@append
@@ -45,6 +46,7 @@
 //! [`Ahead`]: prefetch::Ahead
 //! [`Kernels::max_get_scale`]: crate::cpu::simd::Kernels::max_get_scale
 //! [`Kernels::online_softmax`]: crate::cpu::simd::Kernels::online_softmax
+//! [`DecodeKernels`]: crate::cpu::simd::DecodeKernels
 //! [`KeyRows`]: rows::KeyRows
 //! [`TILE_KEYS`]: plan::TILE_KEYS
 //! [`TILE_KEYS_MANY_ROWS`]: plan::TILE_KEYS_MANY_ROWS

@@ -1,5 +1,5 @@
 //! The product `acc_o += P·V` of a few query rows over a tile's keys ([`pv_acc`]): the dispatch
-//! to the kernels of an ISA, and the portable one.
+//! to the kernels the kernel table names ([`DecodeKernels`]), and the portable one.
 
 #[cfg(target_arch = "x86_64")]
 use super::avx2;
@@ -7,7 +7,7 @@ use super::prefetch::Ahead;
 use super::rows::{KeyRows, PRows};
 #[cfg(target_arch = "x86_64")]
 use super::x86_pv::{pv_avx512, pv_avx512_bf16};
-use crate::cpu::simd::Isa;
+use crate::cpu::simd::DecodeKernels;
 use crate::tensor::Element;
 use half::bf16;
 
@@ -19,7 +19,7 @@ pub(super) const MAX_D: usize = 256;
 /// a CPU with AVX512_BF16, two keys at a time by `vdpbf16ps` against p rounded to bf16, as the
 /// forward does). Steps `ahead` once per key.
 pub(crate) fn pv_acc<T: Element>(
-    isa: Isa,
+    kern: DecodeKernels,
     p: PRows,
     src: &[T],
     vr: KeyRows,
@@ -40,10 +40,11 @@ pub(crate) fn pv_acc<T: Element>(
         "decode P·V: operands too short"
     );
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 {
+    if let DecodeKernels::Avx512 | DecodeKernels::Avx512Bf16 = kern {
         if let (Some(pairs), Some(v)) = (p.bf16_pairs, bf16::unwrap(T::wrap(src))) {
-            if isa.has_bf16_dot() {
-                // SAFETY: AVX-512F and AVX512_BF16 present (checked); bounds checked above.
+            if kern == DecodeKernels::Avx512Bf16 {
+                // SAFETY: AVX-512F and AVX512_BF16 present (only their table has
+                // `Avx512Bf16`, `Kernels::for_isa`); bounds checked above.
                 return unsafe { pv_avx512_bf16(p, pairs, v, vr, acc, dpad, ahead) };
             }
         }
@@ -51,12 +52,12 @@ pub(crate) fn pv_acc<T: Element>(
         return unsafe { pv_avx512(p.f32, np, rows, src, vr, acc, dpad, 0, Some(ahead)) };
     }
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 && avx2::has_f16c() {
-        // SAFETY: a kernel table of Isa::Avx2 exists only on a CPU with AVX2 and FMA, F16C
-        // checked; bounds checked above.
+    if kern == DecodeKernels::Avx2 && avx2::has_f16c() {
+        // SAFETY: a kernel table with the AVX2 decode kernels exists only on a CPU with AVX2
+        // and FMA (`Kernels::for_isa`), F16C checked; bounds checked above.
         return unsafe { avx2::pv(p.f32, np, rows, src, vr, acc, dpad, ahead) };
     }
-    let _ = isa;
+    let _ = kern;
     pv_portable(p.f32, np, rows, src, vr, acc, dpad, ahead);
 }
 

@@ -1,5 +1,6 @@
 //! The score product `S = Q·Kᵀ` of a few query rows against a tile's keys ([`scores`]): q's
-//! forms ([`QRows`], [`QTrans`]) and the dispatch to the kernels of an ISA, with the portable one.
+//! forms ([`QRows`], [`QTrans`]) and the dispatch to the kernels the kernel table names
+//! ([`DecodeKernels`]), with the portable one.
 
 #[cfg(target_arch = "x86_64")]
 use super::avx2;
@@ -12,7 +13,7 @@ use super::x86_scores::{scores_avx512, scores_avx512_bf16};
 use super::x86_scores_qt::{
     scores_bcast_avx512, scores_bcast_avx512_bf16, scores_quad_avx512_bf16,
 };
-use crate::cpu::simd::{Isa, LANES};
+use crate::cpu::simd::{DecodeKernels, LANES};
 use crate::cpu::{buf, Buf};
 #[cfg(target_arch = "x86_64")]
 use crate::tensor::DType;
@@ -73,20 +74,20 @@ pub(super) fn bcast_min_rows(bf16_pairs: bool) -> usize {
 }
 
 impl QTrans<'_> {
-    /// q in the form `isa`'s score kernel takes for this many rows per kv group, for all of an
+    /// q in the form the score kernel of `kern` takes for this many rows per kv group, for all of an
     /// item's groups: transposed for the outer-product kernel from [`bcast_min_rows`] on (as
     /// bf16 pairs where [`QTrans::build`] makes them), in 4-row blocks of bf16 pairs for
     /// [`scores_quad_avx512_bf16`] from [`QUAD_MIN_ROWS`] on; on AVX2 with bf16 keys
     /// (`bf16_keys`), in even-odd order for any number of rows; `None` for plain rows.
     pub fn for_item(
-        isa: Isa,
+        kern: DecodeKernels,
         q: &[f32],
         (qb, bf16_keys): (Option<&[u32]>, bool),
         shape @ (heads_kv, rows, d, dpad): (usize, usize, usize, usize),
     ) -> Option<QTransBuf> {
         let pairs = qb.is_some() && d.is_multiple_of(2);
         #[cfg(target_arch = "x86_64")]
-        if isa == Isa::Avx2 && bf16_keys {
+        if kern == DecodeKernels::Avx2 && bf16_keys {
             return Some(QTransBuf::EvenOdd {
                 t: avx2::even_odd(q, heads_kv * rows, d, dpad),
                 stride: rows * dpad,
@@ -94,7 +95,7 @@ impl QTrans<'_> {
         }
         #[cfg(not(target_arch = "x86_64"))]
         let _ = (bf16_keys, heads_kv, dpad);
-        if isa != Isa::Avx512 {
+        if !matches!(kern, DecodeKernels::Avx512 | DecodeKernels::Avx512Bf16) {
             return None;
         }
         if rows >= bcast_min_rows(pairs) {
@@ -217,7 +218,7 @@ impl QTransBuf {
 /// a CPU with AVX512_BF16, multiplied as bf16 pairs by `vdpbf16ps`). Lanes `rows..np` are not
 /// written: `st` may be a window into a wider tile whose other lanes belong to other kv heads.
 pub(crate) fn scores<T: Element>(
-    isa: Isa,
+    kern: DecodeKernels,
     q: QRows,
     src: &[T],
     kr: KeyRows,
@@ -247,40 +248,44 @@ pub(crate) fn scores<T: Element>(
         assert!(fits, "decode scores: transposed q too short");
     }
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 {
+    if let DecodeKernels::Avx512 | DecodeKernels::Avx512Bf16 = kern {
+        let bf16_dot = kern == DecodeKernels::Avx512Bf16;
         match q.t {
             Some(QTrans::F32 { qt, ld }) => {
                 // SAFETY: AVX-512F present (the kernel table's ISA); bounds checked above.
                 return unsafe { scores_bcast_avx512(qt, ld, rows, src, kr, st, np, ahead) };
             }
             Some(QTrans::Pairs { qt, ld }) if kr.d.is_multiple_of(2) => {
-                if let (Some(k), true) = (bf16::unwrap(T::wrap(src)), isa.has_bf16_dot()) {
-                    // SAFETY: AVX-512F and AVX512_BF16 present (checked); bounds checked above.
+                if let (Some(k), true) = (bf16::unwrap(T::wrap(src)), bf16_dot) {
+                    // SAFETY: AVX-512F and AVX512_BF16 present (only their table has
+                    // `Avx512Bf16`, `Kernels::for_isa`); bounds checked above.
                     return unsafe { scores_bcast_avx512_bf16(qt, ld, rows, k, kr, st, np, ahead) };
                 }
             }
             Some(QTrans::Quads { qt }) if kr.d.is_multiple_of(16) => {
-                if let (Some(k), true) = (bf16::unwrap(T::wrap(src)), isa.has_bf16_dot()) {
-                    // SAFETY: AVX-512F and AVX512_BF16 present (checked); bounds checked above.
+                if let (Some(k), true) = (bf16::unwrap(T::wrap(src)), bf16_dot) {
+                    // SAFETY: AVX-512F and AVX512_BF16 present (only their table has
+                    // `Avx512Bf16`, `Kernels::for_isa`); bounds checked above.
                     return unsafe { scores_quad_avx512_bf16(qt, rows, k, kr, st, np, ahead) };
                 }
             }
             _ => {}
         }
         if let (Some(pairs), Some(k)) = (q.bf16_pairs, bf16::unwrap(T::wrap(src))) {
-            if isa.has_bf16_dot() {
-                // SAFETY: AVX-512F and AVX512_BF16 present (checked); bounds checked above.
+            if bf16_dot {
+                // SAFETY: AVX-512F and AVX512_BF16 present (only their table has
+                // `Avx512Bf16`, `Kernels::for_isa`); bounds checked above.
                 return unsafe {
                     scores_avx512_bf16(q.f32, pairs, rows, dpad, k, kr, st, np, ahead)
                 };
             }
         }
-        // SAFETY: a kernel table of Isa::Avx512 exists only on a CPU with AVX-512F
-        // (`Kernels::for_isa`); bounds checked above.
+        // SAFETY: a kernel table with the AVX-512 decode kernels exists only on a CPU with
+        // AVX-512F (`Kernels::for_isa`); bounds checked above.
         return unsafe { scores_avx512(q.f32, rows, dpad, src, kr, st, np, ahead) };
     }
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 && avx2::has_f16c() {
+    if kern == DecodeKernels::Avx2 && avx2::has_f16c() {
         // bf16 keys take q in even-odd order (`avx2::even_odd`), other dtypes as rows.
         let qf = match (q.t, T::DTYPE) {
             (Some(QTrans::EvenOdd { qt }), DType::BF16) => qt,
@@ -289,11 +294,11 @@ pub(crate) fn scores<T: Element>(
             }
             _ => q.f32,
         };
-        // SAFETY: a kernel table of Isa::Avx2 exists only on a CPU with AVX2 and FMA, F16C
-        // checked; bounds checked above.
+        // SAFETY: a kernel table with the AVX2 decode kernels exists only on a CPU with AVX2
+        // and FMA (`Kernels::for_isa`), F16C checked; bounds checked above.
         return unsafe { avx2::scores(qf, rows, dpad, src, kr, st, np, ahead) };
     }
-    let _ = isa;
+    let _ = kern;
     scores_portable(q.f32, rows, dpad, src, kr, st, np, ahead);
 }
 

@@ -6,7 +6,7 @@ use super::pv::pv_acc;
 use super::rows::{KeyRows, PRows};
 use super::scores::{scores, QRows, QTrans};
 use super::*;
-use crate::cpu::simd::{pad_lanes, Isa};
+use crate::cpu::simd::{pad_lanes, DecodeKernels, Isa, Kernels};
 use crate::test_util::lcg;
 
 /// Every ISA's scores and P·V kernels agree with f64 sums over edge sizes, in every dtype,
@@ -58,6 +58,7 @@ fn kernels_match_f64_on_every_isa() {
                 p: &[f32],
             ) {
                 let src: Vec<T> = kv.iter().map(|&x| T::from_f32(x)).collect();
+                let kern = Kernels::for_isa(isa).unwrap();
                 let val = |c: usize, x: usize| src[kr.at(c) + x].to_f64();
                 let pairs: Vec<u32> = q
                     .chunks_exact(2)
@@ -78,7 +79,8 @@ fn kernels_match_f64_on_every_isa() {
                 let quads = qtq.as_ref().map(|b| b.group(0));
                 // and, for AVX2 with bf16 keys, in even-odd order (other ISAs ignore it;
                 // AVX2 takes the portable kernel for bf16 keys without it).
-                let qeo = QTrans::for_item(Isa::Avx2, q, (None, bf), (1, rows, kr.d, dpad));
+                let qeo =
+                    QTrans::for_item(DecodeKernels::Avx2, q, (None, bf), (1, rows, kr.d, dpad));
                 let eo = qeo.as_ref().map(|b| b.group(0));
                 for t in [None, Some(qt.group(0)), Some(qtp.group(0)), quads, eo] {
                     let qr = QRows {
@@ -89,7 +91,7 @@ fn kernels_match_f64_on_every_isa() {
                         t,
                     };
                     let mut st = vec![f32::NAN; kr.cols() * np];
-                    scores(isa, qr, &src, kr, &mut st, np, &mut Ahead::none());
+                    scores(kern.decode, qr, &src, kr, &mut st, np, &mut Ahead::none());
                     let what = format!(
                         "{isa:?} {} rows {rows} cols {} d {} q {}",
                         T::DTYPE,
@@ -129,9 +131,7 @@ fn kernels_match_f64_on_every_isa() {
                 // loop passes them; the f64 sums below round p the same way.
                 let dot = bf && isa.has_bf16_dot();
                 let mut pairs = vec![0u32; kr.cols().div_ceil(2) * np];
-                crate::cpu::simd::Kernels::for_isa(isa)
-                    .unwrap()
-                    .pack_pairs_bf16(p, kr.cols(), np, &mut pairs);
+                kern.pack_pairs_bf16(p, kr.cols(), np, &mut pairs);
                 let pr = PRows {
                     f32: p,
                     bf16_pairs: dot.then_some(&pairs[..]),
@@ -139,7 +139,15 @@ fn kernels_match_f64_on_every_isa() {
                     np,
                 };
                 let mut acc = vec![0.5f32; rows * dpad];
-                pv_acc(isa, pr, &src, kr, &mut acc, dpad, &mut Ahead::none());
+                pv_acc(
+                    kern.decode,
+                    pr,
+                    &src,
+                    kr,
+                    &mut acc,
+                    dpad,
+                    &mut Ahead::none(),
+                );
                 // p as the kernel multiplies it: rounded to bf16 on the pair path, except
                 // an odd last key, which takes the f32 path.
                 let p_used = |c: usize, r: usize| {

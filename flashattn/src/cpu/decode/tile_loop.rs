@@ -119,7 +119,7 @@ pub(super) fn run_item<T: Element>(
     // the outer-product score kernel; bf16 keys on AVX2: q in even-odd order.
     let bf16_keys = T::DTYPE == DType::BF16;
     let qt = QTrans::for_item(
-        kern.isa,
+        kern.decode,
         &qf,
         (qb.as_deref(), bf16_keys),
         (heads_kv, rows, d, dpad),
@@ -242,7 +242,7 @@ pub(super) fn run_item<T: Element>(
                     Kv::Plain(k, _) => (k, k_rows(hk, c0, c1)),
                     Kv::Fp8(..) => (&scratch[..], scratch_rows.sub(0, c1 - c0, hk * d)),
                 };
-                scores(kern.isa, q_rows(hk), src, kr, st, np, &mut ahead);
+                scores(kern.decode, q_rows(hk), src, kr, st, np, &mut ahead);
             }
         }
         if apply {
@@ -291,7 +291,7 @@ pub(super) fn run_item<T: Element>(
                     Kv::Plain(_, v) => (v, v_rows(hk, c0, c1)),
                     Kv::Fp8(..) => (&scratch[..], scratch_rows.sub(0, c1 - c0, hk * d)),
                 };
-                pv_acc(kern.isa, pr, src, vr, acc_hk, dpad, &mut ahead);
+                pv_acc(kern.decode, pr, src, vr, acc_hk, dpad, &mut ahead);
             }
         }
         (n0, n1) = (n1, n2);

@@ -181,6 +181,25 @@ pub struct Kernels {
     rescale_o: RescaleFn,
     pack_pairs_bf16: PairsFn,
     narrow_pairs_bf16: NarrowFn,
+    /// Decode's score and P·V kernels ([`DecodeKernels`]).
+    pub(crate) decode: DecodeKernels,
+}
+
+/// Which kernels decode's two products run (cpu/decode: `scores` and `pv_acc` dispatch on this
+/// and on the call's dtype and q form; the kernels stay in decode's files, one concern each).
+/// Named here rather than as function pointers: the products' operand types are decode's, and
+/// this table naming them would make `cpu::simd` and `cpu::decode` import each other.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum DecodeKernels {
+    /// The portable loops (decode/scores.rs: `scores_portable`, decode/pv.rs: `pv_portable`).
+    Portable,
+    /// decode/avx2.rs (bf16 widened in even/odd pairs, f16 by F16C); the portable loops on a
+    /// CPU without F16C.
+    Avx2,
+    /// decode/x86_scores.rs, x86_scores_qt.rs and x86_pv.rs, keys widened to f32 as loaded.
+    Avx512,
+    /// [`DecodeKernels::Avx512`], and for bf16 caches the `vdpbf16ps` kernels of those files.
+    Avx512Bf16,
 }
 
 impl fmt::Debug for Kernels {
@@ -199,6 +218,7 @@ static SCALAR: Kernels = Kernels {
     rescale_o: scalar::rescale_o,
     pack_pairs_bf16: scalar::pack_pairs_bf16,
     narrow_pairs_bf16: scalar::narrow_pairs_bf16,
+    decode: DecodeKernels::Portable,
 };
 
 #[cfg(target_arch = "aarch64")]
@@ -212,6 +232,7 @@ static NEON: Kernels = Kernels {
     rescale_o: aarch64_neon::rescale_o,
     pack_pairs_bf16: scalar::pack_pairs_bf16,
     narrow_pairs_bf16: scalar::narrow_pairs_bf16,
+    decode: DecodeKernels::Portable,
 };
 
 #[cfg(target_arch = "x86_64")]
@@ -225,6 +246,7 @@ static AVX2: Kernels = Kernels {
     rescale_o: x86_avx2::rescale_o,
     pack_pairs_bf16: scalar::pack_pairs_bf16,
     narrow_pairs_bf16: scalar::narrow_pairs_bf16,
+    decode: DecodeKernels::Avx2,
 };
 
 #[cfg(target_arch = "x86_64")]
@@ -238,6 +260,7 @@ static AVX512: Kernels = Kernels {
     rescale_o: x86_avx512::rescale_o,
     pack_pairs_bf16: scalar::pack_pairs_bf16,
     narrow_pairs_bf16: scalar::narrow_pairs_bf16,
+    decode: DecodeKernels::Avx512,
 };
 
 #[cfg(target_arch = "x86_64")]
@@ -251,6 +274,7 @@ static AVX512_BF16: Kernels = Kernels {
     rescale_o: x86_avx512::rescale_o,
     pack_pairs_bf16: x86_avx512::pack_pairs_bf16,
     narrow_pairs_bf16: x86_avx512::narrow_pairs_bf16,
+    decode: DecodeKernels::Avx512Bf16,
 };
 
 impl Kernels {

@@ -20,6 +20,9 @@
 // in page pages[b * max_blocks + j / page_size], row j % page_size (a contiguous cache is one
 // page per sequence).
 //
+// Every kernel takes one DecodeParams (params.cuh), by value as its `const __grid_constant__`
+// parameter: the tensors', tables' and workspace's addresses, strides and the call's scalars.
+//
 // Defines: FA_DECODE_ENTRY (0: all three, for the host emulation); FA_BF16 or FA_F16 (else f32);
 // HEAD_DIM (padded head_dim, a multiple of 32), IS_MASKED (causal or window), HAS_SOFTCAP,
 // HAS_ALIBI; FA_FP8_CACHE: the caches hold FP8 bytes (e4m3 or e5m2, a launch argument, so both
@@ -119,17 +122,18 @@ __device__ __forceinline__ float rotated(const elem_t* src, int x, const float* 
 }
 
 #if FA_DECODE_ENTRY == 1 || FA_DECODE_ENTRY == 0
-// The parameters of decode_split, either kernel (cuda/decode.rs pushes them in this order).
-#define DECODE_SPLIT_PARAMS                                                                       \
-    const elem_t *__restrict__ q, const cache_t *__restrict__ k_cache,                            \
-        const cache_t *__restrict__ v_cache, float *__restrict__ ws_o,                            \
-        float *__restrict__ ws_lse, const i64 *__restrict__ seqs, const int *__restrict__ pages,  \
-        const float *__restrict__ alibi_slopes, const float *__restrict__ rot, int heads,         \
-        int heads_kv, int head_dim, int splits, i64 q_row_stride, i64 q_head_stride,              \
-        i64 k_page_stride, i64 k_row_stride, i64 k_head_stride, i64 v_page_stride,                \
-        i64 v_row_stride, i64 v_head_stride, int page_size, int max_blocks, float softmax_scale,  \
-        float softcap, int window_left, int window_right, int rot_half, int rot_interleaved,      \
-        int rot_npos, i64 total_rows, int vec_loads, const float *__restrict__ descale, int e5m2
+// decode_split's pointers (either kernel) as typed, restrict-qualified locals, as they were when
+// they were kernel parameters (common.cuh: cta_work does the same for the forward: through the
+// struct's fields alone ptxas allocates registers differently).
+#define DECODE_SPLIT_POINTERS(p)                                                                  \
+    const elem_t* __restrict__ q = static_cast<const elem_t*>(p.q);                               \
+    const cache_t* __restrict__ k_cache = static_cast<const cache_t*>(p.k_cache);                 \
+    const cache_t* __restrict__ v_cache = static_cast<const cache_t*>(p.v_cache);                 \
+    float* __restrict__ ws_o = p.ws_o;                                                            \
+    float* __restrict__ ws_lse = p.ws_lse;                                                        \
+    const int* __restrict__ pages = p.pages;                                                      \
+    const float* __restrict__ alibi_slopes = p.alibi_slopes;                                      \
+    const float* __restrict__ rot = p.rot
 
 // What one decode_split CTA works on: grid (row blocks x splits, kv heads, sequences); its
 // sequence's table row, its MAX_ROWS query rows (r = i * group + h % group of kv head hk), and
@@ -143,8 +147,9 @@ struct SplitWork {
 };
 
 // Fills `w` for this CTA; false when its row block lies past the sequence's rows.
-__device__ __forceinline__ bool split_work(SplitWork& w, const i64* seqs, int heads, int heads_kv,
-                                           int splits, int window_left, int window_right) {
+__device__ __forceinline__ bool split_work(SplitWork& w, const DecodeParams& p) {
+    const i64* __restrict__ seqs = p.seqs;
+    const int heads = p.heads, heads_kv = p.heads_kv, splits = p.splits;
     w.b = blockIdx.z;
     w.hk = blockIdx.y;
     const int rb = blockIdx.x / splits;
@@ -159,7 +164,7 @@ __device__ __forceinline__ bool split_work(SplitWork& w, const i64* seqs, int he
     w.r0 = rb * MAX_ROWS;
     if (w.r0 >= rows) return false;
     w.nrows = min(MAX_ROWS, rows - w.r0);
-    w.mask = Mask{seqlen_k, seqlen_k - seqlen_q, window_left, window_right};
+    w.mask = Mask{seqlen_k, seqlen_k - seqlen_q, p.window_left, p.window_right};
     const int lo = max(w.mask.lo(w.r0 / w.group), w.leftpad);
     const int hi = max(w.mask.hi((w.r0 + w.nrows - 1) / w.group), lo);
     const int chunk = (hi - lo + splits - 1) / splits;
@@ -246,7 +251,9 @@ __device__ __forceinline__ void load_p4(const float* p, float out[4]) {
 //   P·V     thread t owns columns t and t + 128 of every row (accumulators in registers) and reads
 //           v row by row, each warp 32 consecutive elements of a row; P as 16-byte broadcasts.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
-decode_split(DECODE_SPLIT_PARAMS) {
+decode_split(const __grid_constant__ DecodeParams p) {
+    DECODE_SPLIT_POINTERS(p);
+    const float* __restrict__ descale = p.descale;
     FA_DYNAMIC_SMEM(float, smem_f);
     i64* vrow_s = (i64*)smem_f;                // [TILE] offset of each key's v row in v_cache
     float* q_s = smem_f + 2 * TILE;            // [MAX_ROWS][HEAD_DIM], rows of q (f32, rotated)
@@ -263,7 +270,7 @@ decode_split(DECODE_SPLIT_PARAMS) {
     int* pos_s = hi_s + MAX_ROWS;                 // query position i
 
     SplitWork w;
-    if (!split_work(w, seqs, heads, heads_kv, splits, window_left, window_right)) return;
+    if (!split_work(w, p)) return;
     const int b = w.b, hk = w.hk, sp = w.sp, group = w.group, r0 = w.r0, nrows = w.nrows;
     const int leftpad = w.leftpad, n_lo = w.n_lo, n_hi = w.n_hi;
     const i64 q_base = w.q_base, out_row0 = w.out_row0;
@@ -272,13 +279,13 @@ decode_split(DECODE_SPLIT_PARAMS) {
 
     // FP8 caches: this (sequence, kv head)'s score scale replaces softmax_scale; its v factor
     // scales the finished rows.
-    const i64 fac = 3 * ((i64)b * heads_kv + hk);
-    const float scale = descale == nullptr ? softmax_scale : descale[fac];
+    const i64 fac = 3 * ((i64)b * p.heads_kv + hk);
+    const float scale = descale == nullptr ? p.softmax_scale : descale[fac];
     const float v_scale = descale == nullptr ? 1.f : descale[fac + 2];
     ScoreMod mods;
     mods.scale_log2 = scale * FA_LOG2E;
-    mods.cap_in = scale / softcap;
-    mods.cap_out = softcap * FA_LOG2E;
+    mods.cap_in = scale / p.softcap;
+    mods.cap_out = p.softcap * FA_LOG2E;
     mods.offset = mask.offset;
     if (tid < MAX_ROWS) {
         const int i = (r0 + tid) / group, h = hk * group + (r0 + tid) % group;
@@ -286,7 +293,7 @@ decode_split(DECODE_SPLIT_PARAMS) {
         pos_s[tid] = valid ? i : 0;
         lo_s[tid] = valid ? max(mask.lo(i), leftpad) : 0;
         hi_s[tid] = valid ? mask.hi(i) : 0;
-        slope_s[tid] = HAS_ALIBI && valid ? alibi_slopes[b * heads + h] * FA_LOG2E : 0.f;
+        slope_s[tid] = HAS_ALIBI && valid ? alibi_slopes[b * p.heads + h] * FA_LOG2E : 0.f;
         m_s[tid] = -FA_INF;
         l_s[tid] = 0.f;
     }
@@ -297,13 +304,14 @@ decode_split(DECODE_SPLIT_PARAMS) {
     for (int e = tid; e < MAX_ROWS * HEAD_DIM; e += NUM_THREADS) {
         const int rr = e / HEAD_DIM, col = e % HEAD_DIM;
         float x = 0.f;
-        if (rr < nrows && col < head_dim && n_lo < n_hi) {
+        if (rr < nrows && col < p.head_dim && n_lo < n_hi) {
             const int ir = (r0 + rr) / group, hr = hk * group + (r0 + rr) % group;
-            const elem_t* src = q + q_base + (i64)ir * q_row_stride + (i64)hr * q_head_stride;
+            const elem_t* src = q + q_base + (i64)ir * p.q_row_stride + (i64)hr * p.q_head_stride;
             const float* cs =
                 rot == nullptr ? nullptr
-                               : rot + ((i64)b * rot_npos + (IS_MASKED ? ir : 0)) * 2 * rot_half;
-            x = to_f32(from_f32_elem(rotated(src, col, cs, rot_half, rot_interleaved)));
+                               : rot + ((i64)b * p.rot_npos + (IS_MASKED ? ir : 0)) * 2 *
+                                           p.rot_half;
+            x = to_f32(from_f32_elem(rotated(src, col, cs, p.rot_half, p.rot_interleaved)));
         }
         q_s[e] = x;
     }
@@ -325,19 +333,20 @@ decode_split(DECODE_SPLIT_PARAMS) {
         // Where key j's v row is, for the P·V loop (read after the barriers below).
         vrow_s[tid] = 0;
         if (tid < n) {
-            const i64 page = pages[(i64)b * max_blocks + j / page_size];
-            vrow_s[tid] = page * v_page_stride + (i64)(j % page_size) * v_row_stride +
-                          (i64)hk * v_head_stride;
-            const cache_t* kr = k_cache + page * k_page_stride + (i64)(j % page_size) * k_row_stride +
-                                (i64)hk * k_head_stride;
+            const i64 page = pages[(i64)b * p.max_blocks + j / p.page_size];
+            vrow_s[tid] = page * p.v_page_stride + (i64)(j % p.page_size) * p.v_row_stride +
+                          (i64)hk * p.v_head_stride;
+            const cache_t* kr = k_cache + page * p.k_page_stride +
+                                (i64)(j % p.page_size) * p.k_row_stride + (i64)hk * p.k_head_stride;
             // KEY_CHUNKS x 8 elements of the key loaded before their FMAs (several loads in
             // flight); past head_dim they read as 0, as do q's padded columns. Each score adds
             // its products in element order, as one chunk at a time did.
-            for (int x0 = 0; x0 < HEAD_DIM && x0 < head_dim; x0 += 8 * KEY_CHUNKS) {
+            for (int x0 = 0; x0 < HEAD_DIM && x0 < p.head_dim; x0 += 8 * KEY_CHUNKS) {
                 float kf[KEY_CHUNKS][8];
 #pragma unroll
                 for (int g = 0; g < KEY_CHUNKS; ++g)
-                    load8(kr + x0 + 8 * g, head_dim - x0 - 8 * g, vec_loads != 0, e5m2, kf[g]);
+                    load8(kr + x0 + 8 * g, p.head_dim - x0 - 8 * g, p.vec_loads != 0, p.fp8_e5m2,
+                          kf[g]);
 #pragma unroll
                 for (int r = 0; r < MAX_ROWS; ++r) {
                     if (r < nrows) {
@@ -414,7 +423,7 @@ decode_split(DECODE_SPLIT_PARAMS) {
 #pragma unroll
                 for (int c = 0; c < NCOL; ++c) {
                     const int col = tid + c * NUM_THREADS;
-                    vv[u][c] = col < head_dim ? cache_to_f32(vr[col], e5m2) : 0.f;
+                    vv[u][c] = col < p.head_dim ? cache_to_f32(vr[col], p.fp8_e5m2) : 0.f;
                 }
             }
 #pragma unroll
@@ -436,7 +445,7 @@ decode_split(DECODE_SPLIT_PARAMS) {
 #pragma unroll
             for (int c = 0; c < NCOL; ++c) {
                 const int col = tid + c * NUM_THREADS;
-                vv[c] = col < head_dim ? cache_to_f32(vr[col], e5m2) : 0.f;
+                vv[c] = col < p.head_dim ? cache_to_f32(vr[col], p.fp8_e5m2) : 0.f;
             }
 #pragma unroll
             for (int r = 0; r < MAX_ROWS; ++r) {
@@ -455,17 +464,17 @@ decode_split(DECODE_SPLIT_PARAMS) {
     for (int r = 0; r < MAX_ROWS; ++r) {
         if (r < nrows) {
             const int i = (r0 + r) / group, h = hk * group + (r0 + r) % group;
-            const i64 row = (out_row0 + i) * heads + h;
+            const i64 row = (out_row0 + i) * p.heads + h;
             const float l = l_s[r];
             const float inv = l == 0.f ? 0.f : v_scale / l;
-            float* o = ws_o + ((i64)sp * total_rows + row) * head_dim;
+            float* o = ws_o + ((i64)sp * p.total_rows + row) * p.head_dim;
 #pragma unroll
             for (int c = 0; c < NCOL; ++c) {
                 const int col = tid + c * NUM_THREADS;
-                if (col < head_dim) o[col] = acc[r][c] * inv;
+                if (col < p.head_dim) o[col] = acc[r][c] * inv;
             }
             if (tid == 0)
-                ws_lse[(i64)sp * total_rows + row] =
+                ws_lse[(i64)sp * p.total_rows + row] =
                     l == 0.f ? -FA_INF : (m_s[r] + log2f(l)) * FA_LN2;
         }
     }
@@ -502,23 +511,23 @@ static_assert(TC_MIN_BLOCKS >= 1 && TC_MIN_BLOCKS <= 4, "TC_MIN_BLOCKS: CTAs per
 // swizzled k and v tiles by cp.async; keys at or past n_end and columns at or past head_dim become
 // 0 (nothing is read for them).
 __device__ __forceinline__ void tc_load_kv(u16* k_tile, u16* v_tile, const u16* k_cache,
-                                           const u16* v_cache, const int* pages, int b, int hk,
-                                           int n0, int n_end, int head_dim, i64 k_page_stride,
-                                           i64 k_row_stride, i64 k_head_stride,
-                                           i64 v_page_stride, i64 v_row_stride,
-                                           i64 v_head_stride, int page_size, int max_blocks) {
+                                           const u16* v_cache, const int* pages,
+                                           const DecodeParams& p, int b, int hk, int n0,
+                                           int n_end) {
     constexpr int CH = HEAD_DIM / 8;  // 16-byte chunks per row
 #pragma unroll
     for (int c = threadIdx.x; c < TC_BLOCK_N * CH; c += NUM_THREADS) {
         const int r = c / CH, col = (c % CH) * 8, j = n0 + r;
-        const bool ok = j < n_end && col < head_dim;
+        const bool ok = j < n_end && col < p.head_dim;
         const u16* kg = k_cache;
         const u16* vg = v_cache;
         if (ok) {
-            const i64 page = pages[(i64)b * max_blocks + j / page_size];
-            const i64 row = j % page_size;
-            kg = k_cache + page * k_page_stride + row * k_row_stride + (i64)hk * k_head_stride + col;
-            vg = v_cache + page * v_page_stride + row * v_row_stride + (i64)hk * v_head_stride + col;
+            const i64 page = pages[(i64)b * p.max_blocks + j / p.page_size];
+            const i64 row = j % p.page_size;
+            kg = k_cache + page * p.k_page_stride + row * p.k_row_stride +
+                 (i64)hk * p.k_head_stride + col;
+            vg = v_cache + page * p.v_page_stride + row * p.v_row_stride +
+                 (i64)hk * p.v_head_stride + col;
         }
         cp_async16(smem_addr(k_tile + swz(r, col)), kg, ok ? 16 : 0);
         cp_async16(smem_addr(v_tile + swz(r, col)), vg, ok ? 16 : 0);
@@ -526,7 +535,8 @@ __device__ __forceinline__ void tc_load_kv(u16* k_tile, u16* v_tile, const u16* 
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, TC_MIN_BLOCKS)
-decode_split(DECODE_SPLIT_PARAMS) {
+decode_split(const __grid_constant__ DecodeParams p) {
+    DECODE_SPLIT_POINTERS(p);
     FA_DYNAMIC_SMEM(u16, smem);
     u16* q_tile = smem;                                   // [MAX_ROWS][SMEM_ROW]
     u16* k_tiles = q_tile + MAX_ROWS * SMEM_ROW;          // [2][TC_BLOCK_N][SMEM_ROW]
@@ -537,7 +547,7 @@ decode_split(DECODE_SPLIT_PARAMS) {
     float* o_part = (float*)k_tiles;
 
     SplitWork w;
-    if (!split_work(w, seqs, heads, heads_kv, splits, window_left, window_right)) return;
+    if (!split_work(w, p)) return;
     const int b = w.b, hk = w.hk, sp = w.sp, group = w.group, r0 = w.r0, nrows = w.nrows;
     const int leftpad = w.leftpad, n_lo = w.n_lo, n_hi = w.n_hi;
     const i64 q_base = w.q_base, out_row0 = w.out_row0;
@@ -548,9 +558,9 @@ decode_split(DECODE_SPLIT_PARAMS) {
     const int ntiles = (n_hi - n_lo + TC_BLOCK_N - 1) / TC_BLOCK_N;
 
     ScoreMod mods;
-    mods.scale_log2 = softmax_scale * FA_LOG2E;
-    mods.cap_in = softmax_scale / softcap;
-    mods.cap_out = softcap * FA_LOG2E;
+    mods.scale_log2 = p.softmax_scale * FA_LOG2E;
+    mods.cap_in = p.softmax_scale / p.softcap;
+    mods.cap_out = p.softcap * FA_LOG2E;
     mods.offset = mask.offset;
     // This thread's two rows of the tile, g and g + 8: query position, visible keys, ALiBi slope
     // (rows past nrows see no key).
@@ -564,27 +574,26 @@ decode_split(DECODE_SPLIT_PARAMS) {
         pos[r] = valid ? i : 0;
         row_lo[r] = valid ? max(mask.lo(i), leftpad) : 0;
         row_hi[r] = valid ? mask.hi(i) : 0;
-        slope[r] = HAS_ALIBI && valid ? alibi_slopes[b * heads + h] * FA_LOG2E : 0.f;
+        slope[r] = HAS_ALIBI && valid ? alibi_slopes[b * p.heads + h] * FA_LOG2E : 0.f;
     }
 
     // The first stage's copies go out before q is prepared.
     if (ntiles > 0)
-        tc_load_kv(k_tiles, v_tiles, k_cache, v_cache, pages, b, hk, n_lo, n_hi, head_dim,
-                   k_page_stride, k_row_stride, k_head_stride, v_page_stride, v_row_stride,
-                   v_head_stride, page_size, max_blocks);
+        tc_load_kv(k_tiles, v_tiles, k_cache, v_cache, pages, p, b, hk, n_lo, n_hi);
     cp_async_commit();
     // q rows, rotated in f32 at flash-attn's positions (as the CUDA-core kernel), rounded once to
     // the cache's type; rows past nrows and columns past head_dim are 0.
     for (int e = tid; e < MAX_ROWS * HEAD_DIM; e += NUM_THREADS) {
         const int rr = e / HEAD_DIM, col = e % HEAD_DIM;
         float x = 0.f;
-        if (rr < nrows && col < head_dim && ntiles > 0) {
+        if (rr < nrows && col < p.head_dim && ntiles > 0) {
             const int ir = (r0 + rr) / group, hr = hk * group + (r0 + rr) % group;
-            const elem_t* src = q + q_base + (i64)ir * q_row_stride + (i64)hr * q_head_stride;
+            const elem_t* src = q + q_base + (i64)ir * p.q_row_stride + (i64)hr * p.q_head_stride;
             const float* cs =
                 rot == nullptr ? nullptr
-                               : rot + ((i64)b * rot_npos + (IS_MASKED ? ir : 0)) * 2 * rot_half;
-            x = rotated(src, col, cs, rot_half, rot_interleaved);
+                               : rot + ((i64)b * p.rot_npos + (IS_MASKED ? ir : 0)) * 2 *
+                                           p.rot_half;
+            x = rotated(src, col, cs, p.rot_half, p.rot_interleaved);
         }
         q_tile[swz(rr, col)] = from_f32(x);
     }
@@ -603,10 +612,8 @@ decode_split(DECODE_SPLIT_PARAMS) {
         __syncthreads();
         if (it + 1 < ntiles) {
             tc_load_kv(k_tiles + (buf ^ 1) * TC_BLOCK_N * SMEM_ROW,
-                       v_tiles + (buf ^ 1) * TC_BLOCK_N * SMEM_ROW, k_cache, v_cache, pages, b, hk,
-                       n_lo + (it + 1) * TC_BLOCK_N, n_hi, head_dim, k_page_stride, k_row_stride,
-                       k_head_stride, v_page_stride, v_row_stride, v_head_stride, page_size,
-                       max_blocks);
+                       v_tiles + (buf ^ 1) * TC_BLOCK_N * SMEM_ROW, k_cache, v_cache, pages, p, b,
+                       hk, n_lo + (it + 1) * TC_BLOCK_N, n_hi);
             cp_async_commit();
         }
         // This warp's 16 keys (a multiple of 8 rows into the tile, so the swizzle is the tile's).
@@ -662,7 +669,7 @@ decode_split(DECODE_SPLIT_PARAMS) {
     // workspace, as the CUDA-core kernel writes them.
     for (int e = tid; e < nrows * HEAD_DIM; e += NUM_THREADS) {
         const int rr = e / HEAD_DIM, col = e % HEAD_DIM;
-        if (col >= head_dim) continue;
+        if (col >= p.head_dim) continue;
         float mx = -FA_INF;
 #pragma unroll
         for (int w = 0; w < NUM_WARPS; ++w) mx = fmaxf(mx, m_part[w * MAX_ROWS + rr]);
@@ -675,10 +682,10 @@ decode_split(DECODE_SPLIT_PARAMS) {
             o += o_part[(w * MAX_ROWS + rr) * HEAD_DIM + col] * f;
         }
         const int i = (r0 + rr) / group, h = hk * group + (r0 + rr) % group;
-        const i64 row = (out_row0 + i) * heads + h;
-        ws_o[((i64)sp * total_rows + row) * head_dim + col] = l == 0.f ? 0.f : o / l;
+        const i64 row = (out_row0 + i) * p.heads + h;
+        ws_o[((i64)sp * p.total_rows + row) * p.head_dim + col] = l == 0.f ? 0.f : o / l;
         if (col == 0)
-            ws_lse[(i64)sp * total_rows + row] = l == 0.f ? -FA_INF : (mx + log2f(l)) * FA_LN2;
+            ws_lse[(i64)sp * p.total_rows + row] = l == 0.f ? -FA_INF : (mx + log2f(l)) * FA_LN2;
     }
 }
 #endif  // FA_DECODE_ENTRY == 1, DECODE_TC
@@ -693,45 +700,50 @@ decode_split(DECODE_SPLIT_PARAMS) {
 // after another took 91 us (the split kernel 62 us); a block per row with a thread per dim 27 us;
 // this layout spreads the same loads over 4x the blocks and 4x the loads in flight per thread.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
-decode_combine(const float* __restrict__ ws_o, const float* __restrict__ ws_lse,
-               elem_t* __restrict__ out, float* __restrict__ lse, const i64* __restrict__ seqs,
-               int heads, int head_dim, int splits, i64 lse_head_stride, i64 total_rows,
-               const float* __restrict__ sink) {
+decode_combine(const __grid_constant__ DecodeParams p) {
+    const float* __restrict__ ws_o = p.ws_o;
+    const float* __restrict__ ws_lse = p.ws_lse;
+    elem_t* __restrict__ out = static_cast<elem_t*>(p.out);
+    float* __restrict__ lse = p.lse;
+    const i64* __restrict__ seqs = p.seqs;
+    const float* __restrict__ sink = p.sink;
     const i64* s = seqs + DECODE_FIELDS * blockIdx.z;
     const int seqlen_q = (int)s[0];
     const i64 out_row0 = s[4], lse_base = s[5];
     const int idx = blockIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    if (idx >= seqlen_q * heads) return;
-    const int i = idx / heads, h = idx % heads;
-    const i64 row = (out_row0 + i) * heads + h;
+    if (idx >= seqlen_q * p.heads) return;
+    const int i = idx / p.heads, h = idx % p.heads;
+    const i64 row = (out_row0 + i) * p.heads + h;
     const int g = lane / 8, x = blockIdx.y * 32 + warp * 8 + lane % 8;
-    const bool writes = g == 0 && x < head_dim;
+    const bool writes = g == 0 && x < p.head_dim;
     const bool first = blockIdx.y == 0 && threadIdx.x == 0;
     float mx = -FA_INF;
-    for (int sp = lane; sp < splits; sp += 32) mx = fmaxf(mx, ws_lse[(i64)sp * total_rows + row]);
+    for (int sp = lane; sp < p.splits; sp += 32)
+        mx = fmaxf(mx, ws_lse[(i64)sp * p.total_rows + row]);
     // A learnable sink joins as one more split with lse = sink and a zero row (the CPU path folds
     // it in after its merge, in f64; the same sum, rounded in f32 here).
     // Its logit sits at (launched sequence z) * heads + h, -inf for none and for the tail of
     // packed rows after the last sequence.
-    const float sk = sink != nullptr ? sink[(i64)blockIdx.z * heads + h] : -FA_INF;
+    const float sk = sink != nullptr ? sink[(i64)blockIdx.z * p.heads + h] : -FA_INF;
     mx = fmaxf(warp_max(mx), sk);
-    elem_t* o = out + row * head_dim;
+    elem_t* o = out + row * p.head_dim;
     if (mx == -FA_INF) {
         // No split saw a key (and no sink): 0 and -inf, as the CPU path's fully-masked-row rule.
         if (writes) o[x] = from_f32_elem(0.f);
-        if (first) lse[lse_base + (i64)h * lse_head_stride + i] = -FA_INF;
+        if (first) lse[lse_base + (i64)h * p.lse_head_stride + i] = -FA_INF;
         return;
     }
     float sum = 0.f;
-    for (int sp = lane; sp < splits; sp += 32) sum += expf(ws_lse[(i64)sp * total_rows + row] - mx);
+    for (int sp = lane; sp < p.splits; sp += 32)
+        sum += expf(ws_lse[(i64)sp * p.total_rows + row] - mx);
     sum = warp_sum(sum) + expf(sk - mx);
     const float inv = 1.f / sum;
     float acc = 0.f;
-    if (x < head_dim) {
+    if (x < p.head_dim) {
 #pragma unroll 4
-        for (int sp = g; sp < splits; sp += 4) {
-            const float l = ws_lse[(i64)sp * total_rows + row];
-            const float v = ws_o[((i64)sp * total_rows + row) * head_dim + x];
+        for (int sp = g; sp < p.splits; sp += 4) {
+            const float l = ws_lse[(i64)sp * p.total_rows + row];
+            const float v = ws_o[((i64)sp * p.total_rows + row) * p.head_dim + x];
             // A split that saw no key (lse -inf) adds nothing, whatever its row holds.
             acc = l == -FA_INF ? acc : fmaf(expf(l - mx) * inv, v, acc);
         }
@@ -740,7 +752,7 @@ decode_combine(const float* __restrict__ ws_o, const float* __restrict__ ws_lse,
     acc += __shfl_xor_sync(0xffffffffu, acc, 8);
     acc += __shfl_xor_sync(0xffffffffu, acc, 16);
     if (writes) o[x] = from_f32_elem(acc);
-    if (first) lse[lse_base + (i64)h * lse_head_stride + i] = mx + logf(sum);
+    if (first) lse[lse_base + (i64)h * p.lse_head_stride + i] = mx + logf(sum);
 }
 #endif  // FA_DECODE_ENTRY == 2
 
@@ -751,39 +763,46 @@ decode_combine(const float* __restrict__ ws_o, const float* __restrict__ ws_lse,
 // concurrently. (One CTA per kv head: a decode step appends a few rows; a prefill-sized append
 // runs its rows one after another.)
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
-decode_append(const elem_t* __restrict__ k_new, const elem_t* __restrict__ v_new,
-              cache_t* __restrict__ k_cache, cache_t* __restrict__ v_cache,
-              const i64* __restrict__ seqs, const int* __restrict__ pages,
-              const float* __restrict__ rot, int batch, int head_dim, i64 kn_row_stride,
-              i64 kn_head_stride, i64 vn_row_stride, i64 vn_head_stride, i64 k_page_stride,
-              i64 k_row_stride, i64 k_head_stride, i64 v_page_stride, i64 v_row_stride,
-              i64 v_head_stride, int page_size, int max_blocks, int rot_half,
-              int rot_interleaved, int rot_npos, const float* __restrict__ descale,
-              int e5m2) {
+decode_append(const __grid_constant__ DecodeParams p) {
+    const elem_t* __restrict__ k_new = static_cast<const elem_t*>(p.k_new);
+    const elem_t* __restrict__ v_new = static_cast<const elem_t*>(p.v_new);
+    cache_t* __restrict__ k_cache = static_cast<cache_t*>(p.k_cache);
+    cache_t* __restrict__ v_cache = static_cast<cache_t*>(p.v_cache);
+    const i64* __restrict__ seqs = p.seqs;
+    const int* __restrict__ pages = p.pages;
+    const float* __restrict__ rot = p.rot;
+#ifdef FA_FP8_CACHE
+    const float* __restrict__ descale = p.descale;
+#endif
     const int hk = blockIdx.x;
-    for (int b = 0; b < batch; ++b) {
+    for (int b = 0; b < p.batch; ++b) {
         const i64* s = seqs + DECODE_FIELDS * b;
         const int cache_seqlen = (int)s[6], new_len = (int)s[7];
         const i64 kn_base = s[8], vn_base = s[9];
         for (int t = 0; t < new_len; ++t) {
             const int j = cache_seqlen + t;
-            const i64 page = pages[(i64)b * max_blocks + j / page_size];
-            const i64 row = j % page_size;
-            const elem_t* ks = k_new + kn_base + (i64)t * kn_row_stride + (i64)hk * kn_head_stride;
-            const elem_t* vs = v_new + vn_base + (i64)t * vn_row_stride + (i64)hk * vn_head_stride;
-            cache_t* kd = k_cache + page * k_page_stride + row * k_row_stride + hk * k_head_stride;
-            cache_t* vd = v_cache + page * v_page_stride + row * v_row_stride + hk * v_head_stride;
-            const float* cs = rot == nullptr ? nullptr : rot + ((i64)b * rot_npos + t) * 2 * rot_half;
+            const i64 page = pages[(i64)b * p.max_blocks + j / p.page_size];
+            const i64 row = j % p.page_size;
+            const elem_t* ks =
+                k_new + kn_base + (i64)t * p.kn_row_stride + (i64)hk * p.kn_head_stride;
+            const elem_t* vs =
+                v_new + vn_base + (i64)t * p.vn_row_stride + (i64)hk * p.vn_head_stride;
+            cache_t* kd =
+                k_cache + page * p.k_page_stride + row * p.k_row_stride + hk * p.k_head_stride;
+            cache_t* vd =
+                v_cache + page * p.v_page_stride + row * p.v_row_stride + hk * p.v_head_stride;
+            const float* cs =
+                rot == nullptr ? nullptr : rot + ((i64)b * p.rot_npos + t) * 2 * p.rot_half;
 #ifdef FA_FP8_CACHE
             const i64 fac = 3 * ((i64)b * gridDim.x + hk);  // gridDim.x = heads_kv
             const double kf = descale[fac + 1], vf = descale[fac + 2];
-            for (int x = threadIdx.x; x < head_dim; x += NUM_THREADS) {
-                kd[x] = f64_to_fp8((double)rotated(ks, x, cs, rot_half, rot_interleaved) / kf, e5m2);
-                vd[x] = f64_to_fp8((double)to_f32(vs[x]) / vf, e5m2);
+            for (int x = threadIdx.x; x < p.head_dim; x += NUM_THREADS) {
+                kd[x] = f64_to_fp8((double)rotated(ks, x, cs, p.rot_half, p.rot_interleaved) / kf, p.fp8_e5m2);
+                vd[x] = f64_to_fp8((double)to_f32(vs[x]) / vf, p.fp8_e5m2);
             }
 #else
-            for (int x = threadIdx.x; x < head_dim; x += NUM_THREADS) {
-                kd[x] = cs == nullptr ? ks[x] : from_f32_elem(rotated(ks, x, cs, rot_half, rot_interleaved));
+            for (int x = threadIdx.x; x < p.head_dim; x += NUM_THREADS) {
+                kd[x] = cs == nullptr ? ks[x] : from_f32_elem(rotated(ks, x, cs, p.rot_half, p.rot_interleaved));
                 vd[x] = vs[x];
             }
 #endif

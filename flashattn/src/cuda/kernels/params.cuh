@@ -104,3 +104,52 @@ static_assert(FA_OFFSETOF(BwdParams, q_row_stride) == 104, "BwdParams: params.rs
 static_assert(FA_OFFSETOF(BwdParams, drop) == 208, "BwdParams: params.rs");
 static_assert(FA_OFFSETOF(BwdParams, heads) == 232, "BwdParams: params.rs");
 static_assert(FA_OFFSETOF(BwdParams, window_right) == 256, "BwdParams: params.rs");
+
+// The decode kernels (decode.cu: decode_append, decode_split, decode_combine), one struct for the
+// three launches of a call. q, k_new, v_new and out hold elements of the variant's type (elem_t);
+// k_cache and v_cache its cache type (cache_t: elem_t, or FP8 bytes with FA_FP8_CACHE; written by
+// decode_append, read by decode_split); ws_o and ws_lse the f32 workspace of the splits' partial
+// rows and LSEs (`splits` blocks of total_rows rows). `seqs`: DECODE_FIELDS i64 per launched
+// sequence (decode.cu); `pages`: the page of (sequence b, block) at b * max_blocks + block (a
+// contiguous cache is one page per sequence). `alibi_slopes` (ALiBi, else null): `heads` slopes
+// per launched sequence; `rot` (rotary, else null): rot_half cos then rot_half sin per (sequence,
+// position), rot_npos positions per sequence; `descale` (FP8 caches, else null): three factors
+// per (launched sequence b, kv head hk) at 3 * (b * heads_kv + hk) (decode.cu); `sink` (learnable
+// sinks, else null): the logit of (launched sequence b, head h) at b * heads + h. Strides in
+// elements; window sides -1 for unbounded; batch: the sequences the append writes; vec_loads: 1
+// when head_dim and every k cache stride are multiples of 8 elements; fp8_e5m2 picks the FP8
+// format of the caches (0: e4m3).
+struct DecodeParams {
+    const void* __restrict__ q;
+    void* __restrict__ k_cache;
+    void* __restrict__ v_cache;
+    const void* __restrict__ k_new;
+    const void* __restrict__ v_new;
+    void* __restrict__ out;
+    float* __restrict__ lse;
+    float* __restrict__ ws_o;
+    float* __restrict__ ws_lse;
+    const i64* __restrict__ seqs;
+    const int* __restrict__ pages;
+    const float* __restrict__ alibi_slopes;
+    const float* __restrict__ rot;
+    const float* __restrict__ descale;
+    const float* __restrict__ sink;
+    i64 q_row_stride, q_head_stride;
+    i64 k_page_stride, k_row_stride, k_head_stride;
+    i64 v_page_stride, v_row_stride, v_head_stride;
+    i64 kn_row_stride, kn_head_stride;
+    i64 vn_row_stride, vn_head_stride;
+    i64 lse_head_stride, total_rows;
+    int batch, heads, heads_kv, head_dim, splits;
+    int page_size, max_blocks;
+    float softmax_scale, softcap;
+    int window_left, window_right;
+    int rot_half, rot_interleaved, rot_npos;
+    int vec_loads, fp8_e5m2;
+};
+static_assert(sizeof(DecodeParams) == 296, "DecodeParams: params.rs");
+static_assert(FA_OFFSETOF(DecodeParams, q_row_stride) == 120, "DecodeParams: params.rs");
+static_assert(FA_OFFSETOF(DecodeParams, batch) == 232, "DecodeParams: params.rs");
+static_assert(FA_OFFSETOF(DecodeParams, softmax_scale) == 260, "DecodeParams: params.rs");
+static_assert(FA_OFFSETOF(DecodeParams, fp8_e5m2) == 292, "DecodeParams: params.rs");

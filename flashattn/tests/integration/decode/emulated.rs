@@ -27,7 +27,8 @@ fn decode_builds() -> Builds {
     Builds::new(DRIVER, &[("FA_DECODE_ENTRY", "0")])
 }
 
-/// The launch numbers, in the order decode_driver.cpp reads them.
+/// The launch numbers besides the kernels' parameter (params.bin), in the order
+/// decode_driver.cpp reads them.
 fn params_text(d: &DecodeLaunch, k_len: usize, v_len: usize) -> String {
     let g = |g: (u32, u32, u32)| [g.0 as i64, g.1 as i64, g.2 as i64];
     let (ws_o, ws_lse) = d.workspace_len();
@@ -40,44 +41,16 @@ fn params_text(d: &DecodeLaunch, k_len: usize, v_len: usize) -> String {
         d.append.is_some() as i64,
         d.slopes.is_some() as i64,
         d.rot.is_some() as i64,
-        d.batch as i64,
-        d.heads as i64,
-        d.heads_kv as i64,
-        d.head_dim as i64,
-        d.splits as i64,
+        d.out_len as i64,
+        d.lse_len as i64,
+        ws_o as i64,
+        ws_lse as i64,
+        k_len as i64,
+        v_len as i64,
+        d.descale.is_some() as i64,
+        d.sink.is_some() as i64,
     ]);
-    n.extend(d.q_strides);
-    n.extend(d.k_strides);
-    n.extend(d.v_strides);
-    n.extend(d.kn_strides);
-    n.extend(d.vn_strides);
-    n.extend([d.page_size as i64, d.max_blocks as i64]);
-    let mut t: Vec<String> = n.iter().map(|x| x.to_string()).collect();
-    t.push(format!("{:e}", d.softmax_scale));
-    t.push(format!("{:e}", d.softcap));
-    t.extend(
-        [
-            d.window.0 as i64,
-            d.window.1 as i64,
-            d.rot_half as i64,
-            d.rot_interleaved as i64,
-            d.rot_npos as i64,
-            d.lse_head_stride,
-            d.total_rows,
-            d.vec_loads as i64,
-            d.out_len as i64,
-            d.lse_len as i64,
-            ws_o as i64,
-            ws_lse as i64,
-            k_len as i64,
-            v_len as i64,
-            d.descale.is_some() as i64,
-            d.e5m2 as i64,
-            d.sink.is_some() as i64,
-        ]
-        .iter()
-        .map(|x| x.to_string()),
-    );
+    let t: Vec<String> = n.iter().map(|x| x.to_string()).collect();
     t.join("\n")
 }
 
@@ -229,6 +202,9 @@ fn execute(
     };
     let (k_len, v_len) = (kb.len() / elem, vb.len() / elem);
     put("params.txt", params_text(d, k_len, v_len).into_bytes());
+    // The kernels' parameter, byte for byte as a GPU launch passes it (its addresses 0: the
+    // driver sets them to its buffers).
+    put("params.bin", d.params.as_bytes().to_vec());
     put("q.bin", bytes(q.data()));
     put("k.bin", kb.to_vec());
     put("v.bin", vb.to_vec());
