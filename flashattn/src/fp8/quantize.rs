@@ -249,7 +249,7 @@ pub fn quantize_qkv(
 }
 
 /// [`quantize_qkv`] for packed sequences: q `[total_q, heads, head_dim]`, k and v `[total_k,
-/// heads_kv, head_dim]`, with `cu_seqlens_q` and `cu_seqlens_k` as [`crate::flash_attn_varlen`];
+/// heads_kv, head_dim]`, with `cu_seqlens_q` and `cu_seqlens_k` as [`crate::AttnOptions::varlen`];
 /// per-head factors are per (sequence, kv head).
 pub fn quantize_qkv_varlen(
     q: &TensorRef,
