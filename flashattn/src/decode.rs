@@ -231,7 +231,7 @@ fn checked_destination<'a>(
     p: &Params,
     dst: OutBuffers<'a>,
 ) -> Result<(SliceMut<'a>, &'a mut [f32])> {
-    crate::check_out_buffers(p, p.dtype, &dst)?;
+    crate::params::out_buffers(p, p.dtype, &dst)?;
     Ok((dst.out, dst.lse))
 }
 

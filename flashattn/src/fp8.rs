@@ -278,7 +278,7 @@ pub fn flash_attn_fp8_into(
     dst: OutBuffers,
 ) -> Result<()> {
     let p = validate_forward([q, k, v], opts)?;
-    crate::check_out_buffers(&p, DType::BF16, &dst)?;
+    params::out_buffers(&p, DType::BF16, &dst)?;
     if p.kernels.has_bf16_dot() {
         let SliceMut::BF16(out) = dst.out else {
             unreachable!("checked: out is bf16")
@@ -567,7 +567,7 @@ pub fn flash_attn_with_kvcache_fp8_into(
     dst: OutBuffers,
 ) -> Result<()> {
     let (dp, dk) = validate_kvcache_call(q, (k_cache, v_cache), cache_seqlens, opts)?;
-    crate::check_out_buffers(&dp.p, dp.p.dtype, &dst)?;
+    params::out_buffers(&dp.p, dp.p.dtype, &dst)?;
     kvcache_fp8(&dp, &dk, q, (k_cache, v_cache), opts, (dst.out, dst.lse))
 }
 

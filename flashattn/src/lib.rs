@@ -170,13 +170,6 @@ fn slice_mut_len(s: &SliceMut) -> (DType, usize) {
     (s.dtype(), s.as_slice().len())
 }
 
-/// Checks a forward's destinations against validated `p`: `out` of `dtype` (the inputs', bf16 for
-/// FP8 inputs) and `p.out_shape`'s length, `lse` of `p.lse_shape`'s.
-pub(crate) fn check_out_buffers(p: &Params, dtype: DType, dst: &OutBuffers) -> Result<()> {
-    params::destination("out", slice_mut_len(&dst.out), dtype, &p.out_shape)?;
-    params::destination("lse", (DType::F32, dst.lse.len()), DType::F32, &p.lse_shape)
-}
-
 /// The forward of validated `p` into `dst` (checked here).
 pub(crate) fn forward_into(
     p: &Params,
@@ -185,7 +178,7 @@ pub(crate) fn forward_into(
     v: &TensorRef,
     dst: OutBuffers,
 ) -> Result<()> {
-    check_out_buffers(p, p.dtype, &dst)?;
+    params::out_buffers(p, p.dtype, &dst)?;
     let lse = dst.lse;
     match dst.out {
         SliceMut::F32(o) => cpu::forward::forward_into(p, data(q), data(k), data(v), o, lse),

@@ -20,7 +20,7 @@ pub(crate) mod decode;
 pub(crate) mod options;
 
 pub(crate) use attn::{attn, batched, grad_inputs, layout, q_like, varlen, GradInputs, QLike};
-pub(crate) use check::destination;
+pub(crate) use check::{destination, out_buffers};
 // Reached through the facade only from `cuda/`.
 #[cfg(feature = "cuda")]
 pub(crate) use attn::check_lse;
