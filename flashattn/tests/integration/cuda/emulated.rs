@@ -417,12 +417,12 @@ mod backward {
         let data = GradData::<T>::new(c);
         let [qt, kt, vt, dt] = data.views();
         let tag = format!("{}_{}", T::DTYPE, c.seed);
-        let fd = launch_description(&qt, &kt, &vt, &opts).unwrap();
+        let fd = launch_description(&qt, &kt, &vt, opts).unwrap();
         let fwd = super::run(&mut builds[0], &fd, &qt, &kt, &vt, &tag);
         let fctx = format!("emulated {} seed={} opts={:?}", fd.key.name(), c.seed, opts);
         let r = data.check_forward(&fwd, opts, &fctx);
         let (ov, lv) = (fwd.out.view(), fwd.lse.view());
-        let desc = backward_launch_description(&qt, &kt, &vt, &ov, &lv, &dt, &opts).unwrap();
+        let desc = backward_launch_description(&qt, &kt, &vt, &ov, &lv, &dt, opts).unwrap();
         let ([dq, dk, dv], dsink) =
             run(&mut builds[1], &desc, [&qt, &kt, &vt, &ov, &lv, &dt], &tag);
         let ctx = format!(
