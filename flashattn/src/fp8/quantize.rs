@@ -26,7 +26,7 @@
 //! let t = TensorRef::contiguous(&x, &[b, n, h, d]);
 //! let qkv = quantize_qkv(&t, &t, &t, &QuantizeOptions::default().incoherent(42))?;
 //! let [q, k, v] = qkv.views();
-//! let res = flash_attn_fp8(&q, &k, &v, &qkv.descale(), &AttnOptions::default())?;
+//! let res = flash_attn_fp8(&q, &k, &v, &AttnOptions::default().descale(qkv.descale()))?;
 //! assert_eq!(res.out.shape(), &[b, n, h, d]);
 //! # Ok::<(), flashattn::Error>(())
 //! ```
