@@ -98,6 +98,8 @@ impl RunArgs {
             dropout_p: self.dropout,
             seed: self.seed,
             isa: None,
+            cu_seqlens: None,
+            descale: None,
         }
     }
 }

@@ -192,7 +192,7 @@ pub fn cuda_fwd(
         let ov = opts.views()?;
         let dev = device(ordinal, stream)?;
         // SAFETY: the option tables are host tensors the Python layer keeps alive for the call.
-        let ao = unsafe { opts.attn(&ov)? };
+        let ao = unsafe { opts.attn_packed(&ov)? };
         // SAFETY: torch holds every tensor of the call alive; inputs are only read, out and lse
         // are fresh tensors of the call, written only by the kernel.
         let [qb, kb, vb, mut ob, mut lb]: [Borrowed; 5] =
@@ -204,10 +204,7 @@ pub fn cuda_fwd(
             out: ob.get_mut()?,
             lse: lb.get_mut()?,
         };
-        match &opts.cu_seqlens {
-            Some((cq, ck)) => cuda::flash_attn_varlen_into(&dev, qt, kt, vt, cq, ck, &ao, dst),
-            None => cuda::flash_attn_into(&dev, qt, kt, vt, &ao, dst),
-        }?;
+        cuda::flash_attn_into(&dev, qt, kt, vt, &ao, dst)?;
         Ok(())
     })?;
     Ok(())
@@ -234,13 +231,13 @@ pub fn cuda_fwd_fp8(
         let [q, k, v, out, lse] = views([q, k, v, out, lse])?;
         let ov = opts.views()?;
         let dev = device(ordinal, stream)?;
-        // SAFETY: as in `cuda_fwd`.
-        let ao = unsafe { opts.attn(&ov)? };
         let descale = Descale {
             q: q_descale.as_deref(),
             k: k_descale.as_deref(),
             v: v_descale.as_deref(),
         };
+        // SAFETY: as in `cuda_fwd`.
+        let ao = unsafe { opts.attn_packed(&ov)? }.descale(descale);
         // SAFETY: torch holds every tensor of the call alive; q, k and v are only read, out and
         // lse are fresh tensors of the call, written only by the kernel.
         let [qb, kb, vb, mut ob, mut lb]: [Borrowed; 5] =
@@ -252,12 +249,7 @@ pub fn cuda_fwd_fp8(
             out: ob.get_mut()?,
             lse: lb.get_mut()?,
         };
-        match &opts.cu_seqlens {
-            Some((cq, ck)) => {
-                cuda::flash_attn_varlen_fp8_into(&dev, qt, kt, vt, cq, ck, &descale, &ao, dst)
-            }
-            None => cuda::flash_attn_fp8_into(&dev, qt, kt, vt, &descale, &ao, dst),
-        }?;
+        cuda::flash_attn_fp8_into(&dev, qt, kt, vt, &ao, dst)?;
         Ok(())
     })?;
     Ok(())
@@ -288,7 +280,7 @@ pub fn cuda_bwd(
         let ov = opts.views()?;
         let dev = device(ordinal, stream)?;
         // SAFETY: as in `cuda_fwd`.
-        let ao = unsafe { opts.attn(&ov)? };
+        let ao = unsafe { opts.attn_packed(&ov)? };
         // SAFETY: as in `cuda_fwd`: the inputs are only read; dq, dk, dv (and dsink) are fresh
         // tensors of the call, written only by the kernels.
         let b = unsafe { Borrowed::all(&dev, &[&q, &k, &v, &out, &lse, &dout])? };
@@ -309,14 +301,7 @@ pub fn cuda_bwd(
             dv: dvb.get_mut()?,
             dsink: dsb.as_mut().map(Borrowed::get_mut).transpose()?,
         };
-        match &opts.cu_seqlens {
-            Some((cq, ck)) => cuda::flash_attn_varlen_backward_into(
-                &dev, t[0], t[1], t[2], t[3], t[4], t[5], cq, ck, &ao, dst,
-            ),
-            None => {
-                cuda::flash_attn_backward_into(&dev, t[0], t[1], t[2], t[3], t[4], t[5], &ao, dst)
-            }
-        }?;
+        cuda::flash_attn_backward_into(&dev, t[0], t[1], t[2], t[3], t[4], t[5], &ao, dst)?;
         Ok(())
     })?;
     Ok(())
@@ -408,8 +393,7 @@ pub fn cuda_kvcache(
                 vcb.fp8_mut()?,
                 &cache_seqlens,
                 nk,
-                &descale,
-                &ko,
+                &ko.descale(descale),
                 dst,
             )?
         } else {

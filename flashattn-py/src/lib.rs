@@ -14,7 +14,7 @@ use std::cell::RefCell;
 use std::sync::{Arc, Mutex};
 
 use flashattn::fp8::Descale;
-use flashattn::{AttnOptions, AttnOutput, BlockTable, KvCacheOptions, TensorRef};
+use flashattn::{AttnOptions, BlockTable, KvCacheOptions, TensorRef};
 use pyo3::prelude::*;
 
 use errors::{BindError, FlashAttnError};
@@ -77,6 +77,19 @@ impl Opts {
             o = o.dropout(self.dropout_p, self.seed);
         }
         Ok(o)
+    }
+
+    /// [`Opts::attn`] with the packed layout of `cu_seqlens` when given: the options of a
+    /// forward or backward call (a decode call packs through its own `cu_seqlens_q`).
+    ///
+    /// # Safety
+    /// As [`Opts::attn`].
+    unsafe fn attn_packed<'a>(&'a self, v: &OptViews) -> Result<AttnOptions<'a>, BindError> {
+        let o = self.attn(v)?;
+        Ok(match &self.cu_seqlens {
+            Some((cq, ck)) => o.varlen(cq, ck),
+            None => o,
+        })
     }
 }
 
@@ -164,23 +177,23 @@ pub(crate) fn views<const N: usize>(raw: [RawView; N]) -> Result<[View; N], Bind
     Ok(v.try_into().expect("N views"))
 }
 
-/// Writes a forward result into `out` and `lse` (checked disjoint from every input first); no
-/// `lse`: the caller drops it.
+/// Where a forward writes its lse: the caller's `lse`, or, when it drops it, `own` sized to the
+/// call's `rows` (one f32 per query row and head).
 ///
 /// # Safety
-/// `out` and `lse` are tensors the caller allocated for this call and holds alive.
-unsafe fn write_forward(
-    res: &AttnOutput,
-    out: &View,
+/// As [`View::dest_f32`].
+unsafe fn lse_dest<'a>(
     lse: Option<&View>,
-    inputs: &[&View],
-) -> Result<(), BindError> {
-    for w in [Some(out), lse].into_iter().flatten() {
-        w.check_disjoint(inputs.iter().copied())?;
+    rows: usize,
+    own: &'a mut Vec<f32>,
+) -> Result<&'a mut [f32], BindError> {
+    match lse {
+        Some(l) => l.dest_f32(),
+        None => {
+            own.resize(rows, 0f32);
+            Ok(own)
+        }
     }
-    out.check_disjoint(lse)?;
-    out.write(&res.out)?;
-    lse.map_or(Ok(()), |l| l.write(&res.lse))
 }
 
 /// Forward: `flash_attn_into` (or the varlen form with `opts.cu_seqlens`): the kernels write
@@ -214,23 +227,14 @@ fn fwd(
         // inputs while it runs; out and lse are fresh tensors, checked disjoint from the inputs
         // and from each other, so the kernels write them in place.
         unsafe {
-            let ao = opts.attn(&ov)?;
+            let ao = opts.attn_packed(&ov)?;
             let (qt, kt, vt) = (q.tensor()?, k.tensor()?, v.tensor()?);
             let dst = flashattn::OutBuffers {
                 out: out.dest()?,
-                lse: match &lse {
-                    Some(l) => l.dest_f32()?,
-                    None => {
-                        own_lse.resize(rows, 0f32);
-                        &mut own_lse
-                    }
-                },
+                lse: lse_dest(lse.as_ref(), rows, &mut own_lse)?,
             };
-            run(opts.num_threads, || match &opts.cu_seqlens {
-                Some((cq, ck)) => {
-                    flashattn::flash_attn_varlen_into(&qt, &kt, &vt, cq, ck, &ao, dst)
-                }
-                None => flashattn::flash_attn_into(&qt, &kt, &vt, &ao, dst),
+            run(opts.num_threads, || {
+                flashattn::flash_attn_into(&qt, &kt, &vt, &ao, dst)
             })??;
         }
         Ok(())
@@ -272,7 +276,7 @@ fn bwd(
         // SAFETY: as in `fwd`; the gradients are fresh tensors checked disjoint from the inputs
         // and from each other, written in place by the kernels.
         unsafe {
-            let ao = opts.attn(&ov)?;
+            let ao = opts.attn_packed(&ov)?;
             let t = [&q, &k, &v, &out, &lse, &dout].map(|x| x.tensor());
             let [qt, kt, vt, ot, lt, dot] = t;
             let (qt, kt, vt, ot, lt, dot) = (qt?, kt?, vt?, ot?, lt?, dot?);
@@ -282,13 +286,8 @@ fn bwd(
                 dv: dv.dest()?,
                 dsink: dsink.as_ref().map(|d| d.dest_f32()).transpose()?,
             };
-            run(opts.num_threads, || match &opts.cu_seqlens {
-                Some((cq, ck)) => flashattn::flash_attn_varlen_backward_into(
-                    &qt, &kt, &vt, &ot, &lt, &dot, cq, ck, &ao, dst,
-                ),
-                None => {
-                    flashattn::flash_attn_backward_into(&qt, &kt, &vt, &ot, &lt, &dot, &ao, dst)
-                }
+            run(opts.num_threads, || {
+                flashattn::flash_attn_backward_into(&qt, &kt, &vt, &ot, &lt, &dot, &ao, dst)
             })??;
         }
         Ok(())
@@ -319,20 +318,26 @@ fn fwd_fp8(
             k: k_descale.as_deref(),
             v: v_descale.as_deref(),
         };
-        // SAFETY: as in `fwd`.
-        unsafe {
-            let ao = opts.attn(&ov)?;
-            let (qt, kt, vt) = (q.fp8()?, k.fp8()?, v.fp8()?);
-            let res = run(opts.num_threads, || match &opts.cu_seqlens {
-                Some((cq, ck)) => {
-                    flashattn::fp8::flash_attn_varlen_fp8(&qt, &kt, &vt, cq, ck, &descale, &ao)
-                }
-                None => flashattn::fp8::flash_attn_fp8(&qt, &kt, &vt, &descale, &ao),
-            })??;
-            let mut inputs = vec![&q, &k, &v];
-            inputs.extend(ov.alibi.iter().chain(&ov.sink));
-            write_forward(&res, &out, Some(&lse), &inputs)
+        let mut inputs = vec![&q, &k, &v];
+        inputs.extend(ov.alibi.iter().chain(&ov.sink));
+        for w in [&out, &lse] {
+            w.check_disjoint(inputs.iter().copied())?;
         }
+        out.check_disjoint([&lse])?;
+        // SAFETY: as in `fwd`: out (bf16) and lse are fresh tensors, checked disjoint from the
+        // inputs and from each other, written in place by the kernels.
+        unsafe {
+            let ao = opts.attn_packed(&ov)?.descale(descale);
+            let (qt, kt, vt) = (q.fp8()?, k.fp8()?, v.fp8()?);
+            let dst = flashattn::OutBuffers {
+                out: out.dest()?,
+                lse: lse.dest_f32()?,
+            };
+            run(opts.num_threads, || {
+                flashattn::fp8::flash_attn_fp8_into(&qt, &kt, &vt, &ao, dst)
+            })??;
+        }
+        Ok(())
     })?;
     Ok(())
 }
@@ -419,8 +424,16 @@ fn kvcache(
         // The caches are written in place: neither may alias the other or any input.
         kc.check_disjoint(reads.iter().copied().chain([&vc]))?;
         vc.check_disjoint(reads.iter().copied())?;
-        // SAFETY: as in `fwd`; the caches are the only views written during the call and are
-        // checked disjoint from each other and from everything read.
+        // out and lse too: neither may alias an input, a cache or the other.
+        for w in [Some(&out), lse.as_ref()].into_iter().flatten() {
+            w.check_disjoint(reads.iter().copied().chain([&kc, &vc]))?;
+        }
+        out.check_disjoint(lse.iter())?;
+        // q's elements over its last dimension: the rows of lse in either layout.
+        let rows = q.shape.iter().product::<usize>() / q.shape.last().copied().unwrap_or(1).max(1);
+        let mut own_lse = Vec::new();
+        // SAFETY: as in `fwd`; the caches, out and lse are the only views written during the
+        // call and are checked disjoint from each other and from everything read.
         unsafe {
             let mut ko = KvCacheOptions::default().attn(opts.attn(&ov)?);
             if let (Some(k), Some(v)) = (&kn, &vn) {
@@ -437,32 +450,43 @@ fn kvcache(
             }
             ko = kv.index_options(ko);
             let qt: TensorRef = q.tensor()?;
-            let res = if matches!(kc.dt, Dt::F8E4M3 | Dt::F8E5M2) {
+            let dst = flashattn::OutBuffers {
+                out: out.dest()?,
+                lse: lse_dest(lse.as_ref(), rows, &mut own_lse)?,
+            };
+            if matches!(kc.dt, Dt::F8E4M3 | Dt::F8E5M2) {
                 let (mut kt, mut vt) = (kc.fp8_mut()?, vc.fp8_mut()?);
                 let descale = Descale {
                     q: None,
                     k: kv.k_descale.as_deref(),
                     v: kv.v_descale.as_deref(),
                 };
+                let ko = ko.descale(descale);
                 run(opts.num_threads, || {
-                    flashattn::fp8::flash_attn_with_kvcache_fp8(
+                    flashattn::fp8::flash_attn_with_kvcache_fp8_into(
                         &qt,
                         &mut kt,
                         &mut vt,
                         &cache_seqlens,
-                        &descale,
                         &ko,
+                        dst,
                     )
                 })??
             } else {
                 let (mut kt, mut vt) = (kc.tensor_mut()?, vc.tensor_mut()?);
                 run(opts.num_threads, || {
-                    flashattn::flash_attn_with_kvcache(&qt, &mut kt, &mut vt, &cache_seqlens, &ko)
+                    flashattn::flash_attn_with_kvcache_into(
+                        &qt,
+                        &mut kt,
+                        &mut vt,
+                        &cache_seqlens,
+                        &ko,
+                        dst,
+                    )
                 })??
             };
-            reads.extend([&kc, &vc]);
-            write_forward(&res, &out, lse.as_ref(), &reads)
         }
+        Ok(())
     })?;
     Ok(())
 }

@@ -270,40 +270,6 @@ impl View {
         Ok(self.slice_mut::<f32>())
     }
 
-    /// Copies `src` (contiguous, this view's dtype) into this view, which must be contiguous.
-    ///
-    /// # Safety
-    /// As [`View::slice_mut`].
-    pub unsafe fn write(&self, src: &flashattn::Tensor) -> Result<(), BindError> {
-        let contiguous = flashattn::tensor::contiguous_strides(&self.shape);
-        // An empty tensor's strides are arbitrary (torch gives `(1, 1)` to a `[4, 0]` tensor).
-        let strides_ok = self.extent == 0 || self.strides == contiguous;
-        if !strides_ok || src.shape() != self.shape.as_slice() {
-            return Err(BindError::Value(format!(
-                "{}: expected a contiguous destination of shape {:?}, got shape {:?} strides {:?}",
-                self.name,
-                src.shape(),
-                self.shape,
-                self.strides
-            )));
-        }
-        match src.buffer() {
-            flashattn::Buffer::F32(d) => {
-                self.expect(Dt::F32)?;
-                self.slice_mut::<f32>().copy_from_slice(d)
-            }
-            flashattn::Buffer::F16(d) => {
-                self.expect(Dt::F16)?;
-                self.slice_mut::<f16>().copy_from_slice(d)
-            }
-            flashattn::Buffer::BF16(d) => {
-                self.expect(Dt::BF16)?;
-                self.slice_mut::<bf16>().copy_from_slice(d)
-            }
-        }
-        Ok(())
-    }
-
     /// The bytes of a contiguous `uint8`/`bool` view, writable.
     ///
     /// # Safety

@@ -99,11 +99,11 @@
 
 use crate::error::{ErrorKind, Result};
 use crate::memory::try_filled;
-use crate::output::AttnOutput;
+use crate::output::{AttnOutput, OutBuffers};
 use crate::params::check::{check_view, checked_product};
 use crate::params::decode::validate;
-use crate::tensor::Element;
-use crate::tensor::{DType, TensorRef};
+use crate::params::Params;
+use crate::tensor::{Buffer, DType, Element, Tensor, TensorRef};
 
 pub use crate::params::options::{BlockTable, KvCacheOptions, Rotary};
 pub use crate::tensor::{SliceMut, TensorMut};
@@ -140,24 +140,99 @@ pub fn flash_attn_with_kvcache(
     cache_seqlens: &[i32],
     opts: &KvCacheOptions,
 ) -> Result<AttnOutput> {
-    let new_kv = opts.new_kv.as_ref().map(|(k, v)| (k, v));
-    let dp = validate(
-        q,
-        &k_cache.view(),
-        &v_cache.view(),
-        new_kv,
-        cache_seqlens,
-        opts,
-    )?;
+    let dp = validate_call(q, k_cache, v_cache, cache_seqlens, opts)?;
     // Every check passed. Only the results' allocation can still fail (`OutOfMemory`), and it
     // comes before the caches are written.
+    let (mut out, mut lse) = new_results(&dp.p)?;
+    let dst = (buffer_mut(&mut out), &mut lse[..]);
     crate::cpu::decode::run(
         &dp,
         q,
         opts.new_kv.as_ref(),
         &mut k_cache.data,
         &mut v_cache.data,
+        dst,
+    )?;
+    Ok(results(&dp.p, out, lse))
+}
+
+/// [`flash_attn_with_kvcache`] writing `out` and `lse` into caller-provided buffers
+/// ([`OutBuffers`]: `out` contiguous in q's dtype and shape, `lse` f32 in the call's lse shape):
+/// no allocation of them, no copy. Everything, the destinations included, is validated before
+/// anything is written: on error the destinations and the caches are untouched. Every element of
+/// `out` and `lse` is written.
+pub fn flash_attn_with_kvcache_into(
+    q: &TensorRef,
+    k_cache: &mut TensorMut,
+    v_cache: &mut TensorMut,
+    cache_seqlens: &[i32],
+    opts: &KvCacheOptions,
+    dst: OutBuffers,
+) -> Result<()> {
+    let dp = validate_call(q, k_cache, v_cache, cache_seqlens, opts)?;
+    let dst = checked_destination(&dp.p, dst)?;
+    crate::cpu::decode::run(
+        &dp,
+        q,
+        opts.new_kv.as_ref(),
+        &mut k_cache.data,
+        &mut v_cache.data,
+        dst,
     )
+}
+
+fn validate_call(
+    q: &TensorRef,
+    k_cache: &TensorMut,
+    v_cache: &TensorMut,
+    cache_seqlens: &[i32],
+    opts: &KvCacheOptions,
+) -> Result<crate::params::DecodeParams> {
+    let new_kv = opts.new_kv.as_ref().map(|(k, v)| (k, v));
+    validate(
+        q,
+        &k_cache.view(),
+        &v_cache.view(),
+        new_kv,
+        cache_seqlens,
+        opts,
+    )
+}
+
+/// New `out` (the call's dtype) and `lse` of validated `p`, poisoned: every element is written by
+/// the call (tests check for NaN).
+pub(crate) fn new_results(p: &Params) -> Result<(Buffer, Vec<f32>)> {
+    let out = crate::tensor::with_dtype!(p.dtype, T => {
+        T::wrap_vec(try_filled("`out`", T::from_f32(f32::NAN), p.out_len())?)
+    });
+    Ok((out, try_filled("`lse`", f32::NAN, p.lse_len())?))
+}
+
+/// The buffer of [`new_results`] as a destination.
+pub(crate) fn buffer_mut(b: &mut Buffer) -> SliceMut<'_> {
+    match b {
+        Buffer::F32(x) => SliceMut::F32(x),
+        Buffer::F16(x) => SliceMut::F16(x),
+        Buffer::BF16(x) => SliceMut::BF16(x),
+    }
+}
+
+/// The results of [`new_results`], written, as the call's tensors.
+pub(crate) fn results(p: &Params, out: Buffer, lse: Vec<f32>) -> AttnOutput {
+    AttnOutput {
+        out: Tensor::new_unchecked(out, p.out_shape.clone()),
+        lse: Tensor::new_unchecked(Buffer::F32(lse), p.lse_shape.clone()),
+    }
+}
+
+/// Checks a caller's destinations against validated `p` (`out` in `p`'s dtype, both of the
+/// call's lengths).
+fn checked_destination<'a>(
+    p: &Params,
+    dst: OutBuffers<'a>,
+) -> Result<(SliceMut<'a>, &'a mut [f32])> {
+    crate::params::out_buffers(p, p.dtype, &dst)?;
+    Ok((dst.out, dst.lse))
 }
 
 /// Merges partial attention results computed over disjoint key sets of the same queries into the

@@ -303,6 +303,17 @@ pub enum ErrorKind {
     )]
     DescaleUnused { tensor: TensorName },
     #[error(
+        "descale factors were given to a call whose inputs are not FP8: only the FP8 calls \
+         (fp8::flash_attn_fp8, fp8::flash_attn_with_kvcache_fp8) take them; leave \
+         AttnOptions::descale unset"
+    )]
+    DescaleNotFp8,
+    #[error(
+        "AttnOptions::varlen (cu_seqlens_q, cu_seqlens_k) was given to a decode call: pack its \
+         queries with KvCacheOptions::cu_seqlens_q and its new keys with cu_seqlens_k_new"
+    )]
+    VarlenInDecode,
+    #[error(
         "the FP8 descale factors let {what} reach {reach:e}, beyond f32's range: scale the \
          inputs so that their factors are smaller"
     )]

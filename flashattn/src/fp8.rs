@@ -11,8 +11,10 @@
 //! roundings are those of the bf16 forward itself. `out` is bf16 (as FlashAttention-3), `lse` f32.
 //!
 //! Forward only: there is no FP8 backward (FlashAttention-3 has none either). Every other forward
-//! option applies (causal, window, softcap, ALiBi, MQA/GQA, packed sequences, dropout). Working
-//! memory is the bf16 forward's (without a bf16 dot product, plus bf16 copies of q, k and v).
+//! option applies (causal, window, softcap, ALiBi, MQA/GQA, packed sequences, dropout). The
+//! factors are an option like the others ([`AttnOptions::descale`]); FP8 keeps calls of its own
+//! because its tensors ([`Fp8TensorRef`]) are another type. Working memory is the bf16 forward's
+//! (without a bf16 dot product, plus bf16 copies of q, k and v).
 //!
 //! ```
 //! use flashattn::fp8::{flash_attn_fp8, Descale, Fp8TensorRef, F8E4M3};
@@ -26,23 +28,27 @@
 //!     Fp8TensorRef::contiguous(&kv, &[b, n, hk, d]),
 //! );
 //! let descale = Descale::default().q(&[0.01]).k(&[0.02]).v(&[0.5]);
-//! let res = flash_attn_fp8(&q, &kv, &kv, &descale, &AttnOptions::default().causal(true)).unwrap();
+//! let opts = AttnOptions::default().causal(true).descale(descale);
+//! let res = flash_attn_fp8(&q, &kv, &kv, &opts).unwrap();
 //! assert_eq!(res.out.dtype(), flashattn::DType::BF16);
 //! assert_eq!(res.lse.shape(), &[b, h, n]);
 //! ```
 
-use crate::cpu::forward::{forward_fp8, Fp8Source};
+use crate::cpu::forward::{forward_fp8, forward_fp8_into, Fp8Source};
 use crate::decode::KvCacheOptions;
 use crate::error::{ErrorKind, Result, TensorName};
-use crate::output::AttnOutput;
+use crate::output::{AttnOutput, OutBuffers};
 use crate::params::AttnOptions;
 use crate::params::{self, Descales, Params};
-use crate::tensor::{contiguous_strides, Buffer, DType, Tensor, TensorRef, ViewDesc, ViewInfo};
+use crate::tensor::{
+    contiguous_strides, Buffer, DType, SliceMut, Tensor, TensorRef, ViewDesc, ViewInfo,
+};
 pub use float8::{F8E4M3, F8E5M2};
 use half::bf16;
 use rayon::prelude::*;
 
 pub use crate::dtype::Fp8Format;
+pub use crate::params::Descale;
 
 mod quantize;
 pub use quantize::{
@@ -234,96 +240,19 @@ impl ViewDesc for Fp8TensorRef<'_> {
     }
 }
 
-/// Dequantisation factors (f32): the true q is `q_fp8 · q_descale`, likewise k and v. Each is
-/// either one value for the whole tensor or `batch · heads_kv` values, row-major `[batch,
-/// heads_kv]` (`batch` = number of sequences; a query head uses the factor of the kv head it
-/// reads). `None` means 1. Every factor must be finite and > 0.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Descale<'a> {
-    pub q: Option<&'a [f32]>,
-    pub k: Option<&'a [f32]>,
-    pub v: Option<&'a [f32]>,
-}
-
-impl<'a> Descale<'a> {
-    pub fn q(mut self, q: &'a [f32]) -> Self {
-        self.q = Some(q);
-        self
-    }
-    pub fn k(mut self, k: &'a [f32]) -> Self {
-        self.k = Some(k);
-        self
-    }
-    pub fn v(mut self, v: &'a [f32]) -> Self {
-        self.v = Some(v);
-        self
-    }
-}
-
-/// Attention over a batch of equal-length FP8 sequences: q `[batch, seqlen_q, heads, head_dim]`,
-/// k and v `[batch, seqlen_k, heads_kv, head_dim]`, all three of one [`Fp8Format`]. Returns `out`
-/// in bf16 and `lse` in f32, as [`crate::flash_attn`] (see the module documentation).
+/// Attention over FP8 q, k and v, all three of one [`Fp8Format`], with their dequantisation
+/// factors in `opts.descale` ([`AttnOptions::descale`]; unset: all 1): batched, q
+/// `[batch, seqlen_q, heads, head_dim]` and k, v `[batch, seqlen_k, heads_kv, head_dim]`, or packed
+/// with [`AttnOptions::varlen`] (q `[total_q, heads, head_dim]`, k, v `[total_k, heads_kv,
+/// head_dim]`; per-sequence factors are indexed by sequence). Returns `out` in bf16 and `lse` in
+/// f32, as [`crate::flash_attn`] (see the module documentation).
 pub fn flash_attn_fp8(
     q: &Fp8TensorRef,
     k: &Fp8TensorRef,
     v: &Fp8TensorRef,
-    descale: &Descale,
     opts: &AttnOptions,
 ) -> Result<AttnOutput> {
-    let p = validate_forward([q, k, v], None, descale, opts)?;
-    run(p, [q, k, v], |[qv, kv, vv]| {
-        params::batched(qv, kv, vv, opts)
-    })
-}
-
-/// Attention over packed variable-length FP8 sequences: q `[total_q, heads, head_dim]`, k and v
-/// `[total_k, heads_kv, head_dim]` with `cu_seqlens_q` / `cu_seqlens_k` as
-/// [`crate::flash_attn_varlen`]; per-sequence descale factors are indexed by sequence.
-pub fn flash_attn_varlen_fp8(
-    q: &Fp8TensorRef,
-    k: &Fp8TensorRef,
-    v: &Fp8TensorRef,
-    cu_seqlens_q: &[i32],
-    cu_seqlens_k: &[i32],
-    descale: &Descale,
-    opts: &AttnOptions,
-) -> Result<AttnOutput> {
-    let cu = Some((cu_seqlens_q, cu_seqlens_k));
-    let p = validate_forward([q, k, v], cu, descale, opts)?;
-    run(p, [q, k, v], |[qv, kv, vv]| {
-        params::varlen(qv, kv, vv, cu_seqlens_q, cu_seqlens_k, opts)
-    })
-}
-
-/// The checks of an FP8 forward call, shared by the CPU and the CUDA path, in this order: q, k
-/// and v in one format; the shapes and options (the views seen as bf16, their bounds in elements
-/// of one byte), batched or packed (`cu_seqlens`); the descale factors. Returns the validated
-/// call, its `descale` holding the folded score scales and the v factors.
-pub(crate) fn validate_forward<V: Fp8View>(
-    [q, k, v]: [&V; 3],
-    cu_seqlens: Option<(&[i32], &[i32])>,
-    descale: &Descale,
-    opts: &AttnOptions,
-) -> Result<Params> {
-    check_formats(q, k, v)?;
-    let mut p = match cu_seqlens {
-        Some((cq, ck)) => params::varlen(q, k, v, cq, ck, opts)?,
-        None => params::batched(q, k, v, opts)?,
-    };
-    let fmax = q.fp8_format().max() as f64;
-    p.descale = Some(check_descale(descale, &p, fmax)?);
-    Ok(p)
-}
-
-/// The forward on validated FP8 views (`p` from [`validate_forward`]). With a bf16 dot product
-/// (AVX512_BF16), the tiles are built straight from the FP8 bytes; otherwise (the f32 products)
-/// q, k and v are first widened to contiguous bf16 copies, and `revalidate` derives the params of
-/// those copies.
-fn run(
-    mut p: Params,
-    [q, k, v]: [&Fp8TensorRef; 3],
-    revalidate: impl Fn([&TensorRef; 3]) -> Result<Params>,
-) -> Result<AttnOutput> {
+    let p = validate_forward([q, k, v], opts)?;
     if p.kernels.has_bf16_dot() {
         let (out, lse) = forward_fp8(&p, source(q), source(k), source(v))?;
         return Ok(AttnOutput {
@@ -331,23 +260,89 @@ fn run(
             lse: Tensor::new_unchecked(Buffer::F32(lse), p.lse_shape.clone()),
         });
     }
-    let isa = p.kernels.isa;
-    let (qb, kb, vb) = (
-        widen("the bf16 copy of `q`", q, isa)?,
-        widen("the bf16 copy of `k`", k, isa)?,
-        widen("the bf16 copy of `v`", v, isa)?,
-    );
-    let (qv, kv, vv) = (
-        TensorRef::contiguous(&qb, q.shape()),
-        TensorRef::contiguous(&kb, k.shape()),
-        TensorRef::contiguous(&vb, v.shape()),
-    );
-    // The same shapes and options as accepted before, now over contiguous bf16 copies: only the
-    // layout differs, so this cannot be rejected.
-    let descales = p.descale.take();
-    let mut p = revalidate([&qv, &kv, &vv])?;
-    p.descale = descales;
+    let copies = widen_qkv(&p, [q, k, v])?;
+    let [qv, kv, vv] = copies.views([q, k, v]);
+    let p = revalidate(p, [&qv, &kv, &vv], opts)?;
     crate::forward(&p, &qv, &kv, &vv)
+}
+
+/// [`flash_attn_fp8`] writing into caller-provided buffers ([`OutBuffers`]: `out` bf16, contiguous,
+/// with q's shape; `lse` f32 with the call's lse shape): no allocation of them, no copy.
+/// Everything, the destinations included, is validated first: on error nothing is written.
+/// Every element of `out` and `lse` is written.
+pub fn flash_attn_fp8_into(
+    q: &Fp8TensorRef,
+    k: &Fp8TensorRef,
+    v: &Fp8TensorRef,
+    opts: &AttnOptions,
+    dst: OutBuffers,
+) -> Result<()> {
+    let p = validate_forward([q, k, v], opts)?;
+    params::out_buffers(&p, DType::BF16, &dst)?;
+    if p.kernels.has_bf16_dot() {
+        let SliceMut::BF16(out) = dst.out else {
+            unreachable!("checked: out is bf16")
+        };
+        return forward_fp8_into(&p, (source(q), source(k), source(v)), out, dst.lse);
+    }
+    let copies = widen_qkv(&p, [q, k, v])?;
+    let [qv, kv, vv] = copies.views([q, k, v]);
+    let p = revalidate(p, [&qv, &kv, &vv], opts)?;
+    crate::forward_into(&p, &qv, &kv, &vv, dst)
+}
+
+/// The checks of an FP8 forward call, shared by the CPU and the CUDA path, in this order: q, k
+/// and v in one format; the shapes and options (the views seen as bf16, their bounds in elements
+/// of one byte), batched or packed (`opts.cu_seqlens`); the descale factors (`opts.descale`).
+/// Returns the validated call, its `descale` holding the folded score scales and the v factors.
+pub(crate) fn validate_forward<V: Fp8View>(
+    [q, k, v]: [&V; 3],
+    opts: &AttnOptions,
+) -> Result<Params> {
+    check_formats(q, k, v)?;
+    let mut p = params::layout(q, k, v, opts)?;
+    let fmax = q.fp8_format().max() as f64;
+    p.descale = Some(check_descale(&opts.descale.unwrap_or_default(), &p, fmax)?);
+    Ok(p)
+}
+
+/// Contiguous bf16 copies of q, k and v: what the forward reads without a bf16 dot product (the
+/// f32 products).
+struct Widened {
+    q: Vec<bf16>,
+    k: Vec<bf16>,
+    v: Vec<bf16>,
+}
+
+impl Widened {
+    /// The copies as views of the shapes of `qkv`.
+    fn views<'a>(&'a self, [q, k, v]: [&Fp8TensorRef; 3]) -> [TensorRef<'a>; 3] {
+        [
+            TensorRef::contiguous(&self.q, q.shape()),
+            TensorRef::contiguous(&self.k, k.shape()),
+            TensorRef::contiguous(&self.v, v.shape()),
+        ]
+    }
+}
+
+/// q, k and v of validated `p` widened to bf16 (exact).
+fn widen_qkv(p: &Params, [q, k, v]: [&Fp8TensorRef; 3]) -> Result<Widened> {
+    let isa = p.kernels.isa;
+    Ok(Widened {
+        q: widen("the bf16 copy of `q`", q, isa)?,
+        k: widen("the bf16 copy of `k`", k, isa)?,
+        v: widen("the bf16 copy of `v`", v, isa)?,
+    })
+}
+
+/// The params of the contiguous bf16 copies of validated `p`'s inputs, with `p`'s folded factors.
+/// The same shapes and options as accepted before, now over contiguous copies: only the layout
+/// differs, so this cannot be rejected.
+fn revalidate(mut p: Params, [q, k, v]: [&TensorRef; 3], opts: &AttnOptions) -> Result<Params> {
+    let descales = p.descale.take();
+    let mut p = params::layout(q, k, v, opts)?;
+    p.descale = descales;
+    Ok(p)
 }
 
 /// The view's bytes, read through its format's table.
@@ -506,8 +501,9 @@ fn widen(what: &'static str, t: &Fp8TensorRef, isa: crate::cpu::simd::Isa) -> Re
 /// q stays in f32, f16 or bf16, and so does `out`; `opts.new_kv` (q's dtype) is appended
 /// quantised: each new key (rotated first, with `opts.rotary`) and value is divided by its
 /// descale factor and rounded once to the cache's format, saturating at its largest finite value
-/// ([`Fp8Format::quantise`]). `descale.k` and `descale.v` hold 1 or `batch · heads_kv` factors
-/// (finite, > 0; per batch row of q, whichever cache row it reads); `descale.q` must be unset.
+/// ([`Fp8Format::quantise`]). The factors are `opts.attn.descale` ([`KvCacheOptions::descale`]):
+/// `k` and `v` hold 1 or `batch · heads_kv` factors (finite, > 0; per batch row of q, whichever
+/// cache row it reads; unset: 1); `q` must be unset.
 ///
 /// The attention itself is exact in q's dtype: every FP8 value is a value of f32, f16 and bf16,
 /// so the cache's keys and values are widened without rounding (a few keys at a time, into a tile
@@ -531,11 +527,12 @@ fn widen(what: &'static str, t: &Fp8TensorRef, isa: crate::cpu::simd::Isa) -> Re
 ///     &mut Fp8TensorMut::contiguous(&mut k_cache, &shape),
 ///     &mut Fp8TensorMut::contiguous(&mut v_cache, &shape),
 ///     &[0],
-///     &Descale::default().k(&[0.01]).v(&[0.01]),
-///     &KvCacheOptions::default().new_kv(
-///         TensorRef::contiguous(&k_new, &[1, 1, heads_kv, d]),
-///         TensorRef::contiguous(&v_new, &[1, 1, heads_kv, d]),
-///     ),
+///     &KvCacheOptions::default()
+///         .descale(Descale::default().k(&[0.01]).v(&[0.01]))
+///         .new_kv(
+///             TensorRef::contiguous(&k_new, &[1, 1, heads_kv, d]),
+///             TensorRef::contiguous(&v_new, &[1, 1, heads_kv, d]),
+///         ),
 /// )?;
 /// assert_eq!(k_cache[0].to_f32(), 20.0); // 0.2 / 0.01, stored in e4m3
 /// // One key: out is its value, 20 · 0.01 = 0.2 (0.3 / 0.01 = 30 is exact in e4m3 too).
@@ -547,31 +544,70 @@ pub fn flash_attn_with_kvcache_fp8(
     k_cache: &mut Fp8TensorMut,
     v_cache: &mut Fp8TensorMut,
     cache_seqlens: &[i32],
-    descale: &Descale,
     opts: &KvCacheOptions,
 ) -> Result<AttnOutput> {
-    let format = k_cache.format();
-    let (dp, dk) = validate_kvcache(
+    let (dp, dk) = validate_kvcache_call(q, (k_cache, v_cache), cache_seqlens, opts)?;
+    // Every check passed. Only the results' allocation can still fail (`OutOfMemory`), and it
+    // comes before the caches are written.
+    let (mut out, mut lse) = crate::decode::new_results(&dp.p)?;
+    let dst = (crate::decode::buffer_mut(&mut out), &mut lse[..]);
+    kvcache_fp8(&dp, &dk, q, (k_cache, v_cache), opts, dst)?;
+    Ok(crate::decode::results(&dp.p, out, lse))
+}
+
+/// [`flash_attn_with_kvcache_fp8`] writing `out` (q's dtype, contiguous, q's shape) and `lse`
+/// into caller-provided buffers, as [`crate::flash_attn_with_kvcache_into`]: everything, the
+/// destinations included, is validated first (on error nothing is written, the caches untouched).
+pub fn flash_attn_with_kvcache_fp8_into(
+    q: &TensorRef,
+    k_cache: &mut Fp8TensorMut,
+    v_cache: &mut Fp8TensorMut,
+    cache_seqlens: &[i32],
+    opts: &KvCacheOptions,
+    dst: OutBuffers,
+) -> Result<()> {
+    let (dp, dk) = validate_kvcache_call(q, (k_cache, v_cache), cache_seqlens, opts)?;
+    params::out_buffers(&dp.p, dp.p.dtype, &dst)?;
+    kvcache_fp8(&dp, &dk, q, (k_cache, v_cache), opts, (dst.out, dst.lse))
+}
+
+fn validate_kvcache_call(
+    q: &TensorRef,
+    (k_cache, v_cache): (&Fp8TensorMut, &Fp8TensorMut),
+    cache_seqlens: &[i32],
+    opts: &KvCacheOptions,
+) -> Result<(crate::params::DecodeParams, Vec<f32>)> {
+    validate_kvcache(
         &ViewInfo::of(q),
         (&k_cache.view(), &v_cache.view()),
         opts.new_kv
             .as_ref()
             .map(|(k, v)| (ViewInfo::of(k), ViewInfo::of(v))),
         cache_seqlens,
-        descale,
         opts,
-    )?;
+    )
+}
+
+/// The FP8 decode of validated `dp` (k factors `dk`) into `dst`.
+fn kvcache_fp8(
+    dp: &crate::params::DecodeParams,
+    dk: &[f32],
+    q: &TensorRef,
+    (k_cache, v_cache): (&mut Fp8TensorMut, &mut Fp8TensorMut),
+    opts: &KvCacheOptions,
+    dst: (SliceMut, &mut [f32]),
+) -> Result<()> {
+    let format = k_cache.format();
     // The v factors, as folded (they scale the output rows unchanged).
     let dv = dp.p.descale.as_ref().map_or(&[][..], |d| &d.out_scale);
-    // Every check passed. Only the results' allocation can still fail (`OutOfMemory`), and it
-    // comes before the caches are written.
     crate::cpu::decode::run_fp8(
-        &dp,
+        dp,
         q,
         opts.new_kv.as_ref(),
         (k_cache.data.bytes_mut(), v_cache.data.bytes_mut()),
         format,
-        (&dk, dv),
+        (dk, dv),
+        dst,
     )
 }
 
@@ -589,7 +625,7 @@ impl Fp8View for Fp8TensorRef<'_> {
 /// The checks of a decode call on FP8 caches, shared by the CPU and the CUDA path, in this order:
 /// both caches in one format, no q factor, the call's shapes and options (the caches seen as
 /// holding q's dtype: their bounds are in elements, one byte each; the new keys and values must
-/// be in q's dtype), the k and v factors. Returns the validated call, its `descale` holding the
+/// be in q's dtype), the k and v factors (`opts.attn.descale`). Returns the validated call, its `descale` holding the
 /// score scales (`softmax_scale · k_descale`, rounded once) and the v factors, and the k factors
 /// per (sequence, kv head), by which appended keys are divided.
 pub(crate) fn validate_kvcache<C: Fp8View + ?Sized>(
@@ -597,9 +633,9 @@ pub(crate) fn validate_kvcache<C: Fp8View + ?Sized>(
     (k_cache, v_cache): (&C, &C),
     new_kv: Option<(ViewInfo, ViewInfo)>,
     cache_seqlens: &[i32],
-    descale: &Descale,
     opts: &KvCacheOptions,
 ) -> Result<(crate::params::DecodeParams, Vec<f32>)> {
+    let descale = opts.attn.descale.unwrap_or_default();
     let format = k_cache.fp8_format();
     if v_cache.fp8_format() != format {
         return Err(ErrorKind::Fp8CacheFormat {
@@ -614,7 +650,7 @@ pub(crate) fn validate_kvcache<C: Fp8View + ?Sized>(
         }
         .into());
     }
-    let mut dp = crate::params::decode::validate(
+    let mut dp = crate::params::decode::validate_caches(
         q,
         &ViewInfo::with_dtype(k_cache, q.dtype),
         &ViewInfo::with_dtype(v_cache, q.dtype),

@@ -58,12 +58,13 @@ pub mod tensor;
 pub(crate) mod test_util;
 
 pub use decode::{
-    flash_attn_with_kvcache, merge_attn_partials, BlockTable, KvCacheOptions, Rotary,
+    flash_attn_with_kvcache, flash_attn_with_kvcache_into, merge_attn_partials, BlockTable,
+    KvCacheOptions, Rotary,
 };
 pub use error::{CuSeqlensProblem, Error, ErrorKind, Result};
 
 pub use output::{AttnGrads, AttnOutput, GradBuffers, OutBuffers};
-pub use params::{AttnOptions, MAX_HEAD_DIM};
+pub use params::{AttnOptions, Descale, MAX_HEAD_DIM};
 pub use tensor::{Buffer, DType, Element, Slice, SliceMut, Tensor, TensorMut, TensorRef};
 
 use output::data;
@@ -93,9 +94,9 @@ pub fn poison_scratch() {
 }
 
 impl AttnOutput {
-    /// The backward pass of the batched forward that produced `self`: gradients of `Σ out ∘ dout`
-    /// with respect to q, k and v. Pass the same q, k, v and options as the forward (the same
-    /// `seed` regenerates the same dropout mask). See [`flash_attn_backward`].
+    /// The backward pass of the forward that produced `self`: gradients of `Σ out ∘ dout` with
+    /// respect to q, k and v. Pass the same q, k, v and options as the forward (the same layout,
+    /// and the same `seed` regenerates the same dropout mask). See [`flash_attn_backward`].
     pub fn backward(
         &self,
         q: &TensorRef,
@@ -108,11 +109,17 @@ impl AttnOutput {
     }
 }
 
-/// Attention over a batch of equal-length sequences.
+/// Attention over a batch of equal-length sequences, or over packed sequences of different
+/// lengths ([`AttnOptions::varlen`]).
 ///
-/// q `[batch, seqlen_q, heads, head_dim]`, k and v `[batch, seqlen_k, heads_kv, head_dim]`, all of
-/// one dtype (f32, f16 or bf16); `heads` a multiple of `heads_kv` (MQA/GQA: query head h reads kv
-/// head `h / (heads / heads_kv)`). Runs on the current rayon pool.
+/// Batched: q `[batch, seqlen_q, heads, head_dim]`, k and v `[batch, seqlen_k, heads_kv, head_dim]`;
+/// `lse` is `[batch, heads, seqlen_q]`. Packed (`opts.varlen(cu_seqlens_q, cu_seqlens_k)`): q
+/// `[total_q, heads, head_dim]`, k and v `[total_k, heads_kv, head_dim]`; sequence b holds q
+/// tokens `cu_seqlens_q[b]..cu_seqlens_q[b + 1]` and k/v tokens `cu_seqlens_k[b]..cu_seqlens_k[b + 1]`
+/// and attends only within itself; masks apply per sequence; `lse` is `[heads, total_q]`.
+/// All three of one dtype (f32, f16 or bf16); `heads` a multiple of `heads_kv` (MQA/GQA: query
+/// head h reads kv head `h / (heads / heads_kv)`). Runs on the current rayon pool. FP8 inputs
+/// take [`fp8::flash_attn_fp8`]; descale factors here are [`ErrorKind::DescaleNotFp8`].
 ///
 /// Working memory besides `out` and `lse`: a few tiles per thread, and where key blocks are visited
 /// 16 times or more on average (long query sequences, GQA groups), k and v packed once per call
@@ -124,24 +131,7 @@ pub fn flash_attn(
     v: &TensorRef,
     opts: &AttnOptions,
 ) -> Result<AttnOutput> {
-    let p = params::batched(q, k, v, opts)?;
-    forward(&p, q, k, v)
-}
-
-/// Attention over packed variable-length sequences.
-///
-/// q `[total_q, heads, head_dim]`, k and v `[total_k, heads_kv, head_dim]`; sequence b holds q
-/// tokens `cu_seqlens_q[b]..cu_seqlens_q[b + 1]` and k/v tokens `cu_seqlens_k[b]..cu_seqlens_k[b + 1]`
-/// and attends only within itself; masks apply per sequence. `lse` is `[heads, total_q]`.
-pub fn flash_attn_varlen(
-    q: &TensorRef,
-    k: &TensorRef,
-    v: &TensorRef,
-    cu_seqlens_q: &[i32],
-    cu_seqlens_k: &[i32],
-    opts: &AttnOptions,
-) -> Result<AttnOutput> {
-    let p = params::varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, opts)?;
+    let p = params::attn(q, k, v, opts)?;
     forward(&p, q, k, v)
 }
 
@@ -154,21 +144,7 @@ pub fn flash_attn_into(
     opts: &AttnOptions,
     dst: OutBuffers,
 ) -> Result<()> {
-    let p = params::batched(q, k, v, opts)?;
-    forward_into(&p, q, k, v, dst)
-}
-
-/// [`flash_attn_varlen`] writing into caller-provided buffers (see [`flash_attn_into`]).
-pub fn flash_attn_varlen_into(
-    q: &TensorRef,
-    k: &TensorRef,
-    v: &TensorRef,
-    cu_seqlens_q: &[i32],
-    cu_seqlens_k: &[i32],
-    opts: &AttnOptions,
-    dst: OutBuffers,
-) -> Result<()> {
-    let p = params::varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, opts)?;
+    let p = params::attn(q, k, v, opts)?;
     forward_into(&p, q, k, v, dst)
 }
 
@@ -185,26 +161,7 @@ pub fn flash_attn_backward_into(
     opts: &AttnOptions,
     dst: GradBuffers,
 ) -> Result<()> {
-    let p = params::batched(q, k, v, opts)?;
-    let g = params::grad_inputs(&p, out, lse, dout)?;
-    backward_into(&p, &g, [q, k, v, out, dout], dst)
-}
-
-/// [`flash_attn_varlen_backward`] writing into caller-provided buffers.
-#[allow(clippy::too_many_arguments)]
-pub fn flash_attn_varlen_backward_into(
-    q: &TensorRef,
-    k: &TensorRef,
-    v: &TensorRef,
-    out: &TensorRef,
-    lse: &TensorRef,
-    dout: &TensorRef,
-    cu_seqlens_q: &[i32],
-    cu_seqlens_k: &[i32],
-    opts: &AttnOptions,
-    dst: GradBuffers,
-) -> Result<()> {
-    let p = params::varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, opts)?;
+    let p = params::attn(q, k, v, opts)?;
     let g = params::grad_inputs(&p, out, lse, dout)?;
     backward_into(&p, &g, [q, k, v, out, dout], dst)
 }
@@ -213,15 +170,15 @@ fn slice_mut_len(s: &SliceMut) -> (DType, usize) {
     (s.dtype(), s.as_slice().len())
 }
 
-fn forward_into(
+/// The forward of validated `p` into `dst` (checked here).
+pub(crate) fn forward_into(
     p: &Params,
     q: &TensorRef,
     k: &TensorRef,
     v: &TensorRef,
     dst: OutBuffers,
 ) -> Result<()> {
-    params::destination("out", slice_mut_len(&dst.out), p.dtype, &p.out_shape)?;
-    params::destination("lse", (DType::F32, dst.lse.len()), DType::F32, &p.lse_shape)?;
+    params::out_buffers(p, p.dtype, &dst)?;
     let lse = dst.lse;
     match dst.out {
         SliceMut::F32(o) => cpu::forward::forward_into(p, data(q), data(k), data(v), o, lse),
@@ -289,8 +246,9 @@ fn backward_into(
 /// (accumulated in f32, returned in q's dtype, contiguous, shapes of q, k, v; for GQA/MQA, dk and dv
 /// sum over the query heads of each group).
 ///
-/// `out` and `lse` are the forward's results for the same inputs and options; `dout` has q's shape
-/// and dtype (any strides, last dimension contiguous). Attention probabilities are recomputed
+/// `out` and `lse` are the forward's results for the same inputs and options (batched, or packed
+/// with [`AttnOptions::varlen`]: `lse` `[heads, total_q]`); `dout` has q's shape and dtype (any
+/// strides, last dimension contiguous). Attention probabilities are recomputed
 /// tile by tile from q, k and `lse`; no buffer grows with seqlen_q · seqlen_k. Results are
 /// bit-identical for any thread count.
 ///
@@ -312,25 +270,7 @@ pub fn flash_attn_backward(
     dout: &TensorRef,
     opts: &AttnOptions,
 ) -> Result<AttnGrads> {
-    let p = params::batched(q, k, v, opts)?;
-    let g = params::grad_inputs(&p, out, lse, dout)?;
-    backward(&p, &g, q, k, v, out, dout)
-}
-
-/// Backward pass of [`flash_attn_varlen`] (packed layout; `lse` `[heads, total_q]`).
-#[allow(clippy::too_many_arguments)]
-pub fn flash_attn_varlen_backward(
-    q: &TensorRef,
-    k: &TensorRef,
-    v: &TensorRef,
-    out: &TensorRef,
-    lse: &TensorRef,
-    dout: &TensorRef,
-    cu_seqlens_q: &[i32],
-    cu_seqlens_k: &[i32],
-    opts: &AttnOptions,
-) -> Result<AttnGrads> {
-    let p = params::varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, opts)?;
+    let p = params::attn(q, k, v, opts)?;
     let g = params::grad_inputs(&p, out, lse, dout)?;
     backward(&p, &g, q, k, v, out, dout)
 }

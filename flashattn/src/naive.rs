@@ -58,7 +58,7 @@ pub fn attention_with_order(
     dispatch(&p, q, k, v, order)
 }
 
-/// Naive attention, packed layout; as [`crate::flash_attn_varlen`].
+/// Naive attention, packed layout; as [`crate::flash_attn`] with [`crate::AttnOptions::varlen`].
 pub fn attention_varlen(
     q: &TensorRef,
     k: &TensorRef,

@@ -325,7 +325,7 @@ pub fn attention_f64(
     forward_core(&p, &Inputs { q, k, v })
 }
 
-/// Naive f64 attention, packed layout (same validation and errors as [`crate::flash_attn_varlen`]).
+/// Naive f64 attention, packed layout (same validation and errors as [`crate::flash_attn`] with [`crate::AttnOptions::varlen`]).
 pub fn attention_varlen(
     q: &TensorRef,
     k: &TensorRef,

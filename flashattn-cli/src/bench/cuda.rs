@@ -205,14 +205,15 @@ fn measure_fp8(
     let s = fp8_descale(format);
     let descale = flashattn::fp8::Descale::default().q(&s).k(&s).v(&s);
     let (fq, fk, fv) = (hq.view(&qs), hk.view(&ks), hv.view(&ks));
-    let key = cuda::launch_description_fp8(&fq, &fk, &fv, None, &descale, opts)?.key;
+    let opts = &opts.clone().descale(descale);
+    let key = cuda::launch_description_fp8(&fq, &fk, &fv, opts)?.key;
     let prepared = dev.prepare(&key)?;
     let (dq, dk, dv) = (
         dev.upload_fp8(&fq)?,
         dev.upload_fp8(&fk)?,
         dev.upload_fp8(&fv)?,
     );
-    let run = || cuda::flash_attn_fp8(dev, &dq, &dk, &dv, &descale, opts);
+    let run = || cuda::flash_attn_fp8(dev, &dq, &dk, &dv, opts);
     let flops = flashattn::flops::forward(b, h, sq, sk, d, cfg.causal, (-1, -1));
     let timing = time_events(dev, cfg.min_time, run)?;
     let out = run()?.out.to_host(dev)?.to_f64_vec();
@@ -496,8 +497,7 @@ pub fn bench_decode(args: &BenchArgs, sqs: &[usize]) -> Result<()> {
                         v,
                         &lens,
                         Some((&kn, &vn)),
-                        &descale,
-                        &opts,
+                        &opts.clone().descale(descale),
                     ),
                 };
                 let (median_ms, min_ms, reps) = time_events(&dev, args.min_time, &mut step)?;
@@ -532,8 +532,7 @@ pub fn bench_decode(args: &BenchArgs, sqs: &[usize]) -> Result<()> {
                             &k8.view(&cs),
                             &v8.view(&cs),
                             &lens,
-                            &descale,
-                            &opts,
+                            &opts.clone().descale(descale),
                             dev.sm_count(),
                         );
                         (

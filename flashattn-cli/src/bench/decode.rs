@@ -288,7 +288,13 @@ fn bench_one(
                 let mut v = v8.view_mut(&cache_shape, &cache_strides);
                 let descale = Descale::default().k(s).v(s);
                 measure(args.min_time, || {
-                    flash_attn_with_kvcache_fp8(&q, &mut k, &mut v, &lens, &descale, &opts)
+                    flash_attn_with_kvcache_fp8(
+                        &q,
+                        &mut k,
+                        &mut v,
+                        &lens,
+                        &opts.clone().descale(descale),
+                    )
                 })
             }
             _ => {

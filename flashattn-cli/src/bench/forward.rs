@@ -365,8 +365,7 @@ pub fn bench_in_pool(args: &BenchArgs, cases: &[(usize, usize)]) -> Result<()> {
                     &q8.view(&q_shape),
                     &k8.view(&kv_shape),
                     &v8.view(&kv_shape),
-                    &descale,
-                    &opts,
+                    &opts.clone().descale(descale),
                 );
             }
             let res = flashattn::flash_attn(&q, &k, &v, &opts)?;

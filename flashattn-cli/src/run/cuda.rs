@@ -9,31 +9,22 @@ use flashattn::cuda::{self, CudaDevice};
 use flashattn::{AttnGrads, AttnOptions, AttnOutput, TensorRef};
 
 /// Attention on GPU 0 of host views: upload, forward (and backward when `dout` is given),
-/// download. `cu_seqlens` selects the packed layout.
+/// download. `opts.cu_seqlens` selects the packed layout.
 pub fn compute(
     q: &TensorRef,
     k: &TensorRef,
     v: &TensorRef,
     dout: Option<&TensorRef>,
-    cu_seqlens: Option<(&[i32], &[i32])>,
     opts: &AttnOptions,
 ) -> Result<(AttnOutput, Option<AttnGrads>)> {
     let dev = CudaDevice::new(0)?;
     let (dq, dk, dv) = (dev.upload(q)?, dev.upload(k)?, dev.upload(v)?);
-    let res = match cu_seqlens {
-        Some((cq, ck)) => cuda::flash_attn_varlen(&dev, &dq, &dk, &dv, cq, ck, opts)?,
-        None => cuda::flash_attn(&dev, &dq, &dk, &dv, opts)?,
-    };
+    let res = cuda::flash_attn(&dev, &dq, &dk, &dv, opts)?;
     let grads = match dout {
         Some(dout) => {
             let dd = dev.upload(dout)?;
             let (o, l) = (&res.out, &res.lse);
-            let g = match cu_seqlens {
-                Some((cq, ck)) => {
-                    cuda::flash_attn_varlen_backward(&dev, &dq, &dk, &dv, o, l, &dd, cq, ck, opts)?
-                }
-                None => cuda::flash_attn_backward(&dev, &dq, &dk, &dv, o, l, &dd, opts)?,
-            };
+            let g = cuda::flash_attn_backward(&dev, &dq, &dk, &dv, o, l, &dd, opts)?;
             Some(AttnGrads {
                 dq: g.dq.to_host(&dev)?,
                 dk: g.dk.to_host(&dev)?,
@@ -51,20 +42,16 @@ pub fn compute(
 }
 
 /// The FP8 forward on GPU 0 of host FP8 views: upload, forward, download (out bf16, lse f32).
+/// The layout and the factors are in `opts` (`cu_seqlens`, `descale`).
 pub fn compute_fp8(
     q: &flashattn::fp8::Fp8TensorRef,
     k: &flashattn::fp8::Fp8TensorRef,
     v: &flashattn::fp8::Fp8TensorRef,
-    cu_seqlens: Option<(&[i32], &[i32])>,
-    descale: &flashattn::fp8::Descale,
     opts: &AttnOptions,
 ) -> Result<AttnOutput> {
     let dev = CudaDevice::new(0)?;
     let (dq, dk, dv) = (dev.upload_fp8(q)?, dev.upload_fp8(k)?, dev.upload_fp8(v)?);
-    let res = match cu_seqlens {
-        Some((cq, ck)) => cuda::flash_attn_varlen_fp8(&dev, &dq, &dk, &dv, cq, ck, descale, opts)?,
-        None => cuda::flash_attn_fp8(&dev, &dq, &dk, &dv, descale, opts)?,
-    };
+    let res = cuda::flash_attn_fp8(&dev, &dq, &dk, &dv, opts)?;
     Ok(AttnOutput {
         out: res.out.to_host(&dev)?,
         lse: res.lse.to_host(&dev)?,
@@ -122,8 +109,7 @@ pub fn decode_run_fp8(
         &mut dv,
         cache_seqlens,
         step.new_kv(),
-        descale,
-        &step.opts,
+        &step.opts.clone().descale(*descale),
     )?;
     let out = AttnOutput {
         out: res.out.to_host(&dev)?,

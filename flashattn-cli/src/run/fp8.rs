@@ -89,26 +89,25 @@ pub fn run(args: &RunArgs) -> Result<()> {
                 "the packed layout needs both `cu_seqlens_q` and `cu_seqlens_k`, the file has one",
             ),
         };
-    let opts = args.attn_options(alibi.as_ref(), None);
     let d = Descale {
         q: dq.as_deref(),
         k: dk.as_deref(),
         v: dv.as_deref(),
     };
+    let mut opts = args.attn_options(alibi.as_ref(), None).descale(d);
+    if let Some((cq, ck)) = &cu {
+        opts = opts.varlen(cq, ck);
+    }
     let (qv, kv, vv) = (
         q.buf.view(&q.shape),
         k.buf.view(&k.shape),
         v.buf.view(&v.shape),
     );
-    let cu = cu.as_ref().map(|(cq, ck)| (&cq[..], &ck[..]));
     write_atomically(&args.output, || {
         let res = if args.device == Device::Cuda {
-            cuda::compute_fp8(&qv, &kv, &vv, cu, &d, &opts)?
+            cuda::compute_fp8(&qv, &kv, &vv, &opts)?
         } else {
-            with_threads(args.threads, || match cu {
-                Some((cq, ck)) => fp8::flash_attn_varlen_fp8(&qv, &kv, &vv, cq, ck, &d, &opts),
-                None => fp8::flash_attn_fp8(&qv, &kv, &vv, &d, &opts),
-            })??
+            with_threads(args.threads, || fp8::flash_attn_fp8(&qv, &kv, &vv, &opts))??
         };
         st_io::serialize(&res, None)
     })

@@ -242,8 +242,7 @@ fn run_fp8_caches(
                     &mut kt,
                     &mut vt,
                     cache_seqlens,
-                    descale,
-                    opts,
+                    &opts.clone().descale(*descale),
                 )
             })??
         };

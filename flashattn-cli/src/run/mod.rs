@@ -27,50 +27,28 @@ pub fn run(args: &RunArgs) -> Result<()> {
 
 /// Forward, and backward when the file holds `dout`.
 fn compute(inputs: &st_io::Inputs, args: &RunArgs) -> Result<(AttnOutput, Option<AttnGrads>)> {
-    let opts = args.attn_options(inputs.alibi_slopes.as_ref(), inputs.learnable_sink.as_ref());
+    let mut opts = args.attn_options(inputs.alibi_slopes.as_ref(), inputs.learnable_sink.as_ref());
     let [q, k, v] = inputs.qkv.views();
+    match &inputs.cu_seqlens {
+        Some((cq, ck)) => opts = opts.varlen(cq, ck),
+        None if q.shape().len() == 3 => {
+            // The likeliest cause of a rank-3 q is a packed file without its offsets.
+            return Err(CliError(format!(
+                "tensor `q` has rank 3 (shape {:?}); the batched layout needs [batch, seqlen, heads, head_dim], \
+                 the packed layout [total, heads, head_dim] needs tensors cu_seqlens_q and cu_seqlens_k",
+                q.shape()
+            )));
+        }
+        None => {}
+    }
     let dout = inputs.dout.as_ref().map(|t| t.view());
     if args.device == Device::Cuda {
-        let cu = inputs
-            .cu_seqlens
-            .as_ref()
-            .map(|(cq, ck)| (cq.as_slice(), ck.as_slice()));
-        return cuda::compute(&q, &k, &v, dout.as_ref(), cu, &opts);
+        return cuda::compute(&q, &k, &v, dout.as_ref(), &opts);
     }
-    match &inputs.cu_seqlens {
-        Some((cq, ck)) => {
-            let res = flashattn::flash_attn_varlen(&q, &k, &v, cq, ck, &opts)?;
-            let grads = match &dout {
-                Some(dout) => Some(flashattn::flash_attn_varlen_backward(
-                    &q,
-                    &k,
-                    &v,
-                    &res.out.view(),
-                    &res.lse.view(),
-                    dout,
-                    cq,
-                    ck,
-                    &opts,
-                )?),
-                None => None,
-            };
-            Ok((res, grads))
-        }
-        None => {
-            if q.shape().len() == 3 {
-                // The likeliest cause of a rank-3 q is a packed file without its offsets.
-                return Err(CliError(format!(
-                    "tensor `q` has rank 3 (shape {:?}); the batched layout needs [batch, seqlen, heads, head_dim], \
-                     the packed layout [total, heads, head_dim] needs tensors cu_seqlens_q and cu_seqlens_k",
-                    q.shape()
-                )));
-            }
-            let res = flashattn::flash_attn(&q, &k, &v, &opts)?;
-            let grads = match &dout {
-                Some(dout) => Some(res.backward(&q, &k, &v, dout, &opts)?),
-                None => None,
-            };
-            Ok((res, grads))
-        }
-    }
+    let res = flashattn::flash_attn(&q, &k, &v, &opts)?;
+    let grads = match &dout {
+        Some(dout) => Some(res.backward(&q, &k, &v, dout, &opts)?),
+        None => None,
+    };
+    Ok((res, grads))
 }

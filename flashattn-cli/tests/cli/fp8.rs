@@ -3,8 +3,8 @@
 
 use crate::common::*;
 use flashattn::fp8::{
-    flash_attn_fp8, flash_attn_varlen_fp8, flash_attn_with_kvcache_fp8, Descale, Fp8TensorMut,
-    Fp8TensorRef, F8E4M3, F8E5M2,
+    flash_attn_fp8, flash_attn_with_kvcache_fp8, Descale, Fp8TensorMut, Fp8TensorRef, F8E4M3,
+    F8E5M2,
 };
 use flashattn::{reference, AttnOptions, KvCacheOptions, TensorRef};
 use rand::{Rng, SeedableRng};
@@ -82,8 +82,9 @@ fn batched_fp8_matches_library_and_reference() {
         &qv,
         &kv,
         &vv,
-        &Descale::default().q(&dq).k(&dk).v(&dv),
-        &opts,
+        &opts
+            .clone()
+            .descale(Descale::default().q(&dq).k(&dk).v(&dv)),
     )
     .unwrap();
     let (dtype, shape, out) = read_out(&output, "out");
@@ -210,14 +211,14 @@ fn packed_e5m2_matches_library() {
         "--threads",
         "1",
     ]));
-    let lib = flash_attn_varlen_fp8(
+    let lib = flash_attn_fp8(
         &Fp8TensorRef::contiguous(&q, &[tq, h, d]),
         &Fp8TensorRef::contiguous(&k, &[tk, h, d]),
         &Fp8TensorRef::contiguous(&v, &[tk, h, d]),
-        &cq,
-        &ck,
-        &Descale::default().k(&[0.25]),
-        &AttnOptions::default().window(3, -1),
+        &AttnOptions::default()
+            .window(3, -1)
+            .varlen(&cq, &ck)
+            .descale(Descale::default().k(&[0.25])),
     )
     .unwrap();
     let (_, shape, out) = read_out(&output, "out");
@@ -521,8 +522,7 @@ fn run_fp8_kv_cache_matches_library() {
         &mut Fp8TensorMut::contiguous(&mut k_lib, &cs),
         &mut Fp8TensorMut::contiguous(&mut v_lib, &cs),
         &lens,
-        &Descale::default().k(&dk).v(&dv),
-        &opts,
+        &opts.clone().descale(Descale::default().k(&dk).v(&dv)),
     )
     .unwrap();
     let (dtype, shape, out) = read_out(&output, "out");

@@ -1,5 +1,5 @@
-//! The backward pass on the GPU: [`flash_attn_backward`] and [`flash_attn_varlen_backward`], the
-//! CPU calls' semantics (same validation) with every tensor in GPU memory. Three kernels of
+//! The backward pass on the GPU: [`flash_attn_backward`] (batched or packed, as `opts.cu_seqlens`
+//! says), the CPU call's semantics (same validation) with every tensor in GPU memory. Three kernels of
 //! `kernels/bwd.cu` run on the device's stream (on tensor cores for f16/bf16 up to head_dim 128,
 //! on CUDA cores otherwise): `bwd_prep` (dO·O per row and the LSE
 //! in the log2 domain), `bwd_dq` (one CTA per query block) and `bwd_dkdv` (one CTA per key block
@@ -265,18 +265,14 @@ pub fn backward_launch_description(
     out: &TensorRef,
     lse: &TensorRef,
     dout: &TensorRef,
-    cu_seqlens: Option<(&[i32], &[i32])>,
     opts: &AttnOptions,
 ) -> Result<BackwardLaunch> {
-    let p = match cu_seqlens {
-        Some((cq, ck)) => params::varlen(q, k, v, cq, ck, opts)?,
-        None => params::batched(q, k, v, opts)?,
-    };
+    let p = params::attn(q, k, v, opts)?;
     let (o, g, ls) = validate(&p, out, lse, dout)?;
     Ok(BackwardLaunch::new(&p, &o, &g, &ls))
 }
 
-/// The `bwd_dq` variant a batched backward with these arguments runs (its `bwd_dkdv` differs only
+/// The `bwd_dq` variant a backward with these arguments runs (its `bwd_dkdv` differs only
 /// in kind); validated as the call would be, with `dout` standing in for `out` (same shape).
 pub fn backward_kernel_key(
     q: &CudaTensor,
@@ -285,7 +281,7 @@ pub fn backward_kernel_key(
     dout: &CudaTensor,
     opts: &AttnOptions,
 ) -> Result<KernelKey> {
-    let p = params::batched(q, k, v, opts)?;
+    let p = params::attn(q, k, v, opts)?;
     let out = params::q_like("out", dout, &p)?;
     let dout = params::q_like("dout", dout, &p)?;
     let lse_strides = crate::tensor::contiguous_strides(&p.lse_shape);
@@ -315,8 +311,8 @@ pub struct CudaGradBuffers<'a> {
 }
 
 impl CudaAttnOutput {
-    /// The backward pass of the batched [`super::flash_attn`] call that produced `self` (same q,
-    /// k, v and options). See [`flash_attn_backward`].
+    /// The backward pass of the [`super::flash_attn`] call that produced `self` (same q, k, v and
+    /// options, so the same layout). See [`flash_attn_backward`].
     pub fn backward(
         &self,
         dev: &CudaDevice,
@@ -331,7 +327,8 @@ impl CudaAttnOutput {
 }
 
 /// [`crate::flash_attn_backward`] on the GPU, queued on `dev`'s stream (returns without waiting):
-/// gradients of `Σ out ∘ dout` with respect to q, k and v, for the forward's `out` and `lse`.
+/// gradients of `Σ out ∘ dout` with respect to q, k and v, for the forward's `out` and `lse`
+/// (batched, or packed with [`AttnOptions::varlen`], `cu_seqlens_*` on the host).
 /// dQ, dK and dV are each summed by one thread in a fixed order, so results are bit-identical
 /// from run to run. f16/bf16 up to head_dim 128 run on tensor cores (P and dS rounded to the input
 /// type for their products, as FlashAttention-2), f32 and larger head dims on CUDA cores. With
@@ -349,25 +346,7 @@ pub fn flash_attn_backward(
     dout: &CudaTensor,
     opts: &AttnOptions,
 ) -> Result<CudaAttnGrads> {
-    let p = params::batched(q, k, v, opts)?;
-    backward(dev, &p, [q, k, v, out, lse, dout])
-}
-
-/// [`crate::flash_attn_varlen_backward`] on the GPU (packed layout; `cu_seqlens_*` on the host).
-#[allow(clippy::too_many_arguments)]
-pub fn flash_attn_varlen_backward(
-    dev: &CudaDevice,
-    q: &CudaTensor,
-    k: &CudaTensor,
-    v: &CudaTensor,
-    out: &CudaTensor,
-    lse: &CudaTensor,
-    dout: &CudaTensor,
-    cu_seqlens_q: &[i32],
-    cu_seqlens_k: &[i32],
-    opts: &AttnOptions,
-) -> Result<CudaAttnGrads> {
-    let p = params::varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, opts)?;
+    let p = params::attn(q, k, v, opts)?;
     backward(dev, &p, [q, k, v, out, lse, dout])
 }
 
@@ -387,29 +366,7 @@ pub fn flash_attn_backward_into(
     opts: &AttnOptions,
     dst: CudaGradBuffers,
 ) -> Result<()> {
-    let p = params::batched(q, k, v, opts)?;
-    let t = [q, k, v, out, lse, dout];
-    let d = plan(dev, &p, t)?;
-    backward_into(dev, &p, &d, t, dst)
-}
-
-/// [`flash_attn_varlen_backward`] writing into caller-provided buffers (see
-/// [`flash_attn_backward_into`]).
-#[allow(clippy::too_many_arguments)]
-pub fn flash_attn_varlen_backward_into(
-    dev: &CudaDevice,
-    q: &CudaTensor,
-    k: &CudaTensor,
-    v: &CudaTensor,
-    out: &CudaTensor,
-    lse: &CudaTensor,
-    dout: &CudaTensor,
-    cu_seqlens_q: &[i32],
-    cu_seqlens_k: &[i32],
-    opts: &AttnOptions,
-    dst: CudaGradBuffers,
-) -> Result<()> {
-    let p = params::varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, opts)?;
+    let p = params::attn(q, k, v, opts)?;
     let t = [q, k, v, out, lse, dout];
     let d = plan(dev, &p, t)?;
     backward_into(dev, &p, &d, t, dst)

@@ -9,7 +9,7 @@ use super::launch::{sink_table, MAX_GRID_YZ, MAX_SEQLEN};
 use super::params;
 use crate::decode::KvCacheOptions;
 use crate::error::{ErrorKind, Result};
-use crate::fp8::{Descale, Fp8Format, Fp8TensorRef};
+use crate::fp8::{Fp8Format, Fp8TensorRef};
 use crate::params::decode::validate;
 use crate::params::DecodeParams;
 use crate::tensor::{DType, TensorRef, ViewInfo};
@@ -435,14 +435,13 @@ pub fn decode_launch_description_with(
     DecodeLaunch::new(&dp, gpu, None, kernel)
 }
 
-/// The launches of [`super::flash_attn_with_kvcache_fp8`] with these host views, factors and
-/// options on a device of `sm_count` SMs (validated as that call would be).
+/// The launches of [`super::flash_attn_with_kvcache_fp8`] with these host views and options
+/// (the factors in `opts.attn.descale`) on a device of `sm_count` SMs (validated as that call would be).
 pub fn decode_launch_description_fp8(
     q: &TensorRef,
     k_cache: &Fp8TensorRef,
     v_cache: &Fp8TensorRef,
     cache_seqlens: &[i32],
-    descale: &Descale,
     opts: &KvCacheOptions,
     sm_count: usize,
 ) -> Result<DecodeLaunch> {
@@ -453,7 +452,6 @@ pub fn decode_launch_description_fp8(
             .as_ref()
             .map(|(k, v)| (ViewInfo::of(k), ViewInfo::of(v))),
         cache_seqlens,
-        descale,
         opts,
     )?;
     let gpu = GpuShape {

@@ -1,5 +1,5 @@
-//! The forward pass on the GPU: [`flash_attn`], [`flash_attn_varlen`] and their `_into` forms,
-//! the CPU calls' semantics (same validation, `crate::params`) with q, k and v in GPU memory; the
+//! The forward pass on the GPU: [`flash_attn`] and [`flash_attn_into`] (batched or packed, as
+//! `opts.cu_seqlens` says), the CPU calls' semantics (same validation, `crate::params`) with q, k and v in GPU memory; the
 //! launch they make ([`LaunchDescription`], computed on the host and shared with the host
 //! emulation of the kernels) and its upload and launch. The FP8 forward (`fp8.rs`) runs through
 //! [`run_forward`].
@@ -27,7 +27,8 @@ use std::sync::Arc;
 pub const SEQ_FIELDS: usize = 7;
 
 /// [`crate::flash_attn`] on the GPU: q `[batch, seqlen_q, heads, head_dim]`, k and v
-/// `[batch, seqlen_k, heads_kv, head_dim]`, queued on `dev`'s stream (returns without waiting).
+/// `[batch, seqlen_k, heads_kv, head_dim]`, or packed with [`AttnOptions::varlen`]
+/// (`cu_seqlens_*` on the host), queued on `dev`'s stream (returns without waiting).
 pub fn flash_attn(
     dev: &CudaDevice,
     q: &CudaTensor,
@@ -35,21 +36,7 @@ pub fn flash_attn(
     v: &CudaTensor,
     opts: &AttnOptions,
 ) -> Result<CudaAttnOutput> {
-    let p = params::batched(q, k, v, opts)?;
-    forward(dev, &p, q, k, v)
-}
-
-/// [`crate::flash_attn_varlen`] on the GPU (packed layout; `cu_seqlens_*` on the host).
-pub fn flash_attn_varlen(
-    dev: &CudaDevice,
-    q: &CudaTensor,
-    k: &CudaTensor,
-    v: &CudaTensor,
-    cu_seqlens_q: &[i32],
-    cu_seqlens_k: &[i32],
-    opts: &AttnOptions,
-) -> Result<CudaAttnOutput> {
-    let p = params::varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, opts)?;
+    let p = params::attn(q, k, v, opts)?;
     forward(dev, &p, q, k, v)
 }
 
@@ -72,23 +59,7 @@ pub fn flash_attn_into(
     opts: &AttnOptions,
     dst: CudaOutBuffers,
 ) -> Result<()> {
-    let p = params::batched(q, k, v, opts)?;
-    forward_into(dev, &p, q, k, v, dst)
-}
-
-/// [`flash_attn_varlen`] writing into caller-provided buffers (see [`flash_attn_into`]).
-#[allow(clippy::too_many_arguments)]
-pub fn flash_attn_varlen_into(
-    dev: &CudaDevice,
-    q: &CudaTensor,
-    k: &CudaTensor,
-    v: &CudaTensor,
-    cu_seqlens_q: &[i32],
-    cu_seqlens_k: &[i32],
-    opts: &AttnOptions,
-    dst: CudaOutBuffers,
-) -> Result<()> {
-    let p = params::varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, opts)?;
+    let p = params::attn(q, k, v, opts)?;
     forward_into(dev, &p, q, k, v, dst)
 }
 
@@ -159,7 +130,7 @@ fn forward_into(
     }
 }
 
-/// The kernel variant a batched [`flash_attn`] call with these arguments runs on `dev`
+/// The kernel variant a [`flash_attn`] call with these arguments runs on `dev`
 /// (validated as the call would be); with [`CudaDevice::prepare`], lets a caller compile it ahead
 /// of time.
 pub fn kernel_key(
@@ -169,7 +140,7 @@ pub fn kernel_key(
     v: &CudaTensor,
     opts: &AttnOptions,
 ) -> Result<KernelKey> {
-    let p = params::batched(q, k, v, opts)?;
+    let p = params::attn(q, k, v, opts)?;
     Ok(LaunchDescription::new(&p, None)
         .for_arch(dev.arch, ForwardKernel::from_env())
         .key)
@@ -518,20 +489,16 @@ impl LaunchDescription {
     }
 }
 
-/// The launch a batched forward with these host views and options would make (validated as the
-/// call would be). For the host emulation test of the kernels.
+/// The launch a forward with these host views and options would make (validated as the call
+/// would be). For the host emulation test of the kernels.
 #[cfg(feature = "test-hooks")]
 pub fn launch_description(
     q: &TensorRef,
     k: &TensorRef,
     v: &TensorRef,
-    cu_seqlens: Option<(&[i32], &[i32])>,
     opts: &AttnOptions,
 ) -> Result<LaunchDescription> {
-    let p = match cu_seqlens {
-        Some((cq, ck)) => params::varlen(q, k, v, cq, ck, opts)?,
-        None => params::batched(q, k, v, opts)?,
-    };
+    let p = params::attn(q, k, v, opts)?;
     Ok(LaunchDescription::new(&p, None))
 }
 

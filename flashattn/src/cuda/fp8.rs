@@ -1,5 +1,5 @@
 //! FP8 on the GPU: [`CudaFp8Tensor`] (FP8 bytes in GPU memory, with their format);
-//! [`flash_attn_fp8`] and [`flash_attn_varlen_fp8`], the CPU's [`crate::fp8::flash_attn_fp8`]
+//! [`flash_attn_fp8`] (batched or packed), the CPU's [`crate::fp8::flash_attn_fp8`]
 //! with the same validation (`crate::fp8::validate_forward`) on the bf16 forward kernel of
 //! `kernels/fwd.cu` compiled with `FA_FP8_INPUT`; and [`flash_attn_with_kvcache_fp8`], the CPU's
 //! [`crate::fp8::flash_attn_with_kvcache_fp8`] with the same validation
@@ -15,7 +15,7 @@ use super::forward::{
 };
 use crate::decode::KvCacheOptions;
 use crate::error::Result;
-use crate::fp8::{validate_forward, Descale, Fp8Format, Fp8TensorRef, Fp8View};
+use crate::fp8::{validate_forward, Fp8Format, Fp8TensorRef, Fp8View};
 use crate::params::{self, AttnOptions, DecodeParams, Params};
 use crate::tensor::{DType, ViewDesc, ViewInfo};
 use cudarc::driver::CudaSlice;
@@ -117,7 +117,7 @@ impl CudaDevice {
 /// [`crate::fp8::flash_attn_with_kvcache_fp8`] on the GPU, queued on `dev`'s stream (returns
 /// without waiting): q (f32, f16 or bf16) and the new keys and values (`new_kv`, in q's dtype) as
 /// [`CudaTensor`]s, the caches as [`CudaFp8Tensor`]s of one format, with the dequantisation
-/// factors `descale.k` and `descale.v` (one value, or one per (batch row, kv head); `descale.q`
+/// factors `opts.attn.descale` (`k` and `v`: one value, or one per (batch row, kv head); `q`
 /// must be `None`). Everything else as [`super::flash_attn_with_kvcache`]: host index arrays,
 /// `opts.new_kv` `None`, every input validated before anything is queued (on error the caches are
 /// untouched).
@@ -133,11 +133,9 @@ pub fn flash_attn_with_kvcache_fp8(
     v_cache: &mut CudaFp8Tensor,
     cache_seqlens: &[i32],
     new_kv: Option<(&CudaTensor, &CudaTensor)>,
-    descale: &Descale,
     opts: &KvCacheOptions,
 ) -> Result<CudaAttnOutput> {
-    let (dp, dk) =
-        validate_kvcache_fp8(q, (k_cache, v_cache), new_kv, cache_seqlens, descale, opts)?;
+    let (dp, dk) = validate_kvcache_fp8(q, (k_cache, v_cache), new_kv, cache_seqlens, opts)?;
     let mut res = alloc_outputs(dev, &dp)?;
     let dst = CudaOutBuffers {
         out: &mut res.out,
@@ -158,12 +156,10 @@ pub fn flash_attn_with_kvcache_fp8_into(
     v_cache: &mut CudaFp8Tensor,
     cache_seqlens: &[i32],
     new_kv: Option<(&CudaTensor, &CudaTensor)>,
-    descale: &Descale,
     opts: &KvCacheOptions,
     dst: CudaOutBuffers,
 ) -> Result<()> {
-    let (dp, dk) =
-        validate_kvcache_fp8(q, (k_cache, v_cache), new_kv, cache_seqlens, descale, opts)?;
+    let (dp, dk) = validate_kvcache_fp8(q, (k_cache, v_cache), new_kv, cache_seqlens, opts)?;
     kvcache_fp8_into(dev, &dp, &dk, q, (k_cache, v_cache), new_kv, dst)
 }
 
@@ -173,7 +169,6 @@ fn validate_kvcache_fp8(
     (k_cache, v_cache): (&CudaFp8Tensor, &CudaFp8Tensor),
     new_kv: Option<(&CudaTensor, &CudaTensor)>,
     cache_seqlens: &[i32],
-    descale: &Descale,
     opts: &KvCacheOptions,
 ) -> Result<(DecodeParams, Vec<f32>)> {
     refuse_host_new_kv(opts)?;
@@ -182,7 +177,6 @@ fn validate_kvcache_fp8(
         (k_cache, v_cache),
         new_kv.map(|(k, v)| (ViewInfo::of(k), ViewInfo::of(v))),
         cache_seqlens,
-        descale,
         opts,
     )
 }
@@ -220,9 +214,10 @@ fn kvcache_fp8_into(
 }
 
 /// [`crate::fp8::flash_attn_fp8`] on the GPU, queued on `dev`'s stream (returns without waiting):
-/// q `[batch, seqlen_q, heads, head_dim]`, k and v `[batch, seqlen_k, heads_kv, head_dim]`, all
-/// three [`CudaFp8Tensor`]s of one format, with their dequantisation factors (one value, or one
-/// per (sequence, kv head)). Returns `out` in bf16 and `lse` in f32. Every option of
+/// q `[batch, seqlen_q, heads, head_dim]`, k and v `[batch, seqlen_k, heads_kv, head_dim]` (or
+/// packed with [`AttnOptions::varlen`], `cu_seqlens_*` on the host), all three
+/// [`CudaFp8Tensor`]s of one format, with their dequantisation factors in `opts.descale` (one
+/// value, or one per (sequence, kv head)). Returns `out` in bf16 and `lse` in f32. Every option of
 /// [`super::flash_attn`] applies; every input is validated before anything is queued.
 ///
 /// The kernel is the bf16 forward fed from FP8 bytes: each key block's bytes are staged in shared
@@ -235,43 +230,21 @@ pub fn flash_attn_fp8(
     q: &CudaFp8Tensor,
     k: &CudaFp8Tensor,
     v: &CudaFp8Tensor,
-    descale: &Descale,
     opts: &AttnOptions,
 ) -> Result<CudaAttnOutput> {
-    let p = validate_forward([q, k, v], None, descale, opts)?;
+    let p = validate_forward([q, k, v], opts)?;
     forward_fp8(dev, &p, [q, k, v])
 }
 
-/// [`flash_attn_fp8`] over packed variable-length sequences (`cu_seqlens_*` on the host), as
-/// [`crate::fp8::flash_attn_varlen_fp8`].
-#[allow(clippy::too_many_arguments)]
-pub fn flash_attn_varlen_fp8(
-    dev: &CudaDevice,
-    q: &CudaFp8Tensor,
-    k: &CudaFp8Tensor,
-    v: &CudaFp8Tensor,
-    cu_seqlens_q: &[i32],
-    cu_seqlens_k: &[i32],
-    descale: &Descale,
-    opts: &AttnOptions,
-) -> Result<CudaAttnOutput> {
-    let cu = Some((cu_seqlens_q, cu_seqlens_k));
-    let p = validate_forward([q, k, v], cu, descale, opts)?;
-    forward_fp8(dev, &p, [q, k, v])
-}
-
-/// The kernel variant a [`flash_attn_fp8`] call (with `cu_seqlens`: [`flash_attn_varlen_fp8`])
-/// with these arguments runs on `dev` (validated as the call would be): fwd.cu, or
+/// The kernel variant a [`flash_attn_fp8`] call with these arguments runs on `dev` (validated as the call would be): fwd.cu, or
 /// fwd_sm90_fp8.cu where the launch picks it (`FLASHATTN_CUDA_FWD=sm90fp8` on compute
 /// capability 9.0 with e4m3 inputs).
 pub fn fp8_kernel_key(
     dev: &CudaDevice,
     [q, k, v]: [&CudaFp8Tensor; 3],
-    cu_seqlens: Option<(&[i32], &[i32])>,
-    descale: &Descale,
     opts: &AttnOptions,
 ) -> Result<super::KernelKey> {
-    let p = validate_forward([q, k, v], cu_seqlens, descale, opts)?;
+    let p = validate_forward([q, k, v], opts)?;
     Ok(LaunchDescription::new(&p, Some(q.format))
         .for_arch(dev.arch, super::forward::ForwardKernel::from_env())
         .key)
@@ -285,29 +258,10 @@ pub fn flash_attn_fp8_into(
     q: &CudaFp8Tensor,
     k: &CudaFp8Tensor,
     v: &CudaFp8Tensor,
-    descale: &Descale,
     opts: &AttnOptions,
     dst: CudaOutBuffers,
 ) -> Result<()> {
-    let p = validate_forward([q, k, v], None, descale, opts)?;
-    forward_fp8_into(dev, &p, [q, k, v], dst)
-}
-
-/// [`flash_attn_varlen_fp8`] writing into caller-provided buffers (see [`flash_attn_fp8_into`]).
-#[allow(clippy::too_many_arguments)]
-pub fn flash_attn_varlen_fp8_into(
-    dev: &CudaDevice,
-    q: &CudaFp8Tensor,
-    k: &CudaFp8Tensor,
-    v: &CudaFp8Tensor,
-    cu_seqlens_q: &[i32],
-    cu_seqlens_k: &[i32],
-    descale: &Descale,
-    opts: &AttnOptions,
-    dst: CudaOutBuffers,
-) -> Result<()> {
-    let cu = Some((cu_seqlens_q, cu_seqlens_k));
-    let p = validate_forward([q, k, v], cu, descale, opts)?;
+    let p = validate_forward([q, k, v], opts)?;
     forward_fp8_into(dev, &p, [q, k, v], dst)
 }
 
@@ -317,11 +271,9 @@ pub fn launch_description_fp8(
     q: &Fp8TensorRef,
     k: &Fp8TensorRef,
     v: &Fp8TensorRef,
-    cu_seqlens: Option<(&[i32], &[i32])>,
-    descale: &Descale,
     opts: &AttnOptions,
 ) -> Result<LaunchDescription> {
-    let p = validate_forward([q, k, v], cu_seqlens, descale, opts)?;
+    let p = validate_forward([q, k, v], opts)?;
     Ok(LaunchDescription::new(&p, Some(q.format())))
 }
 

@@ -49,8 +49,8 @@ mod tma;
 
 pub use arch::{Arch, GpuShape};
 pub use backward::{
-    backward_kernel_key, flash_attn_backward, flash_attn_backward_into, flash_attn_varlen_backward,
-    flash_attn_varlen_backward_into, CudaAttnGrads, CudaGradBuffers, BWD_FIELDS,
+    backward_kernel_key, flash_attn_backward, flash_attn_backward_into, CudaAttnGrads,
+    CudaGradBuffers, BWD_FIELDS,
 };
 #[cfg(feature = "test-hooks")]
 pub use backward::{backward_launch_description, BackwardLaunch};
@@ -69,13 +69,12 @@ pub use device::CudaDevice;
 #[cfg(feature = "test-hooks")]
 pub use forward::launch_description;
 pub use forward::{
-    flash_attn, flash_attn_into, flash_attn_varlen, flash_attn_varlen_into, kernel_key,
-    CudaOutBuffers, ForwardKernel, LaunchDescription, SEQ_FIELDS,
+    flash_attn, flash_attn_into, kernel_key, CudaOutBuffers, ForwardKernel, LaunchDescription,
+    SEQ_FIELDS,
 };
 pub use fp8::{
-    flash_attn_fp8, flash_attn_fp8_into, flash_attn_varlen_fp8, flash_attn_varlen_fp8_into,
-    flash_attn_with_kvcache_fp8, flash_attn_with_kvcache_fp8_into, fp8_kernel_key,
-    launch_description_fp8, CudaFp8Tensor,
+    flash_attn_fp8, flash_attn_fp8_into, flash_attn_with_kvcache_fp8,
+    flash_attn_with_kvcache_fp8_into, fp8_kernel_key, launch_description_fp8, CudaFp8Tensor,
 };
 pub use key::{KernelKey, KernelKind, Tiles, HEAD_DIM_STEP};
 pub use launch::MAX_SEQLEN;

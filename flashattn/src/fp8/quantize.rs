@@ -26,7 +26,7 @@
 //! let t = TensorRef::contiguous(&x, &[b, n, h, d]);
 //! let qkv = quantize_qkv(&t, &t, &t, &QuantizeOptions::default().incoherent(42))?;
 //! let [q, k, v] = qkv.views();
-//! let res = flash_attn_fp8(&q, &k, &v, &qkv.descale(), &AttnOptions::default())?;
+//! let res = flash_attn_fp8(&q, &k, &v, &AttnOptions::default().descale(qkv.descale()))?;
 //! assert_eq!(res.out.shape(), &[b, n, h, d]);
 //! # Ok::<(), flashattn::Error>(())
 //! ```
@@ -249,7 +249,7 @@ pub fn quantize_qkv(
 }
 
 /// [`quantize_qkv`] for packed sequences: q `[total_q, heads, head_dim]`, k and v `[total_k,
-/// heads_kv, head_dim]`, with `cu_seqlens_q` and `cu_seqlens_k` as [`crate::flash_attn_varlen`];
+/// heads_kv, head_dim]`, with `cu_seqlens_q` and `cu_seqlens_k` as [`crate::AttnOptions::varlen`];
 /// per-head factors are per (sequence, kv head).
 pub fn quantize_qkv_varlen(
     q: &TensorRef,

@@ -1,11 +1,14 @@
 //! Validation of the forward and backward calls: batched and packed (varlen) q, k, v into
-//! [`Params`], and the backward's `out`, `dout` and `lse`.
+//! [`Params`] ([`attn`]; the layout is `opts.cu_seqlens`'), and the backward's `out`, `dout` and
+//! `lse`.
 
 use super::check::{
     check_cu_seqlens, check_dtype, check_shape, check_view, checked_product, layout_of, seq_table,
 };
 use super::contract::{Params, RowLayout, Seq, MAX_HEAD_DIM};
-use super::options::{alibi_distance, check_alibi, check_options, check_sink, AttnOptions};
+use super::options::{
+    alibi_distance, check_alibi, check_no_descale, check_options, check_sink, AttnOptions,
+};
 use crate::error::{ErrorKind, Result, TensorName};
 use crate::tensor::{DType, TensorRef, ViewDesc};
 
@@ -60,6 +63,32 @@ fn check_qkv<V: ViewDesc + ?Sized>(
         return Err(ErrorKind::HeadsNotMultiple { heads, heads_kv }.into());
     }
     Ok((heads, heads_kv, head_dim))
+}
+
+/// Validates a forward or backward call of f32/f16/bf16 inputs: refuses FP8 descale factors,
+/// then [`layout`].
+pub(crate) fn attn<V: ViewDesc + ?Sized>(
+    q: &V,
+    k: &V,
+    v: &V,
+    opts: &AttnOptions,
+) -> Result<Params> {
+    check_no_descale(opts)?;
+    layout(q, k, v, opts)
+}
+
+/// Validates q, k, v and the options (not `opts.descale`, which the FP8 calls read) in the layout
+/// `opts.cu_seqlens` names: packed ([`varlen`]) when given, batched ([`batched`]) otherwise.
+pub(crate) fn layout<V: ViewDesc + ?Sized>(
+    q: &V,
+    k: &V,
+    v: &V,
+    opts: &AttnOptions,
+) -> Result<Params> {
+    match opts.cu_seqlens {
+        Some((cq, ck)) => varlen(q, k, v, cq, ck, opts),
+        None => batched(q, k, v, opts),
+    }
 }
 
 /// Validates a batched call: q `[batch, seqlen_q, heads, d]`, k/v `[batch, seqlen_k, heads_kv, d]`.

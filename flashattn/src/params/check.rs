@@ -1,8 +1,9 @@
 //! Checks of one tensor or index array: the view against its buffer, dtype, shape, the sizes a
 //! call allocates, `cu_seqlens`, and caller-provided destinations.
 
-use super::contract::{RowLayout, Seq};
+use super::contract::{Params, RowLayout, Seq};
 use crate::error::{CuSeqlensProblem, ErrorKind, Result, TensorName};
+use crate::output::OutBuffers;
 use crate::tensor::{DType, ViewDesc};
 
 /// Checks rank, stride count, contiguity of the last dimension and that every element the view
@@ -193,4 +194,13 @@ pub(crate) fn destination(
         .into());
     }
     Ok(())
+}
+
+/// Checks a forward's caller-provided destinations against validated `p`: `out` of `dtype` (the
+/// inputs', bf16 for FP8 inputs, q's for a decode call) and `p.out_shape`'s length, `lse` of
+/// `p.lse_shape`'s.
+pub(crate) fn out_buffers(p: &Params, dtype: DType, dst: &OutBuffers) -> Result<()> {
+    let out = (dst.out.dtype(), dst.out.as_slice().len());
+    destination("out", out, dtype, &p.out_shape)?;
+    destination("lse", (DType::F32, dst.lse.len()), DType::F32, &p.lse_shape)
 }

@@ -6,7 +6,9 @@ use super::check::{
     check_cu_seqlens, check_dtype, check_shape, check_view, checked_product, layout_of, seq_table,
 };
 use super::contract::{Params, RowLayout, Seq, MAX_HEAD_DIM};
-use super::options::{alibi_distance, check_alibi, check_options, check_sink, KvCacheOptions};
+use super::options::{
+    alibi_distance, check_alibi, check_no_descale, check_options, check_sink, KvCacheOptions,
+};
 use crate::error::{ErrorKind, Result, TensorName};
 use crate::limits::MAX_NUM_SPLITS;
 use crate::tensor::{Slice, TensorRef, ViewDesc};
@@ -173,9 +175,8 @@ fn row_layout<V: ViewDesc + ?Sized>(t: &V) -> RowLayout {
     layout_of(t)
 }
 
-/// Validates a decode call: q, the caches and the new keys/values as views (host tensors for the
-/// CPU path, device tensors for the CUDA path; `new_kv` takes the place of `opts.new_kv`); the
-/// index arrays and the rotary tables of `opts` are read on the host.
+/// Validates a decode call on f32/f16/bf16 caches: refuses FP8 descale factors, then
+/// [`validate_caches`].
 pub(crate) fn validate<V: ViewDesc + ?Sized>(
     q: &V,
     k_cache: &V,
@@ -184,6 +185,25 @@ pub(crate) fn validate<V: ViewDesc + ?Sized>(
     cache_seqlens: &[i32],
     opts: &KvCacheOptions,
 ) -> Result<DecodeParams> {
+    check_no_descale(&opts.attn)?;
+    validate_caches(q, k_cache, v_cache, new_kv, cache_seqlens, opts)
+}
+
+/// Validates a decode call: q, the caches and the new keys/values as views (host tensors for the
+/// CPU path, device tensors for the CUDA path; `new_kv` takes the place of `opts.new_kv`); the
+/// index arrays and the rotary tables of `opts` are read on the host. `opts.attn.descale` is not
+/// read here (the FP8 decode checks it, `fp8::validate_kvcache`).
+pub(crate) fn validate_caches<V: ViewDesc + ?Sized>(
+    q: &V,
+    k_cache: &V,
+    v_cache: &V,
+    new_kv: Option<(&V, &V)>,
+    cache_seqlens: &[i32],
+    opts: &KvCacheOptions,
+) -> Result<DecodeParams> {
+    if opts.attn.cu_seqlens.is_some() {
+        return Err(ErrorKind::VarlenInDecode.into());
+    }
     const Q_LAYOUT: &str = "[batch, seqlen_q, heads, head_dim]";
     let paged = opts.block_table.is_some();
     let cache_layout = if paged {

@@ -19,8 +19,8 @@ pub(crate) mod contract;
 pub(crate) mod decode;
 pub(crate) mod options;
 
-pub(crate) use attn::{batched, grad_inputs, q_like, varlen, GradInputs, QLike};
-pub(crate) use check::destination;
+pub(crate) use attn::{attn, batched, grad_inputs, layout, q_like, varlen, GradInputs, QLike};
+pub(crate) use check::{destination, out_buffers};
 // Reached through the facade only from `cuda/`.
 #[cfg(feature = "cuda")]
 pub(crate) use attn::check_lse;
@@ -30,4 +30,4 @@ pub(crate) use contract::{Descales, Params, RowLayout, Seq};
 pub use contract::{LOG2_E, MAX_HEAD_DIM};
 pub(crate) use decode::DecodeParams;
 pub(crate) use options::check_score_scale;
-pub use options::AttnOptions;
+pub use options::{AttnOptions, Descale};

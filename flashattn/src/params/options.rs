@@ -40,6 +40,16 @@ pub struct AttnOptions<'a> {
     /// CPU instruction set of the kernels. `None`: [`crate::simd::active`] (the best this CPU has,
     /// or `FLASHATTN_ISA`). Naming one the CPU lacks is an error.
     pub isa: Option<Isa>,
+    /// Packed variable-length sequences, `(cu_seqlens_q, cu_seqlens_k)` ([`AttnOptions::varlen`]):
+    /// q is `[total_q, heads, head_dim]`, k and v `[total_k, heads_kv, head_dim]`, and sequence b
+    /// holds q rows `cu_seqlens_q[b]..cu_seqlens_q[b + 1]` and k/v rows
+    /// `cu_seqlens_k[b]..cu_seqlens_k[b + 1]` (`batch + 1` entries each, from 0, non-decreasing).
+    /// `None`: the batched layout `[batch, seqlen, heads, head_dim]`. Not for decode calls, whose
+    /// packed queries are [`KvCacheOptions::cu_seqlens_q`] ([`crate::ErrorKind::VarlenInDecode`]).
+    pub cu_seqlens: Option<(&'a [i32], &'a [i32])>,
+    /// The dequantisation factors of FP8 inputs ([`AttnOptions::descale`]); only the FP8 calls
+    /// take them (any other call: [`crate::ErrorKind::DescaleNotFp8`]).
+    pub descale: Option<Descale<'a>>,
 }
 
 impl Default for AttnOptions<'_> {
@@ -54,6 +64,8 @@ impl Default for AttnOptions<'_> {
             dropout_p: 0.0,
             seed: 0,
             isa: None,
+            cu_seqlens: None,
+            descale: None,
         }
     }
 }
@@ -92,6 +104,55 @@ impl<'a> AttnOptions<'a> {
     pub fn isa(mut self, isa: Isa) -> Self {
         self.isa = Some(isa);
         self
+    }
+    /// Packed variable-length sequences (flash-attn's `flash_attn_varlen_func`): q
+    /// `[total_q, heads, head_dim]`, k and v `[total_k, heads_kv, head_dim]`; sequence b holds q
+    /// rows `cu_seqlens_q[b]..cu_seqlens_q[b + 1]` and k/v rows `cu_seqlens_k[b]..cu_seqlens_k[b + 1]`
+    /// and attends only within itself; masks apply per sequence; `lse` is `[heads, total_q]`.
+    /// The two arrays live on the host on either backend.
+    pub fn varlen(mut self, cu_seqlens_q: &'a [i32], cu_seqlens_k: &'a [i32]) -> Self {
+        self.cu_seqlens = Some((cu_seqlens_q, cu_seqlens_k));
+        self
+    }
+    /// The dequantisation factors of an FP8 call ([`crate::fp8`]); rejected by every other call.
+    pub fn descale(mut self, descale: Descale<'a>) -> Self {
+        self.descale = Some(descale);
+        self
+    }
+}
+
+/// Dequantisation factors (f32) of FP8 inputs ([`AttnOptions::descale`]): the true q is
+/// `q_fp8 · q_descale`, likewise k and v. Each is either one value for the whole tensor or
+/// `batch · heads_kv` values, row-major `[batch, heads_kv]` (`batch` = number of sequences; a
+/// query head uses the factor of the kv head it reads). `None` means 1. Every factor must be
+/// finite and > 0.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Descale<'a> {
+    pub q: Option<&'a [f32]>,
+    pub k: Option<&'a [f32]>,
+    pub v: Option<&'a [f32]>,
+}
+
+impl<'a> Descale<'a> {
+    pub fn q(mut self, q: &'a [f32]) -> Self {
+        self.q = Some(q);
+        self
+    }
+    pub fn k(mut self, k: &'a [f32]) -> Self {
+        self.k = Some(k);
+        self
+    }
+    pub fn v(mut self, v: &'a [f32]) -> Self {
+        self.v = Some(v);
+        self
+    }
+}
+
+/// Refuses descale factors on a call whose inputs are not FP8.
+pub(crate) fn check_no_descale(opts: &AttnOptions) -> Result<()> {
+    match opts.descale {
+        Some(_) => Err(ErrorKind::DescaleNotFp8.into()),
+        None => Ok(()),
     }
 }
 
@@ -290,7 +351,10 @@ pub struct Rotary<'a> {
 /// [`flash_attn_with_kvcache`]: crate::decode::flash_attn_with_kvcache
 #[derive(Clone, Debug, Default)]
 pub struct KvCacheOptions<'a> {
-    /// Scale, causal, window, softcap, ALiBi and ISA as in [`crate::flash_attn`]; dropout must be 0.
+    /// Scale, causal, window, softcap, ALiBi and ISA as in [`crate::flash_attn`]; dropout must be 0,
+    /// `cu_seqlens` unset (packed queries are [`KvCacheOptions::cu_seqlens_q`]); `descale` the k and
+    /// v factors of FP8 caches ([`crate::fp8::flash_attn_with_kvcache_fp8`]; `q` unset), unset
+    /// otherwise.
     pub attn: AttnOptions<'a>,
     /// New keys and values `[batch, seqlen_new, heads_kv, head_dim]` (q's dtype), or packed
     /// `[total_k_new, heads_kv, head_dim]` with `cu_seqlens_k_new`, written into the caches at
@@ -377,6 +441,12 @@ impl<'a> KvCacheOptions<'a> {
     /// Forces the CPU kernels of one instruction set (tests, benchmarks).
     pub fn isa(mut self, isa: Isa) -> Self {
         self.attn.isa = Some(isa);
+        self
+    }
+    /// The k and v factors of FP8 caches (`attn.descale`, see
+    /// [`crate::fp8::flash_attn_with_kvcache_fp8`]).
+    pub fn descale(mut self, descale: Descale<'a>) -> Self {
+        self.attn.descale = Some(descale);
         self
     }
 }

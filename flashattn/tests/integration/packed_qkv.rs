@@ -5,8 +5,8 @@
 
 use crate::common::{assert_bit_identical, bits, rng, to_buffer, values, Dist};
 use flashattn::{
-    flash_attn, flash_attn_backward, flash_attn_varlen, flash_attn_varlen_backward, AttnGrads,
-    AttnOptions, Buffer, DType, ErrorKind, Tensor, TensorRef,
+    flash_attn, flash_attn_backward, AttnGrads, AttnOptions, Buffer, DType, ErrorKind, Tensor,
+    TensorRef,
 };
 
 /// Copies view `t` (any strides) into a contiguous f64 vector, row-major over its shape.
@@ -173,15 +173,30 @@ fn varlen_qkvpacked_matches_separate_tensors() {
             .separate
             .each_ref()
             .map(|x| TensorRef::from_slice(x.as_slice(), &[total, h, d], &[h * d, d, 1]));
-        let got = flash_attn_varlen(&q, &k, &v, &cu, &cu, &opts).unwrap();
-        let want = flash_attn_varlen(&sep[0], &sep[1], &sep[2], &cu, &cu, &opts).unwrap();
+        let got = flash_attn(&q, &k, &v, &opts.clone().varlen(&cu, &cu)).unwrap();
+        let want = flash_attn(&sep[0], &sep[1], &sep[2], &opts.clone().varlen(&cu, &cu)).unwrap();
         assert_bit_identical(&got, &want, &format!("{dtype}"));
         let dout_buf = to_buffer(&values(&mut rng(4), total * h * d, Dist::Normal), dtype);
         let dout = TensorRef::from_slice(dout_buf.as_slice(), &[total, h, d], &[h * d, d, 1]);
         let (out, lse) = (got.out.view(), got.lse.view());
-        let g = flash_attn_varlen_backward(&q, &k, &v, &out, &lse, &dout, &cu, &cu, &opts).unwrap();
-        let w = flash_attn_varlen_backward(
-            &sep[0], &sep[1], &sep[2], &out, &lse, &dout, &cu, &cu, &opts,
+        let g = flash_attn_backward(
+            &q,
+            &k,
+            &v,
+            &out,
+            &lse,
+            &dout,
+            &opts.clone().varlen(&cu, &cu),
+        )
+        .unwrap();
+        let w = flash_attn_backward(
+            &sep[0],
+            &sep[1],
+            &sep[2],
+            &out,
+            &lse,
+            &dout,
+            &opts.clone().varlen(&cu, &cu),
         )
         .unwrap();
         assert_grads_identical(&g, &w, &format!("{dtype}"));

@@ -8,10 +8,7 @@
 use crate::common::backward::{GradCase, GradData};
 use crate::common::{check_bound, rng, to_buffer, values, Dist};
 use flashattn::decode::{flash_attn_with_kvcache, BlockTable, KvCacheOptions};
-use flashattn::{
-    flash_attn, flash_attn_varlen, naive, reference, AttnOptions, DType, Element, ErrorKind,
-    TensorRef,
-};
+use flashattn::{flash_attn, naive, reference, AttnOptions, DType, Element, ErrorKind, TensorRef};
 use half::{bf16, f16};
 
 /// Sinks of 4 heads: small, negative, and large enough (8) to take most of a row's weight.
@@ -117,7 +114,7 @@ fn packed_sequences_with_sinks() {
     }
     let (qv, kv, vv) = (view(&q, 17, h, d), view(&k, 21, hk, d), view(&v, 21, hk, d));
     let opts = AttnOptions::default().causal(true).learnable_sink(sinks());
-    let got = flash_attn_varlen(&qv, &kv, &vv, &cu_q, &cu_k, &opts).unwrap();
+    let got = flash_attn(&qv, &kv, &vv, &opts.clone().varlen(&cu_q, &cu_k)).unwrap();
     let want = reference::attention_varlen(&qv, &kv, &vv, &cu_q, &cu_k, &opts).unwrap();
     let nv = naive::attention_varlen(&qv, &kv, &vv, &cu_q, &cu_k, &opts).unwrap();
     check_bound("packed", DType::F32, &got, &[nv], &want, 4.0, 12);
@@ -243,7 +240,7 @@ fn bad_sinks_are_typed_errors() {
         // The CUDA forward takes them (a logit per launched sequence and head), its backward the
         // sinks and the rows whose sum makes their gradient.
         let opts = AttnOptions::default().learnable_sink(sinks());
-        let d = flashattn::cuda::launch_description(&q, &k, &k, None, &opts).unwrap();
+        let d = flashattn::cuda::launch_description(&q, &k, &k, &opts).unwrap();
         let want: Vec<f32> = [SINKS, SINKS].concat();
         assert_eq!(d.sink.as_deref(), Some(&want[..]));
         // Packed, with rows after the last sequence: their launched tail sequence gets -inf (no sink).
@@ -253,8 +250,7 @@ fn bad_sinks_are_typed_errors() {
             &q3,
             &k3,
             &k3,
-            Some((&[0, 2, 5], &[0, 3, 6])),
-            &opts,
+            &opts.clone().varlen(&[0, 2, 5], &[0, 3, 6]),
         )
         .unwrap();
         let mut want = [SINKS, SINKS].concat();
@@ -262,8 +258,8 @@ fn bad_sinks_are_typed_errors() {
         assert_eq!(d.sink.as_deref(), Some(&want[..]));
         let lse_data = vec![0f32; 2 * 4 * 3];
         let lse = TensorRef::contiguous(&lse_data, &[2, 4, 3]);
-        let d = flashattn::cuda::backward_launch_description(&q, &k, &k, &q, &lse, &q, None, &opts)
-            .unwrap();
+        let d =
+            flashattn::cuda::backward_launch_description(&q, &k, &k, &q, &lse, &q, &opts).unwrap();
         assert_eq!(d.sink.as_deref(), Some(&SINKS[..]));
         assert_eq!(d.sink_rows, [(0, 3), (12, 3)]);
     }

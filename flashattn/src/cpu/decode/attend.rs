@@ -9,16 +9,15 @@ use crate::tensor::Element;
 use rayon::prelude::*;
 
 /// Attention of every sequence's queries over its first `seqlen_k` cache keys, into `out` (q's
-/// dtype, `[batch, seqlen_q, heads, d]`) and `lse` (`[batch, heads, seqlen_q]`) from
-/// [`results`], which it returns.
-///
-/// [`results`]: super::results
+/// dtype, `[batch, seqlen_q, heads, d]`) and `lse` (`[batch, heads, seqlen_q]`), every element of
+/// which it writes, with the buffers of `plan`.
 pub(super) fn attend<T: Element>(
     dp: &DecodeParams,
     q: &[T],
     kv: Kv<T>,
-    (mut out, mut lse, plan): (Vec<T>, Vec<f32>, Plan),
-) -> (Vec<T>, Vec<f32>) {
+    (out, lse): (&mut [T], &mut [f32]),
+    plan: Plan,
+) {
     let p = &dp.p;
     let d = p.head_dim;
     let Plan {
@@ -66,7 +65,7 @@ pub(super) fn attend<T: Element>(
                 }
             }
         }
-        return (out, lse);
+        return;
     }
     part_out
         .par_chunks_mut((rows * d).max(1))
@@ -99,7 +98,6 @@ pub(super) fn attend<T: Element>(
             }
         }
     }
-    (out, lse)
 }
 
 /// Merges one row's partials: `lse[s]` and `parts[s · d..(s + 1) · d]` -> `dst` (d values), and

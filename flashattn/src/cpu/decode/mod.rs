@@ -86,48 +86,56 @@ pub(crate) use attend::merge_row;
 
 use crate::dtype::Fp8Format;
 use crate::error::Result;
-use crate::memory::try_filled;
-use crate::output::{data, AttnOutput};
+use crate::output::data;
 use crate::params::DecodeParams;
-use crate::tensor::{Buffer, DType, Element, SliceMut, Tensor, TensorRef};
+use crate::tensor::{Element, SliceMut, TensorRef};
 use half::bf16;
 
-/// Appends (rotates), then attends. The dtypes of the caches were validated to be q's.
+/// Appends (rotates), then attends, into `out` (q's dtype, `dp.p.out_len()` elements) and `lse`
+/// (`dp.p.lse_len()`), which arrive poisoned (NaN) and are written whole. The dtypes of the
+/// caches and of `out` were validated to be q's. The plan's buffers are allocated before an
+/// append writes the caches, so a call that gets `OutOfMemory` has written nothing.
 pub(crate) fn run(
     dp: &DecodeParams,
     q: &TensorRef,
     new_kv: Option<&(TensorRef, TensorRef)>,
     k_cache: &mut SliceMut,
     v_cache: &mut SliceMut,
-) -> Result<AttnOutput> {
+    (out, lse): (SliceMut, &mut [f32]),
+) -> Result<()> {
     fn typed<T: Element>(
         dp: &DecodeParams,
         q: &TensorRef,
         new_kv: Option<&(TensorRef, TensorRef)>,
-        k: &mut [T],
-        v: &mut [T],
-    ) -> Result<AttnOutput> {
-        let results = results(dp)?;
+        (k, v): (&mut [T], &mut [T]),
+        dst: (&mut [T], &mut [f32]),
+    ) -> Result<()> {
+        let plan = Plan::new(dp)?;
         if let Some((kn, vn)) = new_kv {
             append(dp, data::<T>(kn), data::<T>(vn), k, v);
         }
-        Ok(output(
-            dp,
-            attend(dp, data::<T>(q), Kv::Plain(k, v), results),
-        ))
+        attend(dp, data::<T>(q), Kv::Plain(k, v), dst, plan);
+        Ok(())
     }
-    match (k_cache, v_cache) {
-        (SliceMut::F32(k), SliceMut::F32(v)) => typed::<f32>(dp, q, new_kv, k, v),
-        (SliceMut::F16(k), SliceMut::F16(v)) => typed(dp, q, new_kv, k, v),
-        (SliceMut::BF16(k), SliceMut::BF16(v)) => typed(dp, q, new_kv, k, v),
-        _ => unreachable!("cache dtypes validated against q"),
+    match (k_cache, v_cache, out) {
+        (SliceMut::F32(k), SliceMut::F32(v), SliceMut::F32(o)) => {
+            typed::<f32>(dp, q, new_kv, (k, v), (o, lse))
+        }
+        (SliceMut::F16(k), SliceMut::F16(v), SliceMut::F16(o)) => {
+            typed(dp, q, new_kv, (k, v), (o, lse))
+        }
+        (SliceMut::BF16(k), SliceMut::BF16(v), SliceMut::BF16(o)) => {
+            typed(dp, q, new_kv, (k, v), (o, lse))
+        }
+        _ => unreachable!("cache and out dtypes validated against q"),
     }
 }
 
 /// Appends (rotates, quantises), then attends, over FP8 caches (bytes of `format`); q, the new
-/// keys and values and `out` are in q's dtype. `quant` holds the k and v descale factors per
-/// (sequence, kv head), by which the appended rows are divided before rounding to FP8. `dp.p`
-/// carries the descale factors folded into the score scale and the output rows.
+/// keys and values and `out` are in q's dtype (`out` and `lse` as in [`run`]). `quant` holds the
+/// k and v descale factors per (sequence, kv head), by which the appended rows are divided before
+/// rounding to FP8. `dp.p` carries the descale factors folded into the score scale and the output
+/// rows.
 pub(crate) fn run_fp8(
     dp: &DecodeParams,
     q: &TensorRef,
@@ -135,51 +143,27 @@ pub(crate) fn run_fp8(
     (k, v): (&mut [u8], &mut [u8]),
     format: Fp8Format,
     quant: (&[f32], &[f32]),
-) -> Result<AttnOutput> {
+    (out, lse): (SliceMut, &mut [f32]),
+) -> Result<()> {
     fn typed<T: Element>(
         dp: &DecodeParams,
         q: &TensorRef,
         new_kv: Option<&(TensorRef, TensorRef)>,
         (k, v): (&mut [u8], &mut [u8]),
-        format: Fp8Format,
-        quant: (&[f32], &[f32]),
-    ) -> Result<AttnOutput> {
-        let results = results(dp)?;
+        (format, quant): (Fp8Format, (&[f32], &[f32])),
+        dst: (&mut [T], &mut [f32]),
+    ) -> Result<()> {
+        let plan = Plan::new(dp)?;
         if let Some((kn, vn)) = new_kv {
             append_fp8(dp, (data::<T>(kn), data::<T>(vn)), (k, v), format, quant);
         }
-        Ok(output(
-            dp,
-            attend(dp, data::<T>(q), Kv::Fp8(k, v, format), results),
-        ))
+        attend(dp, data::<T>(q), Kv::Fp8(k, v, format), dst, plan);
+        Ok(())
     }
-    match q.dtype() {
-        DType::F32 => typed::<f32>(dp, q, new_kv, (k, v), format, quant),
-        DType::F16 => typed::<half::f16>(dp, q, new_kv, (k, v), format, quant),
-        DType::BF16 => typed::<bf16>(dp, q, new_kv, (k, v), format, quant),
-    }
-}
-
-/// What [`attend`] fills: `out` and `lse`, poisoned (every element is written by its items or
-/// its merge; tests check for NaN), and its [`Plan`] with the partial results' buffers.
-/// Allocated before an append writes the caches, so a call that gets `OutOfMemory` has written
-/// nothing.
-///
-/// [`attend`]: fn@attend
-fn results<T: Element>(dp: &DecodeParams) -> Result<(Vec<T>, Vec<f32>, Plan)> {
-    Ok((
-        try_filled("`out`", T::from_f32(f32::NAN), dp.p.out_len())?,
-        try_filled("`lse`", f32::NAN, dp.p.lse_len())?,
-        Plan::new(dp)?,
-    ))
-}
-
-/// `out` and `lse` of [`attend`] as the call's result tensors.
-///
-/// [`attend`]: fn@attend
-fn output<T: Element>(dp: &DecodeParams, (out, lse): (Vec<T>, Vec<f32>)) -> AttnOutput {
-    AttnOutput {
-        out: Tensor::new_unchecked(T::wrap_vec(out), dp.p.out_shape.clone()),
-        lse: Tensor::new_unchecked(Buffer::F32(lse), dp.p.lse_shape.clone()),
+    let fq = (format, quant);
+    match out {
+        SliceMut::F32(o) => typed::<f32>(dp, q, new_kv, (k, v), fq, (o, lse)),
+        SliceMut::F16(o) => typed::<half::f16>(dp, q, new_kv, (k, v), fq, (o, lse)),
+        SliceMut::BF16(o) => typed::<bf16>(dp, q, new_kv, (k, v), fq, (o, lse)),
     }
 }

@@ -7,6 +7,7 @@ use super::rows::{KeyRows, PRows};
 use super::scores::{scores, QRows, QTrans};
 use super::*;
 use crate::cpu::simd::{pad_lanes, DecodeKernels, Isa, Kernels};
+use crate::tensor::DType;
 use crate::test_util::lcg;
 
 /// Every ISA's scores and P·V kernels agree with f64 sums over edge sizes, in every dtype,

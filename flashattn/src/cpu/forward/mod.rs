@@ -84,6 +84,20 @@ pub(crate) fn forward_fp8(
     Ok((out, lse))
 }
 
+/// [`forward_fp8`] into the caller's contiguous `out` (`p.out_len()` elements) and `lse`
+/// (`p.lse_len()`), whose lengths the caller checked.
+pub(crate) fn forward_fp8_into(
+    p: &Params,
+    (q, k, v): (Fp8Source, Fp8Source, Fp8Source),
+    out: &mut [bf16],
+    lse: &mut [f32],
+) -> Result<()> {
+    debug_assert!(p.kernels.has_bf16_dot());
+    out.fill(bf16::NAN);
+    lse.fill(f32::NAN);
+    forward_with::<bf16, _>(p, (&[], &[], &[]), Some((q, k, v)), out, lse)
+}
+
 /// The forward over typed inputs `qkv` (read by the f32 products), or, when `bf` is given, over
 /// its bf16 sources (the bf16 dot-product path).
 fn forward_with<T: Element, S: Bf16Source>(

@@ -7,8 +7,8 @@
 
 use flashattn::reference::{Reference, ReferenceGrads};
 use flashattn::{
-    flash_attn, flash_attn_varlen, flash_attn_varlen_backward, reference, AttnGrads, AttnOptions,
-    DType, Element, Tensor, TensorRef,
+    flash_attn, flash_attn_backward, reference, AttnGrads, AttnOptions, DType, Element, Tensor,
+    TensorRef,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -437,17 +437,15 @@ pub fn varlen_case<T: Element>() {
         );
         for isa in flashattn::simd::available() {
             let opts = opts.clone().isa(isa);
-            let fwd = flash_attn_varlen(&qt, &kt, &vt, &cu_q, &cu_k, &opts).unwrap();
-            let g = flash_attn_varlen_backward(
+            let fwd = flash_attn(&qt, &kt, &vt, &opts.clone().varlen(&cu_q, &cu_k)).unwrap();
+            let g = flash_attn_backward(
                 &qt,
                 &kt,
                 &vt,
                 &fwd.out.view(),
                 &fwd.lse.view(),
                 &dt,
-                &cu_q,
-                &cu_k,
-                &opts,
+                &opts.clone().varlen(&cu_q, &cu_k),
             )
             .unwrap();
             let ctx = format!("varlen {} isa={isa} {opts:?}", T::DTYPE);

@@ -131,14 +131,12 @@ fn varlen_matches_reference() {
                 dev.upload(&k).unwrap(),
                 dev.upload(&v).unwrap(),
             );
-            let res = cuda::flash_attn_varlen(
+            let res = cuda::flash_attn(
                 &dev,
                 &dq,
                 &dk,
                 &dv,
-                &inputs.cu_q,
-                &inputs.cu_k,
-                &inputs.opts(),
+                &inputs.opts().varlen(&inputs.cu_q, &inputs.cu_k),
             )
             .unwrap_or_else(|e| panic!("{case:?}: {e}"));
             inputs.check(&to_host(&dev, res), "cuda");
@@ -183,9 +181,14 @@ fn sinks_match_reference() {
                 dev.upload(&k).unwrap(),
                 dev.upload(&v).unwrap(),
             );
-            let res =
-                cuda::flash_attn_varlen(&dev, &dq, &dk, &dv, &inputs.cu_q, &inputs.cu_k, &opts)
-                    .unwrap_or_else(|e| panic!("{case:?}: {e}"));
+            let res = cuda::flash_attn(
+                &dev,
+                &dq,
+                &dk,
+                &dv,
+                &opts.clone().varlen(&inputs.cu_q, &inputs.cu_k),
+            )
+            .unwrap_or_else(|e| panic!("{case:?}: {e}"));
             inputs.check_with(&to_host(&dev, res), "cuda sinks", &opts);
         }
     }
@@ -400,7 +403,7 @@ mod into {
         ctx: &str,
     ) {
         let fwd = match cu {
-            Some((cq, ck)) => cuda::flash_attn_varlen(dev, q, k, v, cq, ck, opts),
+            Some((cq, ck)) => cuda::flash_attn(dev, q, k, v, &opts.clone().varlen(cq, ck)),
             None => cuda::flash_attn(dev, q, k, v, opts),
         }
         .unwrap_or_else(|e| panic!("{ctx}: {e}"));
@@ -410,7 +413,9 @@ mod into {
             lse: &mut lse,
         };
         match cu {
-            Some((cq, ck)) => cuda::flash_attn_varlen_into(dev, q, k, v, cq, ck, opts, dst),
+            Some((cq, ck)) => {
+                cuda::flash_attn_into(dev, q, k, v, &opts.clone().varlen(cq, ck), dst)
+            }
             None => cuda::flash_attn_into(dev, q, k, v, opts, dst),
         }
         .unwrap_or_else(|e| panic!("{ctx}: forward into: {e}"));
@@ -419,7 +424,7 @@ mod into {
         let (o, l) = (&fwd.out, &fwd.lse);
         let g = match cu {
             Some((cq, ck)) => {
-                cuda::flash_attn_varlen_backward(dev, q, k, v, o, l, dout, cq, ck, opts)
+                cuda::flash_attn_backward(dev, q, k, v, o, l, dout, &opts.clone().varlen(cq, ck))
             }
             None => cuda::flash_attn_backward(dev, q, k, v, o, l, dout, opts),
         }
@@ -437,9 +442,17 @@ mod into {
             dsink: dsink.as_mut(),
         };
         match cu {
-            Some((cq, ck)) => {
-                cuda::flash_attn_varlen_backward_into(dev, q, k, v, o, l, dout, cq, ck, opts, dst)
-            }
+            Some((cq, ck)) => cuda::flash_attn_backward_into(
+                dev,
+                q,
+                k,
+                v,
+                o,
+                l,
+                dout,
+                &opts.clone().varlen(cq, ck),
+                dst,
+            ),
             None => cuda::flash_attn_backward_into(dev, q, k, v, o, l, dout, opts, dst),
         }
         .unwrap_or_else(|e| panic!("{ctx}: backward into: {e}"));

@@ -65,7 +65,7 @@ fn grid_cases(
         }
         let inputs = case.build();
         let (q, k, v) = inputs.views();
-        let mut d = launch_description(&q, &k, &v, None, &inputs.opts()).unwrap();
+        let mut d = launch_description(&q, &k, &v, &inputs.opts()).unwrap();
         if let Some(kernel) = sm90 {
             d = d.for_arch(Arch::SM90, kernel);
             if !d.key.is_sm90() {
@@ -151,7 +151,7 @@ fn grid_sm90_ws_persistent() {
             let opts = inputs
                 .opts()
                 .learnable_sink(TensorRef::contiguous(&sinks, &[case.heads]));
-            let d = launch_description(&q, &k, &v, None, &opts)
+            let d = launch_description(&q, &k, &v, &opts)
                 .unwrap()
                 .for_arch(Arch::SM90, ForwardKernel::Sm90Ws)
                 .persistent(PERSISTENT_CTAS);
@@ -207,7 +207,7 @@ fn persistent_ring_phase_mistake_fails() {
     };
     let inputs = case.build();
     let (q, k, v) = inputs.views();
-    let d = launch_description(&q, &k, &v, None, &inputs.opts())
+    let d = launch_description(&q, &k, &v, &inputs.opts())
         .unwrap()
         .for_arch(Arch::SM90, ForwardKernel::Sm90Ws)
         .persistent(1);
@@ -253,9 +253,17 @@ fn run_grid_sm90(kernel: ForwardKernel, ctas: Option<usize>) {
             let inputs = case.build();
             let (q, k, v) = inputs.views();
             let cu = Some((&inputs.cu_q[..], &inputs.cu_k[..]));
-            let mut d = launch_description(&q, &k, &v, cu, &inputs.opts())
-                .unwrap()
-                .for_arch(Arch::SM90, kernel);
+            let mut d = launch_description(
+                &q,
+                &k,
+                &v,
+                &flashattn::AttnOptions {
+                    cu_seqlens: cu,
+                    ..inputs.opts().clone()
+                },
+            )
+            .unwrap()
+            .for_arch(Arch::SM90, kernel);
             if let Some(n) = ctas {
                 d = d.persistent(n);
             }
@@ -339,7 +347,16 @@ fn varlen_matches_reference() {
             let inputs = case.build();
             let (q, k, v) = inputs.views();
             let cu = Some((&inputs.cu_q[..], &inputs.cu_k[..]));
-            let desc = launch_description(&q, &k, &v, cu, &inputs.opts()).unwrap();
+            let desc = launch_description(
+                &q,
+                &k,
+                &v,
+                &flashattn::AttnOptions {
+                    cu_seqlens: cu,
+                    ..inputs.opts().clone()
+                },
+            )
+            .unwrap();
             let flash = run(
                 &mut builds,
                 &desc,
@@ -375,7 +392,7 @@ fn sinks_match_reference() {
             let opts = inputs
                 .opts()
                 .learnable_sink(TensorRef::contiguous(&sinks, &[case.heads]));
-            let d = launch_description(&q, &k, &v, None, &opts).unwrap();
+            let d = launch_description(&q, &k, &v, &opts).unwrap();
             assert!(d.sink.is_some(), "the launch carries the sinks");
             let flash = run(&mut builds, &d, &q, &k, &v, &format!("sink_{dtype}_{i}"));
             inputs.check_with(&flash, &format!("sinks emulated {}", d.key.name()), &opts);
@@ -391,7 +408,16 @@ fn sinks_match_reference() {
                 .opts()
                 .learnable_sink(TensorRef::contiguous(&sinks, &[2]));
             let cu = Some((&inputs.cu_q[..], &inputs.cu_k[..]));
-            let d = launch_description(&q, &k, &v, cu, &opts).unwrap();
+            let d = launch_description(
+                &q,
+                &k,
+                &v,
+                &flashattn::AttnOptions {
+                    cu_seqlens: cu,
+                    ..opts.clone()
+                },
+            )
+            .unwrap();
             let flash = run(
                 &mut builds,
                 &d,
@@ -411,7 +437,7 @@ mod backward {
     use super::common::backward::{cases, check, data, GradCase, GradData};
     use super::common::emu::{bytes, case_dir, from_bytes, have_compiler, Builds};
     use flashattn::cuda::{backward_launch_description, launch_description, BackwardLaunch};
-    use flashattn::{flash_attn_varlen, reference, AttnOptions, Element, Tensor};
+    use flashattn::{flash_attn, reference, AttnOptions, Element, Tensor};
     use flashattn::{naive, TensorRef};
     use rand::SeedableRng;
     use rand_chacha::ChaCha8Rng;
@@ -514,12 +540,12 @@ mod backward {
         let data = GradData::<T>::new(c);
         let [qt, kt, vt, dt] = data.views();
         let tag = format!("{}_{}", T::DTYPE, c.seed);
-        let fd = launch_description(&qt, &kt, &vt, None, opts).unwrap();
+        let fd = launch_description(&qt, &kt, &vt, opts).unwrap();
         let fwd = super::run(&mut builds[0], &fd, &qt, &kt, &vt, &tag);
         let fctx = format!("emulated {} seed={} opts={:?}", fd.key.name(), c.seed, opts);
         let r = data.check_forward(&fwd, opts, &fctx);
         let (ov, lv) = (fwd.out.view(), fwd.lse.view());
-        let desc = backward_launch_description(&qt, &kt, &vt, &ov, &lv, &dt, None, opts).unwrap();
+        let desc = backward_launch_description(&qt, &kt, &vt, &ov, &lv, &dt, opts).unwrap();
         let ([dq, dk, dv], dsink) =
             run(&mut builds[1], &desc, [&qt, &kt, &vt, &ov, &lv, &dt], &tag);
         let ctx = format!(
@@ -682,7 +708,7 @@ mod backward {
             .into_iter()
             .enumerate()
         {
-            let fwd = flash_attn_varlen(&qt, &kt, &vt, &cu_q, &cu_k, &opts).unwrap();
+            let fwd = flash_attn(&qt, &kt, &vt, &opts.clone().varlen(&cu_q, &cu_k)).unwrap();
             // out as a view with a head stride of d + 5, lse with a head stride of total_q + 7.
             let o = fwd.out.as_slice::<T>().unwrap();
             let mut out_buf = vec![T::from_f32(f32::NAN); tq * h * (d + 5)];
@@ -697,8 +723,19 @@ mod backward {
             }
             let lt = TensorRef::new(&lse_buf, &[h, tq], &[tq + 7, 1]);
             let cu = Some((&cu_q[..], &cu_k[..]));
-            let desc =
-                backward_launch_description(&qt, &kt, &vt, &ot, &lt, &dt, cu, &opts).unwrap();
+            let desc = backward_launch_description(
+                &qt,
+                &kt,
+                &vt,
+                &ot,
+                &lt,
+                &dt,
+                &flashattn::AttnOptions {
+                    cu_seqlens: cu,
+                    ..opts.clone()
+                },
+            )
+            .unwrap();
             let ([dq, dk, dv], _) = run(
                 builds,
                 &desc,

@@ -120,8 +120,7 @@ fn run_fp8(
             &fp8_view(&k, &bl.map),
             &fp8_view(&v, &bl.map),
             lens,
-            &descale,
-            opts,
+            &opts.clone().descale(descale),
             SM_COUNT,
         )
     };
@@ -778,7 +777,7 @@ fn bad_input_is_refused_before_launch() {
     let (q, opts, map) = (bl.q_view(&c), bl.opts(&c), &bl.map);
     let describe = |v: &Fp8Elements, d: &Descale| {
         let (k, v) = (fp8_view(&k4, map), fp8_view(v, map));
-        decode_launch_description_fp8(&q, &k, &v, &lens, d, &opts, 132)
+        decode_launch_description_fp8(&q, &k, &v, &lens, &opts.clone().descale(*d), 132)
     };
     let good = Descale::default().k(&f.k_descale).v(&f.v_descale);
     let err = describe(&v5, &good).unwrap_err();

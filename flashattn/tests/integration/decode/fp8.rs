@@ -269,8 +269,7 @@ fn fp8_bad_input_is_a_typed_error_and_writes_nothing() {
         &mut Fp8TensorMut::new(&mut k8, &bl.map.shape, &bl.map.strides),
         &mut Fp8TensorMut::new(&mut v8, &bl.map.shape, &bl.map.strides),
         &lens,
-        &good,
-        &opts,
+        &opts.clone().descale(good),
     )
     .unwrap_err();
     assert_kind!(

@@ -111,8 +111,9 @@ fn call_with(dev: &CudaDevice, bl: &Built, c: &DCase, into: bool) -> CallResult 
                 &mut v,
                 &lens,
                 new.as_ref().map(|(a, b)| (a, b)),
-                &Descale::default().k(&f.k_descale).v(&f.v_descale),
-                &opts,
+                &opts
+                    .clone()
+                    .descale(Descale::default().k(&f.k_descale).v(&f.v_descale)),
                 dst,
             )
             .map(|()| host(cuda::CudaAttnOutput { out, lse }));
@@ -125,8 +126,9 @@ fn call_with(dev: &CudaDevice, bl: &Built, c: &DCase, into: bool) -> CallResult 
             &mut v,
             &lens,
             new.as_ref().map(|(a, b)| (a, b)),
-            &Descale::default().k(&f.k_descale).v(&f.v_descale),
-            &opts,
+            &opts
+                .clone()
+                .descale(Descale::default().k(&f.k_descale).v(&f.v_descale)),
         )
         .map(host);
         return (res, download_fp8(dev, &k), download_fp8(dev, &v));

@@ -392,8 +392,7 @@ fn call_fp8(
             &mut Fp8TensorMut::new(&mut kt, &map.shape, &map.strides),
             &mut Fp8TensorMut::new(&mut vt, &map.shape, &map.strides),
             lens,
-            descale,
-            opts,
+            &opts.clone().descale(*descale),
         );
         k.iter_mut().zip(&kt).for_each(|(o, &x)| *o = to(x));
         v.iter_mut().zip(&vt).for_each(|(o, &x)| *o = to(x));

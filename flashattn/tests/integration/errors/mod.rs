@@ -3,8 +3,8 @@
 //! `naive::` and `reference::` validate the same way as `flash_attn`.
 
 use flashattn::{
-    flash_attn, flash_attn_varlen, merge_attn_partials, naive, reference, AttnOptions,
-    CuSeqlensProblem, DType, Error, ErrorKind, TensorRef,
+    flash_attn, merge_attn_partials, naive, reference, AttnOptions, CuSeqlensProblem, DType, Error,
+    ErrorKind, TensorRef,
 };
 use half::{bf16, f16};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -67,7 +67,7 @@ fn varlen_err(
         }
     };
     let flash = run("flash_attn_varlen", &|| {
-        flash_attn_varlen(q, k, v, cq, ck, opts).map(drop)
+        flash_attn(q, k, v, &opts.clone().varlen(cq, ck)).map(drop)
     });
     let nv = run("naive::attention_varlen", &|| {
         naive::attention_varlen(q, k, v, cq, ck, opts).map(drop)

@@ -275,7 +275,7 @@ fn alibi_bias_range() {
         let e = batched_err(&q, &k, &k, &opts);
         assert_eq!(format!("{:?}", e.kind()), want);
         assert_names(&e, "alibi_slopes");
-        let e = flash_attn_varlen(&q3, &k3, &k3, &cq, &ck, &opts).unwrap_err();
+        let e = flash_attn(&q3, &k3, &k3, &opts.clone().varlen(&cq, &ck)).unwrap_err();
         assert_eq!(format!("{:?}", e.kind()), want);
     }
     for good in [-3.9e37f32, -1e30, 1e30, 3.9e37] {
@@ -283,7 +283,7 @@ fn alibi_bias_range() {
         s[3] = good;
         let opts = AttnOptions::default().alibi_slopes(TensorRef::contiguous(&s, &[B, H]));
         let got = flash_attn(&q, &k, &k, &opts).unwrap();
-        let packed = flash_attn_varlen(&q3, &k3, &k3, &cq, &ck, &opts).unwrap();
+        let packed = flash_attn(&q3, &k3, &k3, &opts.clone().varlen(&cq, &ck)).unwrap();
         let want = reference::attention(&q, &k, &k, &opts).unwrap();
         for (name, o) in [("batched", &got), ("packed", &packed)] {
             let out = o.out.to_f64_vec();
@@ -297,4 +297,141 @@ fn alibi_bias_range() {
             assert!(err < 1e-5, "{name}, slope {good}: max error {err}");
         }
     }
+}
+
+/// FP8 descale factors on a call whose inputs are not FP8 (forward, its `_into` form, backward,
+/// decode): `DescaleNotFp8`, before anything is written.
+#[test]
+fn descale_on_a_non_fp8_call_is_refused() {
+    use flashattn::fp8::Descale;
+    use flashattn::{
+        flash_attn_backward, flash_attn_into, flash_attn_with_kvcache, KvCacheOptions, OutBuffers,
+        SliceMut, TensorMut,
+    };
+    let (b, s, h, d) = (1, 4, 2, 8);
+    let x: Vec<f32> = (0..b * s * h * d).map(|i| (i as f32 * 0.3).sin()).collect();
+    let t = TensorRef::contiguous(&x, &[b, s, h, d]);
+    let one = [1.0f32];
+    let plain = AttnOptions::default();
+    let opts = plain.clone().descale(Descale::default().k(&one));
+    let fwd = flash_attn(&t, &t, &t, &plain).unwrap();
+    let (o, l) = (fwd.out.view(), fwd.lse.view());
+    let (mut out, mut lse) = (vec![7.0f32; x.len()], vec![7.0f32; b * h * s]);
+    let dst = OutBuffers {
+        out: SliceMut::F32(&mut out),
+        lse: &mut lse,
+    };
+    let errs = [
+        ("flash_attn", flash_attn(&t, &t, &t, &opts).map(drop)),
+        ("flash_attn_into", flash_attn_into(&t, &t, &t, &opts, dst)),
+        (
+            "flash_attn_backward",
+            flash_attn_backward(&t, &t, &t, &o, &l, &t, &opts).map(drop),
+        ),
+    ];
+    for (call, r) in errs {
+        let e = r.expect_err(call);
+        assert_eq!(e.kind(), &ErrorKind::DescaleNotFp8, "{call}");
+        assert!(e.to_string().contains("not FP8"), "{call}: {e}");
+    }
+    assert!(
+        out.iter().chain(&lse).all(|&v| v == 7.0),
+        "written on error"
+    );
+
+    // Decode with a key to append: refused, the caches untouched.
+    let cap = 8;
+    let kn = TensorRef::contiguous(&x[..h * d], &[b, 1, h, d]);
+    let mut kc = vec![7.0f32; b * cap * h * d];
+    let mut vc = kc.clone();
+    let shape = [b, cap, h, d];
+    let ko = KvCacheOptions::default()
+        .attn(opts.clone())
+        .new_kv(kn.clone(), kn.clone());
+    let e = flash_attn_with_kvcache(
+        &t,
+        &mut TensorMut::contiguous(&mut kc[..], &shape),
+        &mut TensorMut::contiguous(&mut vc[..], &shape),
+        &[2],
+        &ko,
+    )
+    .unwrap_err();
+    assert_eq!(e.kind(), &ErrorKind::DescaleNotFp8);
+    assert!(
+        kc.iter().chain(&vc).all(|&v| v == 7.0),
+        "cache written on error"
+    );
+}
+
+/// The packed layout is one option: given to a decode call (whose packed queries are
+/// `KvCacheOptions::cu_seqlens_q`, so the layout would be given twice) it is `VarlenInDecode`,
+/// on f32 and FP8 caches alike; given with batched tensors, or packed tensors without it, the
+/// tensors' rank names the mismatch.
+#[test]
+fn varlen_given_twice_or_against_the_tensors_is_refused() {
+    use flashattn::fp8::{flash_attn_with_kvcache_fp8, Fp8TensorMut, F8E4M3};
+    use flashattn::{flash_attn_with_kvcache, KvCacheOptions, TensorMut};
+    let (b, s, h, d) = (1, 4, 2, 8);
+    let x: Vec<f32> = (0..b * s * h * d).map(|i| (i as f32 * 0.3).cos()).collect();
+    let cu = [0, s as i32];
+    let cap = 8;
+    let shape = [b, cap, h, d];
+    let q3 = TensorRef::contiguous(&x, &[b * s, h, d]);
+    for twice in [false, true] {
+        let mut ko = KvCacheOptions::default().attn(AttnOptions::default().varlen(&cu, &cu));
+        if twice {
+            ko = ko.cu_seqlens_q(&cu);
+        }
+        let mut kc = vec![0.5f32; b * cap * h * d];
+        let mut vc = kc.clone();
+        let e = flash_attn_with_kvcache(
+            &q3,
+            &mut TensorMut::contiguous(&mut kc[..], &shape),
+            &mut TensorMut::contiguous(&mut vc[..], &shape),
+            &[3],
+            &ko,
+        )
+        .unwrap_err();
+        assert_eq!(e.kind(), &ErrorKind::VarlenInDecode, "twice: {twice}");
+        assert!(e.to_string().contains("cu_seqlens_q"), "{e}");
+        let mut k8 = vec![F8E4M3::from_f32(0.5); b * cap * h * d];
+        let mut v8 = k8.clone();
+        let e = flash_attn_with_kvcache_fp8(
+            &q3,
+            &mut Fp8TensorMut::contiguous(&mut k8, &shape),
+            &mut Fp8TensorMut::contiguous(&mut v8, &shape),
+            &[3],
+            &ko,
+        )
+        .unwrap_err();
+        assert_eq!(e.kind(), &ErrorKind::VarlenInDecode, "fp8, twice: {twice}");
+    }
+    // Batched tensors with the packed layout, and packed tensors without it.
+    let q4 = TensorRef::contiguous(&x, &[b, s, h, d]);
+    let e = flash_attn(&q4, &q4, &q4, &AttnOptions::default().varlen(&cu, &cu)).unwrap_err();
+    assert!(
+        matches!(
+            e.kind(),
+            ErrorKind::Rank {
+                tensor: "q",
+                expected: 3,
+                got: 4,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let e = flash_attn(&q3, &q3, &q3, &AttnOptions::default()).unwrap_err();
+    assert!(
+        matches!(
+            e.kind(),
+            ErrorKind::Rank {
+                tensor: "q",
+                expected: 4,
+                got: 3,
+                ..
+            }
+        ),
+        "{e}"
+    );
 }

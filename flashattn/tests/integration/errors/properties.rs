@@ -7,7 +7,7 @@
 use super::*;
 use crate::common::props::extremes::{f32s as float, i32s, i64s, usizes};
 use crate::common::props::{assert_no_nan, config, scores_may_overflow, set_dim};
-use flashattn::{flash_attn_backward, flash_attn_varlen_backward, AttnOutput, Slice};
+use flashattn::{flash_attn_backward, AttnOutput, Slice};
 use proptest::prelude::*;
 
 #[derive(Clone, Debug)]
@@ -194,7 +194,7 @@ fn check(packed: bool, dtype: usize, changes: &[Change]) {
         (x, y) => panic!("{what}: flash {:?} but {y:?}", x.as_ref().map(drop)),
     };
     if packed {
-        let f = flash_attn_varlen(&q, &k, &v, &cq, &ck, &opts);
+        let f = flash_attn(&q, &k, &v, &opts.clone().varlen(&cq, &ck));
         let n = naive::attention_varlen(&q, &k, &v, &cq, &ck, &opts).map(drop);
         let r = reference::attention_varlen(&q, &k, &v, &cq, &ck, &opts).map(drop);
         same(&f, n, "naive");
@@ -202,7 +202,15 @@ fn check(packed: bool, dtype: usize, changes: &[Change]) {
         if let (Ok(o), false) = (&f, may_overflow) {
             assert_no_nan(o);
         }
-        let _ = flash_attn_varlen_backward(&q, &k, &v, &out, &lse, &dout, &cq, &ck, &opts);
+        let _ = flash_attn_backward(
+            &q,
+            &k,
+            &v,
+            &out,
+            &lse,
+            &dout,
+            &opts.clone().varlen(&cq, &ck),
+        );
     } else {
         let f = flash_attn(&q, &k, &v, &opts);
         let n = naive::attention(&q, &k, &v, &opts).map(drop);

@@ -12,13 +12,13 @@ fn valid_inputs_are_accepted() {
     assert!(flash_attn(&q, &k, &k, &AttnOptions::default()).is_ok());
     let q3 = TensorRef::contiguous(&data, &[SQ, H, D]);
     let k3 = TensorRef::contiguous(&data, &[SK, HKV, D]);
-    assert!(flash_attn_varlen(
+    assert!(flash_attn(
         &q3,
         &k3,
         &k3,
-        &[0, 2, 5],
-        &[0, 7, 7],
         &AttnOptions::default()
+            .clone()
+            .varlen(&[0, 2, 5], &[0, 7, 7])
     )
     .is_ok());
 }
@@ -600,7 +600,7 @@ fn cu_seqlens() {
         assert_names(&e, &format!("`{tensor}`"));
     }
     // A single entry [0] is a valid empty batch: every q row is "after the last sequence".
-    let r = flash_attn_varlen(&q, &k, &k, &[0], &[0], &o).unwrap();
+    let r = flash_attn(&q, &k, &k, &o.clone().varlen(&[0], &[0])).unwrap();
     assert!(r.out.to_f64_vec().iter().all(|&x| x == 0.0));
     assert!(r.lse.to_f64_vec().iter().all(|&x| x == f64::NEG_INFINITY));
 }

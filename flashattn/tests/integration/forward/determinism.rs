@@ -59,7 +59,7 @@ fn thread_count_determinism() {
                 .iter()
                 .map(|&t| {
                     in_pool(t, || {
-                        flash_attn_varlen(&q, &k, &v, &cq, &ck, &opts).unwrap()
+                        flash_attn(&q, &k, &v, &opts.clone().varlen(&cq, &ck)).unwrap()
                     })
                 })
                 .collect();

@@ -4,9 +4,7 @@
 
 use crate::common::grid::*;
 use crate::common::*;
-use flashattn::{
-    flash_attn, flash_attn_varlen, naive, reference, AttnOptions, AttnOutput, DType, TensorRef,
-};
+use flashattn::{flash_attn, naive, reference, AttnOptions, AttnOutput, DType, TensorRef};
 use rand::seq::SliceRandom;
 use rand::Rng;
 

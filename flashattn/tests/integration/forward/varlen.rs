@@ -103,7 +103,7 @@ fn varlen_matches_reference_and_per_sequence_calls() {
             let opts = varlen_opts(slopes, causal, window, softcap);
             let what = format!("{dtype} varlen q {lq:?}+{extra_q} k {lk:?}+{extra_k} causal={causal} window={window:?} softcap={softcap:?} alibi={alibi}");
 
-            let flash = flash_attn_varlen(&q, &k, &v, &cq, &ck, &opts).unwrap();
+            let flash = flash_attn(&q, &k, &v, &opts.clone().varlen(&cq, &ck)).unwrap();
             let nv = naive::attention_varlen(&q, &k, &v, &cq, &ck, &opts).unwrap();
             let mut r = reference::attention_varlen(&q, &k, &v, &cq, &ck, &opts).unwrap();
             // Workaround for a bug of the oracle (see `reference_varlen_lse_of_rows_after_last_sequence`):
@@ -215,7 +215,7 @@ fn varlen_single_sequence_equals_batched() {
             TensorRef::from_slice(t.data(), &t.shape()[1..], &t.strides()[1..])
         }
         let (q3, k3, v3) = (strip(&q), strip(&k), strip(&v));
-        let packed = flash_attn_varlen(&q3, &k3, &v3, &[0, 113], &[0, 203], &inp.opts()).unwrap();
+        let packed = flash_attn(&q3, &k3, &v3, &inp.opts().varlen(&[0, 113], &[0, 203])).unwrap();
         assert_eq!(bits(&batched.out), bits(&packed.out), "{case}");
         assert_eq!(bits(&batched.lse), bits(&packed.lse), "{case}");
     }
@@ -240,7 +240,7 @@ fn reference_varlen_lse_of_rows_after_last_sequence() {
     let opts = AttnOptions::default();
     // One sequence of 1 query token; tokens 1 and 2 of q belong to no sequence.
     let r = reference::attention_varlen(&qt, &kt, &kt, &[0, 1], &[0, 2], &opts).unwrap();
-    let f = flash_attn_varlen(&qt, &kt, &kt, &[0, 1], &[0, 2], &opts).unwrap();
+    let f = flash_attn(&qt, &kt, &kt, &opts.clone().varlen(&[0, 1], &[0, 2])).unwrap();
     assert_eq!(f.lse.to_f64_vec()[1..], [f64::NEG_INFINITY; 2]);
     assert_eq!(r.out[2..], [0.0; 4]);
     assert_eq!(

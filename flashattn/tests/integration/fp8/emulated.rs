@@ -11,7 +11,17 @@ use flashattn::cuda::{launch_description_fp8, Arch, ForwardKernel};
 #[test]
 fn launch_description_refuses_bad_input_by_name() {
     rejects_bad_input_with(&|q, k, v, cu, d, o| {
-        launch_description_fp8(q, k, v, cu, d, o).map(|_| ())
+        launch_description_fp8(
+            q,
+            k,
+            v,
+            &flashattn::AttnOptions {
+                cu_seqlens: cu,
+                descale: Some(*d),
+                ..o.clone()
+            },
+        )
+        .map(|_| ())
     });
 }
 
@@ -34,8 +44,17 @@ fn fp8_forward_kernel_under_emulation() {
             let [q, k, v] =
                 [0, 1, 2].map(|t| built.raw[t].view(&built.layouts[t].0, &built.layouts[t].1));
             let cu = c.packed.then_some((&built.cu_q[..], &built.cu_k[..]));
-            let d = launch_description_fp8(&q, &k, &v, cu, &built.descale(), &opts)
-                .unwrap_or_else(|e| panic!("{c:?}: {e}"));
+            let d = launch_description_fp8(
+                &q,
+                &k,
+                &v,
+                &flashattn::AttnOptions {
+                    cu_seqlens: cu,
+                    descale: Some(built.descale()),
+                    ..opts.clone()
+                },
+            )
+            .unwrap_or_else(|e| panic!("{c:?}: {e}"));
             assert!(d.key.fp8 && d.descale.is_some());
             let [qb, kb, vb] = built.raw_bytes();
             let tag = format!("fp8_{}_{i}", format.name());
@@ -91,9 +110,18 @@ fn fp8_sm90_kernel_under_emulation() {
         let [q, k, v] =
             [0, 1, 2].map(|t| built.raw[t].view(&built.layouts[t].0, &built.layouts[t].1));
         let cu = c.packed.then_some((&built.cu_q[..], &built.cu_k[..]));
-        let d = launch_description_fp8(&q, &k, &v, cu, &built.descale(), &opts)
-            .unwrap_or_else(|e| panic!("{c:?}: {e}"))
-            .for_arch(Arch::SM90, ForwardKernel::Sm90Fp8);
+        let d = launch_description_fp8(
+            &q,
+            &k,
+            &v,
+            &flashattn::AttnOptions {
+                cu_seqlens: cu,
+                descale: Some(built.descale()),
+                ..opts.clone()
+            },
+        )
+        .unwrap_or_else(|e| panic!("{c:?}: {e}"))
+        .for_arch(Arch::SM90, ForwardKernel::Sm90Fp8);
         if !d.key.is_sm90() {
             continue; // unaligned rows: fwd.cu
         }
@@ -103,9 +131,18 @@ fn fp8_sm90_kernel_under_emulation() {
             d.key.name()
         );
         // The plain sm_90a choice keeps FP8 on fwd.cu.
-        let plain = launch_description_fp8(&q, &k, &v, cu, &built.descale(), &opts)
-            .unwrap()
-            .for_arch(Arch::SM90, ForwardKernel::Sm90);
+        let plain = launch_description_fp8(
+            &q,
+            &k,
+            &v,
+            &flashattn::AttnOptions {
+                cu_seqlens: cu,
+                descale: Some(built.descale()),
+                ..opts.clone()
+            },
+        )
+        .unwrap()
+        .for_arch(Arch::SM90, ForwardKernel::Sm90);
         assert!(!plain.key.is_sm90());
         let [qb, kb, vb] = built.raw_bytes();
         let tag = format!("fp8_sm90_{i}");
@@ -125,7 +162,7 @@ fn fp8_sm90_kernel_under_emulation() {
     // e5m2 stays on fwd.cu (the instruction names the format).
     let c = Case::new(Fp8Format::E5M2, 1, 16, 16, (2, 2), 64).build();
     let [q, k, v] = [0, 1, 2].map(|t| c.raw[t].view(&c.layouts[t].0, &c.layouts[t].1));
-    let d = launch_description_fp8(&q, &k, &v, None, &c.descale(), &c.opts())
+    let d = launch_description_fp8(&q, &k, &v, &c.opts().clone().descale(c.descale()))
         .unwrap()
         .for_arch(Arch::SM90, ForwardKernel::Sm90Fp8);
     assert!(!d.key.is_sm90(), "{}", d.key.name());
@@ -202,7 +239,7 @@ fn fp8_sm90_accuracy_with_outliers() {
             }
             let qkv = quantize_qkv(&qt, &kt, &vt, &o).unwrap();
             let [qv, kv, vv] = qkv.views();
-            let desc = launch_description_fp8(&qv, &kv, &vv, None, &qkv.descale(), &opts)
+            let desc = launch_description_fp8(&qv, &kv, &vv, &opts.clone().descale(qkv.descale()))
                 .unwrap()
                 .for_arch(Arch::SM90, ForwardKernel::Sm90Fp8);
             assert!(desc.key.is_sm90(), "{}", desc.key.name());
@@ -211,7 +248,7 @@ fn fp8_sm90_accuracy_with_outliers() {
             let out = run_forward(&mut builds, &desc, bytes, DType::BF16, &tag);
             pair[i] = rmse(&out.out.to_f32_vec(), &want);
             // The CPU FP8 forward (P in bf16) on the same bytes, for comparison.
-            let cpu = flash_attn_fp8(&qv, &kv, &vv, &qkv.descale(), &opts).unwrap();
+            let cpu = flash_attn_fp8(&qv, &kv, &vv, &opts.clone().descale(qkv.descale())).unwrap();
             eprintln!(
                 "{granularity:?} incoherent {incoherent}: fwd_sm90_fp8.cu (emulated) RMSE {:.2e}, \
                  CPU FP8 forward {:.2e}",

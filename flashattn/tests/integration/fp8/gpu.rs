@@ -32,18 +32,18 @@ fn fp8_forward_on_the_gpu() {
             let opts = built.opts();
             let [q, k, v] = [0, 1, 2].map(|t| upload(&dev, &built, t));
             let res = if c.packed {
-                cuda::flash_attn_varlen_fp8(
+                cuda::flash_attn_fp8(
                     &dev,
                     &q,
                     &k,
                     &v,
-                    &built.cu_q,
-                    &built.cu_k,
-                    &built.descale(),
-                    &opts,
+                    &opts
+                        .clone()
+                        .varlen(&built.cu_q, &built.cu_k)
+                        .descale(built.descale()),
                 )
             } else {
-                cuda::flash_attn_fp8(&dev, &q, &k, &v, &built.descale(), &opts)
+                cuda::flash_attn_fp8(&dev, &q, &k, &v, &opts.clone().descale(built.descale()))
             }
             .unwrap_or_else(|e| panic!("{c:?}: {e}"));
             let out = AttnOutput {
@@ -67,9 +67,23 @@ fn fp8_forward_on_the_gpu() {
             if c.packed {
                 let (cq, ck) = (&built.cu_q, &built.cu_k);
                 let d = built.descale();
-                cuda::flash_attn_varlen_fp8_into(&dev, &q, &k, &v, cq, ck, &d, &opts, dst)
+                cuda::flash_attn_fp8_into(
+                    &dev,
+                    &q,
+                    &k,
+                    &v,
+                    &opts.clone().varlen(cq, ck).descale(d),
+                    dst,
+                )
             } else {
-                cuda::flash_attn_fp8_into(&dev, &q, &k, &v, &built.descale(), &opts, dst)
+                cuda::flash_attn_fp8_into(
+                    &dev,
+                    &q,
+                    &k,
+                    &v,
+                    &opts.clone().descale(built.descale()),
+                    dst,
+                )
             }
             .unwrap_or_else(|e| panic!("{c:?}: into: {e}"));
             let bits = |t: &flashattn::Tensor| -> Vec<u32> {
@@ -80,8 +94,16 @@ fn fp8_forward_on_the_gpu() {
             // With FLASHATTN_CUDA_FWD=sm90fp8, e4m3 calls may run on fwd_sm90_fp8.cu, which
             // rounds P to e4m3: its bound is that rounding's.
             let cu = c.packed.then_some((&built.cu_q[..], &built.cu_k[..]));
-            let key = cuda::fp8_kernel_key(&dev, [&q, &k, &v], cu, &built.descale(), &opts)
-                .expect("the call was accepted");
+            let key = cuda::fp8_kernel_key(
+                &dev,
+                [&q, &k, &v],
+                &flashattn::AttnOptions {
+                    cu_seqlens: cu,
+                    descale: Some(built.descale()),
+                    ..opts.clone()
+                },
+            )
+            .expect("the call was accepted");
             let what = format!("{c:?} on the GPU, {}", key.name());
             if key.is_sm90() {
                 super::emulated::check_p_e4m3(&built, &out, &built.expected(&opts).0, &what);

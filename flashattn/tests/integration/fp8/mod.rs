@@ -3,9 +3,7 @@
 //! (see `common::check_bound`); strided views; packed sequences; every rejected input.
 
 use crate::common::*;
-use flashattn::fp8::{
-    flash_attn_fp8, flash_attn_varlen_fp8, Descale, Fp8Format, Fp8TensorRef, F8E4M3, F8E5M2,
-};
+use flashattn::fp8::{flash_attn_fp8, Descale, Fp8Format, Fp8TensorRef, F8E4M3, F8E5M2};
 use flashattn::{naive, reference, AttnOptions, AttnOutput, DType, ErrorKind, TensorRef};
 use half::bf16;
 use rand::Rng;
@@ -287,9 +285,17 @@ impl Built {
     fn flash(&self, opts: &AttnOptions) -> flashattn::Result<AttnOutput> {
         let [q, k, v] = [0, 1, 2].map(|t| self.raw[t].view(&self.layouts[t].0, &self.layouts[t].1));
         if self.case.packed {
-            flash_attn_varlen_fp8(&q, &k, &v, &self.cu_q, &self.cu_k, &self.descale(), opts)
+            flash_attn_fp8(
+                &q,
+                &k,
+                &v,
+                &opts
+                    .clone()
+                    .varlen(&self.cu_q, &self.cu_k)
+                    .descale(self.descale()),
+            )
         } else {
-            flash_attn_fp8(&q, &k, &v, &self.descale(), opts)
+            flash_attn_fp8(&q, &k, &v, &opts.clone().descale(self.descale()))
         }
     }
 
@@ -478,24 +484,33 @@ fn descale_defaults_and_broadcast() {
     let built = c.build();
     let opts = built.opts();
     let [q, k, v] = [0, 1, 2].map(|t| built.raw[t].view(&built.layouts[t].0, &built.layouts[t].1));
-    let one = flash_attn_fp8(&q, &k, &v, &built.descale(), &opts).unwrap();
+    let one = flash_attn_fp8(&q, &k, &v, &opts.clone().descale(built.descale())).unwrap();
     let spread = |x: &Vec<f32>| vec![x[0]; 2 * 2];
     let (dq, dk, dv) = (
         spread(&built.descale[0]),
         spread(&built.descale[1]),
         spread(&built.descale[2]),
     );
-    let per = flash_attn_fp8(&q, &k, &v, &Descale::default().q(&dq).k(&dk).v(&dv), &opts).unwrap();
+    let per = flash_attn_fp8(
+        &q,
+        &k,
+        &v,
+        &opts
+            .clone()
+            .descale(Descale::default().q(&dq).k(&dk).v(&dv)),
+    )
+    .unwrap();
     assert_bit_identical(&one, &per, "whole-tensor vs per-head descale");
     // No factors: the same as factors of 1.
     let ones = vec![1.0f32];
-    let none = flash_attn_fp8(&q, &k, &v, &Descale::default(), &opts).unwrap();
+    let none = flash_attn_fp8(&q, &k, &v, &opts.clone().descale(Descale::default())).unwrap();
     let unit = flash_attn_fp8(
         &q,
         &k,
         &v,
-        &Descale::default().q(&ones).k(&ones).v(&ones),
-        &opts,
+        &opts
+            .clone()
+            .descale(Descale::default().q(&ones).k(&ones).v(&ones)),
     )
     .unwrap();
     assert_bit_identical(&none, &unit, "no descale vs descale 1");
@@ -518,8 +533,8 @@ type Call<'a> = &'a dyn Fn(
 fn rejects_bad_input_by_name() {
     rejects_bad_input_with(&|q, k, v, cu, d, o| {
         match cu {
-            Some((cq, ck)) => flash_attn_varlen_fp8(q, k, v, cq, ck, d, o),
-            None => flash_attn_fp8(q, k, v, d, o),
+            Some((cq, ck)) => flash_attn_fp8(q, k, v, &o.clone().varlen(cq, ck).descale(*d)),
+            None => flash_attn_fp8(q, k, v, &o.clone().descale(*d)),
         }
         .map(|_| ())
     });

@@ -72,15 +72,24 @@ fn check(packed: bool, format: Fp8Format, changes: &[Change]) {
         .v(&descale[2]);
     let cu = packed.then_some((&cq[..], &ck[..]));
     let cpu = match cu {
-        Some((a, b)) => flash_attn_varlen_fp8(&q, &k, &v, a, b, &d, &opts),
-        None => flash_attn_fp8(&q, &k, &v, &d, &opts),
+        Some((a, b)) => flash_attn_fp8(&q, &k, &v, &opts.clone().varlen(a, b).descale(d)),
+        None => flash_attn_fp8(&q, &k, &v, &opts.clone().descale(d)),
     };
     if let Ok(o) = &cpu {
         assert_no_nan(o);
     }
     #[cfg(feature = "cuda")]
     {
-        let gpu = flashattn::cuda::launch_description_fp8(&q, &k, &v, cu, &d, &opts);
+        let gpu = flashattn::cuda::launch_description_fp8(
+            &q,
+            &k,
+            &v,
+            &flashattn::AttnOptions {
+                cu_seqlens: cu,
+                descale: Some(d),
+                ..opts.clone()
+            },
+        );
         match (&cpu, &gpu) {
             (Ok(_), Ok(_)) => {}
             (Err(a), Err(b)) => assert_eq!(format!("{a:?}"), format!("{b:?}")),

@@ -311,7 +311,7 @@ pub(super) fn rmse(out: &[f32], want: &[f64]) -> f64 {
 /// The CPU FP8 forward on `qkv`, its RMSE against `want`.
 fn fp8_rmse(qkv: &QuantizedQkv, opts: &AttnOptions, want: &[f64]) -> f64 {
     let [q, k, v] = qkv.views();
-    let res = flash_attn_fp8(&q, &k, &v, &qkv.descale(), opts).unwrap();
+    let res = flash_attn_fp8(&q, &k, &v, &opts.clone().descale(qkv.descale())).unwrap();
     rmse(&res.out.to_f32_vec(), want)
 }
 
