@@ -3,7 +3,8 @@
 //! every kernel family (kind, dtype, tensor-core or not) at one head dim (96; 128 for the sm_90a
 //! forward; the smallest where a family starts above that) with no option, all of them, and all
 //! but one; in every tile configuration (family and tiles) the variants with the most options at
-//! its largest head dim, where registers run out first (256 with dropout, softcap and ALiBi); and
+//! its largest head dim, where registers run out first (256 with dropout, softcap and ALiBi; in bf16
+//! and f32, f16 being bf16's code with another element type); and
 //! the decode combine/append and backward prep kernels (see `representative`).
 //! `FLASHATTN_COMPILE_ALL=1` compiles every variant (~65 CPU-minutes, about half an hour on 2
 //! cores). Needs only libnvrtc, no GPU:
@@ -149,7 +150,8 @@ fn every_kernel_variant_compiles_without_spills() {
 ///   those the family always has), all of them, and all but one: every option's code on and
 ///   off, with the others on and off;
 /// - in each tile configuration, at its largest head dim, the variants with the most options:
-///   the most registers live for those tiles, where spills appear first;
+///   the most registers live for those tiles, where spills appear first (in bf16, not f16: the
+///   same kernels with another element type);
 /// - the kernels with no head dim (decode combine and append, backward prep).
 fn representative(keys: &[KernelKey]) -> std::collections::HashSet<KernelKey> {
     struct Info {
@@ -227,7 +229,10 @@ fn representative(keys: &[KernelKey]) -> std::collections::HashSet<KernelKey> {
             .map(|o| o.key.head_dim)
             .max()
             .unwrap_or(0);
-        let top_of_tiles = i.key.head_dim == dmax
+        // f16's kernels are bf16's with another element type: the variants where spills appear
+        // first compile in bf16, f16 at the base head dim only.
+        let top_of_tiles = i.key.dtype != flashattn::DType::F16
+            && i.key.head_dim == dmax
             && i.options == span(&|o| same_tiles(o) && o.key.head_dim == dmax).1;
         if helper || at_base || top_of_tiles {
             subset.insert(i.key);
