@@ -60,8 +60,10 @@ fn grid_cases(
 ) -> usize {
     let mut ran = 0;
     // The warp-specialised kernel's two launches share the grid: one CTA per tile takes the even
-    // cases, the persistent launch the odd ones (both take all with FLASHATTN_EMU_ALL=1).
-    let half = matches!(sm90, Some(ForwardKernel::Sm90Ws)) && !common::emu::all();
+    // cases, the persistent launch the odd ones; fwd.cu's f16 variants, bf16's code with another
+    // element type, take the even ones (all of them with FLASHATTN_EMU_ALL=1).
+    let twin = sm90.is_none() && dtype == DType::F16;
+    let half = (twin || matches!(sm90, Some(ForwardKernel::Sm90Ws))) && !common::emu::all();
     let parity = usize::from(ctas.is_some());
     for (i, case) in grid(dtype).into_iter().enumerate() {
         if case.cost() > budget() || (half && i % 2 != parity) {
