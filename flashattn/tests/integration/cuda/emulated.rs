@@ -146,32 +146,45 @@ fn grid_sm90_ws_persistent() {
     }
     let mut builds = forward_builds();
     for dtype in [DType::BF16, DType::F16] {
-        let mut ran = 0;
-        for (i, case) in grid(dtype).into_iter().enumerate() {
-            if i % 4 != 1 || case.cost() > budget() {
-                continue;
-            }
-            let inputs = case.build();
-            let (q, k, v) = inputs.views();
-            let sinks = test_sinks(case.heads);
-            let opts = inputs
-                .opts()
-                .learnable_sink(TensorRef::contiguous(&sinks, &[case.heads]));
-            let d = launch_description(&q, &k, &v, &opts)
-                .unwrap()
+        let ran = sink_grid_cases(&mut builds, dtype, "ws_persistent_sink", |d| {
+            let d = d
                 .for_arch(Arch::SM90, ForwardKernel::Sm90Ws)
                 .persistent(PERSISTENT_CTAS);
-            if !d.key.is_sm90() {
-                continue;
-            }
-            let tag = format!("ws_persistent_sink_{dtype}_{i}");
-            let flash = run(&mut builds, &d, &q, &k, &v, &tag);
-            inputs.check_with(&flash, &format!("sinks emulated {}", d.key.name()), &opts);
-            ran += 1;
-        }
+            d.key.is_sm90().then_some(d)
+        });
         eprintln!("{dtype}: {ran} grid cases with sinks emulated on the persistent ws kernel");
         assert!(ran >= 2.min(budget()), "too few sink cases ran: {ran}");
     }
+}
+
+/// Every fourth grid case of `dtype` within the budget, with a sink logit per head, on the launch
+/// `adapt` makes of the default one (`None`: a case that launch does not serve), against the f64
+/// reference with the grid's bound. Returns how many ran.
+fn sink_grid_cases(
+    builds: &mut Builds,
+    dtype: DType,
+    tag: &str,
+    adapt: impl Fn(LaunchDescription) -> Option<LaunchDescription>,
+) -> usize {
+    let mut ran = 0;
+    for (i, case) in grid(dtype).into_iter().enumerate() {
+        if i % 4 != 1 || case.cost() > budget() {
+            continue;
+        }
+        let inputs = case.build();
+        let (q, k, v) = inputs.views();
+        let sinks = test_sinks(case.heads);
+        let opts = inputs
+            .opts()
+            .learnable_sink(TensorRef::contiguous(&sinks, &[case.heads]));
+        let d = launch_description(&q, &k, &v, &opts).unwrap();
+        assert!(d.sink.is_some(), "the launch carries the sinks");
+        let Some(d) = adapt(d) else { continue };
+        let flash = run(builds, &d, &q, &k, &v, &format!("{tag}_{dtype}_{i}"));
+        inputs.check_with(&flash, &format!("sinks emulated {}", d.key.name()), &opts);
+        ran += 1;
+    }
+    ran
 }
 
 /// CTAs of the emulated persistent launches: few, so that every CTA takes several tiles.
@@ -387,23 +400,7 @@ fn sinks_match_reference() {
     }
     let mut builds = forward_builds();
     for dtype in [DType::BF16, DType::F16, DType::F32] {
-        let mut ran = 0;
-        for (i, case) in grid(dtype).into_iter().enumerate() {
-            if i % 4 != 1 || case.cost() > budget() {
-                continue;
-            }
-            let inputs = case.build();
-            let (q, k, v) = inputs.views();
-            let sinks = test_sinks(case.heads);
-            let opts = inputs
-                .opts()
-                .learnable_sink(TensorRef::contiguous(&sinks, &[case.heads]));
-            let d = launch_description(&q, &k, &v, &opts).unwrap();
-            assert!(d.sink.is_some(), "the launch carries the sinks");
-            let flash = run(&mut builds, &d, &q, &k, &v, &format!("sink_{dtype}_{i}"));
-            inputs.check_with(&flash, &format!("sinks emulated {}", d.key.name()), &opts);
-            ran += 1;
-        }
+        let ran = sink_grid_cases(&mut builds, dtype, "sink", Some);
         eprintln!("{dtype}: {ran} grid cases with sinks emulated");
         assert!(ran >= 3.min(budget()), "too few sink cases ran: {ran}");
         for (n, case) in varlen_cases(dtype, 2, 1, 40).into_iter().enumerate() {
