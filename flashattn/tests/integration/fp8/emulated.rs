@@ -25,6 +25,16 @@ fn launch_description_refuses_bad_input_by_name() {
     });
 }
 
+/// The options of a case's call: its own, the descale factors and, packed, its `cu_seqlens`.
+fn call_opts<'a>(c: &Case, built: &'a Built) -> flashattn::AttnOptions<'a> {
+    let opts = built.opts().descale(built.descale());
+    if c.packed {
+        opts.varlen(&built.cu_q, &built.cu_k)
+    } else {
+        opts
+    }
+}
+
 #[test]
 fn fp8_forward_kernel_under_emulation() {
     if !have_compiler() {
@@ -43,18 +53,8 @@ fn fp8_forward_kernel_under_emulation() {
             let opts = built.opts();
             let [q, k, v] =
                 [0, 1, 2].map(|t| built.raw[t].view(&built.layouts[t].0, &built.layouts[t].1));
-            let cu = c.packed.then_some((&built.cu_q[..], &built.cu_k[..]));
-            let d = launch_description_fp8(
-                &q,
-                &k,
-                &v,
-                &flashattn::AttnOptions {
-                    cu_seqlens: cu,
-                    descale: Some(built.descale()),
-                    ..opts.clone()
-                },
-            )
-            .unwrap_or_else(|e| panic!("{c:?}: {e}"));
+            let d = launch_description_fp8(&q, &k, &v, &call_opts(&c, &built))
+                .unwrap_or_else(|e| panic!("{c:?}: {e}"));
             assert!(d.key.fp8 && d.descale.is_some());
             let [qb, kb, vb] = built.raw_bytes();
             let tag = format!("fp8_{}_{i}", format.name());
@@ -109,19 +109,9 @@ fn fp8_sm90_kernel_under_emulation() {
         let opts = built.opts();
         let [q, k, v] =
             [0, 1, 2].map(|t| built.raw[t].view(&built.layouts[t].0, &built.layouts[t].1));
-        let cu = c.packed.then_some((&built.cu_q[..], &built.cu_k[..]));
-        let d = launch_description_fp8(
-            &q,
-            &k,
-            &v,
-            &flashattn::AttnOptions {
-                cu_seqlens: cu,
-                descale: Some(built.descale()),
-                ..opts.clone()
-            },
-        )
-        .unwrap_or_else(|e| panic!("{c:?}: {e}"))
-        .for_arch(Arch::SM90, ForwardKernel::Sm90Fp8);
+        let d = launch_description_fp8(&q, &k, &v, &call_opts(&c, &built))
+            .unwrap_or_else(|e| panic!("{c:?}: {e}"))
+            .for_arch(Arch::SM90, ForwardKernel::Sm90Fp8);
         if !d.key.is_sm90() {
             continue; // unaligned rows: fwd.cu
         }
@@ -131,18 +121,9 @@ fn fp8_sm90_kernel_under_emulation() {
             d.key.name()
         );
         // The plain sm_90a choice keeps FP8 on fwd.cu.
-        let plain = launch_description_fp8(
-            &q,
-            &k,
-            &v,
-            &flashattn::AttnOptions {
-                cu_seqlens: cu,
-                descale: Some(built.descale()),
-                ..opts.clone()
-            },
-        )
-        .unwrap()
-        .for_arch(Arch::SM90, ForwardKernel::Sm90);
+        let plain = launch_description_fp8(&q, &k, &v, &call_opts(&c, &built))
+            .unwrap()
+            .for_arch(Arch::SM90, ForwardKernel::Sm90);
         assert!(!plain.key.is_sm90());
         let [qb, kb, vb] = built.raw_bytes();
         let tag = format!("fp8_sm90_{i}");
