@@ -21,7 +21,7 @@ static SLOPES: [f32; 4] = [0.5, 0.25, 0.125, 0.0625];
 /// `case_with` checks it against the library's choice.
 fn served(c: &GradCase) -> bool {
     let d = c.shape.5;
-    d % 8 == 0 && d <= 128
+    d.is_multiple_of(8) && d <= 128
 }
 
 /// Cases at the head dims the kernel's variants are compiled for (64, and 96 and 128 padded to
