@@ -11,7 +11,7 @@
 #   4. NVRTC's own compile rate there (a few variants into an empty cache).
 #
 # Here: bash bench/gpu/prepare.sh && the cache (see docs/GPU.md); there (carry gpu-run):
-#   bash bench/gpu/session.sh [SECONDS] [decode|h100|ab|quick|fwd|bwd|bwdprobe|python|sm90|sm90b|sm90fp8]
+#   bash bench/gpu/session.sh [SECONDS] [decode|h100|ab|quick|fwd|bwd|bwdprobe|python|sm90|sm90b|sm90fp8|sm90bwd]
 # SECONDS: the budget for the whole script (500). `bwd`: after the tests, forward + backward
 # against SDPA (this build beside gpu-run/old/flashattn when carried) and the backward kernels
 # under Nsight Compute; `bwdprobe`: the same without the tests (a profile to work from).
@@ -25,6 +25,9 @@
 # `sm90fp8`: the FP8 fwd_sm90_fp8.cu (FLASHATTN_CUDA_FWD=sm90fp8): the FP8 tests on it (overlap on
 # and off), then e4m3 on it, with and without the overlap, against e4m3 on fwd.cu and the bf16
 # kernels (fwd_sm90.cu, SDPA).
+# `sm90bwd`: the sm_90a backward (bwd_sm90.cu, opt-in with FLASHATTN_SM90_BWD=1): the GPU
+# gradient tests on it (f16/bf16 grids, sinks, the `_into` forms), which kernels a call runs,
+# then forward + backward on it against bwd.cu and SDPA's flash and cuDNN backends.
 # `python`: no Rust tests: the wgmma layout probe (bench/gpu/wgmma_probe.py), then the Python
 # package on CUDA tensors (its tests and benchmark).
 # $OUT/summary.txt grows as stages end; $OUT/logs.tgz holds every log at the end.
@@ -76,7 +79,8 @@ else
     timeout 200 "$bin" compile 2>&1 | tail -5 | tee -a "$summary"
 fi
 
-if [ "$mode" != bwdprobe ] && [ "$mode" != python ] && [ "$mode" != sm90 ] && [ "$mode" != sm90fp8 ]; then
+if [ "$mode" != bwdprobe ] && [ "$mode" != python ] && [ "$mode" != sm90 ] && [ "$mode" != sm90fp8 ] \
+    && [ "$mode" != sm90bwd ]; then
 say "== $(date -u +%T) tests ($(left) s left)"
 tl=$(( $(left) - 220 )); [ $tl -gt 280 ] && tl=280; [ $tl -lt 60 ] && tl=60
 # shellcheck source=bench/gpu/tests.sh
@@ -229,6 +233,35 @@ if [ "$mode" = sm90fp8 ]; then
         --out "$logs/compare_fp8_e4m3.json"
     stage 100 compare_fp8_bf16 python3 bench/compare_torch_cuda.py --binary "$bin" --dtype bf16 \
         --dims 128,256 --seqlens 2048,8192 --rounds 1 --min-time 0.2 --out "$logs/compare_fp8_bf16.json"
+    finish
+fi
+if [ "$mode" = sm90bwd ]; then
+    # The sm_90a backward (bwd_sm90.cu): the GPU gradient tests with FLASHATTN_SM90_BWD=1 (the
+    # grids' cases with head_dim a multiple of 8 up to 128 run on it, the others on bwd.cu; every
+    # case twice, bit for bit), the same with bwd.cu alone for the record, and the kernel names a
+    # call reports (bwd_dq_sm90_... when it runs).
+    (FLASHATTN_SM90_BWD=1 timeout 150 gpu-run/integration_tests_flashattn cuda::device::backward:: \
+        --test-threads 3 --nocapture >"$logs/sm90bwd_gpu.log" 2>&1; echo "exit $?" >>"$logs/sm90bwd_gpu.log") &
+    (FLASHATTN_SM90_BWD=1 timeout 150 gpu-run/integration_tests_flashattn cuda::device::into:: \
+        --test-threads 2 --nocapture >"$logs/sm90bwd_into_gpu.log" 2>&1; echo "exit $?" >>"$logs/sm90bwd_into_gpu.log") &
+    (timeout 150 gpu-run/integration_tests_flashattn cuda::device::backward:: --test-threads 3 \
+        --nocapture >"$logs/sm90bwd_fa2_gpu.log" 2>&1; echo "exit $?" >>"$logs/sm90bwd_fa2_gpu.log") &
+    wait
+    for f in "$logs"/sm90bwd_gpu.log "$logs"/sm90bwd_into_gpu.log "$logs"/sm90bwd_fa2_gpu.log; do
+        say "-- $(basename "$f")"
+        grep -E "test result|panicked|error too large|differs|^exit " "$f" | head -12 | tee -a "$summary"
+    done
+    for d in 64 128; do
+        stage 20 "sm90bwd_kernels_d$d" env FLASHATTN_SM90_BWD=1 "$bin" bench --device cuda --dtype bf16 \
+            --batch 1 --heads 16 --head-dim $d --seqlen 2048 --causal --backward --no-naive --min-time 0.05
+    done
+    # d = 128 then 64, causal and not: bwd.cu (main), bwd_sm90.cu (variant), SDPA flash and cuDNN.
+    stage 170 compare_sm90bwd_d128 python3 bench/compare_torch_cuda.py --binary "$bin" --backward \
+        --cudnn --dims 128 --seqlens 2048,8192 --rounds 1 --min-time 0.2 \
+        --variant "sm90bwd=$bin,FLASHATTN_SM90_BWD=1" --out "$logs/compare_sm90bwd_d128.json"
+    stage 110 compare_sm90bwd_d64 python3 bench/compare_torch_cuda.py --binary "$bin" --backward \
+        --cudnn --dims 64 --seqlens 8192 --rounds 1 --min-time 0.2 \
+        --variant "sm90bwd=$bin,FLASHATTN_SM90_BWD=1" --out "$logs/compare_sm90bwd_d64.json"
     finish
 fi
 if [ "$mode" = python ]; then

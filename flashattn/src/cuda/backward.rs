@@ -4,9 +4,12 @@
 //! on CUDA cores otherwise): `bwd_prep` (dO·O per row and the LSE
 //! in the log2 domain), `bwd_dq` (one CTA per query block) and `bwd_dkdv` (one CTA per key block
 //! and kv head, summing the heads of its group). No atomics: the gradients are bit-identical from
-//! run to run. The `_into` forms write the gradients into caller-provided buffers
+//! run to run. On compute capability 9.0 with `FLASHATTN_SM90_BWD=1`, dQ and dK/dV run on
+//! `kernels/bwd_sm90.cu` (the same two kernels on wgmma) where it serves the call: opt-in until it
+//! has run on a GPU. The `_into` forms write the gradients into caller-provided buffers
 //! ([`CudaGradBuffers`]); the allocating forms allocate them and call the same code.
 
+use super::arch::Arch;
 use super::buffer::{CudaAttnOutput, CudaTensor, DeviceBuffer};
 use super::device::CudaDevice;
 use super::error::driver_err;
@@ -219,6 +222,28 @@ impl BackwardLaunch {
         }
     }
 
+    /// The same launches for a GPU of `arch`: with `sm90` on compute capability 9.0, `bwd_dq` and
+    /// `bwd_dkdv` on bwd_sm90.cu ([`BackwardLaunch::on_sm90`]); else unchanged.
+    pub fn for_arch(self, arch: Arch, sm90: bool) -> BackwardLaunch {
+        if sm90 && arch == Arch::SM90 {
+            self.on_sm90()
+        } else {
+            self
+        }
+    }
+
+    /// The same launches with `bwd_dq` and `bwd_dkdv` on the sm_90a kernels of bwd_sm90.cu
+    /// (their keys, tiles, grids and shared memory) where they serve the call
+    /// ([`KernelKey::sm90_backward`]: f16/bf16, 16-byte loads, head_dim up to 128); else
+    /// unchanged. `bwd_prep` stays bwd.cu's.
+    pub fn on_sm90(mut self) -> BackwardLaunch {
+        if let (Some(dq), Some(dkdv)) = (self.dq.sm90_backward(), self.dkdv.sm90_backward()) {
+            self.dq = dq;
+            self.dkdv = dkdv;
+        }
+        self
+    }
+
     /// Grid of `bwd_prep` (None: no query row).
     pub fn prep_grid(&self) -> Option<(u32, u32, u32)> {
         self.grid(self.max_q, PREP_ROWS, self.params.heads)
@@ -238,6 +263,14 @@ impl BackwardLaunch {
         (len > 0 && self.seqs > 0)
             .then(|| (len.div_ceil(block) as u32, heads as u32, self.seqs as u32))
     }
+}
+
+/// Whether the backward runs on bwd_sm90.cu where it can (compute capability 9.0, see
+/// [`BackwardLaunch::for_arch`]): only with `FLASHATTN_SM90_BWD=1` until the kernel has run on a
+/// GPU (read once per process).
+fn sm90_from_env() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("FLASHATTN_SM90_BWD").as_deref() == Ok("1"))
 }
 
 /// Validates a backward call: q, k, v and the options as the forward, then out, dout (q's shape
@@ -285,7 +318,19 @@ pub fn backward_kernel_key(
     let out = params::q_like("out", dout, &p)?;
     let dout = params::q_like("dout", dout, &p)?;
     let lse_strides = crate::tensor::contiguous_strides(&p.lse_shape);
-    Ok(BackwardLaunch::new(&p, &out, &dout, &lse_strides).dq)
+    let d = BackwardLaunch::new(&p, &out, &dout, &lse_strides);
+    // The GPU the tensors live on, for the choice of bwd_sm90.cu (as `plan` makes it).
+    let d = match q.buf.context().compute_capability() {
+        Ok((major, minor)) => d.for_arch(
+            Arch {
+                major: major as u32,
+                minor: minor as u32,
+            },
+            sm90_from_env(),
+        ),
+        Err(_) => d,
+    };
+    Ok(d.dq)
 }
 
 /// Gradients on the device: dq, dk, dv with the shapes and dtypes of q, k, v (contiguous), and
@@ -377,7 +422,7 @@ pub fn flash_attn_backward_into(
 fn plan(dev: &CudaDevice, p: &Params, t: [&CudaTensor; 6]) -> Result<BackwardLaunch> {
     let [_, _, _, out, lse, dout] = t;
     let (o, g, ls) = validate(p, out, lse, dout)?;
-    let d = BackwardLaunch::new(p, &o, &g, &ls);
+    let d = BackwardLaunch::new(p, &o, &g, &ls).for_arch(dev.arch(), sm90_from_env());
     let contexts = t.map(|x| x.buf.context());
     check_launchable(dev, p, &d.dkdv, &contexts)?;
     check_launchable(dev, p, &d.dq, &contexts)?;

@@ -34,6 +34,12 @@ pub(crate) const FWD_SM90_FP8_CU: &str = include_str!("kernels/fwd_sm90_fp8.cu")
 pub(crate) const DECODE_CU: &str = include_str!("kernels/decode.cu");
 /// The backward kernels (dO·O and the LSE per row, dQ, dK and dV).
 pub(crate) const BWD_CU: &str = include_str!("kernels/bwd.cu");
+/// The Hopper backward (dQ, dK and dV on wgmma; bwd.cu's prep kernel before them).
+pub(crate) const BWD_SM90_CU: &str = include_str!("kernels/bwd_sm90.cu");
+
+/// Keys per step of `bwd_dq_sm90` (bwd_sm90.cu: DQ_BLOCK_N): 128 spilled at head_dim 64 with
+/// every option on (NVRTC 13.0: 88 bytes).
+const SM90_BWD_DQ_KEYS: usize = 64;
 
 /// Granularity of the padded head dimension: the tensor-core kernel walks head_dim in k-steps of
 /// 16 and n-tiles of 16, and 32 keeps the number of variants at 8 per dtype.
@@ -67,6 +73,12 @@ pub enum KernelKind {
     BackwardDq,
     /// `bwd_dkdv` (bwd.cu): dK and dV of one key block and kv head.
     BackwardDkDv,
+    /// `bwd_dq_sm90` (bwd_sm90.cu): [`KernelKind::BackwardDq`] on warpgroup tensor-core
+    /// instructions, for sm_90a only (f16/bf16 with 16-byte loads, head_dim up to 128).
+    BackwardDqSm90,
+    /// `bwd_dkdv_sm90` (bwd_sm90.cu): [`KernelKind::BackwardDkDv`] on wgmma, as
+    /// [`KernelKind::BackwardDqSm90`].
+    BackwardDkDvSm90,
 }
 
 impl KernelKind {
@@ -74,6 +86,14 @@ impl KernelKind {
         matches!(
             self,
             KernelKind::BackwardPrep | KernelKind::BackwardDq | KernelKind::BackwardDkDv
+        )
+    }
+
+    /// One of the sm_90a backward kernels (bwd_sm90.cu).
+    pub(crate) fn is_sm90_backward(self) -> bool {
+        matches!(
+            self,
+            KernelKind::BackwardDqSm90 | KernelKind::BackwardDkDvSm90
         )
     }
 }
@@ -153,6 +173,22 @@ impl KernelKey {
                     block_m: 32,
                     block_n: 16,
                     num_warps: 4,
+                }
+            }
+            // bwd_sm90.cu: two warpgroups of 64 query rows (dq: 64 keys a step) or of 64 keys
+            // (dkdv: `sm90_bwd_rows` query rows a step).
+            KernelKind::BackwardDqSm90 => {
+                return Tiles {
+                    block_m: 128,
+                    block_n: SM90_BWD_DQ_KEYS,
+                    num_warps: 8,
+                }
+            }
+            KernelKind::BackwardDkDvSm90 => {
+                return Tiles {
+                    block_m: self.sm90_bwd_rows(),
+                    block_n: 128,
+                    num_warps: 8,
                 }
             }
             _ => {}
@@ -313,6 +349,16 @@ impl KernelKey {
             KernelKind::BackwardDkDv if self.bwd_tensor_cores() => {
                 return 2 * (2 * t.block_n + 4 * t.block_m) * self.smem_row() + 4 * 4 * t.block_m
             }
+            // bwd_sm90.cu: the same tiles (rows of head_dim padded to 64), plus 1 KiB to align
+            // them to 1024 bytes.
+            KernelKind::BackwardDqSm90 => {
+                return 2 * (2 * t.block_m + 4 * t.block_n) * self.smem_row() + 1024
+            }
+            KernelKind::BackwardDkDvSm90 => {
+                return 2 * (2 * t.block_n + 4 * t.block_m) * self.smem_row()
+                    + 4 * 4 * t.block_m
+                    + 1024
+            }
             // bwd.cu: q and dO [block_m][d+1], k and v [block_n][d+1], P and dX
             // [block_m][block_n+1], two per-row statistics, all f32.
             KernelKind::BackwardDq | KernelKind::BackwardDkDv => {
@@ -392,18 +438,47 @@ impl KernelKey {
         })
     }
 
+    /// The Hopper twin of a `bwd_dq` or `bwd_dkdv` key (bwd_sm90.cu), where that kernel serves the
+    /// call: f16/bf16 with 16-byte loads, head_dim up to 128 (rounded up to a multiple of 64: the
+    /// kernel's tiles are whole 64-column slabs); dropout, softcap, ALiBi and masks included.
+    pub fn sm90_backward(&self) -> Option<KernelKey> {
+        let kind = match self.kind {
+            KernelKind::BackwardDq => KernelKind::BackwardDqSm90,
+            KernelKind::BackwardDkDv => KernelKind::BackwardDkDvSm90,
+            _ => return None,
+        };
+        let eligible = self.dtype != DType::F32 && self.vec_load && self.head_dim <= 128;
+        eligible.then(|| KernelKey {
+            kind,
+            head_dim: self.head_dim.div_ceil(64) * 64,
+            ..*self
+        })
+    }
+
+    /// Query rows per step of `bwd_dkdv_sm90` (bwd_sm90.cu: KV_BLOCK_M), the N of its S and dP
+    /// products: 64, or 32 at head_dim 128 with dropout, where dK and dV's accumulators (128
+    /// registers) beside 64 rows' Sᵀ, dPᵀ, their packed fragments and the Philox rounds spilled
+    /// (NVRTC 13.0, with every other option on: 12 bytes; 247 registers without dropout).
+    fn sm90_bwd_rows(&self) -> usize {
+        if self.head_dim > 64 && self.dropout {
+            32
+        } else {
+            64
+        }
+    }
+
     /// Whether the variant compiles for `arch`: the sm_90a kernels only for compute capability
     /// 9.0 (NVRTC's `sm_90a`), the others for any.
     pub fn builds_for(&self, arch: Arch) -> bool {
         !self.is_sm90() || (arch.major, arch.minor) == (9, 0)
     }
 
-    /// One of the sm_90a forward kernels.
+    /// One of the sm_90a kernels (the forward ones and bwd_sm90.cu's).
     pub fn is_sm90(&self) -> bool {
         matches!(
             self.kind,
             KernelKind::ForwardSm90 | KernelKind::ForwardSm90Ws
-        )
+        ) || self.kind.is_sm90_backward()
     }
 
     /// Whether `bwd_dq` / `bwd_dkdv` of this key run on tensor cores (f16/bf16, head_dim up to
@@ -420,6 +495,9 @@ impl KernelKey {
 
     /// The kernel's source file name and text.
     pub(crate) fn source(&self) -> (&'static str, &'static str) {
+        if self.kind.is_sm90_backward() {
+            return ("bwd_sm90.cu", BWD_SM90_CU);
+        }
         if self.kind.is_backward() {
             return ("bwd.cu", BWD_CU);
         }
@@ -453,12 +531,49 @@ impl KernelKey {
             KernelKind::BackwardPrep => "bwd_prep",
             KernelKind::BackwardDq => "bwd_dq",
             KernelKind::BackwardDkDv => "bwd_dkdv",
+            KernelKind::BackwardDqSm90 => "bwd_dq_sm90",
+            KernelKind::BackwardDkDvSm90 => "bwd_dkdv_sm90",
         }
     }
 
     /// The `-D` defines of this variant.
     pub fn defines(&self) -> Vec<(&'static str, String)> {
         let flag = |b: bool| (b as u8).to_string();
+        if self.kind.is_sm90_backward() {
+            // bwd_sm90.cu: both kernels' tile sizes, so that one host-emulation build
+            // (BWD_SM90_ENTRY=0) runs either.
+            let dkdv = KernelKey {
+                kind: KernelKind::BackwardDkDvSm90,
+                ..*self
+            };
+            return vec![
+                ("HEAD_DIM", self.smem_row().to_string()),
+                ("IS_MASKED", flag(self.masked)),
+                ("HAS_SOFTCAP", flag(self.softcap)),
+                ("HAS_ALIBI", flag(self.alibi)),
+                ("HAS_DROPOUT", flag(self.dropout)),
+                (
+                    if self.dtype == DType::BF16 {
+                        "FA_BF16"
+                    } else {
+                        "FA_F16"
+                    },
+                    "1".into(),
+                ),
+                ("NUM_WG", "2".into()),
+                ("KV_BLOCK_M", dkdv.sm90_bwd_rows().to_string()),
+                ("DQ_BLOCK_N", SM90_BWD_DQ_KEYS.to_string()),
+                (
+                    "BWD_SM90_ENTRY",
+                    if self.kind == KernelKind::BackwardDqSm90 {
+                        "2"
+                    } else {
+                        "3"
+                    }
+                    .into(),
+                ),
+            ];
+        }
         if self.is_sm90() {
             // fwd_sm90.cu / fwd_sm90_ws.cu: NUM_WG warpgroups compute (the warp-specialised one
             // has a producer warpgroup beside them); each has its own experiment switch.
@@ -596,6 +711,14 @@ impl KernelKey {
                 self.head_dim,
                 if self.bwd_tensor_cores() { "_tc" } else { "" }
             ),
+            KernelKind::BackwardDqSm90 | KernelKind::BackwardDkDvSm90 => format!(
+                "{}_{}_d{}_m{}n{}",
+                self.entry(),
+                self.dtype,
+                self.head_dim,
+                t.block_m,
+                t.block_n
+            ),
         };
         for (on, tag) in [
             (self.masked, "_masked"),
@@ -729,6 +852,26 @@ impl KernelKey {
                 }
             }
             keys.push(KernelKey::backward_prep(dtype));
+        }
+        // bwd_sm90.cu: f16/bf16 with 16-byte loads, head_dim 64 or 128.
+        for dtype in [DType::F16, DType::BF16] {
+            for head_dim in [64, 128] {
+                for kind in [KernelKind::BackwardDqSm90, KernelKind::BackwardDkDvSm90] {
+                    for bits in 0..16u32 {
+                        keys.push(KernelKey {
+                            kind,
+                            dtype,
+                            head_dim,
+                            masked: bits & 1 != 0,
+                            softcap: bits & 2 != 0,
+                            alibi: bits & 4 != 0,
+                            dropout: bits & 8 != 0,
+                            vec_load: true,
+                            fp8: false,
+                        });
+                    }
+                }
+            }
         }
         keys
     }

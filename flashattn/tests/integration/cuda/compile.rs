@@ -4,7 +4,8 @@
 //! forward; the smallest where a family starts above that) with no option, all of them, and all
 //! but one; in every tile configuration (family and tiles) the variants with the most options at
 //! its largest head dim, where registers run out first (256 with dropout, softcap and ALiBi; in bf16
-//! and f32, f16 being bf16's code with another element type); and
+//! and f32, f16 being bf16's code with another element type); the sm_90a backward's tile
+//! configurations with their fewest and most options, in bf16; and
 //! the decode combine/append and backward prep kernels (see `representative`).
 //! `FLASHATTN_COMPILE_ALL=1` compiles every variant (~65 CPU-minutes, about half an hour on 2
 //! cores). Needs only libnvrtc, no GPU:
@@ -229,6 +230,22 @@ fn representative(keys: &[KernelKey]) -> std::collections::HashSet<KernelKey> {
             .map(|o| o.key.head_dim)
             .max()
             .unwrap_or(0);
+        if matches!(
+            i.key.kind,
+            KernelKind::BackwardDqSm90 | KernelKind::BackwardDkDvSm90
+        ) {
+            // bwd_sm90.cu: its options' code is bwd.cu's tensor-core kernels' (compiled in
+            // every combination above), so in bf16 only, each tile configuration's fewest and
+            // most options at its largest head dim (six variants).
+            let (fewest, most) = span(&|o| same_tiles(o) && o.key.head_dim == dmax);
+            if i.key.dtype == flashattn::DType::BF16
+                && i.key.head_dim == dmax
+                && (i.options == fewest || i.options == most)
+            {
+                subset.insert(i.key);
+            }
+            continue;
+        }
         // f16's kernels are bf16's with another element type: the variants where spills appear
         // first compile in bf16, f16 at the base head dim only.
         let top_of_tiles = i.key.dtype != flashattn::DType::F16

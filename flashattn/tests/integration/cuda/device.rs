@@ -286,10 +286,13 @@ mod backward {
     }
 
     /// The CPU gradient grid, plus 1024 x 1024 with GQA 4 at d = 128: plain, causal, and causal
-    /// with dropout.
+    /// with dropout; and the emulated sm_90a backward's cases at head dims 64, 96 and 128
+    /// (`emulated_bwd90::extra_cases`), which bwd_sm90.cu serves with `FLASHATTN_SM90_BWD=1` on
+    /// an H100/H200.
     fn grid<T: Element>() {
         let Some(dev) = device() else { return };
         let mut all = cases(true);
+        all.extend(crate::cuda::emulated_bwd90::extra_cases());
         let causal = AttnOptions::default().causal(true);
         let big = [
             AttnOptions::default(),

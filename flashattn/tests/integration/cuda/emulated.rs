@@ -436,7 +436,8 @@ fn sinks_match_reference() {
 
 /// The backward kernels (bwd.cu) under emulation, against the f64 reference with the CPU
 /// backward's bound (`common::backward::check`: 3x the naive backward's error plus a floor).
-mod backward {
+/// `emulated_bwd90.rs` runs the same cases on the sm_90a kernels of bwd_sm90.cu.
+pub(crate) mod backward {
     use super::common::backward::{cases, check, data, GradCase, GradData};
     use super::common::emu::{bytes, case_dir, from_bytes, have_compiler, Builds};
     use flashattn::cuda::{backward_launch_description, launch_description, BackwardLaunch};
@@ -446,14 +447,24 @@ mod backward {
     use rand_chacha::ChaCha8Rng;
 
     const DRIVER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/cuda_emu/bwd_driver.cpp");
+    const SM90_DRIVER: &str = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/cuda_emu/bwd_sm90_driver.cpp"
+    );
 
     fn builds() -> Builds {
         Builds::new(DRIVER, &[("FA_BWD_ENTRY", "0")])
     }
 
+    /// The builds of bwd_sm90.cu (both of its kernels in one binary, after bwd.cu's prep), keyed
+    /// by the launch's `bwd_dq_sm90` key.
+    pub(crate) fn sm90_builds() -> Builds {
+        Builds::new(SM90_DRIVER, &[("BWD_SM90_ENTRY", "0")])
+    }
+
     /// Runs the emulated prep, dq and dkdv kernels of `d`; returns dq, dk, dv, and with sinks
     /// their gradient as the library computes it from the prep kernel's workspaces.
-    fn run(
+    pub(crate) fn run(
         builds: &mut Builds,
         d: &BackwardLaunch,
         [q, k, v, out, lse, dout]: [&TensorRef; 6],
@@ -529,16 +540,19 @@ mod backward {
     /// One batched case: the emulated forward's out and lse (so the scores are recomputed in the
     /// forward's own order, as on a GPU), the emulated backward, the bound.
     fn case<T: Element>(builds: &mut [Builds; 2], c: &GradCase) {
-        case_with::<T>(builds, c, &c.opts, false);
+        case_with::<T>(builds, c, &c.opts, false, false);
     }
 
     /// [`case`] with options of the caller's (a drawn case's, checked with the drawn cases'
-    /// bound, `GradData::check_cancel`, when `drawn`).
-    fn case_with<T: Element>(
+    /// bound, `GradData::check_cancel`, when `drawn`); with `sm90`, the backward on bwd_sm90.cu
+    /// (`BackwardLaunch::on_sm90`, which must serve the case; `builds[1]` then holds
+    /// [`sm90_builds`]).
+    pub(crate) fn case_with<T: Element>(
         builds: &mut [Builds; 2],
         c: &GradCase,
         opts: &AttnOptions,
         drawn: bool,
+        sm90: bool,
     ) {
         let data = GradData::<T>::new(c);
         let [qt, kt, vt, dt] = data.views();
@@ -548,7 +562,15 @@ mod backward {
         let fctx = format!("emulated {} seed={} opts={:?}", fd.key.name(), c.seed, opts);
         let r = data.check_forward(&fwd, opts, &fctx);
         let (ov, lv) = (fwd.out.view(), fwd.lse.view());
-        let desc = backward_launch_description(&qt, &kt, &vt, &ov, &lv, &dt, opts).unwrap();
+        let mut desc = backward_launch_description(&qt, &kt, &vt, &ov, &lv, &dt, opts).unwrap();
+        if sm90 {
+            desc = desc.on_sm90();
+            assert!(
+                desc.dq.is_sm90() && desc.dkdv.is_sm90(),
+                "bwd_sm90.cu does not serve {}",
+                desc.dq.name()
+            );
+        }
         let ([dq, dk, dv], dsink) =
             run(&mut builds[1], &desc, [&qt, &kt, &vt, &ov, &lv, &dt], &tag);
         let ctx = format!(
@@ -590,9 +612,9 @@ mod backward {
                 .clone()
                 .learnable_sink(TensorRef::contiguous(&sinks, &[heads]));
             if i % 2 == 0 {
-                case_with::<f32>(&mut builds, &c, &opts, false);
+                case_with::<f32>(&mut builds, &c, &opts, false, false);
             } else {
-                case_with::<half::bf16>(&mut builds, &c, &opts, false);
+                case_with::<half::bf16>(&mut builds, &c, &opts, false, false);
             }
             ran += 1;
         }
@@ -616,9 +638,9 @@ mod backward {
                 let b = &mut builds.borrow_mut();
                 let opts = dr.opts();
                 match dtype {
-                    0 => case_with::<f32>(b, &dr.case, &opts, true),
-                    1 => case_with::<half::f16>(b, &dr.case, &opts, true),
-                    _ => case_with::<half::bf16>(b, &dr.case, &opts, true),
+                    0 => case_with::<f32>(b, &dr.case, &opts, true, false),
+                    1 => case_with::<half::f16>(b, &dr.case, &opts, true, false),
+                    _ => case_with::<half::bf16>(b, &dr.case, &opts, true, false),
                 }
                 Ok(())
             })
@@ -681,11 +703,13 @@ mod backward {
             return;
         }
         let mut builds = builds();
-        varlen::<f32>(&mut builds);
-        varlen::<half::bf16>(&mut builds);
+        varlen::<f32>(&mut builds, false);
+        varlen::<half::bf16>(&mut builds, false);
     }
 
-    fn varlen<T: Element>(builds: &mut Builds) {
+    /// The packed case of [`varlen_and_strided_views`] in `T`; with `sm90`, on bwd_sm90.cu
+    /// (`builds` then [`sm90_builds`]).
+    pub(crate) fn varlen<T: Element>(builds: &mut Builds, sm90: bool) {
         let (h, hk, d) = (4usize, 2usize, 24usize);
         let cu_q = [0, 5, 75, 75, 140];
         let cu_k = [0, 0, 90, 120, 200];
@@ -700,14 +724,16 @@ mod backward {
         let q = draw(tq * h * d);
         let k = draw(tk * hk * d);
         let v = draw(tk * hk * d);
-        // dout inside a wider buffer: rows of h * (d + 3) elements.
-        let dout_buf = draw(tq * h * (d + 3));
+        // dout inside a wider buffer: rows of h * (d + pad) elements (a multiple of 8 for
+        // bwd_sm90.cu's 16-byte loads).
+        let pad = if sm90 { 8 } else { 3 };
+        let dout_buf = draw(tq * h * (d + pad));
         let (qt, kt, vt) = (
             TensorRef::contiguous(&q, &[tq, h, d]),
             TensorRef::contiguous(&k, &[tk, hk, d]),
             TensorRef::contiguous(&v, &[tk, hk, d]),
         );
-        let dt = TensorRef::new(&dout_buf, &[tq, h, d], &[h * (d + 3), d + 3, 1]);
+        let dt = TensorRef::new(&dout_buf, &[tq, h, d], &[h * (d + pad), d + pad, 1]);
         for (n, opts) in [AttnOptions::default(), AttnOptions::default().causal(true)]
             .into_iter()
             .enumerate()
@@ -727,7 +753,7 @@ mod backward {
             }
             let lt = TensorRef::new(&lse_buf, &[h, tq], &[tq + 7, 1]);
             let cu = Some((&cu_q[..], &cu_k[..]));
-            let desc = backward_launch_description(
+            let mut desc = backward_launch_description(
                 &qt,
                 &kt,
                 &vt,
@@ -740,11 +766,19 @@ mod backward {
                 },
             )
             .unwrap();
+            if sm90 {
+                desc = desc.on_sm90();
+                assert!(
+                    desc.dq.is_sm90() && desc.dkdv.is_sm90(),
+                    "{}",
+                    desc.dq.name()
+                );
+            }
             let ([dq, dk, dv], _) = run(
                 builds,
                 &desc,
                 [&qt, &kt, &vt, &ot, &lt, &dt],
-                &format!("varlen{n}_{}", T::DTYPE),
+                &format!("varlen{n}_{}{}", T::DTYPE, if sm90 { "_sm90" } else { "" }),
             );
             let want =
                 reference::attention_varlen_backward(&qt, &kt, &vt, &dt, &cu_q, &cu_k, &opts)

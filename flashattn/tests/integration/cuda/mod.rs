@@ -4,3 +4,4 @@
 mod compile;
 mod device;
 mod emulated;
+mod emulated_bwd90;
