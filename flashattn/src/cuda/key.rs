@@ -7,7 +7,7 @@ use crate::tensor::DType;
 
 /// The headers every kernel includes (through common.cuh), by the name it includes them under:
 /// the host-kernel contract (params.cuh) and the shared device code, one concern per file.
-pub(crate) const COMMON_HEADERS: [(&str, &str); 9] = [
+pub(crate) const COMMON_HEADERS: [(&str, &str); 10] = [
     ("types.cuh", include_str!("kernels/types.cuh")),
     ("params.cuh", include_str!("kernels/params.cuh")),
     ("convert.cuh", include_str!("kernels/convert.cuh")),
@@ -17,6 +17,7 @@ pub(crate) const COMMON_HEADERS: [(&str, &str); 9] = [
     ("tiles.cuh", include_str!("kernels/tiles.cuh")),
     ("mma.cuh", include_str!("kernels/mma.cuh")),
     ("common.cuh", include_str!("kernels/common.cuh")),
+    ("bwd_common.cuh", include_str!("kernels/bwd_common.cuh")),
 ];
 /// The forward kernel sources, embedded in the library (compiled by NVRTC at first use).
 pub(crate) const FWD_CU: &str = include_str!("kernels/fwd.cu");

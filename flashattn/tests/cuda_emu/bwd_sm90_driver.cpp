@@ -16,8 +16,8 @@
 #include FA_KERNEL
 #include "io.h"
 
-// bwd.cu's bwd_prep, in a namespace of its own: bwd.cu's definitions (its BwdSeq, BwdMod, ...)
-// stay apart from bwd_sm90.cu's, and common.cuh (included above) is not included again. Its
+// bwd.cu's bwd_prep, in a namespace of its own: bwd.cu's own definitions stay apart from
+// bwd_sm90.cu's; common.cuh and bwd_common.cuh (included above) are not included again. Its
 // NUM_THREADS is bwd.cu's 128 inside it.
 static const int SM90_THREADS = NUM_THREADS;
 #undef NUM_THREADS

@@ -42,8 +42,8 @@
 #define FA_TENSOR_CORE_KERNEL
 #endif
 #include "common.cuh"
+#include "bwd_common.cuh"
 
-#define BWD_FIELDS 11
 #define BLOCK_Q 16   // bwd_dq: query rows per CTA; bwd_prep: rows per CTA
 #define STEP_K 32    // bwd_dq: keys per step
 #define BLOCK_K 16   // bwd_dkdv: keys per CTA
@@ -54,23 +54,6 @@ static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "HEAD_DIM: a multiple of 32
 static_assert(BLOCK_Q * STEP_K == 4 * NUM_THREADS && STEP_Q * BLOCK_K == 4 * NUM_THREADS,
               "each thread computes 4 entries of a tile pair");
 
-struct BwdSeq {
-    int seqlen_q, seqlen_k;
-    i64 q_base, k_base, v_base, out_base, dout_base, out_row0, lse_base, lse_view_base, k_row0;
-    __device__ __forceinline__ explicit BwdSeq(const i64* s) {
-        seqlen_q = (int)s[0];
-        seqlen_k = (int)s[1];
-        q_base = s[2];
-        k_base = s[3];
-        v_base = s[4];
-        out_base = s[5];
-        dout_base = s[6];
-        out_row0 = s[7];
-        lse_base = s[8];
-        lse_view_base = s[9];
-        k_row0 = s[10];
-    }
-};
 
 #if FA_BWD_ENTRY == 1 || FA_BWD_ENTRY == 0
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
@@ -103,37 +86,6 @@ bwd_prep(const __grid_constant__ BwdParams p) {
 #endif  // FA_BWD_ENTRY == 1
 
 #if FA_BWD_ENTRY != 1
-// Scale, softcap and ALiBi of a raw dot product x (row i, key j): the score in the log2 domain,
-// and `deriv` = d(score, natural units) / dx.
-struct BwdMod {
-    float scale, scale_log2, cap_in, cap_out, alibi_log2;
-    int offset;
-    __device__ __forceinline__ float apply(float x, int i, int j, float& deriv) const {
-#if HAS_SOFTCAP
-        const float t = tanhf(x * cap_in);
-        float s = cap_out * t;
-        deriv = scale * (1.f - t * t);
-#else
-        float s = x * scale_log2;
-        deriv = scale;
-#endif
-#if HAS_ALIBI
-        s -= alibi_log2 * (float)abs(i + offset - j);
-#endif
-        return s;
-    }
-};
-
-__device__ __forceinline__ BwdMod bwd_mod(float softmax_scale, float softcap, float slope, int offset) {
-    BwdMod m;
-    m.scale = softmax_scale;
-    m.scale_log2 = softmax_scale * FA_LOG2E;
-    m.cap_in = softmax_scale / softcap;
-    m.cap_out = softcap * FA_LOG2E;
-    m.alibi_log2 = slope * FA_LOG2E;
-    m.offset = offset;
-    return m;
-}
 
 // `rows` rows of one head into an f32 tile of pitch PITCH: row r from src + (row0 + r) *
 // row_stride; rows at or past row_end and columns at or past head_dim become 0.

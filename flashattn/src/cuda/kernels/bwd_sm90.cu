@@ -37,8 +37,8 @@
 #define SMEM_ROW HEAD_DIM
 #include "common.cuh"
 #include "sm90.cuh"
+#include "bwd_common.cuh"
 
-#define BWD_FIELDS 11
 #define KV_N (NUM_WG * 64)  // bwd_dkdv_sm90: keys per CTA
 #define DQ_M (NUM_WG * 64)  // bwd_dq_sm90: query rows per CTA
 
@@ -47,56 +47,7 @@ static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 128,
 static_assert(KV_BLOCK_M % 16 == 0 && KV_BLOCK_M >= 32 && DQ_BLOCK_N % 16 == 0 && DQ_BLOCK_N >= 32,
               "wgmma n sizes whose tiles are whole 8-row swizzle groups of 1024-byte slabs");
 
-// One launched sequence of the table (bwd.cu's BwdSeq, the same BWD_FIELDS i64).
-struct BwdSeq {
-    int seqlen_q, seqlen_k;
-    i64 q_base, k_base, v_base, out_base, dout_base, out_row0, lse_base, lse_view_base, k_row0;
-    __device__ __forceinline__ explicit BwdSeq(const i64* s) {
-        seqlen_q = (int)s[0];
-        seqlen_k = (int)s[1];
-        q_base = s[2];
-        k_base = s[3];
-        v_base = s[4];
-        out_base = s[5];
-        dout_base = s[6];
-        out_row0 = s[7];
-        lse_base = s[8];
-        lse_view_base = s[9];
-        k_row0 = s[10];
-    }
-};
 
-// Scale, softcap and ALiBi of a raw dot product x (row i, key j), as bwd.cu's BwdMod: the score
-// in the log2 domain, and `deriv` = d(score, natural units) / dx.
-struct BwdMod {
-    float scale, scale_log2, cap_in, cap_out, alibi_log2;
-    int offset;
-    __device__ __forceinline__ float apply(float x, int i, int j, float& deriv) const {
-#if HAS_SOFTCAP
-        const float t = tanhf(x * cap_in);
-        float s = cap_out * t;
-        deriv = scale * (1.f - t * t);
-#else
-        float s = x * scale_log2;
-        deriv = scale;
-#endif
-#if HAS_ALIBI
-        s -= alibi_log2 * (float)abs(i + offset - j);
-#endif
-        return s;
-    }
-};
-
-__device__ __forceinline__ BwdMod bwd_mod(float softmax_scale, float softcap, float slope, int offset) {
-    BwdMod m;
-    m.scale = softmax_scale;
-    m.scale_log2 = softmax_scale * FA_LOG2E;
-    m.cap_in = softmax_scale / softcap;
-    m.cap_out = softcap * FA_LOG2E;
-    m.alibi_log2 = slope * FA_LOG2E;
-    m.offset = offset;
-    return m;
-}
 
 // Loads ROWS rows (row r from src + (row0 + r) * row_stride) of HEAD_DIM columns into the SW128
 // tile at `tile`, 16 bytes per cp.async; rows at or past `row_end` and columns at or past
