@@ -280,51 +280,6 @@ pub(crate) unsafe fn online_softmax(
     }
 }
 
-/// [`super::Kernels::softmax_step`]: per lane group, the maximum of the raw scores (loads only),
-/// then `exp2(s · scale - m_sub)` and the sum while the group's scores are in L1; the same
-/// operations per lane as [`max_get_scale`] then [`online_softmax`] (the multiply and the
-/// subtraction rounded separately), so the same bits.
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn softmax_step(
-    st: &mut [f32],
-    cols: usize,
-    n: usize,
-    scale: f32,
-    row_max: &mut [f32],
-    alpha: &mut [f32],
-    m_sub: &mut [f32],
-    row_sum: &mut [f32],
-) {
-    let sp = st.as_mut_ptr();
-    let sc = _mm256_set1_ps(scale);
-    let neg_inf = _mm256_set1_ps(f32::NEG_INFINITY);
-    for j in (0..n).step_by(W) {
-        let mut bm = neg_inf;
-        for c in 0..cols {
-            bm = _mm256_max_ps(bm, _mm256_loadu_ps(sp.add(c * n + j)));
-        }
-        let old = _mm256_loadu_ps(row_max.as_ptr().add(j));
-        let new = _mm256_max_ps(old, _mm256_mul_ps(bm, sc));
-        let none = _mm256_cmp_ps::<_CMP_EQ_OQ>(new, neg_inf);
-        let a = exp2_ps(_mm256_sub_ps(old, new));
-        let a = _mm256_blendv_ps(a, _mm256_set1_ps(1.0), none);
-        _mm256_storeu_ps(alpha.as_mut_ptr().add(j), a);
-        let m = _mm256_blendv_ps(new, _mm256_setzero_ps(), none);
-        _mm256_storeu_ps(m_sub.as_mut_ptr().add(j), m);
-        _mm256_storeu_ps(row_max.as_mut_ptr().add(j), new);
-        let mut sum = _mm256_mul_ps(_mm256_loadu_ps(row_sum.as_ptr().add(j)), a);
-        for c in 0..cols {
-            let p = sp.add(c * n + j);
-            let x = _mm256_mul_ps(_mm256_loadu_ps(p), sc);
-            let e = exp2_ps(_mm256_sub_ps(x, m));
-            _mm256_storeu_ps(p, e);
-            sum = _mm256_add_ps(sum, e);
-        }
-        _mm256_storeu_ps(row_sum.as_mut_ptr().add(j), sum);
-    }
-}
-
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn rescale_o(ot: &mut [f32], rows: usize, n: usize, alpha: &[f32]) {
     let op = ot.as_mut_ptr();

@@ -81,6 +81,12 @@ pub(crate) unsafe fn gemm(g: &Gemm<f32>, c: &mut [f32], c_rs: usize) {
 row_walk!(rows, tile, f32, "avx512f");
 
 /// Rows `i..i + R`, lanes `j..j + 16·V` of C.
+///
+/// Each k step also prefetches (into L1) A that a later tile reads, as the AVX2 tile does: with
+/// `a_rs == 1` (P·V reading a v tile, the backward's dQ) the line 16 floats ahead in the current
+/// k row, with `a_cs == 1` the next tile's rows, one line per k step; a tile that adds to C
+/// prefetches the next tile's C rows. The forward's packed v tiles arrive from L3 at every key
+/// block. Prefetches never fault: addresses past the operands are only formed (`wrapping_add`).
 #[target_feature(enable = "avx512f")]
 #[inline]
 unsafe fn tile<const R: usize, const V: usize>(
@@ -92,6 +98,23 @@ unsafe fn tile<const R: usize, const V: usize>(
 ) {
     let rows = row_ptrs::<_, R>(g, i);
     let b = g.b.as_ptr().add(j);
+    let a = g.a.as_ptr().wrapping_add(i * g.a_rs);
+    // A's prefetch cursor and its step per k (floats); a step of 0 re-touches a line in L1.
+    let (pa, pa_step) = if g.a_rs == 1 {
+        (a.wrapping_add(W), g.a_cs)
+    } else if g.a_cs == 1 {
+        (a.wrapping_add(R * g.a_rs), W)
+    } else {
+        (a, 0)
+    };
+    if g.accumulate {
+        for r in R..2 * R {
+            for v in 0..V {
+                let at = cp.wrapping_add((i + r) * c_rs + j + W * v);
+                _mm_prefetch::<_MM_HINT_T0>(at as *const i8);
+            }
+        }
+    }
     let mut first = !g.accumulate;
     if g.k == 0 && first {
         store_tile::<R, V>(&[[_mm512_setzero_ps(); V]; R], cp, c_rs, i, j, true);
@@ -99,6 +122,7 @@ unsafe fn tile<const R: usize, const V: usize>(
     for k0 in (0..g.k).step_by(g.kc) {
         let mut acc = [[_mm512_setzero_ps(); V]; R];
         for k in k0..(k0 + g.kc).min(g.k) {
+            _mm_prefetch::<_MM_HINT_T0>(pa.wrapping_add(k * pa_step) as *const i8);
             let bk = b.add(k * g.b_rs);
             let mut bv = [_mm512_setzero_ps(); V];
             for (v, x) in bv.iter_mut().enumerate() {
@@ -427,10 +451,11 @@ pub(crate) unsafe fn online_softmax(
     }
 }
 
-/// [`super::Kernels::softmax_step`]: per lane group, the maximum of the raw scores (loads only),
-/// then `exp2(s · scale - m_sub)` and the sum while the group's scores are in L1; the same
-/// operations per lane as [`max_get_scale`] then [`online_softmax`] (the multiply and the
-/// subtraction rounded separately), so the same bits.
+/// [`super::Kernels::softmax_step`]: per group of up to 4 lane vectors, the maximum of the raw
+/// scores (loads only), then `exp2(s · scale - m_sub)` and the sum while the group's scores are in
+/// L1; the same operations per lane as [`max_get_scale`] then [`online_softmax`] (the multiply and
+/// the subtraction rounded separately), so the same bits. The group's vectors are independent
+/// chains of `max` and of the sum (one vector alone waits on each step's latency).
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn softmax_step(
@@ -444,31 +469,69 @@ pub(crate) unsafe fn softmax_step(
     row_sum: &mut [f32],
 ) {
     let sp = st.as_mut_ptr();
+    let state = (
+        row_max.as_mut_ptr(),
+        alpha.as_mut_ptr(),
+        m_sub.as_mut_ptr(),
+        row_sum.as_mut_ptr(),
+    );
+    let mut j = 0;
+    while j < n {
+        match (n - j) / W {
+            1 => softmax_group::<1>(sp, cols, n, j, scale, state),
+            2 => softmax_group::<2>(sp, cols, n, j, scale, state),
+            3 => softmax_group::<3>(sp, cols, n, j, scale, state),
+            _ => softmax_group::<4>(sp, cols, n, j, scale, state),
+        }
+        j += 4 * W;
+    }
+}
+
+/// [`softmax_step`] over lanes `j..j + G·W` (`state`: row_max, alpha, m_sub, row_sum).
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn softmax_group<const G: usize>(
+    sp: *mut f32,
+    cols: usize,
+    n: usize,
+    j: usize,
+    scale: f32,
+    (row_max, alpha, m_sub, row_sum): (*mut f32, *mut f32, *mut f32, *mut f32),
+) {
     let sc = _mm512_set1_ps(scale);
     let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
-    for j in (0..n).step_by(W) {
-        let mut bm = neg_inf;
-        for c in 0..cols {
-            bm = _mm512_max_ps(bm, _mm512_loadu_ps(sp.add(c * n + j)));
+    let mut bm = [neg_inf; G];
+    for c in 0..cols {
+        for (g, x) in bm.iter_mut().enumerate() {
+            *x = _mm512_max_ps(*x, _mm512_loadu_ps(sp.add(c * n + j + g * W)));
         }
-        let old = _mm512_loadu_ps(row_max.as_ptr().add(j));
-        let new = _mm512_max_ps(old, _mm512_mul_ps(bm, sc));
+    }
+    let mut m = [neg_inf; G];
+    let mut sum = [neg_inf; G];
+    for g in 0..G {
+        let at = j + g * W;
+        let old = _mm512_loadu_ps(row_max.add(at));
+        let new = _mm512_max_ps(old, _mm512_mul_ps(bm[g], sc));
         let none = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(new, neg_inf);
         let a = exp2_ps(_mm512_sub_ps(old, new));
         let a = _mm512_mask_blend_ps(none, a, _mm512_set1_ps(1.0));
-        _mm512_storeu_ps(alpha.as_mut_ptr().add(j), a);
-        let m = _mm512_mask_blend_ps(none, new, _mm512_setzero_ps());
-        _mm512_storeu_ps(m_sub.as_mut_ptr().add(j), m);
-        _mm512_storeu_ps(row_max.as_mut_ptr().add(j), new);
-        let mut sum = _mm512_mul_ps(_mm512_loadu_ps(row_sum.as_ptr().add(j)), a);
-        for c in 0..cols {
-            let p = sp.add(c * n + j);
+        _mm512_storeu_ps(alpha.add(at), a);
+        m[g] = _mm512_mask_blend_ps(none, new, _mm512_setzero_ps());
+        _mm512_storeu_ps(m_sub.add(at), m[g]);
+        _mm512_storeu_ps(row_max.add(at), new);
+        sum[g] = _mm512_mul_ps(_mm512_loadu_ps(row_sum.add(at)), a);
+    }
+    for c in 0..cols {
+        for g in 0..G {
+            let p = sp.add(c * n + j + g * W);
             let x = _mm512_mul_ps(_mm512_loadu_ps(p), sc);
-            let e = exp2_ps(_mm512_sub_ps(x, m));
+            let e = exp2_ps(_mm512_sub_ps(x, m[g]));
             _mm512_storeu_ps(p, e);
-            sum = _mm512_add_ps(sum, e);
+            sum[g] = _mm512_add_ps(sum[g], e);
         }
-        _mm512_storeu_ps(row_sum.as_mut_ptr().add(j), sum);
+    }
+    for (g, s) in sum.iter().enumerate() {
+        _mm512_storeu_ps(row_sum.add(j + g * W), *s);
     }
 }
 
