@@ -179,10 +179,12 @@ const MR_SCORES: usize = 6;
 /// high half's added to them (`lo + hi`, the same sum). Within a half the rows of A are the outer
 /// walk and the 32-lane strips the inner one, so a tile's rows of A stay in L1 across the strips
 /// and the half of B (k/2 rows, 32 KiB at d = 128 and 128 lanes) is read contiguously and stays
-/// in L1 across the row blocks; walking strips outermost, B's rows 512 bytes apart mapped onto a
-/// quarter of L1's sets and missed at d = 128 (`examples/gemm_fma.rs`: 50% of the FMA peak with
-/// hot operands, against 74% at d = 64). The first strip of each row block prefetches the next
-/// row block's A, which arrives from L3 at every key block (the packed k tiles).
+/// in L1 across the row blocks (walking strips outermost, a strip of B's rows 512 bytes apart
+/// maps onto a quarter of L1's sets). The first strip of each row block prefetches the next row
+/// block's A, which arrives from L3 at every key block (the packed k tiles). With the `gemm`
+/// prefetches and packing from 8 visits, the f32 forward took 0.81-0.95 of the time at N = 512 to
+/// 4096 (A/B on a loaded host, docs/journal/2026-11-29-fifth-session-avx2fwd.md); `gemm_fma`'s
+/// rates on that host moved too much between runs to tell the kernels apart alone.
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn gemm_scores(g: &Gemm<f32>, c: &mut [f32], c_rs: usize) {
     let cp = c.as_mut_ptr();
