@@ -1,7 +1,8 @@
 //! The product microkernels' share of the FMA peak on one core, at the shapes the CPU forward and
 //! backward call them with (96 query lanes on AVX2, 128 on AVX-512; 64 keys per block).
 //!
-//! `FLASHATTN_ISA=avx2 cargo run --release -p flashattn --example gemm_fma [-- ROUNDS]`
+//! `FLASHATTN_ISA=avx2 cargo run --release -p flashattn --example gemm_fma [-- ROUNDS [PREFIX]]`
+//! (PREFIX: only the products whose name starts with it, e.g. `fwd`).
 //!
 //! Each round measures the instruction set's FMA peak on this thread (12 independent
 //! `vfmadd231ps` chains), then every product for ~0.2 s; a product's fraction is its rate over the
@@ -97,6 +98,7 @@ fn rate(kern: &Kernels, c: &Case, dur: Duration, cold_a: bool, cold_bc: bool) ->
     let bc_tiles = if cold_bc { tiles } else { 1 };
     let b_all = values(b_len * bc_tiles, 2);
     let mut out_all = values(c_len * bc_tiles, 3);
+    let mut tmp = values(c_len, 4);
     let start = cpu_secs();
     let mut calls = 0usize;
     while cpu_secs() - start < dur.as_secs_f64() {
@@ -115,7 +117,12 @@ fn rate(kern: &Kernels, c: &Case, dur: Duration, cold_a: bool, cold_bc: bool) ->
                 kc: KC,
             };
             let out = &mut out_all[u * c_len..(u + 1) * c_len];
-            kern.gemm(black_box(&g), black_box(out), c.n);
+            if c.name == "fwd scores" {
+                // As the forward calls it: the ISA's score product (AVX-512: `gemm_scores`).
+                kern.scores(black_box(&g), black_box(out), c.n, &mut tmp, false);
+            } else {
+                kern.gemm(black_box(&g), black_box(out), c.n);
+            }
             calls += 1;
         }
     }
@@ -171,6 +178,9 @@ fn main() {
             a_cs: d,
             accumulate: true,
         });
+    }
+    if let Some(prefix) = std::env::args().nth(2) {
+        cases.retain(|c| c.name.starts_with(&prefix));
     }
     let dims = |c: &Case| {
         if c.name.starts_with("fwd scores") || c.name.starts_with("bwd dkdv") {

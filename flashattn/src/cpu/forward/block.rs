@@ -108,7 +108,7 @@ pub(super) struct Inputs<'a, T, S> {
     /// [`key_block_visits`]: super::items::key_block_visits
     pub(super) packed_k: Option<KeyTiles<u32>>,
     /// k and v widened to f32 tiles (`[cols][d]` per key block), when the f32 products run and
-    /// key blocks are revisited (16 visits for f32 inputs, 2 for bf16 and f16, which the copies
+    /// key blocks are revisited (8 visits for f32 inputs on x86, 16 elsewhere; 2 for bf16 and f16, which the copies
     /// widen; [`key_block_visits`]). At N = 8192, 16 heads, f32 d = 128, the per-visit
     /// copies from k's and v's strided rows took ~16% of the forward's samples (perf,
     /// 2026-11-24).
@@ -228,13 +228,18 @@ pub(super) fn forward_block<T: Element, S: Bf16Source>(
             }
         }
         let masked = mask.needs_mask(m0, m1, n0, n1);
-        let scale = if score_mod.needs_apply(masked) {
+        // A masked block without other modifiers is only masked here, its scale is the softmax
+        // kernel's (as for unmasked blocks): the same values as `apply`'s multiply per element.
+        let scale = if masked && score_mod.mask_only() {
+            ScoreMod::mask_raw(st, np, (m0, rows), (n0, cols), &mask);
+            score_mod.scale_log2
+        } else if score_mod.needs_apply(masked) {
             score_mod.apply(st, np, (m0, rows), (n0, cols), &mask, masked, None);
             1.0
         } else {
             score_mod.scale_log2
         };
-        kern.max_get_scale(
+        kern.softmax_step(
             st,
             cols,
             np,
@@ -242,8 +247,8 @@ pub(super) fn forward_block<T: Element, S: Bf16Source>(
             &mut scr.row_max,
             &mut scr.alpha,
             &mut scr.m_sub,
+            &mut scr.row_sum,
         );
-        kern.online_softmax(st, cols, np, &scr.m_sub, &mut scr.row_sum, &scr.alpha);
         // alpha is exactly 1 where a lane's maximum did not move (exp2(0) = 1 in every kernel):
         // after the first blocks that is every lane, and the pass over acc_o can be skipped.
         if scr.alpha[..np].iter().any(|&a| a != 1.0) {

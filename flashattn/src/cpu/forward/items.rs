@@ -32,13 +32,15 @@ pub(super) fn key_block_visits(p: &Params, items: &[WorkItem], bs: BlockSizes) -
 
 /// [`key_block_visits`]'s threshold for tiles copied without conversion. Since packed tiles are
 /// kept from one call to the next (`cpu::reuse`: no page faults), packing pays from fewer visits
-/// on AVX2, whose products prefetch the packed tiles as they arrive from L3: per-process CPU
-/// time, alternating, loaded host, 16 heads, packing from 8 visits instead of 16 took 0.87-0.93
-/// of the time at N = 1024 d = 64 and 128 and causal N = 2048 d = 128 (2 threads; 8-10 visits).
-/// On AVX-512 the same took 1.00-1.07 except at N = 1024 d = 64 (0.95), so it keeps 16.
+/// on x86, whose products prefetch the packed tiles as they arrive from L3 (AVX2's every operand,
+/// AVX-512's score product its next rows of k): per-process CPU time, alternating, loaded host,
+/// 16 heads, packing from 8 visits instead of 16 took 0.87-0.93 of the time on AVX2 at N = 1024
+/// d = 64 and 128 and causal N = 2048 d = 128 (2 threads; 8-10 visits), and on AVX-512 0.95 and
+/// 0.88 at N = 1024 d = 128 and 64, 0.99 causal N = 2048 d = 128 (medians of 4 pairs). At N = 1024
+/// the per-visit copies from k's and v's rows, a 4 KiB page apart, were 15-18% of the samples.
 pub(super) fn pack_visits_f32(isa: Isa) -> usize {
     match isa {
-        Isa::Avx2 => 8,
+        Isa::Avx2 | Isa::Avx512 => 8,
         _ => 16,
     }
 }

@@ -29,6 +29,45 @@ impl ScoreMod {
         masked || self.softcap.is_some() || self.alibi_log2.is_some()
     }
 
+    /// Whether a masked block can take [`ScoreMod::mask_raw`] and leave the scale to the softmax
+    /// kernel: no softcap or ALiBi, and a finite positive `scale_log2` (then `-inf · scale` stays
+    /// -inf and the kernel's `max(s) · scale` is exact).
+    pub fn mask_only(&self) -> bool {
+        self.softcap.is_none()
+            && self.alibi_log2.is_none()
+            && self.scale_log2 > 0.0
+            && self.scale_log2.is_finite()
+    }
+
+    /// Sets the scores that `mask` hides in the block of keys `n0..n0 + cols` (rows of `st`) ×
+    /// query rows `m0..m0 + rows` (lanes) to -inf, leaving the others raw: the mask alone of
+    /// [`ScoreMod::apply`], key by key. Both ends of a row's visible keys grow with the row
+    /// (`blocks`), so each key's visible rows are one run of lanes `a..b`, found by two cursors
+    /// that only move forward; the rest of its lanes are filled, contiguously.
+    pub fn mask_raw(
+        st: &mut [f32],
+        np: usize,
+        (m0, rows): (usize, usize),
+        (n0, cols): (usize, usize),
+        mask: &Mask,
+    ) {
+        // a: the first row whose visible keys end after `key`; b: the first row whose start
+        // after it.
+        let (mut a, mut b) = (0, 0);
+        for c in 0..cols {
+            let key = n0 + c;
+            while a < rows && mask.key_range(m0 + a).1 <= key {
+                a += 1;
+            }
+            while b < rows && mask.key_range(m0 + b).0 <= key {
+                b += 1;
+            }
+            let row = &mut st[c * np..c * np + rows];
+            row[..a].fill(f32::NEG_INFINITY);
+            row[b.max(a)..].fill(f32::NEG_INFINITY);
+        }
+    }
+
     /// Raw dot products of keys `n0..n0 + cols` (rows of `st`) x query rows `m0..m0 + rows`
     /// (lanes, `np` per key) -> log2-domain scores, masked to -inf where `masked` says the mask
     /// cuts this block. With softcap, `dtanh` (if given, same layout as `st`) receives the

@@ -81,6 +81,12 @@ pub(crate) unsafe fn gemm(g: &Gemm<f32>, c: &mut [f32], c_rs: usize) {
 row_walk!(rows, tile, f32, "avx512f");
 
 /// Rows `i..i + R`, lanes `j..j + 16·V` of C.
+///
+/// Each k step also prefetches (into L1) A that a later tile reads, as the AVX2 tile does: with
+/// `a_rs == 1` (P·V reading a v tile, the backward's dQ) the line 16 floats ahead in the current
+/// k row, with `a_cs == 1` the next tile's rows, one line per k step; a tile that adds to C
+/// prefetches the next tile's C rows. The forward's packed v tiles arrive from L3 at every key
+/// block. Prefetches never fault: addresses past the operands are only formed (`wrapping_add`).
 #[target_feature(enable = "avx512f")]
 #[inline]
 unsafe fn tile<const R: usize, const V: usize>(
@@ -92,6 +98,23 @@ unsafe fn tile<const R: usize, const V: usize>(
 ) {
     let rows = row_ptrs::<_, R>(g, i);
     let b = g.b.as_ptr().add(j);
+    let a = g.a.as_ptr().wrapping_add(i * g.a_rs);
+    // A's prefetch cursor and its step per k (floats); a step of 0 re-touches a line in L1.
+    let (pa, pa_step) = if g.a_rs == 1 {
+        (a.wrapping_add(W), g.a_cs)
+    } else if g.a_cs == 1 {
+        (a.wrapping_add(R * g.a_rs), W)
+    } else {
+        (a, 0)
+    };
+    if g.accumulate {
+        for r in R..2 * R {
+            for v in 0..V {
+                let at = cp.wrapping_add((i + r) * c_rs + j + W * v);
+                _mm_prefetch::<_MM_HINT_T0>(at as *const i8);
+            }
+        }
+    }
     let mut first = !g.accumulate;
     if g.k == 0 && first {
         store_tile::<R, V>(&[[_mm512_setzero_ps(); V]; R], cp, c_rs, i, j, true);
@@ -99,6 +122,7 @@ unsafe fn tile<const R: usize, const V: usize>(
     for k0 in (0..g.k).step_by(g.kc) {
         let mut acc = [[_mm512_setzero_ps(); V]; R];
         for k in k0..(k0 + g.kc).min(g.k) {
+            _mm_prefetch::<_MM_HINT_T0>(pa.wrapping_add(k * pa_step) as *const i8);
             let bk = b.add(k * g.b_rs);
             let mut bv = [_mm512_setzero_ps(); V];
             for (v, x) in bv.iter_mut().enumerate() {
@@ -141,74 +165,152 @@ unsafe fn store_tile<const R: usize, const V: usize>(
     }
 }
 
+/// Rows of a [`gemm_scores`] tile: 6 rows × 2 vectors (32 lanes) = 12 chunk accumulators + 12
+/// half-sums + 2 B vectors + 1 broadcast = 27 of 32 zmm; per k 6 broadcasts, 2 loads, 12 FMAs
+/// (12 independent chains cover the FMA latency of two ports; 4 rows, 8 chains, did not).
+const MR_SCORES: usize = 6;
+
 /// [`super::Kernels::gemm_scores`]: `C = A·B` with k split in two halves, each summed in chunks of
 /// `KC_SCORES` that are added to a running sum per half, the halves added at the end: the same
 /// order of additions as the portable version (two chunked `gemm` calls and an add pass), so the
 /// same bits, but the half-sums stay in registers: no loads, stores or add pass per chunk.
-/// Register budget: tile MR = 4 rows × 2 vectors (32 lanes): 8 chunk accumulators + 2 × 8
-/// half-sums + 2 B vectors + 1 broadcast = 27 of 32 zmm. Per k: 2 loads, 4 broadcasts, 8 FMAs.
+///
+/// The halves run one after the other over the whole of C: the low half's sums are stored, the
+/// high half's added to them (`lo + hi`, the same sum). Within a half the rows of A are the outer
+/// walk and the 32-lane strips the inner one, so a tile's rows of A stay in L1 across the strips
+/// and the half of B (k/2 rows, 32 KiB at d = 128 and 128 lanes) is read contiguously and stays
+/// in L1 across the row blocks (walking strips outermost, a strip of B's rows 512 bytes apart
+/// maps onto a quarter of L1's sets). The first strip of each row block prefetches the next row
+/// block's A, which arrives from L3 at every key block (the packed k tiles). With the `gemm`
+/// prefetches and packing from 8 visits, the f32 forward took 0.81-0.95 of the time at N = 512 to
+/// 4096 (A/B on a loaded host, docs/journal/2026-11-29-fifth-session-avx2fwd.md); `gemm_fma`'s
+/// rates on that host moved too much between runs to tell the kernels apart alone.
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn gemm_scores(g: &Gemm<f32>, c: &mut [f32], c_rs: usize) {
     let cp = c.as_mut_ptr();
-    let mut j = 0;
-    while j < g.n {
-        if g.n - j >= 2 * W {
-            scores_rows::<2>(g, cp, c_rs, j);
-            j += 2 * W;
-        } else {
-            scores_rows::<1>(g, cp, c_rs, j);
-            j += W;
-        }
-    }
-}
-
-row_walk!(scores_rows, scores_tile, f32, "avx512f");
-
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn scores_tile<const R: usize, const V: usize>(
-    g: &Gemm<f32>,
-    cp: *mut f32,
-    c_rs: usize,
-    i: usize,
-    j: usize,
-) {
-    let rows = row_ptrs::<_, R>(g, i);
-    let b = g.b.as_ptr().add(j);
     let half = if g.k / 2 < super::KC_SCORES {
         g.k
     } else {
         g.k / 2
     };
-    let mut sums = [[[_mm512_setzero_ps(); V]; R]; 2];
-    for (sum, (k_lo, k_hi)) in sums.iter_mut().zip([(0, half), (half, g.k)]) {
-        for k0 in (k_lo..k_hi).step_by(super::KC_SCORES) {
-            let mut acc = [[_mm512_setzero_ps(); V]; R];
-            for k in k0..(k0 + super::KC_SCORES).min(k_hi) {
-                let bk = b.add(k * g.b_rs);
-                let mut bv = [_mm512_setzero_ps(); V];
-                for (v, x) in bv.iter_mut().enumerate() {
-                    *x = _mm512_loadu_ps(bk.add(W * v));
-                }
-                let ak = k * g.a_cs;
-                for (r, acc_r) in acc.iter_mut().enumerate() {
-                    let ar = _mm512_set1_ps(*rows[r].add(ak));
-                    for (x, bx) in acc_r.iter_mut().zip(&bv) {
-                        *x = _mm512_fmadd_ps(ar, *bx, *x);
-                    }
-                }
+    for (k_lo, k_hi, add) in [(0, half, false), (half, g.k, true)] {
+        if k_lo == k_hi && add {
+            break;
+        }
+        let mut i = 0;
+        while i + MR_SCORES <= g.m {
+            scores_lanes::<MR_SCORES>(g, cp, c_rs, i, (k_lo, k_hi), add);
+            i += MR_SCORES;
+        }
+        match g.m - i {
+            5 => scores_lanes::<5>(g, cp, c_rs, i, (k_lo, k_hi), add),
+            4 => scores_lanes::<4>(g, cp, c_rs, i, (k_lo, k_hi), add),
+            3 => scores_lanes::<3>(g, cp, c_rs, i, (k_lo, k_hi), add),
+            2 => scores_lanes::<2>(g, cp, c_rs, i, (k_lo, k_hi), add),
+            1 => scores_lanes::<1>(g, cp, c_rs, i, (k_lo, k_hi), add),
+            _ => {}
+        }
+    }
+}
+
+/// Rows `i..i + R` of C over all its lanes (the callers' n is a multiple of 16), k in `ks`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn scores_lanes<const R: usize>(
+    g: &Gemm<f32>,
+    cp: *mut f32,
+    c_rs: usize,
+    i: usize,
+    ks: (usize, usize),
+    add: bool,
+) {
+    let mut j = 0;
+    while j < g.n {
+        let first = j == 0;
+        if g.n - j >= 2 * W {
+            if first {
+                scores_tile::<R, 2, true>(g, cp, c_rs, (i, j), ks, add);
+            } else {
+                scores_tile::<R, 2, false>(g, cp, c_rs, (i, j), ks, add);
             }
-            for (s_r, acc_r) in sum.iter_mut().zip(&acc) {
-                for (s, x) in s_r.iter_mut().zip(acc_r) {
-                    *s = _mm512_add_ps(*s, *x);
-                }
+            j += 2 * W;
+        } else {
+            if first {
+                scores_tile::<R, 1, true>(g, cp, c_rs, (i, j), ks, add);
+            } else {
+                scores_tile::<R, 1, false>(g, cp, c_rs, (i, j), ks, add);
+            }
+            j += W;
+        }
+    }
+}
+
+/// One half's sum (k in `k_lo..k_hi`, chunks of `KC_SCORES`) of rows `i..i + R`, lanes
+/// `j..j + 16·V`: stored, or (`add`) added to what C holds. `PA`: prefetch the next R rows of A
+/// (one line per k step, when they span at most 16 floats per k step, as the packed tiles'
+/// contiguous rows do).
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn scores_tile<const R: usize, const V: usize, const PA: bool>(
+    g: &Gemm<f32>,
+    cp: *mut f32,
+    c_rs: usize,
+    (i, j): (usize, usize),
+    (k_lo, k_hi): (usize, usize),
+    add: bool,
+) {
+    let rows = row_ptrs::<_, R>(g, i);
+    let b = g.b.as_ptr().add(j);
+    // The next row block's A from this half's start: R rows of a_rs floats, contiguous when
+    // a_cs == 1 (`wrapping_add`: formed, never read, past A's end).
+    let pa = g.a.as_ptr().wrapping_add((i + R) * g.a_rs + k_lo * g.a_cs);
+    let pa_on = PA && g.a_cs == 1 && R * g.a_rs <= W * (k_hi - k_lo) + W;
+    // One k step: loads B's lanes, broadcasts A's R values of step k (at `rows[r] + ak`).
+    let step = |acc: &mut [[__m512; V]; R], k: usize, ak: usize| {
+        if pa_on {
+            _mm_prefetch::<_MM_HINT_T0>(pa.wrapping_add((k - k_lo) * W) as *const i8);
+        }
+        let bk = b.add(k * g.b_rs);
+        let mut bv = [_mm512_setzero_ps(); V];
+        for (v, x) in bv.iter_mut().enumerate() {
+            *x = _mm512_loadu_ps(bk.add(W * v));
+        }
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            let ar = _mm512_set1_ps(*rows[r].add(ak));
+            for (x, bx) in acc_r.iter_mut().zip(&bv) {
+                *x = _mm512_fmadd_ps(ar, *bx, *x);
+            }
+        }
+    };
+    let mut sum = [[_mm512_setzero_ps(); V]; R];
+    for k0 in (k_lo..k_hi).step_by(super::KC_SCORES) {
+        let mut acc = [[_mm512_setzero_ps(); V]; R];
+        if g.a_cs == 1 && k0 + super::KC_SCORES <= k_hi {
+            // A whole chunk with contiguous rows (the forward's k tiles), unrolled: A's
+            // addresses are each row's pointer plus k0 and an immediate.
+            for t in 0..super::KC_SCORES {
+                step(&mut acc, k0 + t, k0 + t);
+            }
+        } else {
+            for k in k0..(k0 + super::KC_SCORES).min(k_hi) {
+                step(&mut acc, k, k * g.a_cs);
+            }
+        }
+        for (s_r, acc_r) in sum.iter_mut().zip(&acc) {
+            for (s, x) in s_r.iter_mut().zip(acc_r) {
+                *s = _mm512_add_ps(*s, *x);
             }
         }
     }
-    let [lo, hi] = sums;
-    for (r, (lo_r, hi_r)) in lo.iter().zip(&hi).enumerate() {
-        for (v, (x, y)) in lo_r.iter().zip(hi_r).enumerate() {
-            _mm512_storeu_ps(cp.add((i + r) * c_rs + j + W * v), _mm512_add_ps(*x, *y));
+    for (r, s_r) in sum.iter().enumerate() {
+        for (v, x) in s_r.iter().enumerate() {
+            let at = cp.add((i + r) * c_rs + j + W * v);
+            let val = if add {
+                _mm512_add_ps(_mm512_loadu_ps(at), *x)
+            } else {
+                *x
+            };
+            _mm512_storeu_ps(at, val);
         }
     }
 }
@@ -348,6 +450,90 @@ pub(crate) unsafe fn online_softmax(
             sum = _mm512_add_ps(sum, e);
         }
         _mm512_storeu_ps(row_sum.as_mut_ptr().add(j), sum);
+    }
+}
+
+/// [`super::Kernels::softmax_step`]: per group of up to 4 lane vectors, the maximum of the raw
+/// scores (loads only), then `exp2(s · scale - m_sub)` and the sum while the group's scores are in
+/// L1; the same operations per lane as [`max_get_scale`] then [`online_softmax`] (the multiply and
+/// the subtraction rounded separately), so the same bits. The group's vectors are independent
+/// chains of `max` and of the sum (one vector alone waits on each step's latency).
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn softmax_step(
+    st: &mut [f32],
+    cols: usize,
+    n: usize,
+    scale: f32,
+    row_max: &mut [f32],
+    alpha: &mut [f32],
+    m_sub: &mut [f32],
+    row_sum: &mut [f32],
+) {
+    let sp = st.as_mut_ptr();
+    let state = (
+        row_max.as_mut_ptr(),
+        alpha.as_mut_ptr(),
+        m_sub.as_mut_ptr(),
+        row_sum.as_mut_ptr(),
+    );
+    let mut j = 0;
+    while j < n {
+        match (n - j) / W {
+            1 => softmax_group::<1>(sp, cols, n, j, scale, state),
+            2 => softmax_group::<2>(sp, cols, n, j, scale, state),
+            3 => softmax_group::<3>(sp, cols, n, j, scale, state),
+            _ => softmax_group::<4>(sp, cols, n, j, scale, state),
+        }
+        j += 4 * W;
+    }
+}
+
+/// [`softmax_step`] over lanes `j..j + G·W` (`state`: row_max, alpha, m_sub, row_sum).
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn softmax_group<const G: usize>(
+    sp: *mut f32,
+    cols: usize,
+    n: usize,
+    j: usize,
+    scale: f32,
+    (row_max, alpha, m_sub, row_sum): (*mut f32, *mut f32, *mut f32, *mut f32),
+) {
+    let sc = _mm512_set1_ps(scale);
+    let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut bm = [neg_inf; G];
+    for c in 0..cols {
+        for (g, x) in bm.iter_mut().enumerate() {
+            *x = _mm512_max_ps(*x, _mm512_loadu_ps(sp.add(c * n + j + g * W)));
+        }
+    }
+    let mut m = [neg_inf; G];
+    let mut sum = [neg_inf; G];
+    for g in 0..G {
+        let at = j + g * W;
+        let old = _mm512_loadu_ps(row_max.add(at));
+        let new = _mm512_max_ps(old, _mm512_mul_ps(bm[g], sc));
+        let none = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(new, neg_inf);
+        let a = exp2_ps(_mm512_sub_ps(old, new));
+        let a = _mm512_mask_blend_ps(none, a, _mm512_set1_ps(1.0));
+        _mm512_storeu_ps(alpha.add(at), a);
+        m[g] = _mm512_mask_blend_ps(none, new, _mm512_setzero_ps());
+        _mm512_storeu_ps(m_sub.add(at), m[g]);
+        _mm512_storeu_ps(row_max.add(at), new);
+        sum[g] = _mm512_mul_ps(_mm512_loadu_ps(row_sum.add(at)), a);
+    }
+    for c in 0..cols {
+        for g in 0..G {
+            let p = sp.add(c * n + j + g * W);
+            let x = _mm512_mul_ps(_mm512_loadu_ps(p), sc);
+            let e = exp2_ps(_mm512_sub_ps(x, m[g]));
+            _mm512_storeu_ps(p, e);
+            sum[g] = _mm512_add_ps(sum[g], e);
+        }
+    }
+    for (g, s) in sum.iter().enumerate() {
+        _mm512_storeu_ps(row_sum.add(j + g * W), *s);
     }
 }
 

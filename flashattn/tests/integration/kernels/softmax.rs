@@ -391,3 +391,90 @@ fn online_softmax_exp2_is_accurate_over_its_range() {
         assert_eq!(st[12].to_bits(), 0);
     }
 }
+
+/// `softmax_step` (fused on AVX-512, the two steps elsewhere and for scales that are not finite
+/// and positive) gives the bits of `max_get_scale` then `online_softmax`, on every table, state
+/// carried between blocks; scores normal, masked, fully masked and huge.
+#[test]
+fn softmax_step_matches_the_two_steps_bit_for_bit() {
+    let mut kernels = simd_kernels();
+    kernels.push(scalar());
+    let scenarios: [(&[Scores], f32); 6] = [
+        (&[Scores::Normal, Scores::Normal, Scores::Normal], 1.0),
+        (&[Scores::Normal, Scores::Masked], 0.180_336_88),
+        (&[Scores::AllMasked, Scores::Masked, Scores::Normal], 0.5),
+        (&[Scores::Huge, Scores::Normal, Scores::Huge], 1.0),
+        (&[Scores::Normal, Scores::Normal], 0.0),
+        (&[Scores::Normal, Scores::Huge], -0.75),
+    ];
+    let bits = |v: &[f32]| -> Vec<u32> {
+        v.iter()
+            .map(|x| if x.is_nan() { u32::MAX } else { x.to_bits() })
+            .collect()
+    };
+    for kern in &kernels {
+        for &n in &NS {
+            for (si, &(blocks, scale)) in scenarios.iter().enumerate() {
+                for cols in [1, 7, 64, 65] {
+                    let mut rng = common::rng((si * 1000 + cols * 10 + n) as u64);
+                    let mut two = State::new(n);
+                    for (b, &kind) in blocks.iter().enumerate() {
+                        let st = draw_scores(&mut rng, kind, cols, n, scale);
+                        let mut fused = two.clone();
+                        let (mut st_two, mut st_fused) = (st.clone(), st);
+                        kern.max_get_scale(
+                            &mut st_two,
+                            cols,
+                            n,
+                            scale,
+                            &mut two.row_max,
+                            &mut two.alpha,
+                            &mut two.m_sub,
+                        );
+                        kern.online_softmax(
+                            &mut st_two,
+                            cols,
+                            n,
+                            &two.m_sub,
+                            &mut two.row_sum,
+                            &two.alpha,
+                        );
+                        kern.softmax_step(
+                            &mut st_fused,
+                            cols,
+                            n,
+                            scale,
+                            &mut fused.row_max,
+                            &mut fused.alpha,
+                            &mut fused.m_sub,
+                            &mut fused.row_sum,
+                        );
+                        let ctx =
+                            format!("{}: n={n} cols={cols} scenario {si} block {b}", kern.isa);
+                        assert_eq!(bits(&st_two), bits(&st_fused), "{ctx}: probabilities");
+                        assert_eq!(
+                            bits(&two.row_max[..n]),
+                            bits(&fused.row_max[..n]),
+                            "{ctx}: row_max"
+                        );
+                        assert_eq!(
+                            bits(&two.alpha[..n]),
+                            bits(&fused.alpha[..n]),
+                            "{ctx}: alpha"
+                        );
+                        assert_eq!(
+                            bits(&two.m_sub[..n]),
+                            bits(&fused.m_sub[..n]),
+                            "{ctx}: m_sub"
+                        );
+                        assert_eq!(
+                            bits(&two.row_sum[..n]),
+                            bits(&fused.row_sum[..n]),
+                            "{ctx}: row_sum"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
