@@ -44,7 +44,13 @@ impl DqPartials {
             .iter()
             .map(|s| {
                 let mask = Mask::new(s.seqlen_q, s.seqlen_k, p.window_left, p.window_right);
-                chunk_bounds(s.seqlen_q, s.seqlen_k, &mask, bs, chunks)
+                // Weighed with 64-row query blocks whatever block_m is: the bounds decide how
+                // dQ's copies are summed, and so must not follow the host's caches.
+                let weights = BlockSizes {
+                    block_m: 64,
+                    block_n: bs.block_n,
+                };
+                chunk_bounds(s.seqlen_q, s.seqlen_k, &mask, weights, chunks)
             })
             .collect();
         let mut offsets = vec![0];
