@@ -81,7 +81,10 @@ pub(crate) enum Pass {
 /// slower; the AVX-512 kernels measured 96 to 128 rows level (d = 128) and keep 128. The bf16
 /// dot-product path measured the other way (285 GFLOP/s with 64 rows, 259 with 128, d = 128,
 /// N = 2048) and keeps 64; the backward was equal within noise (111-127 GFLOP/s either way) and
-/// keeps 64, which halves its per-thread scratch.
+/// keeps 64, which halves its per-thread scratch, unless its working set passes half of L2
+/// (d = 256 on a 512 KiB L2: 32 rows), in multiples of [`simd::KC`] rows so that its results do
+/// not depend on the choice. 96 and 128 rows measured level with 64 on the Intel host too (f32 and
+/// bf16, d = 64 and 128, AVX2 and AVX-512, least CPU time of alternating runs, loaded host).
 pub(crate) fn block_sizes(pass: Pass, isa: Isa, d: usize) -> BlockSizes {
     block_sizes_for(pass, isa, d, simd::cache_sizes())
 }
@@ -100,13 +103,19 @@ pub(crate) fn block_sizes_for(
         Pass::ForwardBf16Dot | Pass::Backward => 64,
     };
     let mut block_m = preferred;
-    // The backward keeps its 64 rows: there block_m is where dK and dV sums over query rows
-    // are cut, so it decides their rounding (the forward's rows are independent lanes).
-    while pass != Pass::Backward
-        && block_m > simd::LANES
-        && working_set(pass, block_m, BLOCK_N, d) > caches.l2 / 2
-    {
-        block_m -= simd::LANES;
+    // The backward's block_m is where its dK and dV sums over query rows are cut; the products
+    // add their terms to C in chunks of `KC` rows from the first row of each call, so any
+    // multiple of KC cuts them where the chunks do, and gives the same bits. Hence steps of KC
+    // there (the forward's rows are independent lanes: steps of one lane group). The scalar
+    // kernels sum each call in f64 and round once, so there the backward keeps its rows.
+    let step = if pass == Pass::Backward {
+        simd::KC
+    } else {
+        simd::LANES
+    };
+    let fixed = pass == Pass::Backward && isa == Isa::Scalar;
+    while !fixed && block_m > step && working_set(pass, block_m, BLOCK_N, d) > caches.l2 / 2 {
+        block_m -= step;
     }
     BlockSizes {
         block_m,
@@ -193,7 +202,9 @@ mod tests {
                 assert_eq!(bm(Pass::ForwardF32, Isa::Avx512, d, c), 128);
                 assert_eq!(bm(Pass::ForwardBf16Dot, Isa::Avx512, d, c), 64);
             }
-            assert_eq!(bm(Pass::Backward, Isa::Avx2, 256, c), 64);
+            for d in [64, 128] {
+                assert_eq!(bm(Pass::Backward, Isa::Avx2, d, c), 64);
+            }
             assert_eq!(
                 block_sizes_for(Pass::ForwardF32, Isa::Avx2, 64, c).block_n,
                 64
@@ -201,6 +212,12 @@ mod tests {
         }
         assert_eq!(bm(Pass::ForwardF32, Isa::Avx2, 256, intel), 96);
         assert_eq!(bm(Pass::ForwardF32, Isa::Avx2, 256, zen3), 48);
+        // The backward in multiples of KC rows: 64 where d = 256 fits half of L2, else 32.
+        assert_eq!(bm(Pass::Backward, Isa::Avx2, 256, intel), 64);
+        assert_eq!(bm(Pass::Backward, Isa::Avx512, 256, zen4), 64);
+        assert_eq!(bm(Pass::Backward, Isa::Avx2, 256, zen3), 32);
+        assert_eq!(bm(Pass::Backward, Isa::Avx2, 256, caches(16, 64)), 32);
+        assert_eq!(bm(Pass::Backward, Isa::Scalar, 256, zen3), 64);
         // Never below one lane group, however small the cache.
         assert_eq!(bm(Pass::ForwardF32, Isa::Avx2, 256, caches(16, 64)), 16);
     }

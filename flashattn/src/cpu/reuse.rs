@@ -64,6 +64,7 @@ impl<T: Copy> Slot<T> {
 impl<T: Copy> Slot<T> {
     /// `len` elements, all `fill`: the kept buffer when it is large enough (no allocation, no page
     /// faults; the fill writes every element), else a new one, or `OutOfMemory` naming `what`.
+    #[cfg(test)]
     pub fn take(&self, what: &'static str, len: usize, fill: T) -> Result<Buf<T>> {
         self.take_reset(what, len, fill, false)
     }

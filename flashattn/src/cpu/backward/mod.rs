@@ -106,10 +106,15 @@ fn backward_poisoned<T: Element>(
         (dq.len(), dk.len(), dv.len()),
         (p.out_len(), p.dk_len(), p.dk_len())
     );
-    let bs = block_sizes(Pass::Backward, p.kernels.isa, p.head_dim);
+    #[cfg_attr(not(test), allow(unused_mut))]
+    let mut bs = block_sizes(Pass::Backward, p.kernels.isa, p.head_dim);
+    #[cfg(test)]
+    if let Some(m) = tests::BLOCK_M.get() {
+        bs.block_m = m;
+    }
     let delta = compute_delta(p, g, out, dout)?;
     let dsink = sink_grad(p, g, &delta);
-    let bf_in = bf16_inputs(p, q, k, v);
+    let bf_in = bf16_inputs(p, q, k, v).filter(|_| bf16_dot_backward());
     let bf = match bf_in {
         Some((_, kb, vb)) => Some(Bf {
             k: kb,
@@ -197,6 +202,44 @@ fn backward_poisoned<T: Element>(
     Ok(dsink)
 }
 
+/// Whether bf16 inputs on a CPU with a bf16 dot product take it in the backward's products
+/// (otherwise they are widened to f32 tiles for the f32 products, as on CPUs without one): the
+/// `FLASHATTN_BWD_BF16` environment variable when it is `dot` or `f32` (read on every call), else
+/// dot products except on Intel CPUs.
+///
+/// On the Intel Xeon measured (AVX512_BF16) `vdpbf16ps` ran at half the f32 FMA's FLOP rate
+/// (`flashattn peak`: 161 against 322 GFLOP/s on 2 cores), and the widened backward took
+/// 0.70-0.78 of the dot-product backward's CPU time (bf16, N = 1024, 16 heads, d = 64 and 128);
+/// on the Zen 4 host the dot product runs at twice the FMA's rate (464 against 228) and is kept.
+/// The widened path rounds neither P̃ nor dS to bf16, so its gradients differ from the dot
+/// path's in the last bits (both within the reference tolerances).
+pub(crate) fn bf16_dot_backward() -> bool {
+    match std::env::var("FLASHATTN_BWD_BF16").as_deref() {
+        Ok("dot") => true,
+        Ok("f32") => false,
+        _ => !cpu_is_intel(),
+    }
+}
+
+/// Whether CPUID names the vendor "GenuineIntel" (read once).
+fn cpu_is_intel() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static INTEL: OnceLock<bool> = OnceLock::new();
+        *INTEL.get_or_init(|| {
+            let v = std::arch::x86_64::__cpuid_count(0, 0);
+            (v.ebx, v.edx, v.ecx)
+                == (
+                    u32::from_le_bytes(*b"Genu"),
+                    u32::from_le_bytes(*b"ineI"),
+                    u32::from_le_bytes(*b"ntel"),
+                )
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 /// What [`backward`] returns: dq, dk, dv and, with sinks, dsink.
 pub(crate) type Grads<T> = (Vec<T>, Vec<T>, Vec<T>, Option<Vec<f32>>);
 
@@ -234,6 +277,88 @@ pub(crate) fn dq_strategy(p: &Params) -> Result<Option<usize>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{flash_attn, AttnOptions, TensorRef};
+    use half::bf16;
+    use std::cell::Cell;
+
+    thread_local! {
+        /// The backward's block_m on this thread instead of [`block_sizes`]'s.
+        pub(super) static BLOCK_M: Cell<Option<usize>> = const { Cell::new(None) };
+    }
+
+    /// Gradients as f32 bits (+0 for either zero), for the given block_m.
+    fn grad_bits<T: crate::Element>(
+        conv: fn(f32) -> T,
+        opts: &AttnOptions,
+        block_m: usize,
+    ) -> Vec<Vec<u32>> {
+        let (b, sq, sk, h, hk, d) = (2usize, 200usize, 170usize, 4usize, 2usize, 40usize);
+        let vals = |len: usize, seed: u32| -> Vec<T> {
+            let mut x = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+            (0..len)
+                .map(|_| {
+                    x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                    conv((x >> 8) as f32 / (1u32 << 23) as f32 - 1.0)
+                })
+                .collect()
+        };
+        let (q, k, v, dout) = (
+            vals(b * sq * h * d, 1),
+            vals(b * sk * hk * d, 2),
+            vals(b * sk * hk * d, 3),
+            vals(b * sq * h * d, 4),
+        );
+        let (qt, kt, vt, dt) = (
+            TensorRef::contiguous(&q, &[b, sq, h, d]),
+            TensorRef::contiguous(&k, &[b, sk, hk, d]),
+            TensorRef::contiguous(&v, &[b, sk, hk, d]),
+            TensorRef::contiguous(&dout, &[b, sq, h, d]),
+        );
+        let fwd = flash_attn(&qt, &kt, &vt, opts).unwrap();
+        BLOCK_M.set(Some(block_m));
+        let g = fwd.backward(&qt, &kt, &vt, &dt, opts).unwrap();
+        BLOCK_M.set(None);
+        [g.dq, g.dk, g.dv]
+            .iter()
+            .map(|t| {
+                let mut x = vec![0f32; t.as_slice::<T>().unwrap().len()];
+                T::widen(t.as_slice::<T>().unwrap(), &mut x);
+                x.iter()
+                    .map(|v| if *v == 0.0 { 0 } else { v.to_bits() })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// block_m is chosen from the caches in multiples of KC rows, which the products sum in
+    /// chunks of KC anyway: the gradients are the same bits for any such block_m (so the same on
+    /// every host), on every SIMD instruction set, masked or not, with dropout and softcap. (The
+    /// scalar kernels sum each call in f64 and round once: there block_m stays 64.)
+    #[test]
+    fn gradients_do_not_depend_on_block_m() {
+        for isa in crate::simd::available() {
+            if isa == crate::simd::Isa::Scalar {
+                continue;
+            }
+            for opts in [
+                AttnOptions::default(),
+                AttnOptions::default().causal(true).dropout(0.1, 7),
+                AttnOptions::default().window(20, 5).softcap(20.0),
+            ] {
+                let opts = opts.isa(isa);
+                let f = grad_bits::<f32>(|x| x, &opts, 64);
+                let h = grad_bits::<bf16>(bf16::from_f32, &opts, 64);
+                for block_m in [32, 96, 128] {
+                    let ctx = format!("{isa} {opts:?} block_m {block_m}");
+                    assert!(grad_bits::<f32>(|x| x, &opts, block_m) == f, "f32 {ctx}");
+                    assert!(
+                        grad_bits::<bf16>(bf16::from_f32, &opts, block_m) == h,
+                        "bf16 {ctx}"
+                    );
+                }
+            }
+        }
+    }
 
     #[test]
     fn dq_chunks_fill_the_cores() {

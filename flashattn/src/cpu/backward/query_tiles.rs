@@ -85,7 +85,9 @@ impl QueryTiles {
         };
         let (mut data, mut pairs) = (Buf::empty(), Buf::empty());
         if let Some((qb, dob)) = bf16_qdo {
-            pairs = reuse::QUERY_PAIRS.take("the backward's query tiles", total, 0)?;
+            // Every element is written below (load_pairs_t and load_row_pairs fill the padding).
+            pairs =
+                reuse::QUERY_PAIRS.take_for_overwrite("the backward's query tiles", total, 0)?;
             split_at_offsets(&mut pairs, &offsets)
                 .into_par_iter()
                 .zip(&items)
@@ -102,7 +104,9 @@ impl QueryTiles {
                     load_row_pairs(dob, do_base, do_stride, (r, d, dp), do_rm);
                 });
         } else {
-            data = reuse::QUERY_TILES.take("the backward's query tiles", total, 0.0)?;
+            // Every element is written below (padded lanes and head-dim columns too).
+            data =
+                reuse::QUERY_TILES.take_for_overwrite("the backward's query tiles", total, 0.0)?;
             split_at_offsets(&mut data, &offsets)
                 .into_par_iter()
                 .zip(&items)
@@ -119,6 +123,11 @@ impl QueryTiles {
                         load_tile_t(dout, do_base, do_stride, (r, d, np), row, dot);
                         load_tile(q, q_base, p.q.row_stride, (r, d, dp), q_rm);
                         load_tile(dout, do_base, do_stride, (r, d, dp), do_rm);
+                        if dp > d {
+                            for rm in [q_rm, do_rm] {
+                                rm.chunks_exact_mut(dp).for_each(|row| row[d..].fill(0.0));
+                            }
+                        }
                     },
                 );
         }

@@ -34,6 +34,7 @@ pub(super) struct Scratch {
     /// dK and dV `[cols][dp]` (pass 1), or dQᵀ `[d][np]` (pass 2).
     pub(super) acc_a: Buf<f32>,
     pub(super) acc_b: Buf<f32>,
+    /// Eight rows of dQ being written (`[8][d]`).
     pub(super) row: Buf<f32>,
     /// bf16 path: k and v as pairs along d (`[cols][d2]`), dS as pairs of keys
     /// (`[cols / 2][np]`); for dK and dV, P̃ᵀ and dSᵀ as pairs of rows (`[cols][np / 2]`).
@@ -62,7 +63,7 @@ impl Scratch {
             keep: buf(true, bs.block_m * bn),
             acc_a: buf(0.0, big),
             acc_b: buf(0.0, big),
-            row: buf(0.0, d),
+            row: buf(0.0, 8 * d),
             k2: buf(0, bn * d.div_ceil(2)),
             v2: buf(0, bn * d.div_ceil(2)),
             ds2: buf(0, bn.div_ceil(2) * np),
