@@ -36,7 +36,8 @@
 // three warps (the transposers) wait for each V tile TMA delivered, write it transposed into a
 // Vᵀ buffer of the stage (HEAD_DIM lines of 128 bytes, keys in sm90_fp8.cuh's kpos order), release
 // the V buffer on v_empty and publish Vᵀ on vt_full; the consumers read Vᵀ and release it on
-// vt_empty. The consumers keep their registers: the transpose runs in the producer's 24.
+// vt_empty. The consumers keep most of their registers: the producer warpgroup takes 40 (232 each
+// for the consumers) for the transpose.
 // Scores and P as fwd_sm90_fp8.cu: S scaled by the folded softmax_scale · q_descale · k_descale of
 // the (sequence, kv head), P · 256 rounded to e4m3, out divided by 256 · row_sum and multiplied
 // by v_descale. The tensor maps are then of one-byte elements, box {128, rows, 1, 1}.
@@ -79,9 +80,16 @@ static_assert(BLOCK_N % 16 == 0 && BLOCK_N >= 16 && BLOCK_N <= 256, "BLOCK_N: a 
 #define SLAB_COLS (128 / ELEM_BYTES)
 #define K_STEP (32 / ELEM_BYTES)
 static_assert(NUM_WG == 2, "the register split below is for two consumer warpgroups");
-// Registers: 3 x 168 at entry (launch bounds of 384 threads) = 24 (producer) + 2 x 240.
+// Registers: 3 x 168 at entry (launch bounds of 384 threads) = 24 (producer) + 2 x 240; FP8:
+// 40 + 2 x 232, the transposers spilled in 24 (NVRTC 13.0: 120 bytes) and the consumers' scores
+// and acc_o fit 232 (P is half the size of the 16-bit mode's).
+#ifdef FA_FP8_INPUT
+#define PRODUCER_REGS 40
+#define CONSUMER_REGS 232
+#else
 #define PRODUCER_REGS 24
 #define CONSUMER_REGS 240
+#endif
 
 #define TILE_BYTES (BLOCK_N * HEAD_DIM * ELEM_BYTES)
 #define Q_BYTES (BLOCK_M * HEAD_DIM * ELEM_BYTES)
@@ -274,9 +282,13 @@ __device__ __forceinline__ void transpose_v(const CtaWork<elem_t>& w, const Smem
             x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w;
 #endif
             const int kc = (key & ~31) + kpos(key & 31);
+            // sw128_b(col + i, kc, HEAD_DIM) with kc < 128 and col a multiple of 16: line col + i,
+            // chunk kc / 16 swizzled by i % 8.
+            u8* dst = vt + col * 128 + (kc & 15);
+            const int chunk = (kc >> 4) & 7;
 #pragma unroll
             for (int i = 0; i < 16; ++i)
-                vt[sw128_b(col + i, kc, HEAD_DIM)] = (u8)(x[i >> 2] >> (8 * (i & 3)));
+                dst[i * 128 + ((chunk ^ (i & 7)) << 4)] = (u8)(x[i >> 2] >> (8 * (i & 3)));
         }
         // The byte stores went through the generic proxy; wgmma reads through the async one.
         fence_proxy_async();
