@@ -956,7 +956,8 @@ mod tests {
 
     /// Every variant has its own name (the disk cache's file names and the compile report's rows)
     /// and its own defines (what NVRTC compiles); the FP8 variants are the decode split and
-    /// append kernels and the bf16 forwards (fwd.cu, fwd_sm90_fp8.cu), each with its plain twin.
+    /// append kernels and the bf16 forwards (fwd.cu, fwd_sm90_fp8.cu, fwd_sm90_ws.cu's FP8 mode),
+    /// each with its plain twin.
     #[test]
     fn variants_are_distinct() {
         let keys = KernelKey::all();
@@ -972,11 +973,11 @@ mod tests {
             "two variants with the same defines"
         );
         let fp8: Vec<&KernelKey> = keys.iter().filter(|k| k.fp8).collect();
-        assert_eq!(fp8.len(), 3 * 8 * 8 + 3 + 8 * 32 + 2 * 8);
+        assert_eq!(fp8.len(), 3 * 8 * 8 + 3 + 8 * 32 + 2 * 8 + 2 * 8);
         for k in fp8 {
             let define = match k.kind {
                 KernelKind::DecodeSplit | KernelKind::DecodeAppend => "FA_FP8_CACHE",
-                KernelKind::Forward | KernelKind::ForwardSm90 => {
+                KernelKind::Forward | KernelKind::ForwardSm90 | KernelKind::ForwardSm90Ws => {
                     assert_eq!(k.dtype, DType::BF16);
                     "FA_FP8_INPUT"
                 }
