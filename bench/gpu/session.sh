@@ -22,9 +22,10 @@
 # `sm90`: the Hopper forward (fwd_sm90.cu): probe, its test grids, against fwd.cu and SDPA.
 # `sm90b`: the warp-specialised fwd_sm90_ws.cu: its grids (persistent, one also with one CTA per
 # tile and one with pingpong), against fwd_sm90.cu, fwd.cu, SDPA, persistent on and off; Python.
-# `sm90fp8`: the FP8 fwd_sm90_fp8.cu (FLASHATTN_CUDA_FWD=sm90fp8): the FP8 tests on it (overlap on
-# and off), then e4m3 on it, with and without the overlap, against e4m3 on fwd.cu and the bf16
-# kernels (fwd_sm90.cu, SDPA).
+# `sm90fp8`: the FP8 fwd_sm90_fp8.cu (FLASHATTN_CUDA_FWD=sm90fp8) and fwd_sm90_ws.cu's FP8 mode
+# (FLASHATTN_CUDA_FWD=sm90fp8ws): the FP8 tests on each (fwd_sm90_fp8.cu with overlap on and off),
+# then e4m3 on them, fwd_sm90_fp8.cu with and without the overlap, against e4m3 on fwd.cu and the
+# bf16 kernels (fwd_sm90.cu, SDPA).
 # `sm90bwd`: the sm_90a backward (bwd_sm90.cu, opt-in with FLASHATTN_SM90_BWD=1): the GPU
 # gradient tests on it (f16/bf16 grids, sinks, the `_into` forms), which kernels a call runs,
 # then forward + backward on it against bwd.cu and SDPA's flash and cuDNN backends.
@@ -215,24 +216,29 @@ if [ "$mode" = sm90fp8 ]; then
     # fwd.cu; the test says how many ran where), the emulated FP8 kernel test beside them for
     # the record, then the timings: e4m3 on fwd_sm90_fp8.cu (variant) against e4m3 on fwd.cu
     # (main), and bf16 on the default fwd_sm90.cu against SDPA for scale.
-    # The same tests without the softmax/P·V overlap (FLASHATTN_SM90_OVERLAP=0), side by side.
+    # The same tests without the softmax/P·V overlap (FLASHATTN_SM90_OVERLAP=0), and on the
+    # warp-specialised FP8 mode (FLASHATTN_CUDA_FWD=sm90fp8ws), side by side.
     (FLASHATTN_CUDA_FWD=sm90fp8 timeout 120 gpu-run/integration_tests_flashattn fp8::gpu:: \
         --test-threads 1 --nocapture >"$logs/sm90fp8_gpu.log" 2>&1; echo "exit $?" >>"$logs/sm90fp8_gpu.log") &
     (FLASHATTN_CUDA_FWD=sm90fp8 FLASHATTN_SM90_OVERLAP=0 timeout 120 gpu-run/integration_tests_flashattn \
         fp8::gpu:: --test-threads 1 --nocapture >"$logs/sm90fp8_no_overlap_gpu.log" 2>&1
         echo "exit $?" >>"$logs/sm90fp8_no_overlap_gpu.log") &
+    (FLASHATTN_CUDA_FWD=sm90fp8ws timeout 120 gpu-run/integration_tests_flashattn fp8::gpu:: \
+        --test-threads 1 --nocapture >"$logs/sm90fp8ws_gpu.log" 2>&1; echo "exit $?" >>"$logs/sm90fp8ws_gpu.log") &
     wait
-    for f in "$logs"/sm90fp8_gpu.log "$logs"/sm90fp8_no_overlap_gpu.log; do
+    for f in "$logs"/sm90fp8_gpu.log "$logs"/sm90fp8_no_overlap_gpu.log "$logs"/sm90fp8ws_gpu.log; do
         say "-- $(basename "$f")"
         grep -E "test result|panicked|FP8 forward cases|out\[|^exit " "$f" | head -12 | tee -a "$summary"
     done
-    stage 170 compare_fp8_e4m3 python3 bench/compare_torch_cuda.py --binary "$bin" --dtype e4m3 \
+    # Four kernels on e4m3 in the e4m3 stage: the bf16 one gives up 50 s for them (same total).
+    stage 220 compare_fp8_e4m3 python3 bench/compare_torch_cuda.py --binary "$bin" --dtype e4m3 \
         --dims 128,256 --seqlens 2048,8192 --rounds 1 --min-time 0.2 \
         --variant "sm90fp8=$bin,FLASHATTN_CUDA_FWD=sm90fp8" \
         --variant "sm90fp8_no_overlap=$bin,FLASHATTN_CUDA_FWD=sm90fp8,FLASHATTN_SM90_OVERLAP=0" \
+        --variant "sm90fp8ws=$bin,FLASHATTN_CUDA_FWD=sm90fp8ws" \
         --out "$logs/compare_fp8_e4m3.json"
-    stage 100 compare_fp8_bf16 python3 bench/compare_torch_cuda.py --binary "$bin" --dtype bf16 \
-        --dims 128,256 --seqlens 2048,8192 --rounds 1 --min-time 0.2 --out "$logs/compare_fp8_bf16.json"
+    stage 50 compare_fp8_bf16 python3 bench/compare_torch_cuda.py --binary "$bin" --dtype bf16 \
+        --dims 128,256 --seqlens 8192 --rounds 1 --min-time 0.2 --out "$logs/compare_fp8_bf16.json"
     finish
 fi
 if [ "$mode" = sm90bwd ]; then

@@ -6,7 +6,9 @@
 //! processes never read a partial cubin; any I/O failure just means compiling again.
 
 use super::arch::Arch;
-use super::key::{KernelKey, COMMON_HEADERS, SM90_ATTN_CUH, SM90_CUH, SM90_WGMMA_CUH};
+use super::key::{
+    KernelKey, COMMON_HEADERS, SM90_ATTN_CUH, SM90_CUH, SM90_FP8_CUH, SM90_WGMMA_CUH,
+};
 use std::path::{Path, PathBuf};
 
 pub(crate) fn dir() -> Option<PathBuf> {
@@ -37,7 +39,7 @@ pub(crate) fn path(key: &KernelKey, arch: Arch, nvrtc: (i32, i32)) -> Option<Pat
     let defines = format!("{:?}", key.defines());
     // The sm_90a kernel's own headers (the other kernels' identities stay as they were).
     let sm90 = if key.is_sm90() {
-        [SM90_CUH, SM90_WGMMA_CUH, SM90_ATTN_CUH].concat()
+        [SM90_CUH, SM90_WGMMA_CUH, SM90_ATTN_CUH, SM90_FP8_CUH].concat()
     } else {
         String::new()
     };

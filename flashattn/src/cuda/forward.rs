@@ -373,7 +373,8 @@ impl LaunchDescription {
     /// The same launch on the kernel `choice` names for a GPU of `arch`: the sm_90a forward
     /// (fwd_sm90.cu: its key, its tiles, grid and shared memory) on compute capability 9.0 where
     /// it serves the call ([`KernelKey::sm90_forward`]) and `choice` asks for it; for e4m3 inputs
-    /// with [`ForwardKernel::Sm90Fp8`], fwd_sm90_fp8.cu; else unchanged.
+    /// with [`ForwardKernel::Sm90Fp8`], fwd_sm90_fp8.cu, with [`ForwardKernel::Sm90Fp8Ws`],
+    /// fwd_sm90_ws.cu's FP8 mode; else unchanged.
     pub fn for_arch(mut self, arch: Arch, choice: ForwardKernel) -> LaunchDescription {
         if choice == ForwardKernel::Fa2 || arch != Arch::SM90 {
             return self;
@@ -381,11 +382,14 @@ impl LaunchDescription {
         let Some(mut key) = self.key.sm90_forward() else {
             return self;
         };
-        // FP8 (fwd_sm90_fp8.cu): asked for, e4m3 only, and no warp-specialised twin.
-        if key.fp8 && (choice != ForwardKernel::Sm90Fp8 || self.params.fp8_e5m2 != 0) {
+        // FP8: asked for (fwd_sm90_fp8.cu, or fwd_sm90_ws.cu's FP8 mode), e4m3 only.
+        let fp8_choice = matches!(choice, ForwardKernel::Sm90Fp8 | ForwardKernel::Sm90Fp8Ws);
+        if key.fp8 && (!fp8_choice || self.params.fp8_e5m2 != 0) {
             return self;
         }
-        if choice == ForwardKernel::Sm90Ws && !key.fp8 {
+        if (choice == ForwardKernel::Sm90Ws && !key.fp8)
+            || (choice == ForwardKernel::Sm90Fp8Ws && key.fp8)
+        {
             key.kind = KernelKind::ForwardSm90Ws;
         }
         self.grid.0 = (self.params.batch_seqlen_q as usize).div_ceil(key.tiles().block_m) as u32;
@@ -456,11 +460,14 @@ impl LaunchDescription {
                 )
             }
         };
+        // FP8 inputs are bytes, the others 16-bit elements.
+        let e: u64 = if self.key.fp8 { 1 } else { 2 };
         let spec =
             |rows: u64, heads: i32, row: u64, head: u64, batch: u64, box_rows: usize| TmaSpec {
                 dims: [p.head_dim as u64, rows, heads as u64, batches],
-                strides: [2 * row, 2 * head, 2 * batch],
+                strides: [e * row, e * head, e * batch],
                 box_rows: box_rows as u32,
+                elem_bytes: e as u32,
             };
         [
             spec(q_rows, p.heads, q_row, q_head, batch_strides[0], t.block_m),
@@ -517,6 +524,11 @@ pub enum ForwardKernel {
     /// cores (fwd_sm90_fp8.cu) instead of widened to bf16 on fwd.cu. Opt-in until it has run on
     /// a GPU: it rounds P to e4m3 (as FlashAttention-3), where the default FP8 path keeps bf16.
     Sm90Fp8,
+    /// `FLASHATTN_CUDA_FWD=sm90fp8ws`: [`ForwardKernel::Sm90`] for 16-bit inputs, and e4m3
+    /// inputs on fwd_sm90_ws.cu's FP8 mode (TMA, a producer warpgroup that also transposes V,
+    /// wgmma with e4m3 operands; P rounded to e4m3 as [`ForwardKernel::Sm90Fp8`]). Opt-in: it has
+    /// not run on a GPU.
+    Sm90Fp8Ws,
 }
 
 impl ForwardKernel {
@@ -526,6 +538,7 @@ impl ForwardKernel {
             Ok("fa2") => ForwardKernel::Fa2,
             Ok("sm90ws") => ForwardKernel::Sm90Ws,
             Ok("sm90fp8") => ForwardKernel::Sm90Fp8,
+            Ok("sm90fp8ws") => ForwardKernel::Sm90Fp8Ws,
             _ => ForwardKernel::Sm90,
         })
     }

@@ -27,6 +27,8 @@ pub(crate) const FWD_SM90_CU: &str = include_str!("kernels/fwd_sm90.cu");
 pub(crate) const SM90_CUH: &str = include_str!("kernels/sm90.cuh");
 pub(crate) const SM90_WGMMA_CUH: &str = include_str!("kernels/sm90_wgmma.cuh");
 pub(crate) const SM90_ATTN_CUH: &str = include_str!("kernels/sm90_attn.cuh");
+/// The e4m3 pieces of fwd_sm90_ws.cu's FP8 mode.
+pub(crate) const SM90_FP8_CUH: &str = include_str!("kernels/sm90_fp8.cuh");
 /// The warp-specialised Hopper forward (TMA producer, wgmma consumers).
 pub(crate) const FWD_SM90_WS_CU: &str = include_str!("kernels/fwd_sm90_ws.cu");
 /// The sm_90a FP8 forward (e4m3 q, k, v on wgmma with e4m3 operands).
@@ -194,6 +196,15 @@ impl KernelKey {
             }
             _ => {}
         }
+        if self.kind == KernelKind::ForwardSm90Ws && self.fp8 {
+            // fwd_sm90_ws.cu's FP8 mode: fwd_sm90_fp8.cu's key blocks (128 keys, one 128-byte
+            // line of Vᵀ; 64 at head_dim 256) beside the producer warpgroup.
+            return Tiles {
+                block_m: 128,
+                block_n: if self.head_dim <= 128 { 128 } else { 64 },
+                num_warps: 12,
+            };
+        }
         if self.kind == KernelKind::ForwardSm90Ws {
             // Two consumer warpgroups of 64 rows and the producer. The consumers get 240
             // registers each (setmaxnreg): these key blocks keep the scores, P and acc_o within
@@ -319,7 +330,12 @@ impl KernelKey {
                 return 2 * (t.block_m + 4 * t.block_n) * self.smem_row() + 1024
             }
             // fwd_sm90_ws.cu: q [block_m], k and v in rings of 2 stages [2][block_n], 1 KiB to
-            // align, and the mbarriers (q_full, 4 per stage and q_empty, 8 bytes each).
+            // align, and the mbarriers (q_full, 4 per stage and q_empty, 8 bytes each). FP8: one
+            // byte per element, the Vᵀ ring [2][head_dim][128] (128-byte lines) after v, and 6
+            // mbarriers per stage.
+            KernelKind::ForwardSm90Ws if self.fp8 => {
+                return (t.block_m + 4 * t.block_n + 2 * 128) * self.smem_row() + 1024 + 8 * 14
+            }
             KernelKind::ForwardSm90Ws => {
                 return 2 * (t.block_m + 4 * t.block_n) * self.smem_row() + 1024 + 8 * 10
             }
@@ -580,6 +596,20 @@ impl KernelKey {
             // has a producer warpgroup beside them); each has its own experiment switch.
             let t = self.tiles();
             let ws = self.kind == KernelKind::ForwardSm90Ws;
+            if self.fp8 && ws {
+                // fwd_sm90_ws.cu's FP8 mode: bf16 out, FP8 in, the pingpong switch.
+                return vec![
+                    ("HEAD_DIM", self.smem_row().to_string()),
+                    ("IS_MASKED", flag(self.masked)),
+                    ("HAS_SOFTCAP", flag(self.softcap)),
+                    ("HAS_ALIBI", flag(self.alibi)),
+                    ("FA_BF16", "1".into()),
+                    ("FA_FP8_INPUT", "1".into()),
+                    ("BLOCK_N", t.block_n.to_string()),
+                    ("NUM_WG", (t.num_warps / 4 - 1).to_string()),
+                    ("SM90_PINGPONG", flag(sm90_pingpong())),
+                ];
+            }
             if self.fp8 {
                 // fwd_sm90_fp8.cu: bf16 out, FP8 in, the overlap switch of fwd_sm90.cu.
                 return vec![
@@ -786,20 +816,23 @@ impl KernelKey {
                 }
             }
         }
-        // fwd_sm90_fp8.cu: e4m3 q, k, v (bf16 out), head_dim 128 or 256.
+        // fwd_sm90_fp8.cu and fwd_sm90_ws.cu's FP8 mode: e4m3 q, k, v (bf16 out), head_dim 128
+        // or 256.
         for head_dim in [128, 256] {
             for bits in 0..8u32 {
-                keys.push(KernelKey {
-                    kind: KernelKind::ForwardSm90,
-                    dtype: DType::BF16,
-                    head_dim,
-                    masked: bits & 1 != 0,
-                    softcap: bits & 2 != 0,
-                    alibi: bits & 4 != 0,
-                    dropout: false,
-                    vec_load: true,
-                    fp8: true,
-                });
+                for kind in [KernelKind::ForwardSm90, KernelKind::ForwardSm90Ws] {
+                    keys.push(KernelKey {
+                        kind,
+                        dtype: DType::BF16,
+                        head_dim,
+                        masked: bits & 1 != 0,
+                        softcap: bits & 2 != 0,
+                        alibi: bits & 4 != 0,
+                        dropout: false,
+                        vec_load: true,
+                        fp8: true,
+                    });
+                }
             }
         }
         for dtype in [DType::F16, DType::BF16, DType::F32] {
@@ -924,7 +957,8 @@ mod tests {
 
     /// Every variant has its own name (the disk cache's file names and the compile report's rows)
     /// and its own defines (what NVRTC compiles); the FP8 variants are the decode split and
-    /// append kernels and the bf16 forwards (fwd.cu, fwd_sm90_fp8.cu), each with its plain twin.
+    /// append kernels and the bf16 forwards (fwd.cu, fwd_sm90_fp8.cu, fwd_sm90_ws.cu's FP8 mode),
+    /// each with its plain twin.
     #[test]
     fn variants_are_distinct() {
         let keys = KernelKey::all();
@@ -940,11 +974,11 @@ mod tests {
             "two variants with the same defines"
         );
         let fp8: Vec<&KernelKey> = keys.iter().filter(|k| k.fp8).collect();
-        assert_eq!(fp8.len(), 3 * 8 * 8 + 3 + 8 * 32 + 2 * 8);
+        assert_eq!(fp8.len(), 3 * 8 * 8 + 3 + 8 * 32 + 2 * 8 + 2 * 8);
         for k in fp8 {
             let define = match k.kind {
                 KernelKind::DecodeSplit | KernelKind::DecodeAppend => "FA_FP8_CACHE",
-                KernelKind::Forward | KernelKind::ForwardSm90 => {
+                KernelKind::Forward | KernelKind::ForwardSm90 | KernelKind::ForwardSm90Ws => {
                     assert_eq!(k.dtype, DType::BF16);
                     "FA_FP8_INPUT"
                 }

@@ -3,7 +3,9 @@
 //! JIT at load time and lets the compile log report registers and spills (`ptxas -v`).
 
 use super::arch::Arch;
-use super::key::{KernelKey, COMMON_HEADERS, SM90_ATTN_CUH, SM90_CUH, SM90_WGMMA_CUH};
+use super::key::{
+    KernelKey, COMMON_HEADERS, SM90_ATTN_CUH, SM90_CUH, SM90_FP8_CUH, SM90_WGMMA_CUH,
+};
 use super::probe;
 use crate::error::{ErrorKind, Result};
 use cudarc::nvrtc::sys;
@@ -68,6 +70,7 @@ pub fn compile(key: &KernelKey, arch: Arch) -> Result<CompiledKernel> {
         ("sm90.cuh", SM90_CUH),
         ("sm90_wgmma.cuh", SM90_WGMMA_CUH),
         ("sm90_attn.cuh", SM90_ATTN_CUH),
+        ("sm90_fp8.cuh", SM90_FP8_CUH),
     ]);
     let hdr_c: Vec<CString> = header_texts.clone().map(|h| cstr(h.1)).collect();
     let hdr_name_c: Vec<CString> = header_texts.map(|h| cstr(h.0)).collect();

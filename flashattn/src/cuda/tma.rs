@@ -2,10 +2,11 @@
 //! map describes ([`TmaSpec`], computed on the host from a launch, also what the host emulation
 //! reads) and its encoding by the driver (`cuTensorMapEncodeTiled`) for a GPU launch.
 //!
-//! Each of q, k and v is seen as a 4-D tensor of 16-bit elements {head_dim, rows, heads, batches}
-//! (innermost first) with its own byte strides: a batched call's rows are one sequence's, a packed
-//! call's the whole tensor's (one batch). A box is 64 columns (128 bytes, the swizzle's span) by
-//! `box_rows` rows of one head and batch; the kernel loads one box per 64-column slab of a tile.
+//! Each of q, k and v is seen as a 4-D tensor of 16-bit elements (FP8 mode: bytes) {head_dim,
+//! rows, heads, batches} (innermost first) with its own byte strides: a batched call's rows are one
+//! sequence's, a packed call's the whole tensor's (one batch). A box is 128 bytes (the swizzle's
+//! span: 64 columns, or 128 of bytes) by `box_rows` rows of one head and batch; the kernel loads
+//! one box per 128-byte slab of a tile.
 //! Elements outside the tensor arrive as zeros.
 
 use super::error::driver_err;
@@ -20,8 +21,10 @@ pub struct TmaSpec {
     pub dims: [u64; 4],
     /// Byte strides of dimensions 1, 2 and 3 (the innermost is contiguous).
     pub strides: [u64; 3],
-    /// Rows per box (the tile's rows); the box is 64 columns of one head and batch.
+    /// Rows per box (the tile's rows); the box is 128 bytes of one head and batch.
     pub box_rows: u32,
+    /// Bytes per element: 2 (f16, bf16) or 1 (FP8 bytes).
+    pub elem_bytes: u32,
 }
 
 /// An encoded map, passed to the kernel by value (its `TmaDesc` parameter, 128 bytes).
@@ -35,9 +38,11 @@ pub struct TmaDesc(sys::CUtensorMap);
 unsafe impl DeviceRepr for TmaDesc {}
 
 impl TmaSpec {
-    /// The driver's encoding of this map over the 16-bit elements at device address `base`.
+    /// The driver's encoding of this map over the elements at device address `base`: of `dtype`,
+    /// or FP8 bytes when the spec's elements are one byte.
     pub(crate) fn encode(&self, base: sys::CUdeviceptr, dtype: DType) -> Result<TmaDesc> {
         let data_type = match dtype {
+            _ if self.elem_bytes == 1 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
             DType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
             DType::F16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
             DType::F32 => {
@@ -48,7 +53,7 @@ impl TmaSpec {
                 .into())
             }
         };
-        let boxes: [u32; 4] = [64, self.box_rows, 1, 1];
+        let boxes: [u32; 4] = [128 / self.elem_bytes, self.box_rows, 1, 1];
         let element_strides: [u32; 4] = [1; 4];
         let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
         // SAFETY: `map` is writable storage for one CUtensorMap; the dims, strides, boxes and

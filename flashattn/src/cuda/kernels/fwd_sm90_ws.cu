@@ -28,6 +28,19 @@
 // products, FlashAttention-3's pingpong). The launch passes FwdParams (params.cuh) and then the
 // tensor maps of q, k and v (cuda/tma.rs): 4-D {head_dim, rows, heads, batches} of 16-bit
 // elements, box {64, BLOCK_M or BLOCK_N, 1, 1}, 128-byte swizzle.
+//
+// FP8 mode (FA_FP8_INPUT, with FA_BF16: e4m3 q, k and v, bf16 out; HEAD_DIM 128 or 256, BLOCK_N
+// 64 or 128), FlashAttention-3's FP8 forward: the same producer, ring, scheduler and consumers on
+// one-byte tiles (a box of 128 columns per slab) and wgmma k32 with e4m3 operands (QGMMA) for both
+// products. 8-bit wgmma reads B K-major only, so P·V reads Vᵀ: the producer warpgroup's other
+// three warps (the transposers) wait for each V tile TMA delivered, write it transposed into a
+// Vᵀ buffer of the stage (HEAD_DIM lines of 128 bytes, keys in sm90_fp8.cuh's kpos order), release
+// the V buffer on v_empty and publish Vᵀ on vt_full; the consumers read Vᵀ and release it on
+// vt_empty. The consumers keep most of their registers: the producer warpgroup takes 40 (232 each
+// for the consumers) for the transpose.
+// Scores and P as fwd_sm90_fp8.cu: S scaled by the folded softmax_scale · q_descale · k_descale of
+// the (sequence, kv head), P · 256 rounded to e4m3, out divided by 256 · row_sum and multiplied
+// by v_descale. The tensor maps are then of one-byte elements, box {128, rows, 1, 1}.
 #define FA_TENSOR_CORE_KERNEL
 #define FA_SM90_KERNEL
 #define FA_SM90_WS  // the launch passes tensor maps (tests/cuda_emu/driver.cpp reads this)
@@ -37,34 +50,78 @@
 #define HAS_DROPOUT 0
 #define SMEM_ROW HEAD_DIM
 #define STAGES 2
+#ifdef FA_FP8_INPUT
+#define ELEM_BYTES 1
+#define FA_TMA_ELEM_BYTES 1  // the host emulation's TMA boxes: 128 one-byte columns
+#else
+#define ELEM_BYTES 2
+#endif
 #ifndef SM90_PINGPONG
 #define SM90_PINGPONG 0
 #endif
 #include "common.cuh"
 #include "sm90.cuh"
 #include "sm90_attn.cuh"
-
+#ifdef FA_FP8_INPUT
+#include "sm90_fp8.cuh"
+typedef u8 elem_t;
+static_assert(HEAD_DIM % 128 == 0 && HEAD_DIM <= 256, "HEAD_DIM: whole 128-byte lines, at most 256");
+static_assert(BLOCK_N == 128 || BLOCK_N == 64, "BLOCK_N: at most one 128-byte line of Vᵀ");
+// The producer warpgroup's warps 1 to 3 transpose V.
+#define TRANSPOSERS 96
+#define VT_BYTES (HEAD_DIM * 128)
+#else
+typedef u16 elem_t;
 static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "HEAD_DIM: whole 64-column slabs, at most 256");
 static_assert(BLOCK_N % 16 == 0 && BLOCK_N >= 16 && BLOCK_N <= 256, "BLOCK_N: a wgmma n size");
+#define VT_BYTES 0
+#endif
+// Columns per 128-byte slab (one TMA box wide), elements per wgmma k-step (32 bytes).
+#define SLAB_COLS (128 / ELEM_BYTES)
+#define K_STEP (32 / ELEM_BYTES)
 static_assert(NUM_WG == 2, "the register split below is for two consumer warpgroups");
-// Registers: 3 x 168 at entry (launch bounds of 384 threads) = 24 (producer) + 2 x 240.
+// Registers: 3 x 168 at entry (launch bounds of 384 threads) = 24 (producer) + 2 x 240; FP8:
+// 40 + 2 x 232, the transposers spilled in 24 (NVRTC 13.0: 120 bytes) and the consumers' scores
+// and acc_o fit 232 (P is half the size of the 16-bit mode's).
+#ifdef FA_FP8_INPUT
+#define PRODUCER_REGS 40
+#define CONSUMER_REGS 232
+#else
 #define PRODUCER_REGS 24
 #define CONSUMER_REGS 240
+#endif
 
-#define TILE_BYTES (BLOCK_N * HEAD_DIM * 2)
+#define TILE_BYTES (BLOCK_N * HEAD_DIM * ELEM_BYTES)
+#define Q_BYTES (BLOCK_M * HEAD_DIM * ELEM_BYTES)
 
-// Shared-memory addresses: the Q tile, the K and V rings, then the mbarriers: q_full, then per
-// stage k_full, k_empty, v_full, v_empty, then q_empty.
+// Shared-memory addresses: the Q tile, the K and V rings (FP8: then the Vᵀ ring), then the
+// mbarriers: q_full, then per stage k_full, k_empty, v_full, v_empty (FP8: vt_full, vt_empty),
+// then q_empty. pv_full / pv_empty: the barriers of the B operand of P·V (V, or Vᵀ in FP8).
+#ifdef FA_FP8_INPUT
+#define STAGE_BARS 6
+#else
+#define STAGE_BARS 4
+#endif
 struct Smem {
-    u32 q, k0, v0, bars;
+    u32 q, k0, v0, vt0, bars;
     __device__ __forceinline__ u32 k(int s) const { return k0 + s * TILE_BYTES; }
     __device__ __forceinline__ u32 v(int s) const { return v0 + s * TILE_BYTES; }
+    __device__ __forceinline__ u32 vt(int s) const { return vt0 + s * VT_BYTES; }
     __device__ __forceinline__ u32 q_full() const { return bars; }
-    __device__ __forceinline__ u32 k_full(int s) const { return bars + 8 * (1 + 4 * s); }
-    __device__ __forceinline__ u32 k_empty(int s) const { return bars + 8 * (2 + 4 * s); }
-    __device__ __forceinline__ u32 v_full(int s) const { return bars + 8 * (3 + 4 * s); }
-    __device__ __forceinline__ u32 v_empty(int s) const { return bars + 8 * (4 + 4 * s); }
-    __device__ __forceinline__ u32 q_empty() const { return bars + 8 * (1 + 4 * STAGES); }
+    __device__ __forceinline__ u32 k_full(int s) const { return bars + 8 * (1 + STAGE_BARS * s); }
+    __device__ __forceinline__ u32 k_empty(int s) const { return bars + 8 * (2 + STAGE_BARS * s); }
+    __device__ __forceinline__ u32 v_full(int s) const { return bars + 8 * (3 + STAGE_BARS * s); }
+    __device__ __forceinline__ u32 v_empty(int s) const { return bars + 8 * (4 + STAGE_BARS * s); }
+    __device__ __forceinline__ u32 vt_full(int s) const { return bars + 8 * (5 + STAGE_BARS * s); }
+    __device__ __forceinline__ u32 vt_empty(int s) const { return bars + 8 * (6 + STAGE_BARS * s); }
+    __device__ __forceinline__ u32 q_empty() const { return bars + 8 * (1 + STAGE_BARS * STAGES); }
+#ifdef FA_FP8_INPUT
+    __device__ __forceinline__ u32 pv_full(int s) const { return vt_full(s); }
+    __device__ __forceinline__ u32 pv_empty(int s) const { return vt_empty(s); }
+#else
+    __device__ __forceinline__ u32 pv_full(int s) const { return v_full(s); }
+    __device__ __forceinline__ u32 pv_empty(int s) const { return v_empty(s); }
+#endif
 };
 
 // The work tiles: (m_block, head, sequence) of every launched sequence. With a mask (causal,
@@ -99,13 +156,73 @@ struct Tiles {
     }
 };
 
-// The TMA loads of one tile: HEAD_DIM / 64 boxes of ROWS rows, one per slab.
+// The next work tile of this CTA from round `round` on into `w`, `round` then past it; false when
+// none is left. Every role walks the same tiles in the same order and skips the same empty ones
+// (query blocks past a shorter sequence of a packed call).
+__device__ __forceinline__ bool next_work(const Tiles& tiles, const FwdParams& p, int& round,
+                                          CtaWork<elem_t>& w) {
+    for (;; ++round) {
+        const int tile = tiles.take(round);
+        if (tile < 0) return false;
+        if (tile >= tiles.count) continue;
+        int m_block, h, b;
+        tiles.coords(tile, m_block, h, b);
+        if (cta_work_at<elem_t, BLOCK_M, BLOCK_N>(w, p, m_block, h, b)) {
+            ++round;
+            return true;
+        }
+    }
+}
+
+// The TMA loads of one tile: HEAD_DIM / SLAB_COLS boxes of ROWS rows, one per slab.
 template <int ROWS>
 __device__ __forceinline__ void tma_tile(u32 dst, const TmaDesc* map, int row, int head, int batch,
                                          u32 bar) {
 #pragma unroll
-    for (int slab = 0; slab < HEAD_DIM / 64; ++slab)
-        tma_load_4d(dst + slab * ROWS * 128, map, 64 * slab, row, head, batch, bar);
+    for (int slab = 0; slab < HEAD_DIM / SLAB_COLS; ++slab)
+        tma_load_4d(dst + slab * ROWS * 128, map, SLAB_COLS * slab, row, head, batch, bar);
+}
+
+// S = Q·Kᵀ of consumer c's 64 rows and the key block in the K tile at `k`, issued (not waited).
+__device__ __forceinline__ void issue_qk(float (&s)[BLOCK_N / 8][4], u32 q, u32 k, int c) {
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / K_STEP; ++kk) {
+#ifdef FA_FP8_INPUT
+        WgmmaE4m3<BLOCK_N>::ss(s, desc_kmajor(q, BLOCK_M, 64 * c, kk), desc_kmajor(k, BLOCK_N, 0, kk),
+                               kk > 0);
+#else
+        Wgmma<BLOCK_N>::ss(s, desc_kmajor(q, BLOCK_M, 64 * c, kk), desc_kmajor(k, BLOCK_N, 0, kk),
+                           kk > 0);
+#endif
+    }
+}
+
+// acc_o += P·V of the key block in stage `stage`, issued: V MN-major from its tile (16-bit), or
+// Vᵀ K-major (FP8: k-step j is keys 32j .. 32j + 31, in kpos order).
+__device__ __forceinline__ void issue_pv(float (&acc_o)[HEAD_DIM / 8][4],
+                                         const u32 (&p_frag)[BLOCK_N / K_STEP][4], const Smem& sm,
+                                         int stage) {
+#pragma unroll
+    for (int j = 0; j < BLOCK_N / K_STEP; ++j) {
+#ifdef FA_FP8_INPUT
+        WgmmaE4m3<HEAD_DIM>::rs(acc_o, p_frag[j], desc_kmajor(sm.vt(stage), HEAD_DIM, 0, j), 1);
+#else
+        Wgmma<HEAD_DIM>::rs(acc_o, p_frag[j], desc_mnmajor(sm.v(stage), BLOCK_N, j), 1);
+#endif
+    }
+}
+
+// The probabilities in s packed as the A fragments of P·V (FP8: times 256, rounded to e4m3).
+__device__ __forceinline__ void pack_p(u32 (&p_frag)[BLOCK_N / K_STEP][4],
+                                       const float (&s)[BLOCK_N / 8][4]) {
+#pragma unroll
+    for (int j = 0; j < BLOCK_N / K_STEP; ++j) {
+#ifdef FA_FP8_INPUT
+        pack_p_e4m3(p_frag[j], s, j);
+#else
+        pack_kstep<BLOCK_N>(p_frag[j], s, j);
+#endif
+    }
 }
 
 // The producer's one thread: every TMA load of one work tile. Tensor-map coordinates: packed
@@ -113,7 +230,7 @@ __device__ __forceinline__ void tma_tile(u32 dst, const TmaDesc* map, int row, i
 // calls rows of batch w.b. `ring`: the key blocks this CTA loaded before this tile (the K/V ring's
 // position); `q_phase`: the parity of this tile's Q (Q tiles loaded before it, mod 2). A tile that
 // sees no key block loads nothing (its rows are written without Q).
-__device__ __forceinline__ void produce(const CtaWork<u16>& w, const Smem& sm, bool packed,
+__device__ __forceinline__ void produce(const CtaWork<elem_t>& w, const Smem& sm, bool packed,
                                         int q_row0, int k_row0, int v_row0, int hk,
                                         const TmaDesc* q_map, const TmaDesc* k_map,
                                         const TmaDesc* v_map, int ring, int q_phase) {
@@ -121,7 +238,7 @@ __device__ __forceinline__ void produce(const CtaWork<u16>& w, const Smem& sm, b
     const int batch = packed ? 0 : w.b;
     // The previous tile's Q stays until both consumers' last Q·Kᵀ has retired.
     mbar_wait(sm.q_empty(), q_phase ^ 1);
-    mbar_arrive_expect_tx(sm.q_full(), BLOCK_M * HEAD_DIM * 2);
+    mbar_arrive_expect_tx(sm.q_full(), Q_BYTES);
     tma_tile<BLOCK_M>(sm.q, q_map, q_row0 + w.m0, w.h, batch, sm.q_full());
     for (int n_block = w.n_block_min; n_block < w.n_block_max; ++n_block) {
         const int it = ring + n_block - w.n_block_min, stage = it % STAGES,
@@ -139,9 +256,52 @@ __device__ __forceinline__ void produce(const CtaWork<u16>& w, const Smem& sm, b
     }
 }
 
+#ifdef FA_FP8_INPUT
+// A transposer thread (`tid` 0 .. TRANSPOSERS - 1 of warps 1 to 3 of the producer warpgroup):
+// every key block of one work tile, V as TMA delivered it ([BLOCK_N keys][HEAD_DIM], SW128) into
+// the stage's Vᵀ buffer (HEAD_DIM lines, key κ of each 32 at column kpos(κ)), 16 bytes of a key
+// row per shared load and one byte store each. `smem` is the generic address of the Q tile
+// (shared address sm.q). `ring` as for produce.
+__device__ __forceinline__ void transpose_v(const CtaWork<elem_t>& w, const Smem& sm, u8* smem,
+                                            int tid, int ring) {
+    for (int n_block = w.n_block_min; n_block < w.n_block_max; ++n_block) {
+        const int it = ring + n_block - w.n_block_min, stage = it % STAGES,
+                  phase = (it / STAGES) & 1;
+        mbar_wait(sm.v_full(stage), phase);
+        // The consumers' P·V two blocks back has retired from this buffer.
+        mbar_wait(sm.vt_empty(stage), phase ^ 1);
+        const u8* v = smem + (sm.v(stage) - sm.q);
+        u8* vt = smem + (sm.vt(stage) - sm.q);
+        for (int c = tid; c < BLOCK_N * (HEAD_DIM / 16); c += TRANSPOSERS) {
+            const int key = c % BLOCK_N, col = (c / BLOCK_N) * 16;
+            u32 x[4];
+#ifdef FA_HOST_EMULATION
+            std::memcpy(x, v + sw128_b(key, col, BLOCK_N), 16);
+#else
+            const uint4 a = *reinterpret_cast<const uint4*>(v + sw128_b(key, col, BLOCK_N));
+            x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w;
+#endif
+            const int kc = (key & ~31) + kpos(key & 31);
+            // sw128_b(col + i, kc, HEAD_DIM) with kc < 128 and col a multiple of 16: line col + i,
+            // chunk kc / 16 swizzled by i % 8.
+            u8* dst = vt + col * 128 + (kc & 15);
+            const int chunk = (kc >> 4) & 7;
+#pragma unroll
+            for (int i = 0; i < 16; ++i)
+                dst[i * 128 + ((chunk ^ (i & 7)) << 4)] = (u8)(x[i >> 2] >> (8 * (i & 3)));
+        }
+        // The byte stores went through the generic proxy; wgmma reads through the async one.
+        fence_proxy_async();
+        mbar_arrive(sm.vt_full(stage));
+        // This thread's reads of V are done: TMA may refill the buffer.
+        mbar_arrive(sm.v_empty(stage));
+    }
+}
+#endif
+
 // A consumer warpgroup (warpgroup 1 + c of the CTA): its 64 rows of one work tile through every
 // key block, then out and lse. `ring` and `q_phase` as for produce.
-__device__ __forceinline__ void consume(const CtaWork<u16>& w, const Smem& sm, int c,
+__device__ __forceinline__ void consume(const CtaWork<elem_t>& w, const Smem& sm, int c,
                                         const FwdParams& p, int ring, int q_phase) {
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
@@ -164,7 +324,7 @@ __device__ __forceinline__ void consume(const CtaWork<u16>& w, const Smem& sm, i
     const bool has_keys = w.n_block_min < w.n_block_max;
     if (has_keys) mbar_wait(sm.q_full(), q_phase);
 
-    u32 p_frag[BLOCK_N / 16][4];  // P of the previous block, the A operand of its P·V
+    u32 p_frag[BLOCK_N / K_STEP][4];  // P of the previous block, the A operand of its P·V
     for (int n_block = w.n_block_min; n_block < w.n_block_max; ++n_block) {
         // i: the block's place in this tile; it: in the ring, counted over the CTA's tiles.
         const int i = n_block - w.n_block_min, it = ring + i;
@@ -173,22 +333,17 @@ __device__ __forceinline__ void consume(const CtaWork<u16>& w, const Smem& sm, i
         const int prev = (it + STAGES - 1) % STAGES, prev_phase = ((it + STAGES - 1) / STAGES - 1) & 1;
         float s[BLOCK_N / 8][4];
         mbar_wait(sm.k_full(stage), phase);
-        if (i > 0) mbar_wait(sm.v_full(prev), prev_phase);
+        if (i > 0) mbar_wait(sm.pv_full(prev), prev_phase);
 #if SM90_PINGPONG
         named_bar_sync(1 + c, 256);  // this warpgroup's turn to issue
 #endif
         reg_fence_all(acc_o);
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-            Wgmma<BLOCK_N>::ss(s, desc_kmajor(sm.q, BLOCK_M, 64 * c, kk),
-                               desc_kmajor(sm.k(stage), BLOCK_N, 0, kk), kk > 0);
+        issue_qk(s, sm.q, sm.k(stage), c);
         wgmma_commit();
         if (i > 0) {
             // O += P·V of the previous block runs while these scores are masked and exponentiated.
-#pragma unroll
-            for (int j = 0; j < BLOCK_N / 16; ++j)
-                Wgmma<HEAD_DIM>::rs(acc_o, p_frag[j], desc_mnmajor(sm.v(prev), BLOCK_N, j), 1);
+            issue_pv(acc_o, p_frag, sm, prev);
             wgmma_commit();
         }
         if (i > 0) {
@@ -209,10 +364,9 @@ __device__ __forceinline__ void consume(const CtaWork<u16>& w, const Smem& sm, i
         softmax_rows(s, row_max, row_sum, alpha);
         wgmma_wait<0>();  // acc_o holds O through the previous block
         reg_fence_all(acc_o);
-        if (i > 0 && releaser) mbar_arrive(sm.v_empty(prev));
+        if (i > 0 && releaser) mbar_arrive(sm.pv_empty(prev));
         rescale_o(acc_o, alpha);
-#pragma unroll
-        for (int j = 0; j < BLOCK_N / 16; ++j) pack_kstep<BLOCK_N>(p_frag[j], s, j);
+        pack_p(p_frag, s);
     }
     if (has_keys) {
         // Every Q·Kᵀ of this tile has retired (the whole warpgroup has waited for its products):
@@ -220,20 +374,18 @@ __device__ __forceinline__ void consume(const CtaWork<u16>& w, const Smem& sm, i
         if (releaser) mbar_arrive(sm.q_empty());
         // The last block's P·V.
         const int it = ring + w.n_block_max - 1 - w.n_block_min, stage = it % STAGES;
-        mbar_wait(sm.v_full(stage), (it / STAGES) & 1);
+        mbar_wait(sm.pv_full(stage), (it / STAGES) & 1);
 #if SM90_PINGPONG
         named_bar_sync(1 + c, 256);
 #endif
         reg_fence_all(acc_o);
         wgmma_fence();
-#pragma unroll
-        for (int j = 0; j < BLOCK_N / 16; ++j)
-            Wgmma<HEAD_DIM>::rs(acc_o, p_frag[j], desc_mnmajor(sm.v(stage), BLOCK_N, j), 1);
+        issue_pv(acc_o, p_frag, sm, stage);
         wgmma_commit();
         wgmma_wait<0>();
         reg_fence_all(acc_o);
         // The buffer goes back to the ring: the CTA's next tile loads into it.
-        if (releaser) mbar_arrive(sm.v_empty(stage));
+        if (releaser) mbar_arrive(sm.pv_empty(stage));
 #if SM90_PINGPONG
         named_bar_arrive(1 + (c ^ 1), 256);
 #endif
@@ -247,8 +399,8 @@ flash_fwd(const __grid_constant__ FwdParams p, const __grid_constant__ TmaDesc q
     FA_DYNAMIC_SMEM(unsigned char, smem_raw);
     // Tiles start 1024-byte aligned: the swizzle reads address bits 7-9 as the row.
     const u32 q0 = (smem_addr(smem_raw) + 1023) & ~1023u;
-    const Smem sm{q0, q0 + BLOCK_M * HEAD_DIM * 2, q0 + BLOCK_M * HEAD_DIM * 2 + STAGES * TILE_BYTES,
-                  q0 + BLOCK_M * HEAD_DIM * 2 + 2 * STAGES * TILE_BYTES};
+    const u32 k0 = q0 + Q_BYTES, v0 = k0 + STAGES * TILE_BYTES, vt0 = v0 + STAGES * TILE_BYTES;
+    const Smem sm{q0, k0, v0, vt0, vt0 + STAGES * VT_BYTES};
 
     if (threadIdx.x == 0) {
         mbar_init(sm.q_full(), 1);
@@ -257,7 +409,14 @@ flash_fwd(const __grid_constant__ FwdParams p, const __grid_constant__ TmaDesc q
             mbar_init(sm.k_full(s), 1);
             mbar_init(sm.v_full(s), 1);
             mbar_init(sm.k_empty(s), NUM_WG);
+#ifdef FA_FP8_INPUT
+            // V is read by the transposers, Vᵀ by the consumers.
+            mbar_init(sm.v_empty(s), TRANSPOSERS);
+            mbar_init(sm.vt_full(s), TRANSPOSERS);
+            mbar_init(sm.vt_empty(s), NUM_WG);
+#else
             mbar_init(sm.v_empty(s), NUM_WG);
+#endif
         }
         mbar_init_fence();
     }
@@ -266,27 +425,19 @@ flash_fwd(const __grid_constant__ FwdParams p, const __grid_constant__ TmaDesc q
     // One branch per role, as setmaxnreg needs: the producer warpgroup gives registers up, the
     // consumers take them.
     const int wg = threadIdx.x / 128;
-    // Each role works out its tiles itself, after its register change, so that nothing computed
-    // before the branch stays live across it (ptxas then spilled the consumers). Both walk the
-    // same tiles in the same order and skip the same empty ones (query blocks past a shorter
-    // sequence of a packed call).
+    // Each role works out its tiles itself (next_work), after its register change, so that
+    // nothing computed before the branch stays live across it (ptxas then spilled the consumers).
     if (wg == 0) {
         regs_dealloc<PRODUCER_REGS>();
         if (threadIdx.x == 0) {
             const Tiles tiles(p);
             int ring = 0, q_loads = 0;
-            for (int round = 0;; ++round) {
-                const int tile = tiles.take(round);
-                if (tile < 0) break;
-                if (tile >= tiles.count) continue;
-                int m_block, h, b;
-                tiles.coords(tile, m_block, h, b);
-                CtaWork<u16> w;
-                if (!cta_work_at<u16, BLOCK_M, BLOCK_N>(w, p, m_block, h, b)) continue;
+            CtaWork<elem_t> w;
+            for (int round = 0; next_work(tiles, p, round, w);) {
                 const bool packed = p.seqs != nullptr;
                 const int hk = w.h / (p.heads / p.heads_kv);
-                const u16* k = static_cast<const u16*>(p.k);
-                const u16* v = static_cast<const u16*>(p.v);
+                const elem_t* k = static_cast<const elem_t*>(p.k);
+                const elem_t* v = static_cast<const elem_t*>(p.v);
                 const int k_row0 =
                     packed ? (int)((w.k_g - k - (i64)hk * p.k_head_stride) / p.k_row_stride) : 0;
                 const int v_row0 =
@@ -297,6 +448,18 @@ flash_fwd(const __grid_constant__ FwdParams p, const __grid_constant__ TmaDesc q
                 q_loads += w.n_block_min < w.n_block_max;
             }
         }
+#ifdef FA_FP8_INPUT
+        else if (threadIdx.x >= 32) {
+            u8* smem = smem_raw + (q0 - smem_addr(smem_raw));
+            const Tiles tiles(p);
+            int ring = 0;
+            CtaWork<elem_t> w;
+            for (int round = 0; next_work(tiles, p, round, w);) {
+                transpose_v(w, sm, smem, threadIdx.x - 32, ring);
+                ring += w.n_block_max - w.n_block_min;
+            }
+        }
+#endif
     } else {
         regs_alloc<CONSUMER_REGS>();
 #if SM90_PINGPONG
@@ -306,14 +469,12 @@ flash_fwd(const __grid_constant__ FwdParams p, const __grid_constant__ TmaDesc q
 #endif
         const Tiles tiles(p);
         int ring = 0, q_loads = 0;
-        for (int round = 0;; ++round) {
-            const int tile = tiles.take(round);
-            if (tile < 0) break;
-            if (tile >= tiles.count) continue;
-            int m_block, h, b;
-            tiles.coords(tile, m_block, h, b);
-            CtaWork<u16> w;
-            if (!cta_work_at<u16, BLOCK_M, BLOCK_N>(w, p, m_block, h, b)) continue;
+        CtaWork<elem_t> w;
+        for (int round = 0; next_work(tiles, p, round, w);) {
+#ifdef FA_FP8_INPUT
+            // P was scaled by 256 before rounding: the rows are divided by it once, at the end.
+            w.out_scale *= 1.f / 256.f;
+#endif
             consume(w, sm, wg - 1, p, ring, q_loads & 1);
             ring += w.n_block_max - w.n_block_min;  // the consumers' ring position
             q_loads += w.n_block_min < w.n_block_max;

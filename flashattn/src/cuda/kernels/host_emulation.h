@@ -667,12 +667,18 @@ inline void mbar_complete(Mbar& m) {
         sched->hint = 0;  // parked waiters may be anywhere before the running fiber
     }
 }
+// The element size of the kernel's tensor maps: 2 (f16 / bf16), or 1 where the kernel defines
+// FA_TMA_ELEM_BYTES 1 (FP8). A box row is 128 bytes either way: 64 or 128 columns.
+#ifndef FA_TMA_ELEM_BYTES
+#define FA_TMA_ELEM_BYTES 2
+#endif
 inline void tma_deliver(Mbar& m) {
+    constexpr int E = FA_TMA_ELEM_BYTES;
     std::vector<TmaCopy> copies;
     copies.swap(m.copies);
     for (const TmaCopy& c : copies) {
         for (uint32_t r = 0; r < c.box_rows; ++r)
-            for (int col = 0; col < 64; ++col) {
+            for (int col = 0; col < 128 / E; ++col) {
                 const int64_t x[4] = {c.coords[0] + col, c.coords[1] + int64_t(r), c.coords[2],
                                       c.coords[3]};
                 uint16_t v = 0;
@@ -680,12 +686,12 @@ inline void tma_deliver(Mbar& m) {
                 for (int d = 0; d < 4; ++d) inside &= x[d] >= 0 && uint64_t(x[d]) < c.dims[d];
                 if (inside)
                     std::memcpy(&v,
-                                c.base + 2 * x[0] + x[1] * c.strides[0] + x[2] * c.strides[1] +
+                                c.base + E * x[0] + x[1] * c.strides[0] + x[2] * c.strides[1] +
                                     x[3] * c.strides[2],
-                                2);
-                uint32_t a = c.dst + r * 128 + 2 * col;
+                                E);
+                uint32_t a = c.dst + r * 128 + E * col;
                 a ^= ((a >> 7) & 7) << 4;
-                std::memcpy(smem_base() + a, &v, 2);
+                std::memcpy(smem_base() + a, &v, E);
             }
         m.tx -= long(c.box_rows) * 128;
     }

@@ -7,7 +7,8 @@
 
 // Scores of key block n0 .. n0 + BLOCK_N to the log2 domain (scale, softcap, ALiBi), and the
 // per-element mask where the block needs it.
-__device__ __forceinline__ void mask_scores(float (&s)[BLOCK_N / 8][4], const CtaWork<u16>& w,
+template <typename T>
+__device__ __forceinline__ void mask_scores(float (&s)[BLOCK_N / 8][4], const CtaWork<T>& w,
                                             const int (&row_i)[2], int n0, int t) {
 #pragma unroll
     for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
@@ -66,9 +67,10 @@ __device__ __forceinline__ void rescale_o(float (&acc_o)[HEAD_DIM / 8][4], const
 
 // The epilogue, as fwd.cu's: divides this thread's rows by row_sum once and writes them and
 // their lse; fully masked rows (row_sum 0) give 0 and lse -inf (with a sink: 0 and lse = sink).
+template <typename T>
 __device__ __forceinline__ void store_rows(const float (&acc_o)[HEAD_DIM / 8][4],
                                            const float (&row_max)[2], const float (&row_sum)[2],
-                                           const int (&row_i)[2], const CtaWork<u16>& w,
+                                           const int (&row_i)[2], const CtaWork<T>& w,
                                            const FwdParams& p, int t) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {

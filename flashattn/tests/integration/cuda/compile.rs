@@ -167,7 +167,8 @@ fn representative(keys: &[KernelKey]) -> std::collections::HashSet<KernelKey> {
             let t = key.tiles();
             Info {
                 key,
-                // The FP8 sm_90a forward (fwd_sm90_fp8.cu) is a family of its own.
+                // The FP8 sm_90a forwards (fwd_sm90_fp8.cu, fwd_sm90_ws.cu's FP8 mode) are
+                // families of their own.
                 family: (
                     key.kind,
                     key.dtype,
@@ -308,7 +309,10 @@ fn sass_failures(
                 continue;
             }
         };
-        let wanted: &[&str] = if key.kind == KernelKind::ForwardSm90Ws {
+        let wanted: &[&str] = if key.kind == KernelKind::ForwardSm90Ws && key.fp8 {
+            // fwd_sm90_ws.cu's FP8 mode: wgmma with e4m3 operands, TMA, setmaxnreg.
+            &["QGMMA", "UTMALDG", "USETMAXREG"]
+        } else if key.kind == KernelKind::ForwardSm90Ws {
             &["HGMMA", "UTMALDG", "USETMAXREG"]
         } else if key.fp8 {
             // fwd_sm90_fp8.cu: wgmma with e4m3 operands.

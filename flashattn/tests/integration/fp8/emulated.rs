@@ -26,7 +26,7 @@ fn launch_description_refuses_bad_input_by_name() {
 }
 
 /// The options of a case's call: its own, the descale factors and, packed, its `cu_seqlens`.
-fn call_opts<'a>(c: &Case, built: &'a Built) -> flashattn::AttnOptions<'a> {
+pub(super) fn call_opts<'a>(c: &Case, built: &'a Built) -> flashattn::AttnOptions<'a> {
     let opts = built.opts().descale(built.descale());
     if c.packed {
         opts.varlen(&built.cu_q, &built.cu_k)

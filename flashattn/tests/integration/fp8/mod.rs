@@ -12,6 +12,8 @@ use rand_chacha::ChaCha8Rng;
 #[cfg(feature = "cuda")]
 mod emulated;
 #[cfg(feature = "cuda")]
+mod emulated_ws;
+#[cfg(feature = "cuda")]
 mod gpu;
 mod properties;
 mod quantize;

@@ -1,0 +1,154 @@
+//! fwd_sm90_ws.cu's FP8 mode (`FLASHATTN_CUDA_FWD=sm90fp8ws`: TMA loads of e4m3 tiles, V
+//! transposed in shared memory by the producer warpgroup, wgmma with e4m3 operands for both
+//! products) under emulation, on the e4m3 cases fwd_sm90_fp8.cu runs there (16-byte aligned
+//! rows, no dropout, no sinks) plus multi-block ones, one CTA per tile and persistent with a few
+//! CTAs, against the f64 reference with the bound of P rounded to e4m3
+//! (`emulated::check_p_e4m3`); and a broken transpose that must fail.
+
+use super::emulated::{call_opts, check_p_e4m3};
+use super::*;
+use crate::common;
+use crate::common::emu::{forward_builds, have_compiler, run_forward, Builds};
+use flashattn::cuda::{launch_description_fp8, Arch, ForwardKernel, KernelKind, LaunchDescription};
+
+/// CTAs of the persistent launches: few, so that every CTA takes several tiles (and its K, V and
+/// Vᵀ rings run on across them).
+const PERSISTENT_CTAS: usize = 3;
+
+/// The launch of case `c` on the FP8 mode of the warp-specialised kernel, persistent with
+/// `persistent` CTAs if given; `None` where the kernel does not serve it (unaligned rows).
+fn ws_launch(c: &Case, built: &Built, persistent: Option<usize>) -> Option<LaunchDescription> {
+    let [q, k, v] = [0, 1, 2].map(|t| built.raw[t].view(&built.layouts[t].0, &built.layouts[t].1));
+    let mut d = launch_description_fp8(&q, &k, &v, &call_opts(c, built))
+        .unwrap_or_else(|e| panic!("{c:?}: {e}"))
+        .for_arch(Arch::SM90, ForwardKernel::Sm90Fp8Ws);
+    if !d.key.is_sm90() {
+        return None;
+    }
+    assert!(
+        d.key.fp8 && d.key.kind == KernelKind::ForwardSm90Ws && d.tma.is_some(),
+        "{}",
+        d.key.name()
+    );
+    assert!(d.tma.unwrap().iter().all(|m| m.elem_bytes == 1));
+    if let Some(n) = persistent {
+        d = d.persistent(n);
+    }
+    Some(d)
+}
+
+fn run_case(builds: &mut Builds, c: &Case, d: &LaunchDescription, tag: &str) {
+    let built = c.build();
+    let [qb, kb, vb] = built.raw_bytes();
+    let out = run_forward(builds, d, [&qb, &kb, &vb], DType::BF16, tag);
+    let what = format!("{c:?} emulated {} grid {:?}", d.key.name(), d.grid);
+    check_p_e4m3(&built, &out, &built.expected(&built.opts()).0, &what);
+}
+
+/// The e4m3 cases (one CTA per tile for the even ones, persistent for the odd ones) and
+/// multi-block ones: causal with several query blocks of odd key-block counts (GQA), head_dim 256
+/// with a window and ALiBi (64-key blocks), softcap, and packed sequences.
+#[test]
+fn fp8_sm90_ws_kernel_under_emulation() {
+    if !have_compiler() {
+        return;
+    }
+    let mut builds = forward_builds();
+    let mut ran = Vec::new();
+    let mut list: Vec<Case> = cases(Fp8Format::E4M3)
+        .into_iter()
+        .filter(|c| !c.sink && c.dropout == 0.0)
+        .collect();
+    let mut c = Case::new(Fp8Format::E4M3, 1, 300, 330, (4, 2), 128);
+    (c.huge, c.causal, c.seed) = (true, true, 41);
+    list.push(c);
+    let mut c = Case::new(Fp8Format::E4M3, 2, 90, 200, (2, 1), 256);
+    (c.huge, c.window, c.alibi, c.seed) = (true, (120, 30), true, 42);
+    list.push(c);
+    let mut c = Case::new(Fp8Format::E4M3, 1, 140, 270, (2, 2), 64);
+    (c.softcap, c.seed) = (Some(25.0), 43);
+    list.push(c);
+    let mut c = Case::new(Fp8Format::E4M3, 1, 1, 1, (4, 2), 128);
+    c.lens_q = vec![130, 0, 20, 70];
+    c.lens_k = vec![150, 40, 3, 260];
+    (c.packed, c.causal, c.huge, c.seed) = (true, true, true, 44);
+    list.push(c);
+    let mut persistent = 0;
+    for (i, c) in list.into_iter().enumerate() {
+        if c.cost() > common::emu::budget(20_000_000) {
+            continue;
+        }
+        let built = c.build();
+        let pers = (i % 2 == 1).then_some(PERSISTENT_CTAS);
+        let Some(d) = ws_launch(&c, &built, pers) else {
+            continue; // unaligned rows: fwd.cu
+        };
+        run_case(&mut builds, &c, &d, &format!("fp8_ws_{i}"));
+        persistent += pers.is_some() as usize;
+        ran.push(format!("{} grid {:?}", d.key.name(), d.grid));
+    }
+    eprintln!(
+        "{} FP8 cases emulated on fwd_sm90_ws.cu ({persistent} persistent): {ran:?}",
+        ran.len()
+    );
+    assert!(
+        ran.len() >= 9 && persistent >= 3,
+        "too few cases fit the emulation budget: {ran:?}"
+    );
+    // e5m2 stays on fwd.cu (the instruction names the format); 16-bit inputs keep fwd_sm90.cu.
+    let c = Case::new(Fp8Format::E5M2, 1, 16, 16, (2, 2), 64).build();
+    let [q, k, v] = [0, 1, 2].map(|t| c.raw[t].view(&c.layouts[t].0, &c.layouts[t].1));
+    let d = launch_description_fp8(&q, &k, &v, &c.opts().clone().descale(c.descale()))
+        .unwrap()
+        .for_arch(Arch::SM90, ForwardKernel::Sm90Fp8Ws);
+    assert!(!d.key.is_sm90(), "{}", d.key.name());
+}
+
+/// The emulation catches a wrong transpose: fwd_sm90_ws.cu's FP8 mode with Vᵀ's keys stored in
+/// their own order instead of the P fragment's (kpos) must fail on a case whose softmax is not
+/// flat; the kernel as it is passes the same case.
+#[test]
+fn fp8_ws_transpose_mistake_fails() {
+    if !have_compiler() {
+        return;
+    }
+    let src = std::fs::read_to_string(format!("{}/fwd_sm90_ws.cu", common::emu::KERNELS)).unwrap();
+    let order = "const int kc = (key & ~31) + kpos(key & 31);";
+    assert_eq!(
+        src.matches(order).count(),
+        1,
+        "the transpose's key order moved"
+    );
+    let dir = common::emu::case_dir("broken", "fp8_ws_vt");
+    std::fs::create_dir_all(&dir).unwrap();
+    let broken = dir.join("fwd_sm90_ws_broken.cu");
+    std::fs::write(&broken, src.replace(order, "const int kc = key;")).unwrap();
+
+    let mut c = Case::new(Fp8Format::E4M3, 1, 130, 200, (2, 1), 128);
+    (c.huge, c.causal, c.seed) = (true, true, 45);
+    let built = c.build();
+    let d = ws_launch(&c, &built, Some(1)).expect("aligned rows");
+    run_case(&mut forward_builds(), &c, &d, "fp8_ws_vt_good");
+
+    eprintln!("the broken kernel's failure below is expected:");
+    let mut builds = forward_builds();
+    builds.get(&d.key, &[format!("-DFA_KERNEL=\"{}\"", broken.display())]);
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        run_case(&mut builds, &c, &d, "fp8_ws_vt_broken");
+    }));
+    let _ = std::fs::remove_dir_all(&dir);
+    // The failed run leaves its work folder (run_forward removes it only after a success).
+    let prefix = format!("case_{}_fp8_ws_vt_broken_", std::process::id());
+    for e in std::fs::read_dir(common::emu::work_dir())
+        .unwrap()
+        .flatten()
+    {
+        if e.file_name().to_string_lossy().starts_with(&prefix) {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+    assert!(
+        result.is_err(),
+        "the emulation missed Vᵀ's keys in the wrong order"
+    );
+}
