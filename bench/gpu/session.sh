@@ -11,7 +11,7 @@
 #   4. NVRTC's own compile rate there (a few variants into an empty cache).
 #
 # Here: bash bench/gpu/prepare.sh && the cache (see docs/GPU.md); there (carry gpu-run):
-#   bash bench/gpu/session.sh [SECONDS] [decode|h100|ab|quick|fwd|bwd|bwdprobe|python|sm90|sm90b|sm90fp8|sm90bwd]
+#   bash bench/gpu/session.sh [SECONDS] [decode|h100|ab|quick|fwd|bwd|bwdprobe|python|sm90|sm90b|sm90fp8|sm90bwd|owed]
 # SECONDS: the budget for the whole script (500). `bwd`: after the tests, forward + backward
 # against SDPA (this build beside gpu-run/old/flashattn when carried) and the backward kernels
 # under Nsight Compute; `bwdprobe`: the same without the tests (a profile to work from).
@@ -29,6 +29,9 @@
 # `sm90bwd`: the sm_90a backward (bwd_sm90.cu, opt-in with FLASHATTN_SM90_BWD=1): the GPU
 # gradient tests on it (f16/bf16 grids, sinks, the `_into` forms), which kernels a call runs,
 # then forward + backward on it against bwd.cu and SDPA's flash and cuDNN backends.
+# `owed`: every kernel path compiled and emulated but not yet run on a GPU (the warp-specialised
+# forward, its FP8 mode, fwd_sm90_fp8.cu, bwd_sm90.cu, the `_into` forms, the Python CUDA tests),
+# in parallel, then one short timing of each against SDPA: the first thing to run on a new lease.
 # `python`: no Rust tests: the wgmma layout probe (bench/gpu/wgmma_probe.py), then the Python
 # package on CUDA tensors (its tests and benchmark).
 # $OUT/summary.txt grows as stages end; $OUT/logs.tgz holds every log at the end.
@@ -81,7 +84,7 @@ else
 fi
 
 if [ "$mode" != bwdprobe ] && [ "$mode" != python ] && [ "$mode" != sm90 ] && [ "$mode" != sm90fp8 ] \
-    && [ "$mode" != sm90bwd ]; then
+    && [ "$mode" != sm90bwd ] && [ "$mode" != owed ]; then
 say "== $(date -u +%T) tests ($(left) s left)"
 tl=$(( $(left) - 220 )); [ $tl -gt 280 ] && tl=280; [ $tl -lt 60 ] && tl=60
 # shellcheck source=bench/gpu/tests.sh
@@ -268,6 +271,49 @@ if [ "$mode" = sm90bwd ]; then
     stage 110 compare_sm90bwd_d64 python3 bench/compare_torch_cuda.py --binary "$bin" --backward \
         --cudnn --dims 64 --seqlens 8192 --rounds 1 --min-time 0.2 \
         --variant "sm90bwd=$bin,FLASHATTN_SM90_BWD=1" --out "$logs/compare_sm90bwd_d64.json"
+    finish
+fi
+if [ "$mode" = owed ]; then
+    # Everything compiled and emulated but not yet run on a GPU, correctness first, all in one
+    # lease (~480 s): the test runs in parallel (the GPU has room for them), then one short timing
+    # per new kernel against SDPA (flash, cuDNN) at d = 128.
+    run_tests() { # log name, env..., -- test filter and flags
+        local name=$1; shift
+        (timeout 150 env "$@" >"$logs/owed_$name.log" 2>&1; echo "exit $?" >>"$logs/owed_$name.log") &
+    }
+    t=gpu-run/integration_tests_flashattn
+    run_tests ws_grid FLASHATTN_CUDA_FWD=sm90ws $t cuda::device::grid_bf16 --exact --nocapture
+    run_tests ws_varlen_sinks FLASHATTN_CUDA_FWD=sm90ws $t cuda::device::varlen_matches_reference \
+        cuda::device::sinks_match_reference --nocapture
+    run_tests ws_tile_per_cta FLASHATTN_CUDA_FWD=sm90ws FLASHATTN_SM90_PERSISTENT=0 $t \
+        cuda::device::grid_f16 --exact --nocapture
+    run_tests fp8_sm90 FLASHATTN_CUDA_FWD=sm90fp8 $t fp8::gpu:: --test-threads 1 --nocapture
+    run_tests fp8_sm90ws FLASHATTN_CUDA_FWD=sm90fp8ws $t fp8::gpu:: --test-threads 1 --nocapture
+    run_tests sm90bwd FLASHATTN_SM90_BWD=1 $t cuda::device::backward:: --test-threads 3 --nocapture
+    run_tests into FLASHATTN_SM90_BWD=1 $t cuda::device::into:: --test-threads 2 --nocapture
+    wait
+    for f in "$logs"/owed_*.log; do
+        say "-- $(basename "$f")"
+        grep -E "test result|panicked|error too large|differs|cases per forward kernel|FP8 forward cases|^exit " "$f" \
+            | head -12 | tee -a "$summary"
+    done
+    if ls gpu-run/flashattn-*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --target /tmp/flashattn-py gpu-run/flashattn-*.whl
+        stage 60 owed_python_cuda_tests env FLASHATTN_PY_CUDA=1 PYTHONPATH=/tmp/flashattn-py \
+            python3 -m pytest -q -rs -p no:cacheprovider flashattn-py/tests/test_cuda.py
+    fi
+    stage 120 owed_fwd_d128 python3 bench/compare_torch_cuda.py --binary "$bin" --cudnn \
+        --dims 128 --seqlens 8192 --rounds 1 --min-time 0.2 \
+        --variant "sm90ws=$bin,FLASHATTN_CUDA_FWD=sm90ws" \
+        --variant "sm90ws_tile_per_cta=$bin,FLASHATTN_CUDA_FWD=sm90ws,FLASHATTN_SM90_PERSISTENT=0" \
+        --out "$logs/owed_fwd_d128.json"
+    stage 90 owed_bwd_d128 python3 bench/compare_torch_cuda.py --binary "$bin" --backward --cudnn \
+        --dims 128 --seqlens 8192 --rounds 1 --min-time 0.2 \
+        --variant "sm90bwd=$bin,FLASHATTN_SM90_BWD=1" --out "$logs/owed_bwd_d128.json"
+    stage 90 owed_fp8_d128 python3 bench/compare_torch_cuda.py --binary "$bin" --dtype e4m3 \
+        --dims 128 --seqlens 8192 --rounds 1 --min-time 0.2 \
+        --variant "sm90fp8=$bin,FLASHATTN_CUDA_FWD=sm90fp8" \
+        --variant "sm90fp8ws=$bin,FLASHATTN_CUDA_FWD=sm90fp8ws" --out "$logs/owed_fp8_d128.json"
     finish
 fi
 if [ "$mode" = python ]; then
