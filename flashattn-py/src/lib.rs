@@ -317,6 +317,7 @@ fn fwd_fp8(
             q: q_descale.as_deref(),
             k: k_descale.as_deref(),
             v: v_descale.as_deref(),
+            per_block: false,
         };
         let mut inputs = vec![&q, &k, &v];
         inputs.extend(ov.alibi.iter().chain(&ov.sink));
@@ -460,6 +461,7 @@ fn kvcache(
                     q: None,
                     k: kv.k_descale.as_deref(),
                     v: kv.v_descale.as_deref(),
+                    per_block: false,
                 };
                 let ko = ko.descale(descale);
                 run(opts.num_threads, || {

@@ -324,6 +324,12 @@ impl LaunchDescription {
             t.resize(2 * seqs.len() * p.heads_kv, 1.0); // the tail sequence's, never used
             t
         });
+        // Per-block FP8 factors: their tables after the pairs (crate::fp8::BlockDescales).
+        let mut descale = descale;
+        let blocks = match (&mut descale, crate::fp8::blocks(p)) {
+            (Some(t), Some(bd)) => bd.append_kernel_tables(p, seqs.len(), max_q, t),
+            _ => [0; 5],
+        };
         LaunchDescription {
             grid: (
                 max_q.div_ceil(key.tiles().block_m) as u32,
@@ -359,6 +365,11 @@ impl LaunchDescription {
                 batch_seqlen_k: max_k as i32,
                 fp8_e5m2: (fp8 == Some(crate::fp8::Fp8Format::E5M2)) as i32,
                 num_seqs: seqs.len() as i32,
+                block_q: blocks[0],
+                block_k: blocks[1],
+                block_v: blocks[2],
+                q_blocks: blocks[3],
+                k_blocks: blocks[4],
                 ..FwdParams::default()
             },
             out_len: p.out_len(),
@@ -633,7 +644,9 @@ impl Plan {
         // element the kernels address (bases and row/head strides over the sequence table or the
         // batch strides) lies inside q, k and v; out and lse hold out_len / lse_len elements, the
         // table 7 per launched sequence, the slopes one row and the descale table 2 · heads_kv
-        // factors per launched sequence, the sinks `heads` logits per launched sequence.
+        // factors per launched sequence (then, with per-block FP8 factors, the three tables
+        // whose offsets and row lengths the params carry, rows for every launched sequence), the
+        // sinks `heads` logits per launched sequence.
         unsafe { b.launch(cfg) }.map_err(driver_err("cuLaunchKernel"))?;
         Ok(())
     }
