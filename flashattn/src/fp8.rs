@@ -652,19 +652,28 @@ fn check_blocks(d: &Descale, p: &Params, fmax: f64) -> Result<Descales> {
             .into());
         }
     }
-    for b in 0..p.seqs.len() {
+    // Over the entries the rows read (padding is neither checked nor used).
+    for (b, s) in p.seqs.iter().enumerate() {
+        let (q_used, k_used) = (
+            s.seqlen_q.div_ceil(DESCALE_BLOCK),
+            s.seqlen_k.div_ceil(DESCALE_BLOCK),
+        );
         for hk in 0..p.heads_kv {
-            let qrows =
-                (b * p.heads + hk * group) * q_blocks..(b * p.heads + (hk + 1) * group) * q_blocks;
-            let krows = (b * p.heads_kv + hk) * k_blocks..(b * p.heads_kv + hk + 1) * k_blocks;
-            let (q_lo, q_hi) = extremes(&q[qrows]);
-            let (k_lo, k_hi) = extremes(&k[krows.clone()]);
-            if q_blocks > 0 && k_blocks > 0 {
+            let qf: Vec<f32> = (hk * group..(hk + 1) * group)
+                .flat_map(|h| {
+                    let row = (b * p.heads + h) * q_blocks;
+                    q[row..row + q_used].iter().copied()
+                })
+                .collect();
+            let row = (b * p.heads_kv + hk) * k_blocks;
+            let (q_lo, q_hi) = extremes(&qf);
+            let (k_lo, k_hi) = extremes(&k[row..row + k_used]);
+            if q_used > 0 && k_used > 0 {
                 for (a, c) in [(q_lo, k_lo), (q_hi, k_hi)] {
                     check_folded((scale * a * c) as f32, p, (fmax, fmax))?;
                 }
             }
-            let (_, v_hi) = extremes(&v[krows]);
+            let (_, v_hi) = extremes(&v[row..row + k_used]);
             check_v_factor(v_hi as f32, fmax)?;
         }
     }

@@ -853,6 +853,21 @@ fn per_block_padding_and_decode() {
         bits(plain.lse.to_f32_vec()),
         "per-block into: lse"
     );
+    // The range checks read the entries rows use, not padding: q factors of 1e-38 with k factors
+    // of 1e35 make products near 1e-3 (a padding 1 beside them would make 1e-38 · 1e35 · 1 reach
+    // past f32 through head_dim and the format's max, or 1e-38 · 1 underflow).
+    let tiny_q = vec![1e-38f32; dq.len()];
+    let big_k = vec![1e35f32; dk.len()];
+    let ok = flash_attn_fp8(
+        &q,
+        &k,
+        &v,
+        &opts
+            .clone()
+            .varlen(&built.cu_q, &built.cu_k)
+            .descale(Descale::default().q(&tiny_q).k(&big_k).per_block()),
+    );
+    assert!(ok.is_ok(), "{:?}", ok.err());
     // Decode on FP8 caches keeps per-(sequence, kv head) factors.
     let mut kc = vec![F8E4M3::from_f32(0.0); 16 * 2 * 8];
     let mut vc = kc.clone();
