@@ -216,7 +216,8 @@ if [ "$mode" = sm90b ]; then
 fi
 if [ "$mode" = sm90fp8 ]; then
     # The FP8 tests with e4m3 calls on fwd_sm90_fp8.cu (the e5m2 and unaligned ones stay on
-    # fwd.cu; the test says how many ran where), the emulated FP8 kernel test beside them for
+    # fwd.cu; the test says how many ran where; per-block factors included:
+    # fp8::gpu::fp8_per_block_on_the_gpu), the emulated FP8 kernel test beside them for
     # the record, then the timings: e4m3 on fwd_sm90_fp8.cu (variant) against e4m3 on fwd.cu
     # (main), and bf16 on the default fwd_sm90.cu against SDPA for scale.
     # The same tests without the softmax/P·V overlap (FLASHATTN_SM90_OVERLAP=0), and on the

@@ -235,6 +235,7 @@ pub fn cuda_fwd_fp8(
             q: q_descale.as_deref(),
             k: k_descale.as_deref(),
             v: v_descale.as_deref(),
+            per_block: opts.descale_per_block,
         };
         // SAFETY: as in `cuda_fwd`.
         let ao = unsafe { opts.attn_packed(&ov)? }.descale(descale);
@@ -385,6 +386,7 @@ pub fn cuda_kvcache(
                 q: None,
                 k: kv.k_descale.as_deref(),
                 v: kv.v_descale.as_deref(),
+                per_block: false,
             };
             cuda::flash_attn_with_kvcache_fp8_into(
                 &dev,

@@ -37,6 +37,8 @@ pub(crate) struct Opts {
     num_threads: usize,
     /// Packed (varlen) sequences: `cu_seqlens_q`, `cu_seqlens_k`.
     cu_seqlens: Option<(Vec<i32>, Vec<i32>)>,
+    /// FP8 forward: the descale factors are per-block tables (`Descale::per_block`).
+    descale_per_block: bool,
 }
 
 /// The options' tensors, checked.
@@ -317,6 +319,7 @@ fn fwd_fp8(
             q: q_descale.as_deref(),
             k: k_descale.as_deref(),
             v: v_descale.as_deref(),
+            per_block: opts.descale_per_block,
         };
         let mut inputs = vec![&q, &k, &v];
         inputs.extend(ov.alibi.iter().chain(&ov.sink));
@@ -460,6 +463,7 @@ fn kvcache(
                     q: None,
                     k: kv.k_descale.as_deref(),
                     v: kv.v_descale.as_deref(),
+                    per_block: false,
                 };
                 let ko = ko.descale(descale);
                 run(opts.num_threads, || {

@@ -76,3 +76,54 @@ def test_accuracy_gain_with_outliers():
 
     plain, inc = rmse(False), rmse(True)
     assert inc < 0.75 * plain, (plain, inc)
+
+
+@pytest.mark.parametrize("incoherent", [False, True])
+def test_block_round_trip(incoherent):
+    """granularity="block": one factor per 128 rows of each (batch row, head), tables
+    [batch, heads, ceil(seqlen / 128)], each its block's amax over 448."""
+    b, sq, sk, h, hk, d = 2, 200, 130, 4, 2, 64
+    q, k, v = outliers((b, sq, h, d), 6), outliers((b, sk, hk, d), 7), outliers((b, sk, hk, d), 8)
+    # The second q block a hundred times larger: its own factor.
+    q[:, 128:] *= 100.0
+    q8, k8, v8, qs, ks, vs = quantize_qkv(q.float(), k.float(), v.float(),
+                                          incoherent=incoherent, seed=3, granularity="block")
+    assert qs.shape == (b, h, 2) and ks.shape == vs.shape == (b, hk, 2)
+    assert qs.dtype == torch.float32
+    assert (qs[:, :, 1] > 30 * qs[:, :, 0]).all()
+    for x8, xs, x, rot in ((q8, qs, q, True), (k8, ks, k, True), (v8, vs, v, False)):
+        want = x.float().double()
+        if incoherent and rot:
+            want = incoherent_transform(want, seed=3)
+        s = x.shape[1]
+        f = xs.double().repeat_interleave(128, dim=2)[:, :, :s].permute(0, 2, 1).unsqueeze(-1)
+        deq = x8.double() * f
+        step = torch.maximum(want.abs() * 2.0 ** -4, f * 2.0 ** -10) * (1 + 1e-9)
+        assert ((deq - want).abs() <= step).all()
+        for blk in range(xs.shape[2]):
+            amax = want[:, 128 * blk:128 * (blk + 1)].abs().amax(dim=(1, 3))
+            assert torch.equal(xs[:, :, blk], (amax / 448.0).float())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_forward(causal):
+    """flash_attn_func takes the per-block tables (3-D: per block) and matches the float64
+    reference on the dequantised inputs; mixing per-block and per-head tables is refused."""
+    b, sq, sk, h, hk, d = 1, 150, 260, 4, 2, 64
+    q, k, v = outliers((b, sq, h, d), 9), outliers((b, sk, hk, d), 10), outliers((b, sk, hk, d), 11)
+    q8, k8, v8, qs, ks, vs = quantize_qkv(q.float(), k.float(), v.float(), granularity="block")
+    out = flash_attn_func(q8, k8, v8, causal=causal, q_descale=qs, k_descale=ks, v_descale=vs)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+
+    def deq(x8, xs):
+        f = xs.double().repeat_interleave(128, dim=2)[:, :, :x8.shape[1]]
+        return x8.double() * f.permute(0, 2, 1).unsqueeze(-1)
+
+    ref, _ = attention_ref(deq(q8, qs), deq(k8, ks), deq(v8, vs), causal=causal)
+    err = (out.double() - ref).abs().max().item()
+    assert err <= 2.0 ** -7 * ref.abs().max().item(), err
+    _, _, _, qh, _, _ = quantize_qkv(q.float(), k.float(), v.float())
+    with pytest.raises(ValueError, match="per block"):
+        flash_attn_func(q8, k8, v8, q_descale=qh, k_descale=ks, v_descale=vs)
+    with pytest.raises(Exception, match="q_descale"):
+        flash_attn_func(q8, k8, v8, q_descale=qs[:, :, :1], k_descale=ks, v_descale=vs)

@@ -363,6 +363,27 @@ pub enum ErrorKind {
         value: u64,
         limit: u64,
     },
+    /// A per-block descale table ([`crate::Descale::per_block`]) of the wrong length.
+    #[error(
+        "`{tensor}` has {got} values, expected {expected} per-block factors: [batch, heads, \
+         blocks] = [{batch}, {heads}, {blocks}] (blocks of 128 rows, ceil of the longest \
+         sequence's length over 128)"
+    )]
+    DescaleBlockLength {
+        tensor: TensorName,
+        got: usize,
+        expected: usize,
+        batch: usize,
+        heads: usize,
+        blocks: usize,
+    },
+    /// Per-block descale factors given to a call that takes one factor per (sequence, kv head)
+    /// at most.
+    #[error(
+        "{call} does not take per-block descale factors (Descale::per_block): give one factor \
+         per tensor or per (sequence, kv head)"
+    )]
+    DescalePerBlock { call: &'static str },
 }
 
 /// The error flashattn returns for every rejected input.

@@ -10,6 +10,14 @@
 //! once to f32) scales the raw dot products, and `v_descale` the finished output rows, so the only
 //! roundings are those of the bf16 forward itself. `out` is bf16 (as FlashAttention-3), `lse` f32.
 //!
+//! **Per-block factors** ([`Descale::per_block`], FlashAttention-3's block quantisation): one
+//! factor per [`DESCALE_BLOCK`] = 128 rows of each (sequence, head) of q and (sequence, kv head)
+//! of k and v; the value meant is the FP8 value times its block's factor. The CPU forward
+//! multiplies each value by its factor into f32 copies (one rounding, 2^-24 relative) and runs the
+//! f32 forward on them, out rounded to bf16: the oracle of the CUDA kernels, which instead set the
+//! score scale per key block and carry the v factors through P·V (see `cuda::flash_attn_fp8`).
+//! The FP8 decode keeps per-(sequence, kv head) factors ([`ErrorKind::DescalePerBlock`]).
+//!
 //! Forward only: there is no FP8 backward (FlashAttention-3 has none either). Every other forward
 //! option applies (causal, window, softcap, ALiBi, MQA/GQA, packed sequences, dropout). The
 //! factors are an option like the others ([`AttnOptions::descale`]); FP8 keeps calls of its own
@@ -39,7 +47,7 @@ use crate::decode::KvCacheOptions;
 use crate::error::{ErrorKind, Result, TensorName};
 use crate::output::{AttnOutput, OutBuffers};
 use crate::params::AttnOptions;
-use crate::params::{self, Descales, Params};
+use crate::params::{self, BlockDescales, Descales, Params};
 use crate::tensor::{
     contiguous_strides, Buffer, DType, SliceMut, Tensor, TensorRef, ViewDesc, ViewInfo,
 };
@@ -48,7 +56,7 @@ use half::bf16;
 use rayon::prelude::*;
 
 pub use crate::dtype::Fp8Format;
-pub use crate::params::Descale;
+pub use crate::params::{Descale, DESCALE_BLOCK};
 
 mod quantize;
 pub use quantize::{
@@ -241,7 +249,8 @@ impl ViewDesc for Fp8TensorRef<'_> {
 }
 
 /// Attention over FP8 q, k and v, all three of one [`Fp8Format`], with their dequantisation
-/// factors in `opts.descale` ([`AttnOptions::descale`]; unset: all 1): batched, q
+/// factors in `opts.descale` ([`AttnOptions::descale`]; unset: all 1; per tensor, per (sequence,
+/// kv head) or per block of 128 rows, [`Descale`]): batched, q
 /// `[batch, seqlen_q, heads, head_dim]` and k, v `[batch, seqlen_k, heads_kv, head_dim]`, or packed
 /// with [`AttnOptions::varlen`] (q `[total_q, heads, head_dim]`, k, v `[total_k, heads_kv,
 /// head_dim]`; per-sequence factors are indexed by sequence). Returns `out` in bf16 and `lse` in
@@ -253,6 +262,14 @@ pub fn flash_attn_fp8(
     opts: &AttnOptions,
 ) -> Result<AttnOutput> {
     let p = validate_forward([q, k, v], opts)?;
+    if blocks(&p).is_some() {
+        let (out_shape, lse_shape) = (p.out_shape.clone(), p.lse_shape.clone());
+        let (out, lse) = forward_per_block(p, [q, k, v], opts)?;
+        return Ok(AttnOutput {
+            out: Tensor::new_unchecked(Buffer::BF16(out), out_shape),
+            lse: Tensor::new_unchecked(Buffer::F32(lse), lse_shape),
+        });
+    }
     if p.kernels.has_bf16_dot() {
         let (out, lse) = forward_fp8(&p, source(q), source(k), source(v))?;
         return Ok(AttnOutput {
@@ -279,6 +296,15 @@ pub fn flash_attn_fp8_into(
 ) -> Result<()> {
     let p = validate_forward([q, k, v], opts)?;
     params::out_buffers(&p, DType::BF16, &dst)?;
+    if blocks(&p).is_some() {
+        let (out, lse) = forward_per_block(p, [q, k, v], opts)?;
+        let SliceMut::BF16(dst_out) = dst.out else {
+            unreachable!("checked: out is bf16")
+        };
+        dst_out.copy_from_slice(&out);
+        dst.lse.copy_from_slice(&lse);
+        return Ok(());
+    }
     if p.kernels.has_bf16_dot() {
         let SliceMut::BF16(out) = dst.out else {
             unreachable!("checked: out is bf16")
@@ -400,9 +426,12 @@ fn read_factors(tensor: TensorName, f: Option<&[f32]>, p: &Params) -> Result<Vec
         .collect())
 }
 
-/// Reads the three factor lists into one per (sequence, kv head), checked; `fmax` is the
-/// largest finite value of the inputs' format.
+/// Reads the three factor lists into one per (sequence, kv head), checked (or, per block, the
+/// three tables: [`check_blocks`]); `fmax` is the largest finite value of the inputs' format.
 fn check_descale(d: &Descale, p: &Params, fmax: f64) -> Result<Descales> {
+    if d.per_block {
+        return check_blocks(d, p, fmax);
+    }
     let (dq, dk, dv) = (
         read_factors("q_descale", d.q, p)?,
         read_factors("k_descale", d.k, p)?,
@@ -428,38 +457,349 @@ fn fold_descale(
         .zip(dk)
         .map(|(&a, &b)| (scale * a as f64 * b as f64) as f32)
         .collect();
-    // Each factor is finite and > 0, but their product with the softmax scale may leave f32: it
-    // must not underflow (unless the softmax scale is 0), and must pass a softmax scale's checks.
     for &s in &score_scale {
-        if scale != 0.0 && s.abs() < f32::MIN_POSITIVE {
-            return Err(ErrorKind::Scale { scale: s }.into());
-        }
-        params::check_score_scale(s, p.softcap)?;
-        // A score is at most |s| · q_max · kv_max · head_dim (before the softcap, if any).
-        let reach = s.abs() as f64 * q_max * kv_max * p.head_dim as f64;
-        if reach * std::f64::consts::LOG2_E >= f32::MAX as f64 {
-            return Err(ErrorKind::DescaleRange {
-                what: "scores (softmax_scale · q_descale · k_descale · head_dim · the \
-                       largest q and k values)",
-                reach,
-            }
-            .into());
-        }
+        check_folded(s, p, (q_max, kv_max))?;
     }
     for &x in &dv {
-        let reach = x as f64 * kv_max;
-        if reach >= f32::MAX as f64 {
-            return Err(ErrorKind::DescaleRange {
-                what: "outputs (v_descale · the largest v value)",
-                reach,
-            }
-            .into());
-        }
+        check_v_factor(x, kv_max)?;
     }
     Ok(Descales {
         score_scale,
         out_scale: dv,
+        blocks: None,
     })
+}
+
+/// The checks of one folded score scale `s` (`softmax_scale · q_descale · k_descale`, see
+/// [`fold_descale`]).
+fn check_folded(s: f32, p: &Params, (q_max, kv_max): (f64, f64)) -> Result<()> {
+    // Each factor is finite and > 0, but their product with the softmax scale may leave f32: it
+    // must not underflow (unless the softmax scale is 0), and must pass a softmax scale's checks.
+    if p.softmax_scale != 0.0 && s.abs() < f32::MIN_POSITIVE {
+        return Err(ErrorKind::Scale { scale: s }.into());
+    }
+    params::check_score_scale(s, p.softcap)?;
+    // A score is at most |s| · q_max · kv_max · head_dim (before the softcap, if any).
+    let reach = s.abs() as f64 * q_max * kv_max * p.head_dim as f64;
+    if reach * std::f64::consts::LOG2_E >= f32::MAX as f64 {
+        return Err(ErrorKind::DescaleRange {
+            what: "scores (softmax_scale · q_descale · k_descale · head_dim · the \
+                   largest q and k values)",
+            reach,
+        }
+        .into());
+    }
+    Ok(())
+}
+
+/// A v factor `x` with the largest raw v value `kv_max`: the outputs must fit f32.
+fn check_v_factor(x: f32, kv_max: f64) -> Result<()> {
+    let reach = x as f64 * kv_max;
+    if reach >= f32::MAX as f64 {
+        return Err(ErrorKind::DescaleRange {
+            what: "outputs (v_descale · the largest v value)",
+            reach,
+        }
+        .into());
+    }
+    Ok(())
+}
+
+impl BlockDescales {
+    /// The tables as the CUDA forward kernels read them (params.cuh: FwdParams), appended to
+    /// `table` (2 factors per (launched sequence, kv head)), whose v factors become the largest v
+    /// factor each (sequence, kv head) uses (1 where it has no key). `launched` sequences (`p`'s,
+    /// then possibly a tail of packed rows, whose factors are 1 and never scale a score), the
+    /// longest with `max_q` query rows. The q table holds `softmax_scale · q_descale` (one f64
+    /// product, rounded once), the v table `v_descale` over its pair's v factor (at most 1).
+    /// Returns the fields `[block_q, block_k, block_v, q_blocks, k_blocks]`.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn append_kernel_tables(
+        &self,
+        p: &Params,
+        launched: usize,
+        max_q: usize,
+        table: &mut Vec<f32>,
+    ) -> [i32; 5] {
+        let (heads, hk) = (p.heads, p.heads_kv);
+        let q_blocks = self.q_blocks.max(max_q.div_ceil(DESCALE_BLOCK));
+        let k_blocks = self.k_blocks;
+        let scale = p.softmax_scale as f64;
+        let block_q = table.len();
+        for b in 0..launched {
+            for h in 0..heads {
+                for i in 0..q_blocks {
+                    table.push(if b < p.seqs.len() && i < self.q_blocks {
+                        (scale * self.q[(b * heads + h) * self.q_blocks + i] as f64) as f32
+                    } else {
+                        1.0
+                    });
+                }
+            }
+        }
+        let block_k = table.len();
+        let pairs = |b: usize, h: usize| (b * hk + h) * k_blocks..(b * hk + h + 1) * k_blocks;
+        for b in 0..launched {
+            for h in 0..hk {
+                if b < p.seqs.len() {
+                    table.extend_from_slice(&self.k[pairs(b, h)]);
+                } else {
+                    table.extend(std::iter::repeat_n(1.0, k_blocks));
+                }
+            }
+        }
+        let block_v = table.len();
+        for b in 0..launched {
+            for h in 0..hk {
+                if b >= p.seqs.len() {
+                    table.extend(std::iter::repeat_n(1.0, k_blocks));
+                    continue;
+                }
+                let used = p.seqs[b].seqlen_k.div_ceil(DESCALE_BLOCK);
+                let v = &self.v[pairs(b, h)];
+                let v_max = v[..used].iter().fold(0f32, |m, &x| m.max(x));
+                let v_max = if v_max > 0.0 { v_max } else { 1.0 };
+                table[2 * (b * hk + h) + 1] = v_max;
+                table.extend(v.iter().map(|&x| x / v_max));
+            }
+        }
+        [block_q, block_k, block_v, q_blocks, k_blocks].map(|x| x as i32)
+    }
+}
+
+/// The per-block factors of `p`'s call, if it has them.
+pub(crate) fn blocks(p: &Params) -> Option<&BlockDescales> {
+    p.descale.as_ref().and_then(|d| d.blocks.as_ref())
+}
+
+/// One per-block table, checked: its length, then every entry a row reads (finite, > 0; `None`:
+/// all 1). `len_of(b)` is sequence b's row count; padding entries become 1.
+fn read_block_table(
+    tensor: TensorName,
+    f: Option<&[f32]>,
+    p: &Params,
+    heads: usize,
+    len_of: fn(&crate::params::Seq) -> usize,
+) -> Result<(usize, Vec<f32>)> {
+    let batch = p.seqs.len();
+    let blocks = p
+        .seqs
+        .iter()
+        .map(|s| len_of(s).div_ceil(DESCALE_BLOCK))
+        .max()
+        .unwrap_or(0);
+    let n = batch * heads * blocks;
+    let Some(f) = f else {
+        return Ok((blocks, vec![1.0; n]));
+    };
+    if f.len() != n {
+        return Err(ErrorKind::DescaleBlockLength {
+            tensor,
+            got: f.len(),
+            expected: n,
+            batch,
+            heads,
+            blocks,
+        }
+        .into());
+    }
+    let mut table = vec![1.0; n];
+    for (b, s) in p.seqs.iter().enumerate() {
+        let used = len_of(s).div_ceil(DESCALE_BLOCK);
+        for h in 0..heads {
+            let row = (b * heads + h) * blocks;
+            for index in row..row + used {
+                let value = f[index];
+                if !(value.is_finite() && value > 0.0) {
+                    return Err(ErrorKind::DescaleValue {
+                        tensor,
+                        index,
+                        value,
+                    }
+                    .into());
+                }
+                table[index] = value;
+            }
+        }
+    }
+    Ok((blocks, table))
+}
+
+/// The per-block tables of `d`, checked as [`fold_descale`] checks folded factors, on the
+/// extremes of each (sequence, kv head): the largest and smallest products `softmax_scale ·
+/// q_descale · k_descale` of its blocks, its largest v factor; and every factor times `fmax`
+/// must fit f32 (the CPU path dequantises into f32). The folded `score_scale` is the softmax
+/// scale and `out_scale` 1: the factors live in `blocks`.
+fn check_blocks(d: &Descale, p: &Params, fmax: f64) -> Result<Descales> {
+    let (q_blocks, q) = read_block_table("q_descale", d.q, p, p.heads, |s| s.seqlen_q)?;
+    let (k_blocks, k) = read_block_table("k_descale", d.k, p, p.heads_kv, |s| s.seqlen_k)?;
+    let (_, v) = read_block_table("v_descale", d.v, p, p.heads_kv, |s| s.seqlen_k)?;
+    let scale = p.softmax_scale as f64;
+    let group = p.heads / p.heads_kv;
+    let extremes = |x: &[f32]| {
+        x.iter().fold((f64::INFINITY, 0f64), |(lo, hi), &x| {
+            (lo.min(x as f64), hi.max(x as f64))
+        })
+    };
+    for t in [&q, &k, &v] {
+        let (_, hi) = extremes(t);
+        let reach = hi * fmax;
+        if reach >= f32::MAX as f64 {
+            return Err(ErrorKind::DescaleRange {
+                what: "inputs (a descale factor · the format's largest value)",
+                reach,
+            }
+            .into());
+        }
+    }
+    // Over the entries the rows read (padding is neither checked nor used).
+    for (b, s) in p.seqs.iter().enumerate() {
+        let (q_used, k_used) = (
+            s.seqlen_q.div_ceil(DESCALE_BLOCK),
+            s.seqlen_k.div_ceil(DESCALE_BLOCK),
+        );
+        for hk in 0..p.heads_kv {
+            let qf: Vec<f32> = (hk * group..(hk + 1) * group)
+                .flat_map(|h| {
+                    let row = (b * p.heads + h) * q_blocks;
+                    q[row..row + q_used].iter().copied()
+                })
+                .collect();
+            let row = (b * p.heads_kv + hk) * k_blocks;
+            let (q_lo, q_hi) = extremes(&qf);
+            let (k_lo, k_hi) = extremes(&k[row..row + k_used]);
+            if q_used > 0 && k_used > 0 {
+                for (a, c) in [(q_lo, k_lo), (q_hi, k_hi)] {
+                    check_folded((scale * a * c) as f32, p, (fmax, fmax))?;
+                }
+            }
+            let (_, v_hi) = extremes(&v[row..row + k_used]);
+            check_v_factor(v_hi as f32, fmax)?;
+        }
+    }
+    Ok(Descales {
+        score_scale: vec![p.softmax_scale; p.seqs.len() * p.heads_kv],
+        out_scale: vec![1.0; p.seqs.len() * p.heads_kv],
+        blocks: Some(BlockDescales {
+            q_blocks,
+            k_blocks,
+            q,
+            k,
+            v,
+        }),
+    })
+}
+
+/// The forward of validated `p` with per-block factors: the f32 forward on the dequantised
+/// copies ([`dequantize_qkv`]), `out` rounded to bf16 (contiguous, q's shape) and `lse`.
+fn forward_per_block(
+    p: Params,
+    qkv: [&Fp8TensorRef; 3],
+    opts: &AttnOptions,
+) -> Result<(Vec<bf16>, Vec<f32>)> {
+    let (copies, p) = dequantize_qkv(p, qkv, opts)?;
+    let [qv, kv, vv] = copies.views(qkv);
+    let res = crate::forward(&p, &qv, &kv, &vv)?;
+    let out = res
+        .out
+        .to_f32_vec()
+        .iter()
+        .map(|&x| bf16::from_f32(x))
+        .collect();
+    Ok((out, res.lse.to_f32_vec()))
+}
+
+/// Contiguous f32 copies of q, k and v of validated `p` (per-block factors), each element its
+/// FP8 value times its block's factor (one rounding, to f32), and the params of the f32
+/// forward over them (no factors left).
+fn dequantize_qkv(
+    p: Params,
+    [q, k, v]: [&Fp8TensorRef; 3],
+    opts: &AttnOptions,
+) -> Result<(Dequantized, Params)> {
+    let bd = blocks(&p).expect("per-block params");
+    let copies = Dequantized {
+        q: dequantize("the f32 copy of `q`", q, &p, bd, 0)?,
+        k: dequantize("the f32 copy of `k`", k, &p, bd, 1)?,
+        v: dequantize("the f32 copy of `v`", v, &p, bd, 2)?,
+    };
+    let [qv, kv, vv] = copies.views([q, k, v]);
+    let mut opts = opts.clone();
+    opts.descale = None;
+    let p = params::layout(&qv, &kv, &vv, &opts)?;
+    Ok((copies, p))
+}
+
+/// Contiguous f32 copies of q, k and v, dequantised.
+struct Dequantized {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl Dequantized {
+    fn views<'a>(&'a self, [q, k, v]: [&Fp8TensorRef; 3]) -> [TensorRef<'a>; 3] {
+        [
+            TensorRef::contiguous(&self.q, q.shape()),
+            TensorRef::contiguous(&self.k, k.shape()),
+            TensorRef::contiguous(&self.v, v.shape()),
+        ]
+    }
+}
+
+/// Tensor `t` (0: q, 1: k, 2: v) of validated `p` dequantised with its per-block factors:
+/// `fp8 · factor` rounded once to f32, contiguous row-major. Rows outside every sequence (packed
+/// rows after the last one) take factor 1.
+fn dequantize(
+    what: &'static str,
+    x: &Fp8TensorRef,
+    p: &Params,
+    bd: &BlockDescales,
+    t: usize,
+) -> Result<Vec<f32>> {
+    let (bytes, format) = (x.data().bytes(), x.format());
+    let (outer, strides) = (&x.shape()[..x.shape().len() - 1], x.strides());
+    let d = *x.shape().last().expect("validated rank");
+    let heads = if t == 0 { p.heads } else { p.heads_kv };
+    let rows: usize = outer.iter().product();
+    let tokens = rows / heads.max(1);
+    // (sequence, position) of each token; u32::MAX for none.
+    let mut seq_pos = vec![(u32::MAX, 0u32); tokens];
+    for (b, s) in p.seqs.iter().enumerate() {
+        let (row0, len) = if t == 0 {
+            (s.out_row0, s.seqlen_q)
+        } else {
+            (s.k_row0, s.seqlen_k)
+        };
+        for i in 0..len {
+            seq_pos[row0 + i] = (b as u32, i as u32);
+        }
+    }
+    let mut out = crate::memory::try_filled(what, 0f32, rows * d)?;
+    if d == 0 {
+        return Ok(out);
+    }
+    let row_offset = |mut r: usize| {
+        let mut at = 0;
+        for (&n, &s) in outer.iter().zip(&strides[..outer.len()]).rev() {
+            at += (r % n) * s;
+            r /= n;
+        }
+        at
+    };
+    out.par_chunks_mut(d).enumerate().for_each(|(r, row)| {
+        let at = row_offset(r);
+        let (b, i) = seq_pos[r / heads];
+        let f = if b == u32::MAX {
+            1.0
+        } else {
+            bd.factor(t, heads, b as usize, r % heads, i as usize)
+        };
+        for (o, &x) in row.iter_mut().zip(&bytes[at..at + d]) {
+            *o = crate::cpu::fp8::to_f32(x, format) * f;
+        }
+    });
+    Ok(out)
 }
 
 /// The view's elements widened to bf16 (exact), contiguous row-major. The view was validated:
@@ -641,6 +981,12 @@ pub(crate) fn validate_kvcache<C: Fp8View + ?Sized>(
         return Err(ErrorKind::Fp8CacheFormat {
             expected: format,
             got: v_cache.fp8_format(),
+        }
+        .into());
+    }
+    if descale.per_block {
+        return Err(ErrorKind::DescalePerBlock {
+            call: "a decode call on FP8 caches",
         }
         .into());
     }

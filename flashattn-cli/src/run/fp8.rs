@@ -93,6 +93,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         q: dq.as_deref(),
         k: dk.as_deref(),
         v: dv.as_deref(),
+        per_block: false,
     };
     let mut opts = args.attn_options(alibi.as_ref(), None).descale(d);
     if let Some((cq, ck)) = &cu {

@@ -189,6 +189,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
                 q: None,
                 k: k_descale.as_deref(),
                 v: v_descale.as_deref(),
+                per_block: false,
             };
             return run_fp8_caches(args, &q, (k, v), &cache_seqlens, &descale, &opts);
         }

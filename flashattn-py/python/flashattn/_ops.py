@@ -118,6 +118,7 @@ def _opts(
     cu_seqlens_q: Optional[Tensor] = None,
     cu_seqlens_k: Optional[Tensor] = None,
     cuda: bool = False,
+    descale_per_block: bool = False,
 ) -> dict:
     cu = None
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
@@ -140,6 +141,7 @@ def _opts(
         "seed": int(seed),
         "num_threads": torch.get_num_threads(),
         "cu_seqlens": cu,
+        "descale_per_block": bool(descale_per_block),
     }
 
 
@@ -388,9 +390,16 @@ def fwd_fp8(
     cuda = _on_cuda(q=q, k=k, v=v, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
     out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(_lse_shape(q, packed), dtype=torch.float32, device=q.device)
+    # Per-block factors: 3-D tables [batch, heads (q) or heads_kv (k, v), blocks of 128 rows].
+    given = [t for t in (q_descale, k_descale, v_descale) if t is not None]
+    per_block = any(t.dim() == 3 for t in given)
+    if per_block and not all(t.dim() == 3 for t in given):
+        raise ValueError(
+            "flashattn: per-block descale factors are 3-D tables [batch, heads, blocks]; "
+            "give q_descale, k_descale and v_descale all per block or none")
     opts = _opts(
         softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-        learnable_sink, 0.0, 0, cu_seqlens_q, cu_seqlens_k, cuda,
+        learnable_sink, 0.0, 0, cu_seqlens_q, cu_seqlens_k, cuda, per_block,
     )
     call = (
         _view("q", q, cuda), _view("k", k, cuda), _view("v", v, cuda), _view("out", out, cuda),

@@ -8,8 +8,11 @@ incoherent processing as an option (the Rust library's ``flashattn::fp8::quantiz
 
 Each tensor is divided by its descale factor, ``amax / finfo(fp8_dtype).max`` over the values the
 factor covers, and rounded to the format (saturating). The factors are one per (batch row, kv
-head), ``[batch, heads_kv]`` (q's heads share their kv head's), or one per tensor, ``[1]``: the
-granularities the FP8 forward accepts (FlashAttention-3's per-block factors are not).
+head), ``[batch, heads_kv]`` (q's heads share their kv head's; ``granularity="head"``, the
+default), one per tensor, ``[1]`` (``"tensor"``), or, as FlashAttention-3's block quantisation,
+one per block of 128 rows of each (batch row, head): ``[batch, heads, ceil(seqlen_q / 128)]`` for
+q and ``[batch, heads_kv, ceil(seqlen_k / 128)]`` for k and v (``"block"``); the FP8 forward
+takes each (3-D tables mean per block).
 
 Incoherent processing multiplies q and k along head_dim by ``M = D·H/√d`` (``H`` the
 Walsh-Hadamard matrix, head_dim a power of two; ``D`` a diagonal of random signs from ``seed``):
@@ -20,7 +23,7 @@ same signs as the Rust library draws. Computed in float64.
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -69,6 +72,25 @@ def incoherent_transform(x: Tensor, seed: int = 0) -> Tensor:
     return _walsh_hadamard(x.double() * signs) / (d ** 0.5)
 
 
+_BLOCK = 128  # rows per factor with granularity="block" (flashattn::fp8::DESCALE_BLOCK)
+
+
+def _quantize_blocks(x: Tensor, fmt) -> Tuple[Tensor, Tensor]:
+    """One factor per 128 rows of each (batch row, head): ``[b, h, ceil(s / 128)]``."""
+    b, s, h, d = x.shape
+    fmax = torch.finfo(fmt).max
+    nb = -(-s // _BLOCK)
+    pad = nb * _BLOCK - s
+    xp = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)).reshape(b, nb, _BLOCK, h, d)
+    a = xp.abs().masked_fill(~torch.isfinite(xp), 0.0)
+    amax = a.amax(dim=(2, 4)).permute(0, 2, 1)  # [b, h, nb]
+    descale = (amax / fmax).float().clamp_min(torch.finfo(torch.float32).tiny)
+    descale = torch.where(amax > 0, descale, torch.ones_like(descale)).contiguous()
+    scaled = xp / descale.double().permute(0, 2, 1).reshape(b, nb, 1, h, 1)
+    xq = scaled.clamp(-fmax, fmax).to(fmt).reshape(b, nb * _BLOCK, h, d)[:, :s]
+    return xq.contiguous(), descale
+
+
 def _quantize(x: Tensor, heads_kv: int, per_head: bool, fmt) -> Tuple[Tensor, Tensor]:
     b, s, h, d = x.shape
     fmax = torch.finfo(fmt).max
@@ -97,13 +119,20 @@ def quantize_qkv(
     seed: int = 0,
     per_head: bool = True,
     fp8_dtype=None,
+    granularity: Optional[str] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """q ``[batch, seqlen_q, heads, head_dim]``, k and v ``[batch, seqlen_k, heads_kv,
     head_dim]`` (float32, float16 or bfloat16) -> ``(q8, k8, v8, q_descale, k_descale,
     v_descale)``: FP8 tensors (``fp8_dtype``, default ``torch.float8_e4m3fn``) and float32 factors
-    (``[batch, heads_kv]``, or ``[1]`` with ``per_head=False``) for ``flash_attn_func``. With
+    (``[batch, heads_kv]``, or ``[1]`` with ``per_head=False`` or ``granularity="tensor"``, or
+    the per-block tables with ``granularity="block"``) for ``flash_attn_func``. With
     ``incoherent=True``, q and k are transformed first (see the module documentation)."""
     fmt = torch.float8_e4m3fn if fp8_dtype is None else fp8_dtype
+    if granularity is None:
+        granularity = "head" if per_head else "tensor"
+    if granularity not in ("tensor", "head", "block"):
+        raise ValueError(
+            f"flashattn: granularity must be 'tensor', 'head' or 'block', got {granularity!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"flashattn: {name} must be [batch, seqlen, heads, head_dim]")
@@ -113,6 +142,10 @@ def quantize_qkv(
     qd, kd, vd = q.double(), k.double(), v.double()
     if incoherent:
         qd, kd = incoherent_transform(qd, seed), incoherent_transform(kd, seed)
+    if granularity == "block":
+        (q8, qs), (k8, ks), (v8, vs) = (_quantize_blocks(t, fmt) for t in (qd, kd, vd))
+        return q8, k8, v8, qs, ks, vs
+    per_head = granularity == "head"
     q8, qs = _quantize(qd, heads_kv, per_head, fmt)
     k8, ks = _quantize(kd, heads_kv, per_head, fmt)
     v8, vs = _quantize(vd, heads_kv, per_head, fmt)

@@ -3,7 +3,9 @@
 Arguments, defaults, shapes, dtypes and return values are flash-attn's. Extras, as keyword
 arguments: ``learnable_sink`` (f32 ``[heads]``, gpt-oss style sinks, with their gradient),
 ``q_descale``/``k_descale``/``v_descale`` for ``torch.float8_e4m3fn``/``float8_e5m2`` inputs
-(forward only, bf16 out, as FlashAttention-3), and f32 inputs (which flash-attn refuses).
+(forward only, bf16 out, as FlashAttention-3: ``[1]`` or ``[batch, heads_kv]``, or 3-D per-block
+tables ``[batch, heads or heads_kv, blocks of 128 rows]``, see ``flashattn.fp8``), and f32 inputs
+(which flash-attn refuses).
 """
 
 from __future__ import annotations

@@ -324,6 +324,12 @@ impl LaunchDescription {
             t.resize(2 * seqs.len() * p.heads_kv, 1.0); // the tail sequence's, never used
             t
         });
+        // Per-block FP8 factors: their tables after the pairs (crate::fp8::BlockDescales).
+        let mut descale = descale;
+        let blocks = match (&mut descale, crate::fp8::blocks(p)) {
+            (Some(t), Some(bd)) => bd.append_kernel_tables(p, seqs.len(), max_q, t),
+            _ => [0; 5],
+        };
         LaunchDescription {
             grid: (
                 max_q.div_ceil(key.tiles().block_m) as u32,
@@ -359,6 +365,11 @@ impl LaunchDescription {
                 batch_seqlen_k: max_k as i32,
                 fp8_e5m2: (fp8 == Some(crate::fp8::Fp8Format::E5M2)) as i32,
                 num_seqs: seqs.len() as i32,
+                block_q: blocks[0],
+                block_k: blocks[1],
+                block_v: blocks[2],
+                q_blocks: blocks[3],
+                k_blocks: blocks[4],
                 ..FwdParams::default()
             },
             out_len: p.out_len(),
@@ -374,7 +385,7 @@ impl LaunchDescription {
     /// (fwd_sm90.cu: its key, its tiles, grid and shared memory) on compute capability 9.0 where
     /// it serves the call ([`KernelKey::sm90_forward`]) and `choice` asks for it; for e4m3 inputs
     /// with [`ForwardKernel::Sm90Fp8`], fwd_sm90_fp8.cu, with [`ForwardKernel::Sm90Fp8Ws`],
-    /// fwd_sm90_ws.cu's FP8 mode; else unchanged.
+    /// fwd_sm90_ws.cu's FP8 mode (fwd_sm90_fp8.cu for per-block factors); else unchanged.
     pub fn for_arch(mut self, arch: Arch, choice: ForwardKernel) -> LaunchDescription {
         if choice == ForwardKernel::Fa2 || arch != Arch::SM90 {
             return self;
@@ -387,8 +398,10 @@ impl LaunchDescription {
         if key.fp8 && (!fp8_choice || self.params.fp8_e5m2 != 0) {
             return self;
         }
+        // The FP8 mode of fwd_sm90_ws.cu takes per-(sequence, kv head) factors only: per-block
+        // calls (`block_q` != 0) stay on fwd_sm90_fp8.cu.
         if (choice == ForwardKernel::Sm90Ws && !key.fp8)
-            || (choice == ForwardKernel::Sm90Fp8Ws && key.fp8)
+            || (choice == ForwardKernel::Sm90Fp8Ws && key.fp8 && self.params.block_q == 0)
         {
             key.kind = KernelKind::ForwardSm90Ws;
         }
@@ -646,7 +659,9 @@ impl Plan {
         // element the kernels address (bases and row/head strides over the sequence table or the
         // batch strides) lies inside q, k and v; out and lse hold out_len / lse_len elements, the
         // table 7 per launched sequence, the slopes one row and the descale table 2 · heads_kv
-        // factors per launched sequence, the sinks `heads` logits per launched sequence.
+        // factors per launched sequence (then, with per-block FP8 factors, the three tables
+        // whose offsets and row lengths the params carry, rows for every launched sequence), the
+        // sinks `heads` logits per launched sequence.
         unsafe { b.launch(cfg) }.map_err(driver_err("cuLaunchKernel"))?;
         Ok(())
     }

@@ -217,14 +217,22 @@ fn kvcache_fp8_into(
 /// q `[batch, seqlen_q, heads, head_dim]`, k and v `[batch, seqlen_k, heads_kv, head_dim]` (or
 /// packed with [`AttnOptions::varlen`], `cu_seqlens_*` on the host), all three
 /// [`CudaFp8Tensor`]s of one format, with their dequantisation factors in `opts.descale` (one
-/// value, or one per (sequence, kv head)). Returns `out` in bf16 and `lse` in f32. Every option of
-/// [`super::flash_attn`] applies; every input is validated before anything is queued.
+/// value, one per (sequence, kv head), or per block of 128 rows: [`crate::fp8::Descale`]).
+/// Returns `out` in bf16 and `lse` in f32. Every option of [`super::flash_attn`] applies; every
+/// input is validated before anything is queued.
 ///
 /// The kernel is the bf16 forward fed from FP8 bytes: each key block's bytes are staged in shared
 /// memory and widened exactly to bf16 tiles (every FP8 value is a bf16 value), the folded
 /// `softmax_scale · q_descale · k_descale` of each (sequence, kv head) scales the scores and
 /// `v_descale` the finished rows, as on the CPU. The products run on the bf16 tensor cores, not
-/// FlashAttention-3's FP8 ones.
+/// FlashAttention-3's FP8 ones (those are fwd_sm90_fp8.cu's, with `FLASHATTN_CUDA_FWD=sm90fp8`).
+/// Per-block factors: a CTA's query rows lie in one 128-row block, so its q factor is fixed, and
+/// the score scale `softmax_scale · q_descale · k_descale` is set per key block; the v factors
+/// (relative to the largest of the (sequence, kv head), which scales the finished rows) multiply
+/// P after row_sum took it in fwd.cu, while fwd_sm90_fp8.cu keeps acc_o in units of the current
+/// key block's v factor (a ratio folded into the online-softmax rescale), as P rounded to e4m3
+/// would otherwise lose the exactness of a dominant probability. Compiled and emulated, not yet
+/// run on a GPU.
 pub fn flash_attn_fp8(
     dev: &CudaDevice,
     q: &CudaFp8Tensor,

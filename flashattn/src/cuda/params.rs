@@ -107,7 +107,8 @@ contract! {
         pub seqs: CUdeviceptr,
         /// ALiBi: `heads` slopes per launched sequence.
         pub alibi_slopes: CUdeviceptr,
-        /// FP8 inputs: the score scale and the v factor per (launched sequence, kv head).
+        /// FP8 inputs: the score scale and the v factor per (launched sequence, kv head), then
+        /// any per-block tables (`block_q`).
         pub descale: CUdeviceptr,
         /// Learnable sinks: `heads` logits per launched sequence.
         pub sink: CUdeviceptr,
@@ -140,10 +141,20 @@ contract! {
         /// tile grid of fwd_sm90_ws.cu's persistent launch.
         pub num_seqs: i32,
         pub pad: u32,
+        /// Per-block FP8 factors (0: none): the offsets in `descale` of the q, k and v tables
+        /// (params.cuh: FwdParams).
+        pub block_q: i32,
+        pub block_k: i32,
+        pub block_v: i32,
+        /// Blocks of 128 rows per (sequence, head) row of the q table and of the k and v ones.
+        pub q_blocks: i32,
+        pub k_blocks: i32,
+        pub pad2: u32,
     }
 }
 
-const _: () = assert!(size_of::<FwdParams>() == 224);
+const _: () = assert!(size_of::<FwdParams>() == 248);
+const _: () = assert!(core::mem::offset_of!(FwdParams, block_q) == 224);
 const _: () = assert!(core::mem::offset_of!(FwdParams, q_row_stride) == 72);
 const _: () = assert!(core::mem::offset_of!(FwdParams, drop) == 152);
 const _: () = assert!(core::mem::offset_of!(FwdParams, heads) == 176);

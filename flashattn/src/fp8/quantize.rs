@@ -4,11 +4,12 @@
 //! Each tensor is divided by its descale factor and rounded once (to nearest even, saturating)
 //! to the format; the factor is `amax / format max` over the values it covers, so the largest of
 //! them lands on the format's largest finite value. The factors are what [`super::Descale`]
-//! accepts: one per tensor ([`Granularity::PerTensor`]) or one per (sequence, kv head)
-//! ([`Granularity::PerHead`]; q's heads share their kv head's factor, as the forward reads it).
-//! FlashAttention-3's paper goes further, one factor per block of rows of each (sequence, head);
-//! the FP8 forward here (CPU and CUDA) takes per-(sequence, kv head) factors only, so that is the
-//! finest granularity offered.
+//! accepts: one per tensor ([`Granularity::PerTensor`]), one per (sequence, kv head)
+//! ([`Granularity::PerHead`]; q's heads share their kv head's factor, as the forward reads it),
+//! or, as FlashAttention-3's block quantisation, one per block of [`super::DESCALE_BLOCK`] = 128
+//! rows of each (sequence, head) of q and (sequence, kv head) of k and v
+//! ([`Granularity::PerBlock`]; blocks count from each sequence's first row; the tables'
+//! layout is [`super::Descale::per_block`]'s, padding entries 1).
 //!
 //! **Incoherent processing** ([`QuantizeOptions::incoherent`]): q and k are multiplied along
 //! head_dim by `M = D·H/√d` before they are quantised, `H` the Walsh–Hadamard matrix of order d
@@ -45,6 +46,10 @@ pub enum Granularity {
     /// One factor per (sequence, kv head): `[batch, heads_kv]`, as [`super::Descale`] takes it.
     #[default]
     PerHead,
+    /// One factor per block of 128 rows of each (sequence, head) for q, `[batch, heads,
+    /// q_blocks]`, and of each (sequence, kv head) for k and v, `[batch, heads_kv, k_blocks]`
+    /// (see [`super::Descale::per_block`]).
+    PerBlock,
 }
 
 /// How [`quantize_qkv`] quantises.
@@ -157,13 +162,14 @@ pub fn walsh_hadamard(x: &mut [f64]) {
 }
 
 /// One quantised tensor: contiguous FP8 values (the input's shape, row-major) and its descale
-/// factors (1 or `batch · heads_kv`, as [`super::Descale`] takes them).
+/// factors (1, `batch · heads_kv`, or a per-block table, as [`super::Descale`] takes them).
 #[derive(Clone, Debug)]
 pub struct Quantized {
     format: Fp8Format,
     bytes: Vec<u8>,
     shape: Vec<usize>,
     descale: Vec<f32>,
+    granularity: Granularity,
     /// The factor index of each row (token, head) of the contiguous layout.
     factor_of_row: Vec<u32>,
 }
@@ -182,6 +188,10 @@ impl Quantized {
     /// The descale factors: the value stored is `x / descale`, so `x ≈ fp8 · descale`.
     pub fn descale(&self) -> &[f32] {
         &self.descale
+    }
+    /// Which values one factor covers.
+    pub fn granularity(&self) -> Granularity {
+        self.granularity
     }
     /// A contiguous view for the FP8 calls.
     pub fn view(&self) -> Fp8TensorRef<'_> {
@@ -225,11 +235,17 @@ impl QuantizedQkv {
         [self.q.view(), self.k.view(), self.v.view()]
     }
     /// The three tensors' descale factors.
+    /// The three tensors' descale factors (per block: [`Descale::per_block`] set).
     pub fn descale(&self) -> Descale<'_> {
-        Descale::default()
+        let d = Descale::default()
             .q(&self.q.descale)
             .k(&self.k.descale)
-            .v(&self.v.descale)
+            .v(&self.v.descale);
+        if self.q.granularity == Granularity::PerBlock {
+            d.per_block()
+        } else {
+            d
+        }
     }
 }
 
@@ -301,15 +317,18 @@ fn quantize_one(
         Which::K => (p.heads_kv, p.k),
         Which::V => (p.heads_kv, p.v),
     };
-    // Each token of the contiguous result: (sequence, element offset of its head 0 in `t`).
-    let mut tokens: Vec<(usize, usize)> = Vec::new();
+    // Each token of the contiguous result: (sequence, element offset of its head 0 in `t`,
+    // position in its sequence).
+    let mut tokens: Vec<(usize, usize, usize)> = Vec::new();
+    let mut blocks = 0;
     for (b, s) in p.seqs.iter().enumerate() {
         let (len, base) = match which {
             Which::Q => (s.seqlen_q, s.q_base),
             Which::K => (s.seqlen_k, s.k_base),
             Which::V => (s.seqlen_k, s.v_base),
         };
-        tokens.extend((0..len).map(|i| (b, base + i * layout.row_stride)));
+        blocks = blocks.max(len.div_ceil(params::DESCALE_BLOCK));
+        tokens.extend((0..len).map(|i| (b, base + i * layout.row_stride, i)));
     }
     let rows = tokens.len() * heads;
     let group = if which == Which::Q {
@@ -319,22 +338,26 @@ fn quantize_one(
     };
     let factor_of_row: Vec<u32> = (0..rows)
         .map(|r| {
-            let ((b, _), head) = (tokens[r / heads], r % heads);
+            let ((b, _, i), head) = (tokens[r / heads], r % heads);
             match opts.granularity {
                 Granularity::PerTensor => 0,
                 Granularity::PerHead => (b * p.heads_kv + head / group) as u32,
+                Granularity::PerBlock => {
+                    ((b * heads + head) * blocks + i / params::DESCALE_BLOCK) as u32
+                }
             }
         })
         .collect();
     let n_factors = match opts.granularity {
         Granularity::PerTensor => 1,
         Granularity::PerHead => p.seqs.len() * p.heads_kv,
+        Granularity::PerBlock => p.seqs.len() * heads * blocks,
     };
     let mut vals = crate::memory::try_filled("the quantised tensor's f64 copy", 0f64, rows * d)?;
     let data = t.data();
     if d > 0 {
         vals.par_chunks_mut(d).enumerate().for_each(|(r, row)| {
-            let ((_, at0), head) = (tokens[r / heads], r % heads);
+            let ((_, at0, _), head) = (tokens[r / heads], r % heads);
             load_row(data, at0 + head * layout.head_stride, row);
             if let Some(rot) = rot {
                 rot.apply(row);
@@ -387,6 +410,7 @@ fn quantize_one(
         bytes,
         shape,
         descale,
+        granularity: opts.granularity,
         factor_of_row,
     })
 }

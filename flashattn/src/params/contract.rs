@@ -80,6 +80,38 @@ pub(crate) struct Descales {
     pub score_scale: Vec<f32>,
     /// `v_descale`: multiplies the output rows.
     pub out_scale: Vec<f32>,
+    /// Per-block factors ([`crate::Descale::per_block`]): then `score_scale` is the softmax scale
+    /// and `out_scale` 1, and these tables hold the factors.
+    pub blocks: Option<BlockDescales>,
+}
+
+/// Rows of one (sequence, head) that share a factor in [`crate::Descale::per_block`] tables (as
+/// FlashAttention-3's block quantisation and its kernels' 128-row query tiles).
+pub const DESCALE_BLOCK: usize = 128;
+
+/// Per-block factors ([`crate::Descale::per_block`]), checked: `[batch, heads, q_blocks]` for q and
+/// `[batch, heads_kv, k_blocks]` for k and v, 1 for an unset table and for the padding entries
+/// past a sequence's last block (never read).
+#[derive(Clone, Debug)]
+pub(crate) struct BlockDescales {
+    pub q_blocks: usize,
+    pub k_blocks: usize,
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+impl BlockDescales {
+    /// The factor of row `i` of (sequence `b`, head `h`) of tensor `t` (0: q, 1: k, 2: v).
+    #[inline]
+    pub fn factor(&self, t: usize, heads: usize, b: usize, h: usize, i: usize) -> f32 {
+        let (table, blocks) = match t {
+            0 => (&self.q, self.q_blocks),
+            1 => (&self.k, self.k_blocks),
+            _ => (&self.v, self.k_blocks),
+        };
+        table[(b * heads + h) * blocks + i / DESCALE_BLOCK]
+    }
 }
 
 impl Params {

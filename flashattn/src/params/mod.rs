@@ -26,8 +26,8 @@ pub(crate) use check::{destination, out_buffers};
 pub(crate) use attn::check_lse;
 #[cfg(feature = "cuda")]
 pub(crate) use check::check_view;
-pub(crate) use contract::{Descales, Params, RowLayout, Seq};
-pub use contract::{LOG2_E, MAX_HEAD_DIM};
+pub(crate) use contract::{BlockDescales, Descales, Params, RowLayout, Seq};
+pub use contract::{DESCALE_BLOCK, LOG2_E, MAX_HEAD_DIM};
 pub(crate) use decode::DecodeParams;
 pub(crate) use options::check_score_scale;
 pub use options::{AttnOptions, Descale};

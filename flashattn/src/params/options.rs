@@ -126,11 +126,23 @@ impl<'a> AttnOptions<'a> {
 /// `batch · heads_kv` values, row-major `[batch, heads_kv]` (`batch` = number of sequences; a
 /// query head uses the factor of the kv head it reads). `None` means 1. Every factor must be
 /// finite and > 0.
+///
+/// **Per block** ([`Descale::per_block`], FlashAttention-3's block quantisation): one factor per
+/// [`crate::fp8::DESCALE_BLOCK`] = 128 rows of each (sequence, head) for q and of each (sequence,
+/// kv head) for k and v, counted from each sequence's own first row. The tables are row-major
+/// `[batch, heads, q_blocks]` for q and `[batch, heads_kv, k_blocks]` for k and v, with
+/// `q_blocks = ceil(max seqlen_q / 128)` and `k_blocks = ceil(max seqlen_k / 128)` over the
+/// sequences (batched calls: their one length); row `i` of sequence `b` and head `h` takes
+/// entry `(b, h, i / 128)`. Entries past a shorter sequence's last block are padding, never read
+/// nor checked; each one read must be finite and > 0. A table left `None` means 1.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Descale<'a> {
     pub q: Option<&'a [f32]>,
     pub k: Option<&'a [f32]>,
     pub v: Option<&'a [f32]>,
+    /// The tables are per block of [`crate::fp8::DESCALE_BLOCK`] rows ([`Descale::per_block`]),
+    /// not per (sequence, kv head) or per tensor.
+    pub per_block: bool,
 }
 
 impl<'a> Descale<'a> {
@@ -144,6 +156,12 @@ impl<'a> Descale<'a> {
     }
     pub fn v(mut self, v: &'a [f32]) -> Self {
         self.v = Some(v);
+        self
+    }
+    /// The tables hold one factor per block of [`crate::fp8::DESCALE_BLOCK`] rows (see
+    /// [`Descale`]).
+    pub fn per_block(mut self) -> Self {
+        self.per_block = true;
         self
     }
 }

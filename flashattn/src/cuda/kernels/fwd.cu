@@ -27,7 +27,11 @@
 // bytes of the next key block are staged in shared memory by cp.async (double-buffered, the same
 // overlap as the 16-bit kernel) and widened into single bf16 K and V tiles just before use. The
 // format is a launch argument (fp8_e5m2); the folded score scale and v_descale of each (sequence,
-// kv head) come from `descale` (params.cuh: FwdParams). out is bf16.
+// kv head) come from `descale` (params.cuh: FwdParams). out is bf16. Per-block factors
+// (FwdParams block_q): a CTA's rows lie in one 128-row query block (BLOCK_M divides 128), so its
+// q factor is fixed; the score scale q · k factor is set per key block (BLOCK_N divides 128), and
+// the key block's v factor over the largest of the (sequence, kv head) multiplies P after row_sum
+// took it (row_sum normalises the unscaled P), the largest multiplying the finished rows.
 #define FA_TENSOR_CORE_KERNEL
 #define NUM_THREADS (NUM_WARPS * 32)
 #include "common.cuh"
@@ -210,6 +214,22 @@ flash_fwd(const __grid_constant__ FwdParams p) {
     const Mask& mask = w.mask;
     const ScoreMod& mods = w.mods;
     const int n_block_min = w.n_block_min, n_block_max = w.n_block_max;
+#ifdef FA_FP8_INPUT
+    static_assert(128 % BLOCK_M == 0 && 128 % BLOCK_N == 0,
+                  "per-block factors: a CTA's rows and a key block lie in one 128-row block");
+    // Per-block factors: this CTA's q factor (softmax_scale folded in) and its (sequence, kv
+    // head)'s k and v rows; null without them.
+    const float* __restrict__ k_fac = nullptr;
+    const float* __restrict__ v_fac = nullptr;
+    float q_fac = 0.f;
+    if (p.block_q != 0) {
+        const float* __restrict__ ds = p.descale;
+        const i64 kv_row = ((i64)w.b * p.heads_kv + h / (p.heads / p.heads_kv)) * p.k_blocks;
+        q_fac = ds[p.block_q + ((i64)w.b * p.heads + h) * p.q_blocks + m0 / 128];
+        k_fac = ds + p.block_k + kv_row;
+        v_fac = ds + p.block_v + kv_row;
+    }
+#endif
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;  // mma fragment row group and column pair
@@ -315,6 +335,13 @@ flash_fwd(const __grid_constant__ FwdParams p) {
         // Scores to the log2 domain; the per-element mask only where this block needs it.
         const int n0 = n_block * BLOCK_N;
         const bool need_mask = w.needs_mask(n0, BLOCK_N);
+#ifdef FA_FP8_INPUT
+        if (k_fac != nullptr) {  // per-block factors: this key block's score scale
+            const float scale = q_fac * k_fac[n0 / 128];
+            w.mods.scale_log2 = scale * FA_LOG2E;
+            w.mods.cap_in = scale / p.softcap;
+        }
+#endif
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
 #pragma unroll
@@ -363,6 +390,18 @@ flash_fwd(const __grid_constant__ FwdParams p) {
                     if (!w.drop.kept(pick_word(wd, 2 * (t & 1) + 1))) s[mt][nt][2 * r + 1] = 0.f;
                 }
             }
+        }
+#endif
+
+#ifdef FA_FP8_INPUT
+        if (v_fac != nullptr) {  // per-block factors: this key block's v factor (<= 1) into P
+            const float f = v_fac[n0 / 128];
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < BLOCK_N / 8; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[mt][nt][e] *= f;
         }
 #endif
 

@@ -23,6 +23,15 @@
 // permute_Cregs_fp8), the contraction order is permuted: key κ of a 32-key group is stored at
 // k position kpos(κ) of the Vᵀ tile, the position its probability takes in the fragment.
 // The output is divided by 256 · row_sum and multiplied by v_descale; out is bf16, lse f32.
+// Per-block factors (params.cuh: FwdParams block_q): a warpgroup's 64 rows lie in one 128-row
+// query block, so its q factor is fixed; the score scale q · k factor (and softcap's cap_in) is
+// set per key block before mask_scores (at BLOCK_N = 64 two key blocks share a k factor). The v
+// factors are not folded into P (rounded to e4m3, a dominant P = 1 would lose its exact 256):
+// acc_o is kept in units of the current key block's v factor instead, the rescale by alpha that
+// every block does anyway also multiplying by (previous block's factor / this block's) before
+// P·V of this block is added, and the finished rows by the last block's factor (with
+// v_descale's place, the largest factor of the (sequence, kv head), the table's factors being
+// relative to it); row_sum stays the sum of P.
 //
 // Defines (cuda/key.rs): HEAD_DIM (128 or 256: whole 128-byte lines), BLOCK_N (128: one line of
 // Vᵀ; 64, the first half of its lines, where 128 keys' scores spill registers), NUM_WG, IS_MASKED, HAS_SOFTCAP, HAS_ALIBI, FA_BF16 and FA_FP8_INPUT (both 1: bf16 out,
@@ -123,6 +132,22 @@ __device__ __forceinline__ void pack_p_e4m3(u32 (&a)[4], const float (&s)[BLOCK_
     }
 }
 
+// The score scale of one key block with per-block factors (common.cuh's cta_work_at sets it once
+// per CTA otherwise).
+__device__ __forceinline__ void set_block_scale(CtaWork<u16>& w, float scale, float softcap) {
+    w.mods.scale_log2 = scale * FA_LOG2E;
+    w.mods.cap_in = scale / softcap;
+}
+
+// Per-block factors: acc_o (in units of v factor `unit`) to units of `next`, folded into the
+// rescale by alpha that follows.
+__device__ __forceinline__ void block_v_rescale(float (&alpha)[2], float& unit, float next) {
+    const float r = unit / next;
+    alpha[0] *= r;
+    alpha[1] *= r;
+    unit = next;
+}
+
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 flash_fwd(const __grid_constant__ FwdParams p) {
     FA_DYNAMIC_SMEM(unsigned char, smem_raw);
@@ -148,6 +173,20 @@ flash_fwd(const __grid_constant__ FwdParams p) {
 
     const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
+
+    // Per-block factors: this warpgroup's q factor (softmax_scale folded in) and this (sequence,
+    // kv head)'s k and v rows; null without them.
+    const float* __restrict__ k_fac = nullptr;
+    const float* __restrict__ v_fac = nullptr;
+    float q_fac = 0.f, v_unit = 1.f;  // v_unit: the v factor acc_o is in units of
+    if (p.block_q != 0) {
+        const float* __restrict__ ds = p.descale;
+        const i64 kv_row = ((i64)w.b * p.heads_kv + w.h / (p.heads / p.heads_kv)) * p.k_blocks;
+        q_fac = ds[p.block_q + ((i64)w.b * p.heads + w.h) * p.q_blocks + (m0 + 64 * wg) / 128];
+        k_fac = ds + p.block_k + kv_row;
+        v_fac = ds + p.block_v + kv_row;
+        if (n_block_min < n_block_max) v_unit = v_fac[n_block_min * BLOCK_N / 128];
+    }
 
     load_tile_b<BLOCK_M>(q_tile, w8.q_g, p.q_row_stride, m0, seqlen_q, p.head_dim);
     if (n_block_min < n_block_max)
@@ -210,6 +249,7 @@ flash_fwd(const __grid_constant__ FwdParams p) {
         }
         reg_fence_all(s);
 
+        if (k_fac != nullptr) set_block_scale(w, q_fac * k_fac[n_block * BLOCK_N / 128], p.softcap);
         mask_scores(s, w, row_i, n_block * BLOCK_N, t);
         float alpha[2];
         softmax_rows(s, row_max, row_sum, alpha);
@@ -217,6 +257,7 @@ flash_fwd(const __grid_constant__ FwdParams p) {
         // acc_o rescaled for block n's maximum and P[n] packed over the registers it read.
         wgmma_wait<0>();
         reg_fence_all(acc_o);
+        if (v_fac != nullptr) block_v_rescale(alpha, v_unit, v_fac[n_block * BLOCK_N / 128]);
         rescale_o(acc_o, alpha);
 #pragma unroll
         for (int j = 0; j < BLOCK_N / 32; ++j) pack_p_e4m3(p_frag[j], s, j);
@@ -267,6 +308,7 @@ flash_fwd(const __grid_constant__ FwdParams p) {
         wgmma_wait<0>();
         reg_fence_all(s);
 
+        if (k_fac != nullptr) set_block_scale(w, q_fac * k_fac[n_block * BLOCK_N / 128], p.softcap);
         mask_scores(s, w, row_i, n_block * BLOCK_N, t);
         float alpha[2];
         softmax_rows(s, row_max, row_sum, alpha);
@@ -276,6 +318,7 @@ flash_fwd(const __grid_constant__ FwdParams p) {
         u32 p_frag[BLOCK_N / 32][4];
 #pragma unroll
         for (int j = 0; j < BLOCK_N / 32; ++j) pack_p_e4m3(p_frag[j], s, j);
+        if (v_fac != nullptr) block_v_rescale(alpha, v_unit, v_fac[n_block * BLOCK_N / 128]);
         rescale_o(acc_o, alpha);
 
         // acc_o += P·V: k-step j is keys 32j .. 32j + 31, B the Vᵀ tile's columns there.
@@ -291,6 +334,7 @@ flash_fwd(const __grid_constant__ FwdParams p) {
     }
 #endif
     cp_async_wait<0>();  // a CTA that saw no key block still has its q tile in flight
+    w.out_scale *= v_unit;  // per-block factors: acc_o is in units of the last block's v factor
 
     store_rows(acc_o, row_max, row_sum, row_i, w, p, t);
 }

@@ -60,8 +60,19 @@ struct FwdParams {
     int fp8_e5m2;
     int num_seqs;  // launched sequences (the tile grid of fwd_sm90_ws.cu's persistent launch)
     int pad;
+    // Per-block FP8 factors (Descale::per_block; else block_q = 0): three tables inside `descale`,
+    // after its per-(sequence, kv head) pairs (whose v factor is then the largest v factor of the
+    // (sequence, kv head)), at element offsets block_q, block_k and block_v. Query block i (rows
+    // 128i .. 128i + 127 of its sequence) of (launched sequence b, head h):
+    // softmax_scale · q_descale at block_q + (b * heads + h) * q_blocks + i; key block j of (b,
+    // kv head hk): k_descale at block_k + (b * heads_kv + hk) * k_blocks + j, and v_descale over
+    // the pair's v factor (<= 1) at block_v + the same index.
+    int block_q, block_k, block_v;
+    int q_blocks, k_blocks;
+    int pad2;
 };
-static_assert(sizeof(FwdParams) == 224, "FwdParams: params.rs");
+static_assert(sizeof(FwdParams) == 248, "FwdParams: params.rs");
+static_assert(FA_OFFSETOF(FwdParams, block_q) == 224, "FwdParams: params.rs");
 static_assert(FA_OFFSETOF(FwdParams, q_row_stride) == 72, "FwdParams: params.rs");
 static_assert(FA_OFFSETOF(FwdParams, drop) == 152, "FwdParams: params.rs");
 static_assert(FA_OFFSETOF(FwdParams, heads) == 176, "FwdParams: params.rs");

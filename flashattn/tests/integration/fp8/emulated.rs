@@ -193,8 +193,8 @@ pub(super) fn check_p_e4m3(
 /// FlashAttention-3's accuracy experiment (see `quantize::accuracy_with_outliers`) on
 /// fwd_sm90_fp8.cu under emulation, where P is rounded to e4m3 as in FlashAttention-3's kernel:
 /// incoherent processing must lower the RMSE against the f64 reference here too (by 15% at this
-/// smaller shape, where the gain measured 22% to 26%). Prints the numbers of docs/SEMANTICS.md
-/// (`-- --nocapture`).
+/// smaller shape, where the gain measured 22% to 26%), with each granularity, per-block factors
+/// included. Prints the numbers of docs/SEMANTICS.md (`-- --nocapture`).
 #[test]
 fn fp8_sm90_accuracy_with_outliers() {
     use super::quantize::{outlier_data, rmse};
@@ -211,7 +211,11 @@ fn fp8_sm90_accuracy_with_outliers() {
     let opts = AttnOptions::default();
     let want = reference::attention(&qt, &kt, &vt, &opts).unwrap().out;
     let mut rows = Vec::new();
-    for granularity in [Granularity::PerTensor, Granularity::PerHead] {
+    for granularity in [
+        Granularity::PerTensor,
+        Granularity::PerHead,
+        Granularity::PerBlock,
+    ] {
         let mut pair = [0.0; 2];
         for (i, incoherent) in [false, true].into_iter().enumerate() {
             let mut o = QuantizeOptions::default().granularity(granularity);
@@ -245,4 +249,71 @@ fn fp8_sm90_accuracy_with_outliers() {
             "{granularity:?}: incoherent processing should lower the RMSE by 15%: {plain:e} -> {inc:e}"
         );
     }
+}
+
+/// Per-block factors (`Descale::per_block`, FlashAttention-3's block quantisation) on both FP8
+/// kernels under emulation, on `block_cases`: fwd.cu (e4m3 and e5m2, head_dim 64) against the
+/// bf16 bound as `fp8_forward_kernel_under_emulation`, fwd_sm90_fp8.cu (e4m3, head_dim 128 and
+/// 256) against the bound of P rounded to e4m3. A score or P·V product scaled by another block's
+/// factor fails them (checked by breaking each index of both kernels).
+#[test]
+fn fp8_per_block_kernels_under_emulation() {
+    if !have_compiler() {
+        return;
+    }
+    let mut builds = forward_builds();
+    let mut ran = Vec::new();
+    for format in [Fp8Format::E4M3, Fp8Format::E5M2] {
+        for (i, c) in block_cases(format, 64).into_iter().enumerate() {
+            let built = c.build();
+            let opts = built.opts();
+            let [q, k, v] =
+                [0, 1, 2].map(|t| built.raw[t].view(&built.layouts[t].0, &built.layouts[t].1));
+            let d = launch_description_fp8(&q, &k, &v, &call_opts(&c, &built))
+                .unwrap_or_else(|e| panic!("{c:?}: {e}"));
+            assert!(d.key.fp8 && d.params.block_q > 0, "{c:?}");
+            let [qb, kb, vb] = built.raw_bytes();
+            let tag = format!("fp8_block_{}_{i}", format.name());
+            let out = run_forward(&mut builds, &d, [&qb, &kb, &vb], DType::BF16, &tag);
+            let what = format!("{c:?} emulated {}", d.key.name());
+            built.check_output(&out, &built.expected(&opts), &what);
+            ran.push(d.key.name());
+        }
+    }
+    for d in [128, 256] {
+        for (i, c) in block_cases(Fp8Format::E4M3, d).into_iter().enumerate() {
+            if c.cost() > common::emu::budget(20_000_000) {
+                continue;
+            }
+            let built = c.build();
+            let opts = built.opts();
+            let [q, k, v] =
+                [0, 1, 2].map(|t| built.raw[t].view(&built.layouts[t].0, &built.layouts[t].1));
+            let desc = launch_description_fp8(&q, &k, &v, &call_opts(&c, &built))
+                .unwrap_or_else(|e| panic!("{c:?}: {e}"))
+                .for_arch(Arch::SM90, ForwardKernel::Sm90Fp8);
+            assert!(
+                desc.key.is_sm90() && desc.params.block_q > 0,
+                "{}",
+                desc.key.name()
+            );
+            // The warp-specialised FP8 mode takes no per-block factors: such a call asking for
+            // it runs on fwd_sm90_fp8.cu.
+            let ws = launch_description_fp8(&q, &k, &v, &call_opts(&c, &built))
+                .unwrap_or_else(|e| panic!("{c:?}: {e}"))
+                .for_arch(Arch::SM90, ForwardKernel::Sm90Fp8Ws);
+            assert_eq!(ws.key, desc.key, "a per-block call on {}", ws.key.name());
+            let [qb, kb, vb] = built.raw_bytes();
+            let tag = format!("fp8_block_sm90_{d}_{i}");
+            let out = run_forward(&mut builds, &desc, [&qb, &kb, &vb], DType::BF16, &tag);
+            let what = format!("{c:?} emulated {}", desc.key.name());
+            check_p_e4m3(&built, &out, &built.expected(&opts).0, &what);
+            ran.push(desc.key.name());
+        }
+    }
+    eprintln!("{} per-block FP8 cases emulated: {ran:?}", ran.len());
+    assert!(
+        ran.len() >= 8 && ran.iter().filter(|n| n.starts_with("fwd_sm90")).count() >= 2,
+        "too few cases fit the emulation budget: {ran:?}"
+    );
 }

@@ -57,7 +57,8 @@ fn fp8_sm90_ws_kernel_under_emulation() {
     let mut ran = Vec::new();
     let mut list: Vec<Case> = cases(Fp8Format::E4M3)
         .into_iter()
-        .filter(|c| !c.sink && c.dropout == 0.0)
+        // Per-block factors stay on fwd_sm90_fp8.cu (emulated::fp8_per_block_kernels_under_emulation).
+        .filter(|c| !c.sink && c.dropout == 0.0 && !c.per_block)
         .collect();
     let mut c = Case::new(Fp8Format::E4M3, 1, 300, 330, (4, 2), 128);
     (c.huge, c.causal, c.seed) = (true, true, 41);

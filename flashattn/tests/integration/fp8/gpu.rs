@@ -119,3 +119,56 @@ fn fp8_forward_on_the_gpu() {
         dev.name()
     );
 }
+
+/// Per-block factors (`Descale::per_block`) on the GPU: `block_cases` at head_dim 64 (fwd.cu, e4m3
+/// and e5m2) and, e4m3 at 128 and 256, on fwd_sm90_fp8.cu where `FLASHATTN_CUDA_FWD=sm90fp8`
+/// picks it (else fwd.cu), each checked against its kernel's bound.
+#[test]
+fn fp8_per_block_on_the_gpu() {
+    let dev = match CudaDevice::new(0) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("skipping the GPU FP8 per-block tests: {e}");
+            return;
+        }
+    };
+    let (mut ran, mut on_sm90) = (0, 0);
+    let list = [
+        (Fp8Format::E4M3, 64),
+        (Fp8Format::E5M2, 64),
+        (Fp8Format::E4M3, 128),
+        (Fp8Format::E4M3, 256),
+    ];
+    for (format, d) in list {
+        for c in block_cases(format, d) {
+            let built = c.build();
+            let opts = built.opts();
+            let [q, k, v] = [0, 1, 2].map(|t| upload(&dev, &built, t));
+            let cu = c.packed.then_some((&built.cu_q[..], &built.cu_k[..]));
+            let call = flashattn::AttnOptions {
+                cu_seqlens: cu,
+                descale: Some(built.descale()),
+                ..opts.clone()
+            };
+            let res = cuda::flash_attn_fp8(&dev, &q, &k, &v, &call)
+                .unwrap_or_else(|e| panic!("{c:?}: {e}"));
+            let out = AttnOutput {
+                out: res.out.to_host(&dev).expect("download out"),
+                lse: res.lse.to_host(&dev).expect("download lse"),
+            };
+            let key = cuda::fp8_kernel_key(&dev, [&q, &k, &v], &call).expect("accepted");
+            let what = format!("{c:?} on the GPU, {}", key.name());
+            if key.is_sm90() {
+                super::emulated::check_p_e4m3(&built, &out, &built.expected(&opts).0, &what);
+                on_sm90 += 1;
+            } else {
+                built.check_output(&out, &built.expected(&opts), &what);
+            }
+            ran += 1;
+        }
+    }
+    eprintln!(
+        "{ran} per-block FP8 forward cases on {} ({on_sm90} on fwd_sm90_fp8.cu)",
+        dev.name()
+    );
+}

@@ -62,6 +62,9 @@ struct Case {
     alibi: bool,
     /// One descale factor per (sequence, kv head) instead of one per tensor.
     per_head: bool,
+    /// One descale factor per 128-row block of each (sequence, head) of q and (sequence, kv
+    /// head) of k and v (`Descale::per_block`; overrides `per_head`).
+    per_block: bool,
     /// Dequantised q and k this large (scores in the hundreds).
     huge: bool,
     /// q padded between heads and k stored head-major (`[b, heads_kv, s, d]`), as strided views.
@@ -95,6 +98,7 @@ impl Case {
             softcap: None,
             alibi: false,
             per_head: true,
+            per_block: false,
             huge: false,
             strided: false,
             dropout: 0.0,
@@ -141,8 +145,20 @@ impl Case {
         // Descale factors: the amax of the dequantised tensor over the format's max, with amax
         // drawn per (sequence, kv head) (never a power of two, so no product is trivially exact).
         let amax = |g: &mut ChaCha8Rng, base: f64| base * g.gen_range(0.55..1.9);
-        let draw_descale = |g: &mut ChaCha8Rng, base: f64| -> Vec<f32> {
-            let n = if self.per_head { b * hk } else { 1 };
+        // Per block: [b, heads, ceil(max len / 128)] (q) and [b, heads_kv, ...] (k, v).
+        let blocks = |lens: &[usize]| lens.iter().map(|l| l.div_ceil(128)).max().unwrap_or(0);
+        let (nbq, nbk) = (blocks(&self.lens_q), blocks(&self.lens_k));
+        let table_len = [b * h * nbq, b * hk * nbk, b * hk * nbk];
+        let mut tensor = 0;
+        let mut draw_descale = |g: &mut ChaCha8Rng, base: f64| -> Vec<f32> {
+            let n = if self.per_block {
+                table_len[tensor]
+            } else if self.per_head {
+                b * hk
+            } else {
+                1
+            };
+            tensor += 1;
             (0..n).map(|_| (amax(g, base) / fmax) as f32).collect()
         };
         let qk_base = if self.huge { 12.0 } else { 1.5 };
@@ -173,6 +189,14 @@ impl Case {
             seq_of(&self.lens_k),
             seq_of(&self.lens_k),
         ];
+        // Position of each token in its sequence, for the per-block descale.
+        let pos_of = |lens: &[usize]| -> Vec<usize> { lens.iter().flat_map(|&l| 0..l).collect() };
+        let pos = [
+            pos_of(&self.lens_q),
+            pos_of(&self.lens_k),
+            pos_of(&self.lens_k),
+        ];
+        let nblocks = [nbq, nbk, nbk];
         let heads = [h, hk, hk];
         let group = h / hk;
         let mut deq_f32: [Vec<f32>; 3] = Default::default();
@@ -185,7 +209,9 @@ impl Case {
             let f = |i: usize| {
                 let (tok, head) = (i / (nh * d), i / d % nh);
                 let hk_of = if t == 0 { head / group } else { head };
-                let s = descale[t][if self.per_head {
+                let s = descale[t][if self.per_block {
+                    (seqs[t][tok] * nh + head) * nblocks[t] + pos[t][tok] / 128
+                } else if self.per_head {
                     seqs[t][tok] * hk + hk_of
                 } else {
                     0
@@ -278,10 +304,15 @@ impl Built {
     }
 
     fn descale(&self) -> Descale<'_> {
-        Descale::default()
+        let d = Descale::default()
             .q(&self.descale[0])
             .k(&self.descale[1])
-            .v(&self.descale[2])
+            .v(&self.descale[2]);
+        if self.case.per_block {
+            d.per_block()
+        } else {
+            d
+        }
     }
 
     fn flash(&self, opts: &AttnOptions) -> flashattn::Result<AttnOutput> {
@@ -451,6 +482,20 @@ fn cases(format: Fp8Format) -> Vec<Case> {
         (c.packed, c.causal, c.seed) = (true, causal, 9 + i as u64);
         out.push(c);
     }
+    // Per-block factors (FlashAttention-3's block quantisation): more than one 128-row block of
+    // q and k, GQA, scores in the hundreds with a softcap; causal with ALiBi; packed sequences
+    // whose blocks count from each one's first row (an empty one included).
+    let mut c = Case::new(format, 2, 200, 300, (4, 2), 64);
+    (c.per_block, c.huge, c.softcap, c.seed) = (true, true, Some(40.0), 15);
+    out.push(c);
+    let mut c = Case::new(format, 1, 260, 140, (3, 1), 40);
+    (c.per_block, c.causal, c.alibi, c.seed) = (true, true, true, 16);
+    out.push(c);
+    let mut c = Case::new(format, 1, 1, 1, (4, 2), 32);
+    c.lens_q = vec![5, 0, 200, 133];
+    c.lens_k = vec![130, 9, 260, 33];
+    (c.packed, c.per_block, c.causal, c.seed) = (true, true, true, 17);
+    out.push(c);
     // Learnable sinks: causal with seqlen_q > seqlen_k (rows with no key), and packed.
     let mut c = Case::new(format, 2, 50, 31, (8, 2), 64);
     (c.sink, c.causal, c.seed) = (true, true, 13);
@@ -459,6 +504,28 @@ fn cases(format: Fp8Format) -> Vec<Case> {
     c.lens_q = vec![9, 40];
     c.lens_k = vec![3, 41];
     (c.packed, c.sink, c.causal, c.seed) = (true, true, true, 14);
+    out.push(c);
+    out
+}
+
+/// Per-block cases for the CUDA kernels (head_dim `d`): more than one 128-row block of q and of
+/// k, factors drawn per block (0.55 to 1.9 times a base: a neighbour block's factor is off by up
+/// to 3.5x) and scores in the hundreds, so a score or P·V product scaled by another block's
+/// factor shows; packed, causal, with blocks counted from each sequence's first row (an empty
+/// sequence between); GQA with softcap and a window.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // used by the CUDA cases
+fn block_cases(format: Fp8Format, d: usize) -> Vec<Case> {
+    let mut out = Vec::new();
+    let mut c = Case::new(format, 1, 150, 260, (2, 1), d);
+    (c.per_block, c.huge, c.seed) = (true, true, 41);
+    out.push(c);
+    let mut c = Case::new(format, 1, 1, 1, (2, 1), d);
+    c.lens_q = vec![130, 0, 40];
+    c.lens_k = vec![200, 5, 140];
+    (c.packed, c.per_block, c.huge, c.causal, c.seed) = (true, true, true, true, 42);
+    out.push(c);
+    let mut c = Case::new(format, 2, 129, 140, (4, 2), d);
+    (c.per_block, c.huge, c.softcap, c.window, c.seed) = (true, true, Some(30.0), (150, 20), 43);
     out.push(c);
     out
 }
@@ -603,6 +670,54 @@ fn rejects_bad_input_with(call: Call) {
             other => panic!("descale {bad}: {other:?}"),
         }
     }
+    // Per-block tables: [batch, heads, q_blocks] = [2, 4, 1] for q, [2, 2, 1] for k and v.
+    assert!(matches!(
+        err(Descale::default().q(&three).per_block()),
+        ErrorKind::DescaleBlockLength {
+            tensor: "q_descale",
+            got: 3,
+            expected: 8,
+            batch: 2,
+            heads: 4,
+            blocks: 1
+        }
+    ));
+    let one = [1.0f32];
+    assert!(matches!(
+        err(Descale::default().v(&one).per_block()),
+        ErrorKind::DescaleBlockLength {
+            tensor: "v_descale",
+            got: 1,
+            expected: 4,
+            heads: 2,
+            ..
+        }
+    ));
+    for bad in [0.0f32, -2.0, f32::NAN, f32::NEG_INFINITY] {
+        let d = [1.0, 2.0, 0.5, bad];
+        match err(Descale::default().k(&d).per_block()) {
+            ErrorKind::DescaleValue {
+                tensor: "k_descale",
+                index: 3,
+                value,
+            } => assert!(value.to_bits() == bad.to_bits()),
+            other => panic!("per-block descale {bad}: {other:?}"),
+        }
+    }
+    // Per block, the extreme products are checked as the folded factors are.
+    let (big, tiny) = ([1e30f32; 8], [1e-30f32; 4]);
+    assert!(matches!(
+        err(Descale::default().q(&big).k(&[1e30f32; 4]).per_block()),
+        ErrorKind::Scale { .. }
+    ));
+    assert!(matches!(
+        err(Descale::default().q(&[1e-30f32; 8]).k(&tiny).per_block()),
+        ErrorKind::Scale { .. }
+    ));
+    assert!(matches!(
+        err(Descale::default().v(&[1e36f32; 4]).per_block()),
+        ErrorKind::DescaleRange { .. }
+    ));
     // Finite factors whose product with the softmax scale overflows f32.
     let big = [1e30f32];
     assert!(matches!(
@@ -676,4 +791,98 @@ fn rejects_bad_input_with(call: Call) {
         matches!(e.kind(), ErrorKind::Rank { tensor: "q", .. }),
         "{e}"
     );
+}
+
+/// Per-block tables: entries past a shorter sequence's last block are padding, never read nor
+/// checked (NaN there changes nothing); decode calls refuse per-block factors.
+#[test]
+fn per_block_padding_and_decode() {
+    let mut c = Case::new(Fp8Format::E4M3, 1, 1, 1, (4, 2), 32);
+    c.lens_q = vec![5, 130];
+    c.lens_k = vec![140, 7];
+    (c.packed, c.per_block, c.seed) = (true, true, 18);
+    let built = c.build();
+    let opts = built.opts();
+    let plain = built.flash(&opts).unwrap();
+    // q: [2, 4, 2], sequence 0's second block is padding; k, v: [2, 2, 2], sequence 1's.
+    let mut dq = built.descale[0].clone();
+    let (mut dk, mut dv) = (built.descale[1].clone(), built.descale[2].clone());
+    for h in 0..4 {
+        dq[h * 2 + 1] = f32::NAN;
+    }
+    for h in 0..2 {
+        dk[(2 + h) * 2 + 1] = -1.0;
+        dv[(2 + h) * 2 + 1] = 0.0;
+    }
+    let [q, k, v] = [0, 1, 2].map(|t| built.raw[t].view(&built.layouts[t].0, &built.layouts[t].1));
+    let padded = flash_attn_fp8(
+        &q,
+        &k,
+        &v,
+        &opts
+            .clone()
+            .varlen(&built.cu_q, &built.cu_k)
+            .descale(Descale::default().q(&dq).k(&dk).v(&dv).per_block()),
+    )
+    .unwrap();
+    assert_bit_identical(&plain, &padded, "per-block padding");
+    // The `_into` form writes the same bits into NaN-poisoned buffers.
+    let mut out = vec![bf16::NAN; plain.out.shape().iter().product()];
+    let mut lse = vec![f32::NAN; plain.lse.shape().iter().product()];
+    flashattn::fp8::flash_attn_fp8_into(
+        &q,
+        &k,
+        &v,
+        &opts
+            .clone()
+            .varlen(&built.cu_q, &built.cu_k)
+            .descale(built.descale()),
+        flashattn::OutBuffers {
+            out: flashattn::SliceMut::BF16(&mut out),
+            lse: &mut lse,
+        },
+    )
+    .unwrap();
+    let bits = |x: Vec<f32>| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    let got: Vec<f32> = out.iter().map(|x| x.to_f32()).collect();
+    assert_eq!(
+        bits(got),
+        bits(plain.out.to_f32_vec()),
+        "per-block into: out"
+    );
+    assert_eq!(
+        bits(lse),
+        bits(plain.lse.to_f32_vec()),
+        "per-block into: lse"
+    );
+    // The range checks read the entries rows use, not padding: q factors of 1e-38 with k factors
+    // of 1e35 make products near 1e-3 (a padding 1 beside them would make 1e-38 · 1e35 · 1 reach
+    // past f32 through head_dim and the format's max, or 1e-38 · 1 underflow).
+    let tiny_q = vec![1e-38f32; dq.len()];
+    let big_k = vec![1e35f32; dk.len()];
+    let ok = flash_attn_fp8(
+        &q,
+        &k,
+        &v,
+        &opts
+            .clone()
+            .varlen(&built.cu_q, &built.cu_k)
+            .descale(Descale::default().q(&tiny_q).k(&big_k).per_block()),
+    );
+    assert!(ok.is_ok(), "{:?}", ok.err());
+    // Decode on FP8 caches keeps per-(sequence, kv head) factors.
+    let mut kc = vec![F8E4M3::from_f32(0.0); 16 * 2 * 8];
+    let mut vc = kc.clone();
+    let qd = vec![0.1f32; 4 * 8];
+    let ones = [1.0f32; 2];
+    let e = flashattn::fp8::flash_attn_with_kvcache_fp8(
+        &TensorRef::contiguous(&qd, &[1, 1, 4, 8]),
+        &mut flashattn::fp8::Fp8TensorMut::contiguous(&mut kc, &[1, 16, 2, 8]),
+        &mut flashattn::fp8::Fp8TensorMut::contiguous(&mut vc, &[1, 16, 2, 8]),
+        &[4],
+        &flashattn::KvCacheOptions::default()
+            .descale(Descale::default().k(&ones).v(&ones).per_block()),
+    )
+    .unwrap_err();
+    assert!(matches!(e.kind(), ErrorKind::DescalePerBlock { .. }), "{e}");
 }
