@@ -17,11 +17,8 @@
 //                by ordinary loads and byte stores while the next block's K tile is in flight;
 //                two Vᵀ buffers, so that block n's is written while P·V of block n - 1 may still
 //                read the other (SM90_OVERLAP).
-// The P fragment: a thread's S accumulators hold, per 32 keys, keys {0, 1, 8, 9, 16, 17, 24, 25}
-// + 2t of rows g and g + 8, while the 8-bit A fragment wants k positions 4t .. 4t + 3 and
-// 16 + 4t .. 16 + 4t + 3. Instead of exchanging registers (FlashAttention-3's
-// permute_Cregs_fp8), the contraction order is permuted: key κ of a 32-key group is stored at
-// k position kpos(κ) of the Vᵀ tile, the position its probability takes in the fragment.
+// The P fragment's key order (kpos), the one-byte SW128 addressing (sw128_b) and P rounded to
+// e4m3 (pack_p_e4m3) are sm90_fp8.cuh's, shared with fwd_sm90_ws.cu's FP8 mode.
 // The output is divided by 256 · row_sum and multiplied by v_descale; out is bf16, lse f32.
 // Per-block factors (params.cuh: FwdParams block_q): a warpgroup's 64 rows lie in one 128-row
 // query block, so its q factor is fixed; the score scale q · k factor (and softcap's cap_in) is
@@ -47,26 +44,13 @@
 #include "common.cuh"
 #include "sm90.cuh"
 #include "sm90_attn.cuh"
+#include "sm90_fp8.cuh"
 #ifndef SM90_OVERLAP
 #define SM90_OVERLAP 1
 #endif
 
 static_assert(HEAD_DIM % 128 == 0 && HEAD_DIM <= 256, "HEAD_DIM: whole 128-byte lines, at most 256");
 static_assert(BLOCK_N == 128 || BLOCK_N == 64, "BLOCK_N: at most one 128-byte line of Vᵀ");
-
-typedef unsigned char u8;
-
-// Byte offset of (row, col) in a SW128 tile of one-byte elements with `rows` rows: slabs of 128
-// columns, row r one 128-byte line, 16-byte chunk c at chunk position c ^ (r % 8).
-__device__ __forceinline__ int sw128_b(int row, int col, int rows) {
-    return (col >> 7) * rows * 128 + row * 128 + ((((col >> 4) & 7) ^ (row & 7)) << 4) + (col & 15);
-}
-
-// The k position of key κ (0 .. 31) of a 32-key group in the P fragment (see the top).
-__device__ __forceinline__ int kpos(int key) {
-    const int half = key >> 4, q = (key >> 3) & 1, c = key & 7;
-    return 16 * half + 4 * (c >> 1) + 2 * q + (c & 1);
-}
 
 // Loads ROWS rows of HEAD_DIM bytes into the SW128 tile at `tile`, 16 bytes per cp.async; rows at
 // or past `row_end` and columns at or past `head_dim` become 0.
@@ -103,32 +87,6 @@ __device__ __forceinline__ void load_vt(u8* vt, const u8* src, i64 row_stride, i
 #pragma unroll
         for (int i = 0; i < 16; ++i)
             vt[sw128_b(col + i, kc, HEAD_DIM)] = (u8)(w[i >> 2] >> (8 * (i & 3)));
-    }
-}
-
-// Four floats rounded to e4m3 (nearest even, saturating) in one word, x0 in the lowest byte.
-__device__ __forceinline__ u32 pack4_e4m3(float x0, float x1, float x2, float x3) {
-#ifdef FA_HOST_EMULATION
-    return (u32)emu::float_to_e4m3(x0) | (u32)emu::float_to_e4m3(x1) << 8 |
-           (u32)emu::float_to_e4m3(x2) << 16 | (u32)emu::float_to_e4m3(x3) << 24;
-#else
-    unsigned short lo, hi;
-    // cvt ...e4m3x2.f32 d, a, b: a to the upper byte, b to the lower.
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(x1), "f"(x0));
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(x3), "f"(x2));
-    return (u32)lo | (u32)hi << 16;
-#endif
-}
-
-// The A fragment of k-step j (keys 32j .. 32j + 31) from the probabilities in s, times 256.
-__device__ __forceinline__ void pack_p_e4m3(u32 (&a)[4], const float (&s)[BLOCK_N / 8][4], int j) {
-    const float k = 256.f;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        a[r] = pack4_e4m3(s[4 * j][2 * r] * k, s[4 * j][2 * r + 1] * k, s[4 * j + 1][2 * r] * k,
-                          s[4 * j + 1][2 * r + 1] * k);
-        a[2 + r] = pack4_e4m3(s[4 * j + 2][2 * r] * k, s[4 * j + 2][2 * r + 1] * k,
-                              s[4 * j + 3][2 * r] * k, s[4 * j + 3][2 * r + 1] * k);
     }
 }
 

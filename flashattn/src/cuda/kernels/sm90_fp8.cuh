@@ -1,6 +1,6 @@
-// The e4m3 pieces of the warp-specialised sm_90a forward in its FP8 mode (fwd_sm90_ws.cu with
+// The e4m3 pieces of the sm_90a FP8 forwards (fwd_sm90_fp8.cu, and fwd_sm90_ws.cu with
 // FA_FP8_INPUT): one-byte SW128 addressing, the key order of the P fragment, and P rounded to
-// e4m3. fwd_sm90_fp8.cu has the same definitions (it keeps its own copies for now).
+// e4m3.
 //
 // The P fragment: a thread's S accumulators hold, per 32 keys, keys {0, 1, 8, 9, 16, 17, 24, 25}
 // + 2t of rows g and g + 8, while the 8-bit A fragment wants k positions 4t .. 4t + 3 and
