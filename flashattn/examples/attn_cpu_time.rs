@@ -12,29 +12,16 @@ use std::time::Instant;
 
 #[path = "common/timing.rs"]
 mod timing;
-use timing::values;
+use timing::{median, values, ShapeArgs};
 
 fn cpu_secs() -> f64 {
     timing::cpu_secs(libc::CLOCK_PROCESS_CPUTIME_ID)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let n: usize = args.first().and_then(|s| s.parse().ok()).unwrap_or(1024);
-    let d: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(64);
-    let causal = args.iter().any(|a| a == "causal");
-    let bwd = args.iter().any(|a| a == "bwd");
-    let nums: Vec<usize> = args[2.min(args.len())..]
-        .iter()
-        .filter_map(|s| s.parse().ok())
-        .collect();
-    let threads = nums.first().copied().unwrap_or(2);
-    let reps = nums.get(1).copied().unwrap_or(5);
+    let args = ShapeArgs::from_env();
+    let (n, d, threads, reps) = (args.n, args.d, args.threads, args.reps);
+    let (causal, bwd) = (args.has("causal"), args.has("bwd"));
     let heads = 16;
     let shape = [1, n, heads, d];
     let strides = [n * heads * d, heads * d, d, 1];

@@ -7,7 +7,6 @@
 use flashattn::{flash_attn, AttnOptions, TensorRef};
 
 #[path = "common/timing.rs"]
-#[allow(dead_code)] // values only
 mod timing;
 use timing::values;
 

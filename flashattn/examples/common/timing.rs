@@ -1,4 +1,6 @@
-//! Shared by the timing examples: CPU-time clocks and seeded input values.
+//! Shared by the timing examples: CPU-time clocks, seeded input values, medians and the shape
+//! arguments; each example uses a part of it.
+#![allow(dead_code)]
 
 /// Seconds of CPU time on `clock` (`libc::CLOCK_PROCESS_CPUTIME_ID` or
 /// `libc::CLOCK_THREAD_CPUTIME_ID`).
@@ -22,4 +24,45 @@ pub fn values(len: usize, seed: u32) -> Vec<f32> {
             (s >> 8) as f32 / (1u32 << 23) as f32 - 1.0
         })
         .collect()
+}
+
+/// The median of `v` (the upper one of an even count).
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// The arguments the CPU-time examples share: `N D [words...] [THREADS] [REPS]`, the words
+/// (`causal`, `bwd`, `bf16`) anywhere after N and D.
+pub struct ShapeArgs {
+    pub n: usize,
+    pub d: usize,
+    pub threads: usize,
+    pub reps: usize,
+    words: Vec<String>,
+}
+
+impl ShapeArgs {
+    /// From the process's arguments: N (default 1024), D (64), THREADS (2), REPS (5).
+    pub fn from_env() -> ShapeArgs {
+        let args: Vec<String> = std::env::args().skip(1).collect();
+        let n = args.first().and_then(|s| s.parse().ok()).unwrap_or(1024);
+        let d = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(64);
+        let nums: Vec<usize> = args[2.min(args.len())..]
+            .iter()
+            .filter_map(|s| s.parse().ok())
+            .collect();
+        ShapeArgs {
+            n,
+            d,
+            threads: nums.first().copied().unwrap_or(2),
+            reps: nums.get(1).copied().unwrap_or(5),
+            words: args,
+        }
+    }
+
+    /// Whether `word` was given.
+    pub fn has(&self, word: &str) -> bool {
+        self.words.iter().any(|a| a == word)
+    }
 }
