@@ -226,14 +226,15 @@ __device__ __forceinline__ void dq_scores(float (&s)[N / 8][4], const float (&dp
     }
 }
 
-// Writes this thread's two rows (row_ptr[r], null when past the end) of accumulators, the pairs
-// of columns 8·dt + 2t; with VEC_LOAD (head_dim a multiple of 8: a pair is wholly inside the row
-// or past it) as one 4-byte store.
+// Writes this thread's two rows (row_ptr[r], null when past the end) of accumulators rounded to
+// the input type (f16 / bf16: u16, bwd.cu's elem_t), the pairs of columns 8·dt + 2t; with
+// VEC_LOAD (head_dim a multiple of 8: a pair is wholly inside the row or past it) as one 4-byte
+// store.
 __device__ __forceinline__ void store_rows(const float (&acc)[HEAD_DIM / 8][4],
-                                           elem_t* const row_ptr[2], int t, int head_dim) {
+                                           u16* const row_ptr[2], int t, int head_dim) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        elem_t* o = row_ptr[r];
+        u16* o = row_ptr[r];
         if (o == nullptr) continue;
 #pragma unroll
         for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
@@ -251,9 +252,9 @@ __device__ __forceinline__ void store_rows(const float (&acc)[HEAD_DIM / 8][4],
 
 // bwd_dq's epilogue: this thread's rows of dQ (those inside the sequence).
 __device__ __forceinline__ void store_dq(const float (&acc)[HEAD_DIM / 8][4], const BwdRows& rows,
-                                         const BwdSeq& seq, elem_t* dq, const BwdParams& p, int h,
+                                         const BwdSeq& seq, u16* dq, const BwdParams& p, int h,
                                          int t) {
-    elem_t* out[2];
+    u16* out[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r)
         out[r] = rows.row_i[r] < seq.seqlen_q
@@ -265,9 +266,9 @@ __device__ __forceinline__ void store_dq(const float (&acc)[HEAD_DIM / 8][4], co
 // bwd_dkdv's epilogue: this thread's keys' rows of dK and dV (those inside the sequence).
 __device__ __forceinline__ void store_dkdv(const float (&acc_k)[HEAD_DIM / 8][4],
                                            const float (&acc_v)[HEAD_DIM / 8][4],
-                                           const int (&key_j)[2], const BwdSeq& seq, elem_t* dk,
-                                           elem_t* dv, const BwdParams& p, int hk, int t) {
-    elem_t* out[2];
+                                           const int (&key_j)[2], const BwdSeq& seq, u16* dk,
+                                           u16* dv, const BwdParams& p, int hk, int t) {
+    u16* out[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r)
         out[r] = key_j[r] < seq.seqlen_k
