@@ -345,27 +345,8 @@ bwd_dkdv(const __grid_constant__ BwdParams p) {
 #define TC_KV_N 64   // bwd_dkdv: keys per CTA (16 per warp)
 #define TC_KV_M 32   // bwd_dkdv: query rows per step
 static_assert(HEAD_DIM <= 128, "the tensor-core backward keeps two HEAD_DIM accumulators per warp");
-
-// Writes this thread's two rows (row_ptr[r], null when past the end) of accumulators.
-__device__ __forceinline__ void store_rows(const float (&acc)[HEAD_DIM / 8][4], elem_t* const row_ptr[2],
-                                           int t, int head_dim) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        elem_t* o = row_ptr[r];
-        if (o == nullptr) continue;
-#pragma unroll
-        for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
-            const int col = dt * 8 + 2 * t;
-            const float x0 = acc[dt][2 * r], x1 = acc[dt][2 * r + 1];
-#if VEC_LOAD
-            if (col < head_dim) *reinterpret_cast<u32*>(o + col) = pack2(x0, x1);
-#else
-            if (col < head_dim) o[col] = from_f32(x0);
-            if (col + 1 < head_dim) o[col + 1] = from_f32(x1);
-#endif
-        }
-    }
-}
+// The elementwise steps, the row bookkeeping and the stores are bwd_common.cuh's, shared with
+// bwd_sm90.cu.
 #endif  // BWD_TENSOR_CORES && FA_BWD_ENTRY != 1
 
 #if BWD_TENSOR_CORES && (FA_BWD_ENTRY == 2 || FA_BWD_ENTRY == 0)
@@ -402,8 +383,8 @@ bwd_dq(const __grid_constant__ BwdParams p) {
     const u16* v_g = v + seq.v_base + hk * p.v_head_stride;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 
-    const int lo = mask.lo(m0), hi = mask.hi(m_end - 1);
-    const int nb_min = lo / TC_DQ_N, nb_max = hi > lo ? (hi + TC_DQ_N - 1) / TC_DQ_N : nb_min;
+    int nb_min, nb_max;
+    bwd_key_blocks<TC_DQ_N>(mask, m0, m_end, nb_min, nb_max);
     load_tile<TC_DQ_M>(q_tile, q_g, p.q_row_stride, m0, seq.seqlen_q, p.head_dim);
     load_tile<TC_DQ_M>(do_tile, do_g, p.dout_row_stride, m0, seq.seqlen_q, p.head_dim);
     cp_async_commit();
@@ -414,20 +395,10 @@ bwd_dq(const __grid_constant__ BwdParams p) {
     cp_async_commit();
 
     // This thread's rows warp * 16 + g and + 8: the mask, the LSE and dsum of each.
-    int row_i[2], row_lo[2], row_hi[2];
-    float row_lse2[2], row_dsum[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        row_i[r] = m0 + warp * 16 + g + 8 * r;
-        row_lo[r] = mask.lo(row_i[r]);
-        row_hi[r] = mask.hi(row_i[r]);
-        const i64 w = seq.lse_base + h * p.lse_head_stride + min(row_i[r], m_end - 1);
-        row_lse2[r] = lse2[w];
-        row_dsum[r] = dsum[w];
-    }
+    const BwdRows rows(m0 + warp * 16 + g, m_end, mask, lse2, dsum,
+                       seq.lse_base + h * p.lse_head_stride);
     float acc[HEAD_DIM / 8][4];
-#pragma unroll
-    for (int i = 0; i < HEAD_DIM / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    acc_zero(acc);
 
     for (int nb = nb_min; nb < nb_max; ++nb) {
         const int buf = (nb - nb_min) & 1;
@@ -450,48 +421,13 @@ bwd_dq(const __grid_constant__ BwdParams p) {
         mma_abt<TC_DQ_N>(s, q_tile, k_tile, warp, lane);
         mma_abt<TC_DQ_N>(dp, do_tile, v_tile, warp, lane);
         const int n0 = nb * TC_DQ_N;
-        const bool need_mask =
-            n0 + TC_DQ_N > seq.seqlen_k ||
-            (IS_MASKED && !(mask.lo(m_end - 1) <= n0 && mask.hi(m0) >= n0 + TC_DQ_N));
-#pragma unroll
-        for (int nt = 0; nt < TC_DQ_N / 8; ++nt) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-#if HAS_DROPOUT
-                // Keys 2t, 2t+1 of the 8-key tile: words 2(t & 1), +1 of one Philox group.
-                u32 wd[4];
-                drop.words(wd, (n0 + nt * 8 + 2 * t) >> 2, row_i[r], h, b);
-#endif
-#pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const int e = 2 * r + c, j = n0 + nt * 8 + 2 * t + c;
-                    float deriv;
-                    const float x = mod.apply(s[nt][e], row_i[r], j, deriv);
-                    const bool vis =
-                        !need_mask || (j < seq.seqlen_k && j >= row_lo[r] && j < row_hi[r]);
-                    const float p = vis ? fa_exp2(x - row_lse2[r]) : 0.f;
-#if HAS_DROPOUT
-                    const float dpv =
-                        drop.kept(pick_word(wd, 2 * (t & 1) + c)) ? dp[nt][e] * drop.scale : 0.f;
-#else
-                    const float dpv = dp[nt][e];
-#endif
-                    s[nt][e] = p * (dpv - row_dsum[r]) * deriv;  // dS
-                }
-            }
-        }
+        const bool need_mask = dq_need_mask<TC_DQ_N>(mask, seq, m0, m_end, n0);
+        dq_scores<TC_DQ_N>(s, dp, mod, drop, rows, seq.seqlen_k, need_mask, n0, t, h, b);
         mma_xb<TC_DQ_N>(acc, s, k_tile, lane);
         __syncthreads();
     }
     cp_async_wait<0>();  // a CTA that saw no key block still has its tiles in flight
-
-    elem_t* rows[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-        rows[r] = row_i[r] < seq.seqlen_q
-                      ? dq + ((seq.out_row0 + row_i[r]) * p.heads + h) * (i64)p.head_dim
-                      : nullptr;
-    store_rows(acc, rows, t, p.head_dim);
+    store_dq(acc, rows, seq, dq, p, h, t);
 }
 #endif  // BWD_TENSOR_CORES && FA_BWD_ENTRY == 2
 
@@ -528,13 +464,9 @@ bwd_dkdv(const __grid_constant__ BwdParams p) {
     const Dropout drop{p.drop};
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 
-    // The query rows that may see keys n0..n_end: hi(i) > n0 from i_min on, lo(i) < n_end below
-    // i_max (lo and hi are non-decreasing in i).
-    const int i_min = p.window_right < 0 ? 0 : max(0, n0 - mask.offset - p.window_right);
-    const int i_max = p.window_left < 0 ? seq.seqlen_q
-                                      : min(seq.seqlen_q, n_end - mask.offset + p.window_left);
-    const int mb_min = i_min / TC_KV_M;
-    const int mb_count = i_max > i_min ? (i_max + TC_KV_M - 1) / TC_KV_M - mb_min : 0;
+    // The query blocks that may see keys n0..n_end.
+    const BwdQueryBlocks qb = bwd_query_blocks<TC_KV_M>(mask, p, seq.seqlen_q, n0, n_end);
+    const int mb_min = qb.mb_min, mb_count = qb.mb_count;
     const int steps = group * mb_count;  // (head, query block) pairs, head-major
 
     load_tile<TC_KV_N>(k_tile, k + seq.k_base + hk * p.k_head_stride, p.k_row_stride, n0, seq.seqlen_k,
@@ -549,13 +481,8 @@ bwd_dkdv(const __grid_constant__ BwdParams p) {
         load_tile<TC_KV_M>(do_tiles + buf * TC_KV_M * SMEM_ROW,
                            dout + seq.dout_base + h * p.dout_head_stride, p.dout_row_stride, m0,
                            seq.seqlen_q, p.head_dim);
-        if (threadIdx.x < 2 * TC_KV_M) {
-            // Rows past the sequence read its last row's (their entries are masked).
-            const int which = threadIdx.x / TC_KV_M, r = threadIdx.x % TC_KV_M;
-            const int i = min(m0 + r, seq.seqlen_q - 1);
-            cp_async4(smem_addr(stats + (2 * buf + which) * TC_KV_M + r),
-                      (which ? dsum : lse2) + seq.lse_base + h * p.lse_head_stride + i);
-        }
+        load_stats<TC_KV_M>(stats + 2 * buf * TC_KV_M, lse2, dsum,
+                            seq.lse_base + h * p.lse_head_stride, m0, seq.seqlen_q);
     };
     if (steps > 0) load_step(0, 0);
     cp_async_commit();
@@ -564,10 +491,8 @@ bwd_dkdv(const __grid_constant__ BwdParams p) {
     key_j[0] = n0 + warp * 16 + g;
     key_j[1] = key_j[0] + 8;
     float acc_k[HEAD_DIM / 8][4], acc_v[HEAD_DIM / 8][4];
-#pragma unroll
-    for (int i = 0; i < HEAD_DIM / 8; ++i)
-        acc_k[i][0] = acc_k[i][1] = acc_k[i][2] = acc_k[i][3] = acc_v[i][0] = acc_v[i][1] =
-            acc_v[i][2] = acc_v[i][3] = 0.f;
+    acc_zero(acc_k);
+    acc_zero(acc_v);
 
     for (int step = 0; step < steps; ++step) {
         const int buf = step & 1;
@@ -590,38 +515,9 @@ bwd_dkdv(const __grid_constant__ BwdParams p) {
         float st[TC_KV_M / 8][4], dpt[TC_KV_M / 8][4];
         mma_abt<TC_KV_M>(st, k_tile, q_tile, warp, lane);
         mma_abt<TC_KV_M>(dpt, v_tile, do_tile, warp, lane);
-        const bool need_mask =
-            n0 + TC_KV_N > seq.seqlen_k || m0 + TC_KV_M > seq.seqlen_q ||
-            (IS_MASKED && !(mask.lo(m_end - 1) <= n0 && mask.hi(m0) >= n0 + TC_KV_N));
-        const float* l2s = stats + 2 * buf * TC_KV_M;
-#pragma unroll
-        for (int nt = 0; nt < TC_KV_M / 8; ++nt) {
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const int i = m0 + nt * 8 + 2 * t + c;
-                const float l2 = l2s[nt * 8 + 2 * t + c], ds = l2s[TC_KV_M + nt * 8 + 2 * t + c];
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int e = 2 * r + c, j = key_j[r];
-                    float deriv;
-                    const float x = mod.apply(st[nt][e], i, j, deriv);
-                    const bool vis = !need_mask || (i < seq.seqlen_q && j < seq.seqlen_k &&
-                                                    j >= mask.lo(i) && j < mask.hi(i));
-                    const float p = vis ? fa_exp2(x - l2) : 0.f;
-#if HAS_DROPOUT
-                    // Key j's word of the Philox group (j / 4, row i); j % 4 = g % 4.
-                    u32 wd[4];
-                    drop.words(wd, j >> 2, i, h, b);
-                    const bool kept = drop.kept(pick_word(wd, g & 3));
-                    dpt[nt][e] = p * ((kept ? dpt[nt][e] * drop.scale : 0.f) - ds) * deriv;  // dSᵀ
-                    st[nt][e] = kept ? p * drop.scale : 0.f;                               // P̃ᵀ
-#else
-                    dpt[nt][e] = p * (dpt[nt][e] - ds) * deriv;  // dSᵀ
-                    st[nt][e] = p;                               // Pᵀ
-#endif
-                }
-            }
-        }
+        const bool need_mask = dkdv_need_mask<TC_KV_M, TC_KV_N>(mask, seq, m0, m_end, n0);
+        dkdv_scores<TC_KV_M>(st, dpt, mod, mask, drop, seq, need_mask, stats + 2 * buf * TC_KV_M,
+                             m0, key_j, g, t, h, b);
         // P̃ᵀ and dSᵀ rounded to the input type at once (half the registers through the products).
         u32 pa[TC_KV_M / 16][4], da[TC_KV_M / 16][4];
         pack_a<TC_KV_M>(pa, st);
@@ -631,17 +527,6 @@ bwd_dkdv(const __grid_constant__ BwdParams p) {
         __syncthreads();
     }
     cp_async_wait<0>();
-
-    elem_t* rows[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-        rows[r] = key_j[r] < seq.seqlen_k
-                      ? dk + ((seq.k_row0 + key_j[r]) * p.heads_kv + hk) * (i64)p.head_dim
-                      : nullptr;
-    store_rows(acc_k, rows, t, p.head_dim);
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-        if (rows[r] != nullptr) rows[r] = dv + (rows[r] - dk);
-    store_rows(acc_v, rows, t, p.head_dim);
+    store_dkdv(acc_k, acc_v, key_j, seq, dk, dv, p, hk, t);
 }
 #endif  // BWD_TENSOR_CORES && FA_BWD_ENTRY == 3

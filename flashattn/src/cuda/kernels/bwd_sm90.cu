@@ -65,23 +65,6 @@ __device__ __forceinline__ void load_tile_sw128(u16* tile, const u16* src, i64 r
     }
 }
 
-// Writes this thread's two rows (row_ptr[r], null when past the end) of accumulators, the pairs
-// of columns 8·dt + 2t (head_dim is a multiple of 8: a pair is wholly inside the row or past it).
-__device__ __forceinline__ void store_rows(const float (&acc)[HEAD_DIM / 8][4], u16* const row_ptr[2],
-                                           int t, int head_dim) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        u16* o = row_ptr[r];
-        if (o == nullptr) continue;
-#pragma unroll
-        for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
-            const int col = dt * 8 + 2 * t;
-            if (col < head_dim)
-                *reinterpret_cast<u32*>(o + col) = pack2(acc[dt][2 * r], acc[dt][2 * r + 1]);
-        }
-    }
-}
-
 // Tiles start 1024-byte aligned: the hardware's swizzle reads address bits 7-9 as the row.
 __device__ __forceinline__ u16* aligned_tiles(unsigned char* smem_raw) {
     return reinterpret_cast<u16*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
@@ -119,13 +102,9 @@ bwd_dkdv_sm90(const __grid_constant__ BwdParams p) {
     const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
 
-    // The query rows that may see keys n0..n_end: hi(i) > n0 from i_min on, lo(i) < n_end below
-    // i_max (lo and hi are non-decreasing in i).
-    const int i_min = p.window_right < 0 ? 0 : max(0, n0 - mask.offset - p.window_right);
-    const int i_max = p.window_left < 0 ? seq.seqlen_q
-                                      : min(seq.seqlen_q, n_end - mask.offset + p.window_left);
-    const int mb_min = i_min / KV_BLOCK_M;
-    const int mb_count = i_max > i_min ? (i_max + KV_BLOCK_M - 1) / KV_BLOCK_M - mb_min : 0;
+    // The query blocks that may see keys n0..n_end.
+    const BwdQueryBlocks qb = bwd_query_blocks<KV_BLOCK_M>(mask, p, seq.seqlen_q, n0, n_end);
+    const int mb_min = qb.mb_min, mb_count = qb.mb_count;
     const int steps = group * mb_count;  // (head, query block) pairs, head-major
 
     load_tile_sw128<KV_N>(k_tile, k + seq.k_base + hk * p.k_head_stride, p.k_row_stride, n0,
@@ -141,13 +120,8 @@ bwd_dkdv_sm90(const __grid_constant__ BwdParams p) {
         load_tile_sw128<KV_BLOCK_M>(do_tiles + buf * KV_BLOCK_M * HEAD_DIM,
                                     dout + seq.dout_base + h * p.dout_head_stride,
                                     p.dout_row_stride, m0, seq.seqlen_q, p.head_dim);
-        if (threadIdx.x < 2 * KV_BLOCK_M) {
-            // Rows past the sequence read its last row's (their entries are masked).
-            const int which = threadIdx.x / KV_BLOCK_M, r = threadIdx.x % KV_BLOCK_M;
-            const int i = min(m0 + r, seq.seqlen_q - 1);
-            cp_async4(smem_addr(stats + (2 * buf + which) * KV_BLOCK_M + r),
-                      (which ? dsum : lse2) + seq.lse_base + h * p.lse_head_stride + i);
-        }
+        load_stats<KV_BLOCK_M>(stats + 2 * buf * KV_BLOCK_M, lse2, dsum,
+                               seq.lse_base + h * p.lse_head_stride, m0, seq.seqlen_q);
     };
     if (steps > 0) load_step(0, 0);
     cp_async_commit();
@@ -157,10 +131,8 @@ bwd_dkdv_sm90(const __grid_constant__ BwdParams p) {
     key_j[0] = n0 + 64 * wg + 16 * warp + g;
     key_j[1] = key_j[0] + 8;
     float acc_k[HEAD_DIM / 8][4], acc_v[HEAD_DIM / 8][4];
-#pragma unroll
-    for (int i = 0; i < HEAD_DIM / 8; ++i)
-        acc_k[i][0] = acc_k[i][1] = acc_k[i][2] = acc_k[i][3] = acc_v[i][0] = acc_v[i][1] =
-            acc_v[i][2] = acc_v[i][3] = 0.f;
+    acc_zero(acc_k);
+    acc_zero(acc_v);
     const u32 k_addr = smem_addr(k_tile), v_addr = smem_addr(v_tile);
 
     for (int step = 0; step < steps; ++step) {
@@ -198,38 +170,9 @@ bwd_dkdv_sm90(const __grid_constant__ BwdParams p) {
         reg_fence_all(st);
         reg_fence_all(dpt);
 
-        const bool need_mask =
-            n0 + KV_N > seq.seqlen_k || m0 + KV_BLOCK_M > seq.seqlen_q ||
-            (IS_MASKED && !(mask.lo(m_end - 1) <= n0 && mask.hi(m0) >= n0 + KV_N));
-        const float* l2s = stats + 2 * buf * KV_BLOCK_M;
-#pragma unroll
-        for (int nt = 0; nt < KV_BLOCK_M / 8; ++nt) {
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const int i = m0 + nt * 8 + 2 * t + c;
-                const float l2 = l2s[nt * 8 + 2 * t + c], ds = l2s[KV_BLOCK_M + nt * 8 + 2 * t + c];
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int e = 2 * r + c, j = key_j[r];
-                    float deriv;
-                    const float x = mod.apply(st[nt][e], i, j, deriv);
-                    const bool vis = !need_mask || (i < seq.seqlen_q && j < seq.seqlen_k &&
-                                                    j >= mask.lo(i) && j < mask.hi(i));
-                    const float pr = vis ? fa_exp2(x - l2) : 0.f;
-#if HAS_DROPOUT
-                    // Key j's word of the Philox group (j / 4, row i); j % 4 = g % 4.
-                    u32 wd[4];
-                    drop.words(wd, j >> 2, i, h, b);
-                    const bool kept = drop.kept(pick_word(wd, g & 3));
-                    dpt[nt][e] = pr * ((kept ? dpt[nt][e] * drop.scale : 0.f) - ds) * deriv;  // dSᵀ
-                    st[nt][e] = kept ? pr * drop.scale : 0.f;                                // P̃ᵀ
-#else
-                    dpt[nt][e] = pr * (dpt[nt][e] - ds) * deriv;  // dSᵀ
-                    st[nt][e] = pr;                               // Pᵀ
-#endif
-                }
-            }
-        }
+        const bool need_mask = dkdv_need_mask<KV_BLOCK_M, KV_N>(mask, seq, m0, m_end, n0);
+        dkdv_scores<KV_BLOCK_M>(st, dpt, mod, mask, drop, seq, need_mask,
+                                stats + 2 * buf * KV_BLOCK_M, m0, key_j, g, t, h, b);
         // P̃ᵀ and dSᵀ rounded to the input type as the A fragments of the two RS products: k-step
         // j covers the step's query rows 16j .. 16j + 15, the rows of dO and Q read MN-major.
         u32 pa[KV_BLOCK_M / 16][4], da[KV_BLOCK_M / 16][4];
@@ -251,18 +194,7 @@ bwd_dkdv_sm90(const __grid_constant__ BwdParams p) {
         __syncthreads();  // every warpgroup is done with this step's q and dO buffers
     }
     cp_async_wait<0>();  // a CTA that saw no query block still has its tiles in flight
-
-    u16* rows[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-        rows[r] = key_j[r] < seq.seqlen_k
-                      ? dk + ((seq.k_row0 + key_j[r]) * p.heads_kv + hk) * (i64)p.head_dim
-                      : nullptr;
-    store_rows(acc_k, rows, t, p.head_dim);
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-        if (rows[r] != nullptr) rows[r] = dv + (rows[r] - dk);
-    store_rows(acc_v, rows, t, p.head_dim);
+    store_dkdv(acc_k, acc_v, key_j, seq, dk, dv, p, hk, t);
 }
 #endif  // BWD_SM90_ENTRY == 3
 
@@ -301,8 +233,8 @@ bwd_dq_sm90(const __grid_constant__ BwdParams p) {
     const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
 
-    const int lo = mask.lo(m0), hi = mask.hi(m_end - 1);
-    const int nb_min = lo / DQ_BLOCK_N, nb_max = hi > lo ? (hi + DQ_BLOCK_N - 1) / DQ_BLOCK_N : nb_min;
+    int nb_min, nb_max;
+    bwd_key_blocks<DQ_BLOCK_N>(mask, m0, m_end, nb_min, nb_max);
     load_tile_sw128<DQ_M>(q_tile, q_g, p.q_row_stride, m0, seq.seqlen_q, p.head_dim);
     load_tile_sw128<DQ_M>(do_tile, do_g, p.dout_row_stride, m0, seq.seqlen_q, p.head_dim);
     cp_async_commit();
@@ -315,20 +247,10 @@ bwd_dq_sm90(const __grid_constant__ BwdParams p) {
     cp_async_commit();
 
     // This thread's rows 64·wg + 16·warp + g and + 8: the mask, the LSE and dsum of each.
-    int row_i[2], row_lo[2], row_hi[2];
-    float row_lse2[2], row_dsum[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        row_i[r] = m0 + 64 * wg + 16 * warp + g + 8 * r;
-        row_lo[r] = mask.lo(row_i[r]);
-        row_hi[r] = mask.hi(row_i[r]);
-        const i64 w = seq.lse_base + h * p.lse_head_stride + min(row_i[r], m_end - 1);
-        row_lse2[r] = lse2[w];
-        row_dsum[r] = dsum[w];
-    }
+    const BwdRows rows(m0 + 64 * wg + 16 * warp + g, m_end, mask, lse2, dsum,
+                       seq.lse_base + h * p.lse_head_stride);
     float acc[HEAD_DIM / 8][4];
-#pragma unroll
-    for (int i = 0; i < HEAD_DIM / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    acc_zero(acc);
     const u32 q_addr = smem_addr(q_tile), do_addr = smem_addr(do_tile);
 
     for (int nb = nb_min; nb < nb_max; ++nb) {
@@ -367,36 +289,8 @@ bwd_dq_sm90(const __grid_constant__ BwdParams p) {
         reg_fence_all(dp);
 
         const int n0 = nb * DQ_BLOCK_N;
-        const bool need_mask =
-            n0 + DQ_BLOCK_N > seq.seqlen_k ||
-            (IS_MASKED && !(mask.lo(m_end - 1) <= n0 && mask.hi(m0) >= n0 + DQ_BLOCK_N));
-#pragma unroll
-        for (int nt = 0; nt < DQ_BLOCK_N / 8; ++nt) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-#if HAS_DROPOUT
-                // Keys 2t, 2t+1 of the 8-key tile: words 2(t & 1), +1 of one Philox group.
-                u32 wd[4];
-                drop.words(wd, (n0 + nt * 8 + 2 * t) >> 2, row_i[r], h, b);
-#endif
-#pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const int e = 2 * r + c, j = n0 + nt * 8 + 2 * t + c;
-                    float deriv;
-                    const float x = mod.apply(s[nt][e], row_i[r], j, deriv);
-                    const bool vis =
-                        !need_mask || (j < seq.seqlen_k && j >= row_lo[r] && j < row_hi[r]);
-                    const float pr = vis ? fa_exp2(x - row_lse2[r]) : 0.f;
-#if HAS_DROPOUT
-                    const float dpv =
-                        drop.kept(pick_word(wd, 2 * (t & 1) + c)) ? dp[nt][e] * drop.scale : 0.f;
-#else
-                    const float dpv = dp[nt][e];
-#endif
-                    s[nt][e] = pr * (dpv - row_dsum[r]) * deriv;  // dS
-                }
-            }
-        }
+        const bool need_mask = dq_need_mask<DQ_BLOCK_N>(mask, seq, m0, m_end, n0);
+        dq_scores<DQ_BLOCK_N>(s, dp, mod, drop, rows, seq.seqlen_k, need_mask, n0, t, h, b);
         // dQ += dS·K: k-step j covers keys 16j .. 16j + 15, the rows of K read MN-major.
         reg_fence_all(acc);
         wgmma_fence();
@@ -412,13 +306,6 @@ bwd_dq_sm90(const __grid_constant__ BwdParams p) {
         __syncthreads();  // every warpgroup is done with this K and V buffer
     }
     cp_async_wait<0>();  // a CTA that saw no key block still has its tiles in flight
-
-    u16* rows[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-        rows[r] = row_i[r] < seq.seqlen_q
-                      ? dq + ((seq.out_row0 + row_i[r]) * p.heads + h) * (i64)p.head_dim
-                      : nullptr;
-    store_rows(acc, rows, t, p.head_dim);
+    store_dq(acc, rows, seq, dq, p, h, t);
 }
 #endif  // BWD_SM90_ENTRY == 2
