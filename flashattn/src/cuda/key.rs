@@ -556,87 +556,51 @@ impl KernelKey {
     /// The `-D` defines of this variant.
     pub fn defines(&self) -> Vec<(&'static str, String)> {
         let flag = |b: bool| (b as u8).to_string();
-        if self.kind.is_sm90_backward() {
-            // bwd_sm90.cu: both kernels' tile sizes, so that one host-emulation build
-            // (BWD_SM90_ENTRY=0) runs either.
-            let dkdv = KernelKey {
-                kind: KernelKind::BackwardDkDvSm90,
-                ..*self
+        if self.kind.is_sm90_backward() || self.is_sm90() {
+            // The sm_90a kernels: whole-slab head_dim, the mask and modifiers, the element type
+            // (FP8 inputs write bf16), then each kernel's own defines.
+            let elem = if self.fp8 || self.dtype == DType::BF16 {
+                "FA_BF16"
+            } else {
+                "FA_F16"
             };
-            return vec![
+            let mut d = vec![
                 ("HEAD_DIM", self.smem_row().to_string()),
                 ("IS_MASKED", flag(self.masked)),
                 ("HAS_SOFTCAP", flag(self.softcap)),
                 ("HAS_ALIBI", flag(self.alibi)),
-                ("HAS_DROPOUT", flag(self.dropout)),
-                (
-                    if self.dtype == DType::BF16 {
-                        "FA_BF16"
-                    } else {
-                        "FA_F16"
-                    },
-                    "1".into(),
-                ),
-                ("NUM_WG", "2".into()),
-                ("KV_BLOCK_M", dkdv.sm90_bwd_rows().to_string()),
-                ("DQ_BLOCK_N", SM90_BWD_DQ_KEYS.to_string()),
-                (
-                    "BWD_SM90_ENTRY",
-                    if self.kind == KernelKind::BackwardDqSm90 {
-                        "2"
-                    } else {
-                        "3"
-                    }
-                    .into(),
-                ),
+                (elem, "1".into()),
             ];
-        }
-        if self.is_sm90() {
-            // fwd_sm90.cu / fwd_sm90_ws.cu: NUM_WG warpgroups compute (the warp-specialised one
-            // has a producer warpgroup beside them); each has its own experiment switch.
+            if self.kind.is_sm90_backward() {
+                // bwd_sm90.cu: both kernels' tile sizes, so that one host-emulation build
+                // (BWD_SM90_ENTRY=0) runs either.
+                let dkdv = KernelKey {
+                    kind: KernelKind::BackwardDkDvSm90,
+                    ..*self
+                };
+                let entry = if self.kind == KernelKind::BackwardDqSm90 {
+                    "2"
+                } else {
+                    "3"
+                };
+                d.extend([
+                    ("HAS_DROPOUT", flag(self.dropout)),
+                    ("NUM_WG", "2".into()),
+                    ("KV_BLOCK_M", dkdv.sm90_bwd_rows().to_string()),
+                    ("DQ_BLOCK_N", SM90_BWD_DQ_KEYS.to_string()),
+                    ("BWD_SM90_ENTRY", entry.into()),
+                ]);
+                return d;
+            }
+            // fwd_sm90.cu / fwd_sm90_ws.cu (16-bit or FP8 mode) / fwd_sm90_fp8.cu: NUM_WG
+            // warpgroups compute (the warp-specialised one has a producer warpgroup beside them);
+            // each has its own experiment switch.
             let t = self.tiles();
             let ws = self.kind == KernelKind::ForwardSm90Ws;
-            if self.fp8 && ws {
-                // fwd_sm90_ws.cu's FP8 mode: bf16 out, FP8 in, the pingpong switch.
-                return vec![
-                    ("HEAD_DIM", self.smem_row().to_string()),
-                    ("IS_MASKED", flag(self.masked)),
-                    ("HAS_SOFTCAP", flag(self.softcap)),
-                    ("HAS_ALIBI", flag(self.alibi)),
-                    ("FA_BF16", "1".into()),
-                    ("FA_FP8_INPUT", "1".into()),
-                    ("BLOCK_N", t.block_n.to_string()),
-                    ("NUM_WG", (t.num_warps / 4 - 1).to_string()),
-                    ("SM90_PINGPONG", flag(sm90_pingpong())),
-                ];
-            }
             if self.fp8 {
-                // fwd_sm90_fp8.cu: bf16 out, FP8 in, the overlap switch of fwd_sm90.cu.
-                return vec![
-                    ("HEAD_DIM", self.smem_row().to_string()),
-                    ("IS_MASKED", flag(self.masked)),
-                    ("HAS_SOFTCAP", flag(self.softcap)),
-                    ("HAS_ALIBI", flag(self.alibi)),
-                    ("FA_BF16", "1".into()),
-                    ("FA_FP8_INPUT", "1".into()),
-                    ("BLOCK_N", t.block_n.to_string()),
-                    ("NUM_WG", (t.num_warps / 4).to_string()),
-                    ("SM90_OVERLAP", flag(sm90_overlap())),
-                ];
+                d.push(("FA_FP8_INPUT", "1".into()));
             }
-            return vec![
-                ("HEAD_DIM", self.smem_row().to_string()),
-                ("IS_MASKED", flag(self.masked)),
-                ("HAS_SOFTCAP", flag(self.softcap)),
-                ("HAS_ALIBI", flag(self.alibi)),
-                (
-                    if self.dtype == DType::BF16 {
-                        "FA_BF16"
-                    } else {
-                        "FA_F16"
-                    },
-                    "1".into(),
-                ),
+            d.extend([
                 ("BLOCK_N", t.block_n.to_string()),
                 ("NUM_WG", (t.num_warps / 4 - ws as usize).to_string()),
                 if ws {
@@ -644,7 +608,8 @@ impl KernelKey {
                 } else {
                     ("SM90_OVERLAP", flag(sm90_overlap()))
                 },
-            ];
+            ]);
+            return d;
         }
         let mut d = vec![
             ("HEAD_DIM", self.head_dim.to_string()),
