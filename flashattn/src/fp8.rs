@@ -49,7 +49,7 @@ use crate::output::{AttnOutput, OutBuffers};
 use crate::params::AttnOptions;
 use crate::params::{self, BlockDescales, Descales, Params};
 use crate::tensor::{
-    contiguous_strides, Buffer, DType, SliceMut, Tensor, TensorRef, ViewDesc, ViewInfo,
+    contiguous_strides, Buffer, DType, Element, SliceMut, Tensor, TensorRef, ViewDesc, ViewInfo,
 };
 pub use float8::{F8E4M3, F8E5M2};
 use half::bf16;
@@ -332,15 +332,19 @@ pub(crate) fn validate_forward<V: Fp8View>(
     Ok(p)
 }
 
-/// Contiguous bf16 copies of q, k and v: what the forward reads without a bf16 dot product (the
-/// f32 products).
-struct Widened {
-    q: Vec<bf16>,
-    k: Vec<bf16>,
-    v: Vec<bf16>,
+/// Contiguous copies of FP8 q, k and v in a wider element type: bf16 (`Widened`: what the forward
+/// reads without a bf16 dot product, the f32 products) or f32 (`Dequantized`: with per-block
+/// factors applied).
+struct QkvCopies<T> {
+    q: Vec<T>,
+    k: Vec<T>,
+    v: Vec<T>,
 }
 
-impl Widened {
+type Widened = QkvCopies<bf16>;
+type Dequantized = QkvCopies<f32>;
+
+impl<T: Element> QkvCopies<T> {
     /// The copies as views of the shapes of `qkv`.
     fn views<'a>(&'a self, [q, k, v]: [&Fp8TensorRef; 3]) -> [TensorRef<'a>; 3] {
         [
@@ -728,23 +732,6 @@ fn dequantize_qkv(
     opts.descale = None;
     let p = params::layout(&qv, &kv, &vv, &opts)?;
     Ok((copies, p))
-}
-
-/// Contiguous f32 copies of q, k and v, dequantised.
-struct Dequantized {
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-}
-
-impl Dequantized {
-    fn views<'a>(&'a self, [q, k, v]: [&Fp8TensorRef; 3]) -> [TensorRef<'a>; 3] {
-        [
-            TensorRef::contiguous(&self.q, q.shape()),
-            TensorRef::contiguous(&self.k, k.shape()),
-            TensorRef::contiguous(&self.v, v.shape()),
-        ]
-    }
 }
 
 /// Tensor `t` (0: q, 1: k, 2: v) of validated `p` dequantised with its per-block factors:
