@@ -762,8 +762,17 @@ impl KernelKey {
                 }
             }
         }
-        for dtype in [DType::F16, DType::BF16] {
-            for head_dim in (64..=crate::MAX_HEAD_DIM).step_by(64) {
+        // fwd_sm90.cu and fwd_sm90_ws.cu in f16 and bf16 at whole 64-column slabs; then
+        // fwd_sm90_fp8.cu and fwd_sm90_ws.cu's FP8 mode: e4m3 q, k, v (bf16 out), head_dim 128
+        // or 256.
+        let slabs: Vec<usize> = (64..=crate::MAX_HEAD_DIM).step_by(64).collect();
+        let sm90_sets = [
+            (DType::F16, slabs.as_slice(), false),
+            (DType::BF16, slabs.as_slice(), false),
+            (DType::BF16, [128, 256].as_slice(), true),
+        ];
+        for (dtype, head_dims, fp8) in sm90_sets {
+            for &head_dim in head_dims {
                 for bits in 0..8u32 {
                     for kind in [KernelKind::ForwardSm90, KernelKind::ForwardSm90Ws] {
                         keys.push(KernelKey {
@@ -775,28 +784,9 @@ impl KernelKey {
                             alibi: bits & 4 != 0,
                             dropout: false,
                             vec_load: true,
-                            fp8: false,
+                            fp8,
                         });
                     }
-                }
-            }
-        }
-        // fwd_sm90_fp8.cu and fwd_sm90_ws.cu's FP8 mode: e4m3 q, k, v (bf16 out), head_dim 128
-        // or 256.
-        for head_dim in [128, 256] {
-            for bits in 0..8u32 {
-                for kind in [KernelKind::ForwardSm90, KernelKind::ForwardSm90Ws] {
-                    keys.push(KernelKey {
-                        kind,
-                        dtype: DType::BF16,
-                        head_dim,
-                        masked: bits & 1 != 0,
-                        softcap: bits & 2 != 0,
-                        alibi: bits & 4 != 0,
-                        dropout: false,
-                        vec_load: true,
-                        fp8: true,
-                    });
                 }
             }
         }
