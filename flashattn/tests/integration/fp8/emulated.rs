@@ -5,7 +5,7 @@
 use super::*;
 use crate::common;
 use crate::common::emu::{forward_builds, have_compiler, run_forward};
-use flashattn::cuda::{launch_description_fp8, Arch, ForwardKernel};
+use flashattn::cuda::{launch_description_fp8, Arch, ForwardKernel, LaunchDescription};
 
 /// The CUDA path refuses what the CPU path refuses, with the same errors, before any launch.
 #[test]
@@ -35,6 +35,22 @@ pub(super) fn call_opts<'a>(c: &Case, built: &'a Built) -> flashattn::AttnOption
     }
 }
 
+/// The launch the GPU path makes for case `c` (built as `built`): on `kernel`'s choice for an
+/// sm_90a GPU where given, else as any GPU gets it.
+pub(super) fn fp8_launch(
+    c: &Case,
+    built: &Built,
+    kernel: Option<ForwardKernel>,
+) -> LaunchDescription {
+    let [q, k, v] = [0, 1, 2].map(|t| built.raw[t].view(&built.layouts[t].0, &built.layouts[t].1));
+    let d = launch_description_fp8(&q, &k, &v, &call_opts(c, built))
+        .unwrap_or_else(|e| panic!("{c:?}: {e}"));
+    match kernel {
+        Some(kernel) => d.for_arch(Arch::SM90, kernel),
+        None => d,
+    }
+}
+
 #[test]
 fn fp8_forward_kernel_under_emulation() {
     if !have_compiler() {
@@ -51,10 +67,7 @@ fn fp8_forward_kernel_under_emulation() {
             }
             let built = c.build();
             let opts = built.opts();
-            let [q, k, v] =
-                [0, 1, 2].map(|t| built.raw[t].view(&built.layouts[t].0, &built.layouts[t].1));
-            let d = launch_description_fp8(&q, &k, &v, &call_opts(&c, &built))
-                .unwrap_or_else(|e| panic!("{c:?}: {e}"));
+            let d = fp8_launch(&c, &built, None);
             assert!(d.key.fp8 && d.descale.is_some());
             let [qb, kb, vb] = built.raw_bytes();
             let tag = format!("fp8_{}_{i}", format.name());
@@ -107,11 +120,7 @@ fn fp8_sm90_kernel_under_emulation() {
         }
         let built = c.build();
         let opts = built.opts();
-        let [q, k, v] =
-            [0, 1, 2].map(|t| built.raw[t].view(&built.layouts[t].0, &built.layouts[t].1));
-        let d = launch_description_fp8(&q, &k, &v, &call_opts(&c, &built))
-            .unwrap_or_else(|e| panic!("{c:?}: {e}"))
-            .for_arch(Arch::SM90, ForwardKernel::Sm90Fp8);
+        let d = fp8_launch(&c, &built, Some(ForwardKernel::Sm90Fp8));
         if !d.key.is_sm90() {
             continue; // unaligned rows: fwd.cu
         }
@@ -121,9 +130,7 @@ fn fp8_sm90_kernel_under_emulation() {
             d.key.name()
         );
         // The plain sm_90a choice keeps FP8 on fwd.cu.
-        let plain = launch_description_fp8(&q, &k, &v, &call_opts(&c, &built))
-            .unwrap()
-            .for_arch(Arch::SM90, ForwardKernel::Sm90);
+        let plain = fp8_launch(&c, &built, Some(ForwardKernel::Sm90));
         assert!(!plain.key.is_sm90());
         let [qb, kb, vb] = built.raw_bytes();
         let tag = format!("fp8_sm90_{i}");
@@ -267,10 +274,7 @@ fn fp8_per_block_kernels_under_emulation() {
         for (i, c) in block_cases(format, 64).into_iter().enumerate() {
             let built = c.build();
             let opts = built.opts();
-            let [q, k, v] =
-                [0, 1, 2].map(|t| built.raw[t].view(&built.layouts[t].0, &built.layouts[t].1));
-            let d = launch_description_fp8(&q, &k, &v, &call_opts(&c, &built))
-                .unwrap_or_else(|e| panic!("{c:?}: {e}"));
+            let d = fp8_launch(&c, &built, None);
             assert!(d.key.fp8 && d.params.block_q > 0, "{c:?}");
             let [qb, kb, vb] = built.raw_bytes();
             let tag = format!("fp8_block_{}_{i}", format.name());
@@ -287,11 +291,7 @@ fn fp8_per_block_kernels_under_emulation() {
             }
             let built = c.build();
             let opts = built.opts();
-            let [q, k, v] =
-                [0, 1, 2].map(|t| built.raw[t].view(&built.layouts[t].0, &built.layouts[t].1));
-            let desc = launch_description_fp8(&q, &k, &v, &call_opts(&c, &built))
-                .unwrap_or_else(|e| panic!("{c:?}: {e}"))
-                .for_arch(Arch::SM90, ForwardKernel::Sm90Fp8);
+            let desc = fp8_launch(&c, &built, Some(ForwardKernel::Sm90Fp8));
             assert!(
                 desc.key.is_sm90() && desc.params.block_q > 0,
                 "{}",
@@ -299,9 +299,7 @@ fn fp8_per_block_kernels_under_emulation() {
             );
             // The warp-specialised FP8 mode takes no per-block factors: such a call asking for
             // it runs on fwd_sm90_fp8.cu.
-            let ws = launch_description_fp8(&q, &k, &v, &call_opts(&c, &built))
-                .unwrap_or_else(|e| panic!("{c:?}: {e}"))
-                .for_arch(Arch::SM90, ForwardKernel::Sm90Fp8Ws);
+            let ws = fp8_launch(&c, &built, Some(ForwardKernel::Sm90Fp8Ws));
             assert_eq!(ws.key, desc.key, "a per-block call on {}", ws.key.name());
             let [qb, kb, vb] = built.raw_bytes();
             let tag = format!("fp8_block_sm90_{d}_{i}");

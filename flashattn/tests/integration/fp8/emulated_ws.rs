@@ -5,7 +5,7 @@
 //! CTAs, against the f64 reference with the bound of P rounded to e4m3
 //! (`emulated::check_p_e4m3`); and a broken transpose that must fail.
 
-use super::emulated::{call_opts, check_p_e4m3};
+use super::emulated::{check_p_e4m3, fp8_launch};
 use super::*;
 use crate::common;
 use crate::common::emu::{forward_builds, have_compiler, run_forward, Builds};
@@ -18,10 +18,7 @@ const PERSISTENT_CTAS: usize = 3;
 /// The launch of case `c` on the FP8 mode of the warp-specialised kernel, persistent with
 /// `persistent` CTAs if given; `None` where the kernel does not serve it (unaligned rows).
 fn ws_launch(c: &Case, built: &Built, persistent: Option<usize>) -> Option<LaunchDescription> {
-    let [q, k, v] = [0, 1, 2].map(|t| built.raw[t].view(&built.layouts[t].0, &built.layouts[t].1));
-    let mut d = launch_description_fp8(&q, &k, &v, &call_opts(c, built))
-        .unwrap_or_else(|e| panic!("{c:?}: {e}"))
-        .for_arch(Arch::SM90, ForwardKernel::Sm90Fp8Ws);
+    let mut d = fp8_launch(c, built, Some(ForwardKernel::Sm90Fp8Ws));
     if !d.key.is_sm90() {
         return None;
     }
