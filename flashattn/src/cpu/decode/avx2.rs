@@ -10,9 +10,10 @@
 //!   odd)`; a shift left by 16 gives the even values as f32, a mask of the high halves the odd
 //!   ones, exactly. Two integer instructions per 16 values, where zero-extending 8 at a time takes
 //!   a cross-lane `vpmovzxwd` and a shift per 8. The products then see each 16-dim chunk in the
-//!   order `0, 2, .., 14, 1, 3, .., 15`: q is stored in that order ([`even_odd`]), and the P·V
-//!   accumulators are put back in dim order as they are added to `acc` (four shuffles per row and
-//!   chunk, once per call).
+//!   order `0, 2, .., 14, 1, 3, .., 15`: q is stored in that order ([`even_odd`]), and so are an
+//!   item's acc_o rows, which P·V adds its accumulators to as they are; the item puts them back
+//!   in dim order once, at its end ([`acc_to_dim_order`]), where P·V used to shuffle them back
+//!   (four shuffles per row and chunk) at the end of every call.
 //! - register tiles sized for 16 registers: scores 2 keys × 4 rows (8 accumulators, 4 of k, one
 //!   of q, the mask: 14), for f32 keys at d = 128 3 keys × 4 rows (12 accumulators, 3 of k, one
 //!   of q: 16), P·V 4 rows × 16 dims (8 accumulators, 2 of v, a broadcast, the mask: 12). The
@@ -55,6 +56,20 @@ pub(crate) fn even_odd(q: &[f32], rows: usize, d: usize, dpad: usize) -> crate::
         }
     }
     t
+}
+
+/// Puts a row of acc_o kept in [`even_odd`] order (each whole 16-dim chunk even dims first) back
+/// in dim order; dims past the last whole chunk are in order already. An item's rows over bf16
+/// caches are in that order while [`pv`] adds to them (see [`super::pv::acc_in_even_odd_order`]).
+pub(crate) fn acc_to_dim_order(row: &mut [f32]) {
+    let mut t = [0f32; CHUNK];
+    for c in row.chunks_exact_mut(CHUNK) {
+        for i in 0..CHUNK / 2 {
+            t[2 * i] = c[i];
+            t[2 * i + 1] = c[CHUNK / 2 + i];
+        }
+        c.copy_from_slice(&t);
+    }
 }
 
 /// The 16 values of a chunk at `p` as two f32 vectors: bf16 as (even dims, odd dims), widened
@@ -279,7 +294,8 @@ unsafe fn score_tails<const K: usize, const R: usize, T: Element>(
     }
 }
 
-/// `acc[r · dpad + x] += Σ_c p[c][r] · v[c][x]`, as [`super::pv_acc`] for [`super::Isa::Avx2`].
+/// `acc[r · dpad + x] += Σ_c p[c][r] · v[c][x]`, as [`super::pv_acc`] for [`super::Isa::Avx2`],
+/// with acc's rows in [`even_odd`] order when `T` is bf16 (in dim order otherwise).
 ///
 /// Register tiles of up to 4 rows × 16 dims (8 accumulators; per key one load of v, for bf16 its
 /// two widening instructions, 4 broadcasts of p, 8 FMAs: 5 loads per 8 FMAs) over all keys; the
@@ -358,15 +374,15 @@ unsafe fn pv_tile<const R: usize, T: Element>(at: PvAt<f32, T>) {
         // tile steps the prefetches every PF_KEYS keys, in a loop of its own (a check per
         // iteration in the common loop cost it 7 of its 38 instructions).
         let mut keys = |ks: &[usize], pc: &mut *const f32| {
-            let pairs = ks.chunks_exact(2);
-            let last = pairs.remainder();
-            for k2 in pairs {
-                step(k2[0], *pc);
-                step(k2[1], pc.add(np));
+            let mut c = 0;
+            while c + 2 <= ks.len() {
+                step(ks[c], *pc);
+                step(ks[c + 1], pc.add(np));
                 *pc = pc.add(2 * np);
+                c += 2;
             }
-            if let [key] = last {
-                step(*key, *pc);
+            if c < ks.len() {
+                step(ks[c], *pc);
                 *pc = pc.add(np);
             }
         };
@@ -379,19 +395,9 @@ unsafe fn pv_tile<const R: usize, T: Element>(at: PvAt<f32, T>) {
             }
             None => keys(vr.keys, &mut pc),
         }
+        // bf16: (even dims, odd dims) of the chunk, added as they are (acc in even-odd order).
         let ap = acc.as_mut_ptr();
-        for (i, &(a0, a1)) in a.iter().enumerate() {
-            let (y0, y1) = if T::DTYPE == DType::BF16 {
-                // [0 1 2 3 | 8 9 10 11] and [4 5 6 7 | 12 13 14 15], then the halves regrouped.
-                let lo = _mm256_unpacklo_ps(a0, a1);
-                let hi = _mm256_unpackhi_ps(a0, a1);
-                (
-                    _mm256_permute2f128_ps::<0x20>(lo, hi),
-                    _mm256_permute2f128_ps::<0x31>(lo, hi),
-                )
-            } else {
-                (a0, a1)
-            };
+        for (i, &(y0, y1)) in a.iter().enumerate() {
             let at = ap.add((r0 + i) * dpad + x0);
             _mm256_storeu_ps(at, _mm256_add_ps(_mm256_loadu_ps(at), y0));
             _mm256_storeu_ps(at.add(8), _mm256_add_ps(_mm256_loadu_ps(at.add(8)), y1));

@@ -17,7 +17,8 @@ pub(super) const MAX_D: usize = 256;
 /// `acc[r · dpad + x] += Σ_c p[c][r] · v[c][x]` for `r < rows`, `x < vr.d`, with `v[c]` the row
 /// of `src` that `vr` names, widened to f32 as it is loaded (or, for bf16 with `p.bf16_pairs` on
 /// a CPU with AVX512_BF16, two keys at a time by `vdpbf16ps` against p rounded to bf16, as the
-/// forward does). Steps `ahead` once per key.
+/// forward does). Steps `ahead` once per key. Where [`acc_in_even_odd_order`] says so, acc's
+/// rows are in the AVX2 kernels' even-odd order (each whole 16-dim chunk even dims first).
 pub(crate) fn pv_acc<T: Element>(
     kern: DecodeKernels,
     p: PRows,
@@ -59,6 +60,30 @@ pub(crate) fn pv_acc<T: Element>(
     }
     let _ = kern;
     pv_portable(p.f32, np, rows, src, vr, acc, dpad, ahead);
+}
+
+/// Whether [`pv_acc`] takes acc's rows in even-odd order ([`acc_to_dim_order`] puts them
+/// back): the AVX2 kernels with bf16 values, which they widen in (even, odd) pairs. The same
+/// condition as the dispatch to them.
+pub(super) fn acc_in_even_odd_order<T: Element>(kern: DecodeKernels) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if kern == DecodeKernels::Avx2 && avx2::has_f16c() {
+        return T::DTYPE == crate::tensor::DType::BF16;
+    }
+    let _ = kern;
+    false
+}
+
+/// Puts a row of acc_o that [`pv_acc`] kept in even-odd order (see [`acc_in_even_odd_order`])
+/// back in dim order.
+pub(super) fn acc_to_dim_order(row: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    avx2::acc_to_dim_order(row);
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!(
+        "decode: even-odd acc rows on x86-64 only ({} dims)",
+        row.len()
+    );
 }
 
 /// [`pv_acc`] without intrinsics: one v row widened to f32, then an axpy per query row.

@@ -2,7 +2,7 @@
 
 use super::plan::{choose_splits, sub_block_keys, TILE_KEYS};
 use super::prefetch::Ahead;
-use super::pv::pv_acc;
+use super::pv::{acc_in_even_odd_order, acc_to_dim_order, pv_acc};
 use super::rows::{KeyRows, PRows};
 use super::scores::{scores, QRows, QTrans};
 use super::*;
@@ -149,6 +149,13 @@ fn kernels_match_f64_on_every_isa() {
                     dpad,
                     &mut Ahead::none(),
                 );
+                // The AVX2 kernels keep bf16 rows of acc in even-odd order, as the decode loop
+                // puts them back at the end of an item.
+                if acc_in_even_odd_order::<T>(kern.decode) {
+                    for r in 0..rows {
+                        acc_to_dim_order(&mut acc[r * dpad..r * dpad + kr.d]);
+                    }
+                }
                 // p as the kernel multiplies it: rounded to bf16 on the pair path, except
                 // an odd last key, which takes the f32 path.
                 let p_used = |c: usize, r: usize| {

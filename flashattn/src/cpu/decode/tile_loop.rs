@@ -3,7 +3,7 @@
 
 use super::plan::{sub_block_keys, Item, TILE_KEYS, TILE_KEYS_MANY_ROWS, TILE_KEYS_MAX};
 use super::prefetch::Ahead;
-use super::pv::pv_acc;
+use super::pv::{acc_in_even_odd_order, acc_to_dim_order, pv_acc};
 use super::rows::KeyRows;
 use super::rows::PRows;
 use super::scores::{scores, QRows, QTrans};
@@ -298,8 +298,13 @@ pub(super) fn run_item<T: Element>(
         (kt, vt) = (kt_next, vt_next);
     }
 
+    // The AVX2 P·V over bf16 values keeps acc_o rows in even-odd order (see `pv_acc`).
+    let even_odd = acc_in_even_odd_order::<T>(kern.decode);
     for row in 0..all_rows {
         let acc_row = &mut acc[row * dpad..row * dpad + d];
+        if even_odd {
+            acc_to_dim_order(acc_row);
+        }
         // FP8 caches: v's descale factor (1 otherwise).
         let out_scale = p.out_descale(b, row / m_rows);
         lse[row] = finalize(acc_row, row_max[row], row_sum[row], out_scale);
