@@ -385,7 +385,7 @@ impl LaunchDescription {
     /// (fwd_sm90.cu: its key, its tiles, grid and shared memory) on compute capability 9.0 where
     /// it serves the call ([`KernelKey::sm90_forward`]) and `choice` asks for it; for e4m3 inputs
     /// with [`ForwardKernel::Sm90Fp8`], fwd_sm90_fp8.cu, with [`ForwardKernel::Sm90Fp8Ws`],
-    /// fwd_sm90_ws.cu's FP8 mode (fwd_sm90_fp8.cu for per-block factors); else unchanged.
+    /// fwd_sm90_ws.cu's FP8 mode; else unchanged.
     pub fn for_arch(mut self, arch: Arch, choice: ForwardKernel) -> LaunchDescription {
         if choice == ForwardKernel::Fa2 || arch != Arch::SM90 {
             return self;
@@ -398,10 +398,9 @@ impl LaunchDescription {
         if key.fp8 && (!fp8_choice || self.params.fp8_e5m2 != 0) {
             return self;
         }
-        // The FP8 mode of fwd_sm90_ws.cu takes per-(sequence, kv head) factors only: per-block
-        // calls (`block_q` != 0) stay on fwd_sm90_fp8.cu.
+        // fwd_sm90_ws.cu's FP8 mode takes per-(sequence, kv head) and per-block factors alike.
         if (choice == ForwardKernel::Sm90Ws && !key.fp8)
-            || (choice == ForwardKernel::Sm90Fp8Ws && key.fp8 && self.params.block_q == 0)
+            || (choice == ForwardKernel::Sm90Fp8Ws && key.fp8)
         {
             key.kind = KernelKind::ForwardSm90Ws;
         }

@@ -40,7 +40,8 @@
 // for the consumers) for the transpose.
 // Scores and P as fwd_sm90_fp8.cu: S scaled by the folded softmax_scale · q_descale · k_descale of
 // the (sequence, kv head), P · 256 rounded to e4m3, out divided by 256 · row_sum and multiplied
-// by v_descale. The tensor maps are then of one-byte elements, box {128, rows, 1, 1}.
+// by v_descale; per-block factors (FwdParams block_q) as there: the score scale set per key block,
+// acc_o kept in units of the current key block's v factor (consume). The tensor maps are then of one-byte elements, box {128, rows, 1, 1}.
 #define FA_TENSOR_CORE_KERNEL
 #define FA_SM90_KERNEL
 #define FA_SM90_WS  // the launch passes tensor maps (tests/cuda_emu/driver.cpp reads this)
@@ -300,8 +301,10 @@ __device__ __forceinline__ void transpose_v(const CtaWork<elem_t>& w, const Smem
 #endif
 
 // A consumer warpgroup (warpgroup 1 + c of the CTA): its 64 rows of one work tile through every
-// key block, then out and lse. `ring` and `q_phase` as for produce.
-__device__ __forceinline__ void consume(const CtaWork<elem_t>& w, const Smem& sm, int c,
+// key block, then out and lse. `ring` and `q_phase` as for produce. FP8 with per-block factors:
+// the score scale is set per key block (w's), and acc_o kept in units of the current key block's
+// v factor, as fwd_sm90_fp8.cu (its top comment).
+__device__ __forceinline__ void consume(CtaWork<elem_t>& w, const Smem& sm, int c,
                                         const FwdParams& p, int ring, int q_phase) {
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
@@ -322,6 +325,11 @@ __device__ __forceinline__ void consume(const CtaWork<elem_t>& w, const Smem& sm
     // complete a second phase, and a thread not yet past this wait would miss the parity it waits
     // for (the emulation deadlocked on packed sequences with no keys).
     const bool has_keys = w.n_block_min < w.n_block_max;
+#ifdef FA_FP8_INPUT
+    const BlockFactors fac(p, w.b, w.h, w.m0 + 64 * c);
+    float v_unit = 1.f;  // the v factor acc_o is in units of
+    if (fac.v != nullptr && has_keys) v_unit = fac.v[w.n_block_min * BLOCK_N / 128];
+#endif
     if (has_keys) mbar_wait(sm.q_full(), q_phase);
 
     u32 p_frag[BLOCK_N / K_STEP][4];  // P of the previous block, the A operand of its P·V
@@ -359,12 +367,18 @@ __device__ __forceinline__ void consume(const CtaWork<elem_t>& w, const Smem& sm
 #endif
         if (releaser) mbar_arrive(sm.k_empty(stage));
 
+#ifdef FA_FP8_INPUT
+        if (fac.k != nullptr) set_block_scale(w, fac.q * fac.k[n_block * BLOCK_N / 128], p.softcap);
+#endif
         mask_scores(s, w, row_i, n_block * BLOCK_N, t);
         float alpha[2];
         softmax_rows(s, row_max, row_sum, alpha);
         wgmma_wait<0>();  // acc_o holds O through the previous block
         reg_fence_all(acc_o);
         if (i > 0 && releaser) mbar_arrive(sm.pv_empty(prev));
+#ifdef FA_FP8_INPUT
+        if (fac.v != nullptr) block_v_rescale(alpha, v_unit, fac.v[n_block * BLOCK_N / 128]);
+#endif
         rescale_o(acc_o, alpha);
         pack_p(p_frag, s);
     }
@@ -390,6 +404,9 @@ __device__ __forceinline__ void consume(const CtaWork<elem_t>& w, const Smem& sm
         named_bar_arrive(1 + (c ^ 1), 256);
 #endif
     }
+#ifdef FA_FP8_INPUT
+    w.out_scale *= v_unit;  // per-block factors: acc_o is in units of the last block's v factor
+#endif
     store_rows(acc_o, row_max, row_sum, row_i, w, p, t);
 }
 

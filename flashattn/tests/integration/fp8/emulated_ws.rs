@@ -54,7 +54,7 @@ fn fp8_sm90_ws_kernel_under_emulation() {
     let mut ran = Vec::new();
     let mut list: Vec<Case> = cases(Fp8Format::E4M3)
         .into_iter()
-        // Per-block factors stay on fwd_sm90_fp8.cu (emulated::fp8_per_block_kernels_under_emulation).
+        // Per-block factors: fp8_ws_per_block_under_emulation.
         .filter(|c| !c.sink && c.dropout == 0.0 && !c.per_block)
         .collect();
     let mut c = Case::new(Fp8Format::E4M3, 1, 300, 330, (4, 2), 128);
@@ -100,6 +100,41 @@ fn fp8_sm90_ws_kernel_under_emulation() {
         .unwrap()
         .for_arch(Arch::SM90, ForwardKernel::Sm90Fp8Ws);
     assert!(!d.key.is_sm90(), "{}", d.key.name());
+}
+
+/// Per-block factors (`Descale::per_block`) on fwd_sm90_ws.cu's FP8 mode: a call asking for it
+/// runs there (no longer routed to fwd_sm90_fp8.cu), on the per-block e4m3 cases of `cases` and
+/// `block_cases` at head_dim 128 and 256, one CTA per tile and persistent with a few CTAs (so a
+/// CTA's next tile starts with its own factors), against the bound of P rounded to e4m3. A score
+/// or P·V product scaled by another block's factor fails them (checked by breaking each index).
+#[test]
+fn fp8_ws_per_block_under_emulation() {
+    if !have_compiler() {
+        return;
+    }
+    let mut builds = forward_builds();
+    let mut ran = Vec::new();
+    let mut list: Vec<Case> = cases(Fp8Format::E4M3)
+        .into_iter()
+        .filter(|c| c.per_block && !c.sink && c.dropout == 0.0)
+        .collect();
+    list.extend(block_cases(Fp8Format::E4M3, 128));
+    list.extend(block_cases(Fp8Format::E4M3, 256));
+    for (i, c) in list.into_iter().enumerate() {
+        if c.cost() > common::emu::budget(20_000_000) {
+            continue;
+        }
+        let built = c.build();
+        let pers = (i % 2 == 1).then_some(PERSISTENT_CTAS);
+        let Some(d) = ws_launch(&c, &built, pers) else {
+            continue; // unaligned rows: fwd.cu
+        };
+        assert!(d.params.block_q > 0, "{c:?}");
+        run_case(&mut builds, &c, &d, &format!("fp8_ws_block_{i}"));
+        ran.push(format!("{} grid {:?}", d.key.name(), d.grid));
+    }
+    eprintln!("{} per-block FP8 cases emulated on fwd_sm90_ws.cu: {ran:?}", ran.len());
+    assert!(ran.len() >= 4, "too few cases fit the emulation budget: {ran:?}");
 }
 
 /// The emulation catches a wrong transpose: fwd_sm90_ws.cu's FP8 mode with Vᵀ's keys stored in
