@@ -133,8 +133,43 @@ fn fp8_ws_per_block_under_emulation() {
         run_case(&mut builds, &c, &d, &format!("fp8_ws_block_{i}"));
         ran.push(format!("{} grid {:?}", d.key.name(), d.grid));
     }
-    eprintln!("{} per-block FP8 cases emulated on fwd_sm90_ws.cu: {ran:?}", ran.len());
-    assert!(ran.len() >= 4, "too few cases fit the emulation budget: {ran:?}");
+    eprintln!(
+        "{} per-block FP8 cases emulated on fwd_sm90_ws.cu: {ran:?}",
+        ran.len()
+    );
+    assert!(
+        ran.len() >= 4,
+        "too few cases fit the emulation budget: {ran:?}"
+    );
+}
+
+/// The dynamic tile scheduler (cuda/schedule.rs) on the FP8 mode, whose transposer warps take
+/// their tiles from the producer too: a causal GQA case of odd key-block counts, packed sequences
+/// (one of no rows) and a per-block case, persistent with a few CTAs.
+#[test]
+fn fp8_ws_dynamic_scheduler_under_emulation() {
+    if !have_compiler() {
+        return;
+    }
+    let mut builds = forward_builds();
+    let mut list = Vec::new();
+    let mut c = Case::new(Fp8Format::E4M3, 1, 300, 330, (4, 2), 128);
+    (c.huge, c.causal, c.seed) = (true, true, 46);
+    list.push(c);
+    let mut c = Case::new(Fp8Format::E4M3, 1, 1, 1, (4, 2), 128);
+    c.lens_q = vec![130, 0, 20, 70];
+    c.lens_k = vec![150, 40, 3, 260];
+    (c.packed, c.causal, c.huge, c.seed) = (true, true, true, 47);
+    list.push(c);
+    list.push(block_cases(Fp8Format::E4M3, 128).remove(1));
+    for (i, c) in list.into_iter().enumerate() {
+        let built = c.build();
+        let d = ws_launch(&c, &built, Some(PERSISTENT_CTAS))
+            .expect("aligned rows")
+            .dynamic_tiles(true);
+        assert!(d.tile_counter);
+        run_case(&mut builds, &c, &d, &format!("fp8_ws_dyn_{i}"));
+    }
 }
 
 /// The emulation catches a wrong transpose: fwd_sm90_ws.cu's FP8 mode with Vᵀ's keys stored in
