@@ -15,8 +15,8 @@
 // one (query block, head, sequence) each, numbered heaviest first for causal masks; a launch of
 // one CTA per tile runs one iteration, a persistent one (cuda/schedule.rs: SMs x CTAs per SM,
 // FlashAttention-3's persistent scheduler) many, in static rounds (Tiles::take) or, with a tile
-// counter, dynamically (TileSource: the producer takes each next tile with an atomicAdd and hands
-// it to the other roles through shared memory). The mbarrier phases run on across tiles: the
+// counter, dynamically (TileSource: one consumer thread claims each next tile with an atomicAdd
+// and hands it to every role through shared memory). The mbarrier phases run on across tiles: the
 // K/V ring position is counted over every key block the CTA has taken, and Q's buffer is
 // reloaded once the consumers release it on q_empty.
 // No __syncthreads after the set-up: the warpgroups meet only at the mbarriers. Tiles are the
@@ -44,7 +44,8 @@
 // Scores and P as fwd_sm90_fp8.cu: S scaled by the folded softmax_scale · q_descale · k_descale of
 // the (sequence, kv head), P · 256 rounded to e4m3, out divided by 256 · row_sum and multiplied
 // by v_descale; per-block factors (FwdParams block_q) as there: the score scale set per key block,
-// acc_o kept in units of the current key block's v factor (consume). The tensor maps are then of one-byte elements, box {128, rows, 1, 1}.
+// acc_o kept in units of the current key block's v factor (consume). The tensor maps are then of
+// one-byte elements, box {128, rows, 1, 1}.
 #define FA_TENSOR_CORE_KERNEL
 #define FA_SM90_KERNEL
 #define FA_SM90_WS  // the launch passes tensor maps (tests/cuda_emu/driver.cpp reads this)
@@ -220,7 +221,7 @@ struct TileSource {
 };
 
 // The scheduler's step for tile j (every consumer thread runs it): once slot j % 2 is free, tile
-// j is stored there, `first` if j is 0, else the next the counter gives.
+// j is stored there: blockIdx.x if j is 0, else the next the counter gives.
 __device__ __forceinline__ void hand_on_tile(const Smem& sm, int j, int* counter,
                                              const Tiles& tiles) {
     const int slot = j % 2;
@@ -554,8 +555,10 @@ flash_fwd(const __grid_constant__ FwdParams p, const __grid_constant__ TmaDesc q
     // One branch per role, as setmaxnreg needs: the producer warpgroup gives registers up, the
     // consumers take them.
     const int wg = threadIdx.x / 128;
-    // Each role works out its tiles itself (next_work), after its register change, so that
-    // nothing computed before the branch stays live across it (ptxas then spilled the consumers).
+    // Each role takes its tiles itself (next_work, or the dynamic scheduler's slots), after its
+    // register change, so that nothing computed before the branch stays live across it (ptxas
+    // then spilled the consumers). The producer's thread has a loop per scheduler: one loop
+    // taking either way spilled its 24 registers.
     if (wg == 0) {
         regs_dealloc<PRODUCER_REGS>();
         if (threadIdx.x == 0) {
