@@ -36,10 +36,10 @@
 // 64 or 128), FlashAttention-3's FP8 forward: the same producer, ring, scheduler and consumers on
 // one-byte tiles (a box of 128 columns per slab) and wgmma k32 with e4m3 operands (QGMMA) for both
 // products. 8-bit wgmma reads B K-major only, so P·V reads Vᵀ: the producer warpgroup's other
-// three warps (the transposers) wait for each V tile TMA delivered, write it transposed into a
-// Vᵀ buffer of the stage (HEAD_DIM lines of 128 bytes, keys in sm90_fp8.cuh's kpos order), release
-// the V buffer on v_empty and publish Vᵀ on vt_full; the consumers read Vᵀ and release it on
-// vt_empty. The consumers keep most of their registers: the producer warpgroup takes 40 (232 each
+// three warps (the transposers) wait for each V tile TMA delivered, write it transposed (ldmatrix
+// .trans and byte permutes, transpose_v) into a Vᵀ buffer of the stage (HEAD_DIM lines of 128
+// bytes, keys in sm90_fp8.cuh's kpos order), release the V buffer on v_empty and publish Vᵀ on
+// vt_full; the consumers read Vᵀ and release it on vt_empty. The consumers keep most of their registers: the producer warpgroup takes 40 (232 each
 // for the consumers) for the transpose.
 // Scores and P as fwd_sm90_fp8.cu: S scaled by the folded softmax_scale · q_descale · k_descale of
 // the (sequence, kv head), P · 256 rounded to e4m3, out divided by 256 · row_sum and multiplied
@@ -367,38 +367,37 @@ __device__ __forceinline__ void produce_tile(const CtaWork<elem_t>& w, const Fwd
 #ifdef FA_FP8_INPUT
 // A transposer thread (`tid` 0 .. TRANSPOSERS - 1 of warps 1 to 3 of the producer warpgroup):
 // every key block of one work tile, V as TMA delivered it ([BLOCK_N keys][HEAD_DIM], SW128) into
-// the stage's Vᵀ buffer (HEAD_DIM lines, key κ of each 32 at column kpos(κ)), 16 bytes of a key
-// row per shared load and one byte store each. `smem` is the generic address of the Q tile
-// (shared address sm.q). `ring` as for produce.
-__device__ __forceinline__ void transpose_v(const CtaWork<elem_t>& w, const Smem& sm, u8* smem,
-                                            int tid, int ring) {
+// the stage's Vᵀ buffer (HEAD_DIM lines, key κ of each 32 at column kpos(κ)), as FlashAttention-3
+// transposes FP8 V: a warp step takes 32 keys (group g) by 16 columns (chunk c) with one
+// `ldmatrix .x4 .trans` of 16-bit pairs (matrix i: keys 8i .. 8i + 7 of the group, i = 2 · half +
+// q in kpos's terms), which gives lane (j = lane / 4, t = lane % 4) columns 2j and 2j + 1 of keys
+// 2t and 2t + 1 of each matrix; two byte permutes per half then make the words of lines
+// 16c + 2j and 16c + 2j + 1 at k positions 16 · half + 4t .. + 3 (keys 2t, 2t + 1, 8 + 2t,
+// 9 + 2t: kpos's order), one 4-byte store each. `ring` as for produce.
+__device__ __forceinline__ void transpose_v(const CtaWork<elem_t>& w, const Smem& sm, int tid,
+                                            int ring) {
+    const int warp = tid / 32, lane = tid % 32, t = lane % 4, j = lane / 4;
     for (int n_block = w.n_block_min; n_block < w.n_block_max; ++n_block) {
         const int it = ring + n_block - w.n_block_min, stage = it % STAGES,
                   phase = (it / STAGES) & 1;
         mbar_wait(sm.v_full(stage), phase);
         // The consumers' P·V two blocks back has retired from this buffer.
         mbar_wait(sm.vt_empty(stage), phase ^ 1);
-        const u8* v = smem + (sm.v(stage) - sm.q);
-        u8* vt = smem + (sm.vt(stage) - sm.q);
-        for (int c = tid; c < BLOCK_N * (HEAD_DIM / 16); c += TRANSPOSERS) {
-            const int key = c % BLOCK_N, col = (c / BLOCK_N) * 16;
-            u32 x[4];
-#ifdef FA_HOST_EMULATION
-            std::memcpy(x, v + sw128_b(key, col, BLOCK_N), 16);
-#else
-            const uint4 a = *reinterpret_cast<const uint4*>(v + sw128_b(key, col, BLOCK_N));
-            x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w;
-#endif
-            const int kc = (key & ~31) + kpos(key & 31);
-            // sw128_b(col + i, kc, HEAD_DIM) with kc < 128 and col a multiple of 16: line col + i,
-            // chunk kc / 16 swizzled by i % 8.
-            u8* dst = vt + col * 128 + (kc & 15);
-            const int chunk = (kc >> 4) & 7;
+        const u32 v = sm.v(stage), vt = sm.vt(stage);
+        for (int step = warp; step < (BLOCK_N / 32) * (HEAD_DIM / 16); step += TRANSPOSERS / 32) {
+            const int g = step % (BLOCK_N / 32), c = step / (BLOCK_N / 32);
+            u32 r[4];
+            ldsm_x4_trans(r, v + sw128_b(32 * g + 8 * (lane / 8) + lane % 8, 16 * c, BLOCK_N));
+            const int line = 16 * c + 2 * j;
 #pragma unroll
-            for (int i = 0; i < 16; ++i)
-                dst[i * 128 + ((chunk ^ (i & 7)) << 4)] = (u8)(x[i >> 2] >> (8 * (i & 3)));
+            for (int half = 0; half < 2; ++half) {
+                const int pos = 32 * g + 16 * half + 4 * t;
+                const u32 x = r[2 * half], y = r[2 * half + 1];
+                st_shared_s32(vt + sw128_b(line, pos, HEAD_DIM), (int)bytes_even(x, y));
+                st_shared_s32(vt + sw128_b(line + 1, pos, HEAD_DIM), (int)bytes_odd(x, y));
+            }
         }
-        // The byte stores went through the generic proxy; wgmma reads through the async one.
+        // The stores went through the generic proxy; wgmma reads through the async one.
         fence_proxy_async();
         mbar_arrive(sm.vt_full(stage));
         // This thread's reads of V are done: TMA may refill the buffer.
@@ -586,13 +585,12 @@ flash_fwd(const __grid_constant__ FwdParams p, const __grid_constant__ TmaDesc q
         }
 #ifdef FA_FP8_INPUT
         else if (threadIdx.x >= 32) {
-            u8* smem = smem_raw + (q0 - smem_addr(smem_raw));
             const Tiles tiles(p);
             TileSource src;
             int ring = 0;
             CtaWork<elem_t> w;
             while (take_tile(src, tiles, tile_counter, false, sm, p, w)) {
-                transpose_v(w, sm, smem, threadIdx.x - 32, ring);
+                transpose_v(w, sm, threadIdx.x - 32, ring);
                 ring += w.n_block_max - w.n_block_min;
             }
         }

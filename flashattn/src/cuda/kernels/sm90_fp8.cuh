@@ -87,3 +87,20 @@ __device__ __forceinline__ void block_v_rescale(float (&alpha)[2], float& unit, 
     alpha[1] *= r;
     unit = next;
 }
+
+// Bytes 0 and 2 of x, then of y, in one word (x's byte 0 lowest), and bytes 1 and 3: the two
+// lines of V's 16-bit pairs that ldmatrix .trans delivered (fwd_sm90_ws.cu's transpose).
+__device__ __forceinline__ u32 bytes_even(u32 x, u32 y) {
+#ifdef FA_HOST_EMULATION
+    return (x & 0xffu) | (x >> 16 & 0xffu) << 8 | (y & 0xffu) << 16 | (y >> 16 & 0xffu) << 24;
+#else
+    return __byte_perm(x, y, 0x6420);
+#endif
+}
+__device__ __forceinline__ u32 bytes_odd(u32 x, u32 y) {
+#ifdef FA_HOST_EMULATION
+    return (x >> 8 & 0xffu) | (x >> 24) << 8 | (y >> 8 & 0xffu) << 16 | (y >> 24) << 24;
+#else
+    return __byte_perm(x, y, 0x7531);
+#endif
+}

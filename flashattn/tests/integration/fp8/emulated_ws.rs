@@ -172,16 +172,16 @@ fn fp8_ws_dynamic_scheduler_under_emulation() {
     }
 }
 
-/// The emulation catches a wrong transpose: fwd_sm90_ws.cu's FP8 mode with Vᵀ's keys stored in
-/// their own order instead of the P fragment's (kpos) must fail on a case whose softmax is not
-/// flat; the kernel as it is passes the same case.
+/// The emulation catches a wrong transpose: fwd_sm90_ws.cu's FP8 mode with Vᵀ's keys out of the
+/// P fragment's order (kpos: the two matrices of a half swapped in the even lines' byte permute)
+/// must fail on a case whose softmax is not flat; the kernel as it is passes the same case.
 #[test]
 fn fp8_ws_transpose_mistake_fails() {
     if !have_compiler() {
         return;
     }
     let src = std::fs::read_to_string(format!("{}/fwd_sm90_ws.cu", common::emu::KERNELS)).unwrap();
-    let order = "const int kc = (key & ~31) + kpos(key & 31);";
+    let order = "(int)bytes_even(x, y)";
     assert_eq!(
         src.matches(order).count(),
         1,
@@ -190,7 +190,8 @@ fn fp8_ws_transpose_mistake_fails() {
     let dir = common::emu::case_dir("broken", "fp8_ws_vt");
     std::fs::create_dir_all(&dir).unwrap();
     let broken = dir.join("fwd_sm90_ws_broken.cu");
-    std::fs::write(&broken, src.replace(order, "const int kc = key;")).unwrap();
+    // Keys 8 + 2t and 9 + 2t of each 32 where 2t and 2t + 1 belong (and back) in the even lines.
+    std::fs::write(&broken, src.replace(order, "(int)bytes_even(y, x)")).unwrap();
 
     let mut c = Case::new(Fp8Format::E4M3, 1, 130, 200, (2, 1), 128);
     (c.huge, c.causal, c.seed) = (true, true, 45);
