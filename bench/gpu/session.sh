@@ -30,8 +30,9 @@
 # gradient tests on it (f16/bf16 grids, sinks, the `_into` forms), which kernels a call runs,
 # then forward + backward on it against bwd.cu and SDPA's flash and cuDNN backends.
 # `owed`: every kernel path compiled and emulated but not yet run on a GPU (the warp-specialised
-# forward, its FP8 mode, fwd_sm90_fp8.cu, bwd_sm90.cu, the `_into` forms, the Python CUDA tests),
-# in parallel, then one short timing of each against SDPA: the first thing to run on a new lease.
+# forward with static and dynamic tile scheduling, its FP8 mode with per-block factors too,
+# fwd_sm90_fp8.cu, bwd_sm90.cu, the `_into` forms, the Python CUDA tests), in parallel, then one
+# short timing of each against SDPA: the first thing to run on a new lease.
 # `python`: no Rust tests: the wgmma layout probe (bench/gpu/wgmma_probe.py), then the Python
 # package on CUDA tensors (its tests and benchmark).
 # $OUT/summary.txt grows as stages end; $OUT/logs.tgz holds every log at the end.
@@ -288,8 +289,14 @@ if [ "$mode" = owed ]; then
         cuda::device::sinks_match_reference --nocapture
     run_tests ws_tile_per_cta FLASHATTN_CUDA_FWD=sm90ws FLASHATTN_SM90_PERSISTENT=0 $t \
         cuda::device::grid_f16 --exact --nocapture
+    # The dynamic tile scheduler (an atomicAdd per tile), on the grid and packed sequences.
+    run_tests ws_dynamic FLASHATTN_CUDA_FWD=sm90ws FLASHATTN_SM90_SCHEDULER=dynamic $t \
+        cuda::device::grid_bf16 cuda::device::varlen_matches_reference --nocapture
     run_tests fp8_sm90 FLASHATTN_CUDA_FWD=sm90fp8 $t fp8::gpu:: --test-threads 1 --nocapture
+    # fp8::gpu:: includes the per-block factors (fp8_per_block_on_the_gpu), on the ws kernel too.
     run_tests fp8_sm90ws FLASHATTN_CUDA_FWD=sm90fp8ws $t fp8::gpu:: --test-threads 1 --nocapture
+    run_tests fp8_sm90ws_dynamic FLASHATTN_CUDA_FWD=sm90fp8ws FLASHATTN_SM90_SCHEDULER=dynamic $t \
+        fp8::gpu:: --test-threads 1 --nocapture
     run_tests sm90bwd FLASHATTN_SM90_BWD=1 $t cuda::device::backward:: --test-threads 3 --nocapture
     run_tests into FLASHATTN_SM90_BWD=1 $t cuda::device::into:: --test-threads 2 --nocapture
     wait
@@ -307,6 +314,7 @@ if [ "$mode" = owed ]; then
         --dims 128 --seqlens 8192 --rounds 1 --min-time 0.2 \
         --variant "sm90ws=$bin,FLASHATTN_CUDA_FWD=sm90ws" \
         --variant "sm90ws_tile_per_cta=$bin,FLASHATTN_CUDA_FWD=sm90ws,FLASHATTN_SM90_PERSISTENT=0" \
+        --variant "sm90ws_dynamic=$bin,FLASHATTN_CUDA_FWD=sm90ws,FLASHATTN_SM90_SCHEDULER=dynamic" \
         --out "$logs/owed_fwd_d128.json"
     stage 90 owed_bwd_d128 python3 bench/compare_torch_cuda.py --binary "$bin" --backward --cudnn \
         --dims 128 --seqlens 8192 --rounds 1 --min-time 0.2 \

@@ -230,6 +230,7 @@ pub(super) fn launch_forward<TI, TO: cudarc::driver::DeviceRepr>(
     if let Some(ctas) = schedule::persistent_ctas(dev.sm_count()) {
         desc = desc.persistent(ctas);
     }
+    desc = desc.dynamic_tiles(schedule::dynamic_tiles());
     check_launchable(dev, p, &desc.key, contexts)?;
     let (function, _) = dev.function(&desc.key)?;
     let plan = Plan::new(dev, desc)?;
@@ -270,6 +271,10 @@ pub struct LaunchDescription {
     pub lse_shape: Vec<usize>,
     /// The tensor maps of q, k and v, for the warp-specialised sm_90a forward only.
     pub tma: Option<[TmaSpec; 3]>,
+    /// The warp-specialised sm_90a forward takes its tiles from a counter (its dynamic scheduler,
+    /// cuda/schedule.rs): the launch passes one int zeroed on its stream before it; else null
+    /// (static rounds).
+    pub tile_counter: bool,
 }
 
 impl LaunchDescription {
@@ -377,6 +382,7 @@ impl LaunchDescription {
             out_shape: p.out_shape.clone(),
             lse_shape: p.lse_shape.clone(),
             tma: None,
+            tile_counter: false,
             key,
         }
     }
@@ -385,7 +391,7 @@ impl LaunchDescription {
     /// (fwd_sm90.cu: its key, its tiles, grid and shared memory) on compute capability 9.0 where
     /// it serves the call ([`KernelKey::sm90_forward`]) and `choice` asks for it; for e4m3 inputs
     /// with [`ForwardKernel::Sm90Fp8`], fwd_sm90_fp8.cu, with [`ForwardKernel::Sm90Fp8Ws`],
-    /// fwd_sm90_ws.cu's FP8 mode (fwd_sm90_fp8.cu for per-block factors); else unchanged.
+    /// fwd_sm90_ws.cu's FP8 mode; else unchanged.
     pub fn for_arch(mut self, arch: Arch, choice: ForwardKernel) -> LaunchDescription {
         if choice == ForwardKernel::Fa2 || arch != Arch::SM90 {
             return self;
@@ -398,10 +404,9 @@ impl LaunchDescription {
         if key.fp8 && (!fp8_choice || self.params.fp8_e5m2 != 0) {
             return self;
         }
-        // The FP8 mode of fwd_sm90_ws.cu takes per-(sequence, kv head) factors only: per-block
-        // calls (`block_q` != 0) stay on fwd_sm90_fp8.cu.
+        // fwd_sm90_ws.cu's FP8 mode takes per-(sequence, kv head) and per-block factors alike.
         if (choice == ForwardKernel::Sm90Ws && !key.fp8)
-            || (choice == ForwardKernel::Sm90Fp8Ws && key.fp8 && self.params.block_q == 0)
+            || (choice == ForwardKernel::Sm90Fp8Ws && key.fp8)
         {
             key.kind = KernelKind::ForwardSm90Ws;
         }
@@ -423,6 +428,13 @@ impl LaunchDescription {
         if self.key.kind == KernelKind::ForwardSm90Ws {
             self.grid = schedule::persistent_grid(self.grid, ctas);
         }
+        self
+    }
+
+    /// The same launch with the dynamic tile scheduler (`on`) or the static rounds, for the
+    /// warp-specialised sm_90a forward (cuda/schedule.rs); other kernels unchanged.
+    pub fn dynamic_tiles(mut self, on: bool) -> LaunchDescription {
+        self.tile_counter = on && self.key.kind == KernelKind::ForwardSm90Ws;
         self
     }
 
@@ -637,10 +649,23 @@ impl Plan {
             ]),
             None => None,
         };
+        // The dynamic scheduler's tile counter: one int of this launch's own, zeroed on its
+        // stream before it (so concurrent launches never share one and a failed launch leaves
+        // nothing behind); freed on the stream after the kernel.
+        let counter = if d.tile_counter {
+            Some(
+                s.alloc_zeros::<i32>(1)
+                    .map_err(driver_err("cuMemAllocAsync"))?,
+            )
+        } else {
+            None
+        };
+        let counter = counter.as_ref().map(|c| c.device_ptr(s));
+        let counter_ptr: u64 = addr(&counter);
         let mut b = dev.stream.launch_builder(function);
         b.arg(&params);
         if let Some(m) = &maps {
-            b.arg(&m[0]).arg(&m[1]).arg(&m[2]);
+            b.arg(&m[0]).arg(&m[1]).arg(&m[2]).arg(&counter_ptr);
         }
         let cfg = LaunchConfig {
             grid_dim: d.grid,
@@ -652,7 +677,8 @@ impl Plan {
         // of q, k, v (elements of TI), out (TO), lse (f32) and the uploaded tables (i64, f32) or
         // null for a table the call does not use (then never read), all alive past the launch
         // (borrowed here; their guards record the launch when dropped below); for
-        // fwd_sm90_ws.cu then three TmaDesc maps encoded over q, k and v themselves. TI and TO
+        // fwd_sm90_ws.cu then three TmaDesc maps encoded over q, k and v themselves and the
+        // address of its tile counter (one zeroed int alive past the launch) or null. TI and TO
         // are the element types the variant was compiled for: the callers pick the key from the same buffers (forward:
         // one dtype, FA_FP8_INPUT off; forward_fp8: bytes in, bf16 out, FA_FP8_INPUT on), and a
         // descale table is pushed exactly for FP8 keys. Params validated every view, so each

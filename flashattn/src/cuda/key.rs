@@ -330,14 +330,18 @@ impl KernelKey {
                 return 2 * (t.block_m + 4 * t.block_n) * self.smem_row() + 1024
             }
             // fwd_sm90_ws.cu: q [block_m], k and v in rings of 2 stages [2][block_n], 1 KiB to
-            // align, and the mbarriers (q_full, 4 per stage and q_empty, 8 bytes each). FP8: one
-            // byte per element, the Vᵀ ring [2][head_dim][128] (128-byte lines) after v, and 6
+            // align, and the mbarriers (q_full, 4 per stage and q_empty, 8 bytes each), then the
+            // dynamic scheduler's two tile slots (4 mbarriers and 2 x 4 bytes). FP8: one byte
+            // per element, the Vᵀ ring [2][head_dim][128] (128-byte lines) after v, and 6
             // mbarriers per stage.
             KernelKind::ForwardSm90Ws if self.fp8 => {
-                return (t.block_m + 4 * t.block_n + 2 * 128) * self.smem_row() + 1024 + 8 * 14
+                return (t.block_m + 4 * t.block_n + 2 * 128) * self.smem_row()
+                    + 1024
+                    + 8 * 14
+                    + 8 * 5
             }
             KernelKind::ForwardSm90Ws => {
-                return 2 * (t.block_m + 4 * t.block_n) * self.smem_row() + 1024 + 8 * 10
+                return 2 * (t.block_m + 4 * t.block_n) * self.smem_row() + 1024 + 8 * 10 + 8 * 5
             }
             // decode.cu: the tile's v row offsets [128] (i64), q [16][d] and p [16][128] in
             // f32, two [4 warps][16] reductions, then 5 + 3 per-row statistics of 4 bytes.

@@ -8,6 +8,16 @@
 //! taking a tile per round, so that the short causal tiles fill the gaps the long ones leave at
 //! the end instead of waiting for a free SM, and a CTA's set-up (barriers, register reallocation)
 //! is paid once per SM. `FLASHATTN_SM90_PERSISTENT=0` keeps one CTA per tile, to measure the gain.
+//!
+//! The rounds are static: CTA c takes tiles c, 2g - 1 - c, 2g + c, ... of a grid of g, whatever
+//! the tiles cost. `FLASHATTN_SM90_SCHEDULER=dynamic` (FlashAttention-3's dynamic persistent
+//! scheduler) makes each CTA's producer take its next tile with one atomicAdd on a counter of the
+//! launch instead, so a CTA that finished early takes the next tile in line. The counter is one
+//! int per launch, zeroed by the host on the launch's stream before it (cudarc's `alloc_zeros`:
+//! an async allocation and a memset): a scheme with no memset (the CTA that takes the last tile
+//! resets it) needs a counter shared by the launches of a stream and trusts every launch to run
+//! to its end, while a launch's own counter cannot be raced by a concurrent launch on another
+//! stream. Static stays the default until the dynamic one has run on a GPU.
 
 /// CTAs of fwd_sm90_ws.cu one SM holds: 1. Its launch bounds (384 threads, one CTA per SM) give
 /// 168 registers each at entry, which fill the SM's 64 Ki-register file (384 × 168 = 64512).
@@ -34,6 +44,13 @@ pub(crate) fn persistent_ctas(sm_count: usize) -> Option<usize> {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let on = *ON.get_or_init(|| std::env::var("FLASHATTN_SM90_PERSISTENT").as_deref() != Ok("0"));
     on.then_some(sm_count * WS_CTAS_PER_SM)
+}
+
+/// Whether the warp-specialised forward takes its tiles from a counter (the dynamic scheduler):
+/// `FLASHATTN_SM90_SCHEDULER=dynamic`; static rounds otherwise (read once per process).
+pub(crate) fn dynamic_tiles() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("FLASHATTN_SM90_SCHEDULER").as_deref() == Ok("dynamic"))
 }
 
 #[cfg(test)]

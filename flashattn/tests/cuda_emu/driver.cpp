@@ -37,6 +37,10 @@ int main(int argc, char** argv) {
         for (auto& st : m.strides) pf >> x, st = uint64_t(x);
         pf >> x, m.box_rows = uint32_t(x);
     }
+    // Then 1 for the dynamic tile scheduler (a zeroed counter), 0 for the static rounds (null).
+    long long dynamic_tiles;
+    pf >> dynamic_tiles;
+    int tile_counter = 0;
 #endif
     if (!pf) return 3;
     // The kernel's parameter as the library built it (its device addresses 0), set below to the
@@ -73,7 +77,7 @@ int main(int argc, char** argv) {
     emu::launch({unsigned(gx), unsigned(gy), unsigned(gz)}, int(threads), size_t(smem), [&] {
         flash_fwd(p
 #ifdef FA_SM90_WS
-                  , maps[0], maps[1], maps[2]
+                  , maps[0], maps[1], maps[2], dynamic_tiles ? &tile_counter : nullptr
 #endif
         );
     });

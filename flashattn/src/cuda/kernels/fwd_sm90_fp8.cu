@@ -90,22 +90,6 @@ __device__ __forceinline__ void load_vt(u8* vt, const u8* src, i64 row_stride, i
     }
 }
 
-// The score scale of one key block with per-block factors (common.cuh's cta_work_at sets it once
-// per CTA otherwise).
-__device__ __forceinline__ void set_block_scale(CtaWork<u16>& w, float scale, float softcap) {
-    w.mods.scale_log2 = scale * FA_LOG2E;
-    w.mods.cap_in = scale / softcap;
-}
-
-// Per-block factors: acc_o (in units of v factor `unit`) to units of `next`, folded into the
-// rescale by alpha that follows.
-__device__ __forceinline__ void block_v_rescale(float (&alpha)[2], float& unit, float next) {
-    const float r = unit / next;
-    alpha[0] *= r;
-    alpha[1] *= r;
-    unit = next;
-}
-
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 flash_fwd(const __grid_constant__ FwdParams p) {
     FA_DYNAMIC_SMEM(unsigned char, smem_raw);
@@ -134,17 +118,12 @@ flash_fwd(const __grid_constant__ FwdParams p) {
 
     // Per-block factors: this warpgroup's q factor (softmax_scale folded in) and this (sequence,
     // kv head)'s k and v rows; null without them.
-    const float* __restrict__ k_fac = nullptr;
-    const float* __restrict__ v_fac = nullptr;
-    float q_fac = 0.f, v_unit = 1.f;  // v_unit: the v factor acc_o is in units of
-    if (p.block_q != 0) {
-        const float* __restrict__ ds = p.descale;
-        const i64 kv_row = ((i64)w.b * p.heads_kv + w.h / (p.heads / p.heads_kv)) * p.k_blocks;
-        q_fac = ds[p.block_q + ((i64)w.b * p.heads + w.h) * p.q_blocks + (m0 + 64 * wg) / 128];
-        k_fac = ds + p.block_k + kv_row;
-        v_fac = ds + p.block_v + kv_row;
-        if (n_block_min < n_block_max) v_unit = v_fac[n_block_min * BLOCK_N / 128];
-    }
+    const BlockFactors fac(p, w.b, w.h, m0 + 64 * wg);
+    const float* __restrict__ k_fac = fac.k;
+    const float* __restrict__ v_fac = fac.v;
+    const float q_fac = fac.q;
+    float v_unit = 1.f;  // the v factor acc_o is in units of
+    if (v_fac != nullptr && n_block_min < n_block_max) v_unit = v_fac[n_block_min * BLOCK_N / 128];
 
     load_tile_b<BLOCK_M>(q_tile, w8.q_g, p.q_row_stride, m0, seqlen_q, p.head_dim);
     if (n_block_min < n_block_max)

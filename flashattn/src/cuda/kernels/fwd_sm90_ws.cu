@@ -14,7 +14,9 @@
 // Work tiles (tile_coords below): the grid is one-dimensional and each CTA loops over work tiles,
 // one (query block, head, sequence) each, numbered heaviest first for causal masks; a launch of
 // one CTA per tile runs one iteration, a persistent one (cuda/schedule.rs: SMs x CTAs per SM,
-// FlashAttention-3's persistent scheduler) many. The mbarrier phases run on across tiles: the
+// FlashAttention-3's persistent scheduler) many, in static rounds (Tiles::take) or, with a tile
+// counter, dynamically (TileSource: one consumer thread claims each next tile with an atomicAdd
+// and hands it to every role through shared memory). The mbarrier phases run on across tiles: the
 // K/V ring position is counted over every key block the CTA has taken, and Q's buffer is
 // reloaded once the consumers release it on q_empty.
 // No __syncthreads after the set-up: the warpgroups meet only at the mbarriers. Tiles are the
@@ -25,22 +27,25 @@
 // Defines (cuda/key.rs): FA_BF16 (else f16), HEAD_DIM (multiple of 64), BLOCK_N, NUM_WG,
 // IS_MASKED, HAS_SOFTCAP, HAS_ALIBI, SM90_PINGPONG (1: the two consumer warpgroups take turns
 // issuing their products, named barriers 1 and 2, so one's softmax runs under the other's
-// products, FlashAttention-3's pingpong). The launch passes FwdParams (params.cuh) and then the
+// products, FlashAttention-3's pingpong). The launch passes FwdParams (params.cuh), then the
 // tensor maps of q, k and v (cuda/tma.rs): 4-D {head_dim, rows, heads, batches} of 16-bit
-// elements, box {64, BLOCK_M or BLOCK_N, 1, 1}, 128-byte swizzle.
+// elements, box {64, BLOCK_M or BLOCK_N, 1, 1}, 128-byte swizzle, then the tile counter: null for
+// the static rounds, or one int the host zeroed before the launch for the dynamic scheduler.
 //
 // FP8 mode (FA_FP8_INPUT, with FA_BF16: e4m3 q, k and v, bf16 out; HEAD_DIM 128 or 256, BLOCK_N
 // 64 or 128), FlashAttention-3's FP8 forward: the same producer, ring, scheduler and consumers on
 // one-byte tiles (a box of 128 columns per slab) and wgmma k32 with e4m3 operands (QGMMA) for both
 // products. 8-bit wgmma reads B K-major only, so P·V reads Vᵀ: the producer warpgroup's other
-// three warps (the transposers) wait for each V tile TMA delivered, write it transposed into a
-// Vᵀ buffer of the stage (HEAD_DIM lines of 128 bytes, keys in sm90_fp8.cuh's kpos order), release
-// the V buffer on v_empty and publish Vᵀ on vt_full; the consumers read Vᵀ and release it on
-// vt_empty. The consumers keep most of their registers: the producer warpgroup takes 40 (232 each
+// three warps (the transposers) wait for each V tile TMA delivered, write it transposed (ldmatrix
+// .trans and byte permutes, transpose_v) into a Vᵀ buffer of the stage (HEAD_DIM lines of 128
+// bytes, keys in sm90_fp8.cuh's kpos order), release the V buffer on v_empty and publish Vᵀ on
+// vt_full; the consumers read Vᵀ and release it on vt_empty. The consumers keep most of their registers: the producer warpgroup takes 40 (232 each
 // for the consumers) for the transpose.
 // Scores and P as fwd_sm90_fp8.cu: S scaled by the folded softmax_scale · q_descale · k_descale of
 // the (sequence, kv head), P · 256 rounded to e4m3, out divided by 256 · row_sum and multiplied
-// by v_descale. The tensor maps are then of one-byte elements, box {128, rows, 1, 1}.
+// by v_descale; per-block factors (FwdParams block_q) as there: the score scale set per key block,
+// acc_o kept in units of the current key block's v factor (consume). The tensor maps are then of
+// one-byte elements, box {128, rows, 1, 1}.
 #define FA_TENSOR_CORE_KERNEL
 #define FA_SM90_KERNEL
 #define FA_SM90_WS  // the launch passes tensor maps (tests/cuda_emu/driver.cpp reads this)
@@ -91,12 +96,24 @@ static_assert(NUM_WG == 2, "the register split below is for two consumer warpgro
 #define CONSUMER_REGS 240
 #endif
 
+// The dynamic scheduler's thread (TileSource): the first thread of consumer 0, whose registers
+// have room (the producer warpgroup's 24 in the 16-bit mode spilled with it). Every thread with a
+// role loads its tiles: the consumers, the producer's thread and the transposers (FP8).
+#define SCHEDULER_THREAD 128
+#ifdef FA_FP8_INPUT
+#define TILE_READERS (NUM_WG * 128 + 1 + TRANSPOSERS)
+#else
+#define TILE_READERS (NUM_WG * 128 + 1)
+#endif
+
 #define TILE_BYTES (BLOCK_N * HEAD_DIM * ELEM_BYTES)
 #define Q_BYTES (BLOCK_M * HEAD_DIM * ELEM_BYTES)
 
 // Shared-memory addresses: the Q tile, the K and V rings (FP8: then the Vᵀ ring), then the
 // mbarriers: q_full, then per stage k_full, k_empty, v_full, v_empty (FP8: vt_full, vt_empty),
-// then q_empty. pv_full / pv_empty: the barriers of the B operand of P·V (V, or Vᵀ in FP8).
+// then q_empty, then the dynamic scheduler's tile_full and tile_empty of its two tile slots
+// (TileSource), then the slots (4 bytes each). pv_full / pv_empty: the barriers of the B operand
+// of P·V (V, or Vᵀ in FP8).
 #ifdef FA_FP8_INPUT
 #define STAGE_BARS 6
 #else
@@ -115,6 +132,15 @@ struct Smem {
     __device__ __forceinline__ u32 vt_full(int s) const { return bars + 8 * (5 + STAGE_BARS * s); }
     __device__ __forceinline__ u32 vt_empty(int s) const { return bars + 8 * (6 + STAGE_BARS * s); }
     __device__ __forceinline__ u32 q_empty() const { return bars + 8 * (1 + STAGE_BARS * STAGES); }
+    __device__ __forceinline__ u32 tile_full(int s) const {
+        return bars + 8 * (2 + STAGE_BARS * STAGES + s);
+    }
+    __device__ __forceinline__ u32 tile_empty(int s) const {
+        return bars + 8 * (4 + STAGE_BARS * STAGES + s);
+    }
+    __device__ __forceinline__ u32 tile_slot(int s) const {
+        return bars + 8 * (6 + STAGE_BARS * STAGES) + 4 * s;
+    }
 #ifdef FA_FP8_INPUT
     __device__ __forceinline__ u32 pv_full(int s) const { return vt_full(s); }
     __device__ __forceinline__ u32 pv_empty(int s) const { return vt_empty(s); }
@@ -171,6 +197,67 @@ __device__ __forceinline__ bool next_work(const Tiles& tiles, const FwdParams& p
             ++round;
             return true;
         }
+    }
+}
+
+// Where every role of a CTA takes its work tiles. Static (`counter` null, the default): each
+// role walks the rounds itself (next_work). Dynamic (a per-launch counter, zeroed by the host
+// before the launch: FlashAttention-3's dynamic persistent scheduler): the scheduler thread
+// (SCHEDULER_THREAD) hands the CTA's tiles to every thread with a role through two shared-memory
+// slots (tile j in slot j % 2): tile 0 is blockIdx.x, tile j + 1 gridDim.x + the counter's old
+// value (one atomicAdd) claimed as the consumers take tile j, so the producer's thread can load
+// the next tile's Q, K and V while they finish this one; -1 once the counter has passed the last.
+// It waits on the slot's tile_empty (every reader has loaded tile j - 2), stores the tile and
+// arrives on its tile_full (the arrive releases the store to whoever completes a wait on that
+// phase); every thread with a role (the scheduler too) waits on tile_full, loads the tile and
+// arrives on tile_empty. So all roles take the same tiles in the same order (each skipping the
+// tiles with no rows, as next_work) and stop on the same -1. The scheduler's steps run in every
+// consumer thread, only the claim, the store and the arrive on that one thread's predicate:
+// branching around them for one thread had ptxas serialise the consumers' wgmma (C7520). `n`:
+// static, the next round; dynamic, the tiles taken so far (the -1 included). The counter is the
+// kernel's parameter, read where it is used.
+struct TileSource {
+    int n = 0;
+};
+
+// The scheduler's step for tile j (every consumer thread runs it): once slot j % 2 is free, tile
+// j is stored there: blockIdx.x if j is 0, else the next the counter gives.
+__device__ __forceinline__ void hand_on_tile(const Smem& sm, int j, int* counter,
+                                             const Tiles& tiles) {
+    const int slot = j % 2;
+    mbar_wait(sm.tile_empty(slot), ((j / 2) & 1) ^ 1);
+    if (threadIdx.x == SCHEDULER_THREAD) {
+        const int t = j == 0 ? (int)blockIdx.x : (int)gridDim.x + atomicAdd(counter, 1);
+        st_shared_s32(sm.tile_slot(slot), t < tiles.count ? t : -1);
+        mbar_arrive(sm.tile_full(slot));
+    }
+}
+
+// A thread's next tile from the slots; -1: none is left.
+__device__ __forceinline__ int read_tile(TileSource& src, const Smem& sm) {
+    const int slot = src.n % 2;
+    mbar_wait(sm.tile_full(slot), (src.n / 2) & 1);
+    ++src.n;
+    const int tile = ld_shared_s32(sm.tile_slot(slot));
+    mbar_arrive(sm.tile_empty(slot));
+    return tile;
+}
+
+// This role's next work tile into `w` (see TileSource); false when none is left. `consumer`: the
+// consumer threads also run the scheduler's steps.
+__device__ __forceinline__ bool take_tile(TileSource& src, const Tiles& tiles, int* counter,
+                                          bool consumer, const Smem& sm, const FwdParams& p,
+                                          CtaWork<elem_t>& w) {
+    if (counter == nullptr) return next_work(tiles, p, src.n, w);
+    for (;;) {
+        const int j = src.n;
+        if (consumer && j == 0) hand_on_tile(sm, 0, counter, tiles);
+        const int tile = read_tile(src, sm);
+        if (tile < 0) return false;
+        if (consumer) hand_on_tile(sm, j + 1, counter, tiles);
+        int m_block, h, b;
+        tiles.coords(tile, m_block, h, b);
+        if (cta_work_at<elem_t, BLOCK_M, BLOCK_N>(w, p, m_block, h, b)) return true;
     }
 }
 
@@ -256,41 +343,61 @@ __device__ __forceinline__ void produce(const CtaWork<elem_t>& w, const Smem& sm
     }
 }
 
+// produce of w's tile, its tensor-map coordinates worked out (packed calls address rows of the
+// whole tensor, a sequence's first row from its base offset; batched calls rows of batch w.b);
+// `ring` and `q_loads` (Q tiles loaded so far) then past it.
+__device__ __forceinline__ void produce_tile(const CtaWork<elem_t>& w, const FwdParams& p,
+                                             const Smem& sm, const TmaDesc* q_map,
+                                             const TmaDesc* k_map, const TmaDesc* v_map, int& ring,
+                                             int& q_loads) {
+    const bool packed = p.seqs != nullptr;
+    const int hk = w.h / (p.heads / p.heads_kv);
+    const elem_t* k = static_cast<const elem_t*>(p.k);
+    const elem_t* v = static_cast<const elem_t*>(p.v);
+    const int k_row0 =
+        packed ? (int)((w.k_g - k - (i64)hk * p.k_head_stride) / p.k_row_stride) : 0;
+    const int v_row0 =
+        packed ? (int)((w.v_g - v - (i64)hk * p.v_head_stride) / p.v_row_stride) : 0;
+    produce(w, sm, packed, packed ? (int)w.out_row0 : 0, k_row0, v_row0, hk, q_map, k_map, v_map,
+            ring, q_loads & 1);
+    ring += w.n_block_max - w.n_block_min;
+    q_loads += w.n_block_min < w.n_block_max;
+}
+
 #ifdef FA_FP8_INPUT
 // A transposer thread (`tid` 0 .. TRANSPOSERS - 1 of warps 1 to 3 of the producer warpgroup):
 // every key block of one work tile, V as TMA delivered it ([BLOCK_N keys][HEAD_DIM], SW128) into
-// the stage's Vᵀ buffer (HEAD_DIM lines, key κ of each 32 at column kpos(κ)), 16 bytes of a key
-// row per shared load and one byte store each. `smem` is the generic address of the Q tile
-// (shared address sm.q). `ring` as for produce.
-__device__ __forceinline__ void transpose_v(const CtaWork<elem_t>& w, const Smem& sm, u8* smem,
-                                            int tid, int ring) {
+// the stage's Vᵀ buffer (HEAD_DIM lines, key κ of each 32 at column kpos(κ)), as FlashAttention-3
+// transposes FP8 V: a warp step takes 32 keys (group g) by 16 columns (chunk c) with one
+// `ldmatrix .x4 .trans` of 16-bit pairs (matrix i: keys 8i .. 8i + 7 of the group, i = 2 · half +
+// q in kpos's terms), which gives lane (j = lane / 4, t = lane % 4) columns 2j and 2j + 1 of keys
+// 2t and 2t + 1 of each matrix; two byte permutes per half then make the words of lines
+// 16c + 2j and 16c + 2j + 1 at k positions 16 · half + 4t .. + 3 (keys 2t, 2t + 1, 8 + 2t,
+// 9 + 2t: kpos's order), one 4-byte store each. `ring` as for produce.
+__device__ __forceinline__ void transpose_v(const CtaWork<elem_t>& w, const Smem& sm, int tid,
+                                            int ring) {
+    const int warp = tid / 32, lane = tid % 32, t = lane % 4, j = lane / 4;
     for (int n_block = w.n_block_min; n_block < w.n_block_max; ++n_block) {
         const int it = ring + n_block - w.n_block_min, stage = it % STAGES,
                   phase = (it / STAGES) & 1;
         mbar_wait(sm.v_full(stage), phase);
         // The consumers' P·V two blocks back has retired from this buffer.
         mbar_wait(sm.vt_empty(stage), phase ^ 1);
-        const u8* v = smem + (sm.v(stage) - sm.q);
-        u8* vt = smem + (sm.vt(stage) - sm.q);
-        for (int c = tid; c < BLOCK_N * (HEAD_DIM / 16); c += TRANSPOSERS) {
-            const int key = c % BLOCK_N, col = (c / BLOCK_N) * 16;
-            u32 x[4];
-#ifdef FA_HOST_EMULATION
-            std::memcpy(x, v + sw128_b(key, col, BLOCK_N), 16);
-#else
-            const uint4 a = *reinterpret_cast<const uint4*>(v + sw128_b(key, col, BLOCK_N));
-            x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w;
-#endif
-            const int kc = (key & ~31) + kpos(key & 31);
-            // sw128_b(col + i, kc, HEAD_DIM) with kc < 128 and col a multiple of 16: line col + i,
-            // chunk kc / 16 swizzled by i % 8.
-            u8* dst = vt + col * 128 + (kc & 15);
-            const int chunk = (kc >> 4) & 7;
+        const u32 v = sm.v(stage), vt = sm.vt(stage);
+        for (int step = warp; step < (BLOCK_N / 32) * (HEAD_DIM / 16); step += TRANSPOSERS / 32) {
+            const int g = step % (BLOCK_N / 32), c = step / (BLOCK_N / 32);
+            u32 r[4];
+            ldsm_x4_trans(r, v + sw128_b(32 * g + 8 * (lane / 8) + lane % 8, 16 * c, BLOCK_N));
+            const int line = 16 * c + 2 * j;
 #pragma unroll
-            for (int i = 0; i < 16; ++i)
-                dst[i * 128 + ((chunk ^ (i & 7)) << 4)] = (u8)(x[i >> 2] >> (8 * (i & 3)));
+            for (int half = 0; half < 2; ++half) {
+                const int pos = 32 * g + 16 * half + 4 * t;
+                const u32 x = r[2 * half], y = r[2 * half + 1];
+                st_shared_s32(vt + sw128_b(line, pos, HEAD_DIM), (int)bytes_even(x, y));
+                st_shared_s32(vt + sw128_b(line + 1, pos, HEAD_DIM), (int)bytes_odd(x, y));
+            }
         }
-        // The byte stores went through the generic proxy; wgmma reads through the async one.
+        // The stores went through the generic proxy; wgmma reads through the async one.
         fence_proxy_async();
         mbar_arrive(sm.vt_full(stage));
         // This thread's reads of V are done: TMA may refill the buffer.
@@ -300,8 +407,10 @@ __device__ __forceinline__ void transpose_v(const CtaWork<elem_t>& w, const Smem
 #endif
 
 // A consumer warpgroup (warpgroup 1 + c of the CTA): its 64 rows of one work tile through every
-// key block, then out and lse. `ring` and `q_phase` as for produce.
-__device__ __forceinline__ void consume(const CtaWork<elem_t>& w, const Smem& sm, int c,
+// key block, then out and lse. `ring` and `q_phase` as for produce. FP8 with per-block factors:
+// the score scale is set per key block (w's), and acc_o kept in units of the current key block's
+// v factor, as fwd_sm90_fp8.cu (its top comment).
+__device__ __forceinline__ void consume(CtaWork<elem_t>& w, const Smem& sm, int c,
                                         const FwdParams& p, int ring, int q_phase) {
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
@@ -322,6 +431,11 @@ __device__ __forceinline__ void consume(const CtaWork<elem_t>& w, const Smem& sm
     // complete a second phase, and a thread not yet past this wait would miss the parity it waits
     // for (the emulation deadlocked on packed sequences with no keys).
     const bool has_keys = w.n_block_min < w.n_block_max;
+#ifdef FA_FP8_INPUT
+    const BlockFactors fac(p, w.b, w.h, w.m0 + 64 * c);
+    float v_unit = 1.f;  // the v factor acc_o is in units of
+    if (fac.v != nullptr && has_keys) v_unit = fac.v[w.n_block_min * BLOCK_N / 128];
+#endif
     if (has_keys) mbar_wait(sm.q_full(), q_phase);
 
     u32 p_frag[BLOCK_N / K_STEP][4];  // P of the previous block, the A operand of its P·V
@@ -359,12 +473,18 @@ __device__ __forceinline__ void consume(const CtaWork<elem_t>& w, const Smem& sm
 #endif
         if (releaser) mbar_arrive(sm.k_empty(stage));
 
+#ifdef FA_FP8_INPUT
+        if (fac.k != nullptr) set_block_scale(w, fac.q * fac.k[n_block * BLOCK_N / 128], p.softcap);
+#endif
         mask_scores(s, w, row_i, n_block * BLOCK_N, t);
         float alpha[2];
         softmax_rows(s, row_max, row_sum, alpha);
         wgmma_wait<0>();  // acc_o holds O through the previous block
         reg_fence_all(acc_o);
         if (i > 0 && releaser) mbar_arrive(sm.pv_empty(prev));
+#ifdef FA_FP8_INPUT
+        if (fac.v != nullptr) block_v_rescale(alpha, v_unit, fac.v[n_block * BLOCK_N / 128]);
+#endif
         rescale_o(acc_o, alpha);
         pack_p(p_frag, s);
     }
@@ -390,12 +510,16 @@ __device__ __forceinline__ void consume(const CtaWork<elem_t>& w, const Smem& sm
         named_bar_arrive(1 + (c ^ 1), 256);
 #endif
     }
+#ifdef FA_FP8_INPUT
+    w.out_scale *= v_unit;  // per-block factors: acc_o is in units of the last block's v factor
+#endif
     store_rows(acc_o, row_max, row_sum, row_i, w, p, t);
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 flash_fwd(const __grid_constant__ FwdParams p, const __grid_constant__ TmaDesc q_map,
-          const __grid_constant__ TmaDesc k_map, const __grid_constant__ TmaDesc v_map) {
+          const __grid_constant__ TmaDesc k_map, const __grid_constant__ TmaDesc v_map,
+          int* __restrict__ tile_counter) {
     FA_DYNAMIC_SMEM(unsigned char, smem_raw);
     // Tiles start 1024-byte aligned: the swizzle reads address bits 7-9 as the row.
     const u32 q0 = (smem_addr(smem_raw) + 1023) & ~1023u;
@@ -405,6 +529,11 @@ flash_fwd(const __grid_constant__ FwdParams p, const __grid_constant__ TmaDesc q
     if (threadIdx.x == 0) {
         mbar_init(sm.q_full(), 1);
         mbar_init(sm.q_empty(), NUM_WG);
+        // The tile slot: the scheduler thread stores, every other thread with a role loads.
+        for (int s = 0; s < 2; ++s) {
+            mbar_init(sm.tile_full(s), 1);
+            mbar_init(sm.tile_empty(s), TILE_READERS);
+        }
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(sm.k_full(s), 1);
             mbar_init(sm.v_full(s), 1);
@@ -425,37 +554,43 @@ flash_fwd(const __grid_constant__ FwdParams p, const __grid_constant__ TmaDesc q
     // One branch per role, as setmaxnreg needs: the producer warpgroup gives registers up, the
     // consumers take them.
     const int wg = threadIdx.x / 128;
-    // Each role works out its tiles itself (next_work), after its register change, so that
-    // nothing computed before the branch stays live across it (ptxas then spilled the consumers).
+    // Each role takes its tiles itself (next_work, or the dynamic scheduler's slots), after its
+    // register change, so that nothing computed before the branch stays live across it (ptxas
+    // then spilled the consumers). The producer's thread has a loop per scheduler: one loop
+    // taking either way spilled its 24 registers.
     if (wg == 0) {
         regs_dealloc<PRODUCER_REGS>();
         if (threadIdx.x == 0) {
-            const Tiles tiles(p);
+            TileSource src;
             int ring = 0, q_loads = 0;
             CtaWork<elem_t> w;
-            for (int round = 0; next_work(tiles, p, round, w);) {
-                const bool packed = p.seqs != nullptr;
-                const int hk = w.h / (p.heads / p.heads_kv);
-                const elem_t* k = static_cast<const elem_t*>(p.k);
-                const elem_t* v = static_cast<const elem_t*>(p.v);
-                const int k_row0 =
-                    packed ? (int)((w.k_g - k - (i64)hk * p.k_head_stride) / p.k_row_stride) : 0;
-                const int v_row0 =
-                    packed ? (int)((w.v_g - v - (i64)hk * p.v_head_stride) / p.v_row_stride) : 0;
-                produce(w, sm, packed, packed ? (int)w.out_row0 : 0, k_row0, v_row0, hk, &q_map,
-                        &k_map, &v_map, ring, q_loads & 1);
-                ring += w.n_block_max - w.n_block_min;
-                q_loads += w.n_block_min < w.n_block_max;
+            if (tile_counter != nullptr) {
+                // The dynamic scheduler's tiles, from its thread.
+                const Tiles tiles(p);
+                for (;;) {
+                    const int tile = read_tile(src, sm);
+                    if (tile < 0) break;
+                    int m_block, h, b;
+                    tiles.coords(tile, m_block, h, b);
+                    if (!cta_work_at<elem_t, BLOCK_M, BLOCK_N>(w, p, m_block, h, b)) continue;
+                    produce_tile(w, p, sm, &q_map, &k_map, &v_map, ring, q_loads);
+                }
+            } else {
+                // Static: this thread walks the rounds itself.
+                const Tiles tiles(p);
+                for (int round = 0; next_work(tiles, p, round, w);) {
+                    produce_tile(w, p, sm, &q_map, &k_map, &v_map, ring, q_loads);
+                }
             }
         }
 #ifdef FA_FP8_INPUT
         else if (threadIdx.x >= 32) {
-            u8* smem = smem_raw + (q0 - smem_addr(smem_raw));
             const Tiles tiles(p);
+            TileSource src;
             int ring = 0;
             CtaWork<elem_t> w;
-            for (int round = 0; next_work(tiles, p, round, w);) {
-                transpose_v(w, sm, smem, threadIdx.x - 32, ring);
+            while (take_tile(src, tiles, tile_counter, false, sm, p, w)) {
+                transpose_v(w, sm, threadIdx.x - 32, ring);
                 ring += w.n_block_max - w.n_block_min;
             }
         }
@@ -468,9 +603,10 @@ flash_fwd(const __grid_constant__ FwdParams p, const __grid_constant__ TmaDesc q
         if (wg == 2) named_bar_arrive(1, 256);
 #endif
         const Tiles tiles(p);
+        TileSource src;
         int ring = 0, q_loads = 0;
         CtaWork<elem_t> w;
-        for (int round = 0; next_work(tiles, p, round, w);) {
+        while (take_tile(src, tiles, tile_counter, true, sm, p, w)) {
 #ifdef FA_FP8_INPUT
             // P was scaled by 256 before rounding: the rows are divided by it once, at the end.
             w.out_scale *= 1.f / 256.f;

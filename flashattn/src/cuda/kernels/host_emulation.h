@@ -335,6 +335,15 @@ using std::frexp;
 using std::ldexp;
 using std::rint;
 inline void __syncthreads() { emu::block->bar.arrive_and_wait(); }
+// Atomics on global memory: the blocks of a launch run one after another on one OS thread, and a
+// fiber gives the thread up only at a barrier, so a plain read-modify-write is atomic here. (So
+// under emulation the block that runs first takes every tile a dynamic scheduler hands out after
+// each block's first; any such split is a valid CUDA execution.)
+inline int atomicAdd(int* a, int v) {
+    const int old = *a;
+    *a = old + v;
+    return old;
+}
 inline void __syncwarp() { emu::warp().bar.arrive_and_wait(); }
 inline float __shfl_xor_sync(unsigned, float v, int mask) {
     emu::Warp& w = emu::warp();
@@ -362,6 +371,12 @@ inline uint16_t from_f32(float x) { return emu::float_to_half(x); }
 inline uint32_t smem_addr(const void* p) {
     return uint32_t(static_cast<const unsigned char*>(p) - emu::smem_base());
 }
+inline int ld_shared_s32(uint32_t addr) {
+    int v;
+    std::memcpy(&v, emu::smem_base() + addr, 4);
+    return v;
+}
+inline void st_shared_s32(uint32_t addr, int v) { std::memcpy(emu::smem_base() + addr, &v, 4); }
 inline uint16_t smem_u16(uint32_t addr) {
     uint16_t v;
     std::memcpy(&v, emu::smem_base() + addr, 2);

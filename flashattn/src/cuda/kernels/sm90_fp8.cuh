@@ -51,3 +51,56 @@ __device__ __forceinline__ void pack_p_e4m3(u32 (&a)[4], const float (&s)[BLOCK_
                               s[4 * j + 3][2 * r] * k, s[4 * j + 3][2 * r + 1] * k);
     }
 }
+
+// Per-block factors (params.cuh: FwdParams block_q, FlashAttention-3's block quantisation): the q
+// factor of one warpgroup's 64 rows (softmax_scale folded in; they lie in one 128-row query block)
+// and the k and v factor rows of its (sequence, kv head); `k` and `v` null without them. The k
+// and v factors of key n0's block: k[n0 / 128], v[n0 / 128] (at BLOCK_N = 64 two key blocks share
+// one).
+struct BlockFactors {
+    const float* __restrict__ k = nullptr;
+    const float* __restrict__ v = nullptr;
+    float q = 0.f;
+    __device__ __forceinline__ BlockFactors(const FwdParams& p, int b, int h, int q_row) {
+        if (p.block_q == 0) return;
+        const float* __restrict__ ds = p.descale;
+        const i64 kv_row = ((i64)b * p.heads_kv + h / (p.heads / p.heads_kv)) * p.k_blocks;
+        q = ds[p.block_q + ((i64)b * p.heads + h) * p.q_blocks + q_row / 128];
+        k = ds + p.block_k + kv_row;
+        v = ds + p.block_v + kv_row;
+    }
+};
+
+// The score scale of one key block with per-block factors (common.cuh's cta_work_at sets it once
+// per CTA otherwise).
+template <typename T>
+__device__ __forceinline__ void set_block_scale(CtaWork<T>& w, float scale, float softcap) {
+    w.mods.scale_log2 = scale * FA_LOG2E;
+    w.mods.cap_in = scale / softcap;
+}
+
+// Per-block factors: acc_o (in units of v factor `unit`) to units of `next`, folded into the
+// rescale by alpha that follows.
+__device__ __forceinline__ void block_v_rescale(float (&alpha)[2], float& unit, float next) {
+    const float r = unit / next;
+    alpha[0] *= r;
+    alpha[1] *= r;
+    unit = next;
+}
+
+// Bytes 0 and 2 of x, then of y, in one word (x's byte 0 lowest), and bytes 1 and 3: the two
+// lines of V's 16-bit pairs that ldmatrix .trans delivered (fwd_sm90_ws.cu's transpose).
+__device__ __forceinline__ u32 bytes_even(u32 x, u32 y) {
+#ifdef FA_HOST_EMULATION
+    return (x & 0xffu) | (x >> 16 & 0xffu) << 8 | (y & 0xffu) << 16 | (y >> 16 & 0xffu) << 24;
+#else
+    return __byte_perm(x, y, 0x6420);
+#endif
+}
+__device__ __forceinline__ u32 bytes_odd(u32 x, u32 y) {
+#ifdef FA_HOST_EMULATION
+    return (x >> 8 & 0xffu) | (x >> 24) << 8 | (y >> 8 & 0xffu) << 16 | (y >> 24) << 24;
+#else
+    return __byte_perm(x, y, 0x7531);
+#endif
+}

@@ -225,6 +225,8 @@ pub fn run_forward(
             .chain([m.box_rows.to_string()])
             .collect::<Vec<_>>()
     }))
+    // Then whether it takes its tiles from a counter (the dynamic scheduler).
+    .chain(d.tma.map(|_| (d.tile_counter as i64).to_string()))
     .collect();
     // The kernel's parameter, byte for byte as a GPU launch passes it (its addresses 0: the
     // driver sets them to its buffers).

@@ -261,8 +261,8 @@ fn representative(keys: &[KernelKey]) -> std::collections::HashSet<KernelKey> {
 
 /// The machine code of the sm_90a kernels uses the Hopper instructions they were written for:
 /// `HGMMA` (wgmma; `QGMMA` for the FP8 one's e4m3 operands), and in the warp-specialised one
-/// `UTMALDG` (TMA loads) and
-/// `USETMAXREG` (register reallocation). Needs `cuobjdump` (with `nvdisasm` beside it or on the
+/// `UTMALDG` (TMA loads),
+/// `USETMAXREG` (register reallocation) and `ATOM` or `RED` (its dynamic scheduler's tile counter). Needs `cuobjdump` (with `nvdisasm` beside it or on the
 /// path) at `FLASHATTN_CUOBJDUMP`; CI installs both from PyPI. Unset: the check says it skips.
 fn sass_failures(
     results: &[(&KernelKey, &Arch, flashattn::Result<cuda::CompiledKernel>)],
@@ -324,6 +324,16 @@ fn sass_failures(
             if !sass.contains(w) {
                 failures.push(format!("{} sm_90a: no {w} in its SASS", key.name()));
             }
+        }
+        // fwd_sm90_ws.cu's dynamic tile scheduler (a runtime choice, compiled into every
+        // variant): the producer's atomicAdd on the tile counter (ATOMG, or RED where the old
+        // value went unused).
+        if key.kind == KernelKind::ForwardSm90Ws && !sass.contains("ATOM") && !sass.contains("RED")
+        {
+            failures.push(format!(
+                "{} sm_90a: no ATOM or RED (the tile counter) in its SASS",
+                key.name()
+            ));
         }
         checked += 1;
     }

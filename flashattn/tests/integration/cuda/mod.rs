@@ -5,3 +5,4 @@ mod compile;
 mod device;
 mod emulated;
 mod emulated_bwd90;
+mod emulated_sched;

@@ -54,7 +54,7 @@ fn fp8_sm90_ws_kernel_under_emulation() {
     let mut ran = Vec::new();
     let mut list: Vec<Case> = cases(Fp8Format::E4M3)
         .into_iter()
-        // Per-block factors stay on fwd_sm90_fp8.cu (emulated::fp8_per_block_kernels_under_emulation).
+        // Per-block factors: fp8_ws_per_block_under_emulation.
         .filter(|c| !c.sink && c.dropout == 0.0 && !c.per_block)
         .collect();
     let mut c = Case::new(Fp8Format::E4M3, 1, 300, 330, (4, 2), 128);
@@ -102,16 +102,86 @@ fn fp8_sm90_ws_kernel_under_emulation() {
     assert!(!d.key.is_sm90(), "{}", d.key.name());
 }
 
-/// The emulation catches a wrong transpose: fwd_sm90_ws.cu's FP8 mode with Vᵀ's keys stored in
-/// their own order instead of the P fragment's (kpos) must fail on a case whose softmax is not
-/// flat; the kernel as it is passes the same case.
+/// Per-block factors (`Descale::per_block`) on fwd_sm90_ws.cu's FP8 mode: a call asking for it
+/// runs there (no longer routed to fwd_sm90_fp8.cu), on the per-block e4m3 cases of `cases` and
+/// `block_cases` at head_dim 128 and 256, one CTA per tile and persistent with a few CTAs (so a
+/// CTA's next tile starts with its own factors), against the bound of P rounded to e4m3. A score
+/// or P·V product scaled by another block's factor fails them (checked by breaking each index).
+#[test]
+fn fp8_ws_per_block_under_emulation() {
+    if !have_compiler() {
+        return;
+    }
+    let mut builds = forward_builds();
+    let mut ran = Vec::new();
+    let mut list: Vec<Case> = cases(Fp8Format::E4M3)
+        .into_iter()
+        .filter(|c| c.per_block && !c.sink && c.dropout == 0.0)
+        .collect();
+    list.extend(block_cases(Fp8Format::E4M3, 128));
+    list.extend(block_cases(Fp8Format::E4M3, 256));
+    for (i, c) in list.into_iter().enumerate() {
+        if c.cost() > common::emu::budget(20_000_000) {
+            continue;
+        }
+        let built = c.build();
+        let pers = (i % 2 == 1).then_some(PERSISTENT_CTAS);
+        let Some(d) = ws_launch(&c, &built, pers) else {
+            continue; // unaligned rows: fwd.cu
+        };
+        assert!(d.params.block_q > 0, "{c:?}");
+        run_case(&mut builds, &c, &d, &format!("fp8_ws_block_{i}"));
+        ran.push(format!("{} grid {:?}", d.key.name(), d.grid));
+    }
+    eprintln!(
+        "{} per-block FP8 cases emulated on fwd_sm90_ws.cu: {ran:?}",
+        ran.len()
+    );
+    assert!(
+        ran.len() >= 4,
+        "too few cases fit the emulation budget: {ran:?}"
+    );
+}
+
+/// The dynamic tile scheduler (cuda/schedule.rs) on the FP8 mode, whose transposer warps take
+/// their tiles from the producer too: a causal GQA case of odd key-block counts, packed sequences
+/// (one of no rows) and a per-block case, persistent with a few CTAs.
+#[test]
+fn fp8_ws_dynamic_scheduler_under_emulation() {
+    if !have_compiler() {
+        return;
+    }
+    let mut builds = forward_builds();
+    let mut list = Vec::new();
+    let mut c = Case::new(Fp8Format::E4M3, 1, 300, 330, (4, 2), 128);
+    (c.huge, c.causal, c.seed) = (true, true, 46);
+    list.push(c);
+    let mut c = Case::new(Fp8Format::E4M3, 1, 1, 1, (4, 2), 128);
+    c.lens_q = vec![130, 0, 20, 70];
+    c.lens_k = vec![150, 40, 3, 260];
+    (c.packed, c.causal, c.huge, c.seed) = (true, true, true, 47);
+    list.push(c);
+    list.push(block_cases(Fp8Format::E4M3, 128).remove(1));
+    for (i, c) in list.into_iter().enumerate() {
+        let built = c.build();
+        let d = ws_launch(&c, &built, Some(PERSISTENT_CTAS))
+            .expect("aligned rows")
+            .dynamic_tiles(true);
+        assert!(d.tile_counter);
+        run_case(&mut builds, &c, &d, &format!("fp8_ws_dyn_{i}"));
+    }
+}
+
+/// The emulation catches a wrong transpose: fwd_sm90_ws.cu's FP8 mode with Vᵀ's keys out of the
+/// P fragment's order (kpos: the two matrices of a half swapped in the even lines' byte permute)
+/// must fail on a case whose softmax is not flat; the kernel as it is passes the same case.
 #[test]
 fn fp8_ws_transpose_mistake_fails() {
     if !have_compiler() {
         return;
     }
     let src = std::fs::read_to_string(format!("{}/fwd_sm90_ws.cu", common::emu::KERNELS)).unwrap();
-    let order = "const int kc = (key & ~31) + kpos(key & 31);";
+    let order = "(int)bytes_even(x, y)";
     assert_eq!(
         src.matches(order).count(),
         1,
@@ -120,7 +190,8 @@ fn fp8_ws_transpose_mistake_fails() {
     let dir = common::emu::case_dir("broken", "fp8_ws_vt");
     std::fs::create_dir_all(&dir).unwrap();
     let broken = dir.join("fwd_sm90_ws_broken.cu");
-    std::fs::write(&broken, src.replace(order, "const int kc = key;")).unwrap();
+    // Keys 8 + 2t and 9 + 2t of each 32 where 2t and 2t + 1 belong (and back) in the even lines.
+    std::fs::write(&broken, src.replace(order, "(int)bytes_even(y, x)")).unwrap();
 
     let mut c = Case::new(Fp8Format::E4M3, 1, 130, 200, (2, 1), 128);
     (c.huge, c.causal, c.seed) = (true, true, 45);
