@@ -114,7 +114,7 @@ fn backward_poisoned<T: Element>(
     }
     let delta = compute_delta(p, g, out, dout)?;
     let dsink = sink_grad(p, g, &delta);
-    let bf_in = bf16_inputs(p, q, k, v).filter(|_| bf16_dot_backward());
+    let bf_in = bf16_inputs(p, q, k, v).filter(|_| p.kernels.backward_bf16_dot());
     let bf = match bf_in {
         Some((_, kb, vb)) => Some(Bf {
             k: kb,
@@ -200,44 +200,6 @@ fn backward_poisoned<T: Element>(
             dq_block(&cx, *item, scr, row_buf, &dq_w)
         });
     Ok(dsink)
-}
-
-/// Whether bf16 inputs on a CPU with a bf16 dot product take it in the backward's products
-/// (otherwise they are widened to f32 tiles for the f32 products, as on CPUs without one): the
-/// `FLASHATTN_BWD_BF16` environment variable when it is `dot` or `f32` (read on every call), else
-/// dot products except on Intel CPUs.
-///
-/// On the Intel Xeon measured (AVX512_BF16) `vdpbf16ps` ran at half the f32 FMA's FLOP rate
-/// (`flashattn peak`: 161 against 322 GFLOP/s on 2 cores), and the widened backward took
-/// 0.70-0.78 of the dot-product backward's CPU time (bf16, N = 1024, 16 heads, d = 64 and 128);
-/// on the Zen 4 host the dot product runs at twice the FMA's rate (464 against 228) and is kept.
-/// The widened path rounds neither P̃ nor dS to bf16, so its gradients differ from the dot
-/// path's in the last bits (both within the reference tolerances).
-pub(crate) fn bf16_dot_backward() -> bool {
-    match std::env::var("FLASHATTN_BWD_BF16").as_deref() {
-        Ok("dot") => true,
-        Ok("f32") => false,
-        _ => !cpu_is_intel(),
-    }
-}
-
-/// Whether CPUID names the vendor "GenuineIntel" (read once).
-fn cpu_is_intel() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static INTEL: OnceLock<bool> = OnceLock::new();
-        *INTEL.get_or_init(|| {
-            let v = std::arch::x86_64::__cpuid_count(0, 0);
-            (v.ebx, v.edx, v.ecx)
-                == (
-                    u32::from_le_bytes(*b"Genu"),
-                    u32::from_le_bytes(*b"ineI"),
-                    u32::from_le_bytes(*b"ntel"),
-                )
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
 }
 
 /// What [`backward`] returns: dq, dk, dv and, with sinks, dsink.

@@ -187,6 +187,9 @@ pub struct Kernels {
     rescale_o: RescaleFn,
     pack_pairs_bf16: PairsFn,
     narrow_pairs_bf16: NarrowFn,
+    /// Whether the backward takes bf16 inputs through [`Kernels::gemm_bf16`] (true) or widens
+    /// them to f32 tiles for [`Kernels::gemm`]; see [`Kernels::backward_bf16_dot`].
+    backward_bf16_dot: bool,
     /// Decode's score and P·V kernels ([`DecodeKernels`]).
     pub(crate) decode: DecodeKernels,
 }
@@ -225,6 +228,7 @@ static SCALAR: Kernels = Kernels {
     rescale_o: scalar::rescale_o,
     pack_pairs_bf16: scalar::pack_pairs_bf16,
     narrow_pairs_bf16: scalar::narrow_pairs_bf16,
+    backward_bf16_dot: false,
     decode: DecodeKernels::Portable,
 };
 
@@ -240,6 +244,7 @@ static NEON: Kernels = Kernels {
     rescale_o: aarch64_neon::rescale_o,
     pack_pairs_bf16: scalar::pack_pairs_bf16,
     narrow_pairs_bf16: scalar::narrow_pairs_bf16,
+    backward_bf16_dot: false,
     decode: DecodeKernels::Portable,
 };
 
@@ -255,6 +260,7 @@ static AVX2: Kernels = Kernels {
     rescale_o: x86_avx2::rescale_o,
     pack_pairs_bf16: scalar::pack_pairs_bf16,
     narrow_pairs_bf16: scalar::narrow_pairs_bf16,
+    backward_bf16_dot: false,
     decode: DecodeKernels::Avx2,
 };
 
@@ -270,11 +276,13 @@ static AVX512: Kernels = Kernels {
     rescale_o: x86_avx512::rescale_o,
     pack_pairs_bf16: scalar::pack_pairs_bf16,
     narrow_pairs_bf16: scalar::narrow_pairs_bf16,
+    backward_bf16_dot: false,
     decode: DecodeKernels::Avx512,
 };
 
+/// [`AVX512_BF16`] before the backward's bf16 choice ([`backward_bf16_dot_choice`]), made once.
 #[cfg(target_arch = "x86_64")]
-static AVX512_BF16: Kernels = Kernels {
+static AVX512_BF16_BASE: Kernels = Kernels {
     isa: Isa::Avx512,
     gemm: x86_avx512::gemm,
     gemm_scores: Some(x86_avx512::gemm_scores),
@@ -285,8 +293,32 @@ static AVX512_BF16: Kernels = Kernels {
     rescale_o: x86_avx512::rescale_o,
     pack_pairs_bf16: x86_avx512::pack_pairs_bf16,
     narrow_pairs_bf16: x86_avx512::narrow_pairs_bf16,
+    backward_bf16_dot: false,
     decode: DecodeKernels::Avx512Bf16,
 };
+
+/// The AVX-512 table with `vdpbf16ps` (built once, on first use).
+#[cfg(target_arch = "x86_64")]
+static AVX512_BF16: OnceLock<Kernels> = OnceLock::new();
+
+/// Whether the backward takes bf16 inputs through the bf16 dot product on a table that has one:
+/// the `FLASHATTN_BWD_BF16` environment variable when it is `dot` or `f32` (read once, when the
+/// table is made), else the dot product except on Intel CPUs.
+///
+/// On the Intel Xeon measured (AVX512_BF16) `vdpbf16ps` ran at half the f32 FMA's FLOP rate
+/// (`flashattn peak`: 161 against 322 GFLOP/s on 2 cores), and the widened backward took
+/// 0.70-0.78 of the dot-product backward's CPU time (bf16, N = 1024, 16 heads, d = 64 and 128);
+/// on the Zen 4 host the dot product runs at twice the FMA's rate (464 against 228) and is kept.
+/// The widened path rounds neither P̃ nor dS to bf16, so its gradients differ from the dot
+/// path's in the last bits (both within the reference tolerances).
+#[cfg(target_arch = "x86_64")]
+fn backward_bf16_dot_choice() -> bool {
+    match std::env::var("FLASHATTN_BWD_BF16").as_deref() {
+        Ok("dot") => true,
+        Ok("f32") => false,
+        _ => !caches::cpu_is_intel(),
+    }
+}
 
 impl Kernels {
     /// The table of `isa`, or an error if this CPU cannot run it.
@@ -299,7 +331,10 @@ impl Kernels {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => &AVX2,
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 if isa.has_bf16_dot() => &AVX512_BF16,
+            Isa::Avx512 if isa.has_bf16_dot() => AVX512_BF16.get_or_init(|| Kernels {
+                backward_bf16_dot: backward_bf16_dot_choice(),
+                ..AVX512_BF16_BASE
+            }),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => &AVX512,
             #[allow(unreachable_patterns)]
@@ -400,6 +435,14 @@ impl Kernels {
     /// Whether [`Kernels::gemm_bf16`] is available.
     pub fn has_bf16_dot(&self) -> bool {
         self.gemm_bf16.is_some()
+    }
+
+    /// Whether the backward takes bf16 inputs through [`Kernels::gemm_bf16`] (P̃ and dS rounded
+    /// to bf16 where they are operands); otherwise the inputs are widened to f32 tiles for
+    /// [`Kernels::gemm`], as on CPUs without a bf16 dot product. Chosen once per table
+    /// (`FLASHATTN_BWD_BF16=dot|f32`, else by CPU vendor).
+    pub(crate) fn backward_bf16_dot(&self) -> bool {
+        self.backward_bf16_dot
     }
 
     /// As [`Kernels::gemm`] over bf16 pairs: each u32 of A and B holds two bf16 (element 2k in the
