@@ -147,14 +147,14 @@ fn backward_poisoned<T: Element>(
     dv[k_used * p.heads_kv * d..].fill(T::default());
 
     let (dk_w, dv_w) = (Disjoint::new(dk), Disjoint::new(dv));
-    let new_scratch = || (Scratch::new(bs, d), vec![T::default(); d]);
+    let new_scratch = || Scratch::new(bs, d);
     if let Some(chunks) = dq_chunks {
         let mut parts = DqPartials::new(p, bs, chunks)?;
         // One pass: dK, dV and each chunk's copy of dQ, then the copies summed into dq.
         let items = parts.items(p);
         items
             .into_par_iter()
-            .for_each_init(new_scratch, |(scr, row_buf), item| {
+            .for_each_init(new_scratch, |scr, item| {
                 let (b, hk, n_blocks, dq_part) = item;
                 // Zeroed here, in this worker (a kept buffer holds the last call's values; fresh
                 // pages would otherwise be first touched by a read, the products' accumulate,
@@ -166,14 +166,14 @@ fn backward_poisoned<T: Element>(
                         h: hk,
                         m_block: n_block,
                     };
-                    dkdv_block(&cx, item, scr, row_buf, &dk_w, &dv_w, Some(&mut *dq_part));
+                    dkdv_block(&cx, item, scr, &dk_w, &dv_w, Some(&mut *dq_part));
                 }
             });
         let dq_w = Disjoint::new(dq);
         super::forward::work_items(p, bs.block_m)
             .par_iter()
-            .for_each_init(new_scratch, |(scr, row_buf), item| {
-                parts.sum_into(p, bs, *item, scr, row_buf, &dq_w)
+            .for_each_init(new_scratch, |scr, item| {
+                parts.sum_into(p, bs, *item, scr, &dq_w)
             });
         return Ok(dsink);
     }
@@ -187,18 +187,14 @@ fn backward_poisoned<T: Element>(
             })
         })
         .collect();
-    kv_items
-        .par_iter()
-        .for_each_init(new_scratch, |(scr, row_buf), item| {
-            dkdv_block(&cx, *item, scr, row_buf, &dk_w, &dv_w, None)
-        });
+    kv_items.par_iter().for_each_init(new_scratch, |scr, item| {
+        dkdv_block(&cx, *item, scr, &dk_w, &dv_w, None)
+    });
 
     let dq_w = Disjoint::new(dq);
     super::forward::work_items(p, bs.block_m)
         .par_iter()
-        .for_each_init(new_scratch, |(scr, row_buf), item| {
-            dq_block(&cx, *item, scr, row_buf, &dq_w)
-        });
+        .for_each_init(new_scratch, |scr, item| dq_block(&cx, *item, scr, &dq_w));
     Ok(dsink)
 }
 
