@@ -18,7 +18,6 @@ pub(super) fn dkdv_block<T: Element>(
     cx: &Ctx<T>,
     item: WorkItem,
     scr: &mut Scratch,
-    row_buf: &mut [T],
     dk: &Disjoint<T>,
     dv: &Disjoint<T>,
     mut dq_part: Option<&mut [f32]>,
@@ -91,10 +90,8 @@ pub(super) fn dkdv_block<T: Element>(
         let at = p.dk_offset(b, n0 + c, hk);
         // SAFETY: keys n0..n1 of kv head hk of sequence b belong to this work item alone.
         unsafe {
-            T::narrow(&scr.acc_a[c * dp..c * dp + d], row_buf);
-            dk.range(at, d).copy_from_slice(row_buf);
-            T::narrow(&scr.acc_b[c * dp..c * dp + d], row_buf);
-            dv.range(at, d).copy_from_slice(row_buf);
+            T::narrow(&scr.acc_a[c * dp..c * dp + d], dk.range(at, d));
+            T::narrow(&scr.acc_b[c * dp..c * dp + d], dv.range(at, d));
         }
     }
 }
@@ -177,7 +174,6 @@ pub(super) fn dq_block<T: Element>(
     cx: &Ctx<T>,
     item: WorkItem,
     scr: &mut Scratch,
-    row_buf: &mut [T],
     dq: &Disjoint<T>,
 ) {
     let (p, bs, d) = (cx.p, cx.bs, cx.p.head_dim);
@@ -202,6 +198,6 @@ pub(super) fn dq_block<T: Element>(
         cx.recompute((b, h), (m0, m1), (n0, n1), tiles, scr);
         dq_product(cx, (b, hk, n_block, cols, np), scr, &mut acc, np);
     }
-    write_dq_rows(p, (b, h, m0, rows), &acc, np, &mut scr.row, row_buf, dq);
+    write_dq_rows(p, (b, h, m0, rows), &acc, np, &mut scr.row, dq);
     scr.acc_a = acc;
 }

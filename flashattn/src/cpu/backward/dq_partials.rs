@@ -101,7 +101,6 @@ impl DqPartials {
         bs: BlockSizes,
         item: WorkItem,
         scr: &mut Scratch,
-        row_buf: &mut [T],
         dq: &Disjoint<T>,
     ) {
         let WorkItem { b, h, m_block } = item;
@@ -132,7 +131,7 @@ impl DqPartials {
         };
         let m0 = m_block * bs.block_m;
         let rows = (m0 + bs.block_m).min(p.seqs[b].seqlen_q) - m0;
-        write_dq_rows(p, (b, h, m0, rows), acc, npb, &mut scr.row, row_buf, dq);
+        write_dq_rows(p, (b, h, m0, rows), acc, npb, &mut scr.row, dq);
     }
 }
 
@@ -183,7 +182,6 @@ pub(super) fn write_dq_rows<T: Element>(
     acc: &[f32],
     ld: usize,
     row: &mut [f32],
-    row_buf: &mut [T],
     dq: &Disjoint<T>,
 ) {
     let d = p.head_dim;
@@ -201,12 +199,9 @@ pub(super) fn write_dq_rows<T: Element>(
             }
         }
         for (i, r) in (g0..g0 + n).enumerate() {
-            T::narrow(&row[i * d..(i + 1) * d], row_buf);
             // SAFETY: rows m0..m0 + rows of head h of sequence b belong to this work item alone.
-            unsafe {
-                dq.range(p.out_offset(b, m0 + r, h), d)
-                    .copy_from_slice(row_buf)
-            };
+            let out = unsafe { dq.range(p.out_offset(b, m0 + r, h), d) };
+            T::narrow(&row[i * d..(i + 1) * d], out);
         }
     }
 }

@@ -114,7 +114,7 @@ fn backward_poisoned<T: Element>(
     }
     let delta = compute_delta(p, g, out, dout)?;
     let dsink = sink_grad(p, g, &delta);
-    let bf_in = bf16_inputs(p, q, k, v).filter(|_| bf16_dot_backward());
+    let bf_in = bf16_inputs(p, q, k, v).filter(|_| p.kernels.backward_bf16_dot());
     let bf = match bf_in {
         Some((_, kb, vb)) => Some(Bf {
             k: kb,
@@ -147,14 +147,14 @@ fn backward_poisoned<T: Element>(
     dv[k_used * p.heads_kv * d..].fill(T::default());
 
     let (dk_w, dv_w) = (Disjoint::new(dk), Disjoint::new(dv));
-    let new_scratch = || (Scratch::new(bs, d), vec![T::default(); d]);
+    let new_scratch = || Scratch::new(bs, d);
     if let Some(chunks) = dq_chunks {
         let mut parts = DqPartials::new(p, bs, chunks)?;
         // One pass: dK, dV and each chunk's copy of dQ, then the copies summed into dq.
         let items = parts.items(p);
         items
             .into_par_iter()
-            .for_each_init(new_scratch, |(scr, row_buf), item| {
+            .for_each_init(new_scratch, |scr, item| {
                 let (b, hk, n_blocks, dq_part) = item;
                 // Zeroed here, in this worker (a kept buffer holds the last call's values; fresh
                 // pages would otherwise be first touched by a read, the products' accumulate,
@@ -166,14 +166,14 @@ fn backward_poisoned<T: Element>(
                         h: hk,
                         m_block: n_block,
                     };
-                    dkdv_block(&cx, item, scr, row_buf, &dk_w, &dv_w, Some(&mut *dq_part));
+                    dkdv_block(&cx, item, scr, &dk_w, &dv_w, Some(&mut *dq_part));
                 }
             });
         let dq_w = Disjoint::new(dq);
         super::forward::work_items(p, bs.block_m)
             .par_iter()
-            .for_each_init(new_scratch, |(scr, row_buf), item| {
-                parts.sum_into(p, bs, *item, scr, row_buf, &dq_w)
+            .for_each_init(new_scratch, |scr, item| {
+                parts.sum_into(p, bs, *item, scr, &dq_w)
             });
         return Ok(dsink);
     }
@@ -187,57 +187,15 @@ fn backward_poisoned<T: Element>(
             })
         })
         .collect();
-    kv_items
-        .par_iter()
-        .for_each_init(new_scratch, |(scr, row_buf), item| {
-            dkdv_block(&cx, *item, scr, row_buf, &dk_w, &dv_w, None)
-        });
+    kv_items.par_iter().for_each_init(new_scratch, |scr, item| {
+        dkdv_block(&cx, *item, scr, &dk_w, &dv_w, None)
+    });
 
     let dq_w = Disjoint::new(dq);
     super::forward::work_items(p, bs.block_m)
         .par_iter()
-        .for_each_init(new_scratch, |(scr, row_buf), item| {
-            dq_block(&cx, *item, scr, row_buf, &dq_w)
-        });
+        .for_each_init(new_scratch, |scr, item| dq_block(&cx, *item, scr, &dq_w));
     Ok(dsink)
-}
-
-/// Whether bf16 inputs on a CPU with a bf16 dot product take it in the backward's products
-/// (otherwise they are widened to f32 tiles for the f32 products, as on CPUs without one): the
-/// `FLASHATTN_BWD_BF16` environment variable when it is `dot` or `f32` (read on every call), else
-/// dot products except on Intel CPUs.
-///
-/// On the Intel Xeon measured (AVX512_BF16) `vdpbf16ps` ran at half the f32 FMA's FLOP rate
-/// (`flashattn peak`: 161 against 322 GFLOP/s on 2 cores), and the widened backward took
-/// 0.70-0.78 of the dot-product backward's CPU time (bf16, N = 1024, 16 heads, d = 64 and 128);
-/// on the Zen 4 host the dot product runs at twice the FMA's rate (464 against 228) and is kept.
-/// The widened path rounds neither P̃ nor dS to bf16, so its gradients differ from the dot
-/// path's in the last bits (both within the reference tolerances).
-pub(crate) fn bf16_dot_backward() -> bool {
-    match std::env::var("FLASHATTN_BWD_BF16").as_deref() {
-        Ok("dot") => true,
-        Ok("f32") => false,
-        _ => !cpu_is_intel(),
-    }
-}
-
-/// Whether CPUID names the vendor "GenuineIntel" (read once).
-fn cpu_is_intel() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static INTEL: OnceLock<bool> = OnceLock::new();
-        *INTEL.get_or_init(|| {
-            let v = std::arch::x86_64::__cpuid_count(0, 0);
-            (v.ebx, v.edx, v.ecx)
-                == (
-                    u32::from_le_bytes(*b"Genu"),
-                    u32::from_le_bytes(*b"ineI"),
-                    u32::from_le_bytes(*b"ntel"),
-                )
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
 }
 
 /// What [`backward`] returns: dq, dk, dv and, with sinks, dsink.

@@ -206,6 +206,20 @@ impl<T: Element> Ctx<'_, T> {
         }
         let score_mod = ScoreMod::new(p, b, h);
         let masked = mask.needs_mask(m0, m1, n0, n1);
+        let plain = !score_mod.needs_apply(masked) && p.dropout.is_none() && p.softcap.is_none();
+        if plain && kern.has_probs_and_ds() {
+            // dP̃ᵀ = V·dOᵀ first, then P and dS in one pass over the tile (the same bits as the
+            // passes below).
+            let ds = &mut scr.dst[..cols * np];
+            match tiles {
+                QTiles::F32([_, dot, ..]) => kern.gemm(&product(&scr.v, dot), ds, np),
+                QTiles::Bf16([_, dot, ..]) => kern.gemm_bf16(&product2(&scr.v2, dot), ds, np),
+            }
+            let (lse, delta) = (&scr.lse_log2[..], &scr.delta[..]);
+            let (sl, scale) = (score_mod.scale_log2, p.softmax_scale);
+            kern.probs_and_ds(pt, ds, (cols, np), sl, lse, delta, scale);
+            return;
+        }
         if score_mod.needs_apply(masked) {
             let dtanh = p.softcap.map(|_| &mut scr.dtanh[..cols * np]);
             score_mod.apply(pt, np, (m0, rows), (n0, cols), &mask, masked, dtanh);

@@ -32,9 +32,7 @@ pub(crate) use items::{work_items, WorkItem};
 use rayon::prelude::*;
 pub(crate) use score_mod::ScoreMod;
 use std::sync::Mutex;
-pub(crate) use tiles::{
-    load_pairs, load_pairs_t, load_tile, load_tile_t, packed_v_keys, Fp8Source, PackedV,
-};
+pub(crate) use tiles::{load_pairs, load_pairs_t, load_tile, packed_v_keys, Fp8Source, PackedV};
 use tiles::{packed_v, Bf16Source, KeyTiles};
 
 /// Forward attention. Returns `out` (q's dtype, `p.out_shape`) and `lse` (`p.lse_shape`), or

@@ -140,6 +140,21 @@ fn from_sysfs() -> Option<CacheSizes> {
     })
 }
 
+/// Whether CPUID names the vendor "GenuineIntel" (read once).
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn cpu_is_intel() -> bool {
+    static INTEL: OnceLock<bool> = OnceLock::new();
+    *INTEL.get_or_init(|| {
+        let v = std::arch::x86_64::__cpuid_count(0, 0);
+        (v.ebx, v.edx, v.ecx)
+            == (
+                u32::from_le_bytes(*b"Genu"),
+                u32::from_le_bytes(*b"ineI"),
+                u32::from_le_bytes(*b"ntel"),
+            )
+    })
+}
+
 #[cfg(target_arch = "x86_64")]
 fn from_cpuid() -> Option<CacheSizes> {
     use std::arch::x86_64::__cpuid_count;

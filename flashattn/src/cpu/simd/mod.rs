@@ -19,6 +19,8 @@ pub(crate) mod scalar;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86_avx2;
 #[cfg(target_arch = "x86_64")]
+mod x86_avx2_bwd;
+#[cfg(target_arch = "x86_64")]
 pub(crate) mod x86_avx512;
 
 use crate::error::{ErrorKind, Result};
@@ -170,6 +172,7 @@ type StepFn =
 type RescaleFn = unsafe fn(&mut [f32], usize, usize, &[f32]);
 type PairsFn = unsafe fn(&[f32], usize, usize, &mut [u32]);
 type NarrowFn = unsafe fn(&[f32], &mut [u32]);
+type ProbsDsFn = unsafe fn(&mut [f32], &mut [f32], usize, usize, f32, &[f32], &[f32], f32);
 
 /// The microkernels of one instruction set.
 pub struct Kernels {
@@ -187,6 +190,12 @@ pub struct Kernels {
     rescale_o: RescaleFn,
     pack_pairs_bf16: PairsFn,
     narrow_pairs_bf16: NarrowFn,
+    /// Whether the backward takes bf16 inputs through [`Kernels::gemm_bf16`] (true) or widens
+    /// them to f32 tiles for [`Kernels::gemm`]; see [`Kernels::backward_bf16_dot`].
+    backward_bf16_dot: bool,
+    /// A dedicated [`Kernels::probs_and_ds`] (the backward's P and dS in one pass); `None`: the
+    /// backward takes its separate passes.
+    probs_and_ds: Option<ProbsDsFn>,
     /// Decode's score and P·V kernels ([`DecodeKernels`]).
     pub(crate) decode: DecodeKernels,
 }
@@ -225,6 +234,8 @@ static SCALAR: Kernels = Kernels {
     rescale_o: scalar::rescale_o,
     pack_pairs_bf16: scalar::pack_pairs_bf16,
     narrow_pairs_bf16: scalar::narrow_pairs_bf16,
+    backward_bf16_dot: false,
+    probs_and_ds: None,
     decode: DecodeKernels::Portable,
 };
 
@@ -240,6 +251,8 @@ static NEON: Kernels = Kernels {
     rescale_o: aarch64_neon::rescale_o,
     pack_pairs_bf16: scalar::pack_pairs_bf16,
     narrow_pairs_bf16: scalar::narrow_pairs_bf16,
+    backward_bf16_dot: false,
+    probs_and_ds: None,
     decode: DecodeKernels::Portable,
 };
 
@@ -255,6 +268,8 @@ static AVX2: Kernels = Kernels {
     rescale_o: x86_avx2::rescale_o,
     pack_pairs_bf16: scalar::pack_pairs_bf16,
     narrow_pairs_bf16: scalar::narrow_pairs_bf16,
+    backward_bf16_dot: false,
+    probs_and_ds: Some(x86_avx2_bwd::probs_and_ds),
     decode: DecodeKernels::Avx2,
 };
 
@@ -270,11 +285,14 @@ static AVX512: Kernels = Kernels {
     rescale_o: x86_avx512::rescale_o,
     pack_pairs_bf16: scalar::pack_pairs_bf16,
     narrow_pairs_bf16: scalar::narrow_pairs_bf16,
+    backward_bf16_dot: false,
+    probs_and_ds: None,
     decode: DecodeKernels::Avx512,
 };
 
+/// [`AVX512_BF16`] before the backward's bf16 choice ([`backward_bf16_dot_choice`]), made once.
 #[cfg(target_arch = "x86_64")]
-static AVX512_BF16: Kernels = Kernels {
+static AVX512_BF16_BASE: Kernels = Kernels {
     isa: Isa::Avx512,
     gemm: x86_avx512::gemm,
     gemm_scores: Some(x86_avx512::gemm_scores),
@@ -285,8 +303,33 @@ static AVX512_BF16: Kernels = Kernels {
     rescale_o: x86_avx512::rescale_o,
     pack_pairs_bf16: x86_avx512::pack_pairs_bf16,
     narrow_pairs_bf16: x86_avx512::narrow_pairs_bf16,
+    backward_bf16_dot: false,
+    probs_and_ds: None,
     decode: DecodeKernels::Avx512Bf16,
 };
+
+/// The AVX-512 table with `vdpbf16ps` (built once, on first use).
+#[cfg(target_arch = "x86_64")]
+static AVX512_BF16: OnceLock<Kernels> = OnceLock::new();
+
+/// Whether the backward takes bf16 inputs through the bf16 dot product on a table that has one:
+/// the `FLASHATTN_BWD_BF16` environment variable when it is `dot` or `f32` (read once, when the
+/// table is made), else the dot product except on Intel CPUs.
+///
+/// On the Intel Xeon measured (AVX512_BF16) `vdpbf16ps` ran at half the f32 FMA's FLOP rate
+/// (`flashattn peak`: 161 against 322 GFLOP/s on 2 cores), and the widened backward took
+/// 0.70-0.78 of the dot-product backward's CPU time (bf16, N = 1024, 16 heads, d = 64 and 128);
+/// on the Zen 4 host the dot product runs at twice the FMA's rate (464 against 228) and is kept.
+/// The widened path rounds neither P̃ nor dS to bf16, so its gradients differ from the dot
+/// path's in the last bits (both within the reference tolerances).
+#[cfg(target_arch = "x86_64")]
+fn backward_bf16_dot_choice() -> bool {
+    match std::env::var("FLASHATTN_BWD_BF16").as_deref() {
+        Ok("dot") => true,
+        Ok("f32") => false,
+        _ => !caches::cpu_is_intel(),
+    }
+}
 
 impl Kernels {
     /// The table of `isa`, or an error if this CPU cannot run it.
@@ -299,7 +342,10 @@ impl Kernels {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => &AVX2,
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 if isa.has_bf16_dot() => &AVX512_BF16,
+            Isa::Avx512 if isa.has_bf16_dot() => AVX512_BF16.get_or_init(|| Kernels {
+                backward_bf16_dot: backward_bf16_dot_choice(),
+                ..AVX512_BF16_BASE
+            }),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => &AVX512,
             #[allow(unreachable_patterns)]
@@ -402,6 +448,14 @@ impl Kernels {
         self.gemm_bf16.is_some()
     }
 
+    /// Whether the backward takes bf16 inputs through [`Kernels::gemm_bf16`] (P̃ and dS rounded
+    /// to bf16 where they are operands); otherwise the inputs are widened to f32 tiles for
+    /// [`Kernels::gemm`], as on CPUs without a bf16 dot product. Chosen once per table
+    /// (`FLASHATTN_BWD_BF16=dot|f32`, else by CPU vendor).
+    pub(crate) fn backward_bf16_dot(&self) -> bool {
+        self.backward_bf16_dot
+    }
+
     /// As [`Kernels::gemm`] over bf16 pairs: each u32 of A and B holds two bf16 (element 2k in the
     /// low half, 2k + 1 in the high half) and `k` counts pairs; products accumulate in f32.
     /// Panics if the table has no bf16 dot product.
@@ -418,6 +472,38 @@ impl Kernels {
         g.check(c, c_rs);
         // SAFETY: bounds checked above; the scalar kernel runs on any CPU.
         unsafe { scalar::gemm_bf16(g, c, c_rs) }
+    }
+
+    /// Whether the table has a dedicated [`Kernels::probs_and_ds`].
+    pub(crate) fn has_probs_and_ds(&self) -> bool {
+        self.probs_and_ds.is_some()
+    }
+
+    /// The backward's probabilities and dS of a tile (`cols` rows of `n` lanes) in one pass, where
+    /// the table has a kernel for it (returns false and does nothing otherwise): per element
+    /// `pt = exp2(pt · scale_log2 - lse_log2[r])` and `ds = pt · (ds - delta[r]) · scale`, with
+    /// the same operations and roundings as the scale multiply, [`Kernels::online_softmax`] and
+    /// the plain loop for dS one after the other (AVX2: those passes took ~3% of the f32
+    /// backward's samples at d = 128, ~7% at d = 64).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn probs_and_ds(
+        &self,
+        pt: &mut [f32],
+        ds: &mut [f32],
+        (cols, n): (usize, usize),
+        scale_log2: f32,
+        lse_log2: &[f32],
+        delta: &[f32],
+        scale: f32,
+    ) -> bool {
+        let Some(f) = self.probs_and_ds else {
+            return false;
+        };
+        assert!(n.is_multiple_of(LANES) && fits(cols, n, pt.len()) && fits(cols, n, ds.len()));
+        assert!(lse_log2.len() >= n && delta.len() >= n);
+        // SAFETY: lengths checked above; available ISA.
+        unsafe { f(pt, ds, cols, n, scale_log2, lse_log2, delta, scale) };
+        true
     }
 
     /// Online softmax, step 1, over `st` (`cols` rows of `n` lanes): scores are multiplied by

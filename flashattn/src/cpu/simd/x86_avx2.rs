@@ -184,7 +184,7 @@ unsafe fn store_tile<const R: usize>(
 /// with `vroundps` to nearest-even (exact for |x| <= 127) and blending, lane for lane.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn exp2_ps(x: __m256) -> __m256 {
+pub(super) unsafe fn exp2_ps(x: __m256) -> __m256 {
     const ROUND: f32 = 12_582_912.0;
     // max/min return their second operand when either is NaN, so NaN passes through.
     let xc = _mm256_min_ps(
