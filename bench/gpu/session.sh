@@ -323,6 +323,10 @@ if [ "$mode" = owed ]; then
         --dims 128 --seqlens 8192 --rounds 1 --min-time 0.2 \
         --variant "sm90fp8=$bin,FLASHATTN_CUDA_FWD=sm90fp8" \
         --variant "sm90fp8ws=$bin,FLASHATTN_CUDA_FWD=sm90fp8ws" --out "$logs/owed_fp8_d128.json"
+    # Per-block FP8 factors: fwd_sm90_fp8.cu against the warp-specialised FP8 mode, the same call.
+    stage 40 owed_fp8_per_block bash -c "for k in sm90fp8 sm90fp8ws sm90fp8 sm90fp8ws; do \
+        FLASHATTN_CUDA_FWD=\$k '$bin' bench --device cuda --dtype e4m3 --fp8-per-block \
+        --seqlen 8192 --heads 16 --head-dim 128 --min-time 0.2 | tail -1; done"
     finish
 fi
 if [ "$mode" = python ]; then

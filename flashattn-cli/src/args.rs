@@ -160,6 +160,11 @@ pub struct BenchArgs {
     /// Causal mask.
     #[arg(long)]
     pub causal: bool,
+    /// With --dtype e4m3|e5m2: descale factors per block of 128 rows (FlashAttention-3's block
+    /// quantisation) instead of one per tensor; every block gets the same factor, so the
+    /// accuracy column is unchanged and the timing shows the per-block path's cost.
+    #[arg(long)]
+    pub fp8_per_block: bool,
     /// Worker threads (default: one per core).
     #[arg(long)]
     pub threads: Option<usize>,

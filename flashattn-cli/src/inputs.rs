@@ -30,6 +30,50 @@ pub fn fp8_descale(format: Fp8Format) -> [f32; 1] {
     }]
 }
 
+/// The descale factors of an FP8 benchmark: [`fp8_descale`]'s factor for every tensor, one per
+/// tensor or, `per_block`, in FlashAttention-3's per-block tables (`[batch, heads, blocks of
+/// DESCALE_BLOCK rows]`, every entry that factor), so the dequantised values, the reference and
+/// the accuracy column are the same either way and only the kernels' factor handling differs.
+pub struct Fp8Factors {
+    q: Vec<f32>,
+    kv: Vec<f32>,
+    per_block: bool,
+}
+
+impl Fp8Factors {
+    /// `heads` and `heads_kv` of a batch of `batch` sequences of `seqlen_q` queries, `seqlen_k` keys.
+    pub fn new(
+        format: Fp8Format,
+        per_block: bool,
+        batch: usize,
+        (heads, heads_kv): (usize, usize),
+        (seqlen_q, seqlen_k): (usize, usize),
+    ) -> Self {
+        let s = fp8_descale(format)[0];
+        let table = |heads: usize, seqlen: usize| {
+            let blocks = seqlen.div_ceil(flashattn::fp8::DESCALE_BLOCK);
+            vec![s; if per_block { batch * heads * blocks } else { 1 }]
+        };
+        Self {
+            q: table(heads, seqlen_q),
+            kv: table(heads_kv, seqlen_k),
+            per_block,
+        }
+    }
+
+    pub fn descale(&self) -> flashattn::fp8::Descale<'_> {
+        let d = flashattn::fp8::Descale::default()
+            .q(&self.q)
+            .k(&self.kv)
+            .v(&self.kv);
+        if self.per_block {
+            d.per_block()
+        } else {
+            d
+        }
+    }
+}
+
 /// The dequantised values, in bf16 (exact).
 pub fn dequantized(what: &'static str, x: &Fp8Buf) -> Result<Buffer> {
     let s = fp8_descale(x.format())[0];

@@ -6,7 +6,7 @@ use crate::accuracy::last_rows_error;
 use crate::args::{BenchArgs, DtypeArg};
 use crate::buf::{numel, view, Fp8Buf};
 use crate::error::Result;
-use crate::inputs::{dequantized, fp8_descale, random_buffer, random_fp8};
+use crate::inputs::{dequantized, fp8_descale, random_buffer, random_fp8, Fp8Factors};
 use flashattn::cuda::{self, CudaDevice, KernelOrigin};
 use flashattn::{AttnOptions, DType, TensorRef};
 use rand::{Rng, SeedableRng};
@@ -24,6 +24,8 @@ pub struct BenchConfig {
     pub dtype: DType,
     /// FP8 q, k and v of this format (`dtype` is then bf16, out's): `cuda::flash_attn_fp8`.
     pub fp8: Option<flashattn::fp8::Fp8Format>,
+    /// FP8: per-block descale tables instead of one factor per tensor ([`Fp8Factors`]).
+    pub fp8_per_block: bool,
     pub causal: bool,
     /// Time forward + backward (pass "fwd+bwd", FLOPs 3.5x the forward's).
     pub backward: bool,
@@ -90,12 +92,17 @@ pub fn bench(cfg: &BenchConfig) -> Result<()> {
         println!("{}", serde_json::to_string(&machine).expect("serialisable"));
     } else {
         println!(
-            "device: {} ({}, {} SMs), NVRTC {}; {} batch {} heads {}/{} head_dim {}{}",
+            "device: {} ({}, {} SMs), NVRTC {}; {}{} batch {} heads {}/{} head_dim {}{}",
             machine.device,
             machine.arch,
             machine.sm_count,
             machine.nvrtc,
             cfg.fp8.map_or(cfg.dtype.name(), |f| f.name()),
+            if cfg.fp8_per_block {
+                " (per-block factors)"
+            } else {
+                ""
+            },
             cfg.batch,
             cfg.heads,
             cfg.heads_kv,
@@ -202,8 +209,8 @@ fn measure_fp8(
     let hq = random_fp8(rng, "q", format, nq)?;
     let hk = random_fp8(rng, "k", format, nk)?;
     let hv = random_fp8(rng, "v", format, nk)?;
-    let s = fp8_descale(format);
-    let descale = flashattn::fp8::Descale::default().q(&s).k(&s).v(&s);
+    let factors = Fp8Factors::new(format, cfg.fp8_per_block, b, (h, hkv), (sq, sk));
+    let descale = factors.descale();
     let (fq, fk, fv) = (hq.view(&qs), hk.view(&ks), hv.view(&ks));
     let opts = &opts.clone().descale(descale);
     let key = cuda::launch_description_fp8(&fq, &fk, &fv, opts)?.key;

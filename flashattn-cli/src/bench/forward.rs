@@ -6,7 +6,7 @@ use crate::args::{self, BenchArgs, DtypeArg};
 use crate::buf::{numel, view};
 use crate::cpu_peak::{self, Peak};
 use crate::error::{fail, Result};
-use crate::inputs::{dequantized, fp8_descale, random_buffer, random_fp8};
+use crate::inputs::{dequantized, random_buffer, random_fp8, Fp8Factors};
 use crate::report::{emit, progress, to_json};
 use crate::timing::{measure, Stats};
 use flashattn::fp8;
@@ -266,8 +266,9 @@ pub fn bench_in_pool(args: &BenchArgs, cases: &[(usize, usize)]) -> Result<()> {
         emit(
             &pb,
             format!(
-                "flashattn bench: batch {batch}, heads {heads} (kv {heads_kv}), head_dim {d}, {dtype_name}, {}, {threads} threads; \
+                "flashattn bench: batch {batch}, heads {heads} (kv {heads_kv}), head_dim {d}, {dtype_name}{}, {}, {threads} threads; \
                  median of timed repeats after one warm-up; max abs err over {ERR_ROWS} rows vs the f64 reference",
+                if args.fp8_per_block { " (per-block factors)" } else { "" },
                 if args.causal { "causal" } else { "non-causal" }
             ),
         );
@@ -357,10 +358,11 @@ pub fn bench_in_pool(args: &BenchArgs, cases: &[(usize, usize)]) -> Result<()> {
         pb.set_message(format!("seqlen {sq}x{sk}: flashattn"));
         // Backward mode: forward, then backward from its out and lse (grads dropped inside the
         // timing); the accuracy column still checks the forward's out.
+        let factors =
+            fp8.map(|f| Fp8Factors::new(f, args.fp8_per_block, batch, (heads, heads_kv), (sq, sk)));
         let flash = measure(args.min_time, || {
-            if let Some((q8, k8, v8)) = &fp8_inputs {
-                let d = fp8_descale(q8.format());
-                let descale = fp8::Descale::default().q(&d).k(&d).v(&d);
+            if let (Some((q8, k8, v8)), Some(factors)) = (&fp8_inputs, &factors) {
+                let descale = factors.descale();
                 return fp8::flash_attn_fp8(
                     &q8.view(&q_shape),
                     &k8.view(&kv_shape),

@@ -18,6 +18,11 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
             ));
         }
     }
+    if args.fp8_per_block && (args.decode || args.dtype.and_then(DtypeArg::fp8).is_none()) {
+        return fail(
+            "--fp8-per-block: per-block descale factors need --dtype e4m3 or e5m2 and the forward (the FP8 decode keeps per-head factors)",
+        );
+    }
     if args.decode {
         let sqs = decode::validate(args)?;
         if args.device == Device::Cuda {
@@ -35,6 +40,7 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
             head_dim: args.head_dim(),
             dtype: args.dtype.unwrap_or(DtypeArg::F32).dtype(),
             fp8: args.dtype.and_then(DtypeArg::fp8),
+            fp8_per_block: args.fp8_per_block,
             causal: args.causal,
             backward: args.backward,
             min_time: args.min_time,

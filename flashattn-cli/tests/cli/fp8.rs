@@ -368,6 +368,52 @@ fn bench_fp8_reports_and_refuses_other_modes() {
     }
 }
 
+/// `bench --dtype e4m3 --fp8-per-block`: per-block descale tables (every block the tensor's
+/// factor), said in the header, with the same bf16-sized error; refused without an FP8 dtype and
+/// with --decode.
+#[test]
+fn bench_fp8_per_block_factors() {
+    let res = flashattn(&[
+        "bench",
+        "--dtype",
+        "e4m3",
+        "--fp8-per-block",
+        "--seqlen",
+        "200",
+        "--heads",
+        "4",
+        "--heads-kv",
+        "2",
+        "--causal",
+        "--min-time",
+        "0",
+        "--no-peak",
+        "--no-naive",
+    ]);
+    assert_ok(&res);
+    let stdout = String::from_utf8(res.stdout).unwrap();
+    assert!(stdout.contains("e4m3 (per-block factors)"), "{stdout}");
+    let row = stdout
+        .lines()
+        .find(|l| l.starts_with("flashattn ") && !l.starts_with("flashattn bench:"))
+        .expect("a flashattn row");
+    let err: f64 = row.split_whitespace().nth(7).unwrap().parse().unwrap();
+    assert!(err > 0.0 && err < 2e-2, "{row}");
+    for flags in [
+        &["--dtype", "bf16"][..],
+        &["--dtype", "e4m3", "--decode"][..],
+        &[][..],
+    ] {
+        let mut args = vec!["bench", "--fp8-per-block", "--seqlen", "16", "--no-peak"];
+        args.extend_from_slice(flags);
+        let res = flashattn(&args);
+        let stderr = String::from_utf8_lossy(&res.stderr);
+        assert_eq!(res.status.code(), Some(1), "{flags:?}: {stderr}");
+        assert!(stderr.contains("--fp8-per-block"), "{stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+}
+
 /// `bench --device cuda --dtype e4m3|e5m2` (the FP8 forward on the GPU): with a GPU, one
 /// measurement per length with the format's name and a bf16-sized error; without one, a clean
 /// failure.
