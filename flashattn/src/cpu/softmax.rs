@@ -21,7 +21,7 @@ pub(crate) const EXP2_POLY: [f32; 7] = [
     0.009_620_018,
     0.055_503_65,
     0.240_226_37,
-    0.693_147_2,
+    std::f32::consts::LN_2, // the fit's f32 coefficient is ln2 rounded
     1.0,
 ];
 
