@@ -14,7 +14,7 @@
 /// `exp2` of an integer is exact, and `f = x - n` needs no `ln2` multiply. Relative error of the
 /// polynomial with these f32 coefficients 9e-9; evaluated in f32 with FMAs, at most 0.8 ulp over
 /// the interval (simulated; the degree-7 Taylor series of `e^(f·ln2)` it replaced: 0.92 ulp, and
-/// 3 more µops; a degree-5 fit: 2.1 ulp). Every kernel's `exp2` evaluates this one list.
+/// 2 more µops; a degree-5 fit: 2.1 ulp). Every kernel's `exp2` evaluates this one list.
 pub(crate) const EXP2_POLY: [f32; 7] = [
     0.000_149_025_2,
     0.001_338_958_2,
