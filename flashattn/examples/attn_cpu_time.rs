@@ -4,10 +4,12 @@
 //! still interfere).
 //!
 //! `FLASHATTN_ISA=avx2 cargo run --release -p flashattn --example attn_cpu_time -- N D [causal]
-//! [bwd] [THREADS] [REPS]` prints GFLOP per CPU-second, the median over REPS calls (default 5, after
-//! one warm-up), the least CPU time of a call, and the wall-clock median.
+//! [bwd] [bf16] [THREADS] [REPS]` prints GFLOP per CPU-second, the median over REPS calls (default
+//! 5, after one warm-up), the least CPU time of a call, and the wall-clock median; `bf16` runs the
+//! same values rounded to bf16.
 
 use flashattn::{flash_attn, flops, AttnOptions, TensorRef};
+use half::bf16;
 use std::time::Instant;
 
 #[path = "common/timing.rs"]
@@ -31,12 +33,30 @@ fn main() {
         values(n * heads * d, 3),
         values(n * heads * d, 4),
     );
-    let (q, k, v, dout) = (
-        TensorRef::new(&qv, &shape, &strides),
-        TensorRef::new(&kv, &shape, &strides),
-        TensorRef::new(&vv, &shape, &strides),
-        TensorRef::new(&dov, &shape, &strides),
-    );
+    let in_bf16 = args.has("bf16");
+    let to_bf16 = |x: &[f32]| -> Vec<bf16> {
+        if in_bf16 {
+            x.iter().copied().map(bf16::from_f32).collect()
+        } else {
+            Vec::new()
+        }
+    };
+    let (qb, kb, vb, db) = (to_bf16(&qv), to_bf16(&kv), to_bf16(&vv), to_bf16(&dov));
+    let (q, k, v, dout) = if in_bf16 {
+        (
+            TensorRef::new(&qb, &shape, &strides),
+            TensorRef::new(&kb, &shape, &strides),
+            TensorRef::new(&vb, &shape, &strides),
+            TensorRef::new(&db, &shape, &strides),
+        )
+    } else {
+        (
+            TensorRef::new(&qv, &shape, &strides),
+            TensorRef::new(&kv, &shape, &strides),
+            TensorRef::new(&vv, &shape, &strides),
+            TensorRef::new(&dov, &shape, &strides),
+        )
+    };
     let opts = AttnOptions::default().causal(causal);
     let fwd_flop = flops::forward(1, heads, n, n, d, causal, opts.window);
     let flop = if bwd {
@@ -67,8 +87,9 @@ fn main() {
     let least = cpu.iter().copied().fold(f64::INFINITY, f64::min);
     let (c, w) = (median(cpu), median(wall));
     println!(
-        "N {n} d {d} {} {} threads {threads}: {:.1} GFLOP per CPU-s (median {:.1} ms CPU, min {:.1} ms CPU), wall {:.1} ms = {:.1} GFLOP/s",
+        "N {n} d {d} {}{} {} threads {threads}: {:.1} GFLOP per CPU-s (median {:.1} ms CPU, min {:.1} ms CPU), wall {:.1} ms = {:.1} GFLOP/s",
         if causal { "causal" } else { "full" },
+        if in_bf16 { " bf16" } else { "" },
         if bwd { "fwd+bwd" } else { "fwd" },
         flop / c / 1e9,
         c * 1e3,

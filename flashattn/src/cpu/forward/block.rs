@@ -108,7 +108,7 @@ pub(super) struct Inputs<'a, T, S> {
     /// [`key_block_visits`]: super::items::key_block_visits
     pub(super) packed_k: Option<KeyTiles<u32>>,
     /// k and v widened to f32 tiles (`[cols][d]` per key block), when the f32 products run and
-    /// key blocks are revisited (8 visits for f32 inputs on x86, 16 elsewhere; 2 for bf16 and f16, which the copies
+    /// key blocks are revisited (4 visits for f32 inputs on x86, 16 elsewhere; 2 for bf16 and f16, which the copies
     /// widen; [`key_block_visits`]). At N = 8192, 16 heads, f32 d = 128, the per-visit
     /// copies from k's and v's strided rows took ~16% of the forward's samples (perf,
     /// 2026-11-24).

@@ -38,9 +38,14 @@ pub(super) fn key_block_visits(p: &Params, items: &[WorkItem], bs: BlockSizes) -
 /// d = 64 and 128 and causal N = 2048 d = 128 (2 threads; 8-10 visits), and on AVX-512 0.95 and
 /// 0.88 at N = 1024 d = 128 and 64, 0.99 causal N = 2048 d = 128 (medians of 4 pairs). At N = 1024
 /// the per-visit copies from k's and v's rows, a 4 KiB page apart, were 15-18% of the samples.
+/// From 4 visits now: against 8, AVX2 took 0.92-0.95 of the CPU time at causal N = 1024 d = 64 and
+/// 128, N = 512 d = 128 and causal N = 512 d = 64 (4-6 visits), AVX-512 0.92-0.98 at causal
+/// N = 1024 d = 64 and 128 and N = 512 d = 128 (2 threads, medians of 3 pairs). The copies' cost
+/// is each row's first read from a new page (prefetching the rows a tile ahead moved it into the
+/// prefetches).
 pub(super) fn pack_visits_f32(isa: Isa) -> usize {
     match isa {
-        Isa::Avx2 | Isa::Avx512 => 8,
+        Isa::Avx2 | Isa::Avx512 => 4,
         _ => 16,
     }
 }

@@ -17,6 +17,7 @@
 //! those checked ranges.
 
 use super::{Gemm, LANES};
+use crate::cpu::softmax::EXP2_POLY;
 use std::arch::aarch64::*;
 
 /// Rows of the product tile.
@@ -103,7 +104,7 @@ unsafe fn store_tile<const R: usize>(
     }
 }
 
-/// `2^x` per lane, as [`crate::cpu::softmax::exp2`] (same reduction and polynomial, with FMAs).
+/// `2^x` per lane, as [`crate::cpu::softmax::exp2`] (same reduction and polynomial, [`EXP2_POLY`], with FMAs).
 #[target_feature(enable = "neon")]
 #[inline]
 unsafe fn exp2_v(x: float32x4_t) -> float32x4_t {
@@ -112,19 +113,11 @@ unsafe fn exp2_v(x: float32x4_t) -> float32x4_t {
     // FRINTN: to nearest, ties to even (the scalar version's 1.5·2^23 trick under the default
     // rounding mode).
     let n = vrndnq_f32(xc);
-    let f = vmulq_f32(vsubq_f32(xc, n), vdupq_n_f32(std::f32::consts::LN_2));
-    let mut p = vdupq_n_f32(1.0 / 5040.0);
-    for c in [
-        1.0 / 720.0,
-        1.0 / 120.0,
-        1.0 / 24.0,
-        1.0 / 6.0,
-        0.5,
-        1.0,
-        1.0,
-    ] {
+    let f = vsubq_f32(xc, n);
+    let mut p = vdupq_n_f32(EXP2_POLY[0]);
+    for c in &EXP2_POLY[1..] {
         // c + p · f, one rounding.
-        p = vfmaq_f32(vdupq_n_f32(c), p, f);
+        p = vfmaq_f32(vdupq_n_f32(*c), p, f);
     }
     // 2^n from its exponent bits; n is an integer in [-126, 127] here (NaN converts to 0, and
     // the NaN of `p` survives the product).

@@ -11,6 +11,7 @@
 //! operands passed [`super::Kernels`]'s bounds checks.
 
 use super::Gemm;
+use crate::cpu::softmax::EXP2_POLY;
 use std::arch::x86_64::*;
 
 const MR: usize = 6;
@@ -177,7 +178,7 @@ unsafe fn store_tile<const R: usize>(
     }
 }
 
-/// `2^x` per lane, as [`crate::cpu::softmax::exp2`] (same reduction and polynomial, with FMAs).
+/// `2^x` per lane, as [`crate::cpu::softmax::exp2`] (same reduction and polynomial, [`EXP2_POLY`], with FMAs).
 /// The rounding adds and subtracts 1.5 · 2^23 (2 µops, where `vroundps` and `vcvtps2dq` take 3 on
 /// the FMA ports), the integer comes from the sum's low mantissa bits, and the underflow lanes
 /// are cleared with `vandnps` (any vector port) instead of a blend: the same values as rounding
@@ -193,18 +194,10 @@ pub(super) unsafe fn exp2_ps(x: __m256) -> __m256 {
     );
     let shifted = _mm256_add_ps(xc, _mm256_set1_ps(ROUND));
     let n = _mm256_sub_ps(shifted, _mm256_set1_ps(ROUND));
-    let f = _mm256_mul_ps(_mm256_sub_ps(xc, n), _mm256_set1_ps(std::f32::consts::LN_2));
-    let mut p = _mm256_set1_ps(1.0 / 5040.0);
-    for c in [
-        1.0 / 720.0,
-        1.0 / 120.0,
-        1.0 / 24.0,
-        1.0 / 6.0,
-        0.5,
-        1.0,
-        1.0,
-    ] {
-        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+    let f = _mm256_sub_ps(xc, n);
+    let mut p = _mm256_set1_ps(EXP2_POLY[0]);
+    for c in &EXP2_POLY[1..] {
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(*c));
     }
     // 2^n from its exponent bits: `shifted`'s bits are ROUND's plus n (n in [-126, 127]); the
     // shift drops ROUND's own mantissa bit, leaving (n + 127) << 23.

@@ -11,6 +11,7 @@
 //! checks; pointer offsets below stay inside those checked ranges.
 
 use super::Gemm;
+use crate::cpu::softmax::EXP2_POLY;
 use std::arch::x86_64::*;
 
 const MR: usize = 4;
@@ -360,7 +361,7 @@ unsafe fn tile_bf16<const R: usize, const V: usize>(
 }
 
 /// `2^x` per lane, as [`crate::cpu::softmax::exp2`]: the same reduction (`x = n + f`, n rounded to
-/// nearest) and degree-7 polynomial, with FMAs; exactly 0 below -126 and for -inf, NaN for NaN.
+/// nearest) and polynomial ([`EXP2_POLY`]), with FMAs; exactly 0 below -126 and for -inf, NaN for NaN.
 #[target_feature(enable = "avx512f")]
 #[inline]
 pub(crate) unsafe fn exp2_ps(x: __m512) -> __m512 {
@@ -370,18 +371,10 @@ pub(crate) unsafe fn exp2_ps(x: __m512) -> __m512 {
         _mm512_max_ps(_mm512_set1_ps(-126.0), x),
     );
     let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(xc);
-    let f = _mm512_mul_ps(_mm512_sub_ps(xc, n), _mm512_set1_ps(std::f32::consts::LN_2));
-    let mut p = _mm512_set1_ps(1.0 / 5040.0);
-    for c in [
-        1.0 / 720.0,
-        1.0 / 120.0,
-        1.0 / 24.0,
-        1.0 / 6.0,
-        0.5,
-        1.0,
-        1.0,
-    ] {
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+    let f = _mm512_sub_ps(xc, n);
+    let mut p = _mm512_set1_ps(EXP2_POLY[0]);
+    for c in &EXP2_POLY[1..] {
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(*c));
     }
     let r = _mm512_scalef_ps(p, n);
     let under = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(-126.0));
