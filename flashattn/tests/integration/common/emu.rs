@@ -27,6 +27,50 @@ pub fn work_dir() -> PathBuf {
     d
 }
 
+/// A kernel's source with one deliberate mistake, for the tests that show the emulation catches
+/// it: `file` (under [`KERNELS`]) with `right`, which must stand in it exactly once, replaced by
+/// `wrong`, in a work folder of its own.
+pub struct BrokenKernel {
+    dir: PathBuf,
+    path: PathBuf,
+}
+
+impl BrokenKernel {
+    pub fn new(tag: &str, file: &str, right: &str, wrong: &str) -> Self {
+        let src = std::fs::read_to_string(format!("{KERNELS}/{file}")).unwrap();
+        assert_eq!(
+            src.matches(right).count(),
+            1,
+            "{file}: {right:?} moved or repeats: the test must follow it"
+        );
+        let dir = case_dir("broken", tag);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(file.replace(".cu", "_broken.cu"));
+        std::fs::write(&path, src.replace(right, wrong)).unwrap();
+        Self { dir, path }
+    }
+
+    /// The define that builds this source in place of the kernel's own ([`Builds::get`]).
+    pub fn define(&self) -> String {
+        format!("-DFA_KERNEL=\"{}\"", self.path.display())
+    }
+
+    /// Whether `run` (a case on this kernel, with its checks) failed. This kernel's folder and
+    /// the work folders a failed run leaves (names starting with `work_prefix`; a run removes its
+    /// own only after a success) are removed either way.
+    pub fn fails(self, work_prefix: &str, run: impl FnOnce()) -> bool {
+        eprintln!("the broken kernel's failure below is expected:");
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run));
+        let _ = std::fs::remove_dir_all(&self.dir);
+        for e in std::fs::read_dir(work_dir()).unwrap().flatten() {
+            if e.file_name().to_string_lossy().starts_with(work_prefix) {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+        result.is_err()
+    }
+}
+
 /// Whether g++ can be used, printing why not (or failing when CI requires the test:
 /// FLASHATTN_REQUIRE_EMULATION=1).
 pub fn have_compiler() -> bool {

@@ -199,17 +199,12 @@ fn persistent_ring_phase_mistake_fails() {
     if !have_compiler() {
         return;
     }
-    let src = std::fs::read_to_string(format!("{}/fwd_sm90_ws.cu", common::emu::KERNELS)).unwrap();
-    let advance = "ring += w.n_block_max - w.n_block_min;  // the consumers' ring position";
-    assert_eq!(
-        src.matches(advance).count(),
-        1,
-        "the consumers' ring advance moved"
+    let broken = common::emu::BrokenKernel::new(
+        "ws_ring",
+        "fwd_sm90_ws.cu",
+        "ring += w.n_block_max - w.n_block_min;  // the consumers' ring position",
+        "// (ring not advanced)",
     );
-    let dir = common::emu::case_dir("broken", "ws_ring");
-    std::fs::create_dir_all(&dir).unwrap();
-    let broken = dir.join("fwd_sm90_ws_broken.cu");
-    std::fs::write(&broken, src.replace(advance, "// (ring not advanced)")).unwrap();
 
     // Three query blocks of 128 rows and 320 keys in blocks of 128: under the bottom-right causal
     // mask they see 1, 2 and 3 key blocks; two heads: six tiles on one CTA.
@@ -234,26 +229,14 @@ fn persistent_ring_phase_mistake_fails() {
     let good = run(&mut forward_builds(), &d, &q, &k, &v, "ws_ring_good");
     inputs.check_with(&good, "the persistent ws kernel", &inputs.opts());
 
-    eprintln!("the broken kernel's failure below is expected:");
     let mut builds = forward_builds();
-    builds.get(&d.key, &[format!("-DFA_KERNEL=\"{}\"", broken.display())]);
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let out = run(&mut builds, &d, &q, &k, &v, "ws_ring_broken");
-        inputs.check_with(&out, "the broken kernel", &inputs.opts());
-    }));
-    let _ = std::fs::remove_dir_all(&dir);
-    // The failed run leaves its work folder (run_forward removes it only after a success).
+    builds.get(&d.key, &[broken.define()]);
     let prefix = format!("case_{}_ws_ring_broken_", std::process::id());
-    for e in std::fs::read_dir(common::emu::work_dir())
-        .unwrap()
-        .flatten()
-    {
-        if e.file_name().to_string_lossy().starts_with(&prefix) {
-            let _ = std::fs::remove_dir_all(e.path());
-        }
-    }
     assert!(
-        result.is_err(),
+        broken.fails(&prefix, || {
+            let out = run(&mut builds, &d, &q, &k, &v, "ws_ring_broken");
+            inputs.check_with(&out, "the broken kernel", &inputs.opts());
+        }),
         "the emulation missed a K/V ring phase restarted at every tile"
     );
 }

@@ -121,17 +121,12 @@ fn sm90_transposed_operand_mistake_fails() {
     if !have_compiler() {
         return;
     }
-    let src = std::fs::read_to_string(format!("{}/bwd_sm90.cu", emu::KERNELS)).unwrap();
-    let right = "desc_mnmajor(do_addr, KV_BLOCK_M, j)";
-    assert_eq!(src.matches(right).count(), 1, "dV's product moved");
-    let dir = emu::case_dir("broken", "bwd_sm90");
-    std::fs::create_dir_all(&dir).unwrap();
-    let broken = dir.join("bwd_sm90_broken.cu");
-    std::fs::write(
-        &broken,
-        src.replace(right, "desc_kmajor(do_addr, KV_BLOCK_M, 0, j)"),
-    )
-    .unwrap();
+    let broken = emu::BrokenKernel::new(
+        "bwd_sm90",
+        "bwd_sm90.cu",
+        "desc_mnmajor(do_addr, KV_BLOCK_M, j)",
+        "desc_kmajor(do_addr, KV_BLOCK_M, 0, j)",
+    );
     // A seed of its own: its work folders (left by the failed run) are removed below by name.
     let c = &GradCase {
         seed: 902,
@@ -153,20 +148,12 @@ fn sm90_transposed_operand_mistake_fails() {
         };
         k.sm90_backward().unwrap()
     };
-    builds[1].get(&key, &[format!("-DFA_KERNEL=\"{}\"", broken.display())]);
-    eprintln!("the broken kernel's failure below is expected:");
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        case_with::<half::bf16>(&mut builds, c, &c.opts, false, true);
-    }));
-    let _ = std::fs::remove_dir_all(&dir);
+    builds[1].get(&key, &[broken.define()]);
     let prefix = format!("bwd_{}_bf16_902_", std::process::id());
-    for e in std::fs::read_dir(emu::work_dir()).unwrap().flatten() {
-        if e.file_name().to_string_lossy().starts_with(&prefix) {
-            let _ = std::fs::remove_dir_all(e.path());
-        }
-    }
     assert!(
-        result.is_err(),
+        broken.fails(&prefix, || {
+            case_with::<half::bf16>(&mut builds, c, &c.opts, false, true);
+        }),
         "the emulation missed dO read through the wrong operand layout"
     );
 }

@@ -161,24 +161,12 @@ fn dynamic_handoff_mistake_fails() {
     if !have_compiler() {
         return;
     }
-    let src = std::fs::read_to_string(format!("{}/fwd_sm90_ws.cu", common::emu::KERNELS)).unwrap();
-    let handoff = "    mbar_wait(sm.tile_full(slot), (src.n / 2) & 1);\n    ++src.n;\n    const int tile = ld_shared_s32(sm.tile_slot(slot));\n";
-    assert_eq!(
-        src.matches(handoff).count(),
-        1,
-        "the readers' hand-off moved"
+    let broken = common::emu::BrokenKernel::new(
+        "ws_handoff",
+        "fwd_sm90_ws.cu",
+        "    mbar_wait(sm.tile_full(slot), (src.n / 2) & 1);\n    ++src.n;\n    const int tile = ld_shared_s32(sm.tile_slot(slot));\n",
+        "    const int tile = ld_shared_s32(sm.tile_slot(slot));\n    mbar_wait(sm.tile_full(slot), (src.n / 2) & 1);\n    ++src.n;\n",
     );
-    let dir = common::emu::case_dir("broken", "ws_handoff");
-    std::fs::create_dir_all(&dir).unwrap();
-    let broken = dir.join("fwd_sm90_ws_broken.cu");
-    std::fs::write(
-        &broken,
-        src.replace(
-            handoff,
-            "    const int tile = ld_shared_s32(sm.tile_slot(slot));\n    mbar_wait(sm.tile_full(slot), (src.n / 2) & 1);\n    ++src.n;\n",
-        ),
-    )
-    .unwrap();
 
     let case = Case {
         dtype: DType::BF16,
@@ -197,26 +185,14 @@ fn dynamic_handoff_mistake_fails() {
     let good = run(&mut forward_builds(), &d, (&q, &k, &v), "ws_handoff_good");
     inputs.check_with(&good, "the dynamic ws kernel", &inputs.opts());
 
-    eprintln!("the broken kernel's failure below is expected:");
     let mut builds = forward_builds();
-    builds.get(&d.key, &[format!("-DFA_KERNEL=\"{}\"", broken.display())]);
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let out = run(&mut builds, &d, (&q, &k, &v), "ws_handoff_broken");
-        inputs.check_with(&out, "the broken kernel", &inputs.opts());
-    }));
-    let _ = std::fs::remove_dir_all(&dir);
-    // The failed run leaves its work folder (run_forward removes it only after a success).
+    builds.get(&d.key, &[broken.define()]);
     let prefix = format!("case_{}_ws_handoff_broken_", std::process::id());
-    for e in std::fs::read_dir(common::emu::work_dir())
-        .unwrap()
-        .flatten()
-    {
-        if e.file_name().to_string_lossy().starts_with(&prefix) {
-            let _ = std::fs::remove_dir_all(e.path());
-        }
-    }
     assert!(
-        result.is_err(),
+        broken.fails(&prefix, || {
+            let out = run(&mut builds, &d, (&q, &k, &v), "ws_handoff_broken");
+            inputs.check_with(&out, "the broken kernel", &inputs.opts());
+        }),
         "the emulation missed consumers reading the tile before its barrier"
     );
 }

@@ -180,18 +180,13 @@ fn fp8_ws_transpose_mistake_fails() {
     if !have_compiler() {
         return;
     }
-    let src = std::fs::read_to_string(format!("{}/fwd_sm90_ws.cu", common::emu::KERNELS)).unwrap();
-    let order = "(int)bytes_even(x, y)";
-    assert_eq!(
-        src.matches(order).count(),
-        1,
-        "the transpose's key order moved"
-    );
-    let dir = common::emu::case_dir("broken", "fp8_ws_vt");
-    std::fs::create_dir_all(&dir).unwrap();
-    let broken = dir.join("fwd_sm90_ws_broken.cu");
     // Keys 8 + 2t and 9 + 2t of each 32 where 2t and 2t + 1 belong (and back) in the even lines.
-    std::fs::write(&broken, src.replace(order, "(int)bytes_even(y, x)")).unwrap();
+    let broken = common::emu::BrokenKernel::new(
+        "fp8_ws_vt",
+        "fwd_sm90_ws.cu",
+        "(int)bytes_even(x, y)",
+        "(int)bytes_even(y, x)",
+    );
 
     let mut c = Case::new(Fp8Format::E4M3, 1, 130, 200, (2, 1), 128);
     (c.huge, c.causal, c.seed) = (true, true, 45);
@@ -199,25 +194,16 @@ fn fp8_ws_transpose_mistake_fails() {
     let d = ws_launch(&c, &built, Some(1)).expect("aligned rows");
     run_case(&mut forward_builds(), &c, &d, "fp8_ws_vt_good");
 
-    eprintln!("the broken kernel's failure below is expected:");
     let mut builds = forward_builds();
-    builds.get(&d.key, &[format!("-DFA_KERNEL=\"{}\"", broken.display())]);
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        run_case(&mut builds, &c, &d, "fp8_ws_vt_broken");
-    }));
-    let _ = std::fs::remove_dir_all(&dir);
-    // The failed run leaves its work folder (run_forward removes it only after a success).
+    builds.get(&d.key, &[broken.define()]);
     let prefix = format!("case_{}_fp8_ws_vt_broken_", std::process::id());
-    for e in std::fs::read_dir(common::emu::work_dir())
-        .unwrap()
-        .flatten()
-    {
-        if e.file_name().to_string_lossy().starts_with(&prefix) {
-            let _ = std::fs::remove_dir_all(e.path());
-        }
-    }
     assert!(
-        result.is_err(),
+        broken.fails(&prefix, || run_case(
+            &mut builds,
+            &c,
+            &d,
+            "fp8_ws_vt_broken"
+        )),
         "the emulation missed Vᵀ's keys in the wrong order"
     );
 }
