@@ -204,6 +204,8 @@ pub struct Kernels {
 /// and on the call's dtype and q form; the kernels stay in decode's files, one concern each).
 /// Named here rather than as function pointers: the products' operand types are decode's, and
 /// this table naming them would make `cpu::simd` and `cpu::decode` import each other.
+/// Off x86 only `Portable` is made; the dispatch still names the others.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum DecodeKernels {
     /// The portable loops (decode/scores.rs: `scores_portable`, decode/pv.rs: `pv_portable`).
