@@ -19,7 +19,7 @@ use flashattn::cuda::{launch_description, Arch, ForwardKernel, LaunchDescription
 use flashattn::{AttnOutput, DType, TensorRef};
 
 /// Runs the emulated kernel of `d` on the buffers behind q, k, v.
-fn run(
+pub(super) fn run(
     builds: &mut Builds,
     d: &LaunchDescription,
     q: &TensorRef,
@@ -226,18 +226,36 @@ fn persistent_ring_phase_mistake_fails() {
         .for_arch(Arch::SM90, ForwardKernel::Sm90Ws)
         .persistent(1);
     assert_eq!(d.grid, (1, 1, 1));
-    let good = run(&mut forward_builds(), &d, &q, &k, &v, "ws_ring_good");
-    inputs.check_with(&good, "the persistent ws kernel", &inputs.opts());
+    assert_mistake_caught(
+        broken,
+        &d,
+        &inputs,
+        "ws_ring",
+        "the emulation missed a K/V ring phase restarted at every tile",
+    );
+}
 
+/// The launch `d` of `inputs` passes against the f64 reference on the kernel as it is and fails
+/// on `broken` (`missed`: the message when it does not); `tag` names the runs' work folders.
+pub(super) fn assert_mistake_caught(
+    broken: common::emu::BrokenKernel,
+    d: &LaunchDescription,
+    inputs: &Inputs,
+    tag: &str,
+    missed: &str,
+) {
+    let (q, k, v) = inputs.views();
+    let good = run(&mut forward_builds(), d, &q, &k, &v, &format!("{tag}_good"));
+    inputs.check_with(&good, "the kernel as it is", &inputs.opts());
     let mut builds = forward_builds();
     builds.get(&d.key, &[broken.define()]);
-    let prefix = format!("case_{}_ws_ring_broken_", std::process::id());
+    let prefix = format!("case_{}_{tag}_broken_", std::process::id());
     assert!(
         broken.fails(&prefix, || {
-            let out = run(&mut builds, &d, &q, &k, &v, "ws_ring_broken");
+            let out = run(&mut builds, d, &q, &k, &v, &format!("{tag}_broken"));
             inputs.check_with(&out, "the broken kernel", &inputs.opts());
         }),
-        "the emulation missed a K/V ring phase restarted at every tile"
+        "{missed}"
     );
 }
 

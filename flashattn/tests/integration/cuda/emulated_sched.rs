@@ -11,24 +11,15 @@
 //! depends on timing.
 #![cfg(feature = "cuda")]
 
+use super::emulated::run;
 use crate::common;
-use crate::common::emu::{bytes, forward_builds, have_compiler, run_forward, Builds};
+use crate::common::emu::{forward_builds, have_compiler};
 use crate::common::*;
 use flashattn::cuda::{launch_description, Arch, ForwardKernel, KernelKind, LaunchDescription};
-use flashattn::{AttnOptions, AttnOutput, DType, TensorRef};
+use flashattn::{AttnOptions, DType, TensorRef};
 
 /// CTAs of the emulated launches: few, so that tiles outnumber them.
 const CTAS: usize = 3;
-
-fn run(
-    builds: &mut Builds,
-    d: &LaunchDescription,
-    (q, k, v): (&TensorRef, &TensorRef, &TensorRef),
-    tag: &str,
-) -> AttnOutput {
-    let [qb, kb, vb] = [q, k, v].map(|t| bytes(t.data()));
-    run_forward(builds, d, [&qb, &kb, &vb], q.dtype(), tag)
-}
 
 /// The launch of `opts` over q, k, v on the warp-specialised kernel, persistent with `CTAS` CTAs
 /// under the dynamic scheduler.
@@ -103,7 +94,7 @@ fn dynamic_scheduler_under_emulation() {
             let inputs = case.build();
             let (q, k, v) = inputs.views();
             let d = dynamic_launch(&q, &k, &v, &inputs.opts());
-            let out = run(&mut builds, &d, (&q, &k, &v), &format!("dyn_{dtype}_{i}"));
+            let out = run(&mut builds, &d, &q, &k, &v, &format!("dyn_{dtype}_{i}"));
             inputs.check_with(
                 &out,
                 &format!("{case} dynamic {}", d.key.name()),
@@ -122,7 +113,9 @@ fn dynamic_scheduler_under_emulation() {
             let out = run(
                 &mut builds,
                 &d,
-                (&q, &k, &v),
+                &q,
+                &k,
+                &v,
                 &format!("dyn_varlen_{dtype}_{n}"),
             );
             inputs.check(&out, &format!("dynamic {}", d.key.name()));
@@ -182,17 +175,11 @@ fn dynamic_handoff_mistake_fails() {
     let inputs = case.build();
     let (q, k, v) = inputs.views();
     let d = dynamic_launch(&q, &k, &v, &inputs.opts());
-    let good = run(&mut forward_builds(), &d, (&q, &k, &v), "ws_handoff_good");
-    inputs.check_with(&good, "the dynamic ws kernel", &inputs.opts());
-
-    let mut builds = forward_builds();
-    builds.get(&d.key, &[broken.define()]);
-    let prefix = format!("case_{}_ws_handoff_broken_", std::process::id());
-    assert!(
-        broken.fails(&prefix, || {
-            let out = run(&mut builds, &d, (&q, &k, &v), "ws_handoff_broken");
-            inputs.check_with(&out, "the broken kernel", &inputs.opts());
-        }),
-        "the emulation missed consumers reading the tile before its barrier"
+    super::emulated::assert_mistake_caught(
+        broken,
+        &d,
+        &inputs,
+        "ws_handoff",
+        "the emulation missed consumers reading the tile before its barrier",
     );
 }
