@@ -206,20 +206,8 @@ fn persistent_ring_phase_mistake_fails() {
         "// (ring not advanced)",
     );
 
-    // Three query blocks of 128 rows and 320 keys in blocks of 128: under the bottom-right causal
-    // mask they see 1, 2 and 3 key blocks; two heads: six tiles on one CTA.
-    let case = Case {
-        dtype: DType::BF16,
-        seqlen_q: 384,
-        seqlen_k: 320,
-        heads: 2,
-        heads_kv: 2,
-        head_dim: 64,
-        causal: true,
-        seed: 7,
-        ..Case::default()
-    };
-    let inputs = case.build();
+    // Six tiles on one CTA.
+    let inputs = six_causal_tiles(7).build();
     let (q, k, v) = inputs.views();
     let d = launch_description(&q, &k, &v, &inputs.opts())
         .unwrap()
@@ -233,6 +221,22 @@ fn persistent_ring_phase_mistake_fails() {
         "ws_ring",
         "the emulation missed a K/V ring phase restarted at every tile",
     );
+}
+
+/// Three query blocks of 128 rows and 320 keys in blocks of 128 (bf16, d = 64): under the
+/// bottom-right causal mask they see 1, 2 and 3 key blocks; two heads: six work tiles.
+pub(super) fn six_causal_tiles(seed: u64) -> Case {
+    Case {
+        dtype: DType::BF16,
+        seqlen_q: 384,
+        seqlen_k: 320,
+        heads: 2,
+        heads_kv: 2,
+        head_dim: 64,
+        causal: true,
+        seed,
+        ..Case::default()
+    }
 }
 
 /// The launch `d` of `inputs` passes against the f64 reference on the kernel as it is and fails

@@ -161,18 +161,7 @@ fn dynamic_handoff_mistake_fails() {
         "    const int tile = ld_shared_s32(sm.tile_slot(slot));\n    mbar_wait(sm.tile_full(slot), (src.n / 2) & 1);\n    ++src.n;\n",
     );
 
-    let case = Case {
-        dtype: DType::BF16,
-        seqlen_q: 384,
-        seqlen_k: 320,
-        heads: 2,
-        heads_kv: 2,
-        head_dim: 64,
-        causal: true,
-        seed: 74,
-        ..Case::default()
-    };
-    let inputs = case.build();
+    let inputs = super::emulated::six_causal_tiles(74).build();
     let (q, k, v) = inputs.views();
     let d = dynamic_launch(&q, &k, &v, &inputs.opts());
     super::emulated::assert_mistake_caught(
