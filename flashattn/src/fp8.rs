@@ -766,16 +766,8 @@ fn dequantize(
     if d == 0 {
         return Ok(out);
     }
-    let row_offset = |mut r: usize| {
-        let mut at = 0;
-        for (&n, &s) in outer.iter().zip(&strides[..outer.len()]).rev() {
-            at += (r % n) * s;
-            r /= n;
-        }
-        at
-    };
     out.par_chunks_mut(d).enumerate().for_each(|(r, row)| {
-        let at = row_offset(r);
+        let at = row_offset(outer, strides, r);
         let (b, i) = seq_pos[r / heads];
         let f = if b == u32::MAX {
             1.0
@@ -789,6 +781,17 @@ fn dequantize(
     Ok(out)
 }
 
+/// Element offset of row `r` of a view (`r` indexes all its dimensions but the last, row-major;
+/// `outer` is the shape without the last dimension, `strides` the view's).
+fn row_offset(outer: &[usize], strides: &[usize], mut r: usize) -> usize {
+    let mut at = 0;
+    for (&n, &s) in outer.iter().zip(&strides[..outer.len()]).rev() {
+        at += (r % n) * s;
+        r /= n;
+    }
+    at
+}
+
 /// The view's elements widened to bf16 (exact), contiguous row-major. The view was validated:
 /// every element it addresses lies in its buffer and its last dimension is contiguous.
 fn widen(what: &'static str, t: &Fp8TensorRef, isa: crate::cpu::simd::Isa) -> Result<Vec<bf16>> {
@@ -800,20 +803,11 @@ fn widen(what: &'static str, t: &Fp8TensorRef, isa: crate::cpu::simd::Isa) -> Re
     if d == 0 {
         return Ok(out);
     }
-    // Element offset of row r (an index over all dimensions but the last).
-    let row_offset = |mut r: usize| {
-        let mut at = 0;
-        for (&n, &s) in outer.iter().zip(&strides[..outer.len()]).rev() {
-            at += (r % n) * s;
-            r /= n;
-        }
-        at
-    };
     out.par_chunks_mut(d * 256)
         .enumerate()
         .for_each(|(chunk, rows)| {
             for (i, row) in rows.chunks_mut(d).enumerate() {
-                let at = row_offset(chunk * 256 + i);
+                let at = row_offset(outer, strides, chunk * 256 + i);
                 crate::cpu::fp8::widen(isa, format, &bytes[at..at + d], row);
             }
         });
