@@ -15,6 +15,40 @@ fn upload(dev: &CudaDevice, built: &Built, t: usize) -> CudaFp8Tensor {
     CudaFp8Tensor::from_buffer(whole.buffer().clone(), whole.format(), shape, strides)
 }
 
+/// The options of case `c`'s call: `opts` with its packed sequences and descale factors.
+fn call_opts<'a>(
+    c: &Case,
+    built: &'a Built,
+    opts: &flashattn::AttnOptions<'a>,
+) -> flashattn::AttnOptions<'a> {
+    flashattn::AttnOptions {
+        cu_seqlens: c.packed.then_some((&built.cu_q[..], &built.cu_k[..])),
+        descale: Some(built.descale()),
+        ..opts.clone()
+    }
+}
+
+/// Checks `out` of `call` against the bound of the kernel that ran it: with
+/// `FLASHATTN_CUDA_FWD=sm90fp8`, e4m3 calls may run on fwd_sm90_fp8.cu, which rounds P to e4m3
+/// (its bound is that rounding's). Whether it ran there.
+fn check_by_kernel(
+    dev: &CudaDevice,
+    (c, built): (&Case, &Built),
+    qkv: [&CudaFp8Tensor; 3],
+    call: &flashattn::AttnOptions,
+    out: &AttnOutput,
+) -> bool {
+    let opts = built.opts();
+    let key = cuda::fp8_kernel_key(dev, qkv, call).expect("the call was accepted");
+    let what = format!("{c:?} on the GPU, {}", key.name());
+    if key.is_sm90() {
+        super::emulated::check_p_e4m3(built, out, &built.expected(&opts).0, &what);
+    } else {
+        built.check_output(out, &built.expected(&opts), &what);
+    }
+    key.is_sm90()
+}
+
 #[test]
 fn fp8_forward_on_the_gpu() {
     let dev = match CudaDevice::new(0) {
@@ -31,21 +65,9 @@ fn fp8_forward_on_the_gpu() {
             let built = c.build();
             let opts = built.opts();
             let [q, k, v] = [0, 1, 2].map(|t| upload(&dev, &built, t));
-            let res = if c.packed {
-                cuda::flash_attn_fp8(
-                    &dev,
-                    &q,
-                    &k,
-                    &v,
-                    &opts
-                        .clone()
-                        .varlen(&built.cu_q, &built.cu_k)
-                        .descale(built.descale()),
-                )
-            } else {
-                cuda::flash_attn_fp8(&dev, &q, &k, &v, &opts.clone().descale(built.descale()))
-            }
-            .unwrap_or_else(|e| panic!("{c:?}: {e}"));
+            let call = call_opts(&c, &built, &opts);
+            let res = cuda::flash_attn_fp8(&dev, &q, &k, &v, &call)
+                .unwrap_or_else(|e| panic!("{c:?}: {e}"));
             let out = AttnOutput {
                 out: res.out.to_host(&dev).expect("download out"),
                 lse: res.lse.to_host(&dev).expect("download lse"),
@@ -64,52 +86,15 @@ fn fp8_forward_on_the_gpu() {
                 out: &mut o,
                 lse: &mut l,
             };
-            if c.packed {
-                let (cq, ck) = (&built.cu_q, &built.cu_k);
-                let d = built.descale();
-                cuda::flash_attn_fp8_into(
-                    &dev,
-                    &q,
-                    &k,
-                    &v,
-                    &opts.clone().varlen(cq, ck).descale(d),
-                    dst,
-                )
-            } else {
-                cuda::flash_attn_fp8_into(
-                    &dev,
-                    &q,
-                    &k,
-                    &v,
-                    &opts.clone().descale(built.descale()),
-                    dst,
-                )
-            }
-            .unwrap_or_else(|e| panic!("{c:?}: into: {e}"));
+            cuda::flash_attn_fp8_into(&dev, &q, &k, &v, &call, dst)
+                .unwrap_or_else(|e| panic!("{c:?}: into: {e}"));
             let bits = |t: &flashattn::Tensor| -> Vec<u32> {
                 t.to_f32_vec().iter().map(|x| x.to_bits()).collect()
             };
             let into = [o, l].map(|t| bits(&t.to_host(&dev).expect("download")));
             assert_eq!(into, [bits(&out.out), bits(&out.lse)], "{c:?}: into");
-            // With FLASHATTN_CUDA_FWD=sm90fp8, e4m3 calls may run on fwd_sm90_fp8.cu, which
-            // rounds P to e4m3: its bound is that rounding's.
-            let cu = c.packed.then_some((&built.cu_q[..], &built.cu_k[..]));
-            let key = cuda::fp8_kernel_key(
-                &dev,
-                [&q, &k, &v],
-                &flashattn::AttnOptions {
-                    cu_seqlens: cu,
-                    descale: Some(built.descale()),
-                    ..opts.clone()
-                },
-            )
-            .expect("the call was accepted");
-            let what = format!("{c:?} on the GPU, {}", key.name());
-            if key.is_sm90() {
-                super::emulated::check_p_e4m3(&built, &out, &built.expected(&opts).0, &what);
+            if check_by_kernel(&dev, (&c, &built), [&q, &k, &v], &call, &out) {
                 on_sm90 += 1;
-            } else {
-                built.check_output(&out, &built.expected(&opts), &what);
             }
             ran += 1;
         }
@@ -144,25 +129,15 @@ fn fp8_per_block_on_the_gpu() {
             let built = c.build();
             let opts = built.opts();
             let [q, k, v] = [0, 1, 2].map(|t| upload(&dev, &built, t));
-            let cu = c.packed.then_some((&built.cu_q[..], &built.cu_k[..]));
-            let call = flashattn::AttnOptions {
-                cu_seqlens: cu,
-                descale: Some(built.descale()),
-                ..opts.clone()
-            };
+            let call = call_opts(&c, &built, &opts);
             let res = cuda::flash_attn_fp8(&dev, &q, &k, &v, &call)
                 .unwrap_or_else(|e| panic!("{c:?}: {e}"));
             let out = AttnOutput {
                 out: res.out.to_host(&dev).expect("download out"),
                 lse: res.lse.to_host(&dev).expect("download lse"),
             };
-            let key = cuda::fp8_kernel_key(&dev, [&q, &k, &v], &call).expect("accepted");
-            let what = format!("{c:?} on the GPU, {}", key.name());
-            if key.is_sm90() {
-                super::emulated::check_p_e4m3(&built, &out, &built.expected(&opts).0, &what);
+            if check_by_kernel(&dev, (&c, &built), [&q, &k, &v], &call, &out) {
                 on_sm90 += 1;
-            } else {
-                built.check_output(&out, &built.expected(&opts), &what);
             }
             ran += 1;
         }
