@@ -104,11 +104,23 @@ for f in "$logs"/*_tests_*.log; do
 done
 fi
 
+summarise() { # pattern, logs...: each log's name, then its lines matching the pattern (12 at most)
+    local pattern=$1 f
+    shift
+    for f in "$@"; do
+        say "-- $(basename "$f")"
+        grep -E "$pattern" "$f" | head -12 | tee -a "$summary"
+    done
+}
+python_tests() { # seconds wanted, stage name: the Python package's CUDA tests, when a wheel came
+    ls gpu-run/flashattn-*.whl >/dev/null 2>&1 || return 0
+    python3 -m pip install -q --no-index --no-deps --target /tmp/flashattn-py gpu-run/flashattn-*.whl
+    stage "$1" "$2" env FLASHATTN_PY_CUDA=1 PYTHONPATH=/tmp/flashattn-py \
+        python3 -m pytest -q -rs -p no:cacheprovider flashattn-py/tests/test_cuda.py
+}
 python_stage() { # the Python package on CUDA tensors: its CUDA tests, then its benchmark
     ls gpu-run/flashattn-*.whl >/dev/null 2>&1 || { say "== no wheel in gpu-run: python skipped"; return; }
-    python3 -m pip install -q --no-index --no-deps --target /tmp/flashattn-py gpu-run/flashattn-*.whl
-    stage 90 python_cuda_tests env FLASHATTN_PY_CUDA=1 PYTHONPATH=/tmp/flashattn-py \
-        python3 -m pytest -q -rs -p no:cacheprovider flashattn-py/tests/test_cuda.py
+    python_tests 90 python_cuda_tests
     stage 90 python_cuda_bench env FLASHATTN_PY_CUDA=1 PYTHONPATH=/tmp/flashattn-py \
         python3 -m flashattn.bench --device cuda --seqlen 2048 4096 --head-dim 64 128 --dtype bf16 \
         --rounds 3 --json "$logs/python_cuda_bench.json"
@@ -152,15 +164,8 @@ if [ "$mode" = sm90 ]; then
             --nocapture >"$logs/sm90_$t.log" 2>&1; echo "exit $?" >>"$logs/sm90_$t.log") &
     done
     wait
-    for f in "$logs"/sm90_*.log; do
-        say "-- $(basename "$f")"
-        grep -E "test result|panicked|cases per forward kernel|error too large|^exit " "$f" | head -12 | tee -a "$summary"
-    done
-    if ls gpu-run/flashattn-*.whl >/dev/null 2>&1; then
-        python3 -m pip install -q --no-index --no-deps --target /tmp/flashattn-py gpu-run/flashattn-*.whl
-        stage 50 python_cuda_tests env FLASHATTN_PY_CUDA=1 PYTHONPATH=/tmp/flashattn-py \
-            python3 -m pytest -q -rs -p no:cacheprovider flashattn-py/tests/test_cuda.py
-    fi
+    summarise "test result|panicked|cases per forward kernel|error too large|^exit " "$logs"/sm90_*.log
+    python_tests 50 python_cuda_tests
     # d = 128: fwd_sm90.cu (main, the default), without the overlap, and fwd.cu; then d = 64, 256.
     stage 150 compare_sm90_d128 python3 bench/compare_torch_cuda.py --binary "$bin" --cudnn \
         --dims 128 --seqlens 2048,8192,16384 --rounds 1 --min-time 0.2 \
@@ -192,10 +197,7 @@ if [ "$mode" = sm90b ]; then
         cuda::device::grid_f16 --exact --nocapture >"$logs/ws_nonpersistent_grid_f16.log" 2>&1
         echo "exit $?" >>"$logs/ws_nonpersistent_grid_f16.log") &
     wait
-    for f in "$logs"/ws_*.log; do
-        say "-- $(basename "$f")"
-        grep -E "test result|panicked|cases per forward kernel|error too large|^exit " "$f" | head -12 | tee -a "$summary"
-    done
+    summarise "test result|panicked|cases per forward kernel|error too large|^exit " "$logs"/ws_*.log
     # d = 128, causal and not: the causal rows show what the persistent scheduler buys.
     stage 160 compare_ws_d128 python3 bench/compare_torch_cuda.py --binary "$bin" --cudnn \
         --dims 128 --seqlens 8192 --rounds 1 --min-time 0.2 \
@@ -208,11 +210,7 @@ if [ "$mode" = sm90b ]; then
         --variant "sm90ws=$bin,FLASHATTN_CUDA_FWD=sm90ws" \
         --variant "sm90ws_pingpong=$bin,FLASHATTN_CUDA_FWD=sm90ws,FLASHATTN_SM90_PINGPONG=1" \
         --out "$logs/compare_ws_d64_256.json"
-    if ls gpu-run/flashattn-*.whl >/dev/null 2>&1; then
-        python3 -m pip install -q --no-index --no-deps --target /tmp/flashattn-py gpu-run/flashattn-*.whl
-        stage 40 python_cuda_tests env FLASHATTN_PY_CUDA=1 PYTHONPATH=/tmp/flashattn-py \
-            python3 -m pytest -q -rs -p no:cacheprovider flashattn-py/tests/test_cuda.py
-    fi
+    python_tests 40 python_cuda_tests
     finish
 fi
 if [ "$mode" = sm90fp8 ]; then
@@ -231,10 +229,8 @@ if [ "$mode" = sm90fp8 ]; then
     (FLASHATTN_CUDA_FWD=sm90fp8ws timeout 120 gpu-run/integration_tests_flashattn fp8::gpu:: \
         --test-threads 1 --nocapture >"$logs/sm90fp8ws_gpu.log" 2>&1; echo "exit $?" >>"$logs/sm90fp8ws_gpu.log") &
     wait
-    for f in "$logs"/sm90fp8_gpu.log "$logs"/sm90fp8_no_overlap_gpu.log "$logs"/sm90fp8ws_gpu.log; do
-        say "-- $(basename "$f")"
-        grep -E "test result|panicked|FP8 forward cases|out\[|^exit " "$f" | head -12 | tee -a "$summary"
-    done
+    summarise "test result|panicked|FP8 forward cases|out\[|^exit " \
+        "$logs"/sm90fp8_gpu.log "$logs"/sm90fp8_no_overlap_gpu.log "$logs"/sm90fp8ws_gpu.log
     # Four kernels on e4m3 in the e4m3 stage: the bf16 one gives up 50 s for them (same total).
     stage 220 compare_fp8_e4m3 python3 bench/compare_torch_cuda.py --binary "$bin" --dtype e4m3 \
         --dims 128,256 --seqlens 2048,8192 --rounds 1 --min-time 0.2 \
@@ -258,10 +254,8 @@ if [ "$mode" = sm90bwd ]; then
     (timeout 150 gpu-run/integration_tests_flashattn cuda::device::backward:: --test-threads 3 \
         --nocapture >"$logs/sm90bwd_fa2_gpu.log" 2>&1; echo "exit $?" >>"$logs/sm90bwd_fa2_gpu.log") &
     wait
-    for f in "$logs"/sm90bwd_gpu.log "$logs"/sm90bwd_into_gpu.log "$logs"/sm90bwd_fa2_gpu.log; do
-        say "-- $(basename "$f")"
-        grep -E "test result|panicked|error too large|differs|^exit " "$f" | head -12 | tee -a "$summary"
-    done
+    summarise "test result|panicked|error too large|differs|^exit " \
+        "$logs"/sm90bwd_gpu.log "$logs"/sm90bwd_into_gpu.log "$logs"/sm90bwd_fa2_gpu.log
     for d in 64 128; do
         stage 20 "sm90bwd_kernels_d$d" env FLASHATTN_SM90_BWD=1 "$bin" bench --device cuda --dtype bf16 \
             --batch 1 --heads 16 --head-dim $d --seqlen 2048 --causal --backward --no-naive --min-time 0.05
@@ -300,16 +294,9 @@ if [ "$mode" = owed ]; then
     run_tests sm90bwd FLASHATTN_SM90_BWD=1 $t cuda::device::backward:: --test-threads 3 --nocapture
     run_tests into FLASHATTN_SM90_BWD=1 $t cuda::device::into:: --test-threads 2 --nocapture
     wait
-    for f in "$logs"/owed_*.log; do
-        say "-- $(basename "$f")"
-        grep -E "test result|panicked|error too large|differs|cases per forward kernel|FP8 forward cases|^exit " "$f" \
-            | head -12 | tee -a "$summary"
-    done
-    if ls gpu-run/flashattn-*.whl >/dev/null 2>&1; then
-        python3 -m pip install -q --no-index --no-deps --target /tmp/flashattn-py gpu-run/flashattn-*.whl
-        stage 60 owed_python_cuda_tests env FLASHATTN_PY_CUDA=1 PYTHONPATH=/tmp/flashattn-py \
-            python3 -m pytest -q -rs -p no:cacheprovider flashattn-py/tests/test_cuda.py
-    fi
+    summarise "test result|panicked|error too large|differs|cases per forward kernel|FP8 forward cases|^exit " \
+        "$logs"/owed_*.log
+    python_tests 60 owed_python_cuda_tests
     stage 120 owed_fwd_d128 python3 bench/compare_torch_cuda.py --binary "$bin" --cudnn \
         --dims 128 --seqlens 8192 --rounds 1 --min-time 0.2 \
         --variant "sm90ws=$bin,FLASHATTN_CUDA_FWD=sm90ws" \
