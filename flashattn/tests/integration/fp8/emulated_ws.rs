@@ -42,6 +42,29 @@ fn run_case(builds: &mut Builds, c: &Case, d: &LaunchDescription, tag: &str) {
     check_p_e4m3(&built, &out, &built.expected(&built.opts()).0, &what);
 }
 
+/// Runs the cases of `list` that fit the emulation budget and the kernel serves (aligned rows),
+/// one CTA per tile for the even ones and persistent for the odd ones, each checked; a launch
+/// carries per-block factors exactly when its case has them. Returns what ran (kernel and grid)
+/// and how many of them were persistent.
+fn run_list(builds: &mut Builds, list: Vec<Case>, tag: &str) -> (Vec<String>, usize) {
+    let (mut ran, mut persistent) = (Vec::new(), 0);
+    for (i, c) in list.into_iter().enumerate() {
+        if c.cost() > common::emu::budget(20_000_000) {
+            continue;
+        }
+        let built = c.build();
+        let pers = (i % 2 == 1).then_some(PERSISTENT_CTAS);
+        let Some(d) = ws_launch(&c, &built, pers) else {
+            continue; // unaligned rows: fwd.cu
+        };
+        assert_eq!(d.params.block_q > 0, c.per_block, "{c:?}");
+        run_case(builds, &c, &d, &format!("{tag}_{i}"));
+        persistent += pers.is_some() as usize;
+        ran.push(format!("{} grid {:?}", d.key.name(), d.grid));
+    }
+    (ran, persistent)
+}
+
 /// The e4m3 cases (one CTA per tile for the even ones, persistent for the odd ones) and
 /// multi-block ones: causal with several query blocks of odd key-block counts (GQA), head_dim 256
 /// with a window and ALiBi (64-key blocks), softcap, and packed sequences.
@@ -51,7 +74,6 @@ fn fp8_sm90_ws_kernel_under_emulation() {
         return;
     }
     let mut builds = forward_builds();
-    let mut ran = Vec::new();
     let mut list: Vec<Case> = cases(Fp8Format::E4M3)
         .into_iter()
         // Per-block factors: fp8_ws_per_block_under_emulation.
@@ -71,20 +93,7 @@ fn fp8_sm90_ws_kernel_under_emulation() {
     c.lens_k = vec![150, 40, 3, 260];
     (c.packed, c.causal, c.huge, c.seed) = (true, true, true, 44);
     list.push(c);
-    let mut persistent = 0;
-    for (i, c) in list.into_iter().enumerate() {
-        if c.cost() > common::emu::budget(20_000_000) {
-            continue;
-        }
-        let built = c.build();
-        let pers = (i % 2 == 1).then_some(PERSISTENT_CTAS);
-        let Some(d) = ws_launch(&c, &built, pers) else {
-            continue; // unaligned rows: fwd.cu
-        };
-        run_case(&mut builds, &c, &d, &format!("fp8_ws_{i}"));
-        persistent += pers.is_some() as usize;
-        ran.push(format!("{} grid {:?}", d.key.name(), d.grid));
-    }
+    let (ran, persistent) = run_list(&mut builds, list, "fp8_ws");
     eprintln!(
         "{} FP8 cases emulated on fwd_sm90_ws.cu ({persistent} persistent): {ran:?}",
         ran.len()
@@ -113,26 +122,14 @@ fn fp8_ws_per_block_under_emulation() {
         return;
     }
     let mut builds = forward_builds();
-    let mut ran = Vec::new();
     let mut list: Vec<Case> = cases(Fp8Format::E4M3)
         .into_iter()
         .filter(|c| c.per_block && !c.sink && c.dropout == 0.0)
         .collect();
     list.extend(block_cases(Fp8Format::E4M3, 128));
     list.extend(block_cases(Fp8Format::E4M3, 256));
-    for (i, c) in list.into_iter().enumerate() {
-        if c.cost() > common::emu::budget(20_000_000) {
-            continue;
-        }
-        let built = c.build();
-        let pers = (i % 2 == 1).then_some(PERSISTENT_CTAS);
-        let Some(d) = ws_launch(&c, &built, pers) else {
-            continue; // unaligned rows: fwd.cu
-        };
-        assert!(d.params.block_q > 0, "{c:?}");
-        run_case(&mut builds, &c, &d, &format!("fp8_ws_block_{i}"));
-        ran.push(format!("{} grid {:?}", d.key.name(), d.grid));
-    }
+    assert!(list.iter().all(|c| c.per_block));
+    let (ran, _) = run_list(&mut builds, list, "fp8_ws_block");
     eprintln!(
         "{} per-block FP8 cases emulated on fwd_sm90_ws.cu: {ran:?}",
         ran.len()
