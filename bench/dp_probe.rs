@@ -1,7 +1,7 @@
 //! How fast one core runs `vdpbf16ps` in the patterns of the bf16 decode products, with no
 //! memory traffic to speak of: the yardstick behind "the products' inner loops run at the
 //! instruction's rate; the rest of their time is elsewhere" (docs/PERFORMANCE.md, "Decoding with
-//! a KV cache", 2026-11-28). x86-64 with AVX-512F and AVX512_BF16 only.
+//! a KV cache"). x86-64 with AVX-512F and AVX512_BF16 only.
 //!
 //!     rustc -C opt-level=3 -C target-cpu=native bench/dp_probe.rs -o /tmp/dp_probe && /tmp/dp_probe
 //!

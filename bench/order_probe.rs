@@ -1,7 +1,7 @@
 //! Reads k and v the way the CPU decode kernel does, on several threads at once, with arithmetic
 //! per load and with or without software prefetch: does reading in memory order let the hardware
 //! prefetcher replace the kernel's `prefetcht1` of every line? (docs/PERFORMANCE.md, "Decoding
-//! with a KV cache", 2026-11-27 morning). x86-64 with AVX-512F only.
+//! with a KV cache"). x86-64 with AVX-512F only.
 //!
 //!     rustc -C opt-level=3 -C target-cpu=native bench/order_probe.rs -o /tmp/order_probe
 //!     CFGS=0:64:4,2:0:4,2:0:1 /tmp/order_probe 2

@@ -10,7 +10,7 @@
 #      forward + backward (--quick), as the time left allows;
 #   4. NVRTC's own compile rate there (a few variants into an empty cache).
 #
-# Here: bash bench/gpu/prepare.sh && the cache (see docs/GPU.md); there (carry gpu-run):
+# Here: bash bench/gpu/prepare.sh && the cache (see docs/CUDA.md); there (carry gpu-run):
 #   bash bench/gpu/session.sh [SECONDS] [decode|h100|ab|quick|fwd|bwd|bwdprobe|python|sm90|sm90b|sm90fp8|sm90bwd|owed]
 # SECONDS: the budget for the whole script (500). `bwd`: after the tests, forward + backward
 # against SDPA (this build beside gpu-run/old/flashattn when carried) and the backward kernels
@@ -384,8 +384,8 @@ fi
 if [ "$mode" = fwd ]; then
     # A forward kernel change: after the tests, this build against gpu-run/old/flashattn (when
     # carried) call by call beside SDPA (d = 128, 512 to 16k tokens, causal or not; one round, as
-    # each flashattn call with its data set-up and error check takes ~10 s there: on 2026-11-27
-    # two rounds of d = 64 and 128 got through 3 of 12 shapes in 150 s), then the decode step
+    # each flashattn call with its data set-up and error check takes ~10 s there: two rounds of
+    # d = 64 and 128 got through 3 of 12 shapes in 150 s), then the decode step
     # against SDPA.
     variants=()
     [ -x gpu-run/old/flashattn ] && variants+=(--variant "old=$PWD/gpu-run/old/flashattn")

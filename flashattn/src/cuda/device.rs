@@ -65,7 +65,7 @@ impl CudaDevice {
         // orders every use of every buffer; cudarc's per-buffer events would only add two
         // driver calls per buffer per launch (a decode launch passes ~10 buffers; with the
         // release-build memsets and the separate uploads this took ~20-25 us off a decode
-        // step on an H100, docs/GPU.md run 5). A caller who uses these buffers on streams of their own
+        // step on an H100). A caller who uses these buffers on streams of their own
         // synchronizes them (documented on `CudaDevice::new`); `with_stream` leaves the
         // caller's context as it is.
         unsafe { ctx.disable_event_tracking() };

@@ -71,7 +71,7 @@ flash_fwd(const __grid_constant__ FwdParams p) {
             const int jc = c8 + 8 * u;
             // Eight partial sums added pairwise, as the CPU path and naive attention sum: one
             // running f32 sum over d = 256 moved the scores by ~1e-6 and out past 2x naive's
-            // error (docs/GPU.md, "an f32 accuracy tail").
+            // error.
             // (The backward's recomputation in bwd.cu sums the same way, so that its P matches
             // this LSE.)
             float part[8];

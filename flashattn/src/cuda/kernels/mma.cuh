@@ -129,7 +129,7 @@ __device__ __forceinline__ void mma_pb(float (&acc)[HEAD_DIM / 8][4], const u32 
 // A operand) and B the tile `b` ([NK][HEAD_DIM], swizzled): the tensor-core decode kernel's
 // O += P·V and bwd_dq's dQ. Each k-step's fragment is packed just before its products, the order
 // those kernels were measured with (fwd.cu's mma_xb_mt does the same: packing all of P first made
-// the forward spill, docs/GPU.md run 8); bwd_dkdv packs first (pack_a, mma_pb), which saved it
+// the forward spill); bwd_dkdv packs first (pack_a, mma_pb), which saved it
 // registers.
 template <int NK>
 __device__ __forceinline__ void mma_xb(float (&acc)[HEAD_DIM / 8][4], const float (&x)[NK / 8][4],

@@ -523,8 +523,7 @@ pub mod drawn {
             let (causal, left, right, softcap, alibi, dropout, scale) = o;
             // Sinks from the seed's high bits, not a strategy of their own: a new strategy would
             // change every drawn case (when it was added, the emulated CUDA run of other draws
-            // met an f32 accuracy tail of the CUDA-core kernels, settled under emulation on
-            // 2026-11-28; docs/GPU.md).
+            // met an f32 accuracy tail of the CUDA-core kernels, since settled under emulation).
             let sink = (seed >> 56 < 77).then_some(((seed >> 40) % 161) as i32 - 80);
             Drawn {
                 case: GradCase {
