@@ -263,11 +263,12 @@ pub fn flash_attn_fp8(
 ) -> Result<AttnOutput> {
     let p = validate_forward([q, k, v], opts)?;
     if blocks(&p).is_some() {
-        let (out_shape, lse_shape) = (p.out_shape.clone(), p.lse_shape.clone());
-        let (out, lse) = forward_per_block(p, [q, k, v], opts)?;
+        let out_shape = p.out_shape.clone();
+        let res = forward_per_block(p, [q, k, v], opts)?;
+        let out = f32_out(&res).iter().map(|&x| bf16::from_f32(x)).collect();
         return Ok(AttnOutput {
             out: Tensor::new_unchecked(Buffer::BF16(out), out_shape),
-            lse: Tensor::new_unchecked(Buffer::F32(lse), lse_shape),
+            lse: res.lse,
         });
     }
     if p.kernels.has_bf16_dot() {
@@ -297,12 +298,18 @@ pub fn flash_attn_fp8_into(
     let p = validate_forward([q, k, v], opts)?;
     params::out_buffers(&p, DType::BF16, &dst)?;
     if blocks(&p).is_some() {
-        let (out, lse) = forward_per_block(p, [q, k, v], opts)?;
+        let res = forward_per_block(p, [q, k, v], opts)?;
         let SliceMut::BF16(dst_out) = dst.out else {
             unreachable!("checked: out is bf16")
         };
-        dst_out.copy_from_slice(&out);
-        dst.lse.copy_from_slice(&lse);
+        for (d, &x) in dst_out.iter_mut().zip(f32_out(&res)) {
+            *d = bf16::from_f32(x);
+        }
+        let lse = res
+            .lse
+            .as_slice::<f32>()
+            .expect("the f32 forward's lse is f32");
+        dst.lse.copy_from_slice(lse);
         return Ok(());
     }
     if p.kernels.has_bf16_dot() {
@@ -695,22 +702,19 @@ fn check_blocks(d: &Descale, p: &Params, fmax: f64) -> Result<Descales> {
 }
 
 /// The forward of validated `p` with per-block factors: the f32 forward on the dequantised
-/// copies ([`dequantize_qkv`]), `out` rounded to bf16 (contiguous, q's shape) and `lse`.
-fn forward_per_block(
-    p: Params,
-    qkv: [&Fp8TensorRef; 3],
-    opts: &AttnOptions,
-) -> Result<(Vec<bf16>, Vec<f32>)> {
+/// copies ([`dequantize_qkv`]); its `out` (f32, contiguous, q's shape) is rounded to bf16 by the
+/// caller ([`f32_out`]), its `lse` is the call's.
+fn forward_per_block(p: Params, qkv: [&Fp8TensorRef; 3], opts: &AttnOptions) -> Result<AttnOutput> {
     let (copies, p) = dequantize_qkv(p, qkv, opts)?;
     let [qv, kv, vv] = copies.views(qkv);
-    let res = crate::forward(&p, &qv, &kv, &vv)?;
-    let out = res
-        .out
-        .to_f32_vec()
-        .iter()
-        .map(|&x| bf16::from_f32(x))
-        .collect();
-    Ok((out, res.lse.to_f32_vec()))
+    crate::forward(&p, &qv, &kv, &vv)
+}
+
+/// The f32 `out` of [`forward_per_block`], borrowed (no copy before the rounding to bf16).
+fn f32_out(res: &AttnOutput) -> &[f32] {
+    res.out
+        .as_slice::<f32>()
+        .expect("the forward on f32 copies writes an f32 out")
 }
 
 /// Contiguous f32 copies of q, k and v of validated `p` (per-block factors), each element its
