@@ -1,0 +1,400 @@
+"""Context parallelism: attention over a sequence sharded across the ranks of a process group
+(ring attention), forward and backward, on any ``torch.distributed`` backend.
+
+Each rank holds a slice of q, k and v along the sequence (flash-attn's ``[batch, seqlen_local,
+heads, head_dim]`` layout). The forward runs ``world_size`` steps: at each, the rank attends its
+q to the k/v block it holds with flashattn's kernels (a block out and its lse), merges that into
+its running result by the log-sum-exp (the online softmax's merge, exact), and passes the block to
+the next rank while it computes (the transfer is posted before the compute and waited for after).
+The backward runs the ring again with the final out and lse: each block's dq, dk, dv come from
+flashattn's backward (``P = exp(S - lse)``, ``delta = rowsum(dout * out)`` over the whole row, so
+block gradients simply add up); dq stays, the dk/dv accumulators travel with their k/v block and
+arrive back at its owner after the last step.
+
+Causal attention skips blocks wholly in the future and runs the diagonal block causal. Two layouts:
+
+- contiguous (``ring_flash_attn_func``): rank r holds tokens ``[r·L, (r+1)·L)``; with causal the
+  last rank does ``world_size`` blocks of work and the first one;
+- zigzag (``zigzag_ring_flash_attn_func``): the sequence is cut into ``2·world_size`` chunks and
+  rank r holds chunks r and ``2·world_size - 1 - r`` (``zigzag_shard``/``zigzag_unshard``), so
+  every rank does the same causal work: off the diagonal, half of q against all of a block or all
+  of q against half of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import _ops
+from ._flashattn import FlashAttnError
+
+__all__ = [
+    "ring_flash_attn_func",
+    "zigzag_ring_flash_attn_func",
+    "zigzag_shard",
+    "zigzag_unshard",
+]
+
+# Message tags: k and v travel with tags 0 and 1, their dk and dv accumulators with 2 and 3, so a
+# backward step's two transfers in flight between the same pair of ranks never cross.
+_TAG_KV = 0
+_TAG_DKV = 2
+
+
+def _error(message: str, kind: str) -> FlashAttnError:
+    return FlashAttnError(f"flashattn.distributed: {message}", kind)
+
+
+# ---- the ring ------------------------------------------------------------------------------------
+
+
+class _Transfer:
+    """Tensors in flight one step round the ring: `wait` returns the ones received."""
+
+    def __init__(self, works: list, sent: Sequence[Tensor], received: list[Tensor]):
+        self._works = works
+        self._sent = sent  # kept alive until the sends complete
+        self._received = received
+
+    def wait(self) -> list[Tensor]:
+        for w in self._works:
+            w.wait()
+        self._works, self._sent = [], ()
+        return self._received
+
+
+@dataclass(frozen=True)
+class _Ring:
+    """A process group's ranks in a ring: this rank sends to `next_rank`, receives from
+    `prev_rank` (both global ranks, as point-to-point ops take them)."""
+
+    group: Optional[dist.ProcessGroup]
+    rank: int
+    world_size: int
+    next_rank: int
+    prev_rank: int
+
+    @staticmethod
+    def of(group: Optional[dist.ProcessGroup]) -> "_Ring":
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        if rank < 0:
+            raise _error("this process is not a member of `group`", "ProcessGroup")
+
+        def global_rank(r: int) -> int:
+            return r if group is None else dist.get_global_rank(group, r)
+
+        return _Ring(group, rank, world, global_rank((rank + 1) % world),
+                     global_rank((rank - 1) % world))
+
+    def start(self, tensors: Sequence[Tensor], tag: int) -> _Transfer:
+        """Posts sends of `tensors` (contiguous) to the next rank and receives of as many tensors
+        of the same shapes from the previous one (tags `tag`, `tag + 1`, ...)."""
+        if self.world_size == 1:
+            return _Transfer([], (), list(tensors))
+        received = [torch.empty_like(t) for t in tensors]
+        ops = []
+        for i, (t, r) in enumerate(zip(tensors, received)):
+            ops.append(dist.P2POp(dist.isend, t, self.next_rank, self.group, tag + i))
+            ops.append(dist.P2POp(dist.irecv, r, self.prev_rank, self.group, tag + i))
+        return _Transfer(dist.batch_isend_irecv(ops), tensors, received)
+
+
+# ---- which part of a block each step computes ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Block:
+    """The rows of local q and the rows of the k/v block one ring step attends, and whether the
+    pair is the diagonal (causal inside)."""
+
+    q_rows: slice
+    kv_rows: slice
+    causal: bool
+
+
+_ALL = slice(None)
+
+
+def _block(rank: int, src: int, seqlen: int, causal: bool, zigzag: bool) -> Optional[_Block]:
+    """What rank `rank` computes against the k/v block of rank `src`; None: nothing (the block
+    is wholly in the future of every local query)."""
+    if not causal:
+        return _Block(_ALL, _ALL, False)
+    if src == rank:
+        # Zigzag too: local q and k/v both hold chunks (rank, 2R-1-rank) in sequence order, so
+        # causal over their concatenation is the right mask.
+        return _Block(_ALL, _ALL, True)
+    if not zigzag:
+        return _Block(_ALL, _ALL, False) if src < rank else None
+    half = seqlen // 2
+    if src < rank:
+        # Both local chunks come after the block's first chunk and before its second.
+        return _Block(_ALL, slice(0, half), False)
+    # src > rank: only the local second chunk follows the block, and it follows both its chunks.
+    return _Block(slice(half, None), _ALL, False)
+
+
+# ---- merge by lse --------------------------------------------------------------------------------
+
+
+def _merge(acc_o: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
+    """acc_o (f32 [batch, rows, heads, d]) and lse (f32 [batch, heads, rows]) become the
+    attention over their keys and the block's, in place: the online softmax's merge. A row that
+    has seen no key on either side (lse -inf) keeps out 0 and lse -inf, never NaN."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    # -inf - -inf would be NaN: subtract 0 where both sides are empty (both factors are then 0).
+    safe = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
+    old_w = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
+    new_w = torch.exp(block_lse - safe).transpose(1, 2).unsqueeze(-1)
+    acc_o.mul_(old_w).add_(block_out.to(torch.float32) * new_w)
+    lse.copy_(new_lse)
+
+
+# ---- forward and backward ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Options:
+    softmax_scale: float
+    causal: bool
+    softcap: float
+    zigzag: bool
+
+
+def _block_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, o: _Options):
+    out, lse, _ = _ops.forward(q, k, v, None, None, 0.0, o.softmax_scale, causal, -1, -1,
+                               o.softcap, None, None, True)
+    return out, lse
+
+
+def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, o: _Options):
+    """(out in q's dtype, lse f32 [batch, heads, seqlen_local])."""
+    seqlen = q.shape[1]
+    acc_o = lse = None
+    kv = [k, v]
+    for step in range(ring.world_size):
+        last = step == ring.world_size - 1
+        transfer = None if last else ring.start(kv, _TAG_KV)
+        src = (ring.rank - step) % ring.world_size
+        blk = _block(ring.rank, src, seqlen, o.causal, o.zigzag)
+        if blk is not None:
+            block_out, block_lse = _block_forward(
+                q[:, blk.q_rows], kv[0][:, blk.kv_rows], kv[1][:, blk.kv_rows], blk.causal, o)
+            if acc_o is None:
+                # Step 0 is the diagonal block, which always covers every local row.
+                acc_o, lse = block_out.to(torch.float32), block_lse
+            else:
+                _merge(acc_o[:, blk.q_rows], lse[:, :, blk.q_rows], block_out, block_lse)
+        if transfer is not None:
+            kv = transfer.wait()
+    return acc_o.to(q.dtype), lse
+
+
+def _ring_backward(dout, q, k, v, out, lse, ring: _Ring, o: _Options):
+    """(dq, dk, dv) of this rank's slices, in their inputs' dtypes."""
+    seqlen = q.shape[1]
+    rng_state = torch.zeros(2, dtype=torch.int64)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv = [k, v]
+    dkv_in = None  # the accumulators of the block held now, arriving from the previous rank
+    dkv_out = None  # the accumulators sent on after this step
+    for step in range(ring.world_size):
+        last = step == ring.world_size - 1
+        kv_transfer = None if last else ring.start(kv, _TAG_KV)
+        src = (ring.rank - step) % ring.world_size
+        if dkv_in is None:
+            dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+            dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        else:
+            dk, dv = dkv_in.wait()
+        blk = _block(ring.rank, src, seqlen, o.causal, o.zigzag)
+        if blk is not None:
+            r, c = blk.q_rows, blk.kv_rows
+            dq_b, dk_b, dv_b, _ = _ops.bwd(
+                dout[:, r], q[:, r], kv[0][:, c], kv[1][:, c], out[:, r],
+                lse[:, :, r].contiguous(), None, None, 0.0, o.softmax_scale, blk.causal, -1, -1,
+                o.softcap, None, None, rng_state)
+            dq[:, r] += dq_b
+            dk[:, c] += dk_b
+            dv[:, c] += dv_b
+        dkv_out = ring.start([dk, dv], _TAG_DKV)
+        dkv_in = dkv_out
+        if kv_transfer is not None:
+            kv = kv_transfer.wait()
+    # The last send carried each accumulator to its block's owner: what arrives is this rank's.
+    dk, dv = dkv_out.wait()
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring: _Ring, o: _Options):
+        out, lse = _ring_forward(q, k, v, ring, o)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.opts = ring, o
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        # The gradient of lse is not propagated (as in flash-attn).
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.ring, ctx.opts)
+        return dq, dk, dv, None, None
+
+
+# ---- input checks --------------------------------------------------------------------------------
+
+_CHECKED_FIELDS = ("batch", "seqlen_q", "heads", "head_dim", "seqlen_k", "heads_kv",
+                   "head_dim_v", "dtype", "causal", "zigzag")
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _check_local(q, k, v, dropout_p, window_size, alibi_slopes, zigzag, causal) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(
+                f"flashattn.distributed: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _DTYPE_CODES:
+            raise TypeError(
+                f"flashattn.distributed: `{name}` has dtype {t.dtype}; expected float32, float16 "
+                "or bfloat16")
+        if t.dim() != 4:
+            raise _error(f"`{name}` must be [batch, seqlen_local, heads, head_dim], got shape "
+                         f"{tuple(t.shape)}", "Shape")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"flashattn.distributed: q, k, v dtypes differ ({q.dtype}, {k.dtype}, "
+                        f"{v.dtype})")
+    if dropout_p != 0.0:
+        raise _error("dropout is not supported by ring attention (the blocks' dropout masks "
+                     "would not be the single-device call's); pass dropout_p=0.0", "Unsupported")
+    if tuple(window_size) != (-1, -1):
+        raise _error(f"window_size={tuple(window_size)!r} is not supported by ring attention; "
+                     "only (-1, -1)", "Unsupported")
+    if alibi_slopes is not None:
+        raise _error("alibi_slopes is not supported by ring attention", "Unsupported")
+    if (causal or zigzag) and q.shape[1] != k.shape[1]:
+        raise _error(f"causal or zigzag ring attention needs q and k/v slices of one length, got "
+                     f"seqlen_q {q.shape[1]} and seqlen_k {k.shape[1]}", "Shape")
+    if zigzag and q.shape[1] % 2:
+        raise _error(f"the zigzag layout holds two chunks of equal length per rank: seqlen_local "
+                     f"must be even, got {q.shape[1]}", "Shape")
+
+
+def _check_ranks_agree(q, k, v, causal: bool, zigzag: bool, ring: _Ring) -> None:
+    """Every rank must call with the same shapes and options (the ring's buffers take the
+    sender's shapes): one small all_gather compares them, so every rank raises the same error
+    instead of one of them hanging."""
+    if ring.world_size == 1:
+        return
+    mine = (q.shape[0], q.shape[1], q.shape[2], q.shape[3], k.shape[1], k.shape[2], v.shape[3],
+            _DTYPE_CODES[q.dtype], int(causal), int(zigzag))
+    device = q.device if q.is_cuda and dist.get_backend(ring.group) != "gloo" else "cpu"
+    local = torch.tensor(mine, dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(local) for _ in range(ring.world_size)]
+    dist.all_gather(gathered, local, group=ring.group)
+    rows = [tuple(t.tolist()) for t in gathered]
+    for r, row in enumerate(rows):
+        for field, a, b in zip(_CHECKED_FIELDS, rows[0], row):
+            if a != b:
+                raise _error(f"ranks disagree on {field}: rank 0 has {a}, rank {r} has {b} (every "
+                             "rank must hold slices of one shape and pass the same options)",
+                             "Shape")
+
+
+def _ring_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                    alibi_slopes, return_attn_probs, group, zigzag, check):
+    _check_local(q, k, v, dropout_p, window_size, alibi_slopes, zigzag, causal)
+    if not (dist.is_available() and dist.is_initialized()):
+        raise _error("torch.distributed is not initialized: call "
+                     "torch.distributed.init_process_group first", "ProcessGroup")
+    ring = _Ring.of(group)
+    if check:
+        _check_ranks_agree(q, k, v, causal, zigzag, ring)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    o = _Options(scale, bool(causal), float(softcap), zigzag)
+    # Sends need contiguous tensors; the kernels take any layout with unit head_dim stride.
+    out, lse = _RingAttention.apply(q, k.contiguous(), v.contiguous(), ring, o)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def ring_flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    group=None,
+    *,
+    check=True,
+):
+    """Attention over a sequence split contiguously across the ranks of `group` (default: the
+    world): rank r holds tokens ``[r·L, (r+1)·L)`` of q, k and v, each ``[batch, L, heads(_kv),
+    head_dim]``. Returns this rank's slice of out (q's dtype); with ``return_attn_probs``,
+    ``(out, softmax_lse, None)``, lse f32 ``[batch, heads, L]``. Every rank of the group must
+    call it with slices of the same shapes; differentiable in q, k and v.
+
+    ``check`` (default on) compares the ranks' shapes and options with one small all_gather per
+    call (on CUDA also a host sync) and raises ``FlashAttnError`` on all ranks if they differ;
+    off, a mismatch may hang. Not supported (``FlashAttnError``): dropout, ``window_size``,
+    ``alibi_slopes``. ``deterministic`` is accepted: the ring order fixes the summation order.
+    """
+    return _ring_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, return_attn_probs, group, False, check)
+
+
+def zigzag_ring_flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    group=None,
+    *,
+    check=True,
+):
+    """`ring_flash_attn_func` over the zigzag layout: rank r holds chunks r and ``2R - 1 - r`` of
+    the sequence cut into ``2R`` equal chunks (R = the group's size), as `zigzag_shard` makes
+    them; out and lse are in the same layout. With causal every rank does the same work."""
+    return _ring_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, return_attn_probs, group, True, check)
+
+
+# ---- the zigzag layout ---------------------------------------------------------------------------
+
+
+def zigzag_shard(x: Tensor, rank: int, world_size: int, dim: int = 1) -> Tensor:
+    """Rank `rank`'s slice of a full-sequence tensor in the zigzag layout: chunks `rank` and
+    ``2·world_size - 1 - rank`` of ``2·world_size`` equal chunks along `dim`, concatenated."""
+    if not 0 <= rank < world_size:
+        raise _error(f"rank {rank} is outside a group of {world_size}", "ProcessGroup")
+    n = x.shape[dim]
+    if n % (2 * world_size):
+        raise _error(f"the zigzag layout cuts the sequence into 2 x {world_size} equal chunks: "
+                     f"length {n} along dim {dim} is not a multiple of {2 * world_size}", "Shape")
+    chunks = x.chunk(2 * world_size, dim)
+    return torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]], dim)
+
+
+def zigzag_unshard(shards: Sequence[Tensor], dim: int = 1) -> Tensor:
+    """The full-sequence tensor from every rank's zigzag slice (``shards[r]`` from rank r, e.g.
+    from ``torch.distributed.all_gather``): the inverse of `zigzag_shard`."""
+    firsts, seconds = zip(*(s.chunk(2, dim) for s in shards))
+    return torch.cat(list(firsts) + list(reversed(seconds)), dim)

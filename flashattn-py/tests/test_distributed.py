@@ -1,0 +1,247 @@
+"""Ring attention (flashattn.distributed) across 2 and 3 processes with gloo on the CPU.
+
+One spawn per world size runs every case: each rank draws the full sequence from fixed seeds,
+takes its slice (contiguous or zigzag), runs the ring forward and backward, and bounds its out,
+lse and q/k/v gradients against the same slices of (a) the float64 reference on the whole
+sequence (the project's rule: 2x (gradients 3x) the naive same-precision error plus a floor) and
+(b) single-process ``flash_attn_func`` on the whole sequence (within 2x (3x) of its error against
+the reference). Ranks write what failed to a file per rank; the tests below assert on them.
+Three ranks catch ring-order mistakes two cannot (with two, next and previous are one rank).
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+import os
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import flashattn
+from flashattn import FlashAttnError, flash_attn_func
+from flashattn.distributed import (
+    ring_flash_attn_func,
+    zigzag_ring_flash_attn_func,
+    zigzag_shard,
+    zigzag_unshard,
+)
+from flashattn.reference import attention_ref
+from helpers import (
+    assert_close_to_ref,
+    assert_lse_close,
+    floor_for,
+    leaf,
+    leaf64,
+    make_qkv,
+    naive_dtype,
+    randn,
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    dtype: str
+    causal: bool
+    zigzag: bool
+    seqlen: int  # per rank (q; k/v too unless seqlen_k is given)
+    heads: int
+    heads_kv: int
+    head_dim: int
+    batch: int = 1
+    seqlen_k: Optional[int] = None
+    softmax_scale: Optional[float] = None
+    softcap: float = 0.0
+
+
+CASES = [
+    Case("f32-full-d40", "float32", False, False, 113, 3, 3, 40, batch=2),
+    Case("f32-causal-gqa-d64", "float32", True, False, 113, 4, 2, 64),
+    Case("f32-causal-zigzag-d40-scale", "float32", True, True, 114, 2, 2, 40, softmax_scale=0.2),
+    Case("bf16-causal-zigzag-mqa-d64", "bfloat16", True, True, 114, 4, 1, 64),
+    Case("bf16-full-gqa-d40", "bfloat16", False, False, 113, 4, 2, 40),
+    Case("f16-causal-softcap-d64", "float16", True, False, 113, 2, 2, 64, softcap=5.0),
+    Case("f32-full-cross-sk57", "float32", False, False, 113, 2, 1, 40, seqlen_k=57),
+]
+WORLDS = (2, 3)
+
+
+def _shard(x: torch.Tensor, rank: int, world: int, zigzag: bool) -> torch.Tensor:
+    return zigzag_shard(x, rank, world) if zigzag else x.chunk(world, dim=1)[rank]
+
+
+def _lse_shard(lse: torch.Tensor, rank: int, world: int, zigzag: bool) -> torch.Tensor:
+    # lse is [batch, heads, seqlen]: shard along dim 2.
+    return zigzag_shard(lse, rank, world, dim=2) if zigzag else lse.chunk(world, dim=2)[rank]
+
+
+def _failure(check, *args, **kwargs) -> Optional[str]:
+    try:
+        check(*args, **kwargs)
+    except AssertionError as e:
+        return str(e)
+    return None
+
+
+def _run_case(c: Case, rank: int, world: int) -> list[str]:
+    dtype = getattr(torch, c.dtype)
+    sk = c.seqlen_k or c.seqlen
+    q, k, v = make_qkv(c.batch, c.seqlen * world, sk * world, c.heads, c.heads_kv, c.head_dim,
+                       dtype, seed=zlib.crc32(c.name.encode()) % 1000)
+    dout = randn(q.shape, dtype, seed=99)
+    ref_kw = dict(causal=c.causal, scale=c.softmax_scale, softcap=c.softcap)
+
+    def shard(x):
+        return _shard(x, rank, world, c.zigzag)
+
+    # The ring, on this rank's slices.
+    ql, kl, vl = (leaf(shard(t)) for t in (q, k, v))
+    fn = zigzag_ring_flash_attn_func if c.zigzag else ring_flash_attn_func
+    out, lse, _ = fn(ql, kl, vl, softmax_scale=c.softmax_scale, causal=c.causal,
+                     softcap=c.softcap, return_attn_probs=True)
+    grads = torch.autograd.grad(out, (ql, kl, vl), shard(dout))
+
+    # The float64 reference and the naive same-precision run, on the whole sequence.
+    r_leaves = [leaf64(t) for t in (q, k, v)]
+    r_out, r_lse = attention_ref(*r_leaves, **ref_kw)
+    r_grads = torch.autograd.grad(r_out, r_leaves, dout.double())
+    nd = naive_dtype(dtype)
+    n_leaves = [leaf(t.to(nd)) for t in (q, k, v)]
+    n_out, n_lse = attention_ref(*n_leaves, dtype=nd, **ref_kw)
+    n_grads = torch.autograd.grad(n_out, n_leaves, dout.to(nd))
+
+    # Single-process flashattn on the whole sequence.
+    f_leaves = [leaf(t) for t in (q, k, v)]
+    f_out, f_lse, _ = flash_attn_func(*f_leaves, softmax_scale=c.softmax_scale, causal=c.causal,
+                                      softcap=c.softcap, return_attn_probs=True)
+    f_grads = torch.autograd.grad(f_out, f_leaves, dout)
+
+    failures = []
+    for what, naive_out, naive_lse, naive_grads in (
+        ("naive", n_out.to(dtype), n_lse, [g.to(dtype) for g in n_grads]),
+        ("flash_attn_func", f_out, f_lse, f_grads),
+    ):
+        ref = shard(r_out)
+        failures.append(_failure(assert_close_to_ref, out, ref, shard(naive_out), dtype=dtype,
+                                 name=f"out vs {what}"))
+        failures.append(_failure(
+            assert_lse_close, lse, _lse_shard(r_lse, rank, world, c.zigzag),
+            _lse_shard(naive_lse, rank, world, c.zigzag), dtype=dtype, name=f"lse vs {what}"))
+        for name, g, r, n in zip(("dq", "dk", "dv"), grads, r_grads, naive_grads):
+            r = shard(r)
+            failures.append(_failure(assert_close_to_ref, g, r, shard(n), dtype=dtype, factor=3.0,
+                                     floor=floor_for(dtype, r), name=f"{name} vs {what}"))
+    return [f for f in failures if f]
+
+
+def _expect_error(fn, needle: str) -> list[str]:
+    try:
+        fn()
+    except FlashAttnError as e:
+        return [] if needle in str(e) else [f"error without {needle!r}: {e}"]
+    return [f"no FlashAttnError (expected one naming {needle!r})"]
+
+
+def _run_errors(rank: int, world: int) -> list[str]:
+    """Inputs every rank must reject the same way, without a hang."""
+    failures = []
+    length = 64 if rank == 0 else 63
+    q, k, v = make_qkv(1, length, length, 2, 2, 40, seed=5)
+    failures += _expect_error(lambda: ring_flash_attn_func(q, k, v, causal=True), "seqlen_q")
+    q, k, v = make_qkv(1, 64, 64, 2 + (rank == world - 1), 1, 40, seed=5)
+    failures += _expect_error(lambda: ring_flash_attn_func(q, k, v), "heads")
+    q, k, v = make_qkv(1, 64, 64, 2, 2, 40, seed=5)
+    failures += _expect_error(lambda: ring_flash_attn_func(q, k, v, causal=rank == 1), "causal")
+    # The ring still works after the rejected calls.
+    out = ring_flash_attn_func(q, k, v)
+    if not torch.isfinite(out).all():
+        failures.append("a call after the rejected ones gave non-finite values")
+    return failures
+
+
+def _worker(rank: int, world: int, store: str, result_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        results = {c.name: _run_case(c, rank, world) for c in CASES}
+        results["errors"] = _run_errors(rank, world)
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+
+
+@pytest.fixture(scope="module")
+def ring_results(tmp_path_factory):
+    """{world: [per-rank {case name: failures}]}, one spawn of all cases per world size."""
+    results = {}
+    for world in WORLDS:
+        d = tmp_path_factory.mktemp(f"ring{world}")
+        mp.spawn(_worker, args=(world, str(d / "store"), str(d)), nprocs=world, join=True)
+        results[world] = [json.loads((d / f"rank{r}.json").read_text()) for r in range(world)]
+    return results
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_ring_matches_reference(ring_results, world, case):
+    failures = {r: res[case.name] for r, res in enumerate(ring_results[world]) if res[case.name]}
+    assert not failures, f"{case} with {world} ranks: {failures}"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_ranks_that_disagree_all_raise(ring_results, world):
+    failures = {r: res["errors"] for r, res in enumerate(ring_results[world]) if res["errors"]}
+    assert not failures, failures
+
+
+# ---- in this process: no process group ------------------------------------------------------
+
+
+def test_zigzag_shard_unshard_round_trip():
+    x = torch.arange(2 * 12 * 3).reshape(2, 12, 3)
+    shards = [zigzag_shard(x, r, 3) for r in range(3)]
+    # rank 0 holds chunks 0 and 5, rank 1 chunks 1 and 4 (of 2 tokens each).
+    assert shards[0][0, :, 0].tolist() == [0, 3, 30, 33]
+    assert shards[1][0, :, 0].tolist() == [6, 9, 24, 27]
+    assert torch.equal(zigzag_unshard(shards), x)
+    with pytest.raises(FlashAttnError, match="multiple of 6"):
+        zigzag_shard(torch.zeros(1, 10, 2), 0, 3)
+
+
+def test_without_process_group_raises():
+    assert not dist.is_initialized()
+    q, k, v = make_qkv(1, 16, 16, 2, 2, 40)
+    with pytest.raises(FlashAttnError, match="not initialized"):
+        ring_flash_attn_func(q, k, v)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(dropout_p=0.1), "dropout"),
+    (dict(window_size=(8, 0)), "window_size"),
+    (dict(alibi_slopes=torch.ones(2)), "alibi_slopes"),
+])
+def test_unsupported_options_raise(kwargs, needle):
+    q, k, v = make_qkv(1, 16, 16, 2, 2, 40)
+    with pytest.raises(FlashAttnError, match=needle):
+        ring_flash_attn_func(q, k, v, **kwargs)
+
+
+def test_bad_inputs_raise():
+    q, k, v = make_qkv(1, 16, 16, 2, 2, 40)
+    with pytest.raises(TypeError, match="dtype"):
+        ring_flash_attn_func(q.to(torch.int32), k, v)
+    with pytest.raises(TypeError, match="dtypes differ"):
+        ring_flash_attn_func(q, k.bfloat16(), v)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        ring_flash_attn_func(q, k, None)
+    with pytest.raises(FlashAttnError, match="seqlen_q 16 and seqlen_k 8"):
+        ring_flash_attn_func(q, k[:, :8], v[:, :8], causal=True)
+    with pytest.raises(FlashAttnError, match="even"):
+        zigzag_ring_flash_attn_func(q[:, :15], k[:, :15], v[:, :15], causal=True)
+    assert flashattn.distributed.ring_flash_attn_func is ring_flash_attn_func
