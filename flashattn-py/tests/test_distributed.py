@@ -60,6 +60,7 @@ class Case:
     softmax_scale: Optional[float] = None
     softcap: float = 0.0
     q_scale: float = 1.0  # large: huge logits, lse far from 0
+    window: tuple = (-1, -1)
 
 
 CASES = [
@@ -71,6 +72,13 @@ CASES = [
     Case("bf16-full-gqa-d40", "bfloat16", False, False, 113, 4, 2, 40),
     Case("f16-causal-softcap-d64", "float16", True, False, 113, 2, 2, 64, softcap=5.0),
     Case("f32-full-cross-sk57", "float32", False, False, 113, 2, 1, 40, seqlen_k=57),
+    # Windows narrower than a slice, wider than one, and one-sided.
+    Case("f32-causal-window50-gqa", "float32", True, False, 113, 4, 2, 40, window=(50, -1)),
+    Case("f32-window-30-45", "float32", False, False, 113, 2, 2, 64, window=(30, 45)),
+    Case("bf16-causal-zigzag-window150", "bfloat16", True, True, 114, 2, 1, 64, window=(150, 0)),
+    Case("f32-zigzag-window-7-100", "float32", False, True, 114, 2, 2, 40, batch=2,
+         window=(7, 100)),
+    Case("f32-window-right-only-60", "float32", False, False, 113, 2, 2, 40, window=(-1, 60)),
 ]
 WORLDS = (2, 3)
 
@@ -108,7 +116,8 @@ def _run_case(c: Case, rank: int, world: int) -> list[str]:
     q, k, v = make_qkv(c.batch, c.seqlen * world, sk * world, c.heads, c.heads_kv, c.head_dim,
                        dtype, seed=zlib.crc32(c.name.encode()) % 1000, q_scale=c.q_scale)
     dout = randn(q.shape, dtype, seed=99)
-    ref_kw = dict(causal=c.causal, scale=c.softmax_scale, softcap=c.softcap)
+    ref_kw = dict(causal=c.causal, scale=c.softmax_scale, softcap=c.softcap,
+                  window_size=c.window)
 
     def shard(x):
         return _shard(x, rank, world, c.zigzag)
@@ -117,7 +126,7 @@ def _run_case(c: Case, rank: int, world: int) -> list[str]:
     ql, kl, vl = (leaf(shard(t)) for t in (q, k, v))
     fn = zigzag_ring_flash_attn_func if c.zigzag else ring_flash_attn_func
     out, lse, _ = fn(ql, kl, vl, softmax_scale=c.softmax_scale, causal=c.causal,
-                     softcap=c.softcap, return_attn_probs=True)
+                     window_size=c.window, softcap=c.softcap, return_attn_probs=True)
     grads = torch.autograd.grad(out, (ql, kl, vl), shard(dout))
 
     # The float64 reference and the naive same-precision run, on the whole sequence.
@@ -132,7 +141,8 @@ def _run_case(c: Case, rank: int, world: int) -> list[str]:
     # Single-process flashattn on the whole sequence.
     f_leaves = [leaf(t) for t in (q, k, v)]
     f_out, f_lse, _ = flash_attn_func(*f_leaves, softmax_scale=c.softmax_scale, causal=c.causal,
-                                      softcap=c.softcap, return_attn_probs=True)
+                                      window_size=c.window, softcap=c.softcap,
+                                      return_attn_probs=True)
     f_grads = torch.autograd.grad(f_out, f_leaves, dout)
 
     n_out, n_grads = n_out.to(dtype), [g.to(dtype) for g in n_grads]
@@ -239,7 +249,7 @@ def test_without_process_group_raises():
 
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(dropout_p=0.1), "dropout"),
-    (dict(window_size=(8, 0)), "window_size"),
+    (dict(window_size=(8,)), "window_size"),
     (dict(alibi_slopes=torch.ones(2)), "alibi_slopes"),
 ])
 def test_unsupported_options_raise(kwargs, needle):
@@ -258,6 +268,8 @@ def test_bad_inputs_raise():
         ring_flash_attn_func(q, k, None)
     with pytest.raises(FlashAttnError, match="seqlen_q 16 and seqlen_k 8"):
         ring_flash_attn_func(q, k[:, :8], v[:, :8], causal=True)
+    with pytest.raises(FlashAttnError, match="seqlen_q 16 and seqlen_k 8"):
+        ring_flash_attn_func(q, k[:, :8], v[:, :8], window_size=(4, 4))
     with pytest.raises(FlashAttnError, match="even"):
         zigzag_ring_flash_attn_func(q[:, :15], k[:, :15], v[:, :15], causal=True)
     assert flashattn.distributed.ring_flash_attn_func is ring_flash_attn_func
@@ -290,3 +302,43 @@ def test_ring_attention_example_matches_flash_attn_func(monkeypatch):
     # f32 values of magnitude ~1-10: a few ulp apart (~1e-6 seen); a wrong merge is off by ~0.1.
     assert set(diffs) == {"out", "dq", "dk", "dv"}
     assert all(d < 1e-4 for d in diffs.values()), diffs
+
+
+def _kernel_mask(sq: int, sk: int, causal: bool, left: int, right: int) -> torch.Tensor:
+    """What a kernel call masks in: flash-attn's window, aligned to the bottom-right corner."""
+    i = torch.arange(sq).unsqueeze(1) + sk - sq
+    j = torch.arange(sk).unsqueeze(0)
+    right = 0 if causal else right
+    seen = torch.ones(sq, sk, dtype=torch.bool)
+    if left >= 0:
+        seen &= j >= i - left
+    if right >= 0:
+        seen &= j <= i + right
+    return seen
+
+
+@pytest.mark.parametrize("zigzag", [False, True], ids=["contiguous", "zigzag"])
+def test_blocks_cover_the_mask_once(zigzag):
+    """The calls each rank makes, laid out at their sequence positions, cover exactly the
+    single-device mask, each visible (query, key) pair once, for every window and ring size."""
+    from flashattn.distributed import _blocks, _Options, _segments
+
+    seqlen = 10
+    for world in (1, 2, 3, 4):
+        n = seqlen * world
+        pos = [torch.cat([torch.arange(s.position, s.position + s.length)
+                          for s in _segments(r, world, seqlen, zigzag)]) for r in range(world)]
+        for causal in (False, True):
+            for left, right in [(-1, -1), (0, 0), (3, 0), (0, 4), (7, 12), (25, -1), (-1, 9),
+                                (2 * n, 1), (11, 19)]:
+                o = _Options(1.0, causal, left, right, 0.0, zigzag)
+                want = _kernel_mask(n, n, causal, left, right)
+                got = torch.zeros(n, n, dtype=torch.int64)
+                for rank in range(world):
+                    for src in range(world):
+                        for b in _blocks(rank, src, world, seqlen, o):
+                            qp, kp = pos[rank][b.q_rows], pos[src][b.kv_rows]
+                            m = _kernel_mask(len(qp), len(kp), b.causal, b.window_left,
+                                             b.window_right)
+                            got[qp.unsqueeze(1), kp.unsqueeze(0)] += m.long()
+                assert torch.equal(got, want.long()), (world, causal, left, right)

@@ -11,7 +11,8 @@ flashattn's backward (``P = exp(S - lse)``, ``delta = rowsum(dout * out)`` over 
 block gradients simply add up); dq stays, the dk/dv accumulators travel with their k/v block and
 arrive back at its owner after the last step.
 
-Causal attention skips blocks wholly in the future and runs the diagonal block causal. Two layouts:
+Causal attention skips blocks wholly in the future and runs the diagonal block causal; a sliding
+window skips blocks wholly outside it and shifts it into each block's coordinates. Two layouts:
 
 - contiguous (``ring_flash_attn_func``): rank r holds tokens ``[r·L, (r+1)·L)``; with causal the
   last rank does ``world_size`` blocks of work and the first one;
@@ -109,34 +110,104 @@ class _Ring:
 
 @dataclass(frozen=True)
 class _Block:
-    """The rows of local q and the rows of the k/v block one ring step attends, and whether the
-    pair is the diagonal (causal inside)."""
+    """One kernel call of a ring step: rows of local q against rows of the k/v block held, with
+    the mask of that pair in the kernels' terms (causal, or a window aligned, as flash-attn's, to
+    the bottom-right corner of the pair; -1 unbounded)."""
 
     q_rows: slice
     kv_rows: slice
-    causal: bool
+    causal: bool = False
+    window_left: int = -1
+    window_right: int = -1
 
 
 _ALL = slice(None)
 
 
-def _block(rank: int, src: int, seqlen: int, causal: bool, zigzag: bool) -> Optional[_Block]:
-    """What rank `rank` computes against the k/v block of rank `src`; None: nothing (the block
-    is wholly in the future of every local query)."""
-    if not causal:
-        return _Block(_ALL, _ALL, False)
+@dataclass(frozen=True)
+class _Options:
+    softmax_scale: float
+    causal: bool
+    window_left: int
+    window_right: int
+    softcap: float
+    zigzag: bool
+
+    @property
+    def windowed(self) -> bool:
+        return self.window_left >= 0 or self.window_right >= 0
+
+
+def _blocks(rank: int, src: int, world: int, seqlen: int, o: _Options) -> list[_Block]:
+    """The calls rank `rank` makes against the k/v block of rank `src` (none: the block is wholly
+    masked for every local query)."""
+    if o.windowed:
+        return _window_blocks(rank, src, world, seqlen, o)
+    if not o.causal:
+        return [_Block(_ALL, _ALL)]
     if src == rank:
         # Zigzag too: local q and k/v both hold chunks (rank, 2R-1-rank) in sequence order, so
         # causal over their concatenation is the right mask.
-        return _Block(_ALL, _ALL, True)
-    if not zigzag:
-        return _Block(_ALL, _ALL, False) if src < rank else None
+        return [_Block(_ALL, _ALL, causal=True)]
+    if not o.zigzag:
+        return [_Block(_ALL, _ALL)] if src < rank else []
     half = seqlen // 2
     if src < rank:
         # Both local chunks come after the block's first chunk and before its second.
-        return _Block(_ALL, slice(0, half), False)
+        return [_Block(_ALL, slice(0, half))]
     # src > rank: only the local second chunk follows the block, and it follows both its chunks.
-    return _Block(slice(half, None), _ALL, False)
+    return [_Block(slice(half, None), _ALL)]
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """A run of local rows and the sequence position of its first row."""
+
+    first_row: int
+    length: int
+    position: int
+
+
+def _segments(rank: int, world: int, seqlen: int, zigzag: bool) -> list[_Segment]:
+    if not zigzag:
+        return [_Segment(0, seqlen, rank * seqlen)]
+    c = seqlen // 2
+    return [_Segment(0, c, rank * c), _Segment(c, c, (2 * world - 1 - rank) * c)]
+
+
+def _window_blocks(rank: int, src: int, world: int, seqlen: int, o: _Options) -> list[_Block]:
+    """With a window, one call per pair of (local q segment, k/v segment) that has a visible
+    entry. Query at position p sees key at position t iff ``p - left <= t <= p + right`` (causal:
+    right = 0). The kernels align a call's window to the bottom-right corner of its rows: query
+    row i with key row ``i + sk - sq``, i.e. local key - local query = ``k_end - q_end`` for the
+    pair's ends, whatever their starts. So the pair is trimmed at its ends (rows that see nothing
+    there) until both shifted bounds are >= 0, which is always possible as left + right >= 0."""
+    right = 0 if o.causal else o.window_right
+    left = o.window_left
+    blocks = []
+    for qs in _segments(rank, world, seqlen, o.zigzag):
+        for ks in _segments(src, world, seqlen, o.zigzag):
+            # Visible: lo <= key_row - query_row <= hi (rows local to the two segments).
+            delta = qs.position - ks.position
+            lo = None if left < 0 else delta - left
+            hi = None if right < 0 else delta + right
+            q0, q1, k0, k1 = 0, qs.length, 0, ks.length
+            if hi is not None:
+                k1 = min(k1, q1 + hi)  # keys after the last query's band
+                q0 = max(q0, -hi)  # queries before the first key's band
+            if lo is not None:
+                q1 = min(q1, k1 - lo)  # queries after the last kept key's band
+                k0 = max(k0, q0 + lo)  # keys before the first kept query's band
+            if q1 <= q0 or k1 <= k0:
+                continue
+            shift = k1 - q1
+            blocks.append(_Block(
+                slice(qs.first_row + q0, qs.first_row + q1),
+                slice(ks.first_row + k0, ks.first_row + k1),
+                window_left=-1 if lo is None else shift - lo,
+                window_right=-1 if hi is None else hi - shift,
+            ))
+    return blocks
 
 
 # ---- merge by lse --------------------------------------------------------------------------------
@@ -158,20 +229,6 @@ def _merge(acc_o: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> 
 # ---- forward and backward ------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Options:
-    softmax_scale: float
-    causal: bool
-    softcap: float
-    zigzag: bool
-
-
-def _block_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, o: _Options):
-    out, lse, _ = _ops.forward(q, k, v, None, None, 0.0, o.softmax_scale, causal, -1, -1,
-                               o.softcap, None, None, True)
-    return out, lse
-
-
 def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, o: _Options):
     """(out in q's dtype, lse f32 [batch, heads, seqlen_local])."""
     seqlen = q.shape[1]
@@ -181,15 +238,19 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, o: _Options):
         last = step == ring.world_size - 1
         transfer = None if last else ring.start(kv, _TAG_KV)
         src = (ring.rank - step) % ring.world_size
-        blk = _block(ring.rank, src, seqlen, o.causal, o.zigzag)
-        if blk is not None:
-            block_out, block_lse = _block_forward(
-                q[:, blk.q_rows], kv[0][:, blk.kv_rows], kv[1][:, blk.kv_rows], blk.causal, o)
-            if acc_o is None:
-                # Step 0 is the diagonal block, which always covers every local row.
+        for blk in _blocks(ring.rank, src, ring.world_size, seqlen, o):
+            block_out, block_lse, _ = _ops.forward(
+                q[:, blk.q_rows], kv[0][:, blk.kv_rows], kv[1][:, blk.kv_rows], None, None, 0.0,
+                o.softmax_scale, blk.causal, blk.window_left, blk.window_right, o.softcap, None,
+                None, True)
+            if acc_o is None and blk.q_rows == _ALL:
                 acc_o, lse = block_out.to(torch.float32), block_lse
-            else:
-                _merge(acc_o[:, blk.q_rows], lse[:, :, blk.q_rows], block_out, block_lse)
+                continue
+            if acc_o is None:
+                acc_o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+                lse = torch.full(block_lse.shape[:2] + (seqlen,), float("-inf"),
+                                 dtype=torch.float32, device=q.device)
+            _merge(acc_o[:, blk.q_rows], lse[:, :, blk.q_rows], block_out, block_lse)
         if transfer is not None:
             kv = transfer.wait()
     return acc_o.to(q.dtype), lse
@@ -201,33 +262,30 @@ def _ring_backward(dout, q, k, v, out, lse, ring: _Ring, o: _Options):
     rng_state = torch.zeros(2, dtype=torch.int64)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = [k, v]
-    dkv_in = None  # the accumulators of the block held now, arriving from the previous rank
-    dkv_out = None  # the accumulators sent on after this step
+    dkv = None  # the accumulators of the block held now, in flight from the previous rank
     for step in range(ring.world_size):
         last = step == ring.world_size - 1
         kv_transfer = None if last else ring.start(kv, _TAG_KV)
         src = (ring.rank - step) % ring.world_size
-        if dkv_in is None:
+        if dkv is None:
             dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
             dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
         else:
-            dk, dv = dkv_in.wait()
-        blk = _block(ring.rank, src, seqlen, o.causal, o.zigzag)
-        if blk is not None:
+            dk, dv = dkv.wait()
+        for blk in _blocks(ring.rank, src, ring.world_size, seqlen, o):
             r, c = blk.q_rows, blk.kv_rows
             dq_b, dk_b, dv_b, _ = _ops.bwd(
                 dout[:, r], q[:, r], kv[0][:, c], kv[1][:, c], out[:, r],
-                lse[:, :, r].contiguous(), None, None, 0.0, o.softmax_scale, blk.causal, -1, -1,
-                o.softcap, None, None, rng_state)
+                lse[:, :, r].contiguous(), None, None, 0.0, o.softmax_scale, blk.causal,
+                blk.window_left, blk.window_right, o.softcap, None, None, rng_state)
             dq[:, r] += dq_b
             dk[:, c] += dk_b
             dv[:, c] += dv_b
-        dkv_out = ring.start([dk, dv], _TAG_DKV)
-        dkv_in = dkv_out
+        dkv = ring.start([dk, dv], _TAG_DKV)
         if kv_transfer is not None:
             kv = kv_transfer.wait()
     # The last send carried each accumulator to its block's owner: what arrives is this rank's.
-    dk, dv = dkv_out.wait()
+    dk, dv = dkv.wait()
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -251,11 +309,20 @@ class _RingAttention(torch.autograd.Function):
 # ---- input checks --------------------------------------------------------------------------------
 
 _CHECKED_FIELDS = ("batch", "seqlen_q", "heads", "head_dim", "seqlen_k", "heads_kv",
-                   "head_dim_v", "dtype", "causal", "zigzag")
+                   "head_dim_v", "dtype", "causal", "window_left", "window_right", "zigzag")
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
-def _check_local(q, k, v, dropout_p, window_size, alibi_slopes, zigzag, causal) -> None:
+def _window(window_size) -> tuple[int, int]:
+    """(left, right), -1 for unbounded (any negative value, as flash-attn reads it)."""
+    try:
+        left, right = (int(w) for w in window_size)
+    except (TypeError, ValueError):
+        raise _error(f"window_size must be (left, right), got {window_size!r}", "Window") from None
+    return max(left, -1), max(right, -1)
+
+
+def _check_local(q, k, v, dropout_p, window, alibi_slopes, zigzag, causal) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(
@@ -273,27 +340,26 @@ def _check_local(q, k, v, dropout_p, window_size, alibi_slopes, zigzag, causal) 
     if dropout_p != 0.0:
         raise _error("dropout is not supported by ring attention (the blocks' dropout masks "
                      "would not be the single-device call's); pass dropout_p=0.0", "Unsupported")
-    if tuple(window_size) != (-1, -1):
-        raise _error(f"window_size={tuple(window_size)!r} is not supported by ring attention; "
-                     "only (-1, -1)", "Unsupported")
     if alibi_slopes is not None:
         raise _error("alibi_slopes is not supported by ring attention", "Unsupported")
-    if (causal or zigzag) and q.shape[1] != k.shape[1]:
-        raise _error(f"causal or zigzag ring attention needs q and k/v slices of one length, got "
+    if (causal or zigzag or window != (-1, -1)) and q.shape[1] != k.shape[1]:
+        raise _error(f"causal, windowed or zigzag ring attention needs q and k/v slices of one "
+                     f"length, got "
                      f"seqlen_q {q.shape[1]} and seqlen_k {k.shape[1]}", "Shape")
     if zigzag and q.shape[1] % 2:
         raise _error(f"the zigzag layout holds two chunks of equal length per rank: seqlen_local "
                      f"must be even, got {q.shape[1]}", "Shape")
 
 
-def _check_ranks_agree(q, k, v, causal: bool, zigzag: bool, ring: _Ring) -> None:
+def _check_ranks_agree(q, k, v, causal: bool, window: tuple[int, int], zigzag: bool,
+                       ring: _Ring) -> None:
     """Every rank must call with the same shapes and options (the ring's buffers take the
     sender's shapes): one small all_gather compares them, so every rank raises the same error
     instead of one of them hanging."""
     if ring.world_size == 1:
         return
     mine = (q.shape[0], q.shape[1], q.shape[2], q.shape[3], k.shape[1], k.shape[2], v.shape[3],
-            _DTYPE_CODES[q.dtype], int(causal), int(zigzag))
+            _DTYPE_CODES[q.dtype], int(causal), window[0], window[1], int(zigzag))
     device = q.device if q.is_cuda and dist.get_backend(ring.group) != "gloo" else "cpu"
     local = torch.tensor(mine, dtype=torch.int64, device=device)
     gathered = [torch.empty_like(local) for _ in range(ring.world_size)]
@@ -309,15 +375,16 @@ def _check_ranks_agree(q, k, v, causal: bool, zigzag: bool, ring: _Ring) -> None
 
 def _ring_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                     alibi_slopes, return_attn_probs, group, zigzag, check):
-    _check_local(q, k, v, dropout_p, window_size, alibi_slopes, zigzag, causal)
+    window = _window(window_size)
+    _check_local(q, k, v, dropout_p, window, alibi_slopes, zigzag, causal)
     if not (dist.is_available() and dist.is_initialized()):
         raise _error("torch.distributed is not initialized: call "
                      "torch.distributed.init_process_group first", "ProcessGroup")
     ring = _Ring.of(group)
     if check:
-        _check_ranks_agree(q, k, v, causal, zigzag, ring)
+        _check_ranks_agree(q, k, v, causal, window, zigzag, ring)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    o = _Options(scale, bool(causal), float(softcap), zigzag)
+    o = _Options(scale, bool(causal), window[0], window[1], float(softcap), zigzag)
     # Sends need contiguous tensors; the kernels take any layout with unit head_dim stride.
     out, lse = _RingAttention.apply(q, k.contiguous(), v.contiguous(), ring, o)
     return (out, lse, None) if return_attn_probs else out
@@ -347,7 +414,8 @@ def ring_flash_attn_func(
 
     ``check`` (default on) compares the ranks' shapes and options with one small all_gather per
     call (on CUDA also a host sync) and raises ``FlashAttnError`` on all ranks if they differ;
-    off, a mismatch may hang. Not supported (``FlashAttnError``): dropout, ``window_size``,
+    off, a mismatch may hang. ``window_size`` (with or without causal) is the single-device
+    call's sliding window over sequence positions. Not supported (``FlashAttnError``): dropout,
     ``alibi_slopes``. ``deterministic`` is accepted: the ring order fixes the summation order.
     """
     return _ring_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
