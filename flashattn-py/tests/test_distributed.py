@@ -28,7 +28,11 @@ import flashattn
 from flashattn import FlashAttnError, flash_attn_func
 from flashattn.distributed import (
     ring_flash_attn_func,
+    ring_flash_attn_kvpacked_func,
+    ring_flash_attn_qkvpacked_func,
     zigzag_ring_flash_attn_func,
+    zigzag_ring_flash_attn_kvpacked_func,
+    zigzag_ring_flash_attn_qkvpacked_func,
     zigzag_shard,
     zigzag_unshard,
 )
@@ -290,6 +294,22 @@ def test_one_rank_is_plain_attention(tmp_path):
             assert torch.equal(out, f_out) and torch.equal(lse, f_lse)
             for g, f in zip(grads, f_grads):
                 assert torch.equal(g, f)
+        # The packed forms: the same calls on views, gradients through them.
+        qkv = torch.stack(make_qkv(1, 24, 24, 2, 2, 40, seed=4), dim=2).requires_grad_()
+        for packed, plain in ((ring_flash_attn_qkvpacked_func, ring_flash_attn_func),
+                              (zigzag_ring_flash_attn_qkvpacked_func,
+                               zigzag_ring_flash_attn_func)):
+            out = packed(qkv, causal=True, window_size=(5, 0))
+            (g,) = torch.autograd.grad(out, qkv, torch.ones_like(out))
+            f_out = plain(*qkv.unbind(2), causal=True, window_size=(5, 0))
+            (f_g,) = torch.autograd.grad(f_out, qkv, torch.ones_like(out))
+            assert torch.equal(out, f_out) and torch.equal(g, f_g)
+        q, kv = qkv[:, :, 0], qkv[:, :, 1:]
+        for packed, plain in ((ring_flash_attn_kvpacked_func, ring_flash_attn_func),
+                              (zigzag_ring_flash_attn_kvpacked_func,
+                               zigzag_ring_flash_attn_func)):
+            out = packed(q, kv, causal=True)
+            assert torch.equal(out, plain(q, kv[:, :, 0], kv[:, :, 1], causal=True))
     finally:
         dist.destroy_process_group()
 

@@ -36,7 +36,11 @@ from ._flashattn import FlashAttnError
 
 __all__ = [
     "ring_flash_attn_func",
+    "ring_flash_attn_kvpacked_func",
+    "ring_flash_attn_qkvpacked_func",
     "zigzag_ring_flash_attn_func",
+    "zigzag_ring_flash_attn_kvpacked_func",
+    "zigzag_ring_flash_attn_qkvpacked_func",
     "zigzag_shard",
     "zigzag_unshard",
 ]
@@ -443,6 +447,46 @@ def zigzag_ring_flash_attn_func(
     them; out and lse are in the same layout. With causal every rank does the same work."""
     return _ring_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, return_attn_probs, group, True, check)
+
+
+def ring_flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                  deterministic=False, return_attn_probs=False, group=None, *,
+                                  check=True):
+    """`ring_flash_attn_func` with kv ``[batch, L, 2, heads_kv, head_dim]``."""
+    return _ring_attention(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal,
+                           window_size, softcap, alibi_slopes, return_attn_probs, group, False,
+                           check)
+
+
+def ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                                   window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                   deterministic=False, return_attn_probs=False, group=None, *,
+                                   check=True):
+    """`ring_flash_attn_func` with qkv ``[batch, L, 3, heads, head_dim]``."""
+    return _ring_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale,
+                           causal, window_size, softcap, alibi_slopes, return_attn_probs, group,
+                           False, check)
+
+
+def zigzag_ring_flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                                         window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                         deterministic=False, return_attn_probs=False,
+                                         group=None, *, check=True):
+    """`zigzag_ring_flash_attn_func` with kv ``[batch, L, 2, heads_kv, head_dim]``."""
+    return _ring_attention(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal,
+                           window_size, softcap, alibi_slopes, return_attn_probs, group, True,
+                           check)
+
+
+def zigzag_ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                                          window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                          deterministic=False, return_attn_probs=False,
+                                          group=None, *, check=True):
+    """`zigzag_ring_flash_attn_func` with qkv ``[batch, L, 3, heads, head_dim]``."""
+    return _ring_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale,
+                           causal, window_size, softcap, alibi_slopes, return_attn_probs, group,
+                           True, check)
 
 
 # ---- the zigzag layout ---------------------------------------------------------------------------
