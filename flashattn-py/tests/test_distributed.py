@@ -5,8 +5,8 @@ takes its slice (contiguous or zigzag), runs the ring forward and backward, and 
 lse and q/k/v gradients against the same slices of (a) the float64 reference on the whole
 sequence (the project's rule: 2x (gradients 3x) the naive same-precision error plus a floor) and
 (b) single-process ``flash_attn_func`` on the whole sequence (within 2x (3x) of its error against
-the reference, or of the naive one where that is larger). Ranks write what failed to a file per rank; the tests below assert on them.
-Three ranks catch ring-order mistakes two cannot (with two, next and previous are one rank).
+the reference, or of the naive one where that is larger). Ranks write what failed to a file per
+rank; the tests below assert on them. Three ranks catch ring-order mistakes two cannot (with two, next and previous are one rank).
 """
 
 from __future__ import annotations
