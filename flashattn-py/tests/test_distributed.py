@@ -187,6 +187,11 @@ def _run_errors(rank: int, world: int) -> list[str]:
     failures += _expect_error(lambda: ring_flash_attn_func(q, k, v), "heads")
     q, k, v = make_qkv(1, 64, 64, 2, 2, 40, seed=5)
     failures += _expect_error(lambda: ring_flash_attn_func(q, k, v, causal=rank == 1), "causal")
+    failures += _expect_error(
+        lambda: ring_flash_attn_func(q, k, v, softmax_scale=0.1 if rank else None),
+        "softmax_scale")
+    failures += _expect_error(lambda: ring_flash_attn_func(q, k, v, window_size=(rank, -1)),
+                              "window_left")
     # The ring still works after the rejected calls.
     out = ring_flash_attn_func(q, k, v)
     if not torch.isfinite(out).all():

@@ -24,6 +24,7 @@ window skips blocks wholly outside it and shifts it into each block's coordinate
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -313,7 +314,9 @@ class _RingAttention(torch.autograd.Function):
 # ---- input checks --------------------------------------------------------------------------------
 
 _CHECKED_FIELDS = ("batch", "seqlen_q", "heads", "head_dim", "seqlen_k", "heads_kv",
-                   "head_dim_v", "dtype", "causal", "window_left", "window_right", "zigzag")
+                   "head_dim_v", "dtype", "causal", "window_left", "window_right", "zigzag",
+                   "softmax_scale", "softcap")
+_FLOAT_FIELDS = frozenset(("softmax_scale", "softcap"))
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
@@ -355,15 +358,23 @@ def _check_local(q, k, v, dropout_p, window, alibi_slopes, zigzag, causal) -> No
                      f"must be even, got {q.shape[1]}", "Shape")
 
 
-def _check_ranks_agree(q, k, v, causal: bool, window: tuple[int, int], zigzag: bool,
-                       ring: _Ring) -> None:
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _bits_float(b: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", b))[0]
+
+
+def _check_ranks_agree(q, k, v, ring: _Ring, o: _Options) -> None:
     """Every rank must call with the same shapes and options (the ring's buffers take the
     sender's shapes): one small all_gather compares them, so every rank raises the same error
     instead of one of them hanging."""
     if ring.world_size == 1:
         return
     mine = (q.shape[0], q.shape[1], q.shape[2], q.shape[3], k.shape[1], k.shape[2], v.shape[3],
-            _DTYPE_CODES[q.dtype], int(causal), window[0], window[1], int(zigzag))
+            _DTYPE_CODES[q.dtype], int(o.causal), o.window_left, o.window_right, int(o.zigzag),
+            _float_bits(o.softmax_scale), _float_bits(o.softcap))
     device = q.device if q.is_cuda and dist.get_backend(ring.group) != "gloo" else "cpu"
     local = torch.tensor(mine, dtype=torch.int64, device=device)
     gathered = [torch.empty_like(local) for _ in range(ring.world_size)]
@@ -372,6 +383,8 @@ def _check_ranks_agree(q, k, v, causal: bool, window: tuple[int, int], zigzag: b
     for r, row in enumerate(rows):
         for field, a, b in zip(_CHECKED_FIELDS, rows[0], row):
             if a != b:
+                if field in _FLOAT_FIELDS:
+                    a, b = _bits_float(a), _bits_float(b)
                 raise _error(f"ranks disagree on {field}: rank 0 has {a}, rank {r} has {b} (every "
                              "rank must hold slices of one shape and pass the same options)",
                              "Shape")
@@ -385,10 +398,10 @@ def _ring_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, soft
         raise _error("torch.distributed is not initialized: call "
                      "torch.distributed.init_process_group first", "ProcessGroup")
     ring = _Ring.of(group)
-    if check:
-        _check_ranks_agree(q, k, v, causal, window, zigzag, ring)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     o = _Options(scale, bool(causal), window[0], window[1], float(softcap), zigzag)
+    if check:
+        _check_ranks_agree(q, k, v, ring, o)
     # Sends need contiguous tensors; the kernels take any layout with unit head_dim stride.
     out, lse = _RingAttention.apply(q, k.contiguous(), v.contiguous(), ring, o)
     return (out, lse, None) if return_attn_probs else out
