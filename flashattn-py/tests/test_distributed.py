@@ -25,11 +25,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import flashattn
-from flashattn import FlashAttnError, flash_attn_func
+from flashattn import FlashAttnError, flash_attn_func, flash_attn_varlen_func
 from flashattn.distributed import (
     ring_flash_attn_func,
     ring_flash_attn_kvpacked_func,
     ring_flash_attn_qkvpacked_func,
+    ring_flash_attn_varlen_func,
     zigzag_ring_flash_attn_func,
     zigzag_ring_flash_attn_kvpacked_func,
     zigzag_ring_flash_attn_qkvpacked_func,
@@ -40,6 +41,7 @@ from flashattn.reference import attention_ref
 from helpers import (
     assert_close_to_ref,
     assert_lse_close,
+    cu_seqlens,
     floor_for,
     leaf,
     leaf64,
@@ -169,6 +171,77 @@ def _run_case(c: Case, rank: int, world: int) -> list[str]:
     return [f for f in failures if f]
 
 
+@dataclass(frozen=True)
+class VarlenCase:
+    name: str
+    dtype: str
+    causal: bool
+    lengths: tuple  # each sequence's part per rank
+    heads: int
+    heads_kv: int
+    head_dim: int
+
+
+VARLEN_CASES = [
+    VarlenCase("varlen-f32-causal-gqa-d40", "float32", True, (37, 113, 1, 50), 4, 2, 40),
+    VarlenCase("varlen-bf16-full-d64", "bfloat16", False, (20, 1, 113), 2, 2, 64),
+]
+
+
+def _run_varlen_case(c: VarlenCase, rank: int, world: int) -> list[str]:
+    """Sequence b of world * lengths[b] tokens, rank r holding its r-th part: against the f64
+    reference and flash_attn_varlen_func over the whole packed batch."""
+    dtype = getattr(torch, c.dtype)
+    full_lengths = [n * world for n in c.lengths]
+    total = sum(full_lengths)
+    q, k, v = make_qkv(1, total, total, c.heads, c.heads_kv, c.head_dim, dtype,
+                       seed=zlib.crc32(c.name.encode()) % 1000)
+    q, k, v = q[0], k[0], v[0]
+    dout = randn(q.shape, dtype, seed=98)
+    cu_full = cu_seqlens(full_lengths)
+    # This rank's rows of the packed batch, and its local cu_seqlens.
+    starts = cu_full[:-1].tolist()
+    rows = torch.cat([torch.arange(s + rank * n, s + (rank + 1) * n)
+                      for s, n in zip(starts, c.lengths)])
+    cu_local = cu_seqlens(c.lengths)
+    ref_kw = dict(causal=c.causal, cu_seqlens_q=cu_full, cu_seqlens_k=cu_full)
+
+    ql, kl, vl = (leaf(t[rows]) for t in (q, k, v))
+    out, lse, _ = ring_flash_attn_varlen_func(ql, kl, vl, cu_local, max(c.lengths),
+                                              causal=c.causal, return_attn_probs=True)
+    grads = torch.autograd.grad(out, (ql, kl, vl), dout[rows])
+
+    r_leaves = [leaf64(t) for t in (q, k, v)]
+    r_out, r_lse = attention_ref(*r_leaves, **ref_kw)
+    r_grads = torch.autograd.grad(r_out, r_leaves, dout.double())
+    nd = naive_dtype(dtype)
+    n_leaves = [leaf(t.to(nd)) for t in (q, k, v)]
+    n_out, n_lse = attention_ref(*n_leaves, dtype=nd, **ref_kw)
+    n_grads = [g.to(dtype) for g in torch.autograd.grad(n_out, n_leaves, dout.to(nd))]
+    n_out = n_out.to(dtype)
+    f_leaves = [leaf(t) for t in (q, k, v)]
+    f_out, f_lse, _ = flash_attn_varlen_func(*f_leaves, cu_full, cu_full, max(full_lengths),
+                                             max(full_lengths), causal=c.causal,
+                                             return_attn_probs=True)
+    f_grads = torch.autograd.grad(f_out, f_leaves, dout)
+
+    failures = []
+    for what, naive_out, naive_lse, naive_grads in (
+        ("naive", n_out, n_lse, n_grads),
+        ("flash_attn_varlen_func", _worse(f_out, n_out, r_out), _worse(f_lse, n_lse, r_lse),
+         [_worse(f, n, r) for f, n, r in zip(f_grads, n_grads, r_grads)]),
+    ):
+        failures.append(_failure(assert_close_to_ref, out, r_out[rows], naive_out[rows],
+                                 dtype=dtype, name=f"out vs {what}"))
+        failures.append(_failure(assert_lse_close, lse, r_lse[:, rows], naive_lse[:, rows],
+                                 dtype=dtype, name=f"lse vs {what}"))
+        for name, g, r, n in zip(("dq", "dk", "dv"), grads, r_grads, naive_grads):
+            failures.append(_failure(assert_close_to_ref, g, r[rows], n[rows], dtype=dtype,
+                                     factor=3.0, floor=floor_for(dtype, r[rows]),
+                                     name=f"{name} vs {what}"))
+    return [f for f in failures if f]
+
+
 def _expect_error(fn, needle: str) -> list[str]:
     try:
         fn()
@@ -204,6 +277,7 @@ def _worker(rank: int, world: int, store: str, result_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         results = {c.name: _run_case(c, rank, world) for c in CASES}
+        results.update({c.name: _run_varlen_case(c, rank, world) for c in VARLEN_CASES})
         results["errors"] = _run_errors(rank, world)
     finally:
         dist.destroy_process_group()
@@ -225,6 +299,13 @@ def ring_results(tmp_path_factory):
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_ring_matches_reference(ring_results, world, case):
+    failures = {r: res[case.name] for r, res in enumerate(ring_results[world]) if res[case.name]}
+    assert not failures, f"{case} with {world} ranks: {failures}"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=lambda c: c.name)
+def test_ring_varlen_matches_reference(ring_results, world, case):
     failures = {r: res[case.name] for r, res in enumerate(ring_results[world]) if res[case.name]}
     assert not failures, f"{case} with {world} ranks: {failures}"
 
@@ -279,6 +360,13 @@ def test_bad_inputs_raise():
         ring_flash_attn_func(q, k[:, :8], v[:, :8], causal=True)
     with pytest.raises(FlashAttnError, match="seqlen_q 16 and seqlen_k 8"):
         ring_flash_attn_func(q, k[:, :8], v[:, :8], window_size=(4, 4))
+    cu = cu_seqlens([6, 10])
+    with pytest.raises(FlashAttnError, match=r"\[total_local, heads, head_dim\]"):
+        ring_flash_attn_varlen_func(q, k, v, cu, 10)
+    with pytest.raises(TypeError, match="cu_seqlens"):
+        ring_flash_attn_varlen_func(q[0], k[0], v[0], [0, 6, 16], 10)
+    with pytest.raises(FlashAttnError, match="packed sequences"):
+        ring_flash_attn_varlen_func(q[0], k[0], v[0], cu, 10, window_size=(3, 0))
     with pytest.raises(FlashAttnError, match="even"):
         zigzag_ring_flash_attn_func(q[:, :15], k[:, :15], v[:, :15], causal=True)
     assert flashattn.distributed.ring_flash_attn_func is ring_flash_attn_func

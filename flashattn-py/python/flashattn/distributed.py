@@ -39,6 +39,7 @@ __all__ = [
     "ring_flash_attn_func",
     "ring_flash_attn_kvpacked_func",
     "ring_flash_attn_qkvpacked_func",
+    "ring_flash_attn_varlen_func",
     "zigzag_ring_flash_attn_func",
     "zigzag_ring_flash_attn_kvpacked_func",
     "zigzag_ring_flash_attn_qkvpacked_func",
@@ -219,14 +220,17 @@ def _window_blocks(rank: int, src: int, world: int, seqlen: int, o: _Options) ->
 
 
 def _merge(acc_o: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
-    """acc_o (f32 [batch, rows, heads, d]) and lse (f32 [batch, heads, rows]) become the
+    """acc_o (f32 [batch, rows, heads, d] or packed [rows, heads, d]) and lse (f32 [batch, heads,
+    rows] or [heads, rows]) become the
     attention over their keys and the block's, in place: the online softmax's merge. A row that
     has seen no key on either side (lse -inf) keeps out 0 and lse -inf, never NaN."""
     new_lse = torch.logaddexp(lse, block_lse)
     # -inf - -inf would be NaN: subtract 0 where both sides are empty (both factors are then 0).
     safe = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
-    old_w = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
-    new_w = torch.exp(block_lse - safe).transpose(1, 2).unsqueeze(-1)
+    # lse [batch, heads, rows] (packed: [heads, rows]) -> [batch, rows, heads, 1] (packed:
+    # [rows, heads, 1]), out's layout.
+    old_w = torch.exp(lse - safe).transpose(-1, -2).unsqueeze(-1)
+    new_w = torch.exp(block_lse - safe).transpose(-1, -2).unsqueeze(-1)
     acc_o.mul_(old_w).add_(block_out.to(torch.float32) * new_w)
     lse.copy_(new_lse)
 
@@ -234,8 +238,10 @@ def _merge(acc_o: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> 
 # ---- forward and backward ------------------------------------------------------------------------
 
 
-def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, o: _Options):
-    """(out in q's dtype, lse f32 [batch, heads, seqlen_local])."""
+def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cu: Optional[Tensor], ring: _Ring,
+                  o: _Options):
+    """(out in q's dtype, lse f32 [batch, heads, seqlen_local]); packed sequences (`cu`, the
+    local cu_seqlens): out [total, heads, d], lse [heads, total], every block whole."""
     seqlen = q.shape[1]
     acc_o = lse = None
     kv = [k, v]
@@ -245,7 +251,7 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, o: _Options):
         src = (ring.rank - step) % ring.world_size
         for blk in _blocks(ring.rank, src, ring.world_size, seqlen, o):
             block_out, block_lse, _ = _ops.forward(
-                q[:, blk.q_rows], kv[0][:, blk.kv_rows], kv[1][:, blk.kv_rows], None, None, 0.0,
+                q[:, blk.q_rows], kv[0][:, blk.kv_rows], kv[1][:, blk.kv_rows], cu, cu, 0.0,
                 o.softmax_scale, blk.causal, blk.window_left, blk.window_right, o.softcap, None,
                 None, True)
             if acc_o is None and blk.q_rows == _ALL:
@@ -253,15 +259,15 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring, o: _Options):
                 continue
             if acc_o is None:
                 acc_o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-                lse = torch.full(block_lse.shape[:2] + (seqlen,), float("-inf"),
+                lse = torch.full(block_lse.shape[:-1] + (seqlen,), float("-inf"),
                                  dtype=torch.float32, device=q.device)
-            _merge(acc_o[:, blk.q_rows], lse[:, :, blk.q_rows], block_out, block_lse)
+            _merge(acc_o[:, blk.q_rows], lse[..., blk.q_rows], block_out, block_lse)
         if transfer is not None:
             kv = transfer.wait()
     return acc_o.to(q.dtype), lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, ring: _Ring, o: _Options):
+def _ring_backward(dout, q, k, v, out, lse, cu: Optional[Tensor], ring: _Ring, o: _Options):
     """(dq, dk, dv) of this rank's slices, in their inputs' dtypes."""
     seqlen = q.shape[1]
     rng_state = torch.zeros(2, dtype=torch.int64)
@@ -281,7 +287,7 @@ def _ring_backward(dout, q, k, v, out, lse, ring: _Ring, o: _Options):
             r, c = blk.q_rows, blk.kv_rows
             dq_b, dk_b, dv_b, _ = _ops.bwd(
                 dout[:, r], q[:, r], kv[0][:, c], kv[1][:, c], out[:, r],
-                lse[:, :, r].contiguous(), None, None, 0.0, o.softmax_scale, blk.causal,
+                lse[..., r].contiguous(), cu, cu, 0.0, o.softmax_scale, blk.causal,
                 blk.window_left, blk.window_right, o.softcap, None, None, rng_state)
             dq[:, r] += dq_b
             dk[:, c] += dk_b
@@ -296,9 +302,9 @@ def _ring_backward(dout, q, k, v, out, lse, ring: _Ring, o: _Options):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: _Ring, o: _Options):
-        out, lse = _ring_forward(q, k, v, ring, o)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, cu_seqlens, ring: _Ring, o: _Options):
+        out, lse = _ring_forward(q, k, v, cu_seqlens, ring, o)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
         ctx.ring, ctx.opts = ring, o
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -306,16 +312,16 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         # The gradient of lse is not propagated (as in flash-attn).
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.ring, ctx.opts)
-        return dq, dk, dv, None, None
+        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, cu_seqlens, ctx.ring, ctx.opts)
+        return dq, dk, dv, None, None, None
 
 
 # ---- input checks --------------------------------------------------------------------------------
 
 _CHECKED_FIELDS = ("batch", "seqlen_q", "heads", "head_dim", "seqlen_k", "heads_kv",
                    "head_dim_v", "dtype", "causal", "window_left", "window_right", "zigzag",
-                   "softmax_scale", "softcap")
+                   "softmax_scale", "softcap", "cu_seqlens")
 _FLOAT_FIELDS = frozenset(("softmax_scale", "softcap"))
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -329,7 +335,9 @@ def _window(window_size) -> tuple[int, int]:
     return max(left, -1), max(right, -1)
 
 
-def _check_local(q, k, v, dropout_p, window, alibi_slopes, zigzag, causal) -> None:
+def _check_local(q, k, v, cu, dropout_p, window, alibi_slopes, zigzag, causal) -> None:
+    packed = cu is not None
+    layout = "[total_local, heads, head_dim]" if packed else "[batch, seqlen_local, heads, head_dim]"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(
@@ -338,9 +346,8 @@ def _check_local(q, k, v, dropout_p, window, alibi_slopes, zigzag, causal) -> No
             raise TypeError(
                 f"flashattn.distributed: `{name}` has dtype {t.dtype}; expected float32, float16 "
                 "or bfloat16")
-        if t.dim() != 4:
-            raise _error(f"`{name}` must be [batch, seqlen_local, heads, head_dim], got shape "
-                         f"{tuple(t.shape)}", "Shape")
+        if t.dim() != (3 if packed else 4):
+            raise _error(f"`{name}` must be {layout}, got shape {tuple(t.shape)}", "Shape")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"flashattn.distributed: q, k, v dtypes differ ({q.dtype}, {k.dtype}, "
                         f"{v.dtype})")
@@ -349,13 +356,19 @@ def _check_local(q, k, v, dropout_p, window, alibi_slopes, zigzag, causal) -> No
                      "would not be the single-device call's); pass dropout_p=0.0", "Unsupported")
     if alibi_slopes is not None:
         raise _error("alibi_slopes is not supported by ring attention", "Unsupported")
-    if (causal or zigzag or window != (-1, -1)) and q.shape[1] != k.shape[1]:
+    if packed:
+        if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.dtype.is_floating_point:
+            raise TypeError("flashattn.distributed: cu_seqlens must be a 1-D integer tensor")
+        if window != (-1, -1):
+            raise _error("window_size is not supported with packed sequences (each sequence's "
+                         "parts sit at their own offsets)", "Unsupported")
+    seq = 0 if packed else 1
+    if (causal or zigzag or window != (-1, -1)) and q.shape[seq] != k.shape[seq]:
         raise _error(f"causal, windowed or zigzag ring attention needs q and k/v slices of one "
-                     f"length, got "
-                     f"seqlen_q {q.shape[1]} and seqlen_k {k.shape[1]}", "Shape")
-    if zigzag and q.shape[1] % 2:
+                     f"length, got seqlen_q {q.shape[seq]} and seqlen_k {k.shape[seq]}", "Shape")
+    if zigzag and q.shape[seq] % 2:
         raise _error(f"the zigzag layout holds two chunks of equal length per rank: seqlen_local "
-                     f"must be even, got {q.shape[1]}", "Shape")
+                     f"must be even, got {q.shape[seq]}", "Shape")
 
 
 def _float_bits(x: float) -> int:
@@ -366,15 +379,24 @@ def _bits_float(b: int) -> float:
     return struct.unpack("<d", struct.pack("<q", b))[0]
 
 
-def _check_ranks_agree(q, k, v, ring: _Ring, o: _Options) -> None:
+def _check_ranks_agree(q, k, v, cu, ring: _Ring, o: _Options) -> None:
     """Every rank must call with the same shapes and options (the ring's buffers take the
     sender's shapes): one small all_gather compares them, so every rank raises the same error
     instead of one of them hanging."""
     if ring.world_size == 1:
         return
-    mine = (q.shape[0], q.shape[1], q.shape[2], q.shape[3], k.shape[1], k.shape[2], v.shape[3],
-            _DTYPE_CODES[q.dtype], int(o.causal), o.window_left, o.window_right, int(o.zigzag),
-            _float_bits(o.softmax_scale), _float_bits(o.softcap))
+    if cu is None:
+        dims = (q.shape[0], q.shape[1], q.shape[2], q.shape[3], k.shape[1], k.shape[2],
+                v.shape[3])
+        cu_sum = 0
+    else:
+        dims = (cu.numel() - 1, q.shape[0], q.shape[1], q.shape[2], k.shape[0], k.shape[1],
+                v.shape[2])
+        # A position-weighted sum: equal on every rank when their cu_seqlens are.
+        weights = torch.arange(1, cu.numel() + 1, dtype=torch.int64, device=cu.device)
+        cu_sum = int((cu.to(torch.int64) * weights).sum())
+    mine = dims + (_DTYPE_CODES[q.dtype], int(o.causal), o.window_left, o.window_right,
+                   int(o.zigzag), _float_bits(o.softmax_scale), _float_bits(o.softcap), cu_sum)
     device = q.device if q.is_cuda and dist.get_backend(ring.group) != "gloo" else "cpu"
     local = torch.tensor(mine, dtype=torch.int64, device=device)
     gathered = [torch.empty_like(local) for _ in range(ring.world_size)]
@@ -391,9 +413,9 @@ def _check_ranks_agree(q, k, v, ring: _Ring, o: _Options) -> None:
 
 
 def _ring_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                    alibi_slopes, return_attn_probs, group, zigzag, check):
+                    alibi_slopes, return_attn_probs, group, zigzag, check, cu_seqlens=None):
     window = _window(window_size)
-    _check_local(q, k, v, dropout_p, window, alibi_slopes, zigzag, causal)
+    _check_local(q, k, v, cu_seqlens, dropout_p, window, alibi_slopes, zigzag, causal)
     if not (dist.is_available() and dist.is_initialized()):
         raise _error("torch.distributed is not initialized: call "
                      "torch.distributed.init_process_group first", "ProcessGroup")
@@ -401,9 +423,9 @@ def _ring_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, soft
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     o = _Options(scale, bool(causal), window[0], window[1], float(softcap), zigzag)
     if check:
-        _check_ranks_agree(q, k, v, ring, o)
+        _check_ranks_agree(q, k, v, cu_seqlens, ring, o)
     # Sends need contiguous tensors; the kernels take any layout with unit head_dim stride.
-    out, lse = _RingAttention.apply(q, k.contiguous(), v.contiguous(), ring, o)
+    out, lse = _RingAttention.apply(q, k.contiguous(), v.contiguous(), cu_seqlens, ring, o)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -500,6 +522,34 @@ def zigzag_ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None
     return _ring_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale,
                            causal, window_size, softcap, alibi_slopes, return_attn_probs, group,
                            True, check)
+
+
+def ring_flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    group=None,
+    *,
+    check=True,
+):
+    """Packed sequences split contiguously across the ranks: sequence b is cut into
+    ``world_size`` equal parts and rank r holds part r of every sequence, packed as q, k, v
+    ``[total_local, heads(_kv), head_dim]`` with ``cu_seqlens`` (int32 ``[batch + 1]``, the
+    parts' boundaries, the same on every rank). lse is ``[heads, total_local]``. Otherwise as
+    `ring_flash_attn_func`; no ``window_size`` (each sequence's parts sit at their own
+    offsets); ``max_seqlen`` is accepted and unused."""
+    return _ring_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, return_attn_probs, group, False, check, cu_seqlens)
 
 
 # ---- the zigzag layout ---------------------------------------------------------------------------
