@@ -278,11 +278,9 @@ def _ring_backward(dout, q, k, v, out, lse, cu: Optional[Tensor], ring: _Ring, o
         last = step == ring.world_size - 1
         kv_transfer = None if last else ring.start(kv, _TAG_KV)
         src = (ring.rank - step) % ring.world_size
-        if dkv is None:
-            dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-            dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        else:
-            dk, dv = dkv.wait()
+        # The block's gradients first, then the accumulators they add to: their transfer from
+        # the previous rank overlaps this compute, as the k/v transfer does.
+        block_grads = []
         for blk in _blocks(ring.rank, src, ring.world_size, seqlen, o):
             r, c = blk.q_rows, blk.kv_rows
             dq_b, dk_b, dv_b, _ = _ops.bwd(
@@ -290,6 +288,13 @@ def _ring_backward(dout, q, k, v, out, lse, cu: Optional[Tensor], ring: _Ring, o
                 lse[..., r].contiguous(), cu, cu, 0.0, o.softmax_scale, blk.causal,
                 blk.window_left, blk.window_right, o.softcap, None, None, rng_state)
             dq[:, r] += dq_b
+            block_grads.append((c, dk_b, dv_b))
+        if dkv is None:
+            dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+            dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        else:
+            dk, dv = dkv.wait()
+        for c, dk_b, dv_b in block_grads:
             dk[:, c] += dk_b
             dv[:, c] += dv_b
         dkv = ring.start([dk, dv], _TAG_DKV)
