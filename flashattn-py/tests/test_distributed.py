@@ -34,6 +34,7 @@ from flashattn.distributed import (
     zigzag_ring_flash_attn_func,
     zigzag_ring_flash_attn_kvpacked_func,
     zigzag_ring_flash_attn_qkvpacked_func,
+    zigzag_ring_flash_attn_varlen_func,
     zigzag_shard,
     zigzag_unshard,
 )
@@ -180,11 +181,16 @@ class VarlenCase:
     heads: int
     heads_kv: int
     head_dim: int
+    zigzag: bool = False
 
 
 VARLEN_CASES = [
     VarlenCase("varlen-f32-causal-gqa-d40", "float32", True, (37, 113, 1, 50), 4, 2, 40),
     VarlenCase("varlen-bf16-full-d64", "bfloat16", False, (20, 1, 113), 2, 2, 64),
+    VarlenCase("varlen-f32-causal-zigzag-d64", "float32", True, (38, 2, 114, 50), 2, 1, 64,
+               zigzag=True),
+    VarlenCase("varlen-bf16-causal-zigzag-gqa-d40", "bfloat16", True, (2, 76), 4, 2, 40,
+               zigzag=True),
 ]
 
 
@@ -200,15 +206,19 @@ def _run_varlen_case(c: VarlenCase, rank: int, world: int) -> list[str]:
     dout = randn(q.shape, dtype, seed=98)
     cu_full = cu_seqlens(full_lengths)
     # This rank's rows of the packed batch, and its local cu_seqlens.
-    starts = cu_full[:-1].tolist()
-    rows = torch.cat([torch.arange(s + rank * n, s + (rank + 1) * n)
-                      for s, n in zip(starts, c.lengths)])
+    if c.zigzag:
+        rows = zigzag_shard(torch.arange(total), rank, world, dim=0, cu_seqlens=cu_full)
+    else:
+        starts = cu_full[:-1].tolist()
+        rows = torch.cat([torch.arange(s + rank * n, s + (rank + 1) * n)
+                          for s, n in zip(starts, c.lengths)])
     cu_local = cu_seqlens(c.lengths)
     ref_kw = dict(causal=c.causal, cu_seqlens_q=cu_full, cu_seqlens_k=cu_full)
 
     ql, kl, vl = (leaf(t[rows]) for t in (q, k, v))
-    out, lse, _ = ring_flash_attn_varlen_func(ql, kl, vl, cu_local, max(c.lengths),
-                                              causal=c.causal, return_attn_probs=True)
+    fn = zigzag_ring_flash_attn_varlen_func if c.zigzag else ring_flash_attn_varlen_func
+    out, lse, _ = fn(ql, kl, vl, cu_local, max(c.lengths), causal=c.causal,
+                     return_attn_probs=True)
     grads = torch.autograd.grad(out, (ql, kl, vl), dout[rows])
 
     r_leaves = [leaf64(t) for t in (q, k, v)]
@@ -326,6 +336,12 @@ def test_zigzag_shard_unshard_round_trip():
     assert shards[0][0, :, 0].tolist() == [0, 3, 30, 33]
     assert shards[1][0, :, 0].tolist() == [6, 9, 24, 27]
     assert torch.equal(zigzag_unshard(shards), x)
+    # Packed: each sequence (of 12, 0 and 6 tokens) sharded on its own.
+    cu = cu_seqlens([12, 0, 6])
+    x = torch.arange(18)
+    shards = [zigzag_shard(x, r, 3, dim=0, cu_seqlens=cu) for r in range(3)]
+    assert shards[0].tolist() == [0, 1, 10, 11, 12, 17]
+    assert torch.equal(zigzag_unshard(shards, dim=0, cu_seqlens=cu), x)
     with pytest.raises(FlashAttnError, match="multiple of 6"):
         zigzag_shard(torch.zeros(1, 10, 2), 0, 3)
 
@@ -367,6 +383,9 @@ def test_bad_inputs_raise():
         ring_flash_attn_varlen_func(q[0], k[0], v[0], [0, 6, 16], 10)
     with pytest.raises(FlashAttnError, match="packed sequences"):
         ring_flash_attn_varlen_func(q[0], k[0], v[0], cu, 10, window_size=(3, 0))
+    with pytest.raises(FlashAttnError, match="local parts must be even, got 3"):
+        zigzag_ring_flash_attn_varlen_func(q[0, :10], k[0, :10], v[0, :10], cu_seqlens([3, 7]),
+                                           7, causal=True)
     with pytest.raises(FlashAttnError, match="even"):
         zigzag_ring_flash_attn_func(q[:, :15], k[:, :15], v[:, :15], causal=True)
     assert flashattn.distributed.ring_flash_attn_func is ring_flash_attn_func

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,7 @@ __all__ = [
     "zigzag_ring_flash_attn_func",
     "zigzag_ring_flash_attn_kvpacked_func",
     "zigzag_ring_flash_attn_qkvpacked_func",
+    "zigzag_ring_flash_attn_varlen_func",
     "zigzag_shard",
     "zigzag_unshard",
 ]
@@ -120,14 +121,54 @@ class _Block:
     the mask of that pair in the kernels' terms (causal, or a window aligned, as flash-attn's, to
     the bottom-right corner of the pair; -1 unbounded)."""
 
-    q_rows: slice
-    kv_rows: slice
+    q_rows: Union[slice, Tensor]  # packed zigzag halves: an index of rows
+    kv_rows: Union[slice, Tensor]
     causal: bool = False
     window_left: int = -1
     window_right: int = -1
+    cu_seqlens_q: Optional[Tensor] = None  # packed sequences: the call's boundaries
+    cu_seqlens_k: Optional[Tensor] = None
 
 
 _ALL = slice(None)
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """Packed sequences on this rank: the local cu_seqlens; in the zigzag layout also the rows
+    of each sequence's first and second chunks and the chunks' cu_seqlens."""
+
+    cu_seqlens: Tensor
+    first: Optional[Tensor] = None
+    second: Optional[Tensor] = None
+    cu_half: Optional[Tensor] = None
+
+    @staticmethod
+    def of(cu: Tensor, zigzag: bool) -> "_Packed":
+        if not zigzag:
+            return _Packed(cu)
+        bounds = cu.tolist()
+        starts = bounds[:-1]
+        halves = [(b - a) // 2 for a, b in zip(starts, bounds[1:])]
+        empty = [torch.empty(0, dtype=torch.int64)]
+        first = torch.cat([torch.arange(a, a + h) for a, h in zip(starts, halves)] + empty)
+        second = torch.cat([torch.arange(a + h, a + 2 * h) for a, h in zip(starts, halves)]
+                           + empty)
+        cu_half = torch.tensor([0] + halves, dtype=torch.int64).cumsum(0).to(cu.dtype)
+        return _Packed(cu, first.to(cu.device), second.to(cu.device), cu_half.to(cu.device))
+
+
+def _rows(t: Tensor, rows: Union[slice, Tensor], packed: bool) -> Tensor:
+    """Rows of q/k/v/out/dq-shaped `t` along the sequence: a view for a slice, a copy for an
+    index."""
+    return t[rows] if packed else t[:, rows]
+
+
+def _add_rows(acc: Tensor, rows: Union[slice, Tensor], value: Tensor, packed: bool) -> None:
+    if isinstance(rows, Tensor):
+        acc.index_add_(0 if packed else 1, rows, value.to(acc.dtype))
+    else:
+        _rows(acc, rows, packed).add_(value)
 
 
 @dataclass(frozen=True)
@@ -144,9 +185,12 @@ class _Options:
         return self.window_left >= 0 or self.window_right >= 0
 
 
-def _blocks(rank: int, src: int, world: int, seqlen: int, o: _Options) -> list[_Block]:
+def _blocks(rank: int, src: int, world: int, seqlen: int, o: _Options,
+            packed: Optional[_Packed] = None) -> list[_Block]:
     """The calls rank `rank` makes against the k/v block of rank `src` (none: the block is wholly
     masked for every local query)."""
+    if packed is not None:
+        return _packed_blocks(rank, src, o, packed)
     if o.windowed:
         return _window_blocks(rank, src, world, seqlen, o)
     if not o.causal:
@@ -163,6 +207,19 @@ def _blocks(rank: int, src: int, world: int, seqlen: int, o: _Options) -> list[_
         return [_Block(_ALL, slice(0, half))]
     # src > rank: only the local second chunk follows the block, and it follows both its chunks.
     return [_Block(slice(half, None), _ALL)]
+
+
+def _packed_blocks(rank: int, src: int, o: _Options, p: _Packed) -> list[_Block]:
+    """`_blocks` for packed sequences: the same plan for every sequence at once (each has the
+    same rank-relative structure), the zigzag halves picked by index."""
+    cu = p.cu_seqlens
+    if not o.causal or src == rank:
+        return [_Block(_ALL, _ALL, causal=o.causal, cu_seqlens_q=cu, cu_seqlens_k=cu)]
+    if not o.zigzag:
+        return [_Block(_ALL, _ALL, cu_seqlens_q=cu, cu_seqlens_k=cu)] if src < rank else []
+    if src < rank:
+        return [_Block(_ALL, p.first, cu_seqlens_q=cu, cu_seqlens_k=p.cu_half)]
+    return [_Block(p.second, _ALL, cu_seqlens_q=p.cu_half, cu_seqlens_k=cu)]
 
 
 @dataclass(frozen=True)
@@ -241,27 +298,39 @@ def _merge(acc_o: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> 
 def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cu: Optional[Tensor], ring: _Ring,
                   o: _Options):
     """(out in q's dtype, lse f32 [batch, heads, seqlen_local]); packed sequences (`cu`, the
-    local cu_seqlens): out [total, heads, d], lse [heads, total], every block whole."""
-    seqlen = q.shape[1]
+    local cu_seqlens): out [total, heads, d], lse [heads, total]."""
+    packed = None if cu is None else _Packed.of(cu, o.zigzag)
+    is_packed = packed is not None
+    seqlen = q.shape[0] if is_packed else q.shape[1]
     acc_o = lse = None
     kv = [k, v]
     for step in range(ring.world_size):
         last = step == ring.world_size - 1
         transfer = None if last else ring.start(kv, _TAG_KV)
         src = (ring.rank - step) % ring.world_size
-        for blk in _blocks(ring.rank, src, ring.world_size, seqlen, o):
+        for blk in _blocks(ring.rank, src, ring.world_size, seqlen, o, packed):
+            r, c = blk.q_rows, blk.kv_rows
             block_out, block_lse, _ = _ops.forward(
-                q[:, blk.q_rows], kv[0][:, blk.kv_rows], kv[1][:, blk.kv_rows], cu, cu, 0.0,
-                o.softmax_scale, blk.causal, blk.window_left, blk.window_right, o.softcap, None,
-                None, True)
-            if acc_o is None and blk.q_rows == _ALL:
+                _rows(q, r, is_packed), _rows(kv[0], c, is_packed), _rows(kv[1], c, is_packed),
+                blk.cu_seqlens_q, blk.cu_seqlens_k, 0.0, o.softmax_scale, blk.causal,
+                blk.window_left, blk.window_right, o.softcap, None, None, True)
+            if acc_o is None and r is _ALL:
                 acc_o, lse = block_out.to(torch.float32), block_lse
                 continue
             if acc_o is None:
                 acc_o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
                 lse = torch.full(block_lse.shape[:-1] + (seqlen,), float("-inf"),
                                  dtype=torch.float32, device=q.device)
-            _merge(acc_o[:, blk.q_rows], lse[..., blk.q_rows], block_out, block_lse)
+            if isinstance(r, slice):
+                _merge(_rows(acc_o, r, is_packed), lse[..., r], block_out, block_lse)
+            else:  # an index: merge copies of the rows, then put them back
+                rows_o, rows_lse = _rows(acc_o, r, is_packed), lse[..., r]
+                _merge(rows_o, rows_lse, block_out, block_lse)
+                if is_packed:
+                    acc_o[r] = rows_o
+                else:
+                    acc_o[:, r] = rows_o
+                lse[..., r] = rows_lse
         if transfer is not None:
             kv = transfer.wait()
     return acc_o.to(q.dtype), lse
@@ -269,7 +338,9 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cu: Optional[Tensor], ring: _
 
 def _ring_backward(dout, q, k, v, out, lse, cu: Optional[Tensor], ring: _Ring, o: _Options):
     """(dq, dk, dv) of this rank's slices, in their inputs' dtypes."""
-    seqlen = q.shape[1]
+    packed = None if cu is None else _Packed.of(cu, o.zigzag)
+    is_packed = packed is not None
+    seqlen = q.shape[0] if is_packed else q.shape[1]
     rng_state = torch.zeros(2, dtype=torch.int64)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = [k, v]
@@ -281,13 +352,15 @@ def _ring_backward(dout, q, k, v, out, lse, cu: Optional[Tensor], ring: _Ring, o
         # The block's gradients first, then the accumulators they add to: their transfer from
         # the previous rank overlaps this compute, as the k/v transfer does.
         block_grads = []
-        for blk in _blocks(ring.rank, src, ring.world_size, seqlen, o):
+        for blk in _blocks(ring.rank, src, ring.world_size, seqlen, o, packed):
             r, c = blk.q_rows, blk.kv_rows
             dq_b, dk_b, dv_b, _ = _ops.bwd(
-                dout[:, r], q[:, r], kv[0][:, c], kv[1][:, c], out[:, r],
-                lse[..., r].contiguous(), cu, cu, 0.0, o.softmax_scale, blk.causal,
-                blk.window_left, blk.window_right, o.softcap, None, None, rng_state)
-            dq[:, r] += dq_b
+                _rows(dout, r, is_packed), _rows(q, r, is_packed), _rows(kv[0], c, is_packed),
+                _rows(kv[1], c, is_packed), _rows(out, r, is_packed),
+                lse[..., r].contiguous(), blk.cu_seqlens_q, blk.cu_seqlens_k, 0.0,
+                o.softmax_scale, blk.causal, blk.window_left, blk.window_right, o.softcap, None,
+                None, rng_state)
+            _add_rows(dq, r, dq_b, is_packed)
             block_grads.append((c, dk_b, dv_b))
         if dkv is None:
             dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
@@ -295,8 +368,8 @@ def _ring_backward(dout, q, k, v, out, lse, cu: Optional[Tensor], ring: _Ring, o
         else:
             dk, dv = dkv.wait()
         for c, dk_b, dv_b in block_grads:
-            dk[:, c] += dk_b
-            dv[:, c] += dv_b
+            _add_rows(dk, c, dk_b, is_packed)
+            _add_rows(dv, c, dv_b, is_packed)
         dkv = ring.start([dk, dv], _TAG_DKV)
         if kv_transfer is not None:
             kv = kv_transfer.wait()
@@ -371,6 +444,11 @@ def _check_local(q, k, v, cu, dropout_p, window, alibi_slopes, zigzag, causal) -
     if (causal or zigzag or window != (-1, -1)) and q.shape[seq] != k.shape[seq]:
         raise _error(f"causal, windowed or zigzag ring attention needs q and k/v slices of one "
                      f"length, got seqlen_q {q.shape[seq]} and seqlen_k {k.shape[seq]}", "Shape")
+    if packed and zigzag:
+        odd = [b - a for a, b in zip(cu.tolist()[:-1], cu.tolist()[1:]) if (b - a) % 2]
+        if odd:
+            raise _error(f"the zigzag layout holds two chunks of equal length of each sequence "
+                         f"per rank: local parts must be even, got {odd[0]}", "Shape")
     if zigzag and q.shape[seq] % 2:
         raise _error(f"the zigzag layout holds two chunks of equal length per rank: seqlen_local "
                      f"must be even, got {q.shape[seq]}", "Shape")
@@ -557,24 +635,69 @@ def ring_flash_attn_varlen_func(
                            alibi_slopes, return_attn_probs, group, False, check, cu_seqlens)
 
 
+def zigzag_ring_flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    group=None,
+    *,
+    check=True,
+):
+    """`ring_flash_attn_varlen_func` in the zigzag layout: each sequence cut into
+    ``2·world_size`` equal chunks, rank r holding chunks r and ``2·world_size - 1 - r`` of every
+    sequence (``zigzag_shard(x, rank, world_size, dim=0, cu_seqlens=...)``); the local
+    ``cu_seqlens`` bound each sequence's two chunks together, so every part is even."""
+    return _ring_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, return_attn_probs, group, True, check, cu_seqlens)
+
+
 # ---- the zigzag layout ---------------------------------------------------------------------------
 
 
-def zigzag_shard(x: Tensor, rank: int, world_size: int, dim: int = 1) -> Tensor:
+def zigzag_shard(x: Tensor, rank: int, world_size: int, dim: int = 1, *,
+                 cu_seqlens: Optional[Tensor] = None) -> Tensor:
     """Rank `rank`'s slice of a full-sequence tensor in the zigzag layout: chunks `rank` and
-    ``2·world_size - 1 - rank`` of ``2·world_size`` equal chunks along `dim`, concatenated."""
+    ``2·world_size - 1 - rank`` of ``2·world_size`` equal chunks along `dim`, concatenated.
+    Packed sequences: with `cu_seqlens` (the whole batch's boundaries along `dim`) each sequence
+    is sharded on its own and the slices packed; the rank's cu_seqlens are then
+    ``cu_seqlens // world_size``."""
     if not 0 <= rank < world_size:
         raise _error(f"rank {rank} is outside a group of {world_size}", "ProcessGroup")
+    if cu_seqlens is not None:
+        bounds = cu_seqlens.tolist()
+        return torch.cat([x.narrow(dim, 0, 0)] + [
+            zigzag_shard(x.narrow(dim, a, b - a), rank, world_size, dim)
+            for a, b in zip(bounds[:-1], bounds[1:])], dim)
     n = x.shape[dim]
     if n % (2 * world_size):
         raise _error(f"the zigzag layout cuts the sequence into 2 x {world_size} equal chunks: "
                      f"length {n} along dim {dim} is not a multiple of {2 * world_size}", "Shape")
+    if n == 0:
+        return x
     chunks = x.chunk(2 * world_size, dim)
     return torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]], dim)
 
 
-def zigzag_unshard(shards: Sequence[Tensor], dim: int = 1) -> Tensor:
+def zigzag_unshard(shards: Sequence[Tensor], dim: int = 1, *,
+                   cu_seqlens: Optional[Tensor] = None) -> Tensor:
     """The full-sequence tensor from every rank's zigzag slice (``shards[r]`` from rank r, e.g.
-    from ``torch.distributed.all_gather``): the inverse of `zigzag_shard`."""
+    from ``torch.distributed.all_gather``): the inverse of `zigzag_shard` (with the same
+    `cu_seqlens`, the whole batch's, for packed sequences)."""
+    if cu_seqlens is not None:
+        world = len(shards)
+        bounds = [b // world for b in cu_seqlens.tolist()]
+        return torch.cat([shards[0].narrow(dim, 0, 0)] + [
+            zigzag_unshard([s.narrow(dim, a, b - a) for s in shards], dim)
+            for a, b in zip(bounds[:-1], bounds[1:])], dim)
     firsts, seconds = zip(*(s.chunk(2, dim) for s in shards))
     return torch.cat(list(firsts) + list(reversed(seconds)), dim)
