@@ -20,6 +20,10 @@ window skips blocks wholly outside it and shifts it into each block's coordinate
   rank r holds chunks r and ``2·world_size - 1 - r`` (``zigzag_shard``/``zigzag_unshard``), so
   every rank does the same causal work: off the diagonal, half of q against all of a block or all
   of q against half of it.
+
+Packed sequences (``*_varlen_func``, ``cu_seqlens``) take either layout sequence by sequence: the
+plan is the same for every sequence, so each step is one varlen call (the zigzag halves picked
+by index).
 """
 
 from __future__ import annotations
@@ -144,7 +148,8 @@ class _Packed:
     cu_half: Optional[Tensor] = None
 
     @staticmethod
-    def of(cu: Tensor, zigzag: bool) -> "_Packed":
+    def of(cu: Tensor, zigzag: bool, device: torch.device) -> "_Packed":
+        """`device`: the tensors' (the row indices go there; cu_seqlens stay where given)."""
         if not zigzag:
             return _Packed(cu)
         bounds = cu.tolist()
@@ -155,7 +160,7 @@ class _Packed:
         second = torch.cat([torch.arange(a + h, a + 2 * h) for a, h in zip(starts, halves)]
                            + empty)
         cu_half = torch.tensor([0] + halves, dtype=torch.int64).cumsum(0).to(cu.dtype)
-        return _Packed(cu, first.to(cu.device), second.to(cu.device), cu_half.to(cu.device))
+        return _Packed(cu, first.to(device), second.to(device), cu_half.to(cu.device))
 
 
 def _rows(t: Tensor, rows: Union[slice, Tensor], packed: bool) -> Tensor:
@@ -299,7 +304,7 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cu: Optional[Tensor], ring: _
                   o: _Options):
     """(out in q's dtype, lse f32 [batch, heads, seqlen_local]); packed sequences (`cu`, the
     local cu_seqlens): out [total, heads, d], lse [heads, total]."""
-    packed = None if cu is None else _Packed.of(cu, o.zigzag)
+    packed = None if cu is None else _Packed.of(cu, o.zigzag, q.device)
     is_packed = packed is not None
     seqlen = q.shape[0] if is_packed else q.shape[1]
     acc_o = lse = None
@@ -338,7 +343,7 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cu: Optional[Tensor], ring: _
 
 def _ring_backward(dout, q, k, v, out, lse, cu: Optional[Tensor], ring: _Ring, o: _Options):
     """(dq, dk, dv) of this rank's slices, in their inputs' dtypes."""
-    packed = None if cu is None else _Packed.of(cu, o.zigzag)
+    packed = None if cu is None else _Packed.of(cu, o.zigzag, q.device)
     is_packed = packed is not None
     seqlen = q.shape[0] if is_packed else q.shape[1]
     rng_state = torch.zeros(2, dtype=torch.int64)
