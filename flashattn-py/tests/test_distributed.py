@@ -68,6 +68,7 @@ class Case:
     softcap: float = 0.0
     q_scale: float = 1.0  # large: huge logits, lse far from 0
     window: tuple = (-1, -1)
+    sink: bool = False  # a learnable sink (f32 [heads]), with its gradient
 
 
 CASES = [
@@ -86,6 +87,9 @@ CASES = [
     Case("f32-zigzag-window-7-100", "float32", False, True, 114, 2, 2, 40, batch=2,
          window=(7, 100)),
     Case("f32-window-right-only-60", "float32", False, False, 113, 2, 2, 40, window=(-1, 60)),
+    Case("f32-causal-zigzag-sink-d40", "float32", True, True, 114, 2, 2, 40, sink=True),
+    Case("bf16-window-sink-gqa-d64", "bfloat16", False, False, 113, 4, 2, 64, window=(40, 40),
+         sink=True),
 ]
 WORLDS = (2, 3)
 
@@ -122,37 +126,44 @@ def _run_case(c: Case, rank: int, world: int) -> list[str]:
     sk = c.seqlen_k or c.seqlen
     q, k, v = make_qkv(c.batch, c.seqlen * world, sk * world, c.heads, c.heads_kv, c.head_dim,
                        dtype, seed=zlib.crc32(c.name.encode()) % 1000, q_scale=c.q_scale)
+    inputs = [q, k, v] + ([randn((c.heads,), torch.float32, seed=11)] if c.sink else [])
     dout = randn(q.shape, dtype, seed=99)
-    ref_kw = dict(causal=c.causal, scale=c.softmax_scale, softcap=c.softcap,
-                  window_size=c.window)
+    kw = dict(causal=c.causal, softcap=c.softcap, window_size=c.window)
 
     def shard(x):
         return _shard(x, rank, world, c.zigzag)
 
-    # The ring, on this rank's slices.
-    ql, kl, vl = (leaf(shard(t)) for t in (q, k, v))
+    def run(fn, leaves, **more):
+        sink = dict(learnable_sink=leaves[3]) if c.sink else {}
+        return fn(*leaves[:3], **kw, **more, **sink)
+
+    # The ring, on this rank's slices (the sink whole, as on every rank).
+    leaves = [leaf(shard(t)) for t in inputs[:3]] + [leaf(t) for t in inputs[3:]]
     fn = zigzag_ring_flash_attn_func if c.zigzag else ring_flash_attn_func
-    out, lse, _ = fn(ql, kl, vl, softmax_scale=c.softmax_scale, causal=c.causal,
-                     window_size=c.window, softcap=c.softcap, return_attn_probs=True)
-    grads = torch.autograd.grad(out, (ql, kl, vl), shard(dout))
+    out, lse, _ = run(fn, leaves, softmax_scale=c.softmax_scale, return_attn_probs=True)
+    grads = list(torch.autograd.grad(out, leaves, shard(dout)))
+    if c.sink:
+        # Each rank's share, from its rows: the whole gradient is their sum.
+        dist.all_reduce(grads[3])
 
     # The float64 reference and the naive same-precision run, on the whole sequence.
-    r_leaves = [leaf64(t) for t in (q, k, v)]
-    r_out, r_lse = attention_ref(*r_leaves, **ref_kw)
+    r_leaves = [leaf64(t) for t in inputs]
+    r_out, r_lse = run(attention_ref, r_leaves, scale=c.softmax_scale)
     r_grads = torch.autograd.grad(r_out, r_leaves, dout.double())
     nd = naive_dtype(dtype)
-    n_leaves = [leaf(t.to(nd)) for t in (q, k, v)]
-    n_out, n_lse = attention_ref(*n_leaves, dtype=nd, **ref_kw)
+    n_leaves = [leaf(t.to(nd)) for t in inputs[:3]] + [leaf(t) for t in inputs[3:]]
+    n_out, n_lse = run(attention_ref, n_leaves, scale=c.softmax_scale, dtype=nd)
     n_grads = torch.autograd.grad(n_out, n_leaves, dout.to(nd))
 
     # Single-process flashattn on the whole sequence.
-    f_leaves = [leaf(t) for t in (q, k, v)]
-    f_out, f_lse, _ = flash_attn_func(*f_leaves, softmax_scale=c.softmax_scale, causal=c.causal,
-                                      window_size=c.window, softcap=c.softcap,
-                                      return_attn_probs=True)
+    f_leaves = [leaf(t) for t in inputs]
+    f_out, f_lse, _ = run(flash_attn_func, f_leaves, softmax_scale=c.softmax_scale,
+                          return_attn_probs=True)
     f_grads = torch.autograd.grad(f_out, f_leaves, dout)
 
-    n_out, n_grads = n_out.to(dtype), [g.to(dtype) for g in n_grads]
+    n_out = n_out.to(dtype)
+    n_grads = [g.to(t.dtype) for g, t in zip(n_grads, inputs)]
+    names = ("dq", "dk", "dv", "dsink")
     failures = []
     for what, naive_out, naive_lse, naive_grads in (
         ("naive", n_out, n_lse, n_grads),
@@ -165,10 +176,11 @@ def _run_case(c: Case, rank: int, world: int) -> list[str]:
         failures.append(_failure(
             assert_lse_close, lse, _lse_shard(r_lse, rank, world, c.zigzag),
             _lse_shard(naive_lse, rank, world, c.zigzag), dtype=dtype, name=f"lse vs {what}"))
-        for name, g, r, n in zip(("dq", "dk", "dv"), grads, r_grads, naive_grads):
-            r = shard(r)
-            failures.append(_failure(assert_close_to_ref, g, r, shard(n), dtype=dtype, factor=3.0,
-                                     floor=floor_for(dtype, r), name=f"{name} vs {what}"))
+        for i, (g, r, n) in enumerate(zip(grads, r_grads, naive_grads)):
+            if i < 3:
+                r, n = shard(r), shard(n)
+            failures.append(_failure(assert_close_to_ref, g, r, n, dtype=g.dtype, factor=3.0,
+                                     floor=floor_for(g.dtype, r), name=f"{names[i]} vs {what}"))
     return [f for f in failures if f]
 
 
@@ -359,6 +371,7 @@ def test_without_process_group_raises():
     (dict(dropout_p=0.1), "dropout"),
     (dict(window_size=(8,)), "window_size"),
     (dict(alibi_slopes=torch.ones(2)), "alibi_slopes"),
+    (dict(learnable_sink=torch.zeros(3)), r"learnable_sink must be float32 \[heads\] = \[2\]"),
 ])
 def test_unsupported_options_raise(kwargs, needle):
     q, k, v = make_qkv(1, 16, 16, 2, 2, 40)
@@ -418,6 +431,20 @@ def test_one_rank_is_plain_attention(tmp_path):
             f_out = plain(*qkv.unbind(2), causal=True, window_size=(5, 0))
             (f_g,) = torch.autograd.grad(f_out, qkv, torch.ones_like(out))
             assert torch.equal(out, f_out) and torch.equal(g, f_g)
+        # Packed sequences with a learnable sink, and its gradient.
+        cu = cu_seqlens([6, 0, 18])
+        q, k, v = (t[0] for t in make_qkv(1, 24, 24, 2, 1, 40, seed=6))
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        s = randn((2,), torch.float32, seed=11, requires_grad=True)
+        for fn in (ring_flash_attn_varlen_func, zigzag_ring_flash_attn_varlen_func):
+            out = fn(q, k, v, cu, 18, causal=True, learnable_sink=s)
+            grads = torch.autograd.grad(out, (q, k, v, s), torch.ones_like(out))
+            f_out = flash_attn_varlen_func(q, k, v, cu, cu, 18, 18, causal=True,
+                                           learnable_sink=s)
+            f_grads = torch.autograd.grad(f_out, (q, k, v, s), torch.ones_like(out))
+            assert torch.equal(out, f_out)
+            for g, f in zip(grads, f_grads):
+                assert torch.equal(g, f)
         q, kv = qkv[:, :, 0], qkv[:, :, 1:]
         for packed, plain in ((ring_flash_attn_kvpacked_func, ring_flash_attn_func),
                               (zigzag_ring_flash_attn_kvpacked_func,

@@ -132,6 +132,9 @@ class _Block:
     window_right: int = -1
     cu_seqlens_q: Optional[Tensor] = None  # packed sequences: the call's boundaries
     cu_seqlens_k: Optional[Tensor] = None
+    # A learnable sink is one more key (value 0) in every row's normaliser: it rides with the
+    # one call per row that pairs local queries with their own keys.
+    sink: bool = False
 
 
 _ALL = slice(None)
@@ -199,11 +202,11 @@ def _blocks(rank: int, src: int, world: int, seqlen: int, o: _Options,
     if o.windowed:
         return _window_blocks(rank, src, world, seqlen, o)
     if not o.causal:
-        return [_Block(_ALL, _ALL)]
+        return [_Block(_ALL, _ALL, sink=src == rank)]
     if src == rank:
         # Zigzag too: local q and k/v both hold chunks (rank, 2R-1-rank) in sequence order, so
         # causal over their concatenation is the right mask.
-        return [_Block(_ALL, _ALL, causal=True)]
+        return [_Block(_ALL, _ALL, causal=True, sink=True)]
     if not o.zigzag:
         return [_Block(_ALL, _ALL)] if src < rank else []
     half = seqlen // 2
@@ -219,7 +222,8 @@ def _packed_blocks(rank: int, src: int, o: _Options, p: _Packed) -> list[_Block]
     same rank-relative structure), the zigzag halves picked by index."""
     cu = p.cu_seqlens
     if not o.causal or src == rank:
-        return [_Block(_ALL, _ALL, causal=o.causal, cu_seqlens_q=cu, cu_seqlens_k=cu)]
+        return [_Block(_ALL, _ALL, causal=o.causal and src == rank, cu_seqlens_q=cu,
+                       cu_seqlens_k=cu, sink=src == rank)]
     if not o.zigzag:
         return [_Block(_ALL, _ALL, cu_seqlens_q=cu, cu_seqlens_k=cu)] if src < rank else []
     if src < rank:
@@ -255,6 +259,8 @@ def _window_blocks(rank: int, src: int, world: int, seqlen: int, o: _Options) ->
     blocks = []
     for qs in _segments(rank, world, seqlen, o.zigzag):
         for ks in _segments(src, world, seqlen, o.zigzag):
+            # A segment with itself keeps every row (each query sees its own key).
+            own = src == rank and qs == ks
             # Visible: lo <= key_row - query_row <= hi (rows local to the two segments).
             delta = qs.position - ks.position
             lo = None if left < 0 else delta - left
@@ -274,6 +280,7 @@ def _window_blocks(rank: int, src: int, world: int, seqlen: int, o: _Options) ->
                 slice(ks.first_row + k0, ks.first_row + k1),
                 window_left=-1 if lo is None else shift - lo,
                 window_right=-1 if hi is None else hi - shift,
+                sink=own,
             ))
     return blocks
 
@@ -300,8 +307,8 @@ def _merge(acc_o: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> 
 # ---- forward and backward ------------------------------------------------------------------------
 
 
-def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cu: Optional[Tensor], ring: _Ring,
-                  o: _Options):
+def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cu: Optional[Tensor], sink: Optional[Tensor],
+                  ring: _Ring, o: _Options):
     """(out in q's dtype, lse f32 [batch, heads, seqlen_local]); packed sequences (`cu`, the
     local cu_seqlens): out [total, heads, d], lse [heads, total]."""
     packed = None if cu is None else _Packed.of(cu, o.zigzag, q.device)
@@ -318,7 +325,8 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cu: Optional[Tensor], ring: _
             block_out, block_lse, _ = _ops.forward(
                 _rows(q, r, is_packed), _rows(kv[0], c, is_packed), _rows(kv[1], c, is_packed),
                 blk.cu_seqlens_q, blk.cu_seqlens_k, 0.0, o.softmax_scale, blk.causal,
-                blk.window_left, blk.window_right, o.softcap, None, None, True)
+                blk.window_left, blk.window_right, o.softcap, None, sink if blk.sink else None,
+                True)
             if acc_o is None and r is _ALL:
                 acc_o, lse = block_out.to(torch.float32), block_lse
                 continue
@@ -341,8 +349,11 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cu: Optional[Tensor], ring: _
     return acc_o.to(q.dtype), lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, cu: Optional[Tensor], ring: _Ring, o: _Options):
-    """(dq, dk, dv) of this rank's slices, in their inputs' dtypes."""
+def _ring_backward(dout, q, k, v, out, lse, cu: Optional[Tensor], sink: Optional[Tensor],
+                   ring: _Ring, o: _Options):
+    """(dq, dk, dv) of this rank's slices, in their inputs' dtypes, and the sink's gradient
+    from this rank's rows (None without a sink)."""
+    dsink = None
     packed = None if cu is None else _Packed.of(cu, o.zigzag, q.device)
     is_packed = packed is not None
     seqlen = q.shape[0] if is_packed else q.shape[1]
@@ -359,13 +370,15 @@ def _ring_backward(dout, q, k, v, out, lse, cu: Optional[Tensor], ring: _Ring, o
         block_grads = []
         for blk in _blocks(ring.rank, src, ring.world_size, seqlen, o, packed):
             r, c = blk.q_rows, blk.kv_rows
-            dq_b, dk_b, dv_b, _ = _ops.bwd(
+            dq_b, dk_b, dv_b, dsink_b = _ops.bwd(
                 _rows(dout, r, is_packed), _rows(q, r, is_packed), _rows(kv[0], c, is_packed),
                 _rows(kv[1], c, is_packed), _rows(out, r, is_packed),
                 lse[..., r].contiguous(), blk.cu_seqlens_q, blk.cu_seqlens_k, 0.0,
                 o.softmax_scale, blk.causal, blk.window_left, blk.window_right, o.softcap, None,
-                None, rng_state)
+                sink if blk.sink else None, rng_state)
             _add_rows(dq, r, dq_b, is_packed)
+            if sink is not None and blk.sink:
+                dsink = dsink_b if dsink is None else dsink + dsink_b
             block_grads.append((c, dk_b, dv_b))
         if dkv is None:
             dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
@@ -380,14 +393,14 @@ def _ring_backward(dout, q, k, v, out, lse, cu: Optional[Tensor], ring: _Ring, o
             kv = kv_transfer.wait()
     # The last send carried each accumulator to its block's owner: what arrives is this rank's.
     dk, dv = dkv.wait()
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, ring: _Ring, o: _Options):
-        out, lse = _ring_forward(q, k, v, cu_seqlens, ring, o)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+    def forward(ctx, q, k, v, cu_seqlens, sink, ring: _Ring, o: _Options):
+        out, lse = _ring_forward(q, k, v, cu_seqlens, sink, ring, o)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, sink)
         ctx.ring, ctx.opts = ring, o
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -395,16 +408,17 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         # The gradient of lse is not propagated (as in flash-attn).
-        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, cu_seqlens, ctx.ring, ctx.opts)
-        return dq, dk, dv, None, None, None
+        q, k, v, out, lse, cu_seqlens, sink = ctx.saved_tensors
+        dq, dk, dv, dsink = _ring_backward(dout, q, k, v, out, lse, cu_seqlens, sink, ctx.ring,
+                                           ctx.opts)
+        return dq, dk, dv, None, dsink, None, None
 
 
 # ---- input checks --------------------------------------------------------------------------------
 
 _CHECKED_FIELDS = ("batch", "seqlen_q", "heads", "head_dim", "seqlen_k", "heads_kv",
                    "head_dim_v", "dtype", "causal", "window_left", "window_right", "zigzag",
-                   "softmax_scale", "softcap", "cu_seqlens")
+                   "softmax_scale", "softcap", "cu_seqlens", "learnable_sink")
 _FLOAT_FIELDS = frozenset(("softmax_scale", "softcap"))
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -420,7 +434,8 @@ def _window(window_size) -> tuple[int, int]:
 
 def _check_local(q, k, v, cu, dropout_p, window, alibi_slopes, zigzag, causal) -> None:
     packed = cu is not None
-    layout = "[total_local, heads, head_dim]" if packed else "[batch, seqlen_local, heads, head_dim]"
+    layout = ("[total_local, heads, head_dim]" if packed
+              else "[batch, seqlen_local, heads, head_dim]")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(
@@ -467,7 +482,7 @@ def _bits_float(b: int) -> float:
     return struct.unpack("<d", struct.pack("<q", b))[0]
 
 
-def _check_ranks_agree(q, k, v, cu, ring: _Ring, o: _Options) -> None:
+def _check_ranks_agree(q, k, v, cu, has_sink: bool, ring: _Ring, o: _Options) -> None:
     """Every rank must call with the same shapes and options (the ring's buffers take the
     sender's shapes): one small all_gather compares them, so every rank raises the same error
     instead of one of them hanging."""
@@ -484,7 +499,8 @@ def _check_ranks_agree(q, k, v, cu, ring: _Ring, o: _Options) -> None:
         weights = torch.arange(1, cu.numel() + 1, dtype=torch.int64, device=cu.device)
         cu_sum = int((cu.to(torch.int64) * weights).sum())
     mine = dims + (_DTYPE_CODES[q.dtype], int(o.causal), o.window_left, o.window_right,
-                   int(o.zigzag), _float_bits(o.softmax_scale), _float_bits(o.softcap), cu_sum)
+                   int(o.zigzag), _float_bits(o.softmax_scale), _float_bits(o.softcap), cu_sum,
+                   int(has_sink))
     device = q.device if q.is_cuda and dist.get_backend(ring.group) != "gloo" else "cpu"
     local = torch.tensor(mine, dtype=torch.int64, device=device)
     gathered = [torch.empty_like(local) for _ in range(ring.world_size)]
@@ -501,9 +517,18 @@ def _check_ranks_agree(q, k, v, cu, ring: _Ring, o: _Options) -> None:
 
 
 def _ring_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                    alibi_slopes, return_attn_probs, group, zigzag, check, cu_seqlens=None):
+                    alibi_slopes, return_attn_probs, group, zigzag, check, cu_seqlens=None,
+                    learnable_sink=None):
     window = _window(window_size)
     _check_local(q, k, v, cu_seqlens, dropout_p, window, alibi_slopes, zigzag, causal)
+    if learnable_sink is not None:
+        if not isinstance(learnable_sink, Tensor):
+            raise TypeError("flashattn.distributed: `learnable_sink` must be a torch.Tensor, got "
+                            f"{type(learnable_sink).__name__}")
+        heads = q.shape[-2]
+        if learnable_sink.dtype != torch.float32 or tuple(learnable_sink.shape) != (heads,):
+            raise _error(f"learnable_sink must be float32 [heads] = [{heads}], got "
+                         f"{learnable_sink.dtype} {tuple(learnable_sink.shape)}", "Shape")
     if not (dist.is_available() and dist.is_initialized()):
         raise _error("torch.distributed is not initialized: call "
                      "torch.distributed.init_process_group first", "ProcessGroup")
@@ -511,9 +536,10 @@ def _ring_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, soft
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     o = _Options(scale, bool(causal), window[0], window[1], float(softcap), zigzag)
     if check:
-        _check_ranks_agree(q, k, v, cu_seqlens, ring, o)
+        _check_ranks_agree(q, k, v, cu_seqlens, learnable_sink is not None, ring, o)
     # Sends need contiguous tensors; the kernels take any layout with unit head_dim stride.
-    out, lse = _RingAttention.apply(q, k.contiguous(), v.contiguous(), cu_seqlens, ring, o)
+    out, lse = _RingAttention.apply(q, k.contiguous(), v.contiguous(), cu_seqlens,
+                                    learnable_sink, ring, o)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -532,6 +558,7 @@ def ring_flash_attn_func(
     group=None,
     *,
     check=True,
+    learnable_sink=None,
 ):
     """Attention over a sequence split contiguously across the ranks of `group` (default: the
     world): rank r holds tokens ``[r·L, (r+1)·L)`` of q, k and v, each ``[batch, L, heads(_kv),
@@ -542,11 +569,13 @@ def ring_flash_attn_func(
     ``check`` (default on) compares the ranks' shapes and options with one small all_gather per
     call (on CUDA also a host sync) and raises ``FlashAttnError`` on all ranks if they differ;
     off, a mismatch may hang. ``window_size`` (with or without causal) is the single-device
-    call's sliding window over sequence positions. Not supported (``FlashAttnError``): dropout,
+    call's sliding window over sequence positions. ``learnable_sink`` (f32 ``[heads]``, the same
+    on every rank) gets this rank's rows' share of its gradient: sum it over the group. Not supported (``FlashAttnError``): dropout,
     ``alibi_slopes``. ``deterministic`` is accepted: the ring order fixes the summation order.
     """
     return _ring_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                           alibi_slopes, return_attn_probs, group, False, check)
+                           alibi_slopes, return_attn_probs, group, False, check,
+                           learnable_sink=learnable_sink)
 
 
 def zigzag_ring_flash_attn_func(
@@ -564,52 +593,54 @@ def zigzag_ring_flash_attn_func(
     group=None,
     *,
     check=True,
+    learnable_sink=None,
 ):
     """`ring_flash_attn_func` over the zigzag layout: rank r holds chunks r and ``2R - 1 - r`` of
     the sequence cut into ``2R`` equal chunks (R = the group's size), as `zigzag_shard` makes
     them; out and lse are in the same layout. With causal every rank does the same work."""
     return _ring_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                           alibi_slopes, return_attn_probs, group, True, check)
+                           alibi_slopes, return_attn_probs, group, True, check,
+                           learnable_sink=learnable_sink)
 
 
 def ring_flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
                                   window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                                   deterministic=False, return_attn_probs=False, group=None, *,
-                                  check=True):
+                                  check=True, learnable_sink=None):
     """`ring_flash_attn_func` with kv ``[batch, L, 2, heads_kv, head_dim]``."""
     return _ring_attention(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal,
                            window_size, softcap, alibi_slopes, return_attn_probs, group, False,
-                           check)
+                           check, learnable_sink=learnable_sink)
 
 
 def ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                                    deterministic=False, return_attn_probs=False, group=None, *,
-                                   check=True):
+                                   check=True, learnable_sink=None):
     """`ring_flash_attn_func` with qkv ``[batch, L, 3, heads, head_dim]``."""
     return _ring_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale,
                            causal, window_size, softcap, alibi_slopes, return_attn_probs, group,
-                           False, check)
+                           False, check, learnable_sink=learnable_sink)
 
 
 def zigzag_ring_flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
                                          window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                                          deterministic=False, return_attn_probs=False,
-                                         group=None, *, check=True):
+                                         group=None, *, check=True, learnable_sink=None):
     """`zigzag_ring_flash_attn_func` with kv ``[batch, L, 2, heads_kv, head_dim]``."""
     return _ring_attention(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal,
                            window_size, softcap, alibi_slopes, return_attn_probs, group, True,
-                           check)
+                           check, learnable_sink=learnable_sink)
 
 
 def zigzag_ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                                           deterministic=False, return_attn_probs=False,
-                                          group=None, *, check=True):
+                                          group=None, *, check=True, learnable_sink=None):
     """`zigzag_ring_flash_attn_func` with qkv ``[batch, L, 3, heads, head_dim]``."""
     return _ring_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale,
                            causal, window_size, softcap, alibi_slopes, return_attn_probs, group,
-                           True, check)
+                           True, check, learnable_sink=learnable_sink)
 
 
 def ring_flash_attn_varlen_func(
@@ -629,6 +660,7 @@ def ring_flash_attn_varlen_func(
     group=None,
     *,
     check=True,
+    learnable_sink=None,
 ):
     """Packed sequences split contiguously across the ranks: sequence b is cut into
     ``world_size`` equal parts and rank r holds part r of every sequence, packed as q, k, v
@@ -637,7 +669,8 @@ def ring_flash_attn_varlen_func(
     `ring_flash_attn_func`; no ``window_size`` (each sequence's parts sit at their own
     offsets); ``max_seqlen`` is accepted and unused."""
     return _ring_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                           alibi_slopes, return_attn_probs, group, False, check, cu_seqlens)
+                           alibi_slopes, return_attn_probs, group, False, check, cu_seqlens,
+                           learnable_sink)
 
 
 def zigzag_ring_flash_attn_varlen_func(
@@ -657,13 +690,15 @@ def zigzag_ring_flash_attn_varlen_func(
     group=None,
     *,
     check=True,
+    learnable_sink=None,
 ):
     """`ring_flash_attn_varlen_func` in the zigzag layout: each sequence cut into
     ``2·world_size`` equal chunks, rank r holding chunks r and ``2·world_size - 1 - r`` of every
     sequence (``zigzag_shard(x, rank, world_size, dim=0, cu_seqlens=...)``); the local
     ``cu_seqlens`` bound each sequence's two chunks together, so every part is even."""
     return _ring_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                           alibi_slopes, return_attn_probs, group, True, check, cu_seqlens)
+                           alibi_slopes, return_attn_probs, group, True, check, cu_seqlens,
+                           learnable_sink)
 
 
 # ---- the zigzag layout ---------------------------------------------------------------------------
