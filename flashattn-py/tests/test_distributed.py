@@ -6,7 +6,8 @@ lse and q/k/v gradients against the same slices of (a) the float64 reference on 
 sequence (the project's rule: 2x (gradients 3x) the naive same-precision error plus a floor) and
 (b) single-process ``flash_attn_func`` on the whole sequence (within 2x (3x) of its error against
 the reference, or of the naive one where that is larger). Ranks write what failed to a file per
-rank; the tests below assert on them. Three ranks catch ring-order mistakes two cannot (with two, next and previous are one rank).
+rank; the tests below assert on them. Three ranks catch ring-order mistakes two cannot (with
+two, next and previous are one rank).
 """
 
 from __future__ import annotations
@@ -31,10 +32,14 @@ from flashattn.distributed import (
     ring_flash_attn_kvpacked_func,
     ring_flash_attn_qkvpacked_func,
     ring_flash_attn_varlen_func,
+    ring_flash_attn_varlen_kvpacked_func,
+    ring_flash_attn_varlen_qkvpacked_func,
     zigzag_ring_flash_attn_func,
     zigzag_ring_flash_attn_kvpacked_func,
     zigzag_ring_flash_attn_qkvpacked_func,
     zigzag_ring_flash_attn_varlen_func,
+    zigzag_ring_flash_attn_varlen_kvpacked_func,
+    zigzag_ring_flash_attn_varlen_qkvpacked_func,
     zigzag_shard,
     zigzag_unshard,
 )
@@ -445,6 +450,19 @@ def test_one_rank_is_plain_attention(tmp_path):
             assert torch.equal(out, f_out)
             for g, f in zip(grads, f_grads):
                 assert torch.equal(g, f)
+        q3, k3, v3 = (t.detach() for t in (q, k, v))
+        for packed, plain in ((ring_flash_attn_varlen_qkvpacked_func, ring_flash_attn_varlen_func),
+                              (zigzag_ring_flash_attn_varlen_qkvpacked_func,
+                               zigzag_ring_flash_attn_varlen_func)):
+            qkv3 = torch.stack([q3, k3.expand(-1, 2, -1), v3.expand(-1, 2, -1)], dim=1)
+            assert torch.equal(packed(qkv3, cu, 18, causal=True),
+                               plain(q3, k3.expand(-1, 2, -1), v3.expand(-1, 2, -1), cu, 18,
+                                     causal=True))
+        for packed, plain in ((ring_flash_attn_varlen_kvpacked_func, ring_flash_attn_varlen_func),
+                              (zigzag_ring_flash_attn_varlen_kvpacked_func,
+                               zigzag_ring_flash_attn_varlen_func)):
+            kv3 = torch.stack([k3, v3], dim=1)
+            assert torch.equal(packed(q3, kv3, cu, 18), plain(q3, k3, v3, cu, 18))
         q, kv = qkv[:, :, 0], qkv[:, :, 1:]
         for packed, plain in ((ring_flash_attn_kvpacked_func, ring_flash_attn_func),
                               (zigzag_ring_flash_attn_kvpacked_func,

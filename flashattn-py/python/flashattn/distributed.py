@@ -44,10 +44,14 @@ __all__ = [
     "ring_flash_attn_kvpacked_func",
     "ring_flash_attn_qkvpacked_func",
     "ring_flash_attn_varlen_func",
+    "ring_flash_attn_varlen_kvpacked_func",
+    "ring_flash_attn_varlen_qkvpacked_func",
     "zigzag_ring_flash_attn_func",
     "zigzag_ring_flash_attn_kvpacked_func",
     "zigzag_ring_flash_attn_qkvpacked_func",
     "zigzag_ring_flash_attn_varlen_func",
+    "zigzag_ring_flash_attn_varlen_kvpacked_func",
+    "zigzag_ring_flash_attn_varlen_qkvpacked_func",
     "zigzag_shard",
     "zigzag_unshard",
 ]
@@ -570,8 +574,9 @@ def ring_flash_attn_func(
     call (on CUDA also a host sync) and raises ``FlashAttnError`` on all ranks if they differ;
     off, a mismatch may hang. ``window_size`` (with or without causal) is the single-device
     call's sliding window over sequence positions. ``learnable_sink`` (f32 ``[heads]``, the same
-    on every rank) gets this rank's rows' share of its gradient: sum it over the group. Not supported (``FlashAttnError``): dropout,
-    ``alibi_slopes``. ``deterministic`` is accepted: the ring order fixes the summation order.
+    on every rank) gets this rank's rows' share of its gradient: sum it over the group. Not
+    supported (``FlashAttnError``): dropout, ``alibi_slopes``. ``deterministic`` is accepted:
+    the ring order fixes the summation order.
     """
     return _ring_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, return_attn_probs, group, False, check,
@@ -699,6 +704,100 @@ def zigzag_ring_flash_attn_varlen_func(
     return _ring_attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, return_attn_probs, group, True, check, cu_seqlens,
                            learnable_sink)
+
+
+def ring_flash_attn_varlen_kvpacked_func(
+    q,
+    kv,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    group=None,
+    *,
+    check=True,
+    learnable_sink=None,
+):
+    """`ring_flash_attn_varlen_func` with kv ``[total_local, 2, heads_kv, head_dim]``."""
+    return _ring_attention(q, kv[:, 0], kv[:, 1], dropout_p, softmax_scale, causal, window_size,
+                           softcap, alibi_slopes, return_attn_probs, group, False, check,
+                           cu_seqlens, learnable_sink)
+
+
+def ring_flash_attn_varlen_qkvpacked_func(
+    qkv,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    group=None,
+    *,
+    check=True,
+    learnable_sink=None,
+):
+    """`ring_flash_attn_varlen_func` with qkv ``[total_local, 3, heads, head_dim]``."""
+    return _ring_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], dropout_p, softmax_scale, causal,
+                           window_size, softcap, alibi_slopes, return_attn_probs, group, False,
+                           check, cu_seqlens, learnable_sink)
+
+
+def zigzag_ring_flash_attn_varlen_kvpacked_func(
+    q,
+    kv,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    group=None,
+    *,
+    check=True,
+    learnable_sink=None,
+):
+    """`zigzag_ring_flash_attn_varlen_func` with kv ``[total_local, 2, heads_kv, head_dim]``."""
+    return _ring_attention(q, kv[:, 0], kv[:, 1], dropout_p, softmax_scale, causal, window_size,
+                           softcap, alibi_slopes, return_attn_probs, group, True, check,
+                           cu_seqlens, learnable_sink)
+
+
+def zigzag_ring_flash_attn_varlen_qkvpacked_func(
+    qkv,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    group=None,
+    *,
+    check=True,
+    learnable_sink=None,
+):
+    """`zigzag_ring_flash_attn_varlen_func` with qkv ``[total_local, 3, heads, head_dim]``."""
+    return _ring_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], dropout_p, softmax_scale, causal,
+                           window_size, softcap, alibi_slopes, return_attn_probs, group, True,
+                           check, cu_seqlens, learnable_sink)
 
 
 # ---- the zigzag layout ---------------------------------------------------------------------------
