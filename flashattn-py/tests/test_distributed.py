@@ -412,8 +412,8 @@ def test_bad_inputs_raise():
 
 
 def test_one_rank_is_plain_attention(tmp_path):
-    """A group of one: no transfer, the diagonal block alone; out, lse and gradients as
-    flash_attn_func's, bit for bit (the same kernel calls; f32 accumulators round back exactly)."""
+    """A group of one is flashattn's own call: out, lse and gradients as flash_attn_func's (and
+    flash_attn_varlen_func's), bit for bit, in every form."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
                             world_size=1)
     try:
