@@ -41,21 +41,19 @@ fn check_backward<T: Elem>(case: &Case, seed: u64) {
         [&naive_a.dv, &naive_b.dv],
     ];
     for (i, name) in ["dq", "dk", "dv"].into_iter().enumerate() {
-        let mut naive_err = naives[i]
+        let naive_err = naives[i]
             .iter()
             .map(|t| max_err(&t.to_f64_vec(), wants[i]))
             .fold(0.0, f64::max);
+        let bound = (T::FLASH_DTYPE, 3.0, 16.0);
+        check_bound(name, &got[i], naive_err, wants[i], bound, &ctx);
+        // candle's naive attention rounds more in f16/bf16 (up to ~9x flashattn's naive error,
+        // measured on these cases): a bound of its own, not the yardstick.
         if let Some(c) = &candle_naive {
-            naive_err = naive_err.max(max_err(&c[i], wants[i]));
+            let candle_err = max_err(&c[i], wants[i]);
+            let name = format!("{name} (against candle autograd)");
+            check_bound(&name, &got[i], candle_err, wants[i], bound, &ctx);
         }
-        check_bound(
-            name,
-            &got[i],
-            naive_err,
-            wants[i],
-            (T::FLASH_DTYPE, 3.0, 16.0),
-            &ctx,
-        );
     }
 }
 

@@ -3,8 +3,8 @@
 //!
 //! Forward: `max|out - ref| <= 2 · max|naive - ref| + 4 · eps · max|ref|`. Gradients:
 //! `max|grad - ref| <= 3 · max|naive - ref| + 4 · eps · max|ref| + 16 · eps`, naive being the
-//! larger error of flashattn's two naive backwards and candle's own autograd through
-//! matmul-softmax-matmul (the same rule as flashattn's own tests).
+//! larger error of flashattn's two naive backwards (the rule of flashattn's own tests); the same
+//! bound holds with candle's own autograd through matmul-softmax-matmul as the naive.
 
 use candle_core::{DType as CDType, Device, Tensor, Var, WithDType, D};
 use flashattn::{DType, Element, TensorRef};

@@ -65,9 +65,9 @@ fn grid_bf16() {
     grid::<half::bf16>();
 }
 
-/// Views in another memory order (q, k, v made from `[batch, heads, seqlen, head_dim]` buffers)
-/// and a view whose last dimension is strided (copied first) give flashattn's result on the
-/// contiguous data exactly.
+/// Views in another memory order (q, k, v made from `[batch, heads, seqlen, head_dim]` buffers),
+/// k and v of a packed kv tensor (v at a start offset), and a view whose last dimension is
+/// strided (copied first) give flashattn's result on the contiguous data exactly.
 #[test]
 fn strided_views_match_flashattn_exactly() {
     let case = Case::new(2, 37, 50, 4, 40).gqa(2).causal();
@@ -93,12 +93,18 @@ fn strided_views_match_flashattn_exactly() {
         pairs.narrow(4, 0, 1).unwrap().squeeze(4).unwrap()
     };
     let ql = last_strided(&qt);
+    // flash-attn's packed kv layout [b, seqlen_k, 2, heads_kv, d]: v starts past k's first row.
+    let kv = Tensor::stack(&[&kt, &vt], 2).unwrap();
+    let select = |i| kv.narrow(2, i, 1).unwrap().squeeze(2).unwrap();
+    let (kp, vp) = (select(0), select(1));
+    assert!(vp.layout().start_offset() > 0);
     assert_eq!(ql.stride()[3], 2);
     let scale = 1.0 / (case.head_dim as f32).sqrt();
     for (name, q, k, v) in [
         ("contiguous", &qt, &kt, &vt),
         ("heads-major", &qh, &kh, &vh),
         ("q last-dim view", &ql, &kt, &vt),
+        ("packed kv", &qt, &kp, &vp),
     ] {
         let out = flash_attn(q, k, v, scale, true).unwrap();
         let got = out.flatten_all().unwrap().to_vec1::<f32>().unwrap();
