@@ -87,14 +87,12 @@ impl Case {
     pub fn k_shape(&self) -> [usize; 4] {
         [self.batch, self.seqlen_k, self.heads_kv, self.head_dim]
     }
-    /// Whether some query row sees no key (the naive candle softmax would give NaN there).
+    /// Whether some query row sees no key (the naive candle softmax would give NaN there): row i
+    /// sees keys up to `i + seqlen_k - seqlen_q + right`, so row 0 sees none when that is < 0; a
+    /// left bound alone never empties a row.
     pub fn has_empty_rows(&self) -> bool {
         let right_bound = if self.causal { Some(0) } else { self.window.1 };
         right_bound.is_some_and(|r| self.seqlen_q > self.seqlen_k + r)
-            || self
-                .window
-                .0
-                .is_some_and(|l| self.seqlen_k > self.seqlen_q + l)
     }
 }
 
