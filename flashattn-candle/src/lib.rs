@@ -21,8 +21,8 @@
 //! assert_eq!(grads.get(&q).unwrap().dims(), q.dims());
 //!
 //! // bf16 works the same; so do f16, GQA (fewer k/v heads), windows, ALiBi, softcap, varlen.
-//! let qb = q.to_dtype(DType::BF16)?;
-//! let out = flashattn_candle::flash_attn(&qb, &k.to_dtype(DType::BF16)?, &v.to_dtype(DType::BF16)?, scale, false)?;
+//! let [qb, kb, vb] = [q.as_tensor(), &k, &v].map(|t| t.to_dtype(DType::BF16));
+//! let out = flashattn_candle::flash_attn(&qb?, &kb?, &vb?, scale, false)?;
 //! assert_eq!(out.dtype(), DType::BF16);
 //! # Ok::<(), candle_core::Error>(())
 //! ```
