@@ -189,22 +189,37 @@ fn forward_with<T: Element, S: Bf16Source>(
         bs.block_m.min(longest(|s| s.seqlen_q)).max(1),
         bs.block_n.min(longest(|s| s.seqlen_k)).max(1),
     );
-    items.par_iter().with_max_len(1).for_each(|item| {
-        let slot = rayon::current_thread_index().and_then(|i| pool.get(i));
-        let mut guard = slot.map(|m| m.lock().unwrap_or_else(|e| e.into_inner()));
-        let mut local = None;
-        let (scratch, row_buf) = match guard.as_deref_mut() {
-            Some(own) => own,
-            None => &mut local,
-        }
-        .get_or_insert_with(|| {
-            (
-                Scratch::new(bs, p.head_dim, tile),
-                vec![T::default(); p.head_dim],
+    // A worker runs a contiguous run of the list: the item after its own is usually its next.
+    items
+        .par_iter()
+        .enumerate()
+        .with_max_len(1)
+        .for_each(|(at, item)| {
+            let slot = rayon::current_thread_index().and_then(|i| pool.get(i));
+            let mut guard = slot.map(|m| m.lock().unwrap_or_else(|e| e.into_inner()));
+            let mut local = None;
+            let (scratch, row_buf) = match guard.as_deref_mut() {
+                Some(own) => own,
+                None => &mut local,
+            }
+            .get_or_insert_with(|| {
+                (
+                    Scratch::new(bs, p.head_dim, tile),
+                    vec![T::default(); p.head_dim],
+                )
+            });
+            let next = items.get(at + 1).copied();
+            forward_block(
+                p,
+                &inputs,
+                (*item, next),
+                bs,
+                scratch,
+                row_buf,
+                &out_w,
+                &lse_w,
             )
         });
-        forward_block(p, &inputs, *item, bs, scratch, row_buf, &out_w, &lse_w)
-    });
     Ok(())
 }
 

@@ -49,6 +49,44 @@ pub(crate) fn load_tile_t<T: Element>(
     }
 }
 
+/// Asks the caches for rows `r0..r1` of a tile of `d` elements per row starting at element
+/// `base` of `src` (stride `row_stride`), every line of each (x86-64; a no-op elsewhere and past
+/// `src`'s end). For the next work item's q rows while this one computes: each row sits on its
+/// own page at 16 heads, and its first read, met in `load_tile_t`, waited on a page walk and
+/// memory.
+#[inline]
+pub(crate) fn prefetch_rows<T>(
+    src: &[T],
+    base: usize,
+    row_stride: usize,
+    (r0, r1, d): (usize, usize, usize),
+) {
+    for r in r0..r1 {
+        let at = base + r * row_stride;
+        if at + d > src.len() {
+            return;
+        }
+        prefetch_span(&src[at..at + d]);
+    }
+}
+
+/// Asks the caches (L2) for every line of `span` (x86-64; a no-op elsewhere).
+#[inline]
+pub(crate) fn prefetch_span<T>(span: &[T]) {
+    const LINE: usize = 64;
+    let start = span.as_ptr() as usize;
+    for line in (start & !(LINE - 1)..start + std::mem::size_of_val(span)).step_by(LINE) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a prefetch is a hint that never faults; the address is not dereferenced.
+        unsafe {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+            _mm_prefetch::<_MM_HINT_T1>(line as *const i8);
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = line;
+    }
+}
+
 /// Where the bf16 dot-product path reads q, k and v: bf16 elements, or FP8 elements widened
 /// (exactly) to bf16 as the tiles are built ([`Fp8Source`]), so FP8 inputs need no bf16 copy.
 pub(crate) trait Bf16Source: Copy + Sync {

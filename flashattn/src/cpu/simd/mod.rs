@@ -170,6 +170,7 @@ type SoftmaxFn = unsafe fn(&mut [f32], usize, usize, &[f32], &mut [f32], &[f32])
 type StepFn =
     unsafe fn(&mut [f32], usize, usize, f32, &mut [f32], &mut [f32], &mut [f32], &mut [f32]);
 type RescaleFn = unsafe fn(&mut [f32], usize, usize, &[f32]);
+type GemmRescaledFn = unsafe fn(&Gemm<f32>, &mut [f32], usize, &[f32]);
 type PairsFn = unsafe fn(&[f32], usize, usize, &mut [u32]);
 type NarrowFn = unsafe fn(&[f32], &mut [u32]);
 type ProbsDsFn = unsafe fn(&mut [f32], &mut [f32], usize, usize, f32, &[f32], &[f32], f32);
@@ -185,9 +186,12 @@ pub struct Kernels {
     online_softmax: SoftmaxFn,
     /// A dedicated [`Kernels::softmax_step`]; `None`: `max_get_scale`, then `online_softmax`
     /// (AVX2: fused, the pass that exponentiates also multiplies, and with its ports already
-    /// busy it took 12.6-13.3% of the N = 1024 d = 64 forward's samples against 10.2% in two).
+    /// busy it took 12.6-13.3% of the N = 1024 d = 64 forward's samples against 10.2% in two on
+    /// an Intel core, and 1-2.5% more of the forward's CPU time than the two steps on a Zen 4).
     softmax_step: Option<StepFn>,
     rescale_o: RescaleFn,
+    /// A dedicated [`Kernels::gemm_rescaled`]; `None`: `rescale_o`, then `gemm`.
+    gemm_rescaled: Option<GemmRescaledFn>,
     pack_pairs_bf16: PairsFn,
     narrow_pairs_bf16: NarrowFn,
     /// Whether the backward takes bf16 inputs through [`Kernels::gemm_bf16`] (true) or widens
@@ -234,6 +238,7 @@ static SCALAR: Kernels = Kernels {
     online_softmax: scalar::online_softmax,
     softmax_step: None,
     rescale_o: scalar::rescale_o,
+    gemm_rescaled: None,
     pack_pairs_bf16: scalar::pack_pairs_bf16,
     narrow_pairs_bf16: scalar::narrow_pairs_bf16,
     backward_bf16_dot: false,
@@ -251,6 +256,7 @@ static NEON: Kernels = Kernels {
     online_softmax: aarch64_neon::online_softmax,
     softmax_step: None,
     rescale_o: aarch64_neon::rescale_o,
+    gemm_rescaled: None,
     pack_pairs_bf16: scalar::pack_pairs_bf16,
     narrow_pairs_bf16: scalar::narrow_pairs_bf16,
     backward_bf16_dot: false,
@@ -268,6 +274,7 @@ static AVX2: Kernels = Kernels {
     online_softmax: x86_avx2::online_softmax,
     softmax_step: None,
     rescale_o: x86_avx2::rescale_o,
+    gemm_rescaled: Some(x86_avx2::gemm_rescaled),
     pack_pairs_bf16: scalar::pack_pairs_bf16,
     narrow_pairs_bf16: scalar::narrow_pairs_bf16,
     backward_bf16_dot: false,
@@ -285,6 +292,7 @@ static AVX512: Kernels = Kernels {
     online_softmax: x86_avx512::online_softmax,
     softmax_step: Some(x86_avx512::softmax_step),
     rescale_o: x86_avx512::rescale_o,
+    gemm_rescaled: None,
     pack_pairs_bf16: scalar::pack_pairs_bf16,
     narrow_pairs_bf16: scalar::narrow_pairs_bf16,
     backward_bf16_dot: false,
@@ -303,6 +311,7 @@ static AVX512_BF16_BASE: Kernels = Kernels {
     online_softmax: x86_avx512::online_softmax,
     softmax_step: Some(x86_avx512::softmax_step),
     rescale_o: x86_avx512::rescale_o,
+    gemm_rescaled: None,
     pack_pairs_bf16: x86_avx512::pack_pairs_bf16,
     narrow_pairs_bf16: x86_avx512::narrow_pairs_bf16,
     backward_bf16_dot: false,
@@ -590,6 +599,26 @@ impl Kernels {
         assert!(n.is_multiple_of(LANES) && fits(rows, n, ot.len()) && alpha.len() >= n);
         // SAFETY: lengths checked above; available ISA.
         unsafe { (self.rescale_o)(ot, rows, n, alpha) }
+    }
+
+    /// `C = C · col_scale + A·B` (per lane j of C, rows of `c_rs = g.n` lanes; `g.accumulate`): the
+    /// same bits as [`Kernels::rescale_o`] with `col_scale`, then [`Kernels::gemm`]. Where the
+    /// table has a kernel for it, C is multiplied as the product's first chunk loads it, not in a
+    /// pass of its own (the forward's `acc_o` rescale before its P·V product).
+    pub fn gemm_rescaled(&self, g: &Gemm<f32>, c: &mut [f32], c_rs: usize, col_scale: &[f32]) {
+        assert!(
+            g.accumulate && c_rs == g.n && col_scale.len() >= g.n,
+            "gemm_rescaled: operands"
+        );
+        g.check(c, c_rs);
+        match self.gemm_rescaled {
+            // SAFETY: bounds checked above (C's rows, and col_scale's g.n lanes); available ISA.
+            Some(f) if g.m > 0 && g.k > 0 => unsafe { f(g, c, c_rs, col_scale) },
+            _ => {
+                self.rescale_o(c, g.m, c_rs, col_scale);
+                self.gemm(g, c, c_rs);
+            }
+        }
     }
 
     /// `src` rounded to bf16 in order, two to a u32: `out[i]` = `(src[2i], src[2i + 1])` (the

@@ -34,36 +34,55 @@ enum ALayout {
 
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn gemm(g: &Gemm<f32>, c: &mut [f32], c_rs: usize) {
+    gemm_scaled::<false>(g, c, c_rs, std::ptr::null())
+}
+
+/// [`gemm`] adding to `C · col_scale` (per lane j), with the same two roundings as
+/// [`rescale_o`] and then [`gemm`]: the first chunk of each tile multiplies C as it loads it,
+/// which saves rescale_o's pass over C. `g.accumulate` and `g.k > 0` (checked by the caller).
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn gemm_rescaled(g: &Gemm<f32>, c: &mut [f32], c_rs: usize, col_scale: &[f32]) {
+    gemm_scaled::<true>(g, c, c_rs, col_scale.as_ptr())
+}
+
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn gemm_scaled<const S: bool>(g: &Gemm<f32>, c: &mut [f32], c_rs: usize, sc: *const f32) {
     if g.a_rs == 1 {
-        gemm_as::<{ ALayout::AdjacentRows as u8 }>(g, c, c_rs)
+        gemm_as::<{ ALayout::AdjacentRows as u8 }, S>(g, c, c_rs, sc)
     } else if g.a_cs == 1 {
-        gemm_as::<{ ALayout::ContiguousK as u8 }>(g, c, c_rs)
+        gemm_as::<{ ALayout::ContiguousK as u8 }, S>(g, c, c_rs, sc)
     } else {
-        gemm_as::<{ ALayout::Strided as u8 }>(g, c, c_rs)
+        gemm_as::<{ ALayout::Strided as u8 }, S>(g, c, c_rs, sc)
     }
 }
 
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn gemm_as<const L: u8>(g: &Gemm<f32>, c: &mut [f32], c_rs: usize) {
+unsafe fn gemm_as<const L: u8, const S: bool>(
+    g: &Gemm<f32>,
+    c: &mut [f32],
+    c_rs: usize,
+    sc: *const f32,
+) {
     let cp = c.as_mut_ptr();
     for j in (0..g.n).step_by(2 * W) {
         // The first tile of a strip also prefetches B (see `tile`).
         let mut i = 0;
         while i + MR <= g.m {
             if i == 0 {
-                tile::<MR, L, true>(g, cp, c_rs, i, j);
+                tile::<MR, L, true, S>(g, cp, c_rs, i, j, sc);
             } else {
-                tile::<MR, L, false>(g, cp, c_rs, i, j);
+                tile::<MR, L, false, S>(g, cp, c_rs, i, j, sc);
             }
             i += MR;
         }
         match g.m - i {
-            5 => tile::<5, L, false>(g, cp, c_rs, i, j),
-            4 => tile::<4, L, false>(g, cp, c_rs, i, j),
-            3 => tile::<3, L, false>(g, cp, c_rs, i, j),
-            2 => tile::<2, L, false>(g, cp, c_rs, i, j),
-            1 => tile::<1, L, false>(g, cp, c_rs, i, j),
+            5 => tile::<5, L, false, S>(g, cp, c_rs, i, j, sc),
+            4 => tile::<4, L, false, S>(g, cp, c_rs, i, j, sc),
+            3 => tile::<3, L, false, S>(g, cp, c_rs, i, j, sc),
+            2 => tile::<2, L, false, S>(g, cp, c_rs, i, j, sc),
+            1 => tile::<1, L, false, S>(g, cp, c_rs, i, j, sc),
             _ => {}
         }
     }
@@ -82,15 +101,16 @@ unsafe fn gemm_as<const L: u8>(g: &Gemm<f32>, c: &mut [f32], c_rs: usize) {
 /// `16 k` when `a_rs <= 2.6 k`, as the packed tiles' `a_rs = k` does); AdjacentRows: the line 16
 /// floats ahead in the current k row (a tile's R columns share it with the next tiles).
 /// Prefetches never fault: the addresses past the operands are only formed (`wrapping_add`),
-/// never read.
+/// never read. With `S`, the first chunk adds to C multiplied by `sc[j..j + 16]`.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn tile<const R: usize, const L: u8, const PB: bool>(
+unsafe fn tile<const R: usize, const L: u8, const PB: bool, const S: bool>(
     g: &Gemm<f32>,
     cp: *mut f32,
     c_rs: usize,
     i: usize,
     j: usize,
+    sc: *const f32,
 ) {
     // wrapping_add: with k = 0 (A empty) these addresses are formed but never read.
     let a = g.a.as_ptr().wrapping_add(i * g.a_rs);
@@ -119,6 +139,7 @@ unsafe fn tile<const R: usize, const L: u8, const PB: bool>(
         }
     }
     let mut first = !g.accumulate;
+    let mut scale_c = S;
     if g.k == 0 && first {
         store_tile::<R>(&[[_mm256_setzero_ps(); 2]; R], cp, c_rs, i, j, true);
     }
@@ -149,8 +170,34 @@ unsafe fn tile<const R: usize, const L: u8, const PB: bool>(
                 }
             }
         }
-        store_tile::<R>(&acc, cp, c_rs, i, j, first);
+        if scale_c {
+            store_tile_scaled::<R>(&acc, cp, c_rs, i, j, sc);
+            scale_c = false;
+        } else {
+            store_tile::<R>(&acc, cp, c_rs, i, j, first);
+        }
         first = false;
+    }
+}
+
+/// Adds a tile of partial sums to C multiplied by `sc[j..j + 16]` (`C · sc`, rounded, `+ acc`).
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn store_tile_scaled<const R: usize>(
+    acc: &[[__m256; 2]; R],
+    cp: *mut f32,
+    c_rs: usize,
+    i: usize,
+    j: usize,
+    sc: *const f32,
+) {
+    let s = [_mm256_loadu_ps(sc.add(j)), _mm256_loadu_ps(sc.add(j + W))];
+    for (r, acc_r) in acc.iter().enumerate() {
+        for (v, x) in acc_r.iter().enumerate() {
+            let at = cp.add((i + r) * c_rs + j + W * v);
+            let scaled = _mm256_mul_ps(_mm256_loadu_ps(at), s[v]);
+            _mm256_storeu_ps(at, _mm256_add_ps(scaled, *x));
+        }
     }
 }
 

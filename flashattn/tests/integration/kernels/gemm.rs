@@ -77,6 +77,49 @@ fn gemm_equals_the_scalar_twin_on_exact_sums() {
     }
 }
 
+/// `gemm_rescaled` (C multiplied per lane as the product adds to it) gives the bits of the same
+/// table's `rescale_o` then `gemm`, on every table, size of the grid with unpadded C rows and chunk
+/// length; scale factors random, 1, 0 and below 1; C's rows after the block untouched.
+#[test]
+fn gemm_rescaled_is_rescale_o_then_gemm() {
+    for kern in simd_kernels().into_iter().chain([scalar()]) {
+        for (shape, lay, seed) in grid() {
+            if lay.c_pad != 0 {
+                continue;
+            }
+            let mut rng = common::rng(0x5ca1_0000 + seed);
+            let ops = Operands::new(shape, lay, || uniform(&mut rng));
+            let (m, n) = (ops.m, ops.n);
+            let c0: Vec<f32> = (0..(m + 2) * n).map(|_| uniform(&mut rng)).collect();
+            let alpha: Vec<f32> = (0..n)
+                .map(|j| match j % 4 {
+                    0 => 1.0,
+                    1 => 0.0,
+                    _ => uniform(&mut rng).abs().min(1.0),
+                })
+                .collect();
+            for kc in KCS {
+                let g = ops.gemm(true, kc);
+                let mut want = c0.clone();
+                kern.rescale_o(&mut want, m, n, &alpha);
+                kern.gemm(&g, &mut want, n);
+                let mut c = c0.clone();
+                kern.gemm_rescaled(&g, &mut c, n, &alpha);
+                let at = c
+                    .iter()
+                    .zip(&want)
+                    .position(|(x, y)| x.to_bits() != y.to_bits());
+                assert!(
+                    at.is_none(),
+                    "{}: gemm_rescaled differs at C[{at:?}]: m={m} n={n} k={} kc={kc}",
+                    kern.isa,
+                    ops.k
+                );
+            }
+        }
+    }
+}
+
 /// `gemm_scores` (k split in two halves, chunks of KC_SCORES, overwrite) on every SIMD table and
 /// the scalar one, against f64. C's rows are not padded here (c_rs = n, as the forward pass calls
 /// it); the rows after the block must be untouched.
