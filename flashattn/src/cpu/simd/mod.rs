@@ -466,7 +466,7 @@ impl Kernels {
     /// The backward's score product, with the same bits as [`Kernels::scores`]: a table's own
     /// kernel for it where it has one (AVX-512: `gemm_scores`' order in tiles that fit the
     /// backward's 64-lane C), else [`Kernels::scores`].
-    pub fn backward_scores(
+    pub(crate) fn backward_scores(
         &self,
         g: &Gemm<f32>,
         c: &mut [f32],
