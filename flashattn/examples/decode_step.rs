@@ -8,11 +8,15 @@
 //! `READ=1` sums the caches' bytes on all threads instead of calling (e.g. `HUGE_PAGES=1 ...
 //! decode_step -- f32 32768 30 USE_HUGE=1 "USE_HUGE=1 READ=1"`): the step against a plain read of
 //! the same memory, alternated call by call. `flashattn bench --decode` is the benchmark of record
-//! (bandwidth measured beside it, accuracy checked); this only repeats the call.
+//! (bandwidth measured beside it, accuracy checked); this only repeats the call. Each line also
+//! gives the calls' process CPU time (all threads), which a loaded host disturbs less than wall time.
 use flashattn::decode::{flash_attn_with_kvcache, KvCacheOptions, TensorMut};
 use flashattn::TensorRef;
 use half::bf16;
 use std::time::Instant;
+
+#[path = "common/timing.rs"]
+mod timing;
 
 fn lcg(s: &mut u64) -> f32 {
     *s = s
@@ -70,6 +74,7 @@ where
     // Configurations (environment settings, `A=1 B=2` each) alternate call by call, so that a
     // shared host's slow phases fall on all of them alike.
     let mut times = vec![Vec::new(); cfgs.len()];
+    let mut cpu = vec![Vec::new(); cfgs.len()];
     for rep in 0..reps + 1 {
         for (ci, cfg) in cfgs.iter().enumerate() {
             for kv in cfg.split_whitespace() {
@@ -93,7 +98,10 @@ where
             opts.num_splits = std::env::var("SPLITS").ok().and_then(|x| x.parse().ok());
             // `READ=1`: instead of the step, a plain read of the same caches (see `read`).
             let plain_read = std::env::var("READ").as_deref() == Ok("1");
-            let t = Instant::now();
+            let (t, c0) = (
+                Instant::now(),
+                timing::cpu_secs(libc::CLOCK_PROCESS_CPUTIME_ID),
+            );
             if plain_read {
                 std::hint::black_box(read(&kb[..], &vb[..]));
             } else {
@@ -102,6 +110,7 @@ where
             }
             if rep > 0 {
                 times[ci].push(t.elapsed().as_secs_f64() * 1e3);
+                cpu[ci].push((timing::cpu_secs(libc::CLOCK_PROCESS_CPUTIME_ID) - c0) * 1e3);
             }
             for kv in cfg.split_whitespace() {
                 if let Some((k, _)) = kv.split_once('=') {
@@ -111,15 +120,17 @@ where
         }
     }
     let bytes = 2.0 * n as f64 * std::mem::size_of::<T>() as f64;
-    for (cfg, mut times) in cfgs.iter().zip(times) {
+    for ((cfg, mut times), cpu) in cfgs.iter().zip(times).zip(cpu) {
         times.sort_by(f64::total_cmp);
         let med = times[times.len() / 2];
         println!(
-            "{:>5} cap {cap} [{cfg}]: median {med:.4} ms, min {:.4} ms, {:.1} GB/s, {:.0} ns/key/thread",
+            "{:>5} cap {cap} [{cfg}]: median {med:.4} ms, min {:.4} ms, {:.1} GB/s, {:.0} ns/key/thread; CPU median {:.4} ms, min {:.4} ms",
             std::any::type_name::<T>().rsplit("::").next().unwrap_or(""),
             times[0],
             bytes / med / 1e6,
-            med * 1e6 / cap as f64 * rayon::current_num_threads() as f64
+            med * 1e6 / cap as f64 * rayon::current_num_threads() as f64,
+            timing::median(cpu.clone()),
+            cpu.iter().copied().fold(f64::INFINITY, f64::min),
         );
     }
 }

@@ -24,6 +24,7 @@
 
 mod block;
 mod dq_partials;
+mod narrow;
 mod prep;
 mod query_tiles;
 mod recompute;

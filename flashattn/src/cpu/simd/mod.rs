@@ -22,6 +22,8 @@ pub(crate) mod x86_avx2;
 mod x86_avx2_bwd;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86_avx512;
+#[cfg(target_arch = "x86_64")]
+mod x86_avx512_bwd;
 
 use crate::error::{ErrorKind, Result};
 use std::fmt;
@@ -200,6 +202,8 @@ pub struct Kernels {
     /// A dedicated [`Kernels::probs_and_ds`] (the backward's P and dS in one pass); `None`: the
     /// backward takes its separate passes.
     probs_and_ds: Option<ProbsDsFn>,
+    /// A dedicated [`Kernels::backward_scores`] (`gemm_scores`' bits); `None`: [`Kernels::scores`].
+    backward_scores: Option<GemmFn>,
     /// Decode's score and P·V kernels ([`DecodeKernels`]).
     pub(crate) decode: DecodeKernels,
 }
@@ -243,6 +247,7 @@ static SCALAR: Kernels = Kernels {
     narrow_pairs_bf16: scalar::narrow_pairs_bf16,
     backward_bf16_dot: false,
     probs_and_ds: None,
+    backward_scores: None,
     decode: DecodeKernels::Portable,
 };
 
@@ -261,6 +266,7 @@ static NEON: Kernels = Kernels {
     narrow_pairs_bf16: scalar::narrow_pairs_bf16,
     backward_bf16_dot: false,
     probs_and_ds: None,
+    backward_scores: None,
     decode: DecodeKernels::Portable,
 };
 
@@ -279,6 +285,7 @@ static AVX2: Kernels = Kernels {
     narrow_pairs_bf16: scalar::narrow_pairs_bf16,
     backward_bf16_dot: false,
     probs_and_ds: Some(x86_avx2_bwd::probs_and_ds),
+    backward_scores: None,
     decode: DecodeKernels::Avx2,
 };
 
@@ -296,7 +303,8 @@ static AVX512: Kernels = Kernels {
     pack_pairs_bf16: scalar::pack_pairs_bf16,
     narrow_pairs_bf16: scalar::narrow_pairs_bf16,
     backward_bf16_dot: false,
-    probs_and_ds: None,
+    probs_and_ds: Some(x86_avx512_bwd::probs_and_ds),
+    backward_scores: Some(x86_avx512_bwd::backward_scores),
     decode: DecodeKernels::Avx512,
 };
 
@@ -315,7 +323,8 @@ static AVX512_BF16_BASE: Kernels = Kernels {
     pack_pairs_bf16: x86_avx512::pack_pairs_bf16,
     narrow_pairs_bf16: x86_avx512::narrow_pairs_bf16,
     backward_bf16_dot: false,
-    probs_and_ds: None,
+    probs_and_ds: Some(x86_avx512_bwd::probs_and_ds),
+    backward_scores: Some(x86_avx512_bwd::backward_scores),
     decode: DecodeKernels::Avx512Bf16,
 };
 
@@ -324,21 +333,30 @@ static AVX512_BF16_BASE: Kernels = Kernels {
 static AVX512_BF16: OnceLock<Kernels> = OnceLock::new();
 
 /// Whether the backward takes bf16 inputs through the bf16 dot product on a table that has one:
-/// the `FLASHATTN_BWD_BF16` environment variable when it is `dot` or `f32` (read once, when the
-/// table is made), else the dot product except on Intel CPUs.
+/// [`backward_bf16_dot_rule`] with the `FLASHATTN_BWD_BF16` environment variable (read once, when
+/// the table is made) and this CPU's vendor.
+#[cfg(target_arch = "x86_64")]
+fn backward_bf16_dot_choice() -> bool {
+    let setting = std::env::var("FLASHATTN_BWD_BF16").ok();
+    backward_bf16_dot_rule(setting.as_deref(), caches::cpu_is_intel())
+}
+
+/// The backward's bf16 path on a table with a bf16 dot product: `dot` or `f32` as `setting`
+/// names it, else the dot product except on Intel CPUs.
 ///
 /// On the Intel Xeon measured (AVX512_BF16) `vdpbf16ps` ran at half the f32 FMA's FLOP rate
 /// (`flashattn peak`: 161 against 322 GFLOP/s on 2 cores), and the widened backward took
-/// 0.70-0.78 of the dot-product backward's CPU time (bf16, N = 1024, 16 heads, d = 64 and 128);
-/// on the Zen 4 host the dot product runs at twice the FMA's rate (464 against 228) and is kept.
+/// 0.70-0.78 of the dot-product backward's CPU time (bf16, N = 1024, 16 heads, d = 64 and 128).
+/// On AMD Zen 4 the dot product runs at twice the FMA's rate (464 against 228) and the
+/// dot-product backward took 0.55-0.57 of the widened one's CPU time at the same shapes.
 /// The widened path rounds neither P̃ nor dS to bf16, so its gradients differ from the dot
 /// path's in the last bits (both within the reference tolerances).
-#[cfg(target_arch = "x86_64")]
-fn backward_bf16_dot_choice() -> bool {
-    match std::env::var("FLASHATTN_BWD_BF16").as_deref() {
-        Ok("dot") => true,
-        Ok("f32") => false,
-        _ => !caches::cpu_is_intel(),
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+fn backward_bf16_dot_rule(setting: Option<&str>, intel: bool) -> bool {
+    match setting {
+        Some("dot") => true,
+        Some("f32") => false,
+        _ => !intel,
     }
 }
 
@@ -451,6 +469,27 @@ impl Kernels {
                 c,
                 c_rs,
             )
+        }
+    }
+
+    /// The backward's score product, with the same bits as [`Kernels::scores`]: a table's own
+    /// kernel for it where it has one (AVX-512: `gemm_scores`' order in tiles that fit the
+    /// backward's 64-lane C), else [`Kernels::scores`].
+    pub(crate) fn backward_scores(
+        &self,
+        g: &Gemm<f32>,
+        c: &mut [f32],
+        c_rs: usize,
+        tmp: &mut [f32],
+        softcap: bool,
+    ) {
+        match self.backward_scores {
+            Some(f) if g.m > 0 && g.n > 0 => {
+                g.check(c, c_rs);
+                // SAFETY: bounds checked above; the table exists only for an available ISA.
+                unsafe { f(g, c, c_rs) }
+            }
+            _ => self.scores(g, c, c_rs, tmp, softcap),
         }
     }
 

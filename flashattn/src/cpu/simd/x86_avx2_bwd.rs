@@ -45,13 +45,23 @@ mod tests {
     use super::super::{Isa, Kernels};
 
     /// The fused pass gives the bits of the separate passes it replaces (scale multiply,
-    /// `online_softmax`, dS loop), on every lane whose row is used, with masked (+inf) rows too.
+    /// `online_softmax`, dS loop), on every lane whose row is used, with masked (+inf) rows too;
+    /// on every x86 table this CPU runs (AVX2 here, AVX-512 in `x86_avx512_bwd`).
     #[test]
     fn probs_and_ds_match_the_separate_passes() {
-        let Ok(kern) = Kernels::for_isa(Isa::Avx2) else {
-            return;
-        };
-        let (cols, n, rows) = (37, 64, 53);
+        for isa in [Isa::Avx2, Isa::Avx512] {
+            let Ok(kern) = Kernels::for_isa(isa) else {
+                continue;
+            };
+            assert!(kern.has_probs_and_ds(), "{isa}");
+            for (cols, n, rows) in [(37, 64, 53), (64, 64, 64), (5, 16, 1), (64, 128, 97)] {
+                check(kern, (cols, n, rows));
+            }
+        }
+    }
+
+    fn check(kern: &Kernels, (cols, n, rows): (usize, usize, usize)) {
+        let ctx = format!("{} cols {cols} n {n} rows {rows}", kern.isa);
         let mut x = 12345u32;
         let mut next = || {
             x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
@@ -61,7 +71,7 @@ mod tests {
         let dp: Vec<f32> = (0..cols * n).map(|_| 3.0 * next()).collect();
         let mut lse: Vec<f32> = (0..n).map(|_| 8.0 * next()).collect();
         let mut delta: Vec<f32> = (0..n).map(|_| next()).collect();
-        lse[5] = f32::INFINITY;
+        lse[rows / 2] = f32::INFINITY;
         for r in rows..n {
             lse[r] = f32::INFINITY;
             delta[r] = 0.0;
@@ -85,11 +95,11 @@ mod tests {
         for c in 0..cols {
             for r in 0..rows {
                 let at = c * n + r;
-                assert_eq!(pt[at].to_bits(), pt2[at].to_bits(), "p at {c}, {r}");
-                assert_eq!(ds[at].to_bits(), ds2[at].to_bits(), "ds at {c}, {r}");
+                assert_eq!(pt[at].to_bits(), pt2[at].to_bits(), "p at {c}, {r}: {ctx}");
+                assert_eq!(ds[at].to_bits(), ds2[at].to_bits(), "ds at {c}, {r}: {ctx}");
             }
             for r in rows..n {
-                assert_eq!(pt2[c * n + r], 0.0, "padded p at {c}, {r}");
+                assert_eq!(pt2[c * n + r], 0.0, "padded p at {c}, {r}: {ctx}");
             }
         }
     }

@@ -252,7 +252,7 @@ unsafe fn scores_lanes<const R: usize>(
 /// contiguous rows do).
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn scores_tile<const R: usize, const V: usize, const PA: bool>(
+pub(super) unsafe fn scores_tile<const R: usize, const V: usize, const PA: bool>(
     g: &Gemm<f32>,
     cp: *mut f32,
     c_rs: usize,
