@@ -195,7 +195,7 @@ impl<T: Element> Ctx<'_, T> {
         };
         // Sᵀ = K·Qᵀ, then P = exp2(S·scale_log2 - lse_log2).
         match tiles {
-            QTiles::F32([qt, ..]) => kern.backward_scores(
+            QTiles::F32([qt, ..]) => kern.scores(
                 &product(&scr.k, qt),
                 pt,
                 np,

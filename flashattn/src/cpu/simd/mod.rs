@@ -202,8 +202,6 @@ pub struct Kernels {
     /// A dedicated [`Kernels::probs_and_ds`] (the backward's P and dS in one pass); `None`: the
     /// backward takes its separate passes.
     probs_and_ds: Option<ProbsDsFn>,
-    /// A dedicated [`Kernels::backward_scores`] (`gemm_scores`' bits); `None`: [`Kernels::scores`].
-    backward_scores: Option<GemmFn>,
     /// Decode's score and P·V kernels ([`DecodeKernels`]).
     pub(crate) decode: DecodeKernels,
 }
@@ -247,7 +245,6 @@ static SCALAR: Kernels = Kernels {
     narrow_pairs_bf16: scalar::narrow_pairs_bf16,
     backward_bf16_dot: false,
     probs_and_ds: None,
-    backward_scores: None,
     decode: DecodeKernels::Portable,
 };
 
@@ -266,7 +263,6 @@ static NEON: Kernels = Kernels {
     narrow_pairs_bf16: scalar::narrow_pairs_bf16,
     backward_bf16_dot: false,
     probs_and_ds: None,
-    backward_scores: None,
     decode: DecodeKernels::Portable,
 };
 
@@ -285,7 +281,6 @@ static AVX2: Kernels = Kernels {
     narrow_pairs_bf16: scalar::narrow_pairs_bf16,
     backward_bf16_dot: false,
     probs_and_ds: Some(x86_avx2_bwd::probs_and_ds),
-    backward_scores: None,
     decode: DecodeKernels::Avx2,
 };
 
@@ -304,7 +299,6 @@ static AVX512: Kernels = Kernels {
     narrow_pairs_bf16: scalar::narrow_pairs_bf16,
     backward_bf16_dot: false,
     probs_and_ds: Some(x86_avx512_bwd::probs_and_ds),
-    backward_scores: Some(x86_avx512_bwd::backward_scores),
     decode: DecodeKernels::Avx512,
 };
 
@@ -324,7 +318,6 @@ static AVX512_BF16_BASE: Kernels = Kernels {
     narrow_pairs_bf16: x86_avx512::narrow_pairs_bf16,
     backward_bf16_dot: false,
     probs_and_ds: Some(x86_avx512_bwd::probs_and_ds),
-    backward_scores: Some(x86_avx512_bwd::backward_scores),
     decode: DecodeKernels::Avx512Bf16,
 };
 
@@ -469,27 +462,6 @@ impl Kernels {
                 c,
                 c_rs,
             )
-        }
-    }
-
-    /// The backward's score product, with the same bits as [`Kernels::scores`]: a table's own
-    /// kernel for it where it has one (AVX-512: `gemm_scores`' order in tiles that fit the
-    /// backward's 64-lane C), else [`Kernels::scores`].
-    pub(crate) fn backward_scores(
-        &self,
-        g: &Gemm<f32>,
-        c: &mut [f32],
-        c_rs: usize,
-        tmp: &mut [f32],
-        softcap: bool,
-    ) {
-        match self.backward_scores {
-            Some(f) if g.m > 0 && g.n > 0 => {
-                g.check(c, c_rs);
-                // SAFETY: bounds checked above; the table exists only for an available ISA.
-                unsafe { f(g, c, c_rs) }
-            }
-            _ => self.scores(g, c, c_rs, tmp, softcap),
         }
     }
 

@@ -186,14 +186,56 @@ const MR_SCORES: usize = 6;
 /// prefetches and packing from 8 visits, the f32 forward took 0.81-0.95 of the time at N = 512 to
 /// 4096 (A/B on a loaded host, docs/journal/2026-11-29-fifth-session-avx2fwd.md); `gemm_fma`'s
 /// rates on that host moved too much between runs to tell the kernels apart alone.
+///
+/// Where C's width is a multiple of 64 lanes (the backward's block_m 64, the forward's key blocks)
+/// the tiles are 3 rows × 64 lanes instead (12 chunk sums, 12 half-sums, 4 B vectors: 29 zmm):
+/// 3 broadcasts of A per 12 FMAs against 6, and each half of B read once per row block. On Zen 4
+/// the backward's S took ~21% of the AVX-512 f32 backward's samples in 6 × 32 tiles against
+/// 12-14% for each other product; in 3 × 64 tiles the backward took 0.95 of its CPU time and the
+/// forward 0.93-0.99 (N = 1024 and 4096, d = 64 and 128, A/B on a loaded host). Same bits
+/// (tested against the 6 × 32 walk, [`gemm_scores_lanes`]).
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn gemm_scores(g: &Gemm<f32>, c: &mut [f32], c_rs: usize) {
+    if !g.n.is_multiple_of(4 * W) {
+        return gemm_scores_lanes(g, c, c_rs);
+    }
     let cp = c.as_mut_ptr();
-    let half = if g.k / 2 < super::KC_SCORES {
+    let half = scores_half(g);
+    for (k_lo, k_hi, add) in [(0, half, false), (half, g.k, true)] {
+        if k_lo == k_hi && add {
+            break;
+        }
+        let ks = (k_lo, k_hi);
+        for j in (0..g.n).step_by(4 * W) {
+            let mut i = 0;
+            while i + 3 <= g.m {
+                scores_tile::<3, 4, true>(g, cp, c_rs, (i, j), ks, add);
+                i += 3;
+            }
+            match g.m - i {
+                2 => scores_tile::<2, 4, true>(g, cp, c_rs, (i, j), ks, add),
+                1 => scores_tile::<1, 4, true>(g, cp, c_rs, (i, j), ks, add),
+                _ => {}
+            }
+        }
+    }
+}
+
+/// Where [`gemm_scores`] splits k: two halves unless a half is shorter than one chunk.
+fn scores_half(g: &Gemm<f32>) -> usize {
+    if g.k / 2 < super::KC_SCORES {
         g.k
     } else {
         g.k / 2
-    };
+    }
+}
+
+/// [`gemm_scores`] in tiles of [`MR_SCORES`] rows × 32 lanes, row blocks outermost (any width
+/// that is a multiple of 16 lanes).
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn gemm_scores_lanes(g: &Gemm<f32>, c: &mut [f32], c_rs: usize) {
+    let cp = c.as_mut_ptr();
+    let half = scores_half(g);
     for (k_lo, k_hi, add) in [(0, half, false), (half, g.k, true)] {
         if k_lo == k_hi && add {
             break;
@@ -252,7 +294,7 @@ unsafe fn scores_lanes<const R: usize>(
 /// contiguous rows do).
 #[target_feature(enable = "avx512f")]
 #[inline]
-pub(super) unsafe fn scores_tile<const R: usize, const V: usize, const PA: bool>(
+unsafe fn scores_tile<const R: usize, const V: usize, const PA: bool>(
     g: &Gemm<f32>,
     cp: *mut f32,
     c_rs: usize,

@@ -1,53 +1,12 @@
-//! AVX-512 kernels of the backward pass only (16 f32 lanes).
+//! AVX-512 kernels of the backward pass only (16 f32 lanes): the fused P and dS pass.
 //!
 //! Safety: as in `x86_avx512`: the CPU has the features of each `target_feature` attribute, and
 //! the operands passed [`super::Kernels`]'s checks.
 
-use super::x86_avx512::{exp2_ps, gemm_scores, scores_tile};
-use super::Gemm;
+use super::x86_avx512::exp2_ps;
 use std::arch::x86_64::*;
 
 const W: usize = 16;
-
-/// [`super::Kernels::backward_scores`]: the backward's `S = K·Qᵀ` with [`gemm_scores`]' halves
-/// and chunks of `KC_SCORES`, so the same bits (P recomputed from them matches the forward's
-/// lse), in tiles of 3 rows × 64 lanes (12 chunk sums, 12 half-sums, 4 B vectors: 29 zmm) over
-/// C's 64-lane strips. The backward's C is 64 lanes wide (block_m 64), where `gemm_scores`' 6 × 32
-/// tiles broadcast 6 values of A per 12 FMAs against 3 here and read each half of B twice per
-/// row block; on Zen 4 its S took ~21% of the AVX-512 f32 backward's samples against 12-14% for
-/// each other product, and this kernel took 0.95 of the backward's CPU time (N = 1024, d = 64
-/// and 128). Other widths take `gemm_scores`.
-#[target_feature(enable = "avx512f")]
-pub(crate) unsafe fn backward_scores(g: &Gemm<f32>, c: &mut [f32], c_rs: usize) {
-    if !g.n.is_multiple_of(4 * W) {
-        return gemm_scores(g, c, c_rs);
-    }
-    let cp = c.as_mut_ptr();
-    // gemm_scores' split: two halves unless a half is shorter than one chunk.
-    let half = if g.k / 2 < super::KC_SCORES {
-        g.k
-    } else {
-        g.k / 2
-    };
-    for (k_lo, k_hi, add) in [(0, half, false), (half, g.k, true)] {
-        if k_lo == k_hi && add {
-            break;
-        }
-        let ks = (k_lo, k_hi);
-        for j in (0..g.n).step_by(4 * W) {
-            let mut i = 0;
-            while i + 3 <= g.m {
-                scores_tile::<3, 4, true>(g, cp, c_rs, (i, j), ks, add);
-                i += 3;
-            }
-            match g.m - i {
-                2 => scores_tile::<2, 4, true>(g, cp, c_rs, (i, j), ks, add),
-                1 => scores_tile::<1, 4, true>(g, cp, c_rs, (i, j), ks, add),
-                _ => {}
-            }
-        }
-    }
-}
 
 /// [`super::Kernels::probs_and_ds`]: per element of `cols` rows of `n` lanes, `x = s ·
 /// scale_log2`, `p = exp2(x - lse_log2)`, `ds = p · (dp - delta) · scale`, in one pass over the
@@ -83,12 +42,13 @@ pub(crate) unsafe fn probs_and_ds(
 
 #[cfg(test)]
 mod tests {
-    use super::super::{backward_bf16_dot_rule, caches, Gemm, Isa, Kernels};
+    use super::super::{backward_bf16_dot_rule, caches, x86_avx512, Gemm, Isa, Kernels};
 
-    /// The backward's score kernel gives `gemm_scores`' bits (row counts around its 3-row tiles,
-    /// widths that it tiles and that it hands on, k below, at and above a chunk, odd k).
+    /// The AVX-512 score kernel's 3 × 64 tiles give the bits of its 6 × 32 walk (row counts
+    /// around the 3-row tiles, widths that it tiles and that it hands on, k below, at and above a
+    /// chunk, odd k).
     #[test]
-    fn backward_scores_match_gemm_scores() {
+    fn score_tiles_match_the_lanes_walk() {
         let Ok(kern) = Kernels::for_isa(Isa::Avx512) else {
             return;
         };
@@ -125,8 +85,9 @@ mod tests {
             };
             let (mut want, mut got) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);
             let mut tmp = vec![0f32; m * n];
-            kern.gemm_scores(&g, &mut want, n, &mut tmp);
-            kern.backward_scores(&g, &mut got, n, &mut tmp, false);
+            // SAFETY: the table exists, so AVX-512F is available; C has m rows of n lanes.
+            unsafe { x86_avx512::gemm_scores_lanes(&g, &mut want, n) };
+            kern.gemm_scores(&g, &mut got, n, &mut tmp);
             for (at, (w, h)) in want.iter().zip(&got).enumerate() {
                 assert_eq!(w.to_bits(), h.to_bits(), "{m}x{n}x{k} at {at}");
             }
