@@ -248,7 +248,8 @@ mod tests {
     /// `cover` and `hide` against the per-element rule, with a function that hides some pairs.
     #[test]
     fn cover_and_hide_agree_with_elementwise_rule() {
-        let f = MaskMod::new(|x: MaskIndex| (x.q * 3 + x.k + x.head) % 5 != 0 && x.k != 4);
+        let f =
+            MaskMod::new(|x: MaskIndex| !(x.q * 3 + x.k + x.head).is_multiple_of(5) && x.k != 4);
         let shown = |m: &Mask, i, j| visible(m, i, j) && f.allows(0, 1, i, j);
         for (sq, sk) in [(1usize, 1usize), (7, 16), (16, 7), (33, 40)] {
             for (left, right) in [(None, None), (None, Some(0)), (Some(2), Some(1))] {

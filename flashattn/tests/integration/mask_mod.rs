@@ -1,6 +1,7 @@
 //! Custom mask functions (`AttnOptions::mask_mod`, FlexAttention's `mask_mod`): document masks
 //! (block-diagonal by segment ids), prefix-LM, a pseudo-random mask that depends on the sequence
-//! and the query head, and one that empties some rows, each alone, with causal and with a window;
+//! and the query head, and one that empties some rows, each alone, with causal, with a window, and
+//! causal with softcap and dropout;
 //! GQA, seqlen_q != seqlen_k both ways, awkward shapes; f32 and bf16 on every instruction set.
 //! Forward (out, lse) and backward (dq, dk, dv) against the f64 reference with the forward and
 //! gradient grids' bounds (naive attention in the same precision, with the same mask, as the
@@ -76,12 +77,17 @@ fn with_mask(base: AttnOptions<'static>, kind: Kind, lens: (usize, usize)) -> At
     base.mask_mod(move |x| allows(kind, lens, x))
 }
 
-/// The built-in masks each function is combined with.
-fn builtins() -> [AttnOptions<'static>; 3] {
+/// The built-in masks each function is combined with (the last with softcap and dropout, which
+/// act on the scores and probabilities the function leaves).
+fn builtins() -> [AttnOptions<'static>; 4] {
     [
         AttnOptions::default(),
         AttnOptions::default().causal(true),
         AttnOptions::default().window(40, 9),
+        AttnOptions::default()
+            .causal(true)
+            .softcap(2.5)
+            .dropout(0.2, 5),
     ]
 }
 
@@ -119,7 +125,7 @@ fn run<T: Element>() {
                     let fwd = flash_attn(&q, &k, &v, &opts).unwrap();
                     let r = data.check_forward(&fwd, &opts, &ctx);
                     // Prefix-LM shows every key the causal rule shows: under it, nothing changes.
-                    let superset = matches!(kind, Kind::PrefixLm) && bi == 1;
+                    let superset = matches!(kind, Kind::PrefixLm) && (bi == 1 || bi == 3);
                     if shape.1 > 1 && !superset {
                         assert!(r.out != plain.out, "{ctx}: the function changed nothing");
                     }
@@ -198,7 +204,7 @@ fn packed_sequences_see_their_own_coordinates() {
     let (h, hk, d) = (4, 2, 40);
     let cu_q = [0i32, 70, 70, 183];
     let cu_k = [0i32, 90, 95, 298];
-    let mask = |x: MaskIndex| (x.q + 3 * x.head + 5 * x.batch + x.k) % 4 != 0;
+    let mask = |x: MaskIndex| !(x.q + 3 * x.head + 5 * x.batch + x.k).is_multiple_of(4);
     let case = GradCase {
         seed: 3,
         shape: (1, 183, 298, h, hk, d),
