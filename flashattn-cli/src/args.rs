@@ -100,6 +100,7 @@ impl RunArgs {
             isa: None,
             cu_seqlens: None,
             descale: None,
+            mask_mod: None,
         }
     }
 }

@@ -6,6 +6,109 @@
 //! Both ends grow with `i`, so a block of rows `m0..m1` sees at most keys `lo(m0)..hi(m1 - 1)`, and
 //! every row of it sees all of `n0..n1` iff `lo(m1 - 1) <= n0` and `hi(m0) >= n1`.
 
+use std::fmt;
+use std::sync::Arc;
+
+/// The coordinates a [`MaskMod`] is asked about: sequence `batch` (the packed call's sequence
+/// index), query head `head`, and query row `q` and key `k` within that sequence (the coordinates
+/// of the causal rule, before its bottom-right alignment).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MaskIndex {
+    pub batch: usize,
+    pub head: usize,
+    pub q: usize,
+    pub k: usize,
+}
+
+/// A custom mask function (FlexAttention's `mask_mod`): key `k` is visible to query `q` iff the
+/// built-in masks (causal, window) and the function both allow it. It must be pure: the kernels
+/// call it any number of times per pair, in any order, from several threads. CPU only.
+#[derive(Clone)]
+pub struct MaskMod(Arc<dyn Fn(MaskIndex) -> bool + Send + Sync>);
+
+impl MaskMod {
+    pub fn new(f: impl Fn(MaskIndex) -> bool + Send + Sync + 'static) -> Self {
+        MaskMod(Arc::new(f))
+    }
+
+    /// Whether the function shows key `k` to query `q` of (sequence `batch`, head `head`).
+    #[inline]
+    pub fn allows(&self, batch: usize, head: usize, q: usize, k: usize) -> bool {
+        (self.0)(MaskIndex { batch, head, q, k })
+    }
+
+    /// How much of the block of rows `m0..m1` × keys `n0..n1` of (sequence b, head h) both
+    /// `mask` and the function show. Calls the function for each pair `mask` shows until both a
+    /// shown and a hidden pair are found.
+    pub(crate) fn cover(
+        &self,
+        (b, h): (usize, usize),
+        (m0, m1): (usize, usize),
+        (n0, n1): (usize, usize),
+        mask: &Mask,
+    ) -> Cover {
+        let (mut shown, mut hidden) = (false, false);
+        for i in m0..m1 {
+            let (lo, hi) = mask.key_range(i);
+            let (lo, hi) = (lo.max(n0), hi.min(n1));
+            hidden |= lo > n0 || hi < n1;
+            for j in lo..hi {
+                if self.allows(b, h, i, j) {
+                    shown = true;
+                } else {
+                    hidden = true;
+                }
+                if shown && hidden {
+                    return Cover::Some;
+                }
+            }
+        }
+        match (shown, hidden) {
+            (false, _) => Cover::None,
+            (true, false) => Cover::All,
+            (true, true) => Cover::Some,
+        }
+    }
+
+    /// Sets to -inf the scores of the block (keys `n0..n0 + cols` in rows of `st`, query rows
+    /// `m0..m0 + rows` in lanes, `np` per key) that `mask` shows and the function hides.
+    pub(crate) fn hide(
+        &self,
+        (b, h): (usize, usize),
+        st: &mut [f32],
+        np: usize,
+        (m0, rows): (usize, usize),
+        (n0, cols): (usize, usize),
+        mask: &Mask,
+    ) {
+        for r in 0..rows {
+            let (lo, hi) = mask.key_range(m0 + r);
+            for j in lo.max(n0)..hi.min(n0 + cols) {
+                if !self.allows(b, h, m0 + r, j) {
+                    st[(j - n0) * np + r] = f32::NEG_INFINITY;
+                }
+            }
+        }
+    }
+}
+
+impl fmt::Debug for MaskMod {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("MaskMod(<fn>)")
+    }
+}
+
+/// How much of a block a mask shows ([`MaskMod::cover`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Cover {
+    /// No pair: the block is skipped.
+    None,
+    /// Some pairs: the block takes the masked path.
+    Some,
+    /// Every pair: the block takes the unmasked path.
+    All,
+}
+
 /// The visibility rule of one sequence.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Mask {
@@ -75,6 +178,23 @@ impl Mask {
         !(self.lo(m1 - 1) <= n0 && self.hi(m0) >= n1)
     }
 
+    /// How much of rows `m0..m1` × keys `n0..n1` of (sequence b, head h) this mask and `mask_mod`
+    /// show. Without a function never [`Cover::None`]: the blocks [`Mask::n_block_range`] gives
+    /// are all visited, masked where [`Mask::needs_mask`] says.
+    pub fn cover(
+        &self,
+        mask_mod: Option<&MaskMod>,
+        bh: (usize, usize),
+        (m0, m1): (usize, usize),
+        (n0, n1): (usize, usize),
+    ) -> Cover {
+        match mask_mod {
+            Some(f) => f.cover(bh, (m0, m1), (n0, n1), self),
+            None if self.needs_mask(m0, m1, n0, n1) => Cover::Some,
+            None => Cover::All,
+        }
+    }
+
     /// Signed distance `i + offset - j` that ALiBi's bias uses.
     #[inline]
     pub fn diagonal_distance(&self, i: usize, j: usize) -> i64 {
@@ -117,6 +237,48 @@ mod tests {
                                         assert_eq!(!m.needs_mask(m0, m1, n0, n1), all);
                                     }
                                 }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// `cover` and `hide` against the per-element rule, with a function that hides some pairs.
+    #[test]
+    fn cover_and_hide_agree_with_elementwise_rule() {
+        let f =
+            MaskMod::new(|x: MaskIndex| !(x.q * 3 + x.k + x.head).is_multiple_of(5) && x.k != 4);
+        let shown = |m: &Mask, i, j| visible(m, i, j) && f.allows(0, 1, i, j);
+        for (sq, sk) in [(1usize, 1usize), (7, 16), (16, 7), (33, 40)] {
+            for (left, right) in [(None, None), (None, Some(0)), (Some(2), Some(1))] {
+                let m = Mask::new(sq, sk, left, right);
+                for (bm, bn) in [(1usize, 1usize), (4, 3), (16, 16)] {
+                    for m0 in (0..sq).step_by(bm) {
+                        let m1 = (m0 + bm).min(sq);
+                        for n0 in (0..sk).step_by(bn) {
+                            let n1 = (n0 + bn).min(sk);
+                            let pairs = || (m0..m1).flat_map(|i| (n0..n1).map(move |j| (i, j)));
+                            let want = if pairs().all(|(i, j)| shown(&m, i, j)) {
+                                Cover::All
+                            } else if pairs().any(|(i, j)| shown(&m, i, j)) {
+                                Cover::Some
+                            } else {
+                                Cover::None
+                            };
+                            let got = m.cover(Some(&f), (0, 1), (m0, m1), (n0, n1));
+                            assert_eq!(
+                                got, want,
+                                "{sq}x{sk} {left:?} {right:?} {m0}..{m1} {n0}..{n1}"
+                            );
+                            let (rows, cols, np) = (m1 - m0, n1 - n0, m1 - m0 + 1);
+                            let mut st = vec![1.0f32; cols * np];
+                            f.hide((0, 1), &mut st, np, (m0, rows), (n0, cols), &m);
+                            for (i, j) in pairs() {
+                                let hidden = visible(&m, i, j) && !f.allows(0, 1, i, j);
+                                let x = st[(j - n0) * np + i - m0];
+                                assert_eq!(x == f32::NEG_INFINITY, hidden, "({i}, {j})");
                             }
                         }
                     }

@@ -350,6 +350,13 @@ pub enum ErrorKind {
         arch: String,
         log: String,
     },
+    /// A custom mask function ([`crate::AttnOptions::mask_mod`]) on a call that does not take one:
+    /// only the CPU forward and backward of f32, f16 and bf16 inputs do.
+    #[error(
+        "mask_mod (a custom mask function) is not supported by {call}; only the CPU forward and \
+         backward of f32, f16 and bf16 inputs take one"
+    )]
+    MaskModUnsupported { call: &'static str },
     /// An option the CUDA backend does not implement (the CPU path does).
     #[error("{feature} is not supported by the CUDA backend{detail}")]
     CudaUnsupported {

@@ -333,6 +333,7 @@ pub(crate) fn validate_forward<V: Fp8View>(
     opts: &AttnOptions,
 ) -> Result<Params> {
     check_formats(q, k, v)?;
+    params::check_no_mask_mod(opts, "the FP8 calls")?;
     let mut p = params::layout(q, k, v, opts)?;
     let fmax = q.fp8_format().max() as f64;
     p.descale = Some(check_descale(&opts.descale.unwrap_or_default(), &p, fmax)?);
@@ -377,6 +378,7 @@ fn widen_qkv(p: &Params, [q, k, v]: [&Fp8TensorRef; 3]) -> Result<Widened> {
 /// differs, so this cannot be rejected.
 fn revalidate(mut p: Params, [q, k, v]: [&TensorRef; 3], opts: &AttnOptions) -> Result<Params> {
     let descales = p.descale.take();
+    params::check_no_mask_mod(opts, "the FP8 calls")?;
     let mut p = params::layout(q, k, v, opts)?;
     p.descale = descales;
     Ok(p)
@@ -734,6 +736,7 @@ fn dequantize_qkv(
     let [qv, kv, vv] = copies.views([q, k, v]);
     let mut opts = opts.clone();
     opts.descale = None;
+    params::check_no_mask_mod(&opts, "the FP8 calls")?;
     let p = params::layout(&qv, &kv, &vv, &opts)?;
     Ok((copies, p))
 }

@@ -57,6 +57,7 @@ pub mod tensor;
 #[cfg(test)]
 pub(crate) mod test_util;
 
+pub use blocks::{MaskIndex, MaskMod};
 pub use decode::{
     flash_attn_with_kvcache, flash_attn_with_kvcache_into, merge_attn_partials, BlockTable,
     KvCacheOptions, Rotary,

@@ -202,10 +202,12 @@ fn head<T: Element>(
             if let Some(slope) = slope {
                 val = round::<T>(val - slope * (diag - j as i64).unsigned_abs() as f32);
             }
+            let hidden_by_fn = p.mask_mod.as_ref().is_some_and(|f| !f.allows(b, h, i, j));
             // i128: window sides up to i64::MAX cannot overflow.
             let (j, diag) = (j as i128, diag as i128);
             let hidden = p.window_left.is_some_and(|l| j < diag - l as i128)
-                || p.window_right.is_some_and(|r| j > diag + r as i128);
+                || p.window_right.is_some_and(|r| j > diag + r as i128)
+                || hidden_by_fn;
             *x = if hidden { f32::NEG_INFINITY } else { val };
         }
         // A learnable sink is one more logit of the row, with no value.

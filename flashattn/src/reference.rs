@@ -75,14 +75,25 @@ fn matrix<X: Clone>(n: usize, len: usize, x: X) -> Result<Vec<Vec<X>>> {
     Ok(m)
 }
 
-/// Whether query `i` sees key `j`, written from the definition in docs/SEMANTICS.md.
-fn visible(p: &Params, sq: usize, sk: usize, i: usize, j: usize) -> bool {
+/// Whether query `i` of (sequence b, head h) sees key `j`, written from the definition in
+/// docs/SEMANTICS.md.
+fn visible(
+    p: &Params,
+    (b, h): (usize, usize),
+    (sq, sk): (usize, usize),
+    i: usize,
+    j: usize,
+) -> bool {
     // In i128, so that any window side (up to i64::MAX) is exact.
     let diag = i as i128 + sk as i128 - sq as i128; // the key on query i's diagonal
     let j = j as i128;
     let left_ok = p.window_left.is_none_or(|l| j >= diag - l as i128);
     let right_ok = p.window_right.is_none_or(|r| j <= diag + r as i128);
-    left_ok && right_ok
+    left_ok
+        && right_ok
+        && p.mask_mod
+            .as_ref()
+            .is_none_or(|f| f.allows(b, h, i, j as usize))
 }
 
 /// One (sequence, head): everything forward and backward need, as full matrices.
@@ -125,7 +136,7 @@ fn head(
     let mut dscore = matrix(q.len(), sk, 1.0)?;
     for r in 0..q.len() {
         let i = i0 + r;
-        for j in (0..sk).filter(|&j| visible(p, sq, sk, i, j)) {
+        for j in (0..sk).filter(|&j| visible(p, (b, h), (sq, sk), i, j)) {
             let dot: f64 = q[r].iter().zip(&k[j]).map(|(a, b)| a * b).sum();
             let mut val = dot * p.softmax_scale as f64;
             if let Some(cap) = p.softcap {

@@ -300,6 +300,7 @@ pub fn backward_launch_description(
     dout: &TensorRef,
     opts: &AttnOptions,
 ) -> Result<BackwardLaunch> {
+    params::check_no_mask_mod(opts, "the CUDA backend")?;
     let p = params::attn(q, k, v, opts)?;
     let (o, g, ls) = validate(&p, out, lse, dout)?;
     Ok(BackwardLaunch::new(&p, &o, &g, &ls))
@@ -314,6 +315,7 @@ pub fn backward_kernel_key(
     dout: &CudaTensor,
     opts: &AttnOptions,
 ) -> Result<KernelKey> {
+    params::check_no_mask_mod(opts, "the CUDA backend")?;
     let p = params::attn(q, k, v, opts)?;
     let out = params::q_like("out", dout, &p)?;
     let dout = params::q_like("dout", dout, &p)?;
@@ -391,6 +393,7 @@ pub fn flash_attn_backward(
     dout: &CudaTensor,
     opts: &AttnOptions,
 ) -> Result<CudaAttnGrads> {
+    params::check_no_mask_mod(opts, "the CUDA backend")?;
     let p = params::attn(q, k, v, opts)?;
     backward(dev, &p, [q, k, v, out, lse, dout])
 }
@@ -411,6 +414,7 @@ pub fn flash_attn_backward_into(
     opts: &AttnOptions,
     dst: CudaGradBuffers,
 ) -> Result<()> {
+    params::check_no_mask_mod(opts, "the CUDA backend")?;
     let p = params::attn(q, k, v, opts)?;
     let t = [q, k, v, out, lse, dout];
     let d = plan(dev, &p, t)?;

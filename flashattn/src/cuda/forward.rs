@@ -36,6 +36,7 @@ pub fn flash_attn(
     v: &CudaTensor,
     opts: &AttnOptions,
 ) -> Result<CudaAttnOutput> {
+    params::check_no_mask_mod(opts, "the CUDA backend")?;
     let p = params::attn(q, k, v, opts)?;
     forward(dev, &p, q, k, v)
 }
@@ -59,6 +60,7 @@ pub fn flash_attn_into(
     opts: &AttnOptions,
     dst: CudaOutBuffers,
 ) -> Result<()> {
+    params::check_no_mask_mod(opts, "the CUDA backend")?;
     let p = params::attn(q, k, v, opts)?;
     forward_into(dev, &p, q, k, v, dst)
 }
@@ -140,6 +142,7 @@ pub fn kernel_key(
     v: &CudaTensor,
     opts: &AttnOptions,
 ) -> Result<KernelKey> {
+    params::check_no_mask_mod(opts, "the CUDA backend")?;
     let p = params::attn(q, k, v, opts)?;
     Ok(LaunchDescription::new(&p, None)
         .for_arch(dev.arch, ForwardKernel::from_env())
@@ -530,6 +533,7 @@ pub fn launch_description(
     v: &TensorRef,
     opts: &AttnOptions,
 ) -> Result<LaunchDescription> {
+    params::check_no_mask_mod(opts, "the CUDA backend")?;
     let p = params::attn(q, k, v, opts)?;
     Ok(LaunchDescription::new(&p, None))
 }

@@ -148,6 +148,7 @@ pub(crate) fn batched<V: ViewDesc + ?Sized>(
         packed: PACKED,
         kernels: o.kernels,
         descale: None,
+        mask_mod: o.mask_mod,
     })
 }
 
@@ -225,6 +226,7 @@ pub(crate) fn varlen<V: ViewDesc + ?Sized>(
         packed: PACKED,
         kernels: o.kernels,
         descale: None,
+        mask_mod: o.mask_mod,
     })
 }
 

@@ -1,6 +1,7 @@
 //! [`Params`]: a validated attention call, the whole contract between the API and the kernels
 //! (per-sequence offsets, layouts, options folded into constants).
 
+use crate::blocks::MaskMod;
 use crate::cpu::simd::Kernels;
 use crate::dropout::Dropout;
 use crate::tensor::DType;
@@ -71,6 +72,8 @@ pub(crate) struct Params {
     pub kernels: &'static Kernels,
     /// FP8 dequantisation factors (forward only; see [`crate::fp8`]).
     pub descale: Option<Descales>,
+    /// The custom mask function ([`crate::AttnOptions::mask_mod`]; CPU forward and backward).
+    pub mask_mod: Option<MaskMod>,
 }
 
 /// The FP8 descale factors, folded: per (sequence b, kv head hk), at `b * heads_kv + hk`.

@@ -7,7 +7,8 @@ use super::check::{
 };
 use super::contract::{Params, RowLayout, Seq, MAX_HEAD_DIM};
 use super::options::{
-    alibi_distance, check_alibi, check_no_descale, check_options, check_sink, KvCacheOptions,
+    alibi_distance, check_alibi, check_no_descale, check_no_mask_mod, check_options, check_sink,
+    KvCacheOptions,
 };
 use crate::error::{ErrorKind, Result, TensorName};
 use crate::limits::MAX_NUM_SPLITS;
@@ -261,6 +262,7 @@ pub(crate) fn validate_caches<V: ViewDesc + ?Sized>(
     if heads == 0 || heads_kv == 0 || heads % heads_kv != 0 {
         return Err(ErrorKind::HeadsNotMultiple { heads, heads_kv }.into());
     }
+    check_no_mask_mod(&opts.attn, "flash_attn_with_kvcache (decode)")?;
     let o = check_options(&opts.attn, head_dim)?;
     if opts.attn.dropout_p != 0.0 {
         return Err(ErrorKind::DropoutInDecode {
@@ -519,6 +521,7 @@ pub(crate) fn validate_caches<V: ViewDesc + ?Sized>(
         packed,
         kernels: o.kernels,
         descale: None,
+        mask_mod: None,
     };
     Ok(DecodeParams {
         cache: CacheLayout {

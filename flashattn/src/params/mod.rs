@@ -29,5 +29,5 @@ pub(crate) use check::check_view;
 pub(crate) use contract::{BlockDescales, Descales, Params, RowLayout, Seq};
 pub use contract::{DESCALE_BLOCK, LOG2_E, MAX_HEAD_DIM};
 pub(crate) use decode::DecodeParams;
-pub(crate) use options::check_score_scale;
+pub(crate) use options::{check_no_mask_mod, check_score_scale};
 pub use options::{AttnOptions, Descale};

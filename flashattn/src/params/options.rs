@@ -3,6 +3,7 @@
 
 use super::check::{check_dtype, check_view};
 use super::contract::LOG2_E;
+use crate::blocks::MaskMod;
 use crate::cpu::simd::{self, Isa, Kernels};
 use crate::dropout::Dropout;
 use crate::error::{ErrorKind, Result};
@@ -50,6 +51,10 @@ pub struct AttnOptions<'a> {
     /// The dequantisation factors of FP8 inputs ([`AttnOptions::descale`]); only the FP8 calls
     /// take them (any other call: [`crate::ErrorKind::DescaleNotFp8`]).
     pub descale: Option<Descale<'a>>,
+    /// A custom mask function ([`AttnOptions::mask_mod`]): key j is visible to query i iff the
+    /// causal and window rules and the function allow it. CPU forward and backward only (any
+    /// other call: [`crate::ErrorKind::MaskModUnsupported`]).
+    pub mask_mod: Option<MaskMod>,
 }
 
 impl Default for AttnOptions<'_> {
@@ -66,6 +71,7 @@ impl Default for AttnOptions<'_> {
             isa: None,
             cu_seqlens: None,
             descale: None,
+            mask_mod: None,
         }
     }
 }
@@ -112,6 +118,20 @@ impl<'a> AttnOptions<'a> {
     /// The two arrays live on the host on either backend.
     pub fn varlen(mut self, cu_seqlens_q: &'a [i32], cu_seqlens_k: &'a [i32]) -> Self {
         self.cu_seqlens = Some((cu_seqlens_q, cu_seqlens_k));
+        self
+    }
+    /// A custom mask function, FlexAttention's `mask_mod`: query `q` of (sequence `batch`, head
+    /// `head`) sees key `k` iff the causal and window rules allow it and `f` returns true; a row
+    /// that sees no key gets out 0 and lse -inf. Coordinates are within each sequence, as the
+    /// causal rule's. `f` must be pure (it is called from several threads, any number of times
+    /// per pair); the CPU forward and backward evaluate it for every pair the built-in masks
+    /// show, O(seqlen_q · seqlen_k) calls per head and pass, and skip the key blocks it hides
+    /// whole. CPU forward and backward only.
+    pub fn mask_mod(
+        mut self,
+        f: impl Fn(crate::MaskIndex) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.mask_mod = Some(MaskMod::new(f));
         self
     }
     /// The dequantisation factors of an FP8 call ([`crate::fp8`]); rejected by every other call.
@@ -174,6 +194,14 @@ pub(crate) fn check_no_descale(opts: &AttnOptions) -> Result<()> {
     }
 }
 
+/// Refuses a mask function on a call that does not implement it (`call` names the call).
+pub(crate) fn check_no_mask_mod(opts: &AttnOptions, call: &'static str) -> Result<()> {
+    match opts.mask_mod {
+        Some(_) => Err(ErrorKind::MaskModUnsupported { call }.into()),
+        None => Ok(()),
+    }
+}
+
 /// Options shared by both layouts, validated.
 pub(crate) struct CheckedOptions {
     pub softmax_scale: f32,
@@ -182,6 +210,7 @@ pub(crate) struct CheckedOptions {
     pub window_right: Option<usize>,
     pub dropout: Option<Dropout>,
     pub kernels: &'static Kernels,
+    pub mask_mod: Option<MaskMod>,
 }
 
 /// A score scale (the softmax scale, or FP8's folded `softmax_scale · q_descale · k_descale`)
@@ -227,6 +256,7 @@ pub(crate) fn check_options(opts: &AttnOptions, head_dim: usize) -> Result<Check
             Some(isa) => isa,
             None => simd::active()?,
         })?,
+        mask_mod: opts.mask_mod.clone(),
     })
 }
 

@@ -16,5 +16,6 @@ mod errors;
 mod forward;
 mod fp8;
 mod kernels;
+mod mask_mod;
 mod packed_qkv;
 mod sink;

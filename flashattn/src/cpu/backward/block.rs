@@ -5,7 +5,7 @@ use super::dq_partials::write_dq_rows;
 use super::narrow::narrow_row;
 use super::query_tiles::QTiles;
 use super::recompute::{Ctx, Scratch};
-use crate::blocks::Mask;
+use crate::blocks::{Cover, Mask};
 use crate::cpu::forward::WorkItem;
 use crate::cpu::simd::{pad_lanes, Gemm, KC};
 use crate::cpu::Disjoint;
@@ -43,11 +43,15 @@ pub(super) fn dkdv_block<T: Element>(
             if !(nb0..nb1).contains(&n_block) {
                 continue;
             }
+            let cover = mask.cover(p.mask_mod.as_ref(), (b, h), (m0, m1), (n0, n1));
+            if cover == Cover::None {
+                continue;
+            }
             let rows = m1 - m0;
             let np = pad_lanes(rows);
             cx.load_query_side(b, h, m0, rows, scr);
             let tiles = cx.tiles.get(p, b, h, m_block, bs.block_m);
-            cx.recompute((b, h), (m0, m1), (n0, n1), tiles, scr);
+            cx.recompute((b, h), (m0, m1), (n0, n1), cover, tiles, scr);
             // dV += P̃ᵀ·dO and dK += dSᵀ·Q (row-major, dp lanes).
             let f32_product = |a, x, k, a_rs| rows_product((cols, dp), a, x, k, a_rs);
             let bf16_product = |a, x, k, a_rs| rows_product((cols, dp), a, x, k, a_rs);
@@ -194,9 +198,13 @@ pub(super) fn dq_block<T: Element>(
     for n_block in nb0..nb1 {
         let n0 = n_block * bs.block_n;
         let n1 = (n0 + bs.block_n).min(s.seqlen_k);
+        let cover = mask.cover(p.mask_mod.as_ref(), (b, h), (m0, m1), (n0, n1));
+        if cover == Cover::None {
+            continue;
+        }
         let cols = n1 - n0;
         cx.load_key_side(b, hk, n0, cols, scr);
-        cx.recompute((b, h), (m0, m1), (n0, n1), tiles, scr);
+        cx.recompute((b, h), (m0, m1), (n0, n1), cover, tiles, scr);
         dq_product(cx, (b, hk, n_block, cols, np), scr, &mut acc, np);
     }
     write_dq_rows(p, (b, h, m0, rows), &acc, np, &mut scr.row, dq);

@@ -2,7 +2,7 @@
 //! dS for one (query block, key block) tile.
 
 use super::query_tiles::{QTiles, QueryTiles};
-use crate::blocks::Mask;
+use crate::blocks::{Cover, Mask};
 use crate::cpu::forward::{load_pairs, load_tile, PackedV, ScoreMod};
 use crate::cpu::simd::{pad_lanes, Gemm, KC};
 use crate::cpu::{buf, BlockSizes, Buf};
@@ -150,13 +150,15 @@ impl<T: Element> Ctx<'_, T> {
 
     /// With q-side rows `m0..m1` loaded (`qt`, `dot` their transposes) and keys `n0..n1` in
     /// `scr.k`, `scr.v`: P̃ᵀ into `scr.pt` and (dS·softmax_scale)ᵀ into `scr.dst` (both
-    /// `[cols][np]`; padded lanes 0).
+    /// `[cols][np]`; padded lanes 0). `cover` is [`Mask::cover`] of the tile, not
+    /// [`Cover::None`] (such tiles are skipped).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn recompute(
         &self,
         (b, h): (usize, usize),
         (m0, m1): (usize, usize),
         (n0, n1): (usize, usize),
+        cover: Cover,
         tiles: QTiles,
         scr: &mut Scratch,
     ) {
@@ -205,7 +207,7 @@ impl<T: Element> Ctx<'_, T> {
             QTiles::Bf16([qt, ..]) => kern.gemm_bf16(&product2(&scr.k2, qt), pt, np),
         }
         let score_mod = ScoreMod::new(p, b, h);
-        let masked = mask.needs_mask(m0, m1, n0, n1);
+        let masked = cover == Cover::Some;
         let plain = !score_mod.needs_apply(masked) && p.dropout.is_none() && p.softcap.is_none();
         if plain && kern.has_probs_and_ds() {
             // dP̃ᵀ = V·dOᵀ first, then P and dS in one pass over the tile (the same bits as the
@@ -223,6 +225,9 @@ impl<T: Element> Ctx<'_, T> {
         if score_mod.needs_apply(masked) {
             let dtanh = p.softcap.map(|_| &mut scr.dtanh[..cols * np]);
             score_mod.apply(pt, np, (m0, rows), (n0, cols), &mask, masked, dtanh);
+            if let (true, Some(f)) = (masked, &p.mask_mod) {
+                f.hide((b, h), pt, np, (m0, rows), (n0, cols), &mask);
+            }
         } else {
             pt.iter_mut().for_each(|x| *x *= score_mod.scale_log2);
         }

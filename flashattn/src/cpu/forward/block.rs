@@ -6,7 +6,7 @@ use super::tiles::{
     load_pairs, load_pairs_t, load_tile, load_tile_t, prefetch_rows, prefetch_span, Bf16Source,
     KeyTiles, PackedV,
 };
-use crate::blocks::Mask;
+use crate::blocks::{Cover, Mask};
 use crate::cpu::simd::{pad_lanes, Gemm, Kernels, KC};
 use crate::cpu::softmax::{finalize_lse, fold_sink};
 use crate::cpu::{buf, BlockSizes, Buf, Disjoint};
@@ -188,6 +188,11 @@ pub(super) fn forward_block<T: Element, S: Bf16Source>(
         }
         let n0 = n_block * bs.block_n;
         let n1 = (n0 + bs.block_n).min(seq.seqlen_k);
+        let cover = mask.cover(p.mask_mod.as_ref(), (b, h), (m0, m1), (n0, n1));
+        if cover == Cover::None {
+            // Every score would be -inf: the block changes nothing.
+            continue;
+        }
         let cols = n1 - n0;
         let k_base = seq.k_base + n0 * p.k.row_stride + hk * p.k.head_stride;
         let st = &mut scr.st[..cols * np];
@@ -253,7 +258,7 @@ pub(super) fn forward_block<T: Element, S: Bf16Source>(
                 );
             }
         }
-        let masked = mask.needs_mask(m0, m1, n0, n1);
+        let masked = cover == Cover::Some;
         // A masked block without other modifiers is only masked here, its scale is the softmax
         // kernel's (as for unmasked blocks): the same values as `apply`'s multiply per element.
         let scale = if masked && score_mod.mask_only() {
@@ -265,6 +270,11 @@ pub(super) fn forward_block<T: Element, S: Bf16Source>(
         } else {
             score_mod.scale_log2
         };
+        if let (true, Some(f)) = (masked, &p.mask_mod) {
+            // -inf whether `apply` scaled the block or the softmax kernel scales it (by a
+            // positive factor, `mask_only`).
+            f.hide((b, h), st, np, (m0, rows), (n0, cols), &mask);
+        }
         kern.softmax_step(
             st,
             cols,
