@@ -43,6 +43,7 @@ pub mod isa;
 pub mod limits;
 pub mod memory;
 pub mod naive;
+pub(crate) mod narrow;
 pub mod output;
 pub(crate) mod params;
 pub mod reference;

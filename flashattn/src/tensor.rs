@@ -106,7 +106,7 @@ impl Element for f32 {
 }
 
 macro_rules! half_element {
-    ($t:ty, $variant:ident) => {
+    ($t:ty, $variant:ident, $narrow:path) => {
         impl Element for $t {
             const DTYPE: DType = DType::$variant;
             #[inline(always)]
@@ -147,14 +147,13 @@ macro_rules! half_element {
             }
             #[inline]
             fn narrow(src: &[f32], dst: &mut [Self]) {
-                use half::slice::HalfFloatSliceExt;
-                dst.convert_from_f32_slice(src)
+                $narrow(src, dst)
             }
         }
     };
 }
-half_element!(f16, F16);
-half_element!(bf16, BF16);
+half_element!(f16, F16, crate::narrow::narrow_f16);
+half_element!(bf16, BF16, crate::narrow::narrow_bf16);
 
 /// A borrowed buffer of one of the element types.
 #[derive(Clone, Copy, Debug)]

@@ -2,7 +2,6 @@
 //! second pass's dQ of a query block.
 
 use super::dq_partials::write_dq_rows;
-use super::narrow::narrow_row;
 use super::query_tiles::QTiles;
 use super::recompute::{Ctx, Scratch};
 use crate::blocks::{Cover, Mask};
@@ -95,8 +94,8 @@ pub(super) fn dkdv_block<T: Element>(
         let at = p.dk_offset(b, n0 + c, hk);
         // SAFETY: keys n0..n1 of kv head hk of sequence b belong to this work item alone.
         unsafe {
-            narrow_row(&scr.acc_a[c * dp..c * dp + d], dk.range(at, d));
-            narrow_row(&scr.acc_b[c * dp..c * dp + d], dv.range(at, d));
+            T::narrow(&scr.acc_a[c * dp..c * dp + d], dk.range(at, d));
+            T::narrow(&scr.acc_b[c * dp..c * dp + d], dv.range(at, d));
         }
     }
 }

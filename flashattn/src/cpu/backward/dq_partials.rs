@@ -1,6 +1,5 @@
 //! The one-pass backward's f32 copies of dQ, one per chunk of key blocks, and their sum into dq.
 
-use super::narrow::narrow_row;
 use super::query_tiles::split_at_offsets;
 use super::recompute::Scratch;
 use crate::blocks::Mask;
@@ -202,7 +201,7 @@ pub(super) fn write_dq_rows<T: Element>(
         for (i, r) in (g0..g0 + n).enumerate() {
             // SAFETY: rows m0..m0 + rows of head h of sequence b belong to this work item alone.
             let out = unsafe { dq.range(p.out_offset(b, m0 + r, h), d) };
-            narrow_row(&row[i * d..(i + 1) * d], out);
+            T::narrow(&row[i * d..(i + 1) * d], out);
         }
     }
 }

@@ -24,7 +24,6 @@
 
 mod block;
 mod dq_partials;
-mod narrow;
 mod prep;
 mod query_tiles;
 mod recompute;
