@@ -67,8 +67,7 @@ mod tests {
             xs.push(f32::from_bits(s));
         }
         let mut out = vec![bf16::ZERO; xs.len()];
-        // Through `Element::narrow`, the path every caller takes.
-        <bf16 as crate::tensor::Element>::narrow(&xs, &mut out);
+        narrow_bf16(&xs, &mut out);
         for (x, o) in xs.iter().zip(&out) {
             assert_eq!(
                 o.to_bits(),
