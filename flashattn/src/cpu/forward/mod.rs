@@ -16,6 +16,7 @@
 
 mod block;
 mod items;
+mod parts;
 mod score_mod;
 mod tiles;
 
