@@ -221,9 +221,21 @@ pub(super) fn forward_block<T: Element, S: Bf16Source>(
                 }
             }
             (None, None) => {
-                load_tile(inp.k, k_base, p.k.row_stride, (block_cols, d, d), &mut scr.k);
+                load_tile(
+                    inp.k,
+                    k_base,
+                    p.k.row_stride,
+                    (block_cols, d, d),
+                    &mut scr.k,
+                );
                 let v_base = seq.v_base + n0 * p.v.row_stride + hk * p.v.head_stride;
-                load_tile(inp.v, v_base, p.v.row_stride, (block_cols, d, d), &mut scr.v);
+                load_tile(
+                    inp.v,
+                    v_base,
+                    p.v.row_stride,
+                    (block_cols, d, d),
+                    &mut scr.v,
+                );
             }
             (None, Some(_)) => {}
         }
@@ -326,7 +338,15 @@ pub(super) fn forward_block<T: Element, S: Bf16Source>(
             if let Some(drop) = p.dropout {
                 // row_sum keeps the undropped probabilities (the softmax normaliser); only P·V
                 // sees the mask.
-                apply_dropout(drop, (b, h), (pm0, prows), (n0, cols), st, nw, &mut scr.keep);
+                apply_dropout(
+                    drop,
+                    (b, h),
+                    (pm0, prows),
+                    (n0, cols),
+                    st,
+                    nw,
+                    &mut scr.keep,
+                );
             }
             // O += P·V, transposed: ot[x][r] += Σ_c v[c][x] · p[r][c].
             match &inp.packed_v {
@@ -383,7 +403,13 @@ pub(super) fn forward_block<T: Element, S: Bf16Source>(
 
 /// `ot[x][r] *= alpha[r]` for lanes `0..nw` of `rows` rows `np` lanes apart (`ot` and `alpha`
 /// start at the part's first lane).
-fn rescale_lanes(kern: &Kernels, ot: &mut [f32], rows: usize, (nw, np): (usize, usize), alpha: &[f32]) {
+fn rescale_lanes(
+    kern: &Kernels,
+    ot: &mut [f32],
+    rows: usize,
+    (nw, np): (usize, usize),
+    alpha: &[f32],
+) {
     if nw == np {
         return kern.rescale_o(ot, rows, np, alpha);
     }

@@ -75,7 +75,13 @@ mod tests {
     #[test]
     fn parts_cover_every_visible_pair() {
         let windows = [None, Some(0), Some(3), Some(40)];
-        for (sq, sk) in [(96usize, 96usize), (100, 37), (37, 100), (128, 128), (20, 300)] {
+        for (sq, sk) in [
+            (96usize, 96usize),
+            (100, 37),
+            (37, 100),
+            (128, 128),
+            (20, 300),
+        ] {
             for &left in &windows {
                 for &right in &windows {
                     let m = Mask::new(sq, sk, left, right);
@@ -97,9 +103,9 @@ mod tests {
                                         if !(lo <= j && j < hi) {
                                             continue;
                                         }
-                                        let inside = parts.iter().any(|p| {
-                                            p.l0 <= r && r < p.l1 && j < n0 + p.cols
-                                        });
+                                        let inside = parts
+                                            .iter()
+                                            .any(|p| p.l0 <= r && r < p.l1 && j < n0 + p.cols);
                                         assert!(
                                             inside,
                                             "{sq}x{sk} {left:?} {right:?} row {r} key {j}: {parts:?}"
