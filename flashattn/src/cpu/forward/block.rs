@@ -1,13 +1,14 @@
 //! One work item of the forward: the per-thread tiles and the loop over its key blocks.
 
 use super::items::WorkItem;
+use super::parts::{masked_parts, strip_lanes, Part};
 use super::score_mod::ScoreMod;
 use super::tiles::{
     load_pairs, load_pairs_t, load_tile, load_tile_t, prefetch_rows, prefetch_span, Bf16Source,
     KeyTiles, PackedV,
 };
 use crate::blocks::{Cover, Mask};
-use crate::cpu::simd::{pad_lanes, Gemm, Kernels, KC};
+use crate::cpu::simd::{pad_lanes, Gemm, Kernels, KC, LANES};
 use crate::cpu::softmax::{finalize_lse, fold_sink};
 use crate::cpu::{buf, BlockSizes, Buf, Disjoint};
 use crate::dropout::Dropout;
@@ -42,6 +43,8 @@ pub(crate) struct Scratch {
     row: Buf<f32>,
     /// [`GATHER_ROWS`] head rows in f32, gathered from `ot`.
     gather: Buf<f32>,
+    /// The parts of the current key block ([`masked_parts`]).
+    parts: Vec<Part>,
 }
 
 impl Scratch {
@@ -69,6 +72,7 @@ impl Scratch {
             keep: buf(true, bn),
             row: buf(0.0, d),
             gather: buf(0.0, GATHER_ROWS * d),
+            parts: Vec::with_capacity(np / LANES + 1),
         }
     }
 }
@@ -162,6 +166,7 @@ pub(super) fn forward_block<T: Element, S: Bf16Source>(
     scr.row_sum[..np].fill(0.0);
 
     let (n_min, n_max) = mask.n_block_range(m0, m1, bs.block_n);
+    let strip = strip_lanes(kern.isa);
     // A share at each key block, prefetched into L2: the q rows of the item this worker most
     // likely runs next (`next`, the next in the list) and this item's output rows. At 16 heads
     // each row sits on its own page, and their first touches (the q tile's loads, the output
@@ -193,159 +198,200 @@ pub(super) fn forward_block<T: Element, S: Bf16Source>(
             // Every score would be -inf: the block changes nothing.
             continue;
         }
-        let cols = n1 - n0;
-        let k_base = seq.k_base + n0 * p.k.row_stride + hk * p.k.head_stride;
-        let st = &mut scr.st[..cols * np];
-        // S = Q·Kᵀ, transposed: st[c][r] = Σ_x k[c][x] · q[r][x].
-        match bf {
-            Some((_, kb, _)) => {
-                // As pairs in a contiguous tile (see the f32 branch for why not in place).
-                let a = match &inp.packed_k {
-                    Some(t) => t.block(p, b, hk, n_block, bs.block_n),
-                    None => {
-                        load_pairs(kb, k_base, p.k.row_stride, cols, d, &mut scr.kp);
-                        &scr.kp[..]
-                    }
-                };
-                let a_rs = d2;
-                kern.gemm_bf16(
-                    &Gemm {
-                        m: cols,
-                        n: np,
-                        k: d2,
-                        a,
-                        a_rs,
-                        a_cs: 1,
-                        b: &scr.qp,
-                        b_rs: np,
-                        accumulate: false,
-                        kc: KC,
-                    },
-                    st,
-                    np,
-                );
-            }
-            None => {
-                // Copied (widened) into a contiguous tile, also for f32: rows of k sit heads·d
-                // elements apart, each on its own page once that is >= 4 KiB, and the products
-                // re-read them; read in place, TLB misses and 4 KiB L1 aliasing cost ~1.4x at
-                // N = 8192, 16 heads (measured).
-                let a = match &inp.tiles_f32 {
-                    Some((kt, _)) => kt.block(p, b, hk, n_block, bs.block_n),
-                    None => {
-                        load_tile(inp.k, k_base, p.k.row_stride, (cols, d, d), &mut scr.k);
-                        &scr.k[..]
-                    }
-                };
-                let a_rs = d;
-                kern.scores(
-                    &Gemm {
-                        m: cols,
-                        n: np,
-                        k: d,
-                        a,
-                        a_rs,
-                        a_cs: 1,
-                        b: &scr.qt,
-                        b_rs: np,
-                        accumulate: false,
-                        kc: KC,
-                    },
-                    st,
-                    np,
-                    &mut scr.st2,
-                    p.softcap.is_some(),
-                );
-            }
-        }
-        let masked = cover == Cover::Some;
-        // A masked block without other modifiers is only masked here, its scale is the softmax
-        // kernel's (as for unmasked blocks): the same values as `apply`'s multiply per element.
-        let scale = if masked && score_mod.mask_only() {
-            ScoreMod::mask_raw(st, np, (m0, rows), (n0, cols), &mask);
-            score_mod.scale_log2
-        } else if score_mod.needs_apply(masked) {
-            score_mod.apply(st, np, (m0, rows), (n0, cols), &mask, masked, None);
-            1.0
+        let block_cols = n1 - n0;
+        if cover == Cover::Some {
+            masked_parts(&mask, (m0, rows, np), (n0, n1), strip, &mut scr.parts);
         } else {
-            score_mod.scale_log2
-        };
-        if let (true, Some(f)) = (masked, &p.mask_mod) {
-            // -inf whether `apply` scaled the block or the softmax kernel scales it (by a
-            // positive factor, `mask_only`).
-            f.hide((b, h), st, np, (m0, rows), (n0, cols), &mask);
+            scr.parts.clear();
+            scr.parts.push(Part {
+                l0: 0,
+                l1: np,
+                cols: block_cols,
+            });
         }
-        kern.softmax_step(
-            st,
-            cols,
-            np,
-            scale,
-            &mut scr.row_max,
-            &mut scr.alpha,
-            &mut scr.m_sub,
-            &mut scr.row_sum,
-        );
-        // alpha is exactly 1 where a lane's maximum did not move (exp2(0) = 1 in every kernel):
-        // after the first blocks that is every lane, and acc_o's rescale can be skipped. The
-        // f32 P·V product rescales acc_o as it first adds to it (`gemm_rescaled`, same bits;
-        // on AVX2 one pass over acc_o fewer: 0.5-1.5% of the CPU time at N = 1024, Zen 4).
-        let rescale = scr.alpha[..np].iter().any(|&a| a != 1.0);
-        let fold = inp.packed_v.is_none();
-        if rescale && !fold {
-            kern.rescale_o(&mut scr.ot, d, np, &scr.alpha);
+        let k_base = seq.k_base + n0 * p.k.row_stride + hk * p.k.head_stride;
+        // The block's k and v tiles, read by each of its parts: packed once per call, or copied
+        // (widened) here into contiguous tiles, also for f32: rows of k sit heads·d elements
+        // apart, each on its own page once that is >= 4 KiB, and the products re-read them; read
+        // in place, TLB misses and 4 KiB L1 aliasing cost ~1.4x at N = 8192, 16 heads (measured).
+        match (bf, &inp.tiles_f32) {
+            (Some((_, kb, _)), _) => {
+                if inp.packed_k.is_none() {
+                    load_pairs(kb, k_base, p.k.row_stride, block_cols, d, &mut scr.kp);
+                }
+            }
+            (None, None) => {
+                load_tile(
+                    inp.k,
+                    k_base,
+                    p.k.row_stride,
+                    (block_cols, d, d),
+                    &mut scr.k,
+                );
+                let v_base = seq.v_base + n0 * p.v.row_stride + hk * p.v.head_stride;
+                load_tile(
+                    inp.v,
+                    v_base,
+                    p.v.row_stride,
+                    (block_cols, d, d),
+                    &mut scr.v,
+                );
+            }
+            (None, Some(_)) => {}
         }
-        if let Some(drop) = p.dropout {
-            // row_sum keeps the undropped probabilities (the softmax normaliser); only P·V sees the mask.
-            apply_dropout(drop, (b, h), (m0, rows), (n0, cols), st, np, &mut scr.keep);
-        }
-        // O += P·V, transposed: ot[x][r] += Σ_c v[c][x] · p[r][c].
-        match &inp.packed_v {
-            Some(pv) => {
-                kern.pack_pairs_bf16(st, cols, np, &mut scr.pp);
-                let bn2 = bs.block_n / 2;
-                kern.gemm_bf16(
-                    &Gemm {
+        for at in 0..scr.parts.len() {
+            let Part { l0, l1, cols } = scr.parts[at];
+            // Lanes l0..l1 of the item, rows m0 + l0.. (those of them below `rows` are real).
+            let nw = l1 - l0;
+            let (pm0, prows) = (m0 + l0, rows.min(l1) - l0);
+            let st = &mut scr.st[..cols * nw];
+            // S = Q·Kᵀ, transposed: st[c][r] = Σ_x k[c][x] · q[r][x].
+            match bf {
+                Some(_) => {
+                    let a = match &inp.packed_k {
+                        Some(t) => t.block(p, b, hk, n_block, bs.block_n),
+                        None => &scr.kp[..],
+                    };
+                    kern.gemm_bf16(
+                        &Gemm {
+                            m: cols,
+                            n: nw,
+                            k: d2,
+                            a,
+                            a_rs: d2,
+                            a_cs: 1,
+                            b: &scr.qp[l0..],
+                            b_rs: np,
+                            accumulate: false,
+                            kc: KC,
+                        },
+                        st,
+                        nw,
+                    );
+                }
+                None => {
+                    let a = match &inp.tiles_f32 {
+                        Some((kt, _)) => kt.block(p, b, hk, n_block, bs.block_n),
+                        None => &scr.k[..],
+                    };
+                    kern.scores(
+                        &Gemm {
+                            m: cols,
+                            n: nw,
+                            k: d,
+                            a,
+                            a_rs: d,
+                            a_cs: 1,
+                            b: &scr.qt[l0..],
+                            b_rs: np,
+                            accumulate: false,
+                            kc: KC,
+                        },
+                        st,
+                        nw,
+                        &mut scr.st2,
+                        p.softcap.is_some(),
+                    );
+                }
+            }
+            // A part whose rows all see all its keys takes the unmasked path (without a mask
+            // function: `hide` needs the masked one).
+            let masked = cover == Cover::Some
+                && (p.mask_mod.is_some() || mask.needs_mask(pm0, pm0 + prows, n0, n0 + cols));
+            // A masked block without other modifiers is only masked here, its scale is the
+            // softmax kernel's (as for unmasked blocks): the same values as `apply`'s multiply
+            // per element.
+            let scale = if masked && score_mod.mask_only() {
+                ScoreMod::mask_raw(st, nw, (pm0, prows), (n0, cols), &mask);
+                score_mod.scale_log2
+            } else if score_mod.needs_apply(masked) {
+                score_mod.apply(st, nw, (pm0, prows), (n0, cols), &mask, masked, None);
+                1.0
+            } else {
+                score_mod.scale_log2
+            };
+            if let (true, Some(f)) = (masked, &p.mask_mod) {
+                // -inf whether `apply` scaled the block or the softmax kernel scales it (by a
+                // positive factor, `mask_only`).
+                f.hide((b, h), st, nw, (pm0, prows), (n0, cols), &mask);
+            }
+            kern.softmax_step(
+                st,
+                cols,
+                nw,
+                scale,
+                &mut scr.row_max[l0..],
+                &mut scr.alpha[l0..],
+                &mut scr.m_sub[l0..],
+                &mut scr.row_sum[l0..],
+            );
+            // alpha is exactly 1 where a lane's maximum did not move (exp2(0) = 1 in every
+            // kernel): after the first blocks that is every lane, and acc_o's rescale can be
+            // skipped. The f32 P·V product rescales acc_o as it first adds to it
+            // (`gemm_rescaled`, same bits; on AVX2 one pass over acc_o fewer: 0.5-1.5% of the CPU
+            // time at N = 1024, Zen 4).
+            let rescale = scr.alpha[l0..l1].iter().any(|&a| a != 1.0);
+            let fold = inp.packed_v.is_none();
+            if rescale && !fold {
+                rescale_lanes(kern, &mut scr.ot[l0..], d, (nw, np), &scr.alpha[l0..]);
+            }
+            if let Some(drop) = p.dropout {
+                // row_sum keeps the undropped probabilities (the softmax normaliser); only P·V
+                // sees the mask.
+                apply_dropout(
+                    drop,
+                    (b, h),
+                    (pm0, prows),
+                    (n0, cols),
+                    st,
+                    nw,
+                    &mut scr.keep,
+                );
+            }
+            // O += P·V, transposed: ot[x][r] += Σ_c v[c][x] · p[r][c].
+            match &inp.packed_v {
+                Some(pv) => {
+                    kern.pack_pairs_bf16(st, cols, nw, &mut scr.pp);
+                    let bn2 = bs.block_n / 2;
+                    kern.gemm_bf16(
+                        &Gemm {
+                            m: d,
+                            n: nw,
+                            k: cols.div_ceil(2),
+                            a: pv.block(p, b, hk, n_block, bs.block_n),
+                            a_rs: bn2,
+                            a_cs: 1,
+                            b: &scr.pp,
+                            b_rs: nw,
+                            accumulate: true,
+                            kc: KC,
+                        },
+                        &mut scr.ot[l0..],
+                        np,
+                    );
+                }
+                None => {
+                    let a = match &inp.tiles_f32 {
+                        Some((_, vt)) => vt.block(p, b, hk, n_block, bs.block_n),
+                        None => &scr.v[..],
+                    };
+                    let g = Gemm {
                         m: d,
-                        n: np,
-                        k: cols.div_ceil(2),
-                        a: pv.block(p, b, hk, n_block, bs.block_n),
-                        a_rs: bn2,
-                        a_cs: 1,
-                        b: &scr.pp,
-                        b_rs: np,
+                        n: nw,
+                        k: cols,
+                        a,
+                        a_rs: 1,
+                        a_cs: d,
+                        b: st,
+                        b_rs: nw,
                         accumulate: true,
                         kc: KC,
-                    },
-                    &mut scr.ot,
-                    np,
-                );
-            }
-            None => {
-                let a = match &inp.tiles_f32 {
-                    Some((_, vt)) => vt.block(p, b, hk, n_block, bs.block_n),
-                    None => {
-                        let v_base = seq.v_base + n0 * p.v.row_stride + hk * p.v.head_stride;
-                        load_tile(inp.v, v_base, p.v.row_stride, (cols, d, d), &mut scr.v);
-                        &scr.v[..]
+                    };
+                    if rescale && fold {
+                        kern.gemm_rescaled(&g, &mut scr.ot[l0..], np, &scr.alpha[l0..]);
+                    } else {
+                        kern.gemm(&g, &mut scr.ot[l0..], np);
                     }
-                };
-                let a_cs = d;
-                let g = Gemm {
-                    m: d,
-                    n: np,
-                    k: cols,
-                    a,
-                    a_rs: 1,
-                    a_cs,
-                    b: st,
-                    b_rs: np,
-                    accumulate: true,
-                    kc: KC,
-                };
-                if rescale && fold {
-                    kern.gemm_rescaled(&g, &mut scr.ot, np, &scr.alpha);
-                } else {
-                    kern.gemm(&g, &mut scr.ot, np);
                 }
             }
         }
@@ -353,6 +399,23 @@ pub(super) fn forward_block<T: Element, S: Bf16Source>(
 
     let out_scale = p.dropout.map_or(1.0, |drop| drop.scale()) * p.out_descale(b, h);
     write_rows(p, (b, h, m0, rows, np), out_scale, scr, row_buf, out, lse);
+}
+
+/// `ot[x][r] *= alpha[r]` for lanes `0..nw` of `rows` rows `np` lanes apart (`ot` and `alpha`
+/// start at the part's first lane).
+fn rescale_lanes(
+    kern: &Kernels,
+    ot: &mut [f32],
+    rows: usize,
+    (nw, np): (usize, usize),
+    alpha: &[f32],
+) {
+    if nw == np {
+        return kern.rescale_o(ot, rows, np, alpha);
+    }
+    for x in 0..rows {
+        kern.rescale_o(&mut ot[x * np..x * np + nw], 1, nw, alpha);
+    }
 }
 
 /// Rows gathered from the transposed accumulator at a time by [`write_rows`].

@@ -612,21 +612,28 @@ impl Kernels {
         unsafe { (self.rescale_o)(ot, rows, n, alpha) }
     }
 
-    /// `C = C · col_scale + A·B` (per lane j of C, rows of `c_rs = g.n` lanes; `g.accumulate`): the
-    /// same bits as [`Kernels::rescale_o`] with `col_scale`, then [`Kernels::gemm`]. Where the
-    /// table has a kernel for it, C is multiplied as the product's first chunk loads it, not in a
-    /// pass of its own (the forward's `acc_o` rescale before its P·V product).
+    /// `C = C · col_scale + A·B` (per lane j of C, `g.n` lanes of rows `c_rs` apart;
+    /// `g.accumulate`): the same bits as [`Kernels::rescale_o`] with `col_scale`, then
+    /// [`Kernels::gemm`]. Where the table has a kernel for it, C is multiplied as the product's
+    /// first chunk loads it, not in a pass of its own (the forward's `acc_o` rescale before its
+    /// P·V product).
     pub fn gemm_rescaled(&self, g: &Gemm<f32>, c: &mut [f32], c_rs: usize, col_scale: &[f32]) {
         assert!(
-            g.accumulate && c_rs == g.n && col_scale.len() >= g.n,
+            g.accumulate && col_scale.len() >= g.n,
             "gemm_rescaled: operands"
         );
         g.check(c, c_rs);
         match self.gemm_rescaled {
             // SAFETY: bounds checked above (C's rows, and col_scale's g.n lanes); available ISA.
             Some(f) if g.m > 0 && g.k > 0 => unsafe { f(g, c, c_rs, col_scale) },
-            _ => {
+            _ if c_rs == g.n => {
                 self.rescale_o(c, g.m, c_rs, col_scale);
+                self.gemm(g, c, c_rs);
+            }
+            _ => {
+                for i in 0..g.m {
+                    self.rescale_o(&mut c[i * c_rs..i * c_rs + g.n], 1, g.n, col_scale);
+                }
                 self.gemm(g, c, c_rs);
             }
         }

@@ -310,3 +310,64 @@ fn window_near_i64_max_is_unbounded() {
         );
     }
 }
+
+/// The built-in masks compute the blocks they cut in parts (only the lanes whose rows see the
+/// block, each strip with the keys up to its last row's); a function that hides the same pairs
+/// takes each such block whole. The skipped lanes and keys would only have added zeros, so both
+/// give the same bits: causal and windows, seqlen_q != seqlen_k both ways, GQA, with softcap,
+/// ALiBi and dropout, f32 and bf16, on every instruction set.
+#[test]
+fn masked_blocks_in_parts_give_the_whole_blocks_bits() {
+    use crate::common::backward::{GradCase, GradData, Shape};
+    use flashattn::Tensor;
+    use half::bf16;
+    fn bits(t: &Tensor) -> Vec<u64> {
+        t.to_f64_vec().iter().map(|x| x.to_bits()).collect()
+    }
+    fn run<T: flashattn::Element>() {
+        static SLOPES: [f32; 4] = [0.25, 0.5, 0.125, 1.0];
+        let shapes: [Shape; 4] = [
+            (1, 300, 300, 4, 2, 40),
+            (2, 257, 190, 4, 1, 64),
+            (1, 190, 257, 4, 4, 24),
+            (1, 97, 400, 4, 2, 16),
+        ];
+        // (left, right) windows; -1 is unbounded.
+        let windows: [(i64, i64); 5] = [(-1, 0), (70, 0), (16, 3), (-1, 40), (100, -1)];
+        for (n, &shape) in shapes.iter().enumerate() {
+            let (sq, sk) = (shape.1 as i64, shape.2 as i64);
+            let case = GradCase {
+                seed: 40 + n as u64,
+                shape,
+                opts: AttnOptions::default(),
+                logit_scale: 2.0,
+            };
+            let data = GradData::<T>::new(&case);
+            let [q, k, v, _] = data.views();
+            for (wi, &(left, right)) in windows.iter().enumerate() {
+                let what = ["plain", "softcap", "ALiBi", "dropout"][(n + wi) % 4];
+                let extra = match (n + wi) % 4 {
+                    0 => AttnOptions::default(),
+                    1 => AttnOptions::default().softcap(5.0),
+                    2 => AttnOptions::default().alibi_slopes(TensorRef::contiguous(&SLOPES, &[4])),
+                    _ => AttnOptions::default().dropout(0.3, 77),
+                };
+                for isa in flashattn::simd::available() {
+                    let built_in = extra.clone().window(left, right).isa(isa);
+                    let by_fn = extra.clone().isa(isa).mask_mod(move |x| {
+                        let at = x.q as i64 + sk - sq;
+                        let k = x.k as i64;
+                        (left < 0 || k >= at - left) && (right < 0 || k <= at + right)
+                    });
+                    let a = flash_attn(&q, &k, &v, &built_in).unwrap();
+                    let b = flash_attn(&q, &k, &v, &by_fn).unwrap();
+                    let ctx = format!("{shape:?} window ({left}, {right}) {what} {isa:?}");
+                    assert_eq!(bits(&a.out), bits(&b.out), "out, {ctx}");
+                    assert_eq!(bits(&a.lse), bits(&b.lse), "lse, {ctx}");
+                }
+            }
+        }
+    }
+    run::<f32>();
+    run::<bf16>();
+}
