@@ -228,6 +228,9 @@ def test_bad_input_is_refused():
         create_block_mask(causal, b, h, -1, s)
     with pytest.raises(ValueError, match="B must"):
         create_block_mask(causal, 0, h, s, s)
+    with pytest.raises(ValueError, match="KV_LEN must"):
+        create_block_mask(causal, b, h, s, 2.5)
+    assert create_block_mask(causal, torch.tensor(b), None, s, s).shape == (b, 1, s, s)
     with pytest.raises(TypeError, match="callable"):
         create_block_mask(None, b, h, s, s)
     with pytest.raises(TypeError, match="torch.bool"):

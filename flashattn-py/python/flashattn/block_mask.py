@@ -20,6 +20,7 @@ gradients). CPU tensors only; not through ``torch.compile`` (the mask is no tens
 
 from __future__ import annotations
 
+import operator
 from typing import Callable, Optional
 
 import torch
@@ -39,10 +40,14 @@ _CHUNK_ELEMS = 1 << 24
 def _dim(name: str, x, broadcast: bool) -> int:
     if x is None and broadcast:
         return 1
-    if isinstance(x, bool) or not isinstance(x, int) or x < (1 if broadcast else 0):
+    try:
+        n = None if isinstance(x, bool) else operator.index(x)
+    except TypeError:
+        n = None
+    if n is None or n < (1 if broadcast else 0):
         what = "a positive int or None" if broadcast else "an int >= 0"
         raise ValueError(f"flashattn: {name} must be {what}, got {x!r}")
-    return x
+    return n
 
 
 class BlockMask:
