@@ -5,6 +5,7 @@
 //! output tensors the Python layer allocated. Validation of shapes, strides, options and values
 //! is the library's (one boundary); this layer only checks what turns addresses into slices.
 
+mod block_mask;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod errors;
@@ -17,6 +18,7 @@ use flashattn::fp8::Descale;
 use flashattn::{AttnOptions, BlockTable, KvCacheOptions, TensorRef};
 use pyo3::prelude::*;
 
+use block_mask::{PyBlockMask, PyBlockMaskBuilder};
 use errors::{BindError, FlashAttnError};
 use view::{Dt, RawView, View};
 
@@ -39,6 +41,8 @@ pub(crate) struct Opts {
     cu_seqlens: Option<(Vec<i32>, Vec<i32>)>,
     /// FP8 forward: the descale factors are per-block tables (`Descale::per_block`).
     descale_per_block: bool,
+    /// A mask evaluated once (`flashattn.BlockMask`; CPU forward and backward).
+    block_mask: Option<Py<PyBlockMask>>,
 }
 
 /// The options' tensors, checked.
@@ -77,6 +81,9 @@ impl Opts {
         }
         if self.dropout_p != 0.0 {
             o = o.dropout(self.dropout_p, self.seed);
+        }
+        if let Some(m) = &self.block_mask {
+            o = o.block_mask(m.get().inner.clone());
         }
         Ok(o)
     }
@@ -533,6 +540,9 @@ fn isa() -> PyResult<String> {
 fn _flashattn(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FlashAttnError", m.py().get_type::<FlashAttnError>())?;
     m.add("MAX_HEAD_DIM", flashattn::MAX_HEAD_DIM)?;
+    m.add("BLOCK_SIZE", flashattn::block_mask::MASK_BLOCK)?;
+    m.add_class::<PyBlockMask>()?;
+    m.add_class::<PyBlockMaskBuilder>()?;
     m.add_function(wrap_pyfunction!(fwd, m)?)?;
     m.add_function(wrap_pyfunction!(bwd, m)?)?;
     m.add_function(wrap_pyfunction!(fwd_fp8, m)?)?;

@@ -270,6 +270,16 @@ impl View {
         Ok(self.slice_mut::<f32>())
     }
 
+    /// The bytes of a contiguous `uint8`/`bool` view, read only.
+    ///
+    /// # Safety
+    /// As [`View::slice`].
+    pub unsafe fn bytes_ref<'a>(&self) -> Result<&'a [u8], BindError> {
+        self.expect(Dt::U8)?;
+        self.check_contiguous()?;
+        Ok(self.slice::<u8>())
+    }
+
     /// The bytes of a contiguous `uint8`/`bool` view, writable.
     ///
     /// # Safety

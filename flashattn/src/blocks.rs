@@ -9,37 +9,48 @@
 use std::fmt;
 use std::sync::Arc;
 
-/// The coordinates a [`MaskMod`] is asked about: sequence `batch` (the packed call's sequence
-/// index), query head `head`, and query row `q` and key `k` within that sequence (the coordinates
-/// of the causal rule, before its bottom-right alignment).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct MaskIndex {
-    pub batch: usize,
-    pub head: usize,
-    pub q: usize,
-    pub k: usize,
-}
+use crate::block_mask::BlockMask;
+pub use crate::block_mask::MaskIndex;
 
-/// A custom mask function (FlexAttention's `mask_mod`): key `k` is visible to query `q` iff the
-/// built-in masks (causal, window) and the function both allow it. It must be pure: the kernels
-/// call it any number of times per pair, in any order, from several threads. CPU only.
+/// A custom mask (FlexAttention's `mask_mod`): key `k` is visible to query `q` iff the built-in
+/// masks (causal, window) and the mask both allow it. Either a function, which must be pure (the
+/// kernels call it any number of times per pair, in any order, from several threads), or a
+/// [`BlockMask`] evaluated once, which answers the same questions from its block summaries and
+/// bits. CPU only.
 #[derive(Clone)]
-pub struct MaskMod(Arc<dyn Fn(MaskIndex) -> bool + Send + Sync>);
+pub struct MaskMod(Source);
+
+#[derive(Clone)]
+enum Source {
+    Fn(Arc<dyn Fn(MaskIndex) -> bool + Send + Sync>),
+    Blocks(BlockMask),
+}
 
 impl MaskMod {
     pub fn new(f: impl Fn(MaskIndex) -> bool + Send + Sync + 'static) -> Self {
-        MaskMod(Arc::new(f))
+        MaskMod(Source::Fn(Arc::new(f)))
     }
 
-    /// Whether the function shows key `k` to query `q` of (sequence `batch`, head `head`).
+    /// Whether the mask shows key `k` to query `q` of (sequence `batch`, head `head`).
     #[inline]
     pub fn allows(&self, batch: usize, head: usize, q: usize, k: usize) -> bool {
-        (self.0)(MaskIndex { batch, head, q, k })
+        match &self.0 {
+            Source::Fn(f) => f(MaskIndex { batch, head, q, k }),
+            Source::Blocks(m) => m.allows(batch, head, q, k),
+        }
+    }
+
+    /// The block mask this was made from, if any.
+    pub fn block_mask(&self) -> Option<&BlockMask> {
+        match &self.0 {
+            Source::Fn(_) => None,
+            Source::Blocks(m) => Some(m),
+        }
     }
 
     /// How much of the block of rows `m0..m1` × keys `n0..n1` of (sequence b, head h) both
-    /// `mask` and the function show. Calls the function for each pair `mask` shows until both a
-    /// shown and a hidden pair are found.
+    /// `mask` and this mask show. A function is called for each pair `mask` shows until both a
+    /// shown and a hidden pair are found; a block mask looks up each mask block a row touches.
     pub(crate) fn cover(
         &self,
         (b, h): (usize, usize),
@@ -52,15 +63,28 @@ impl MaskMod {
             let (lo, hi) = mask.key_range(i);
             let (lo, hi) = (lo.max(n0), hi.min(n1));
             hidden |= lo > n0 || hi < n1;
-            for j in lo..hi {
-                if self.allows(b, h, i, j) {
-                    shown = true;
-                } else {
-                    hidden = true;
+            match &self.0 {
+                Source::Fn(_) => {
+                    for j in lo..hi {
+                        if self.allows(b, h, i, j) {
+                            shown = true;
+                        } else {
+                            hidden = true;
+                        }
+                        if shown && hidden {
+                            return Cover::Some;
+                        }
+                    }
                 }
-                if shown && hidden {
-                    return Cover::Some;
+                Source::Blocks(m) if lo < hi => {
+                    let c = m.row_cover(b, h, i, lo, hi);
+                    shown |= c.shown;
+                    hidden |= c.hidden;
                 }
+                Source::Blocks(_) => {}
+            }
+            if shown && hidden {
+                return Cover::Some;
             }
         }
         match (shown, hidden) {
@@ -83,18 +107,38 @@ impl MaskMod {
     ) {
         for r in 0..rows {
             let (lo, hi) = mask.key_range(m0 + r);
-            for j in lo.max(n0)..hi.min(n0 + cols) {
-                if !self.allows(b, h, m0 + r, j) {
-                    st[(j - n0) * np + r] = f32::NEG_INFINITY;
-                }
+            let (lo, hi) = (lo.max(n0), hi.min(n0 + cols));
+            let hide = |j: usize| st[(j - n0) * np + r] = f32::NEG_INFINITY;
+            match &self.0 {
+                Source::Fn(f) => (lo..hi)
+                    .filter(|&k| {
+                        !f(MaskIndex {
+                            batch: b,
+                            head: h,
+                            q: m0 + r,
+                            k,
+                        })
+                    })
+                    .for_each(hide),
+                Source::Blocks(m) if lo < hi => m.for_each_hidden(b, h, m0 + r, (lo, hi), hide),
+                Source::Blocks(_) => {}
             }
         }
     }
 }
 
+impl From<BlockMask> for MaskMod {
+    fn from(m: BlockMask) -> Self {
+        MaskMod(Source::Blocks(m))
+    }
+}
+
 impl fmt::Debug for MaskMod {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("MaskMod(<fn>)")
+        match &self.0 {
+            Source::Fn(_) => f.write_str("MaskMod(<fn>)"),
+            Source::Blocks(m) => write!(f, "MaskMod({m:?})"),
+        }
     }
 }
 
@@ -245,40 +289,57 @@ mod tests {
         }
     }
 
-    /// `cover` and `hide` against the per-element rule, with a function that hides some pairs.
+    /// `cover` and `hide` against the per-element rule, with a function that hides some pairs and
+    /// the block mask built from it (tiles within one mask block and spanning several).
     #[test]
     fn cover_and_hide_agree_with_elementwise_rule() {
-        let f =
-            MaskMod::new(|x: MaskIndex| !(x.q * 3 + x.k + x.head).is_multiple_of(5) && x.k != 4);
-        let shown = |m: &Mask, i, j| visible(m, i, j) && f.allows(0, 1, i, j);
-        for (sq, sk) in [(1usize, 1usize), (7, 16), (16, 7), (33, 40)] {
-            for (left, right) in [(None, None), (None, Some(0)), (Some(2), Some(1))] {
-                let m = Mask::new(sq, sk, left, right);
-                for (bm, bn) in [(1usize, 1usize), (4, 3), (16, 16)] {
-                    for m0 in (0..sq).step_by(bm) {
-                        let m1 = (m0 + bm).min(sq);
-                        for n0 in (0..sk).step_by(bn) {
-                            let n1 = (n0 + bn).min(sk);
-                            let pairs = || (m0..m1).flat_map(|i| (n0..n1).map(move |j| (i, j)));
-                            let want = if pairs().all(|(i, j)| shown(&m, i, j)) {
-                                Cover::All
-                            } else if pairs().any(|(i, j)| shown(&m, i, j)) {
-                                Cover::Some
-                            } else {
-                                Cover::None
-                            };
-                            let got = m.cover(Some(&f), (0, 1), (m0, m1), (n0, n1));
-                            assert_eq!(
-                                got, want,
-                                "{sq}x{sk} {left:?} {right:?} {m0}..{m1} {n0}..{n1}"
-                            );
-                            let (rows, cols, np) = (m1 - m0, n1 - n0, m1 - m0 + 1);
-                            let mut st = vec![1.0f32; cols * np];
-                            f.hide((0, 1), &mut st, np, (m0, rows), (n0, cols), &m);
-                            for (i, j) in pairs() {
-                                let hidden = visible(&m, i, j) && !f.allows(0, 1, i, j);
-                                let x = st[(j - n0) * np + i - m0];
-                                assert_eq!(x == f32::NEG_INFINITY, hidden, "({i}, {j})");
+        let g = |x: MaskIndex| !(x.q * 3 + x.k + x.head).is_multiple_of(5) && x.k != 4;
+        for (sq, sk) in [(1usize, 1usize), (7, 16), (16, 7), (33, 40), (130, 150)] {
+            let shape = crate::MaskShape {
+                batch: 1,
+                heads: 2,
+                seqlen_q: sq,
+                seqlen_k: sk,
+            };
+            let blocks = MaskMod::from(BlockMask::from_fn(shape, g).unwrap());
+            for f in [MaskMod::new(g), blocks] {
+                let shown = |m: &Mask, i, j| {
+                    visible(m, i, j)
+                        && g(MaskIndex {
+                            batch: 0,
+                            head: 1,
+                            q: i,
+                            k: j,
+                        })
+                };
+                for (left, right) in [(None, None), (None, Some(0)), (Some(2), Some(1))] {
+                    let m = Mask::new(sq, sk, left, right);
+                    for (bm, bn) in [(1usize, 1usize), (4, 3), (16, 16), (80, 100)] {
+                        for m0 in (0..sq).step_by(bm) {
+                            let m1 = (m0 + bm).min(sq);
+                            for n0 in (0..sk).step_by(bn) {
+                                let n1 = (n0 + bn).min(sk);
+                                let pairs = || (m0..m1).flat_map(|i| (n0..n1).map(move |j| (i, j)));
+                                let want = if pairs().all(|(i, j)| shown(&m, i, j)) {
+                                    Cover::All
+                                } else if pairs().any(|(i, j)| shown(&m, i, j)) {
+                                    Cover::Some
+                                } else {
+                                    Cover::None
+                                };
+                                let got = m.cover(Some(&f), (0, 1), (m0, m1), (n0, n1));
+                                assert_eq!(
+                                    got, want,
+                                    "{f:?} {sq}x{sk} {left:?} {right:?} {m0}..{m1} {n0}..{n1}"
+                                );
+                                let (rows, cols, np) = (m1 - m0, n1 - n0, m1 - m0 + 1);
+                                let mut st = vec![1.0f32; cols * np];
+                                f.hide((0, 1), &mut st, np, (m0, rows), (n0, cols), &m);
+                                for (i, j) in pairs() {
+                                    let hidden = visible(&m, i, j) && !shown(&m, i, j);
+                                    let x = st[(j - n0) * np + i - m0];
+                                    assert_eq!(x == f32::NEG_INFINITY, hidden, "({i}, {j})");
+                                }
                             }
                         }
                     }

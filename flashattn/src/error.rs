@@ -353,10 +353,33 @@ pub enum ErrorKind {
     /// A custom mask function ([`crate::AttnOptions::mask_mod`]) on a call that does not take one:
     /// only the CPU forward and backward of f32, f16 and bf16 inputs do.
     #[error(
-        "mask_mod (a custom mask function) is not supported by {call}; only the CPU forward and \
+        "mask_mod or block_mask (a custom mask) is not supported by {call}; only the CPU forward and \
          backward of f32, f16 and bf16 inputs take one"
     )]
     MaskModUnsupported { call: &'static str },
+    /// A block mask ([`crate::AttnOptions::block_mask`]) made for another shape than the call's:
+    /// `dim` of the mask is `mask`, the call's `call`. Batch and heads may be 1 (shared); the
+    /// lengths must equal the call's, or with `packed` (varlen) cover its longest sequence.
+    #[error(
+        "block_mask was made for {dim} {mask} but the call has {dim} {call} ({})",
+        if *packed {
+            "packed: the mask's lengths must be at least the longest sequence's"
+        } else if *dim == "batch" || *dim == "heads" {
+            "the mask's batch and heads must be the call's or 1"
+        } else {
+            "the mask's lengths must be the call's"
+        }
+    )]
+    BlockMaskShape {
+        dim: &'static str,
+        mask: usize,
+        call: usize,
+        packed: bool,
+    },
+    /// A block mask's construction input is inconsistent (a dense mask of the wrong size, rows
+    /// that are not whole blocks, rows never given).
+    #[error("block mask: {detail}")]
+    BlockMaskInput { detail: String },
     /// An option the CUDA backend does not implement (the CPU path does).
     #[error("{feature} is not supported by the CUDA backend{detail}")]
     CudaUnsupported {

@@ -29,6 +29,7 @@
 //! - `scale_log2`: `softmax_scale · log2(e)`, so exponentials are `exp2`.
 //! - `delta`: `rowsum(dO ∘ O)`, the backward pass's softmax correction.
 
+pub mod block_mask;
 pub mod blocks;
 pub(crate) mod cpu;
 #[cfg(feature = "cuda")]
@@ -58,7 +59,8 @@ pub mod tensor;
 #[cfg(test)]
 pub(crate) mod test_util;
 
-pub use blocks::{MaskIndex, MaskMod};
+pub use block_mask::{BlockMask, BlockMaskBuilder, MaskIndex, MaskShape};
+pub use blocks::MaskMod;
 pub use decode::{
     flash_attn_with_kvcache, flash_attn_with_kvcache_into, merge_attn_partials, BlockTable,
     KvCacheOptions, Rotary,

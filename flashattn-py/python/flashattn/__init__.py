@@ -9,6 +9,7 @@ CPU tensors (f32, f16, bf16, FP8); see the README for what is not covered yet.
 """
 
 from ._flashattn import MAX_HEAD_DIM, FlashAttnError, isa
+from .block_mask import BLOCK_SIZE, BlockMask, create_block_mask, flex_attention
 from .interface import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -20,8 +21,11 @@ from .interface import (
 )
 
 __all__ = [
+    "BLOCK_SIZE",
+    "BlockMask",
     "FlashAttnError",
     "MAX_HEAD_DIM",
+    "create_block_mask",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
@@ -29,5 +33,6 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
+    "flex_attention",
     "isa",
 ]

@@ -119,6 +119,7 @@ def _opts(
     cu_seqlens_k: Optional[Tensor] = None,
     cuda: bool = False,
     descale_per_block: bool = False,
+    block_mask=None,
 ) -> dict:
     cu = None
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
@@ -142,6 +143,8 @@ def _opts(
         "num_threads": torch.get_num_threads(),
         "cu_seqlens": cu,
         "descale_per_block": bool(descale_per_block),
+        # A flashattn.BlockMask's extension object (CPU forward and backward).
+        "block_mask": None if block_mask is None else block_mask._ext,
     }
 
 
@@ -214,9 +217,10 @@ def _direct(*tensors: Optional[Tensor]) -> bool:
 
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_left,
              window_right, softcap, alibi_slopes, learnable_sink, want_lse: bool,
-             cuda: Optional[bool] = None):
+             cuda: Optional[bool] = None, block_mask=None):
     """The forward's work: (out, lse, seed); lse None when not `want_lse` (CPU only). `cuda`:
-    the device when the caller knows it (`_on_cuda` otherwise)."""
+    the device when the caller knows it (`_on_cuda` otherwise). `block_mask`: a
+    flashattn.BlockMask (not an op argument: `flashattn.block_mask` calls this directly)."""
     packed = cu_seqlens_q is not None
     if cuda is None:
         cuda = _on_cuda(q=q, k=k, v=v, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
@@ -227,7 +231,7 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, caus
         lse = torch.empty(_lse_shape(q, packed), dtype=torch.float32, device=q.device)
     opts = _opts(
         softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-        learnable_sink, dropout_p, seed, cu_seqlens_q, cu_seqlens_k, cuda,
+        learnable_sink, dropout_p, seed, cu_seqlens_q, cu_seqlens_k, cuda, block_mask=block_mask,
     )
     views = [_view("q", q, cuda), _view("k", k, cuda), _view("v", v, cuda),
              _view("out", out, cuda), _maybe_view("lse", lse, cuda)]
@@ -313,6 +317,15 @@ def bwd(
     learnable_sink: Optional[Tensor],
     rng_state: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dropout_p,
+                     softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+                     learnable_sink, int(rng_state[0]))
+
+
+def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale,
+              causal, window_left, window_right, softcap, alibi_slopes, learnable_sink,
+              seed: int, block_mask=None):
+    """The backward's work: (dq, dk, dv, dsink); `block_mask` as in `_forward`."""
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     cuda = _on_cuda(q=q, k=k, v=v, out=out, lse=lse, dout=dout, alibi_slopes=alibi_slopes,
@@ -322,7 +335,7 @@ def bwd(
     dsink = torch.empty((q.shape[-2],) if has_sink else (0,), dtype=torch.float32, device=q.device)
     opts = _opts(
         softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-        learnable_sink, dropout_p, int(rng_state[0]), cu_seqlens_q, cu_seqlens_k, cuda,
+        learnable_sink, dropout_p, seed, cu_seqlens_q, cu_seqlens_k, cuda, block_mask=block_mask,
     )
     views = [_view(n, t, cuda) for n, t in (("q", q), ("k", k), ("v", v), ("out", out),
                                             ("lse", lse), ("dout", dout), ("dq", dq),

@@ -5,7 +5,8 @@ arguments: ``learnable_sink`` (f32 ``[heads]``, gpt-oss style sinks, with their 
 ``q_descale``/``k_descale``/``v_descale`` for ``torch.float8_e4m3fn``/``float8_e5m2`` inputs
 (forward only, bf16 out, as FlashAttention-3: ``[1]`` or ``[batch, heads_kv]``, or 3-D per-block
 tables ``[batch, heads or heads_kv, blocks of 128 rows]``, see ``flashattn.fp8``), and f32 inputs
-(which flash-attn refuses).
+(which flash-attn refuses), and ``block_mask`` (a ``flashattn.BlockMask``, see
+``flashattn.block_mask``: a custom mask evaluated once; CPU, not FP8).
 """
 
 from __future__ import annotations
@@ -85,11 +86,24 @@ def _attention(
     q_descale: Optional[Tensor],
     k_descale: Optional[Tensor],
     v_descale: Optional[Tensor],
+    block_mask=None,
 ):
     _check_qkv(q, k, v)
     scale = _scale(softmax_scale, q.shape[-1])
     left, right = _window(window_size)
-    if q.dtype in _ops.FP8_DTYPES:
+    if block_mask is not None:
+        if q.dtype in _ops.FP8_DTYPES or q_descale is not None or k_descale is not None \
+                or v_descale is not None:
+            raise ValueError("flashattn: block_mask does not go with FP8 inputs")
+        if return_attn_probs and dropout_p > 0.0:
+            raise ValueError("flashattn: return_attn_probs with dropout does not apply block_mask")
+        from .block_mask import masked_attention
+
+        out, lse, rng_state = masked_attention(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, float(dropout_p), scale, causal, left, right,
+            float(softcap), alibi_slopes, learnable_sink, block_mask,
+        )
+    elif q.dtype in _ops.FP8_DTYPES:
         if dropout_p != 0.0:
             raise ValueError("flashattn: FP8 inputs take no dropout (forward only)")
         out, lse = _ops.fwd_fp8(
@@ -132,6 +146,7 @@ def flash_attn_func(
     return_attn_probs=False,
     *,
     learnable_sink=None,
+    block_mask=None,
     q_descale=None,
     k_descale=None,
     v_descale=None,
@@ -145,6 +160,7 @@ def flash_attn_func(
     return _attention(
         q, k, v, None, None, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
         return_attn_probs, learnable_sink, q_descale, k_descale, v_descale,
+        block_mask=block_mask,
     )
 
 
@@ -161,11 +177,13 @@ def flash_attn_kvpacked_func(
     return_attn_probs=False,
     *,
     learnable_sink=None,
+    block_mask=None,
 ):
     """q ``[batch, seqlen_q, heads, d]``, kv ``[batch, seqlen_k, 2, heads_kv, d]`` (views, no copy)."""
     return _attention(
         q, kv[:, :, 0], kv[:, :, 1], None, None, dropout_p, softmax_scale, causal, window_size,
         softcap, alibi_slopes, return_attn_probs, learnable_sink, None, None, None,
+        block_mask=block_mask,
     )
 
 
@@ -181,11 +199,13 @@ def flash_attn_qkvpacked_func(
     return_attn_probs=False,
     *,
     learnable_sink=None,
+    block_mask=None,
 ):
     """qkv ``[batch, seqlen, 3, heads, d]`` (views, no copy)."""
     return _attention(
         qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], None, None, dropout_p, softmax_scale, causal,
         window_size, softcap, alibi_slopes, return_attn_probs, learnable_sink, None, None, None,
+        block_mask=block_mask,
     )
 
 
@@ -208,6 +228,7 @@ def flash_attn_varlen_func(
     block_table=None,
     *,
     learnable_sink=None,
+    block_mask=None,
     q_descale=None,
     k_descale=None,
     v_descale=None,
@@ -220,6 +241,8 @@ def flash_attn_varlen_func(
     keys through its pages (forward only, as in flash-attn).
     """
     if block_table is not None:
+        if block_mask is not None:
+            raise ValueError("flashattn: block_table (paged k/v) takes no block_mask")
         if dropout_p != 0.0 or return_attn_probs:
             raise ValueError("flashattn: block_table takes no dropout and no return_attn_probs")
         cache_seqlens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
@@ -233,6 +256,7 @@ def flash_attn_varlen_func(
     return _attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size,
         softcap, alibi_slopes, return_attn_probs, learnable_sink, q_descale, k_descale, v_descale,
+        block_mask=block_mask,
     )
 
 
@@ -253,11 +277,13 @@ def flash_attn_varlen_kvpacked_func(
     return_attn_probs=False,
     *,
     learnable_sink=None,
+    block_mask=None,
 ):
     """q ``[total_q, heads, d]``, kv ``[total_k, 2, heads_kv, d]`` (views, no copy)."""
     return _attention(
         q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal,
         window_size, softcap, alibi_slopes, return_attn_probs, learnable_sink, None, None, None,
+        block_mask=block_mask,
     )
 
 
@@ -275,11 +301,13 @@ def flash_attn_varlen_qkvpacked_func(
     return_attn_probs=False,
     *,
     learnable_sink=None,
+    block_mask=None,
 ):
     """qkv ``[total, 3, heads, d]`` (views, no copy); one ``cu_seqlens`` for q and k."""
     return _attention(
         qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, dropout_p, softmax_scale, causal,
         window_size, softcap, alibi_slopes, return_attn_probs, learnable_sink, None, None, None,
+        block_mask=block_mask,
     )
 
 

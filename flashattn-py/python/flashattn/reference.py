@@ -37,8 +37,9 @@ def _bias_and_mask(sq, sk, causal, window_size, alibi_row, device, dtype):
 
 
 def _one_sequence(q, k, v, scale, causal, window_size, softcap, alibi_row, sink, keep, dropout_p,
-                  dtype):
-    """q [sq, h, d], k/v [sk, hk, d] -> out [sq, h, d], lse [h, sq], probs [h, sq, sk]."""
+                  dtype, user_mask=None):
+    """q [sq, h, d], k/v [sk, hk, d] -> out [sq, h, d], lse [h, sq], probs [h, sq, sk];
+    ``user_mask``: bool [h or 1, sq, sk], True where the query may see the key."""
     sq, h, _ = q.shape
     sk, hk, _ = k.shape
     g = h // hk
@@ -49,6 +50,8 @@ def _one_sequence(q, k, v, scale, causal, window_size, softcap, alibi_row, sink,
     if softcap:
         s = softcap * torch.tanh(s / softcap)
     visible, bias = _bias_and_mask(sq, sk, causal, window_size, alibi_row, q.device, dtype)
+    if user_mask is not None:
+        visible = visible & user_mask.to(device=q.device, dtype=torch.bool)
     if bias is not None:
         s = s + bias
     s = s.masked_fill(~visible, float("-inf"))
@@ -84,9 +87,12 @@ def attention_ref(
     seed: int = 0,
     dtype: torch.dtype = torch.float64,
     return_probs: bool = False,
+    attn_mask: Optional[Tensor] = None,
 ):
     """Naive attention in ``dtype``; returns ``(out, lse)`` (and the probabilities, a list per
-    sequence of ``[heads, sq, sk]``, with ``return_probs``). Layouts as flashattn's."""
+    sequence of ``[heads, sq, sk]``, with ``return_probs``). Layouts as flashattn's.
+    ``attn_mask``: bool ``[batch or 1, heads or 1, Q_LEN, KV_LEN]``, True where a query sees a
+    key (ANDed with the other masks); sequence b reads ``attn_mask[b, :, :sq, :sk]``."""
     from ._ops import dropout_keep_mask
 
     if scale is None:
@@ -106,8 +112,11 @@ def attention_ref(
         if dropout_p > 0.0:
             h = qs.shape[1]
             keep = dropout_keep_mask(seed, dropout_p, b + 1, h, qs.shape[0], ks.shape[0])[b]
+        user = None
+        if attn_mask is not None:
+            user = attn_mask[b if attn_mask.shape[0] > 1 else 0, :, :qs.shape[0], :ks.shape[0]]
         o, lse, p = _one_sequence(qs, ks, vs, scale, causal, window_size, softcap, alibi_row,
-                                  learnable_sink, keep, dropout_p, dtype)
+                                  learnable_sink, keep, dropout_p, dtype, user)
         outs.append(o)
         lses.append(lse)
         if return_probs:

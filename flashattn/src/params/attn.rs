@@ -7,8 +7,10 @@ use super::check::{
 };
 use super::contract::{Params, RowLayout, Seq, MAX_HEAD_DIM};
 use super::options::{
-    alibi_distance, check_alibi, check_no_descale, check_options, check_sink, AttnOptions,
+    alibi_distance, check_alibi, check_block_mask, check_no_descale, check_options, check_sink,
+    AttnOptions,
 };
+use crate::block_mask::MaskShape;
 use crate::error::{ErrorKind, Result, TensorName};
 use crate::tensor::{DType, TensorRef, ViewDesc};
 
@@ -103,6 +105,13 @@ pub(crate) fn batched<V: ViewDesc + ?Sized>(
     let (heads, heads_kv, head_dim) = check_qkv(q, k, v, 4, LAYOUT)?;
     let (batch, seqlen_q, seqlen_k) = (q.shape()[0], q.shape()[1], k.shape()[1]);
     let o = check_options(opts, head_dim)?;
+    let call = MaskShape {
+        batch,
+        heads,
+        seqlen_q,
+        seqlen_k,
+    };
+    check_block_mask(&o, call, PACKED)?;
     let alibi = check_alibi(opts, batch, heads, alibi_distance([(seqlen_q, seqlen_k)]))?;
     let sink = check_sink(opts, heads)?;
     let out_shape = vec![batch, seqlen_q, heads, head_dim];
@@ -180,6 +189,14 @@ pub(crate) fn varlen<V: ViewDesc + ?Sized>(
     let batch = cu_seqlens_q.len() - 1;
     let o = check_options(opts, head_dim)?;
     let lens = |cu: &[i32], b: usize| (cu[b + 1] - cu[b]) as usize;
+    let longest = |cu: &[i32]| (0..batch).map(|b| lens(cu, b)).max().unwrap_or(0);
+    let call = MaskShape {
+        batch,
+        heads,
+        seqlen_q: longest(cu_seqlens_q),
+        seqlen_k: longest(cu_seqlens_k),
+    };
+    check_block_mask(&o, call, PACKED)?;
     let distance =
         alibi_distance((0..batch).map(|b| (lens(cu_seqlens_q, b), lens(cu_seqlens_k, b))));
     let alibi = check_alibi(opts, batch, heads, distance)?;

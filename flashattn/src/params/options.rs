@@ -3,6 +3,7 @@
 
 use super::check::{check_dtype, check_view};
 use super::contract::LOG2_E;
+use crate::block_mask::{BlockMask, MaskShape};
 use crate::blocks::MaskMod;
 use crate::cpu::simd::{self, Isa, Kernels};
 use crate::dropout::Dropout;
@@ -51,8 +52,9 @@ pub struct AttnOptions<'a> {
     /// The dequantisation factors of FP8 inputs ([`AttnOptions::descale`]); only the FP8 calls
     /// take them (any other call: [`crate::ErrorKind::DescaleNotFp8`]).
     pub descale: Option<Descale<'a>>,
-    /// A custom mask function ([`AttnOptions::mask_mod`]): key j is visible to query i iff the
-    /// causal and window rules and the function allow it. CPU forward and backward only (any
+    /// A custom mask function ([`AttnOptions::mask_mod`]) or block mask
+    /// ([`AttnOptions::block_mask`]): key j is visible to query i iff the causal and window rules
+    /// and the mask allow it. CPU forward and backward only (any
     /// other call: [`crate::ErrorKind::MaskModUnsupported`]).
     pub mask_mod: Option<MaskMod>,
 }
@@ -134,6 +136,16 @@ impl<'a> AttnOptions<'a> {
         self.mask_mod = Some(MaskMod::new(f));
         self
     }
+    /// A mask evaluated once ([`BlockMask`], FlexAttention's `block_mask`): as
+    /// [`AttnOptions::mask_mod`] with the function the mask was built from, the same bits, but the
+    /// kernels read block summaries and bit words instead of calling it. It takes the place of a
+    /// `mask_mod` set before (there is one custom mask per call). Its batch and heads are the
+    /// call's or 1 (shared); its lengths are the call's, or for packed sequences at least the
+    /// longest one's ([`crate::ErrorKind::BlockMaskShape`]). CPU forward and backward only.
+    pub fn block_mask(mut self, mask: BlockMask) -> Self {
+        self.mask_mod = Some(MaskMod::from(mask));
+        self
+    }
     /// The dequantisation factors of an FP8 call ([`crate::fp8`]); rejected by every other call.
     pub fn descale(mut self, descale: Descale<'a>) -> Self {
         self.descale = Some(descale);
@@ -198,6 +210,15 @@ pub(crate) fn check_no_descale(opts: &AttnOptions) -> Result<()> {
 pub(crate) fn check_no_mask_mod(opts: &AttnOptions, call: &'static str) -> Result<()> {
     match opts.mask_mod {
         Some(_) => Err(ErrorKind::MaskModUnsupported { call }.into()),
+        None => Ok(()),
+    }
+}
+
+/// Refuses a block mask made for another shape than the call's (`call`: its sequences, query
+/// heads and, packed, its longest lengths).
+pub(crate) fn check_block_mask(o: &CheckedOptions, call: MaskShape, packed: bool) -> Result<()> {
+    match o.mask_mod.as_ref().and_then(MaskMod::block_mask) {
+        Some(m) => m.check_call(call, packed),
         None => Ok(()),
     }
 }

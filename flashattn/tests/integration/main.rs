@@ -8,6 +8,7 @@
 mod common;
 
 mod backward;
+mod block_mask;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod decode;

@@ -18,7 +18,7 @@ use half::bf16;
 
 /// The masks under test, by name.
 #[derive(Clone, Copy, Debug)]
-enum Kind {
+pub(crate) enum Kind {
     /// Query i and key j see each other iff they lie in the same document. Positions count in
     /// key coordinates (query i sits at key position `i + sk - sq`, as the causal rule aligns
     /// it); documents are cut at positions that depend on the sequence. Queries above key 0
@@ -32,7 +32,7 @@ enum Kind {
     EmptyRows,
 }
 
-const KINDS: [Kind; 4] = [
+pub(crate) const KINDS: [Kind; 4] = [
     Kind::Document,
     Kind::PrefixLm,
     Kind::Random,
@@ -59,7 +59,7 @@ fn document(b: usize, pos: i64) -> i64 {
     (pos / (37 + 29 * b)) as i64
 }
 
-fn allows(kind: Kind, (sq, sk): (usize, usize), x: MaskIndex) -> bool {
+pub(crate) fn allows(kind: Kind, (sq, sk): (usize, usize), x: MaskIndex) -> bool {
     let offset = sk as i64 - sq as i64;
     match kind {
         Kind::Document => document(x.batch, x.q as i64 + offset) == document(x.batch, x.k as i64),
@@ -79,7 +79,7 @@ fn with_mask(base: AttnOptions<'static>, kind: Kind, lens: (usize, usize)) -> At
 
 /// The built-in masks each function is combined with (the last with softcap and dropout, which
 /// act on the scores and probabilities the function leaves).
-fn builtins() -> [AttnOptions<'static>; 4] {
+pub(crate) fn builtins() -> [AttnOptions<'static>; 4] {
     [
         AttnOptions::default(),
         AttnOptions::default().causal(true),
@@ -93,7 +93,7 @@ fn builtins() -> [AttnOptions<'static>; 4] {
 
 /// (batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim): GQA and MHA, seqlen_q below and above
 /// seqlen_k, several key blocks, one row and one key, d = 40 and 64.
-const SHAPES: [Shape; 4] = [
+pub(crate) const SHAPES: [Shape; 4] = [
     (1, 113, 203, 4, 2, 40),
     (2, 203, 113, 4, 1, 64),
     (2, 130, 130, 2, 2, 64),
