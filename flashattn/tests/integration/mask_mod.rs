@@ -153,8 +153,9 @@ fn bits(t: &Tensor) -> Vec<u64> {
     t.to_f64_vec().iter().map(|x| x.to_bits()).collect()
 }
 
-/// A function equal to the causal rule takes the blocks the causal option takes, through the
-/// same paths: the same bits, forward and backward, on every instruction set.
+/// A function equal to the causal rule gives the causal option's bits, forward and backward, on
+/// every instruction set: it visits the same blocks, and the forward's parts of the cut blocks
+/// (causal only) compute each lane as the whole block does.
 fn causal_equivalent<T: Element>() {
     for (n, &shape) in SHAPES.iter().enumerate() {
         let (sq, sk) = (shape.1, shape.2);
