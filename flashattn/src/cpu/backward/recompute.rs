@@ -1,9 +1,10 @@
 //! What both passes share: the per-thread tiles, the call's context, and the recomputation of P and
 //! dS for one (query block, key block) tile.
 
+use super::block::Visit;
 use super::query_tiles::{QTiles, QueryTiles};
 use crate::blocks::{Cover, Mask};
-use crate::cpu::forward::{load_pairs, load_tile, PackedV, ScoreMod};
+use crate::cpu::forward::{load_pairs, load_tile, prefetch_rows, PackedV, ScoreMod};
 use crate::cpu::simd::{pad_lanes, Gemm, KC};
 use crate::cpu::{buf, BlockSizes, Buf};
 use crate::params::{GradInputs, Params, LOG2_E};
@@ -43,6 +44,8 @@ pub(super) struct Scratch {
     pub(super) ds2: Buf<u32>,
     pub(super) pt2: Buf<u32>,
     pub(super) dst2: Buf<u32>,
+    /// The tiles a key block visits (pass 1), kept between key blocks.
+    pub(super) visits: Vec<Visit>,
 }
 
 impl Scratch {
@@ -69,6 +72,7 @@ impl Scratch {
             ds2: buf(0, bn.div_ceil(2) * np),
             pt2: buf(0, bn * np / 2),
             dst2: buf(0, bn * np / 2),
+            visits: Vec::new(),
         }
     }
 }
@@ -146,6 +150,22 @@ impl<T: Element> Ctx<'_, T> {
         }
         load_tile(self.k, k_base, p.k.row_stride, (cols, d, d), &mut scr.k);
         load_tile(self.v, v_base, p.v.row_stride, (cols, d, d), &mut scr.v);
+    }
+
+    /// Asks L2 for rows `r0..r1` of the k and v tiles of keys from `n0` of (sequence b, kv head
+    /// hk), as [`Self::load_key_side`] will read them.
+    pub(super) fn prefetch_key_rows(
+        &self,
+        b: usize,
+        hk: usize,
+        n0: usize,
+        (r0, r1): (usize, usize),
+    ) {
+        let (p, s, d) = (self.p, self.p.seqs[b], self.p.head_dim);
+        let k_base = s.k_base + n0 * p.k.row_stride + hk * p.k.head_stride;
+        let v_base = s.v_base + n0 * p.v.row_stride + hk * p.v.head_stride;
+        prefetch_rows(self.k, k_base, p.k.row_stride, (r0, r1, d));
+        prefetch_rows(self.v, v_base, p.v.row_stride, (r0, r1, d));
     }
 
     /// With q-side rows `m0..m1` loaded (`qt`, `dot` their transposes) and keys `n0..n1` in
