@@ -228,8 +228,16 @@ impl<T: Element> Ctx<'_, T> {
         }
         let score_mod = ScoreMod::new(p, b, h);
         let masked = cover == Cover::Some;
-        let plain = !score_mod.needs_apply(masked) && p.dropout.is_none() && p.softcap.is_none();
-        if plain && kern.has_probs_and_ds() {
+        let no_mods = p.dropout.is_none() && p.softcap.is_none();
+        // A tile the causal or window mask cuts, with no other modifier: the mask set on the raw
+        // scores (-inf · scale_log2 stays -inf), then the fused pass (the diagonal tiles of a
+        // causal call took the three passes below).
+        let mask_raw = masked && no_mods && p.mask_mod.is_none() && score_mod.mask_only();
+        let plain = no_mods && (!score_mod.needs_apply(masked) || mask_raw);
+        if plain && kern.has_probs_and_ds() && fused_masked_tiles(masked) {
+            if masked {
+                ScoreMod::mask_raw(pt, np, (m0, rows), (n0, cols), &mask);
+            }
             // dP̃ᵀ = V·dOᵀ first, then P and dS in one pass over the tile (the same bits as the
             // passes below).
             let ds = &mut scr.dst[..cols * np];
@@ -292,4 +300,15 @@ impl<T: Element> Ctx<'_, T> {
             }
         }
     }
+}
+
+/// Whether masked tiles may take the fused pass (always, except in the test that compares it
+/// with the three passes).
+fn fused_masked_tiles(masked: bool) -> bool {
+    #[cfg(test)]
+    if masked && super::tests::UNFUSED_MASKED.get() {
+        return false;
+    }
+    let _ = masked;
+    true
 }
