@@ -137,6 +137,10 @@ fn backward_poisoned<T: Element>(
         tiles: &tiles,
         bs,
         bf,
+        #[cfg(not(test))]
+        fused_masked: true,
+        #[cfg(test)]
+        fused_masked: !tests::UNFUSED_MASKED.get(),
     };
     let d = p.head_dim;
     // The dQ strategy, a choice of this backend (before anything is written: a bad

@@ -89,6 +89,9 @@ pub(super) struct Ctx<'a, T> {
     pub(super) bs: BlockSizes,
     /// bf16 inputs with a bf16 dot product: the inputs as bf16, and k packed for dQ.
     pub(super) bf: Option<Bf<'a>>,
+    /// Whether masked tiles may take the fused P and dS pass (always, except in the test that
+    /// compares it with the three passes).
+    pub(super) fused_masked: bool,
 }
 
 pub(super) struct Bf<'a> {
@@ -234,7 +237,7 @@ impl<T: Element> Ctx<'_, T> {
         // causal call took the three passes below).
         let mask_raw = masked && no_mods && p.mask_mod.is_none() && score_mod.mask_only();
         let plain = no_mods && (!score_mod.needs_apply(masked) || mask_raw);
-        if plain && kern.has_probs_and_ds() && fused_masked_tiles(masked) {
+        if plain && kern.has_probs_and_ds() && (self.fused_masked || !masked) {
             if masked {
                 ScoreMod::mask_raw(pt, np, (m0, rows), (n0, cols), &mask);
             }
@@ -300,15 +303,4 @@ impl<T: Element> Ctx<'_, T> {
             }
         }
     }
-}
-
-/// Whether masked tiles may take the fused pass (always, except in the test that compares it
-/// with the three passes).
-fn fused_masked_tiles(masked: bool) -> bool {
-    #[cfg(test)]
-    if masked && super::tests::UNFUSED_MASKED.get() {
-        return false;
-    }
-    let _ = masked;
-    true
 }
