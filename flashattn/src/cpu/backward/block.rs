@@ -3,7 +3,7 @@
 
 use super::dq_partials::write_dq_rows;
 use super::query_tiles::QTiles;
-use super::recompute::{Ctx, Scratch};
+use super::recompute::{Ctx, Scratch, Visit};
 use crate::blocks::{Cover, Mask};
 use crate::cpu::forward::{prefetch_span, WorkItem};
 use crate::cpu::simd::{pad_lanes, Gemm, KC};
@@ -133,14 +133,6 @@ pub(super) fn dkdv_block<T: Element>(
 /// Tiles whose products hide the prefetches of a key block's next rows and its outputs' rows: the
 /// last few, so that the lines are still in L2 when they are read or written.
 const PREFETCH_VISITS: usize = 4;
-
-/// A (query head, query block) tile that sees the key block, and how.
-#[derive(Clone, Copy)]
-pub(super) struct Visit {
-    h: usize,
-    m_block: usize,
-    cover: Cover,
-}
 
 /// The dK/dV product of pass 1: `C[cols][dp] += A·B` over `k` query rows (or pairs of rows), A's
 /// rows `a_rs` apart, B row-major with `dp` lanes.

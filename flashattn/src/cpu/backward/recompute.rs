@@ -1,7 +1,6 @@
 //! What both passes share: the per-thread tiles, the call's context, and the recomputation of P and
 //! dS for one (query block, key block) tile.
 
-use super::block::Visit;
 use super::query_tiles::{QTiles, QueryTiles};
 use crate::blocks::{Cover, Mask};
 use crate::cpu::forward::{load_pairs, load_tile, prefetch_rows, PackedV, ScoreMod};
@@ -75,6 +74,14 @@ impl Scratch {
             visits: Vec::new(),
         }
     }
+}
+
+/// A (query head, query block) tile that sees a key block, and how (pass 1).
+#[derive(Clone, Copy)]
+pub(super) struct Visit {
+    pub(super) h: usize,
+    pub(super) m_block: usize,
+    pub(super) cover: Cover,
 }
 
 /// Everything both passes read.
