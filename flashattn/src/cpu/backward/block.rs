@@ -3,15 +3,16 @@
 
 use super::dq_partials::write_dq_rows;
 use super::query_tiles::QTiles;
-use super::recompute::{Ctx, Scratch};
+use super::recompute::{Ctx, Scratch, Visit};
 use crate::blocks::{Cover, Mask};
-use crate::cpu::forward::WorkItem;
+use crate::cpu::forward::{prefetch_span, WorkItem};
 use crate::cpu::simd::{pad_lanes, Gemm, KC};
 use crate::cpu::Disjoint;
 use crate::tensor::Element;
 
 /// dK and dV of keys `n_block` (stored in `item.m_block`) of kv head `item.h`; with `dq_part` (the
 /// item's region of [`DqPartials`]), also `dQ += dS·K·scale` of this key block into it.
+/// `next_keys`: the same worker goes on to key block `n_block + 1` (whose rows it prefetches).
 ///
 /// [`DqPartials`]: super::dq_partials::DqPartials
 pub(super) fn dkdv_block<T: Element>(
@@ -21,6 +22,7 @@ pub(super) fn dkdv_block<T: Element>(
     dk: &Disjoint<T>,
     dv: &Disjoint<T>,
     mut dq_part: Option<&mut [f32]>,
+    next_keys: bool,
 ) {
     let (p, bs, d) = (cx.p, cx.bs, cx.p.head_dim);
     let dp = pad_lanes(d);
@@ -34,6 +36,8 @@ pub(super) fn dkdv_block<T: Element>(
     scr.acc_a[..cols * dp].fill(0.0);
     scr.acc_b[..cols * dp].fill(0.0);
     let group = p.heads / p.heads_kv;
+    let mut visits = std::mem::take(&mut scr.visits);
+    visits.clear();
     for h in hk * group..(hk + 1) * group {
         for m_block in 0..s.seqlen_q.div_ceil(bs.block_m) {
             let m0 = m_block * bs.block_m;
@@ -43,53 +47,79 @@ pub(super) fn dkdv_block<T: Element>(
                 continue;
             }
             let cover = mask.cover(p.mask_mod.as_ref(), (b, h), (m0, m1), (n0, n1));
-            if cover == Cover::None {
-                continue;
-            }
-            let rows = m1 - m0;
-            let np = pad_lanes(rows);
-            cx.load_query_side(b, h, m0, rows, scr);
-            let tiles = cx.tiles.get(p, b, h, m_block, bs.block_m);
-            cx.recompute((b, h), (m0, m1), (n0, n1), cover, tiles, scr);
-            // dV += P̃ᵀ·dO and dK += dSᵀ·Q (row-major, dp lanes).
-            let f32_product = |a, x, k, a_rs| rows_product((cols, dp), a, x, k, a_rs);
-            let bf16_product = |a, x, k, a_rs| rows_product((cols, dp), a, x, k, a_rs);
-            let kern = p.kernels;
-            if let QTiles::Bf16([_, _, q_rm2, do_rm2]) = tiles {
-                // Over pairs of query rows: P̃ᵀ and dSᵀ rounded to bf16 (as flash-attn rounds them
-                // for its tensor-core products), q and dO exact.
-                kern.narrow_pairs_bf16(&scr.pt[..cols * np], &mut scr.pt2[..cols * np / 2]);
-                kern.narrow_pairs_bf16(&scr.dst[..cols * np], &mut scr.dst2[..cols * np / 2]);
-                let k2 = rows.div_ceil(2);
-                kern.gemm_bf16(
-                    &bf16_product(&scr.pt2, do_rm2, k2, np / 2),
-                    &mut scr.acc_b,
-                    dp,
-                );
-                kern.gemm_bf16(
-                    &bf16_product(&scr.dst2, q_rm2, k2, np / 2),
-                    &mut scr.acc_a,
-                    dp,
-                );
-            } else if let QTiles::F32([_, _, q_rm, do_rm]) = tiles {
-                kern.gemm(&f32_product(&scr.pt, do_rm, rows, np), &mut scr.acc_b, dp);
-                kern.gemm(&f32_product(&scr.dst, q_rm, rows, np), &mut scr.acc_a, dp);
-            }
-            if let Some(part) = dq_part.as_deref_mut() {
-                let npb = pad_lanes(bs.block_m);
-                let nmb = s.seqlen_q.div_ceil(bs.block_m);
-                let tile = d * npb;
-                let at = ((h - hk * group) * nmb + m_block) * tile;
-                dq_product(
-                    cx,
-                    (b, hk, n_block, cols, np),
-                    scr,
-                    &mut part[at..at + tile],
-                    npb,
-                );
+            if cover != Cover::None {
+                visits.push(Visit { h, m_block, cover });
             }
         }
     }
+    // The last PREFETCH_VISITS tiles ask L2 for the next key block's k and v rows (when this item
+    // goes on to it) and for this block's dK and dV rows: each row sits on its own page at 16
+    // heads, and their copies (`load_tile`, the narrowing stores below) waited on memory.
+    let ahead = next_keys.then(|| (n1, (n1 + bs.block_n).min(s.seqlen_k)));
+    let first_pf = visits.len().saturating_sub(PREFETCH_VISITS);
+    for (i, &Visit { h, m_block, cover }) in visits.iter().enumerate() {
+        if i >= first_pf {
+            let (step, steps) = (i - first_pf, visits.len() - first_pf);
+            if let Some((a0, a1)) = ahead {
+                let span = |n| (step * n / steps, (step + 1) * n / steps);
+                cx.prefetch_key_rows(b, hk, a0, span(a1 - a0));
+            }
+            for c in step * cols / steps..(step + 1) * cols / steps {
+                let at = p.dk_offset(b, n0 + c, hk);
+                // SAFETY: keys n0..n1 of kv head hk of sequence b belong to this work item alone;
+                // the slices live only for the prefetch.
+                unsafe {
+                    prefetch_span(dk.range(at, d));
+                    prefetch_span(dv.range(at, d));
+                }
+            }
+        }
+        let m0 = m_block * bs.block_m;
+        let m1 = (m0 + bs.block_m).min(s.seqlen_q);
+        let rows = m1 - m0;
+        let np = pad_lanes(rows);
+        cx.load_query_side(b, h, m0, rows, scr);
+        let tiles = cx.tiles.get(p, b, h, m_block, bs.block_m);
+        cx.recompute((b, h), (m0, m1), (n0, n1), cover, tiles, scr);
+        // dV += P̃ᵀ·dO and dK += dSᵀ·Q (row-major, dp lanes).
+        let f32_product = |a, x, k, a_rs| rows_product((cols, dp), a, x, k, a_rs);
+        let bf16_product = |a, x, k, a_rs| rows_product((cols, dp), a, x, k, a_rs);
+        let kern = p.kernels;
+        if let QTiles::Bf16([_, _, q_rm2, do_rm2]) = tiles {
+            // Over pairs of query rows: P̃ᵀ and dSᵀ rounded to bf16 (as flash-attn rounds them
+            // for its tensor-core products), q and dO exact.
+            kern.narrow_pairs_bf16(&scr.pt[..cols * np], &mut scr.pt2[..cols * np / 2]);
+            kern.narrow_pairs_bf16(&scr.dst[..cols * np], &mut scr.dst2[..cols * np / 2]);
+            let k2 = rows.div_ceil(2);
+            kern.gemm_bf16(
+                &bf16_product(&scr.pt2, do_rm2, k2, np / 2),
+                &mut scr.acc_b,
+                dp,
+            );
+            kern.gemm_bf16(
+                &bf16_product(&scr.dst2, q_rm2, k2, np / 2),
+                &mut scr.acc_a,
+                dp,
+            );
+        } else if let QTiles::F32([_, _, q_rm, do_rm]) = tiles {
+            kern.gemm(&f32_product(&scr.pt, do_rm, rows, np), &mut scr.acc_b, dp);
+            kern.gemm(&f32_product(&scr.dst, q_rm, rows, np), &mut scr.acc_a, dp);
+        }
+        if let Some(part) = dq_part.as_deref_mut() {
+            let npb = pad_lanes(bs.block_m);
+            let nmb = s.seqlen_q.div_ceil(bs.block_m);
+            let tile = d * npb;
+            let at = ((h - hk * group) * nmb + m_block) * tile;
+            dq_product(
+                cx,
+                (b, hk, n_block, cols, np),
+                scr,
+                &mut part[at..at + tile],
+                npb,
+            );
+        }
+    }
+    scr.visits = visits;
     for c in 0..cols {
         let at = p.dk_offset(b, n0 + c, hk);
         // SAFETY: keys n0..n1 of kv head hk of sequence b belong to this work item alone.
@@ -99,6 +129,10 @@ pub(super) fn dkdv_block<T: Element>(
         }
     }
 }
+
+/// Tiles whose products hide the prefetches of a key block's next rows and its outputs' rows: the
+/// last few, so that the lines are still in L2 when they are read or written.
+const PREFETCH_VISITS: usize = 4;
 
 /// The dK/dV product of pass 1: `C[cols][dp] += A·B` over `k` query rows (or pairs of rows), A's
 /// rows `a_rs` apart, B row-major with `dp` lanes.

@@ -3,7 +3,7 @@
 
 use super::query_tiles::{QTiles, QueryTiles};
 use crate::blocks::{Cover, Mask};
-use crate::cpu::forward::{load_pairs, load_tile, PackedV, ScoreMod};
+use crate::cpu::forward::{load_pairs, load_tile, prefetch_rows, PackedV, ScoreMod};
 use crate::cpu::simd::{pad_lanes, Gemm, KC};
 use crate::cpu::{buf, BlockSizes, Buf};
 use crate::params::{GradInputs, Params, LOG2_E};
@@ -43,6 +43,8 @@ pub(super) struct Scratch {
     pub(super) ds2: Buf<u32>,
     pub(super) pt2: Buf<u32>,
     pub(super) dst2: Buf<u32>,
+    /// The tiles a key block visits (pass 1), kept between key blocks.
+    pub(super) visits: Vec<Visit>,
 }
 
 impl Scratch {
@@ -69,8 +71,17 @@ impl Scratch {
             ds2: buf(0, bn.div_ceil(2) * np),
             pt2: buf(0, bn * np / 2),
             dst2: buf(0, bn * np / 2),
+            visits: Vec::new(),
         }
     }
+}
+
+/// A (query head, query block) tile that sees a key block, and how (pass 1).
+#[derive(Clone, Copy)]
+pub(super) struct Visit {
+    pub(super) h: usize,
+    pub(super) m_block: usize,
+    pub(super) cover: Cover,
 }
 
 /// Everything both passes read.
@@ -85,6 +96,9 @@ pub(super) struct Ctx<'a, T> {
     pub(super) bs: BlockSizes,
     /// bf16 inputs with a bf16 dot product: the inputs as bf16, and k packed for dQ.
     pub(super) bf: Option<Bf<'a>>,
+    /// Whether masked tiles may take the fused P and dS pass (always, except in the test that
+    /// compares it with the three passes).
+    pub(super) fused_masked: bool,
 }
 
 pub(super) struct Bf<'a> {
@@ -148,6 +162,22 @@ impl<T: Element> Ctx<'_, T> {
         load_tile(self.v, v_base, p.v.row_stride, (cols, d, d), &mut scr.v);
     }
 
+    /// Asks L2 for rows `r0..r1` of the k and v tiles of keys from `n0` of (sequence b, kv head
+    /// hk), as [`Self::load_key_side`] will read them.
+    pub(super) fn prefetch_key_rows(
+        &self,
+        b: usize,
+        hk: usize,
+        n0: usize,
+        (r0, r1): (usize, usize),
+    ) {
+        let (p, s, d) = (self.p, self.p.seqs[b], self.p.head_dim);
+        let k_base = s.k_base + n0 * p.k.row_stride + hk * p.k.head_stride;
+        let v_base = s.v_base + n0 * p.v.row_stride + hk * p.v.head_stride;
+        prefetch_rows(self.k, k_base, p.k.row_stride, (r0, r1, d));
+        prefetch_rows(self.v, v_base, p.v.row_stride, (r0, r1, d));
+    }
+
     /// With q-side rows `m0..m1` loaded (`qt`, `dot` their transposes) and keys `n0..n1` in
     /// `scr.k`, `scr.v`: P̃ᵀ into `scr.pt` and (dS·softmax_scale)ᵀ into `scr.dst` (both
     /// `[cols][np]`; padded lanes 0). `cover` is [`Mask::cover`] of the tile, not
@@ -208,8 +238,16 @@ impl<T: Element> Ctx<'_, T> {
         }
         let score_mod = ScoreMod::new(p, b, h);
         let masked = cover == Cover::Some;
-        let plain = !score_mod.needs_apply(masked) && p.dropout.is_none() && p.softcap.is_none();
-        if plain && kern.has_probs_and_ds() {
+        let no_mods = p.dropout.is_none() && p.softcap.is_none();
+        // A tile the causal or window mask cuts, with no other modifier: the mask set on the raw
+        // scores (-inf · scale_log2 stays -inf), then the fused pass (the diagonal tiles of a
+        // causal call took the three passes below).
+        let mask_raw = masked && no_mods && p.mask_mod.is_none() && score_mod.mask_only();
+        let plain = no_mods && (!score_mod.needs_apply(masked) || mask_raw);
+        if plain && kern.has_probs_and_ds() && (self.fused_masked || !masked) {
+            if masked {
+                ScoreMod::mask_raw(pt, np, (m0, rows), (n0, cols), &mask);
+            }
             // dP̃ᵀ = V·dOᵀ first, then P and dS in one pass over the tile (the same bits as the
             // passes below).
             let ds = &mut scr.dst[..cols * np];

@@ -33,8 +33,11 @@ pub(crate) use items::{work_items, WorkItem};
 use rayon::prelude::*;
 pub(crate) use score_mod::ScoreMod;
 use std::sync::Mutex;
-pub(crate) use tiles::{load_pairs, load_pairs_t, load_tile, packed_v_keys, Fp8Source, PackedV};
+#[cfg(test)]
+pub(crate) use tiles::load_pairs_t;
+pub(crate) use tiles::{load_pairs, load_tile, packed_v_keys, Fp8Source, PackedV};
 use tiles::{packed_v, Bf16Source, KeyTiles};
+pub(crate) use tiles::{prefetch_rows, prefetch_span};
 
 /// Forward attention. Returns `out` (q's dtype, `p.out_shape`) and `lse` (`p.lse_shape`), or
 /// `OutOfMemory` where they cannot be allocated.
