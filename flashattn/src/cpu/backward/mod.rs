@@ -31,7 +31,7 @@ mod recompute;
 use super::forward::{as_bf16, bf16_inputs, packed_v_keys, WorkItem};
 use super::{block_sizes, Disjoint, Pass};
 use crate::error::{ErrorKind, Result};
-use crate::memory::try_filled;
+use crate::memory::{par_fill, try_poisoned};
 use crate::params::{GradInputs, Params};
 use crate::tensor::Element;
 use block::{dkdv_block, dq_block};
@@ -56,9 +56,9 @@ pub(crate) fn backward<T: Element>(
     // Poisoned: every element is written, and tests check.
     let poison = T::from_f32(f32::NAN);
     let (mut dq, mut dk, mut dv) = (
-        try_filled("`dq`", poison, p.out_len())?,
-        try_filled("`dk`", poison, p.dk_len())?,
-        try_filled("`dv`", poison, p.dk_len())?,
+        try_poisoned("`dq`", poison, p.out_len())?,
+        try_poisoned("`dk`", poison, p.dk_len())?,
+        try_poisoned("`dv`", poison, p.dk_len())?,
     );
     let inputs = BackwardInputs { q, k, v, out, dout };
     let dsink = backward_poisoned(p, g, inputs, (&mut dq, &mut dk, &mut dv))?;
@@ -83,17 +83,15 @@ pub(crate) fn backward_into<T: Element>(
     inputs: BackwardInputs<T>,
     (dq, dk, dv): (&mut [T], &mut [T], &mut [T]),
 ) -> Result<Option<Vec<f32>>> {
-    // Every element is written; debug builds (the tests) poison the buffers first to check it.
-    // Release builds skip the three fills: they ran on one thread before the parallel work.
-    #[cfg(debug_assertions)]
+    // Poisoned by the pool's threads: every element is written, and tests check.
     for d in [&mut *dq, &mut *dk, &mut *dv] {
-        d.fill(T::from_f32(f32::NAN));
+        par_fill(d, T::from_f32(f32::NAN));
     }
     backward_poisoned(p, g, inputs, (dq, dk, dv))
 }
 
-/// The backward into gradients whose every element it writes (poisoned with NaN first in debug
-/// builds, so that the tests see any it misses).
+/// The backward into gradients whose every element it writes (poisoned with NaN first, so that
+/// the tests see any it misses).
 fn backward_poisoned<T: Element>(
     p: &Params,
     g: &GradInputs,

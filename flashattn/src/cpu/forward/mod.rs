@@ -23,7 +23,8 @@ mod tiles;
 
 use super::reuse::{self, Slot};
 use super::{block_sizes, Disjoint, Pass};
-use crate::error::{ErrorKind, Result};
+use crate::error::Result;
+use crate::memory::{par_fill, try_poisoned};
 use crate::params::{Params, RowLayout};
 use crate::tensor::{DType, Element};
 use block::{forward_block, Inputs, Scratch};
@@ -48,8 +49,8 @@ pub(crate) fn forward<T: Element>(
     v: &[T],
 ) -> Result<(Vec<T>, Vec<f32>)> {
     // Poisoned: every element is written (rows of no sequence explicitly), and tests check.
-    let mut out = poisoned("`out`", T::from_f32(f32::NAN), p.out_len())?;
-    let mut lse = poisoned("`lse`", f32::NAN, p.lse_len())?;
+    let mut out = try_poisoned("`out`", T::from_f32(f32::NAN), p.out_len())?;
+    let mut lse = try_poisoned("`lse`", f32::NAN, p.lse_len())?;
     forward_with(p, (q, k, v), bf16_inputs(p, q, k, v), &mut out, &mut lse)?;
     Ok((out, lse))
 }
@@ -80,8 +81,8 @@ pub(crate) fn forward_fp8(
 ) -> Result<(Vec<bf16>, Vec<f32>)> {
     debug_assert!(p.kernels.has_bf16_dot());
     // The typed slices feed only the f32 products, which do not run when `bf` is given.
-    let mut out = poisoned("`out`", bf16::NAN, p.out_len())?;
-    let mut lse = poisoned("`lse`", f32::NAN, p.lse_len())?;
+    let mut out = try_poisoned("`out`", bf16::NAN, p.out_len())?;
+    let mut lse = try_poisoned("`lse`", f32::NAN, p.lse_len())?;
     forward_with::<bf16, _>(p, (&[], &[], &[]), Some((q, k, v)), &mut out, &mut lse)?;
     Ok((out, lse))
 }
@@ -225,33 +226,6 @@ fn forward_with<T: Element, S: Bf16Source>(
             )
         });
     Ok(())
-}
-
-/// Elements per task of the poison fills: 64 KiB of f32, 16 pages.
-const POISON_CHUNK: usize = 1 << 14;
-
-/// `n` copies of `value` (the poison of `out` and `lse`), or `OutOfMemory` naming `what`, written
-/// by the pool's threads. The first writes to a fresh allocation take its page faults, which on
-/// the calling thread alone kept the other threads waiting: a 32 MiB `out` (N = 4096, 16 heads,
-/// f32 d = 128) took 43-91 ms of wall time to poison on one thread (median 56), 27-60 ms on two
-/// (median 41), against ~0.87 s of CPU time on two threads for the causal forward after it (Zen 4
-/// VM, loaded host, 9 calls each way).
-fn poisoned<T: Copy + Send + Sync>(what: &'static str, value: T, n: usize) -> Result<Vec<T>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(n).map_err(|_| ErrorKind::OutOfMemory {
-        what,
-        bytes: n.saturating_mul(std::mem::size_of::<T>()),
-    })?;
-    // An indexed iterator extends in place, into the capacity reserved above.
-    v.par_extend(rayon::iter::repeat_n(value, n).with_min_len(POISON_CHUNK));
-    Ok(v)
-}
-
-/// `dst.fill(value)` by the pool's threads (see [`poisoned`]: the caller's fresh buffers fault
-/// too).
-fn par_fill<T: Copy + Send + Sync>(dst: &mut [T], value: T) {
-    dst.par_chunks_mut(POISON_CHUNK)
-        .for_each(|chunk| chunk.fill(value));
 }
 
 /// A worker's tiles and its output row buffer.
