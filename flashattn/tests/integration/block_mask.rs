@@ -6,11 +6,9 @@
 //! dimension named, and the calls without custom masks refuse block masks too.
 
 use crate::common::backward::{GradCase, GradData};
-use crate::mask_mod::{allows, builtins, KINDS, SHAPES};
-use flashattn::decode::{flash_attn_with_kvcache, KvCacheOptions};
+use crate::mask_mod::{allows, assert_refused_elsewhere, builtins, KINDS, SHAPES};
 use flashattn::{
-    flash_attn, AttnOptions, BlockMask, Element, ErrorKind, MaskIndex, MaskShape, Tensor,
-    TensorMut, TensorRef,
+    flash_attn, AttnOptions, BlockMask, Element, ErrorKind, MaskIndex, MaskShape, Tensor, TensorRef,
 };
 use half::bf16;
 
@@ -244,43 +242,15 @@ fn masks_of_another_shape_are_refused() {
     assert!(matches!(e.kind(), ErrorKind::BlockMaskInput { .. }), "{e}");
 }
 
-/// Decoding (and the CUDA backend) refuse a block mask as they refuse a function.
+/// FP8, decoding and the CUDA backend refuse a block mask as they refuse a function.
 #[test]
 fn calls_without_custom_masks_refuse_block_masks() {
-    let (b, s, h, d) = (1, 4, 2, 8);
     let shape = MaskShape {
         batch: 1,
         heads: 1,
-        seqlen_q: s,
-        seqlen_k: s,
+        seqlen_q: 4,
+        seqlen_k: 4,
     };
     let bm = BlockMask::from_fn(shape, |x| x.k <= x.q).unwrap();
-    let opts = AttnOptions::default().block_mask(bm);
-    let x: Vec<f32> = (0..b * s * h * d).map(|i| (i as f32 * 0.3).cos()).collect();
-    let q = TensorRef::contiguous(&x, &[b, s, h, d]);
-    let cap = 8;
-    let mut kc = vec![7.0f32; b * cap * h * d];
-    let mut vc = kc.clone();
-    let cshape = [b, cap, h, d];
-    let e = flash_attn_with_kvcache(
-        &q,
-        &mut TensorMut::contiguous(&mut kc[..], &cshape),
-        &mut TensorMut::contiguous(&mut vc[..], &cshape),
-        &[4],
-        &KvCacheOptions::default().attn(opts.clone()),
-    )
-    .unwrap_err();
-    assert!(
-        matches!(e.kind(), ErrorKind::MaskModUnsupported { .. }),
-        "{e}"
-    );
-    assert!(e.to_string().contains("block_mask"), "{e}");
-    #[cfg(feature = "cuda")]
-    {
-        let e = flashattn::cuda::launch_description(&q, &q, &q, &opts).unwrap_err();
-        assert!(
-            matches!(e.kind(), ErrorKind::MaskModUnsupported { .. }),
-            "{e}"
-        );
-    }
+    assert_refused_elsewhere(&AttnOptions::default().block_mask(bm));
 }

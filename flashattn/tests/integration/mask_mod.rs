@@ -249,8 +249,13 @@ fn packed_sequences_see_their_own_coordinates() {
 /// The CUDA backend, FP8 and decoding refuse a function, naming it.
 #[test]
 fn calls_without_mask_functions_refuse_them() {
+    assert_refused_elsewhere(&AttnOptions::default().mask_mod(|x| x.k <= x.q));
+}
+
+/// Checks that FP8, decoding and (where built) the CUDA backend refuse `opts`' custom mask with
+/// `MaskModUnsupported`, naming both ways of giving one.
+pub(crate) fn assert_refused_elsewhere(opts: &AttnOptions<'static>) {
     let (b, s, h, d) = (1, 4, 2, 8);
-    let opts = AttnOptions::default().mask_mod(|x| x.k <= x.q);
     let f8: Vec<F8E4M3> = (0..b * s * h * d)
         .map(|i| F8E4M3::from_f32((i % 5) as f32))
         .collect();
@@ -263,7 +268,11 @@ fn calls_without_mask_functions_refuse_them() {
             call: "the FP8 calls"
         }
     );
-    assert!(e.to_string().contains("mask_mod"), "{e}");
+    let message = e.to_string();
+    assert!(
+        message.contains("mask_mod") && message.contains("block_mask"),
+        "{e}"
+    );
 
     let x: Vec<f32> = (0..b * s * h * d).map(|i| (i as f32 * 0.3).cos()).collect();
     let q = TensorRef::contiguous(&x, &[b, s, h, d]);
@@ -285,7 +294,7 @@ fn calls_without_mask_functions_refuse_them() {
     );
     #[cfg(feature = "cuda")]
     {
-        let e = flashattn::cuda::launch_description(&q, &q, &q, &opts).unwrap_err();
+        let e = flashattn::cuda::launch_description(&q, &q, &q, opts).unwrap_err();
         assert_eq!(
             e.kind(),
             &ErrorKind::MaskModUnsupported {
