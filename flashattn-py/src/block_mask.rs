@@ -4,6 +4,7 @@
 
 use flashattn::{BlockMaskBuilder, MaskShape};
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 
 use crate::errors::BindError;
 use crate::view::{RawView, View};
@@ -65,6 +66,48 @@ impl PyBlockMask {
             }
         });
         Ok(())
+    }
+
+    /// `(kinds, bits)` as little-endian bytes: one `i32` per block (`KIND_EMPTY`, `KIND_FULL` or
+    /// a partial block's index) and `MASK_BLOCK` `u64` row words per partial block.
+    fn parts<'py>(&self, py: Python<'py>) -> (Bound<'py, PyBytes>, Bound<'py, PyBytes>) {
+        let p = self.inner.to_parts();
+        let kinds: Vec<u8> = p.kinds.iter().flat_map(|k| k.to_le_bytes()).collect();
+        let bits: Vec<u8> = p.bits.iter().flat_map(|w| w.to_le_bytes()).collect();
+        (PyBytes::new(py, &kinds), PyBytes::new(py, &bits))
+    }
+
+    /// The mask of [`PyBlockMask::parts`]' arrays, given as contiguous `uint8` views of their
+    /// bytes, for `(batch, heads, seqlen_q, seqlen_k)` (checked).
+    #[staticmethod]
+    fn from_parts(
+        py: Python<'_>,
+        shape: (usize, usize, usize, usize),
+        kinds: RawView,
+        bits: RawView,
+    ) -> PyResult<PyBlockMask> {
+        let (batch, heads, seqlen_q, seqlen_k) = shape;
+        let shape = MaskShape {
+            batch,
+            heads,
+            seqlen_q,
+            seqlen_k,
+        };
+        let (k, b) = (View::try_from(kinds)?, View::try_from(bits)?);
+        // SAFETY: the Python layer holds both tensors alive and unwritten for this call.
+        let (k, b) = unsafe { (k.bytes_ref()?, b.bytes_ref()?) };
+        let kinds: Vec<i32> = k
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes(c.try_into().unwrap_or_default()))
+            .collect();
+        let bits: Vec<u64> = b
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
+            .collect();
+        let inner = py
+            .detach(|| flashattn::BlockMask::from_parts(shape, &kinds, &bits))
+            .map_err(BindError::Lib)?;
+        Ok(PyBlockMask { inner })
     }
 
     fn __repr__(&self) -> String {

@@ -1,7 +1,8 @@
 """Block masks (``create_block_mask``, ``BlockMask.from_dense``, ``flex_attention``): forward and
 gradients against the float64 reference with the same dense boolean mask (and torch's SDPA with
 an explicit boolean mask), with causal and windows ANDed, GQA, seqlen_q != seqlen_k both ways,
-packed sequences, rows that see no key, and the inputs refused."""
+packed sequences, rows that see no key, and the inputs refused; the ops ``flashattn::fwd_masked``
+and ``bwd_masked`` through torch.library.opcheck and torch.compile."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from flashattn import (BlockMask, FlashAttnError, create_block_mask, flash_attn_
                        flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                        flash_attn_varlen_func, flex_attention)
 from flashattn.reference import attention_ref
-from helpers import check_forward, check_gradients, cu_seqlens, dtype_id, leaf, make_qkv
+from helpers import (check_forward, check_gradients, cu_seqlens, dtype_id, leaf, make_qkv,
+                     sink)
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -263,3 +265,78 @@ def test_long_masks_stay_small():
     empty, full, partial = bm.block_counts()
     assert (empty, full, partial) == (128 * 127 // 2, 128 * 127 // 2, 128)
     assert bm.nbytes() < 200_000
+
+
+# ---- the ops (torch.library) and torch.compile ---------------------------------------------------
+
+
+def _fwd_masked_args(q, k, v, bm, *, causal=False, s=None):
+    return (q, k, v, None, None, 0.0, q.shape[-1] ** -0.5, causal, -1, -1, 0.0, None, s,
+            bm._kinds, bm._bits, bm.shape[2], bm.shape[3])
+
+
+@pytest.mark.parametrize("with_sink", [False, True])
+def test_opcheck_masked_ops(with_sink):
+    b, sq, sk, h, hk, d = 2, 113, 203, 4, 2, 40
+    q, k, v = make_qkv(b, sq, sk, h, hk, d, F32, seed=11, requires_grad=True)
+    s = sink(h, requires_grad=True) if with_sink else None
+    bm = create_block_mask(document(sq, sk), b, None, sq, sk)
+    assert bm.block_counts()[2] > 0, "the mask has partial blocks (bits in the op's arguments)"
+    args = _fwd_masked_args(q, k, v, bm, causal=True, s=s)
+    torch.library.opcheck(torch.ops.flashattn.fwd_masked.default, args)
+    out, lse, rng = torch.ops.flashattn.fwd_masked(*args)
+    # The op gives what the public call gives.
+    assert torch.equal(out, flash_attn_func(q, k, v, causal=True, learnable_sink=s,
+                                            block_mask=bm))
+    # The backward op has no gradient of its own: its inputs need none.
+    q, k, v, out, lse = (t.detach() for t in (q, k, v, out, lse))
+    s = None if s is None else s.detach()
+    bargs = (torch.randn_like(out), q, k, v, out, lse, None, None, 0.0, d ** -0.5, True, -1, -1,
+             0.0, None, s, rng, bm._kinds, bm._bits, sq, sk)
+    torch.library.opcheck(torch.ops.flashattn.bwd_masked.default, bargs)
+
+
+def test_masked_op_refuses_inconsistent_mask_tensors():
+    q, k, v = make_qkv(1, 70, 70, 2, 2, 16, F32, seed=2)
+    bm = create_block_mask(causal, None, None, 70, 70)
+    args = list(_fwd_masked_args(q, k, v, bm))
+    kinds = bm._kinds.clone()
+    kinds[0, 0, 0, 0] = -3
+    with pytest.raises(FlashAttnError, match="block kind -3"):
+        torch.ops.flashattn.fwd_masked(*args[:13], kinds, *args[14:])
+    with pytest.raises(FlashAttnError, match="blocks, got"):
+        torch.ops.flashattn.fwd_masked(*args[:13], bm._kinds[..., :1], *args[14:])
+    with pytest.raises(TypeError, match="mask_bits"):
+        torch.ops.flashattn.fwd_masked(*args[:14], bm._bits.int(), *args[15:])
+    bits = bm._bits.clone()
+    bits[-1, 0] = -1  # every key of row 64 (keys 70.. are past the edge)
+    with pytest.raises(FlashAttnError, match="bits past"):
+        torch.ops.flashattn.fwd_masked(*args[:14], bits, *args[15:])
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_masked_forward_backward_matches_eager(backend):
+    torch._dynamo.reset()
+    b, h, hk, sq, sk, d = 2, 4, 2, 113, 203, 40
+    bm = create_block_mask(document(sq, sk), b, None, sq, sk)
+    qt, kt, vt = (torch.randn(b, n, s, d, generator=torch.Generator().manual_seed(i))
+                  .requires_grad_() for i, (n, s) in enumerate([(h, sq), (hk, sk), (hk, sk)]))
+    snk = sink(h, requires_grad=True)
+
+    def f(qt, kt, vt, snk, bm):
+        flex = flex_attention(qt, kt, vt, block_mask=bm, enable_gqa=True)
+        q, k, v = (t.transpose(1, 2) for t in (qt, kt, vt))
+        fa = flash_attn_func(q, k, v, causal=True, window_size=(60, -1), learnable_sink=snk,
+                             block_mask=bm)
+        return (flex * flex).sum() + (fa * fa).sum(), flex, fa
+
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    loss_c, *outs_c = compiled(qt, kt, vt, snk, bm)
+    grads_c = torch.autograd.grad(loss_c, (qt, kt, vt, snk))
+    loss_e, *outs_e = f(qt, kt, vt, snk, bm)
+    grads_e = torch.autograd.grad(loss_e, (qt, kt, vt, snk))
+    for a, e in zip(outs_c, outs_e):
+        assert torch.equal(a, e)
+    for a, e in zip(grads_c, grads_e):
+        assert torch.isfinite(a).all() and a.abs().sum() > 0
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)

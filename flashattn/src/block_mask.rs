@@ -88,6 +88,23 @@ impl fmt::Display for MaskShape {
     }
 }
 
+/// [`BlockMaskParts::kinds`] of a block with no pair shown.
+pub const KIND_EMPTY: i32 = -1;
+/// [`BlockMaskParts::kinds`] of a block with every pair shown.
+pub const KIND_FULL: i32 = -2;
+
+/// A [`BlockMask`] as plain arrays.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockMaskParts {
+    /// One per block at `((b * heads + h) * m_blocks + m_block) * n_blocks + n_block`:
+    /// [`KIND_EMPTY`], [`KIND_FULL`], or `p >= 0`, a partial block whose row words are
+    /// `bits[p * MASK_BLOCK..][..MASK_BLOCK]`.
+    pub kinds: Vec<i32>,
+    /// Word `r` of a partial block: row `m_block * MASK_BLOCK + r`, bit `c` key
+    /// `n_block * MASK_BLOCK + c`.
+    pub bits: Vec<u64>,
+}
+
 /// A mask summarised per block. Cheap to clone (shared).
 #[derive(Clone)]
 pub struct BlockMask(Arc<Inner>);
@@ -212,6 +229,71 @@ impl BlockMask {
 
     pub fn shape(&self) -> MaskShape {
         self.0.shape
+    }
+
+    /// The summary and bits as plain arrays (for a caller that carries the mask as tensors):
+    /// one kind per block in the layout of [`BlockMaskParts::kinds`].
+    pub fn to_parts(&self) -> BlockMaskParts {
+        let kinds = self
+            .0
+            .kinds
+            .iter()
+            .map(|&k| match k {
+                BlockKind::Empty => KIND_EMPTY,
+                BlockKind::Full => KIND_FULL,
+                BlockKind::Partial(p) => p as i32,
+            })
+            .collect();
+        BlockMaskParts {
+            kinds,
+            bits: self.0.bits.clone(),
+        }
+    }
+
+    /// A mask from [`BlockMask::to_parts`]'s arrays for `shape`, checked: the lengths, every
+    /// kind, and no bit set past the shape's edges.
+    pub fn from_parts(shape: MaskShape, kinds: &[i32], bits: &[u64]) -> Result<Self> {
+        shape.check()?;
+        let bad = |detail: String| Err(ErrorKind::BlockMaskInput { detail }.into());
+        let (m_blocks, n_blocks) = (shape.m_blocks(), shape.n_blocks());
+        if kinds.len() != shape.block_rows() * n_blocks {
+            return bad(format!(
+                "{shape} has {} blocks, got {} kinds",
+                shape.block_rows() * n_blocks,
+                kinds.len()
+            ));
+        }
+        if !bits.len().is_multiple_of(MASK_BLOCK) {
+            return bad(format!("{} words of bits are no whole blocks", bits.len()));
+        }
+        let partials = bits.len() / MASK_BLOCK;
+        let mut out = Vec::with_capacity(kinds.len());
+        for (x, &k) in kinds.iter().enumerate() {
+            out.push(match k {
+                KIND_EMPTY => BlockKind::Empty,
+                KIND_FULL => BlockKind::Full,
+                p if p >= 0 && (p as usize) < partials => {
+                    let (mb, nb) = (x / n_blocks % m_blocks, x % n_blocks);
+                    let rows = (shape.seqlen_q - mb * MASK_BLOCK).min(MASK_BLOCK);
+                    let keys = span(0, (shape.seqlen_k - nb * MASK_BLOCK).min(MASK_BLOCK));
+                    let words = &bits[p as usize * MASK_BLOCK..][..MASK_BLOCK];
+                    if words
+                        .iter()
+                        .enumerate()
+                        .any(|(r, &w)| w & !keys != 0 || (r >= rows && w != 0))
+                    {
+                        return bad(format!("partial block {p} has bits past {shape}"));
+                    }
+                    BlockKind::Partial(p as u32)
+                }
+                p => return bad(format!("block kind {p} (of {partials} partial blocks)")),
+            });
+        }
+        Ok(BlockMask(Arc::new(Inner {
+            shape,
+            kinds: out,
+            bits: bits.to_vec(),
+        })))
     }
 
     /// Blocks with no pair shown, with every pair shown, and partial ones, over the whole mask.
@@ -500,6 +582,42 @@ mod tests {
             0 => x.k <= x.q,
             _ => !(x.q * 7 + x.k * 3 + x.batch).is_multiple_of(5),
         }
+    }
+
+    /// The parts rebuild the same mask; lengths, kinds and stray bits are refused.
+    #[test]
+    fn parts_round_trip_and_are_checked() {
+        let s = shape(2, 2, 113, 203);
+        let bm = BlockMask::from_fn(s, f).unwrap();
+        let p = bm.to_parts();
+        let back = BlockMask::from_parts(s, &p.kinds, &p.bits).unwrap();
+        assert_eq!(back.to_parts(), p);
+        for (b, h, i, j) in [
+            (0, 0, 0, 0),
+            (1, 1, 112, 202),
+            (0, 1, 70, 130),
+            (1, 0, 64, 63),
+        ] {
+            assert_eq!(back.allows(b, h, i, j), bm.allows(b, h, i, j));
+        }
+        assert!(BlockMask::from_parts(s, &p.kinds[1..], &p.bits).is_err());
+        assert!(BlockMask::from_parts(s, &p.kinds, &p.bits[1..]).is_err());
+        let last = p.bits.len() / MASK_BLOCK;
+        for k in [-3, last as i32] {
+            let mut kinds = p.kinds.clone();
+            kinds[0] = k;
+            assert!(
+                BlockMask::from_parts(s, &kinds, &p.bits).is_err(),
+                "kind {k}"
+            );
+        }
+        // Key 203 is past the edge of the last column of blocks (203 = 3 * 64 + 11).
+        // Block (sequence 0, head 1, m_block 0, n_block 3) of 2 x 4 blocks per head.
+        let edge = p.kinds[2 * 4 + 3];
+        assert!(edge >= 0, "that block is partial");
+        let mut bits = p.bits.clone();
+        bits[edge as usize * MASK_BLOCK] |= 1 << 11;
+        assert!(BlockMask::from_parts(s, &p.kinds, &bits).is_err());
     }
 
     /// Every pair, every row range and every hidden key against the function it was built from.

@@ -10,6 +10,7 @@ Ops (namespace ``flashattn``):
 - ``bwd``: dout and the forward's tensors -> dq, dk, dv, dsink
 - ``fwd_fp8``: FP8 q, k, v with descale factors -> out (bf16), lse
 - ``fwd_kvcache``: decoding over KV caches, appending new keys in place -> out, lse
+- ``fwd_masked``, ``bwd_masked``: ``fwd`` and ``bwd`` with a block mask's tensors (CPU)
 """
 
 from __future__ import annotations
@@ -219,8 +220,8 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, caus
              window_right, softcap, alibi_slopes, learnable_sink, want_lse: bool,
              cuda: Optional[bool] = None, block_mask=None):
     """The forward's work: (out, lse, seed); lse None when not `want_lse` (CPU only). `cuda`:
-    the device when the caller knows it (`_on_cuda` otherwise). `block_mask`: a
-    flashattn.BlockMask (not an op argument: `flashattn.block_mask` calls this directly)."""
+    the device when the caller knows it (`_on_cuda` otherwise). `block_mask`: a mask
+    as `_MaskArg` holds it (`fwd_masked` and `bwd_masked` pass one)."""
     packed = cu_seqlens_q is not None
     if cuda is None:
         cuda = _on_cuda(q=q, k=k, v=v, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
@@ -376,6 +377,132 @@ def _fwd_backward(ctx, dout, dlse, drng):
 
 
 torch.library.register_autograd("flashattn::fwd", _fwd_backward, setup_context=_fwd_setup_context)
+
+
+# ---- block masks ---------------------------------------------------------------------------------
+
+
+class _MaskArg:
+    """A mask rebuilt from an op's tensors, as `_opts` reads it (`._ext`)."""
+
+    __slots__ = ("_ext",)
+
+    def __init__(self, kinds: Tensor, bits: Tensor, seqlen_q: int, seqlen_k: int):
+        if kinds.dtype != torch.int32 or bits.dtype != torch.int64 or kinds.dim() != 4:
+            raise TypeError(
+                "flashattn: mask_kinds must be int32 [B, H, m_blocks, n_blocks] and mask_bits "
+                f"int64, got {kinds.dtype} {tuple(kinds.shape)} and {bits.dtype}")
+        b, h = kinds.shape[0], kinds.shape[1]
+        as_bytes = [_view(n, t.detach().to("cpu").contiguous().view(torch.uint8))
+                    for n, t in (("mask_kinds", kinds), ("mask_bits", bits))]
+        self._ext = _ext.BlockMask.from_parts((b, h, seqlen_q, seqlen_k), *as_bytes)
+
+
+@torch.library.custom_op("flashattn::fwd_masked", mutates_args=())
+def fwd_masked(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Optional[Tensor],
+    learnable_sink: Optional[Tensor],
+    mask_kinds: Tensor,
+    mask_bits: Tensor,
+    mask_seqlen_q: int,
+    mask_seqlen_k: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`fwd` with a block mask given as `flashattn.BlockMask`'s tensors: `mask_kinds` int32
+    `[B, H, m_blocks, n_blocks]` (-1 no pair shown, -2 all, p >= 0 partial block p) and
+    `mask_bits` int64 `[partial blocks, BLOCK_SIZE]` (a row's keys per word). CPU only."""
+    mask = _MaskArg(mask_kinds, mask_bits, mask_seqlen_q, mask_seqlen_k)
+    rng_state = torch.zeros(2, dtype=torch.int64)
+    out, lse, seed = _forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_left,
+        window_right, softcap, alibi_slopes, learnable_sink, True, cuda=False, block_mask=mask,
+    )
+    rng_state[0] = seed
+    return out, lse, rng_state
+
+
+@fwd_masked.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_left,
+      window_right, softcap, alibi_slopes, learnable_sink, mask_kinds, mask_bits, mask_seqlen_q,
+      mask_seqlen_k):
+    packed = cu_seqlens_q is not None
+    out = q.new_empty(q.shape)
+    lse = q.new_empty(_lse_shape(q, packed), dtype=torch.float32)
+    return out, lse, torch.empty((2,), dtype=torch.int64, device="cpu")
+
+
+@torch.library.custom_op("flashattn::bwd_masked", mutates_args=())
+def bwd_masked(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Optional[Tensor],
+    learnable_sink: Optional[Tensor],
+    rng_state: Tensor,
+    mask_kinds: Tensor,
+    mask_bits: Tensor,
+    mask_seqlen_q: int,
+    mask_seqlen_k: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`bwd` with the block mask of `fwd_masked`."""
+    mask = _MaskArg(mask_kinds, mask_bits, mask_seqlen_q, mask_seqlen_k)
+    return _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dropout_p,
+                     softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+                     learnable_sink, int(rng_state[0]), mask)
+
+
+@bwd_masked.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal,
+      window_left, window_right, softcap, alibi_slopes, learnable_sink, rng_state, mask_kinds,
+      mask_bits, mask_seqlen_q, mask_seqlen_k):
+    n = q.shape[-2] if learnable_sink is not None else 0
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            q.new_empty((n,), dtype=torch.float32))
+
+
+def _fwd_masked_setup_context(ctx, inputs, output):
+    (q, k, v, cu_q, cu_k, dropout_p, scale, causal, wl, wr, softcap, alibi, sink, kinds, bits,
+     mask_sq, mask_sk) = inputs
+    out, lse, rng_state = output
+    ctx.save_for_backward(q, k, v, out, lse, rng_state, cu_q, cu_k, alibi, sink, kinds, bits)
+    ctx.opts = (dropout_p, scale, causal, wl, wr, softcap, mask_sq, mask_sk)
+
+
+def _fwd_masked_backward(ctx, dout, dlse, drng):
+    # As `fwd`: the gradient of lse is not propagated.
+    q, k, v, out, lse, rng_state, cu_q, cu_k, alibi, sink, kinds, bits = ctx.saved_tensors
+    dropout_p, scale, causal, wl, wr, softcap, mask_sq, mask_sk = ctx.opts
+    dq, dk, dv, dsink = bwd_masked(
+        dout, q, k, v, out, lse, cu_q, cu_k, dropout_p, scale, causal, wl, wr, softcap, alibi,
+        sink, rng_state, kinds, bits, mask_sq, mask_sk,
+    )
+    return (dq, dk, dv, None, None, None, None, None, None, None, None, None,
+            dsink if sink is not None else None, None, None, None, None)
+
+
+torch.library.register_autograd("flashattn::fwd_masked", _fwd_masked_backward,
+                                setup_context=_fwd_masked_setup_context)
 
 
 # ---- FP8 forward ---------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ time), into a summary per block of ``BLOCK_SIZE`` x ``BLOCK_SIZE`` pairs (none, 
 plus the bits of the partial blocks; every later call (forward and backward) reads those instead
 of evaluating anything. Query ``q_idx`` sees key ``kv_idx`` iff the mask and the call's ``causal``
 and ``window_size`` all allow it; a query that sees no key gets out 0 and lse -inf (and zero
-gradients). CPU tensors only; not through ``torch.compile`` (the mask is no tensor argument).
+gradients). CPU tensors only. The calls are the ops ``flashattn::fwd_masked`` / ``bwd_masked``,
+with the mask as two tensor arguments, so ``torch.compile(fullgraph=True)`` traces them.
 """
 
 from __future__ import annotations
@@ -50,6 +51,13 @@ def _dim(name: str, x, broadcast: bool) -> int:
     return n
 
 
+def _from_bytes(data: bytes, dtype: torch.dtype) -> Tensor:
+    """A 1-D tensor of `data`'s little-endian values (frombuffer refuses an empty buffer)."""
+    if not data:
+        return torch.empty((0,), dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=dtype)
+
+
 class BlockMask:
     """A mask evaluated once for ``(B, H, Q_LEN, KV_LEN)``; ``B`` or ``H`` 1 (``None`` when
     made) means the same mask for every sequence or query head. Pass it as ``block_mask=`` to
@@ -59,11 +67,20 @@ class BlockMask:
 
     def __init__(self, ext):
         self._ext = ext
+        # The ops' arguments (plain attributes, which torch.compile reads as graph inputs): the
+        # kind of every block (int32 [B, H, m_blocks, n_blocks]: -1 none shown, -2 all, p >= 0
+        # partial block p) and the partial blocks' row words (int64 [partials, BLOCK_SIZE]).
+        self._shape = tuple(ext.shape)
+        b, h, sq, sk = self._shape
+        kinds, bits = ext.parts()
+        blocks = (b, h, -(-sq // BLOCK_SIZE), -(-sk // BLOCK_SIZE))
+        self._kinds = _from_bytes(kinds, torch.int32).view(blocks)
+        self._bits = _from_bytes(bits, torch.int64).view(-1, BLOCK_SIZE)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
         """``(B, H, Q_LEN, KV_LEN)``."""
-        return tuple(self._ext.shape)
+        return self._shape
 
     def block_counts(self) -> tuple[int, int, int]:
         """Blocks with no pair shown, with every pair shown, and partial ones."""
@@ -187,38 +204,13 @@ def check_block_mask(block_mask, **tensors: Optional[Tensor]) -> None:
                 "MaskModUnsupported")
 
 
-class _MaskedAttention(torch.autograd.Function):
-    """flash-attn's forward and backward with a block mask (the ops' schemas take no mask)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, dropout_p, scale, causal, wl, wr, softcap, alibi,
-                sink, block_mask):
-        out, lse, seed = _ops._forward(q, k, v, cu_q, cu_k, dropout_p, scale, causal, wl, wr,
-                                       softcap, alibi, sink, True, cuda=False,
-                                       block_mask=block_mask)
-        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi, sink)
-        ctx.opts = (dropout_p, scale, causal, wl, wr, softcap, seed, block_mask)
-        ctx.mark_non_differentiable(lse)
-        return out, lse, torch.tensor([seed, 0], dtype=torch.int64)
-
-    @staticmethod
-    def backward(ctx, dout, dlse, drng):
-        # As the ops: the gradient of lse is not propagated.
-        q, k, v, out, lse, cu_q, cu_k, alibi, sink = ctx.saved_tensors
-        dropout_p, scale, causal, wl, wr, softcap, seed, block_mask = ctx.opts
-        dq, dk, dv, dsink = _ops._backward(dout, q, k, v, out, lse, cu_q, cu_k, dropout_p,
-                                           scale, causal, wl, wr, softcap, alibi, sink, seed,
-                                           block_mask)
-        return (dq, dk, dv, None, None, None, None, None, None, None, None, None,
-                dsink if sink is not None else None, None)
-
-
 def masked_attention(q, k, v, cu_q, cu_k, dropout_p, scale, causal, wl, wr, softcap, alibi,
                      sink, block_mask):
     """(out, lse, rng_state) with a block mask, differentiable in q, k, v (and the sink)."""
     check_block_mask(block_mask, q=q, k=k, v=v)
-    return _MaskedAttention.apply(q, k, v, cu_q, cu_k, dropout_p, scale, causal, wl, wr, softcap,
-                                  alibi, sink, block_mask)
+    return _ops.fwd_masked(q, k, v, cu_q, cu_k, dropout_p, scale, causal, wl, wr, softcap, alibi,
+                           sink, block_mask._kinds, block_mask._bits, block_mask._shape[2],
+                           block_mask._shape[3])
 
 
 def flex_attention(
