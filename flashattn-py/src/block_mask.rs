@@ -96,6 +96,15 @@ impl PyBlockMask {
         let (k, b) = (View::try_from(kinds)?, View::try_from(bits)?);
         // SAFETY: the Python layer holds both tensors alive and unwritten for this call.
         let (k, b) = unsafe { (k.bytes_ref()?, b.bytes_ref()?) };
+        // Whole i32 kinds and u64 words only: a ragged tail would be dropped silently below.
+        if k.len() % 4 != 0 || b.len() % 8 != 0 {
+            return Err(BindError::Value(format!(
+                "mask kinds ({} bytes) must be int32 and mask bits ({} bytes) int64",
+                k.len(),
+                b.len()
+            ))
+            .into());
+        }
         let kinds: Vec<i32> = k
             .chunks_exact(4)
             .map(|c| i32::from_le_bytes(c.try_into().unwrap_or_default()))
