@@ -243,6 +243,21 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, caus
     return out, lse, seed
 
 
+def _fwd_fake(q: Tensor, cu_seqlens_q: Optional[Tensor]) -> tuple:
+    """The forward ops' outputs, shapes only: out, lse, rng_state."""
+    packed = cu_seqlens_q is not None
+    out = q.new_empty(q.shape)
+    lse = q.new_empty(_lse_shape(q, packed), dtype=torch.float32)
+    return out, lse, torch.empty((2,), dtype=torch.int64, device="cpu")
+
+
+def _bwd_fake(q: Tensor, k: Tensor, v: Tensor, learnable_sink: Optional[Tensor]) -> tuple:
+    """The backward ops' outputs, shapes only: dq, dk, dv, dsink (empty without a sink)."""
+    n = q.shape[-2] if learnable_sink is not None else 0
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            q.new_empty((n,), dtype=torch.float32))
+
+
 @torch.library.custom_op("flashattn::fwd", mutates_args=())
 def fwd(
     q: Tensor,
@@ -292,10 +307,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causa
 @fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_left,
       window_right, softcap, alibi_slopes, learnable_sink):
-    packed = cu_seqlens_q is not None
-    out = q.new_empty(q.shape)
-    lse = q.new_empty(_lse_shape(q, packed), dtype=torch.float32)
-    return out, lse, torch.empty((2,), dtype=torch.int64, device="cpu")
+    return _fwd_fake(q, cu_seqlens_q)
 
 
 @torch.library.custom_op("flashattn::bwd", mutates_args=())
@@ -352,9 +364,7 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dropout_p, so
 @bwd.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal,
       window_left, window_right, softcap, alibi_slopes, learnable_sink, rng_state):
-    n = q.shape[-2] if learnable_sink is not None else 0
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
-            q.new_empty((n,), dtype=torch.float32))
+    return _bwd_fake(q, k, v, learnable_sink)
 
 
 def _fwd_setup_context(ctx, inputs, output):
@@ -435,10 +445,7 @@ def fwd_masked(
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_left,
       window_right, softcap, alibi_slopes, learnable_sink, mask_kinds, mask_bits, mask_seqlen_q,
       mask_seqlen_k):
-    packed = cu_seqlens_q is not None
-    out = q.new_empty(q.shape)
-    lse = q.new_empty(_lse_shape(q, packed), dtype=torch.float32)
-    return out, lse, torch.empty((2,), dtype=torch.int64, device="cpu")
+    return _fwd_fake(q, cu_seqlens_q)
 
 
 @torch.library.custom_op("flashattn::bwd_masked", mutates_args=())
@@ -476,9 +483,7 @@ def bwd_masked(
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal,
       window_left, window_right, softcap, alibi_slopes, learnable_sink, rng_state, mask_kinds,
       mask_bits, mask_seqlen_q, mask_seqlen_k):
-    n = q.shape[-2] if learnable_sink is not None else 0
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
-            q.new_empty((n,), dtype=torch.float32))
+    return _bwd_fake(q, k, v, learnable_sink)
 
 
 def _fwd_masked_setup_context(ctx, inputs, output):
