@@ -31,6 +31,7 @@
 
 pub mod block_mask;
 pub mod blocks;
+pub(crate) mod convert;
 pub(crate) mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -44,7 +45,6 @@ pub mod isa;
 pub mod limits;
 pub mod memory;
 pub mod naive;
-pub(crate) mod narrow;
 pub mod output;
 pub(crate) mod params;
 pub mod reference;

@@ -56,7 +56,8 @@ pub trait Element:
     fn wrap_vec(data: Vec<Self>) -> Buffer;
     /// The mutable twin of [`Element::wrap`].
     fn wrap_mut(data: &mut [Self]) -> SliceMut<'_>;
-    /// Widens `src` into `dst` (same length); F16C/NEON-accelerated where `half` has it.
+    /// Widens `src` into `dst` (same length): F16C/NEON for f16 where `half` has it, a
+    /// vectorised loop for bf16.
     fn widen(src: &[Self], dst: &mut [f32]);
     /// Rounds `src` into `dst` (same length).
     fn narrow(src: &[f32], dst: &mut [Self]);
@@ -106,7 +107,7 @@ impl Element for f32 {
 }
 
 macro_rules! half_element {
-    ($t:ty, $variant:ident, $narrow:path) => {
+    ($t:ty, $variant:ident, $widen:path, $narrow:path) => {
         impl Element for $t {
             const DTYPE: DType = DType::$variant;
             #[inline(always)]
@@ -142,8 +143,7 @@ macro_rules! half_element {
             }
             #[inline]
             fn widen(src: &[Self], dst: &mut [f32]) {
-                use half::slice::HalfFloatSliceExt;
-                src.convert_to_f32_slice(dst)
+                $widen(src, dst)
             }
             #[inline]
             fn narrow(src: &[f32], dst: &mut [Self]) {
@@ -152,8 +152,18 @@ macro_rules! half_element {
         }
     };
 }
-half_element!(f16, F16, crate::narrow::narrow_f16);
-half_element!(bf16, BF16, crate::narrow::narrow_bf16);
+half_element!(
+    f16,
+    F16,
+    crate::convert::widen_f16,
+    crate::convert::narrow_f16
+);
+half_element!(
+    bf16,
+    BF16,
+    crate::convert::widen_bf16,
+    crate::convert::narrow_bf16
+);
 
 /// A borrowed buffer of one of the element types.
 #[derive(Clone, Copy, Debug)]

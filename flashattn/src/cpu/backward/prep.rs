@@ -1,12 +1,10 @@
 //! The row terms computed before the tile loops: delta = rowsum(dO ∘ O), and the sinks' gradient.
 
-use crate::cpu::forward::as_bf16;
 use crate::cpu::Disjoint;
 use crate::error::Result;
 use crate::memory::try_filled;
 use crate::params::{GradInputs, Params};
-use crate::tensor::{DType, Element};
-use half::bf16;
+use crate::tensor::Element;
 use rayon::prelude::*;
 
 /// The gradient of the learnable sinks, when the call has them: for head h, `-Σ_rows
@@ -58,11 +56,6 @@ pub(super) fn compute_delta<T: Element>(
                         f32::unwrap(T::wrap(dout_row)),
                     ) {
                         (Some(o32), Some(do32)) => crate::cpu::kernels::dot(o32, do32),
-                        _ if T::DTYPE == DType::BF16 => {
-                            widen_bf16(as_bf16(out_row), o);
-                            widen_bf16(as_bf16(dout_row), d_o);
-                            crate::cpu::kernels::dot(o, d_o)
-                        }
                         _ => {
                             T::widen(out_row, o);
                             T::widen(dout_row, d_o);
@@ -77,31 +70,4 @@ pub(super) fn compute_delta<T: Element>(
         },
     );
     Ok(delta)
-}
-
-/// `src` widened into `dst` with `half`'s values (NaNs get the quiet bit), as a loop over lanes
-/// that LLVM vectorises (`half` converts bf16 slices element by element).
-fn widen_bf16(src: &[bf16], dst: &mut [f32]) {
-    for (o, x) in dst.iter_mut().zip(src) {
-        let b = x.to_bits() as u32;
-        let quiet = if b & 0x7fff > 0x7f80 { 0x40 } else { 0 };
-        *o = f32::from_bits((b | quiet) << 16);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The same bits as `half`'s widening for every bf16 pattern (NaN payloads, infinities,
-    /// denormals, both zeros).
-    #[test]
-    fn widen_bf16_matches_half() {
-        let src: Vec<bf16> = (0..=u16::MAX).map(bf16::from_bits).collect();
-        let mut got = vec![0f32; src.len()];
-        widen_bf16(&src, &mut got);
-        for (x, g) in src.iter().zip(&got) {
-            assert_eq!(g.to_bits(), x.to_f32().to_bits(), "{:#06x}", x.to_bits());
-        }
-    }
 }
