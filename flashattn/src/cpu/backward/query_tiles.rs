@@ -1,7 +1,7 @@
 //! The q and dO tiles of every query block, built once per call.
 
 use crate::cpu::forward::{load_tile, WorkItem};
-use crate::cpu::simd::pad_lanes;
+use crate::cpu::simd::{pad_lanes, Kernels};
 use crate::cpu::{reuse, BlockSizes, Buf};
 use crate::error::Result;
 use crate::params::{GradInputs, Params};
@@ -124,7 +124,7 @@ impl QueryTiles {
                         if dp > d {
                             rm.chunks_exact_mut(dp).for_each(|row| row[d..].fill(0.0));
                         }
-                        transpose_rows(rm, (r, d, dp, np), t);
+                        transpose_rows(p.kernels, rm, (r, d, dp, np), t);
                     }
                 });
         }
@@ -165,20 +165,16 @@ impl QueryTiles {
 }
 
 /// The transposed tile `t[x * np + r]` = `rm[r * dp + x]` of a row-major tile `rm` (`rows` rows
-/// of `dp` lanes, the first `d` used); lanes `rows..np` are 0. Eight rows at a time, so each
-/// column's stores fill a run of 8 adjacent lanes.
-fn transpose_rows(rm: &[f32], (rows, d, dp, np): (usize, usize, usize, usize), t: &mut [f32]) {
-    const R: usize = 8;
-    for r0 in (0..rows).step_by(R) {
-        let n = R.min(rows - r0);
-        let block = &rm[r0 * dp..(r0 + n) * dp];
-        for x in 0..d {
-            let lanes = &mut t[x * np + r0..][..n];
-            for (i, lane) in lanes.iter_mut().enumerate() {
-                *lane = block[i * dp + x];
-            }
-        }
-    }
+/// of `dp` lanes, the first `d` used); lanes `rows..np` are 0. In 8×8 blocks
+/// ([`Kernels::transpose`]): element by element it took ~1.3% of the f32 backward's samples
+/// (AVX2, d = 64, N = 1024).
+fn transpose_rows(
+    kern: &Kernels,
+    rm: &[f32],
+    (rows, d, dp, np): (usize, usize, usize, usize),
+    t: &mut [f32],
+) {
+    kern.transpose(rm, dp, (rows, d), t, np);
     for x in 0..d {
         t[x * np + rows..(x + 1) * np].fill(0.0);
     }

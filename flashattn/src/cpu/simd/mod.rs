@@ -496,6 +496,34 @@ impl Kernels {
         unsafe { scalar::gemm_bf16(g, c, c_rs) }
     }
 
+    /// `dst[c · ds + r] = src[r · ss + c]` for `r < rows`, `c < cols` (the backward's query tiles
+    /// and dQ rows): in 8×8 AVX blocks on the x86 tables, element by element elsewhere.
+    pub(crate) fn transpose(
+        &self,
+        src: &[f32],
+        ss: usize,
+        (rows, cols): (usize, usize),
+        dst: &mut [f32],
+        ds: usize,
+    ) {
+        if rows == 0 || cols == 0 {
+            return;
+        }
+        assert!(span(rows, ss, cols).is_some_and(|e| e <= src.len()) && ss >= cols);
+        assert!(span(cols, ds, rows).is_some_and(|e| e <= dst.len()) && ds >= rows);
+        #[cfg(target_arch = "x86_64")]
+        if matches!(self.isa, Isa::Avx2 | Isa::Avx512) {
+            // SAFETY: spans checked above; both tables' CPUs have AVX.
+            unsafe { x86_avx2_bwd::transpose(src, ss, (rows, cols), dst, ds) };
+            return;
+        }
+        for r in 0..rows {
+            for c in 0..cols {
+                dst[c * ds + r] = src[r * ss + c];
+            }
+        }
+    }
+
     /// Whether the table has a dedicated [`Kernels::probs_and_ds`].
     pub(crate) fn has_probs_and_ds(&self) -> bool {
         self.probs_and_ds.is_some()
