@@ -375,6 +375,24 @@ pub(crate) fn try_poisoned<T: Copy + Send + Sync>(
     Ok(v)
 }
 
+/// [`try_poisoned`] with the allocation advised for transparent huge pages before its first
+/// write (the backward's gradients: a fresh allocation every call, whose 4 KiB page faults
+/// took ~3-4% of the f32 causal backward's samples at N = 1024, d = 128).
+pub(crate) fn try_poisoned_huge<T: Copy + Send + Sync>(
+    what: &'static str,
+    value: T,
+    n: usize,
+) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| ErrorKind::OutOfMemory {
+        what,
+        bytes: n.saturating_mul(std::mem::size_of::<T>()),
+    })?;
+    advise_huge_pages(v.as_ptr() as usize, n * std::mem::size_of::<T>());
+    v.par_extend(rayon::iter::repeat_n(value, n).with_min_len(POISON_CHUNK));
+    Ok(v)
+}
+
 /// `dst.fill(value)` by the pool's threads (see [`try_poisoned`]: the caller's fresh buffers fault
 /// too).
 pub(crate) fn par_fill<T: Copy + Send + Sync>(dst: &mut [T], value: T) {

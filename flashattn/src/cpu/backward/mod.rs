@@ -31,7 +31,7 @@ mod recompute;
 use super::forward::{as_bf16, bf16_inputs, packed_v_keys, WorkItem};
 use super::{block_sizes, Disjoint, Pass};
 use crate::error::{ErrorKind, Result};
-use crate::memory::{par_fill, try_poisoned};
+use crate::memory::{par_fill, try_poisoned_huge};
 use crate::params::{GradInputs, Params};
 use crate::tensor::Element;
 use block::{dkdv_block, dq_block};
@@ -56,9 +56,9 @@ pub(crate) fn backward<T: Element>(
     // Poisoned: every element is written, and tests check.
     let poison = T::from_f32(f32::NAN);
     let (mut dq, mut dk, mut dv) = (
-        try_poisoned("`dq`", poison, p.out_len())?,
-        try_poisoned("`dk`", poison, p.dk_len())?,
-        try_poisoned("`dv`", poison, p.dk_len())?,
+        try_poisoned_huge("`dq`", poison, p.out_len())?,
+        try_poisoned_huge("`dk`", poison, p.dk_len())?,
+        try_poisoned_huge("`dv`", poison, p.dk_len())?,
     );
     let inputs = BackwardInputs { q, k, v, out, dout };
     let dsink = backward_poisoned(p, g, inputs, (&mut dq, &mut dk, &mut dv))?;
