@@ -3,10 +3,10 @@
 
 use super::dq_partials::write_dq_rows;
 use super::query_tiles::QTiles;
-use super::recompute::{Ctx, Scratch, Visit};
+use super::recompute::{strip_keys, Ctx, Scratch, Visit};
 use crate::blocks::{Cover, Mask};
 use crate::cpu::forward::{prefetch_span, WorkItem};
-use crate::cpu::simd::{pad_lanes, Gemm, KC};
+use crate::cpu::simd::{pad_lanes, Gemm, KC, LANES};
 use crate::cpu::Disjoint;
 use crate::tensor::Element;
 
@@ -80,7 +80,7 @@ pub(super) fn dkdv_block<T: Element>(
         let np = pad_lanes(rows);
         cx.load_query_side(b, h, m0, rows, scr);
         let tiles = cx.tiles.get(p, b, h, m_block, bs.block_m);
-        cx.recompute((b, h), (m0, m1), (n0, n1), cover, tiles, scr);
+        let by_strips = cx.recompute((b, h), (m0, m1), (n0, n1), cover, tiles, scr);
         // dV += P̃ᵀ·dO and dK += dSᵀ·Q (row-major, dp lanes).
         let f32_product = |a, x, k, a_rs| rows_product((cols, dp), a, x, k, a_rs);
         let bf16_product = |a, x, k, a_rs| rows_product((cols, dp), a, x, k, a_rs);
@@ -110,9 +110,15 @@ pub(super) fn dkdv_block<T: Element>(
             let nmb = s.seqlen_q.div_ceil(bs.block_m);
             let tile = d * npb;
             let at = ((h - hk * group) * nmb + m_block) * tile;
+            let strips = by_strips.then_some(Strips {
+                mask: &mask,
+                rows: (m0, rows),
+                keys: (n0, cols),
+            });
             dq_product(
                 cx,
                 (b, hk, n_block, cols, np),
+                strips,
                 scr,
                 &mut part[at..at + tile],
                 npb,
@@ -159,52 +165,80 @@ fn rows_product<'a, X>(
 
 /// `dQᵀ += Kᵀ·dSᵀ` (`c[x][r] += Σ_j k[j][x] · ds[r][j]`, `c` row stride `ldc`) with dSᵀ of key
 /// block `n_block` (`cols` keys, `np` lanes) of kv head `hk` in `scr.dst` and its keys in `scr.k`
-/// (f32) or the packed keys (bf16).
+/// (f32) or the packed keys (bf16). With `strips` (the tile's mask, rows and keys, when
+/// [`Ctx::recompute`] computed it by strips), each strip of lanes sums only the chunks of keys
+/// that hold its keys ([`strip_keys`]): the chunks skipped, and the terms cut after the last,
+/// are zeros, which leave the sums' bits as they are.
 fn dq_product<T: Element>(
     cx: &Ctx<T>,
     (b, hk, n_block, cols, np): (usize, usize, usize, usize, usize),
+    strips: Option<Strips>,
     scr: &mut Scratch,
     c: &mut [f32],
     ldc: usize,
 ) {
     let (p, bs, d) = (cx.p, cx.bs, cx.p.head_dim);
+    // The lanes and keys of each call, `(j, n, k0, k1)`: one call over the tile, or one per strip.
+    let whole = strips.is_none().then_some((0, np, 0, cols));
+    let by_strip = strips.into_iter().flat_map(|Strips { mask, rows, keys }| {
+        (0..np).step_by(LANES).filter_map(move |j| {
+            let (lo, hi) = strip_keys(mask, rows, keys, j);
+            (hi > lo).then_some((j, LANES, lo / KC * KC, hi))
+        })
+    });
+    let calls = whole.into_iter().chain(by_strip);
     if let Some(bf) = &cx.bf {
         // As the forward's P·V: k in key pairs `[d][block_n / 2]`, dS rounded to key pairs.
         p.kernels.pack_pairs_bf16(&scr.dst, cols, np, &mut scr.ds2);
-        p.kernels.gemm_bf16(
+        let packed = bf.packed_k.block(p, b, hk, n_block, bs.block_n);
+        for (j, n, k0, k1) in calls {
+            let (k0, k1) = (k0 / 2, k1.div_ceil(2));
+            p.kernels.gemm_bf16(
+                &Gemm {
+                    m: d,
+                    n,
+                    k: k1 - k0,
+                    a: &packed[k0..],
+                    a_rs: bs.block_n / 2,
+                    a_cs: 1,
+                    b: &scr.ds2[k0 * np + j..],
+                    b_rs: np,
+                    accumulate: true,
+                    kc: KC,
+                },
+                &mut c[j..],
+                ldc,
+            );
+        }
+        return;
+    }
+    for (j, n, k0, k1) in calls {
+        p.kernels.gemm(
             &Gemm {
                 m: d,
-                n: np,
-                k: cols.div_ceil(2),
-                a: bf.packed_k.block(p, b, hk, n_block, bs.block_n),
-                a_rs: bs.block_n / 2,
-                a_cs: 1,
-                b: &scr.ds2,
+                n,
+                k: k1 - k0,
+                a: &scr.k[k0 * d..],
+                a_rs: 1,
+                a_cs: d,
+                b: &scr.dst[k0 * np + j..],
                 b_rs: np,
                 accumulate: true,
                 kc: KC,
             },
-            c,
+            &mut c[j..],
             ldc,
         );
-        return;
     }
-    p.kernels.gemm(
-        &Gemm {
-            m: d,
-            n: np,
-            k: cols,
-            a: &scr.k,
-            a_rs: 1,
-            a_cs: d,
-            b: &scr.dst,
-            b_rs: np,
-            accumulate: true,
-            kc: KC,
-        },
-        c,
-        ldc,
-    );
+}
+
+/// A tile that [`Ctx::recompute`] computed by strips: its mask, query rows `(m0, rows)` and keys
+/// `(n0, cols)`, for [`strip_keys`].
+#[derive(Clone, Copy)]
+struct Strips<'a> {
+    mask: &'a Mask,
+    rows: (usize, usize),
+    keys: (usize, usize),
 }
 
 /// Second pass of the two-pass backward: dQ of rows `m_block` of head `h`.
@@ -237,8 +271,13 @@ pub(super) fn dq_block<T: Element>(
         }
         let cols = n1 - n0;
         cx.load_key_side(b, hk, n0, cols, scr);
-        cx.recompute((b, h), (m0, m1), (n0, n1), cover, tiles, scr);
-        dq_product(cx, (b, hk, n_block, cols, np), scr, &mut acc, np);
+        let by_strips = cx.recompute((b, h), (m0, m1), (n0, n1), cover, tiles, scr);
+        let strips = by_strips.then_some(Strips {
+            mask: &mask,
+            rows: (m0, rows),
+            keys: (n0, cols),
+        });
+        dq_product(cx, (b, hk, n_block, cols, np), strips, scr, &mut acc, np);
     }
     write_dq_rows(p, (b, h, m0, rows), &acc, np, &mut scr.row, dq);
     scr.acc_a = acc;

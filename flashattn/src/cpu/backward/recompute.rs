@@ -4,7 +4,7 @@
 use super::query_tiles::{QTiles, QueryTiles};
 use crate::blocks::{Cover, Mask};
 use crate::cpu::forward::{load_pairs, load_tile, prefetch_rows, PackedV, ScoreMod};
-use crate::cpu::simd::{pad_lanes, Gemm, KC};
+use crate::cpu::simd::{pad_lanes, Gemm, KC, LANES};
 use crate::cpu::{buf, BlockSizes, Buf};
 use crate::params::{GradInputs, Params, LOG2_E};
 use crate::tensor::Element;
@@ -181,7 +181,8 @@ impl<T: Element> Ctx<'_, T> {
     /// With q-side rows `m0..m1` loaded (`qt`, `dot` their transposes) and keys `n0..n1` in
     /// `scr.k`, `scr.v`: P̃ᵀ into `scr.pt` and (dS·softmax_scale)ᵀ into `scr.dst` (both
     /// `[cols][np]`; padded lanes 0). `cover` is [`Mask::cover`] of the tile, not
-    /// [`Cover::None`] (such tiles are skipped).
+    /// [`Cover::None`] (such tiles are skipped). Returns whether the tile was computed by strips
+    /// ([`strip_keys`]): then dS is 0 outside each strip's keys, which dQ's product may skip.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn recompute(
         &self,
@@ -191,7 +192,7 @@ impl<T: Element> Ctx<'_, T> {
         cover: Cover,
         tiles: QTiles,
         scr: &mut Scratch,
-    ) {
+    ) -> bool {
         let (p, d) = (self.p, self.p.head_dim);
         let kern = p.kernels;
         let s = p.seqs[b];
@@ -225,6 +226,49 @@ impl<T: Element> Ctx<'_, T> {
             accumulate: false,
             kc: KC,
         };
+        let score_mod = ScoreMod::new(p, b, h);
+        let masked = cover == Cover::Some;
+        let no_mods = p.dropout.is_none() && p.softcap.is_none();
+        // A tile the causal or window mask cuts, with no other modifier: the mask set on the raw
+        // scores (-inf · scale_log2 stays -inf), then the fused pass (the diagonal tiles of a
+        // causal call took the three passes below).
+        let mask_raw = masked && no_mods && p.mask_mod.is_none() && score_mod.mask_only();
+        let plain = no_mods && (!score_mod.needs_apply(masked) || mask_raw);
+        let fused = plain && kern.has_probs_and_ds() && (self.fused_masked || !masked);
+        if fused && masked {
+            // By strips of query lanes, the products only over the keys each strip sees; the
+            // other keys' S is -inf and dP 0, what the mask and dS would make of them.
+            let strips = |j| strip_keys(&mask, (m0, rows), (n0, cols), j);
+            let ds = &mut scr.dst[..cols * np];
+            for j in (0..np).step_by(LANES) {
+                let (lo, hi) = strips(j);
+                if hi > lo {
+                    let (c_pt, c_ds) = (&mut pt[lo * np + j..], &mut ds[lo * np + j..]);
+                    match tiles {
+                        QTiles::F32([qt, dot, ..]) => {
+                            let g = strip(product(&scr.k, qt), (lo, hi), j);
+                            kern.scores(&g, c_pt, np, &mut scr.tmp, false);
+                            kern.gemm(&strip(product(&scr.v, dot), (lo, hi), j), c_ds, np);
+                        }
+                        QTiles::Bf16([qt, dot, ..]) => {
+                            let g = strip(product2(&scr.k2, qt), (lo, hi), j);
+                            kern.gemm_bf16(&g, c_pt, np);
+                            let g = strip(product2(&scr.v2, dot), (lo, hi), j);
+                            kern.gemm_bf16(&g, c_ds, np);
+                        }
+                    }
+                }
+                for c in (0..lo).chain(hi.max(lo)..cols) {
+                    pt[c * np + j..][..LANES].fill(f32::NEG_INFINITY);
+                    ds[c * np + j..][..LANES].fill(0.0);
+                }
+            }
+            ScoreMod::mask_raw(pt, np, (m0, rows), (n0, cols), &mask);
+            let (lse, delta) = (&scr.lse_log2[..], &scr.delta[..]);
+            let (sl, scale) = (score_mod.scale_log2, p.softmax_scale);
+            kern.probs_and_ds(pt, ds, (cols, np), sl, lse, delta, scale);
+            return true;
+        }
         // Sᵀ = K·Qᵀ, then P = exp2(S·scale_log2 - lse_log2).
         match tiles {
             QTiles::F32([qt, ..]) => kern.scores(
@@ -236,18 +280,7 @@ impl<T: Element> Ctx<'_, T> {
             ),
             QTiles::Bf16([qt, ..]) => kern.gemm_bf16(&product2(&scr.k2, qt), pt, np),
         }
-        let score_mod = ScoreMod::new(p, b, h);
-        let masked = cover == Cover::Some;
-        let no_mods = p.dropout.is_none() && p.softcap.is_none();
-        // A tile the causal or window mask cuts, with no other modifier: the mask set on the raw
-        // scores (-inf · scale_log2 stays -inf), then the fused pass (the diagonal tiles of a
-        // causal call took the three passes below).
-        let mask_raw = masked && no_mods && p.mask_mod.is_none() && score_mod.mask_only();
-        let plain = no_mods && (!score_mod.needs_apply(masked) || mask_raw);
-        if plain && kern.has_probs_and_ds() && (self.fused_masked || !masked) {
-            if masked {
-                ScoreMod::mask_raw(pt, np, (m0, rows), (n0, cols), &mask);
-            }
+        if fused {
             // dP̃ᵀ = V·dOᵀ first, then P and dS in one pass over the tile (the same bits as the
             // passes below).
             let ds = &mut scr.dst[..cols * np];
@@ -258,7 +291,7 @@ impl<T: Element> Ctx<'_, T> {
             let (lse, delta) = (&scr.lse_log2[..], &scr.delta[..]);
             let (sl, scale) = (score_mod.scale_log2, p.softmax_scale);
             kern.probs_and_ds(pt, ds, (cols, np), sl, lse, delta, scale);
-            return;
+            return false;
         }
         if score_mod.needs_apply(masked) {
             let dtanh = p.softcap.map(|_| &mut scr.dtanh[..cols * np]);
@@ -293,7 +326,7 @@ impl<T: Element> Ctx<'_, T> {
                     *g = prob * (*g - dl) * scale;
                 }
             }
-            return;
+            return false;
         }
         for c in 0..cols {
             for r in 0..rows {
@@ -309,5 +342,36 @@ impl<T: Element> Ctx<'_, T> {
                 pt[at] = if kept { prob * drop_scale } else { 0.0 };
             }
         }
+        false
     }
+}
+
+/// Product `g` (A's rows the tile's keys, B's and C's lanes its query rows) restricted to keys
+/// `lo..hi` and the strip of lanes from `j` (the caller offsets C).
+fn strip<X>(g: Gemm<'_, X>, (lo, hi): (usize, usize), j: usize) -> Gemm<'_, X> {
+    Gemm {
+        m: hi - lo,
+        n: LANES,
+        a: &g.a[lo * g.a_rs..],
+        b: &g.b[j..],
+        ..g
+    }
+}
+
+/// The keys (tile-local, `lo..hi`, empty when none) that some row of the strip of query lanes
+/// `j..j + LANES` sees, in a tile of rows `m0..m0 + rows` and keys `n0..n0 + cols` that a causal
+/// or window mask cuts: the visible keys of a row start and end no earlier than the previous
+/// row's, so the strip's are those from its first row's start to its last row's end. On the
+/// causal diagonal about 3/8 of each product's strips (64 × 64 tiles) fall outside.
+pub(super) fn strip_keys(
+    mask: &Mask,
+    (m0, rows): (usize, usize),
+    (n0, cols): (usize, usize),
+    j: usize,
+) -> (usize, usize) {
+    let last = (j + LANES).min(rows) - 1;
+    let clip = |key: usize| key.clamp(n0, n0 + cols) - n0;
+    let lo = clip(mask.key_range(m0 + j).0);
+    let hi = clip(mask.key_range(m0 + last).1);
+    (lo, hi.max(lo))
 }
