@@ -166,9 +166,9 @@ fn rows_product<'a, X>(
 /// `dQᵀ += Kᵀ·dSᵀ` (`c[x][r] += Σ_j k[j][x] · ds[r][j]`, `c` row stride `ldc`) with dSᵀ of key
 /// block `n_block` (`cols` keys, `np` lanes) of kv head `hk` in `scr.dst` and its keys in `scr.k`
 /// (f32) or the packed keys (bf16). With `strips` (the tile's mask, rows and keys, when
-/// [`Ctx::recompute`] computed it by strips), each strip of lanes sums only the chunks of keys
-/// that hold its keys ([`strip_keys`]): the chunks skipped, and the terms cut after the last,
-/// are zeros, which leave the sums' bits as they are.
+/// [`Ctx::recompute`] computed it by strips, f32 only), each strip of lanes sums only the chunks
+/// of keys that hold its keys ([`strip_keys`]): the chunks skipped, and the terms cut after the
+/// last, are zeros, which leave the sums' bits as they are.
 fn dq_product<T: Element>(
     cx: &Ctx<T>,
     (b, hk, n_block, cols, np): (usize, usize, usize, usize, usize),
@@ -178,6 +178,29 @@ fn dq_product<T: Element>(
     ldc: usize,
 ) {
     let (p, bs, d) = (cx.p, cx.bs, cx.p.head_dim);
+    if let Some(bf) = &cx.bf {
+        // As the forward's P·V: k in key pairs `[d][block_n / 2]`, dS rounded to key pairs
+        // (never by strips: see `Ctx::recompute`).
+        debug_assert!(strips.is_none());
+        p.kernels.pack_pairs_bf16(&scr.dst, cols, np, &mut scr.ds2);
+        p.kernels.gemm_bf16(
+            &Gemm {
+                m: d,
+                n: np,
+                k: cols.div_ceil(2),
+                a: bf.packed_k.block(p, b, hk, n_block, bs.block_n),
+                a_rs: bs.block_n / 2,
+                a_cs: 1,
+                b: &scr.ds2,
+                b_rs: np,
+                accumulate: true,
+                kc: KC,
+            },
+            c,
+            ldc,
+        );
+        return;
+    }
     // The lanes and keys of each call, `(j, n, k0, k1)`: one call over the tile, or one per strip.
     let whole = strips.is_none().then_some((0, np, 0, cols));
     let by_strip = strips.into_iter().flat_map(|Strips { mask, rows, keys }| {
@@ -187,31 +210,6 @@ fn dq_product<T: Element>(
         })
     });
     let calls = whole.into_iter().chain(by_strip);
-    if let Some(bf) = &cx.bf {
-        // As the forward's P·V: k in key pairs `[d][block_n / 2]`, dS rounded to key pairs.
-        p.kernels.pack_pairs_bf16(&scr.dst, cols, np, &mut scr.ds2);
-        let packed = bf.packed_k.block(p, b, hk, n_block, bs.block_n);
-        for (j, n, k0, k1) in calls {
-            let (k0, k1) = (k0 / 2, k1.div_ceil(2));
-            p.kernels.gemm_bf16(
-                &Gemm {
-                    m: d,
-                    n,
-                    k: k1 - k0,
-                    a: &packed[k0..],
-                    a_rs: bs.block_n / 2,
-                    a_cs: 1,
-                    b: &scr.ds2[k0 * np + j..],
-                    b_rs: np,
-                    accumulate: true,
-                    kc: KC,
-                },
-                &mut c[j..],
-                ldc,
-            );
-        }
-        return;
-    }
     for (j, n, k0, k1) in calls {
         p.kernels.gemm(
             &Gemm {
