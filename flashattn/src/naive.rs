@@ -94,8 +94,6 @@ fn dispatch(
     with_dtype!(p.dtype, T => typed::<T>(p, q, k, v, order))
 }
 
-/// Rounds an f32 to the precision of `T`.
-#[inline(always)]
 /// The one-score strip of query `i`, key `j` of (sequence b, head h).
 fn strip(b: usize, h: usize, i: usize, j: usize) -> crate::ScoreStrip {
     crate::ScoreStrip {
@@ -106,6 +104,8 @@ fn strip(b: usize, h: usize, i: usize, j: usize) -> crate::ScoreStrip {
     }
 }
 
+/// Rounds an f32 to the precision of `T`.
+#[inline(always)]
 fn round<T: Element>(x: f32) -> f32 {
     T::from_f32(x).to_f32()
 }

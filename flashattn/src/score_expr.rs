@@ -90,6 +90,9 @@ pub struct ScoreExpr {
     output: usize,
     /// Whether each node depends on the score (the others have derivative 0).
     on_score: Vec<bool>,
+    /// Whether each node is the same for every score of a strip (it reads neither the score
+    /// nor the query row): computed once per strip and broadcast.
+    uniform: Vec<bool>,
 }
 
 fn invalid(detail: String) -> crate::Error {
@@ -120,6 +123,7 @@ impl ScoreExpr {
             }
         }
         let mut on_score = Vec::with_capacity(nodes.len());
+        let mut uniform = Vec::with_capacity(nodes.len());
         for (i, node) in nodes.iter().enumerate() {
             let args: Vec<usize> = match node {
                 Node::Unary(_, a) => vec![*a],
@@ -132,6 +136,12 @@ impl ScoreExpr {
                             tables.len()
                         )));
                     };
+                    if t.shape.len() > MAX_DIMS {
+                        return Err(invalid(format!(
+                            "node {i} reads table {table} of {} dimensions (at most {MAX_DIMS})",
+                            t.shape.len()
+                        )));
+                    }
                     if t.shape.len() != index.len() {
                         return Err(invalid(format!(
                             "node {i} indexes table {table} of shape {:?} with {} indices",
@@ -171,12 +181,17 @@ impl ScoreExpr {
                 _ => false,
             };
             on_score.push(dep);
+            uniform.push(match node {
+                Node::Score | Node::Q => false,
+                _ => args.iter().all(|&a| uniform[a]),
+            });
         }
         Ok(ScoreExpr {
             nodes,
             tables,
             output,
             on_score,
+            uniform,
         })
     }
 
@@ -184,37 +199,25 @@ impl ScoreExpr {
         &self.nodes
     }
 
-    /// Evaluates the program over `n` elements: `vals` and (with `tangents`) `tans` hold
-    /// `nodes.len() · n` values; element `r` has score `score(r)` and index `at(r)`.
-    fn run(
-        &self,
-        n: usize,
-        score: impl Fn(usize) -> f64,
-        at: impl Fn(usize) -> MaskIndex,
-        vals: &mut [f64],
-        mut tans: Option<&mut [f64]>,
-    ) {
+    /// Evaluates the program over the strip `at` with scores `scores`: `vals` and (with
+    /// `tans`) the tangents hold `nodes.len() · n` values, node-major.
+    fn run(&self, at: ScoreStrip, scores: &[f64], vals: &mut [f64], mut tans: Option<&mut [f64]>) {
+        let n = scores.len();
         for (i, node) in self.nodes.iter().enumerate() {
             let (done, rest) = vals.split_at_mut(i * n);
-            let out = &mut rest[..n];
-            let arg = |a: usize| &done[a * n..(a + 1) * n];
+            // A uniform node: its first element, then broadcast (its arguments are uniform too).
+            let m = if self.uniform[i] { n.min(1) } else { n };
+            let out = &mut rest[..m];
+            let arg = |a: usize| &done[a * n..a * n + m];
             match node {
-                Node::Score => (0..n).for_each(|r| out[r] = score(r)),
-                Node::Batch => (0..n).for_each(|r| out[r] = at(r).batch as f64),
-                Node::Head => (0..n).for_each(|r| out[r] = at(r).head as f64),
-                Node::Q => (0..n).for_each(|r| out[r] = at(r).q as f64),
-                Node::K => (0..n).for_each(|r| out[r] = at(r).k as f64),
+                Node::Score => out.copy_from_slice(scores),
+                Node::Batch => out.fill(at.batch as f64),
+                Node::Head => out.fill(at.head as f64),
+                Node::Q => (0..n).for_each(|r| out[r] = (at.q0 + r) as f64),
+                Node::K => out.fill(at.k as f64),
                 Node::Const(c) => out.fill(*c),
-                Node::Unary(op, a) => {
-                    for (o, &x) in out.iter_mut().zip(arg(*a)) {
-                        *o = unary(*op, x);
-                    }
-                }
-                Node::Binary(op, a, b) => {
-                    for ((o, &x), &y) in out.iter_mut().zip(arg(*a)).zip(arg(*b)) {
-                        *o = binary(*op, x, y);
-                    }
-                }
+                Node::Unary(op, a) => unary(*op, arg(*a), out),
+                Node::Binary(op, a, b) => binary(*op, (arg(*a), arg(*b)), out),
                 Node::Where(c, a, b) => {
                     for (r, o) in out.iter_mut().enumerate() {
                         *o = if arg(*c)[r] != 0.0 {
@@ -226,11 +229,21 @@ impl ScoreExpr {
                 }
                 Node::Lookup { table, index } => {
                     let t = &self.tables[*table];
+                    let mut cols: [&[f64]; MAX_DIMS] = [&[]; MAX_DIMS];
+                    for (c, &a) in cols.iter_mut().zip(index) {
+                        *c = arg(a);
+                    }
+                    let cols = &cols[..index.len()];
                     for (r, o) in out.iter_mut().enumerate() {
-                        *o = lookup(t, index.iter().map(|&a| arg(a)[r]));
+                        *o = lookup(t, cols, r);
                     }
                 }
             }
+            if m < n {
+                let first = rest[0];
+                rest[1..n].fill(first);
+            }
+            let out = &rest[..n];
             let Some(tans) = tans.as_deref_mut() else {
                 continue;
             };
@@ -270,49 +283,83 @@ impl ScoreExpr {
         }
     }
 
-    /// The function (into `out`) and, with `grad`, its derivative over the scores of one strip
-    /// (at most [`CHUNK`]), with scratch of this thread.
-    fn eval(&self, at: ScoreStrip, scores: &[f64], out: &mut [f64], grad: Option<&mut [f64]>) {
+    /// Replaces `scores` (one strip) by the function's values and writes its derivative into
+    /// `grad`, through the scratch of this thread.
+    fn eval<X: Lane>(&self, at: ScoreStrip, scores: &mut [X], grad: Option<&mut [X]>) {
         thread_local! {
             static SCRATCH: RefCell<Scratch> = const {
-                RefCell::new(Scratch { vals: Vec::new(), tans: Vec::new() })
+                RefCell::new(Scratch { input: Vec::new(), vals: Vec::new(), tans: Vec::new() })
             };
         }
-        let n = scores.len();
         SCRATCH.with(|s| {
-            let s = &mut *s.borrow_mut();
+            let Scratch { input, vals, tans } = &mut *s.borrow_mut();
+            let n = scores.len();
             let len = self.nodes.len() * n;
-            s.vals.resize(len, 0.0);
-            let tans = match grad.is_some() {
+            input.clear();
+            input.extend(scores.iter().map(|x| x.wide()));
+            vals.resize(len, 0.0);
+            let tans_out = match grad.is_some() {
                 true => {
-                    s.tans.resize(len, 0.0);
-                    Some(&mut s.tans[..len])
+                    tans.resize(len, 0.0);
+                    Some(&mut tans[..len])
                 }
                 false => None,
             };
-            self.run(n, |r| scores[r], |r| at.index(r), &mut s.vals[..len], tans);
+            self.run(at, input, &mut vals[..len], tans_out);
             let o = self.output * n;
-            out.copy_from_slice(&s.vals[o..o + n]);
+            for (x, &y) in scores.iter_mut().zip(&vals[o..o + n]) {
+                *x = X::narrow(y);
+            }
             if let Some(g) = grad {
-                g.copy_from_slice(&s.tans[o..o + n]);
+                for (d, &t) in g.iter_mut().zip(&tans[o..o + n]) {
+                    *d = X::narrow(t);
+                }
             }
         });
     }
 }
 
-/// Per-thread buffers of [`ScoreExpr::eval`]: node values and tangents, node-major.
+/// The float types a program reads and writes (it computes in f64).
+trait Lane: Copy {
+    fn wide(self) -> f64;
+    fn narrow(x: f64) -> Self;
+}
+
+impl Lane for f32 {
+    fn wide(self) -> f64 {
+        self as f64
+    }
+    fn narrow(x: f64) -> Self {
+        x as f32
+    }
+}
+
+impl Lane for f64 {
+    fn wide(self) -> f64 {
+        self
+    }
+    fn narrow(x: f64) -> Self {
+        x
+    }
+}
+
+/// Per-thread buffers of [`ScoreExpr::eval`]: the scores, and node values and tangents,
+/// node-major. Reused, never zeroed: every call writes what it reads.
 struct Scratch {
+    input: Vec<f64>,
     vals: Vec<f64>,
     tans: Vec<f64>,
 }
 
-/// Scores evaluated at a time.
-const CHUNK: usize = 64;
+/// Dimensions a looked-up table may have.
+const MAX_DIMS: usize = 8;
 
-fn lookup(t: &Table, index: impl Iterator<Item = f64>) -> f64 {
+/// `t[cols[0][r], cols[1][r], ...]`, NaN for an index that is not an integer in `-len..len`.
+#[inline]
+fn lookup(t: &Table, cols: &[&[f64]], r: usize) -> f64 {
     let mut flat = 0usize;
-    for (x, &len) in index.zip(&t.shape) {
-        let len_f = len as f64;
+    for (col, &len) in cols.iter().zip(&t.shape) {
+        let (x, len_f) = (col[r], len as f64);
         if !(x.fract() == 0.0 && x >= -len_f && x < len_f) {
             return f64::NAN;
         }
@@ -339,17 +386,33 @@ fn sigmoid(x: f64) -> f64 {
     }
 }
 
-fn unary(op: Unary, x: f64) -> f64 {
+/// `out = f(x)` element by element; one loop per operation, so that the simple ones vectorise.
+#[inline(always)]
+fn map1(out: &mut [f64], x: &[f64], f: impl Fn(f64) -> f64) {
+    for (o, &x) in out.iter_mut().zip(x) {
+        *o = f(x);
+    }
+}
+
+/// `out = f(x, y)` element by element (as [`map1`]).
+#[inline(always)]
+fn map2(out: &mut [f64], (x, y): (&[f64], &[f64]), f: impl Fn(f64, f64) -> f64) {
+    for ((o, &x), &y) in out.iter_mut().zip(x).zip(y) {
+        *o = f(x, y);
+    }
+}
+
+fn unary(op: Unary, x: &[f64], out: &mut [f64]) {
     match op {
-        Unary::Neg => -x,
-        Unary::Abs => x.abs(),
-        Unary::Exp => x.exp(),
-        Unary::Log => x.ln(),
-        Unary::Tanh => x.tanh(),
-        Unary::Sigmoid => sigmoid(x),
-        Unary::Sqrt => x.sqrt(),
-        Unary::Floor => x.floor(),
-        Unary::Not => bool_f(x == 0.0),
+        Unary::Neg => map1(out, x, |x| -x),
+        Unary::Abs => map1(out, x, f64::abs),
+        Unary::Exp => map1(out, x, f64::exp),
+        Unary::Log => map1(out, x, f64::ln),
+        Unary::Tanh => map1(out, x, f64::tanh),
+        Unary::Sigmoid => map1(out, x, sigmoid),
+        Unary::Sqrt => map1(out, x, f64::sqrt),
+        Unary::Floor => map1(out, x, f64::floor),
+        Unary::Not => map1(out, x, |x| bool_f(x == 0.0)),
     }
 }
 
@@ -375,38 +438,38 @@ fn d_unary(op: Unary, x: f64, y: f64) -> f64 {
     }
 }
 
-fn binary(op: Binary, x: f64, y: f64) -> f64 {
+fn binary(op: Binary, xy: (&[f64], &[f64]), out: &mut [f64]) {
     match op {
-        Binary::Add => x + y,
-        Binary::Sub => x - y,
-        Binary::Mul => x * y,
-        Binary::Div => x / y,
-        Binary::FloorDiv => (x / y).floor(),
-        Binary::Rem => x - y * (x / y).floor(),
-        Binary::Pow => x.powf(y),
+        Binary::Add => map2(out, xy, |x, y| x + y),
+        Binary::Sub => map2(out, xy, |x, y| x - y),
+        Binary::Mul => map2(out, xy, |x, y| x * y),
+        Binary::Div => map2(out, xy, |x, y| x / y),
+        Binary::FloorDiv => map2(out, xy, |x, y| (x / y).floor()),
+        Binary::Rem => map2(out, xy, |x, y| x - y * (x / y).floor()),
+        Binary::Pow => map2(out, xy, f64::powf),
         // NaN propagates, as torch.minimum and torch.maximum.
-        Binary::Min => {
+        Binary::Min => map2(out, xy, |x, y| {
             if x.is_nan() || y.is_nan() {
                 f64::NAN
             } else {
                 x.min(y)
             }
-        }
-        Binary::Max => {
+        }),
+        Binary::Max => map2(out, xy, |x, y| {
             if x.is_nan() || y.is_nan() {
                 f64::NAN
             } else {
                 x.max(y)
             }
-        }
-        Binary::Lt => bool_f(x < y),
-        Binary::Le => bool_f(x <= y),
-        Binary::Gt => bool_f(x > y),
-        Binary::Ge => bool_f(x >= y),
-        Binary::Eq => bool_f(x == y),
-        Binary::Ne => bool_f(x != y),
-        Binary::And => bool_f(x != 0.0 && y != 0.0),
-        Binary::Or => bool_f(x != 0.0 || y != 0.0),
+        }),
+        Binary::Lt => map2(out, xy, |x, y| bool_f(x < y)),
+        Binary::Le => map2(out, xy, |x, y| bool_f(x <= y)),
+        Binary::Gt => map2(out, xy, |x, y| bool_f(x > y)),
+        Binary::Ge => map2(out, xy, |x, y| bool_f(x >= y)),
+        Binary::Eq => map2(out, xy, |x, y| bool_f(x == y)),
+        Binary::Ne => map2(out, xy, |x, y| bool_f(x != y)),
+        Binary::And => map2(out, xy, |x, y| bool_f(x != 0.0 && y != 0.0)),
+        Binary::Or => map2(out, xy, |x, y| bool_f(x != 0.0 || y != 0.0)),
     }
 }
 
@@ -442,28 +505,8 @@ fn d_binary(op: Binary, (x, y, z): (f64, f64, f64), (dx, dy): (f64, f64), on: (b
 }
 
 impl ScoreFunction for ScoreExpr {
-    fn apply(&self, at: ScoreStrip, scores: &mut [f32], mut grad: Option<&mut [f32]>) {
-        let (mut x, mut y, mut g) = ([0f64; CHUNK], [0f64; CHUNK], [0f64; CHUNK]);
-        for (c, chunk) in scores.chunks_mut(CHUNK).enumerate() {
-            let n = chunk.len();
-            let strip = ScoreStrip {
-                q0: at.q0 + c * CHUNK,
-                ..at
-            };
-            for (x, &s) in x.iter_mut().zip(chunk.iter()) {
-                *x = s as f64;
-            }
-            let want = grad.is_some().then_some(&mut g[..n]);
-            self.eval(strip, &x[..n], &mut y[..n], want);
-            for (s, &y) in chunk.iter_mut().zip(&y[..n]) {
-                *s = y as f32;
-            }
-            if let Some(gr) = grad.as_deref_mut() {
-                for (d, &g) in gr[c * CHUNK..c * CHUNK + n].iter_mut().zip(&g[..n]) {
-                    *d = g as f32;
-                }
-            }
-        }
+    fn apply(&self, at: ScoreStrip, scores: &mut [f32], grad: Option<&mut [f32]>) {
+        self.eval(at, scores, grad);
     }
 
     fn eval_f64(&self, at: MaskIndex, score: f64) -> ScoreValue {
@@ -473,8 +516,8 @@ impl ScoreFunction for ScoreExpr {
             q0: at.q,
             k: at.k,
         };
-        let (mut y, mut g) = ([0f64], [0f64]);
-        self.eval(strip, &[score], &mut y, Some(&mut g));
+        let (mut y, mut g) = ([score], [0.0]);
+        self.eval(strip, &mut y, Some(&mut g));
         ScoreValue {
             value: y[0],
             grad: g[0],
@@ -614,5 +657,42 @@ mod tests {
         };
         let e = ScoreExpr::new(nodes, vec![t], 2).unwrap();
         assert_eq!(e.eval_f64(at(0, 0), 0.0).value, 5.0);
+    }
+
+    /// Nodes that read neither the score nor the query row are computed once per strip and
+    /// broadcast: `score · t[h - 1, k] + q` over a strip of five rows.
+    #[test]
+    fn uniform_nodes_broadcast() {
+        let t = Table {
+            data: (0..6).map(|x| x as f64 + 0.5).collect(),
+            shape: vec![2, 3],
+        };
+        let nodes = vec![
+            Node::Score,
+            Node::Head,
+            Node::Const(1.0),
+            Node::Binary(Binary::Sub, 1, 2),
+            Node::K,
+            Node::Lookup {
+                table: 0,
+                index: vec![3, 4],
+            },
+            Node::Binary(Binary::Mul, 0, 5),
+            Node::Q,
+            Node::Binary(Binary::Add, 6, 7),
+        ];
+        let e = ScoreExpr::new(nodes, vec![t], 8).unwrap();
+        let strip = ScoreStrip {
+            batch: 0,
+            head: 2,
+            q0: 10,
+            k: 2,
+        };
+        let mut s = [1.0f32, 2.0, 3.0, 4.0, 5.0];
+        let mut g = [0f32; 5];
+        e.apply(strip, &mut s, Some(&mut g));
+        // t[1, 2] = 5.5
+        assert_eq!(s, [15.5, 22.0, 28.5, 35.0, 41.5]);
+        assert_eq!(g, [5.5; 5]);
     }
 }
