@@ -175,13 +175,15 @@ def test_minus_inf_rows_are_fully_masked():
     _close(out, want, 2e-5, "out")
 
 
-def test_nan_from_the_function_reaches_its_row_only():
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_nan_or_inf_from_the_function_reaches_its_row_only(bad):
     B, H, Sq, Sk, D = 1, 1, 20, 30, 8
     q, k, v = make((B, H, Sq, Sk, D))
-    out = flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: torch.where(
-        (qi == 5) & (ki == 9), math.nan, s))
-    nan_rows = torch.isnan(out).any(dim=-1)[0, 0]
-    assert nan_rows.tolist() == [i == 5 for i in range(Sq)]
+    out, lse = flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: torch.where(
+        (qi == 5) & (ki == 9), bad, s), return_lse=True)
+    want = [i == 5 for i in range(Sq)]
+    assert torch.isnan(out).any(dim=-1)[0, 0].tolist() == want
+    assert torch.isnan(lse)[0, 0].tolist() == want
 
 
 def test_the_program_and_its_derivative():
