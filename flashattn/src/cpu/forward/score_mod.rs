@@ -5,7 +5,8 @@ use crate::blocks::Mask;
 use crate::params::{Params, LOG2_E};
 use crate::score_fn::{ScoreFn, ScoreStrip};
 
-/// Scores a custom function is handed at a time (a stack buffer holds their derivatives).
+/// Scores a custom function is handed at a time under softcap (a stack buffer holds their
+/// derivatives, multiplied into `1 - tanh²`).
 const STRIP: usize = 64;
 
 /// A custom score function with what it needs in the natural-log domain.
@@ -194,26 +195,23 @@ impl User<'_> {
                 *x -= slope * mask.diagonal_distance(m0 + r, k).unsigned_abs() as f32;
             }
         }
-        let mut grad = [0f32; STRIP];
-        for (i, chunk) in row.chunks_mut(STRIP).enumerate() {
-            let at = ScoreStrip {
-                batch: self.bh.0,
-                head: self.bh.1,
-                q0: m0 + i * STRIP,
-                k,
-            };
-            match dt.as_deref_mut() {
-                Some(d) => {
+        let at = |q0| ScoreStrip {
+            batch: self.bh.0,
+            head: self.bh.1,
+            q0,
+            k,
+        };
+        match (dt, self.softcap) {
+            // One call for the whole strip where no derivative is to be combined.
+            (None, _) => self.f.apply(at(m0), row, None),
+            (Some(d), None) => self.f.apply(at(m0), row, Some(d)),
+            (Some(d), Some(_)) => {
+                let mut grad = [0f32; STRIP];
+                for (i, (chunk, d)) in row.chunks_mut(STRIP).zip(d.chunks_mut(STRIP)).enumerate() {
                     let g = &mut grad[..chunk.len()];
-                    self.f.apply(at, chunk, Some(g));
-                    let d = &mut d[i * STRIP..i * STRIP + chunk.len()];
-                    if self.softcap.is_some() {
-                        d.iter_mut().zip(g.iter()).for_each(|(d, g)| *d *= g);
-                    } else {
-                        d.copy_from_slice(g);
-                    }
+                    self.f.apply(at(m0 + i * STRIP), chunk, Some(g));
+                    d.iter_mut().zip(g.iter()).for_each(|(d, g)| *d *= g);
                 }
-                None => self.f.apply(at, chunk, None),
             }
         }
         row.iter_mut().for_each(|x| *x *= LOG2_E);
