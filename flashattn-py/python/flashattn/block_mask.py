@@ -1,5 +1,5 @@
 """Custom masks evaluated once: ``create_block_mask`` (FlexAttention's), ``BlockMask.from_dense``
-(SDPA's boolean ``attn_mask``), and ``flex_attention`` over ``[batch, heads, seqlen, head_dim]``.
+(SDPA's boolean ``attn_mask``); ``flex_attention`` (``flashattn.flex``) takes them too.
 
     from flashattn import create_block_mask, flash_attn_func, flex_attention
 
@@ -31,7 +31,7 @@ from . import _flashattn as _ext
 from . import _ops
 from ._flashattn import BLOCK_SIZE, FlashAttnError
 
-__all__ = ["BLOCK_SIZE", "BlockMask", "create_block_mask", "flex_attention"]
+__all__ = ["BLOCK_SIZE", "BlockMask", "create_block_mask"]
 
 # Booleans evaluated per chunk by default: 16 Mi (16 MiB of mask, some times that in the mask
 # function's temporaries).
@@ -211,33 +211,3 @@ def masked_attention(q, k, v, cu_q, cu_k, dropout_p, scale, causal, wl, wr, soft
     return _ops.fwd_masked(q, k, v, cu_q, cu_k, dropout_p, scale, causal, wl, wr, softcap, alibi,
                            sink, block_mask._kinds, block_mask._bits, block_mask._shape[2],
                            block_mask._shape[3])
-
-
-def flex_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    block_mask: Optional[BlockMask] = None,
-    scale: Optional[float] = None,
-    enable_gqa: bool = False,
-    return_lse: bool = False,
-):
-    """FlexAttention's call on ``[B, H, S, D]`` tensors (no copy: strided views of flashattn's
-    ``[B, S, H, D]`` layout): ``softmax(q·kᵀ·scale)·v`` with the mask of ``block_mask`` (or
-    none). ``scale``: 1/sqrt(D) by default. Key/value heads other than the query's need
-    ``enable_gqa`` (query heads a multiple of them). With ``return_lse``, ``(out, lse)``, lse f32
-    ``[B, H, S_q]`` (natural log)."""
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, Tensor) or t.dim() != 4:
-            raise ValueError(f"flashattn: flex_attention takes 4-D [B, H, S, D] tensors; "
-                             f"`{name}` is {getattr(t, 'shape', type(t).__name__)}")
-    if query.shape[1] != key.shape[1] and not enable_gqa:
-        raise ValueError(f"flashattn: query has {query.shape[1]} heads and key {key.shape[1]}: "
-                         "pass enable_gqa=True for grouped-query attention")
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    from .interface import flash_attn_func
-
-    out, lse, _ = flash_attn_func(q, k, v, softmax_scale=scale, return_attn_probs=True,
-                                  block_mask=block_mask)
-    out = out.transpose(1, 2)
-    return (out, lse) if return_lse else out

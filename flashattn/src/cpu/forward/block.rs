@@ -290,7 +290,7 @@ pub(super) fn forward_block<T: Element, S: Bf16Source>(
                         st,
                         nw,
                         &mut scr.st2,
-                        p.softcap.is_some(),
+                        p.softcap.is_some() || p.score_fn.is_some(),
                     );
                 }
             }
