@@ -72,7 +72,7 @@ def end_rank() -> None:
     can outlive destroy_process_group (seen after the ring's backward); one that releases a
     finished collective's tensors after the teardown began needs the GIL, Python then ends that
     thread with pthread_exit, and its unwinding through a noexcept destructor aborts the rank
-    ("terminate called without an active exception", in ~3% of runs on a loaded 2-vCPU VM)."""
+    ("terminate called without an active exception", in 1-3% of runs on a loaded 2-vCPU VM)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
