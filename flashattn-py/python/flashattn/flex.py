@@ -301,8 +301,11 @@ def trace_score_mod(score_mod: Callable) -> "_ext.ScoreMod":
     return _ext.ScoreMod.from_program(trace.nodes, trace.tables, out)
 
 
-def _opts(scale: float, block_mask, score_mod) -> dict:
-    opts = _ops._opts(scale, False, -1, -1, 0.0, None, None, block_mask=block_mask)
+def _opts(scale: float, block_mask: Optional[BlockMask], score_mod) -> dict:
+    # The mask's two tensors, read in place for this call.
+    mask = None if block_mask is None else _ops._MaskArg(
+        block_mask._kinds, block_mask._bits, block_mask.shape[2], block_mask.shape[3])
+    opts = _ops._opts(scale, False, -1, -1, 0.0, None, None, block_mask=mask)
     opts["score_mod"] = score_mod
     return opts
 
