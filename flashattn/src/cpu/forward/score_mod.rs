@@ -2,6 +2,7 @@
 //! and the mask.
 
 use crate::blocks::Mask;
+use crate::cpu::tanh::tanh;
 use crate::params::{Params, LOG2_E};
 use crate::score_fn::{ScoreFn, ScoreStrip};
 
@@ -147,11 +148,11 @@ impl<'p> ScoreMod<'p> {
             match (self.softcap, dtanh.as_deref_mut()) {
                 (None, _) => row.iter_mut().for_each(|x| *x *= self.scale_log2),
                 (Some((pre, post)), None) => {
-                    row.iter_mut().for_each(|x| *x = post * (*x * pre).tanh())
+                    row.iter_mut().for_each(|x| *x = post * tanh(*x * pre))
                 }
                 (Some((pre, post)), Some(dt)) => {
                     for (x, t) in row.iter_mut().zip(&mut dt[c * np..c * np + rows]) {
-                        let th = (*x * pre).tanh();
+                        let th = tanh(*x * pre);
                         *t = 1.0 - th * th;
                         *x = post * th;
                     }
@@ -182,7 +183,7 @@ impl User<'_> {
             Some(cap) => {
                 let pre = self.scale / cap;
                 for (r, x) in row.iter_mut().enumerate() {
-                    let th = (*x * pre).tanh();
+                    let th = tanh(*x * pre);
                     *x = cap * th;
                     if let Some(d) = dt.as_deref_mut() {
                         d[r] = 1.0 - th * th;
