@@ -101,6 +101,7 @@ impl RunArgs {
             cu_seqlens: None,
             descale: None,
             mask_mod: None,
+            score_mod: None,
         }
     }
 }

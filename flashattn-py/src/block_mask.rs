@@ -68,23 +68,26 @@ impl PyBlockMask {
         Ok(())
     }
 
-    /// `(kinds, bits)` as little-endian bytes: one `i32` per block (`KIND_EMPTY`, `KIND_FULL` or
-    /// a partial block's index) and `MASK_BLOCK` `u64` row words per partial block.
+    /// `(kinds, bits)` as bytes in native order (as tensors hold them): one `i32` per block
+    /// (`KIND_EMPTY`, `KIND_FULL` or a partial block's index) and `MASK_BLOCK` `u64` row words
+    /// per partial block.
     fn parts<'py>(&self, py: Python<'py>) -> (Bound<'py, PyBytes>, Bound<'py, PyBytes>) {
         let p = self.inner.to_parts();
-        let kinds: Vec<u8> = p.kinds.iter().flat_map(|k| k.to_le_bytes()).collect();
-        let bits: Vec<u8> = p.bits.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let kinds: Vec<u8> = p.kinds.iter().flat_map(|k| k.to_ne_bytes()).collect();
+        let bits: Vec<u8> = p.bits.iter().flat_map(|w| w.to_ne_bytes()).collect();
         (PyBytes::new(py, &kinds), PyBytes::new(py, &bits))
     }
 
-    /// The mask of [`PyBlockMask::parts`]' arrays, given as contiguous `uint8` views of their
-    /// bytes, for `(batch, heads, seqlen_q, seqlen_k)` (checked).
+    /// The mask of [`PyBlockMask::parts`]' arrays for `(batch, heads, seqlen_q, seqlen_k)`,
+    /// checked, given as contiguous `uint8` views of an int32 and an int64 tensor that `owner`
+    /// holds: read in place, no copy (copied only where a view is not aligned to its element).
     #[staticmethod]
-    fn from_parts(
+    fn lend(
         py: Python<'_>,
         shape: (usize, usize, usize, usize),
         kinds: RawView,
         bits: RawView,
+        owner: Py<PyAny>,
     ) -> PyResult<PyBlockMask> {
         let (batch, heads, seqlen_q, seqlen_k) = shape;
         let shape = MaskShape {
@@ -94,7 +97,8 @@ impl PyBlockMask {
             seqlen_k,
         };
         let (k, b) = (View::try_from(kinds)?, View::try_from(bits)?);
-        // SAFETY: the Python layer holds both tensors alive and unwritten for this call.
+        // SAFETY: `owner` holds both tensors, and the Python layer does not write them while
+        // the mask lives (it lives for one call).
         let (k, b) = unsafe { (k.bytes_ref()?, b.bytes_ref()?) };
         // Whole i32 kinds and u64 words only: a ragged tail would be dropped silently below.
         if k.len() % 4 != 0 || b.len() % 8 != 0 {
@@ -105,16 +109,27 @@ impl PyBlockMask {
             ))
             .into());
         }
-        let kinds: Vec<i32> = k
-            .chunks_exact(4)
-            .map(|c| i32::from_le_bytes(c.try_into().unwrap_or_default()))
-            .collect();
-        let bits: Vec<u64> = b
-            .chunks_exact(8)
-            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
-            .collect();
         let inner = py
-            .detach(|| flashattn::BlockMask::from_parts(shape, &kinds, &bits))
+            .detach(
+                || match (bytemuck::try_cast_slice(k), bytemuck::try_cast_slice(b)) {
+                    // SAFETY: `owner`, which the mask keeps, holds the tensors these bytes are
+                    // (alive), and the Python layer does not write them while the mask lives.
+                    (Ok(kinds), Ok(bits)) => unsafe {
+                        flashattn::BlockMask::from_parts_lent(shape, kinds, bits, Box::new(owner))
+                    },
+                    _ => {
+                        let kinds: Vec<i32> = k
+                            .chunks_exact(4)
+                            .map(|c| i32::from_ne_bytes(c.try_into().unwrap_or_default()))
+                            .collect();
+                        let bits: Vec<u64> = b
+                            .chunks_exact(8)
+                            .map(|c| u64::from_ne_bytes(c.try_into().unwrap_or_default()))
+                            .collect();
+                        flashattn::BlockMask::from_parts(shape, &kinds, &bits)
+                    }
+                },
+            )
             .map_err(BindError::Lib)?;
         Ok(PyBlockMask { inner })
     }

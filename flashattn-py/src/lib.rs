@@ -9,6 +9,7 @@ mod block_mask;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod errors;
+mod score_mod;
 mod view;
 
 use std::cell::RefCell;
@@ -20,6 +21,7 @@ use pyo3::prelude::*;
 
 use block_mask::{PyBlockMask, PyBlockMaskBuilder};
 use errors::{BindError, FlashAttnError};
+use score_mod::PyScoreMod;
 use view::{Dt, RawView, View};
 
 /// The options every attention call shares, as the Python layer passes them (a dict).
@@ -43,6 +45,10 @@ pub(crate) struct Opts {
     descale_per_block: bool,
     /// A mask evaluated once (`flashattn.BlockMask`; CPU forward and backward).
     block_mask: Option<Py<PyBlockMask>>,
+    /// A traced score function (`flashattn.flex_attention(score_mod=)`; CPU forward and
+    /// backward). Absent from the dicts of the calls that take none.
+    #[pyo3(default)]
+    score_mod: Option<Py<PyScoreMod>>,
 }
 
 /// The options' tensors, checked.
@@ -84,6 +90,9 @@ impl Opts {
         }
         if let Some(m) = &self.block_mask {
             o = o.block_mask(m.get().inner.clone());
+        }
+        if let Some(f) = &self.score_mod {
+            o = o.score_mod(f.get().inner.clone());
         }
         Ok(o)
     }
@@ -543,6 +552,7 @@ fn _flashattn(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("BLOCK_SIZE", flashattn::block_mask::MASK_BLOCK)?;
     m.add_class::<PyBlockMask>()?;
     m.add_class::<PyBlockMaskBuilder>()?;
+    m.add_class::<PyScoreMod>()?;
     m.add_function(wrap_pyfunction!(fwd, m)?)?;
     m.add_function(wrap_pyfunction!(bwd, m)?)?;
     m.add_function(wrap_pyfunction!(fwd_fp8, m)?)?;

@@ -340,3 +340,49 @@ def test_compile_masked_forward_backward_matches_eager(backend):
     for a, e in zip(grads_c, grads_e):
         assert torch.isfinite(a).all() and a.abs().sum() > 0
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_call_takes_a_new_mask_of_its_shape_without_recompiling():
+    # Masks of one shape with 2, 0, 1 and 4 partial blocks: one graph for all of them, forward
+    # and backward (the partial blocks' count is a dynamic size, and never 0 or 1).
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    n = 128
+    masks = [create_block_mask(f, None, None, n, n) for f in (
+        causal,
+        lambda b, h, q, kv: q // 64 >= kv // 64,
+        lambda b, h, q, kv: (q >= kv) | (q >= 64),
+        lambda b, h, q, kv: (q - kv) % 5 != 0,
+    )]
+    assert [m.block_counts()[2] for m in masks] == [2, 0, 1, 4]
+    cnt = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda q, k, v, bm: flash_attn_func(q, k, v, block_mask=bm),
+                             backend=cnt, fullgraph=True)
+    q, k, v = make_qkv(1, n, n, 2, 2, 16, F32, seed=3, requires_grad=True)
+    for bm in masks:
+        out = compiled(q, k, v, bm)
+        grads = torch.autograd.grad((out * out).sum(), (q, k, v))
+        out_e = flash_attn_func(q, k, v, block_mask=bm)
+        grads_e = torch.autograd.grad((out_e * out_e).sum(), (q, k, v))
+        assert torch.equal(out, out_e)
+        for a, e in zip(grads, grads_e):
+            assert torch.equal(a, e)
+    assert cnt.frame_count == 1
+
+
+def test_mask_tensors_are_read_in_place_or_copied_when_unaligned():
+    # The mask is its two tensors (nothing else held); the op reads them in place, and copies
+    # a view that is not aligned to its element, with the same result.
+    q, k, v = make_qkv(1, 150, 150, 2, 2, 16, F32, seed=4)
+    bm = create_block_mask(lambda b, h, q, kv: (q - kv) % 3 != 0, None, None, 150, 150)
+    assert bm.nbytes() == bm._kinds.nbytes + bm._bits.nbytes
+    args = list(_fwd_masked_args(q, k, v, bm))
+    want = torch.ops.flashattn.fwd_masked(*args)[0]
+    assert torch.equal(want, flash_attn_func(q, k, v, block_mask=bm))
+    raw = bytearray(bm._bits.nbytes + 4)
+    bits = torch.frombuffer(raw, dtype=torch.int64, offset=4, count=bm._bits.numel())
+    bits = bits.view(bm._bits.shape)
+    bits.copy_(bm._bits)
+    assert bits.data_ptr() % 8 == 4
+    assert torch.equal(torch.ops.flashattn.fwd_masked(*args[:14], bits, *args[15:])[0], want)

@@ -111,11 +111,60 @@ pub struct BlockMask(Arc<Inner>);
 
 struct Inner {
     shape: MaskShape,
-    /// At `((b * heads + h) * m_blocks + m_block) * n_blocks + n_block`.
-    kinds: Vec<BlockKind>,
-    /// The partial blocks' rows: word `r` of a block holds row `m_block * MASK_BLOCK + r`, bit
-    /// `c` key `n_block * MASK_BLOCK + c`; bits past the shape's edges are 0.
-    bits: Vec<u64>,
+    /// The arrays of [`BlockMaskParts`], checked: every kind is [`KIND_EMPTY`], [`KIND_FULL`] or
+    /// a partial block's index, and bits past the shape's edges are 0.
+    parts: Parts,
+}
+
+/// Where a mask's arrays live.
+enum Parts {
+    Owned {
+        kinds: Vec<i32>,
+        bits: Vec<u64>,
+    },
+    /// Memory lent by `_owner` ([`BlockMask::from_parts_lent`]), which keeps it alive and
+    /// unchanged while it lives; the slices never leave this struct with their `'static`.
+    Lent {
+        kinds: &'static [i32],
+        bits: &'static [u64],
+        _owner: Box<dyn Send + Sync>,
+    },
+}
+
+impl Parts {
+    #[inline]
+    fn kinds(&self) -> &[i32] {
+        match self {
+            Parts::Owned { kinds, .. } => kinds,
+            Parts::Lent { kinds, .. } => kinds,
+        }
+    }
+    #[inline]
+    fn bits(&self) -> &[u64] {
+        match self {
+            Parts::Owned { bits, .. } => bits,
+            Parts::Lent { bits, .. } => bits,
+        }
+    }
+}
+
+/// A checked kind (see [`Inner::parts`]) as a [`BlockKind`].
+#[inline]
+fn kind_of(k: i32) -> BlockKind {
+    match k {
+        KIND_EMPTY => BlockKind::Empty,
+        KIND_FULL => BlockKind::Full,
+        p => BlockKind::Partial(p as u32),
+    }
+}
+
+/// A [`BlockKind`] as [`BlockMaskParts::kinds`] holds it.
+fn kind_code(k: BlockKind) -> i32 {
+    match k {
+        BlockKind::Empty => KIND_EMPTY,
+        BlockKind::Full => KIND_FULL,
+        BlockKind::Partial(p) => p as i32,
+    }
 }
 
 /// One block row classified: its kinds, with `Partial` indices local to `bits`.
@@ -218,13 +267,18 @@ impl BlockMask {
         let mut bits = Vec::new();
         for row in rows {
             let base = (bits.len() / MASK_BLOCK) as u32;
-            kinds.extend(row.kinds.iter().map(|&k| match k {
-                BlockKind::Partial(i) => BlockKind::Partial(base + i),
-                k => k,
+            kinds.extend(row.kinds.iter().map(|&k| {
+                kind_code(match k {
+                    BlockKind::Partial(i) => BlockKind::Partial(base + i),
+                    k => k,
+                })
             }));
             bits.extend_from_slice(&row.bits);
         }
-        BlockMask(Arc::new(Inner { shape, kinds, bits }))
+        BlockMask(Arc::new(Inner {
+            shape,
+            parts: Parts::Owned { kinds, bits },
+        }))
     }
 
     pub fn shape(&self) -> MaskShape {
@@ -234,73 +288,61 @@ impl BlockMask {
     /// The summary and bits as plain arrays (for a caller that carries the mask as tensors):
     /// one kind per block in the layout of [`BlockMaskParts::kinds`].
     pub fn to_parts(&self) -> BlockMaskParts {
-        let kinds = self
-            .0
-            .kinds
-            .iter()
-            .map(|&k| match k {
-                BlockKind::Empty => KIND_EMPTY,
-                BlockKind::Full => KIND_FULL,
-                BlockKind::Partial(p) => p as i32,
-            })
-            .collect();
         BlockMaskParts {
-            kinds,
-            bits: self.0.bits.clone(),
+            kinds: self.0.parts.kinds().to_vec(),
+            bits: self.0.parts.bits().to_vec(),
         }
     }
 
     /// A mask from [`BlockMask::to_parts`]'s arrays for `shape`, checked: the lengths, every
-    /// kind, and no bit set past the shape's edges.
+    /// kind, and no bit set past the shape's edges. Copies them.
     pub fn from_parts(shape: MaskShape, kinds: &[i32], bits: &[u64]) -> Result<Self> {
-        shape.check()?;
-        let bad = |detail: String| Err(ErrorKind::BlockMaskInput { detail }.into());
-        let (m_blocks, n_blocks) = (shape.m_blocks(), shape.n_blocks());
-        if kinds.len() != shape.block_rows() * n_blocks {
-            return bad(format!(
-                "{shape} has {} blocks, got {} kinds",
-                shape.block_rows() * n_blocks,
-                kinds.len()
-            ));
-        }
-        if !bits.len().is_multiple_of(MASK_BLOCK) {
-            return bad(format!("{} words of bits are no whole blocks", bits.len()));
-        }
-        let partials = bits.len() / MASK_BLOCK;
-        let mut out = Vec::with_capacity(kinds.len());
-        for (x, &k) in kinds.iter().enumerate() {
-            out.push(match k {
-                KIND_EMPTY => BlockKind::Empty,
-                KIND_FULL => BlockKind::Full,
-                p if p >= 0 && (p as usize) < partials => {
-                    let (mb, nb) = (x / n_blocks % m_blocks, x % n_blocks);
-                    let rows = (shape.seqlen_q - mb * MASK_BLOCK).min(MASK_BLOCK);
-                    let keys = span(0, (shape.seqlen_k - nb * MASK_BLOCK).min(MASK_BLOCK));
-                    let words = &bits[p as usize * MASK_BLOCK..][..MASK_BLOCK];
-                    if words
-                        .iter()
-                        .enumerate()
-                        .any(|(r, &w)| w & !keys != 0 || (r >= rows && w != 0))
-                    {
-                        return bad(format!("partial block {p} has bits past {shape}"));
-                    }
-                    BlockKind::Partial(p as u32)
-                }
-                p => return bad(format!("block kind {p} (of {partials} partial blocks)")),
-            });
-        }
+        check_parts(shape, kinds, bits)?;
         Ok(BlockMask(Arc::new(Inner {
             shape,
-            kinds: out,
-            bits: bits.to_vec(),
+            parts: Parts::Owned {
+                kinds: kinds.to_vec(),
+                bits: bits.to_vec(),
+            },
+        })))
+    }
+
+    /// [`BlockMask::from_parts`] reading the arrays in place, without a copy: for a caller
+    /// whose arrays live elsewhere (a tensor) and are checked again for every call.
+    ///
+    /// # Safety
+    /// `kinds` and `bits` stay valid and unchanged for as long as `owner` lives (the mask and
+    /// its clones hold `owner` and drop it last).
+    pub unsafe fn from_parts_lent(
+        shape: MaskShape,
+        kinds: &[i32],
+        bits: &[u64],
+        owner: Box<dyn Send + Sync>,
+    ) -> Result<Self> {
+        check_parts(shape, kinds, bits)?;
+        // SAFETY: the caller keeps both arrays alive and unchanged while `owner` lives; the
+        // mask holds `owner` and hands the slices out only borrowed from itself.
+        let (kinds, bits) = unsafe {
+            (
+                std::slice::from_raw_parts(kinds.as_ptr(), kinds.len()),
+                std::slice::from_raw_parts(bits.as_ptr(), bits.len()),
+            )
+        };
+        Ok(BlockMask(Arc::new(Inner {
+            shape,
+            parts: Parts::Lent {
+                kinds,
+                bits,
+                _owner: owner,
+            },
         })))
     }
 
     /// Blocks with no pair shown, with every pair shown, and partial ones, over the whole mask.
     pub fn block_counts(&self) -> BlockCounts {
         let mut c = BlockCounts::default();
-        for k in &self.0.kinds {
-            match k {
+        for &k in self.0.parts.kinds() {
+            match kind_of(k) {
                 BlockKind::Empty => c.empty += 1,
                 BlockKind::Full => c.full += 1,
                 BlockKind::Partial(_) => c.partial += 1,
@@ -309,9 +351,9 @@ impl BlockMask {
         c
     }
 
-    /// Bytes held (the summary and the partial blocks' bits).
+    /// Bytes of the summary and the partial blocks' bits (held, or read in place when lent).
     pub fn bytes(&self) -> usize {
-        self.0.kinds.len() * std::mem::size_of::<BlockKind>() + self.0.bits.len() * 8
+        std::mem::size_of_val(self.0.parts.kinds()) + std::mem::size_of_val(self.0.parts.bits())
     }
 
     /// The kind of the block holding (row `i`, key `j`) of (sequence `b`, head `h`) and the row
@@ -324,12 +366,12 @@ impl BlockMask {
             if s.heads == 1 { 0 } else { h },
         );
         let mb = i / MASK_BLOCK;
-        self.0.kinds[((b * s.heads + h) * s.m_blocks() + mb) * s.n_blocks() + nb]
+        kind_of(self.0.parts.kinds()[((b * s.heads + h) * s.m_blocks() + mb) * s.n_blocks() + nb])
     }
 
     #[inline]
     fn word(&self, p: u32, i: usize) -> u64 {
-        self.0.bits[p as usize * MASK_BLOCK + i % MASK_BLOCK]
+        self.0.parts.bits()[p as usize * MASK_BLOCK + i % MASK_BLOCK]
     }
 
     /// Whether query `i` of (sequence `b`, head `h`) sees key `j` (inside the mask's shape).
@@ -435,6 +477,45 @@ impl fmt::Debug for BlockMask {
             self.0.shape, c.empty, c.full, c.partial
         )
     }
+}
+
+/// The checks of [`BlockMask::from_parts`]: the lengths, every kind, and no bit set past the
+/// shape's edges.
+fn check_parts(shape: MaskShape, kinds: &[i32], bits: &[u64]) -> Result<()> {
+    shape.check()?;
+    let bad = |detail: String| Err(ErrorKind::BlockMaskInput { detail }.into());
+    let (m_blocks, n_blocks) = (shape.m_blocks(), shape.n_blocks());
+    if kinds.len() != shape.block_rows() * n_blocks {
+        return bad(format!(
+            "{shape} has {} blocks, got {} kinds",
+            shape.block_rows() * n_blocks,
+            kinds.len()
+        ));
+    }
+    if !bits.len().is_multiple_of(MASK_BLOCK) {
+        return bad(format!("{} words of bits are no whole blocks", bits.len()));
+    }
+    let partials = bits.len() / MASK_BLOCK;
+    for (x, &k) in kinds.iter().enumerate() {
+        match k {
+            KIND_EMPTY | KIND_FULL => {}
+            p if p >= 0 && (p as usize) < partials => {
+                let (mb, nb) = (x / n_blocks % m_blocks, x % n_blocks);
+                let rows = (shape.seqlen_q - mb * MASK_BLOCK).min(MASK_BLOCK);
+                let keys = span(0, (shape.seqlen_k - nb * MASK_BLOCK).min(MASK_BLOCK));
+                let words = &bits[p as usize * MASK_BLOCK..][..MASK_BLOCK];
+                if words
+                    .iter()
+                    .enumerate()
+                    .any(|(r, &w)| w & !keys != 0 || (r >= rows && w != 0))
+                {
+                    return bad(format!("partial block {p} has bits past {shape}"));
+                }
+            }
+            p => return bad(format!("block kind {p} (of {partials} partial blocks)")),
+        }
+    }
+    Ok(())
 }
 
 /// Blocks of a [`BlockMask`] by kind.
@@ -592,6 +673,20 @@ mod tests {
         let p = bm.to_parts();
         let back = BlockMask::from_parts(s, &p.kinds, &p.bits).unwrap();
         assert_eq!(back.to_parts(), p);
+        // Read in place: the same mask; `owner` holds the arrays (a clone of them here).
+        let held = Arc::new(p.clone());
+        // SAFETY: `held` owns the arrays, is never written, and goes into the mask as owner.
+        let lent = unsafe {
+            BlockMask::from_parts_lent(s, &held.kinds, &held.bits, Box::new(held.clone()))
+        }
+        .unwrap();
+        assert_eq!(lent.to_parts(), p);
+        assert_eq!(lent.bytes(), back.bytes());
+        // SAFETY: as above.
+        let bad = unsafe {
+            BlockMask::from_parts_lent(s, &held.kinds[1..], &held.bits, Box::new(held.clone()))
+        };
+        assert!(bad.is_err());
         for (b, h, i, j) in [
             (0, 0, 0, 0),
             (1, 1, 112, 202),
@@ -599,6 +694,7 @@ mod tests {
             (1, 0, 64, 63),
         ] {
             assert_eq!(back.allows(b, h, i, j), bm.allows(b, h, i, j));
+            assert_eq!(lent.allows(b, h, i, j), bm.allows(b, h, i, j));
         }
         assert!(BlockMask::from_parts(s, &p.kinds[1..], &p.bits).is_err());
         assert!(BlockMask::from_parts(s, &p.kinds, &p.bits[1..]).is_err());
@@ -689,8 +785,7 @@ mod tests {
         }
         let c = b.finish().unwrap();
         for m in [&d, &c] {
-            assert_eq!(m.0.kinds, by_fn.0.kinds);
-            assert_eq!(m.0.bits, by_fn.0.bits);
+            assert_eq!(m.to_parts(), by_fn.to_parts());
         }
         let mut b = BlockMaskBuilder::new(s).unwrap();
         b.rows(0, 0, 0, &bytes[..150 * 70]).unwrap();

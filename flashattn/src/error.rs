@@ -357,6 +357,16 @@ pub enum ErrorKind {
          backward of f32, f16 and bf16 inputs take one"
     )]
     MaskModUnsupported { call: &'static str },
+    /// A custom score function ([`crate::AttnOptions::score_mod`]) on a call that does not take
+    /// one: only the CPU forward and backward of f32, f16 and bf16 inputs do.
+    #[error(
+        "score_mod (a custom score function) is not supported by {call}; only the CPU forward and \
+         backward of f32, f16 and bf16 inputs take one"
+    )]
+    ScoreModUnsupported { call: &'static str },
+    /// A score expression ([`crate::score_expr::ScoreExpr`]) that is not well formed.
+    #[error("invalid score expression: {detail}")]
+    ScoreExpr { detail: String },
     /// A block mask ([`crate::AttnOptions::block_mask`]) made for another shape than the call's:
     /// `dim` of the mask is `mask`, the call's `call`. Batch and heads may be 1 (shared); the
     /// lengths must equal the call's, or with `packed` (varlen) cover its longest sequence.

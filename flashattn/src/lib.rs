@@ -48,6 +48,8 @@ pub mod naive;
 pub mod output;
 pub(crate) mod params;
 pub mod reference;
+pub mod score_expr;
+pub mod score_fn;
 /// The CPU microkernels: which instruction set runs, and the kernels themselves (public for the
 /// benches and tests; the attention calls are the supported interface).
 pub mod simd {
@@ -69,6 +71,7 @@ pub use error::{CuSeqlensProblem, Error, ErrorKind, Result};
 
 pub use output::{AttnGrads, AttnOutput, GradBuffers, OutBuffers};
 pub use params::{AttnOptions, Descale, MAX_HEAD_DIM};
+pub use score_fn::{ScoreFn, ScoreFunction, ScoreStrip, ScoreValue};
 pub use tensor::{Buffer, DType, Element, Slice, SliceMut, Tensor, TensorMut, TensorRef};
 
 use output::data;

@@ -94,6 +94,16 @@ fn dispatch(
     with_dtype!(p.dtype, T => typed::<T>(p, q, k, v, order))
 }
 
+/// The one-score strip of query `i`, key `j` of (sequence b, head h).
+fn strip(b: usize, h: usize, i: usize, j: usize) -> crate::ScoreStrip {
+    crate::ScoreStrip {
+        batch: b,
+        head: h,
+        q0: i,
+        k: j,
+    }
+}
+
 /// Rounds an f32 to the precision of `T`.
 #[inline(always)]
 fn round<T: Element>(x: f32) -> f32 {
@@ -201,6 +211,11 @@ fn head<T: Element>(
             }
             if let Some(slope) = slope {
                 val = round::<T>(val - slope * (diag - j as i64).unsigned_abs() as f32);
+            }
+            if let Some(f) = &p.score_fn {
+                let mut x = [val];
+                f.apply(strip(b, h, i, j), &mut x, None);
+                val = round::<T>(x[0]);
             }
             let hidden_by_fn = p.mask_mod.as_ref().is_some_and(|f| !f.allows(b, h, i, j));
             // i128: window sides up to i64::MAX cannot overflow.
@@ -479,6 +494,20 @@ fn head_backward<T: Element>(
                     let th = (raw / cap).tanh();
                     ds = round::<T>(ds * (1.0 - th * th));
                 }
+            }
+            if let (Some(f), true) = (&p.score_fn, prow[j] != 0.0) {
+                // The score the function was given, as the forward computed it.
+                let mut val = round::<T>(round::<T>(dot(&qr[i], &kr[j])) * scale);
+                if let Some(cap) = p.softcap {
+                    val = round::<T>(cap * (val / cap).tanh());
+                }
+                if let Some(slope) = p.alibi_slope(b, h) {
+                    let dist = (i as i64 + sk as i64 - sq as i64 - j as i64).unsigned_abs();
+                    val = round::<T>(val - slope * dist as f32);
+                }
+                let mut g = [0f32];
+                f.apply(strip(b, h, i, j), &mut [val], Some(&mut g));
+                ds = round::<T>(ds * g[0]);
             }
             crate::cpu::kernels::axpy(ds, &kr[j], &mut hdq[i * d..(i + 1) * d]);
             crate::cpu::kernels::axpy(ds, &qr[i], &mut hdk[j * d..(j + 1) * d]);

@@ -107,7 +107,8 @@ struct Head {
     p_drop: Vec<Vec<f64>>,
     /// Dropout's keep-mask (all true without dropout).
     keep: Vec<Vec<bool>>,
-    /// d(score)/d(scaled dot product): 1, or 1 - tanh² with softcap.
+    /// d(score)/d(scaled dot product): 1, or 1 - tanh² with softcap, times a score function's
+    /// derivative.
     dscore: Vec<Vec<f64>>,
     lse: Vec<f64>,
 }
@@ -147,7 +148,19 @@ fn head(
             if let Some(slope) = p.alibi_slope(b, h) {
                 val -= slope as f64 * (i as i64 + sk as i64 - sq as i64 - j as i64).abs() as f64;
             }
-            scores[r][j] = Some(val);
+            if let Some(f) = &p.score_fn {
+                let at = crate::MaskIndex {
+                    batch: b,
+                    head: h,
+                    q: i,
+                    k: j,
+                };
+                let y = f.eval_f64(at, val);
+                val = y.value;
+                dscore[r][j] *= y.grad;
+            }
+            // -inf from a score function hides the pair, as a mask does.
+            scores[r][j] = (val != f64::NEG_INFINITY).then_some(val);
         }
     }
     let mut probs = empty_rows(q.len())?;
@@ -271,7 +284,13 @@ pub(crate) fn backward_core(
                     ds[h] -= (s[h] as f64 - hd.lse[i]).exp() * pdp;
                 }
                 for j in 0..sk {
-                    let dsc = hd.p[i][j] * (dp[j] - pdp) * hd.dscore[i][j] * scale;
+                    // A hidden pair: no gradient, whatever a score function's derivative.
+                    let pij = hd.p[i][j];
+                    let dsc = if pij == 0.0 {
+                        0.0
+                    } else {
+                        pij * (dp[j] - pdp) * hd.dscore[i][j] * scale
+                    };
                     for c in 0..d {
                         dq[p.out_offset(b, i, h) + c] += dsc * hd.k[j][c];
                         dk[p.dk_offset(b, j, hk) + c] += dsc * hd.q[i][c];

@@ -9,7 +9,8 @@ CPU tensors (f32, f16, bf16, FP8); see the README for what is not covered yet.
 """
 
 from ._flashattn import MAX_HEAD_DIM, FlashAttnError, isa
-from .block_mask import BLOCK_SIZE, BlockMask, create_block_mask, flex_attention
+from .block_mask import BLOCK_SIZE, BlockMask, create_block_mask
+from .flex import ScoreModError, flex_attention, trace_score_mod
 from .interface import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -25,6 +26,7 @@ __all__ = [
     "BlockMask",
     "FlashAttnError",
     "MAX_HEAD_DIM",
+    "ScoreModError",
     "create_block_mask",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
@@ -35,4 +37,5 @@ __all__ = [
     "flash_attn_with_kvcache",
     "flex_attention",
     "isa",
+    "trace_score_mod",
 ]

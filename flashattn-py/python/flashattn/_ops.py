@@ -393,7 +393,8 @@ torch.library.register_autograd("flashattn::fwd", _fwd_backward, setup_context=_
 
 
 class _MaskArg:
-    """A mask rebuilt from an op's tensors, as `_opts` reads it (`._ext`)."""
+    """A mask read in place from an op's tensors (checked, not copied), as `_opts` reads it
+    (`._ext`), for one call."""
 
     __slots__ = ("_ext",)
 
@@ -402,10 +403,15 @@ class _MaskArg:
             raise TypeError(
                 "flashattn: mask_kinds must be int32 [B, H, m_blocks, n_blocks] and mask_bits "
                 f"int64, got {kinds.dtype} {tuple(kinds.shape)} and {bits.dtype}")
-        b, h = kinds.shape[0], kinds.shape[1]
-        as_bytes = [_view(n, t.detach().to("cpu").contiguous().view(torch.uint8))
-                    for n, t in (("mask_kinds", kinds), ("mask_bits", bits))]
-        self._ext = _ext.BlockMask.from_parts((b, h, seqlen_q, seqlen_k), *as_bytes)
+        kinds, bits = _cpu_contiguous(kinds), _cpu_contiguous(bits)
+        self._ext = _ext.BlockMask.lend(
+            (kinds.shape[0], kinds.shape[1], seqlen_q, seqlen_k),
+            _view("mask_kinds", kinds.view(torch.uint8)), _view("mask_bits", bits.view(torch.uint8)),
+            (kinds, bits))
+
+
+def _cpu_contiguous(t: Tensor) -> Tensor:
+    return t if t.is_cpu and t.is_contiguous() else t.to("cpu").contiguous()
 
 
 @torch.library.custom_op("flashattn::fwd_masked", mutates_args=())

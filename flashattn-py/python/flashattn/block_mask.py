@@ -1,5 +1,5 @@
 """Custom masks evaluated once: ``create_block_mask`` (FlexAttention's), ``BlockMask.from_dense``
-(SDPA's boolean ``attn_mask``), and ``flex_attention`` over ``[batch, heads, seqlen, head_dim]``.
+(SDPA's boolean ``attn_mask``); ``flex_attention`` (``flashattn.flex``) takes them too.
 
     from flashattn import create_block_mask, flash_attn_func, flex_attention
 
@@ -31,7 +31,7 @@ from . import _flashattn as _ext
 from . import _ops
 from ._flashattn import BLOCK_SIZE, FlashAttnError
 
-__all__ = ["BLOCK_SIZE", "BlockMask", "create_block_mask", "flex_attention"]
+__all__ = ["BLOCK_SIZE", "BlockMask", "create_block_mask"]
 
 # Booleans evaluated per chunk by default: 16 Mi (16 MiB of mask, some times that in the mask
 # function's temporaries).
@@ -66,16 +66,24 @@ class BlockMask:
     from 0 of ``b``'s mask)."""
 
     def __init__(self, ext):
-        self._ext = ext
-        # The ops' arguments (plain attributes, which torch.compile reads as graph inputs): the
-        # kind of every block (int32 [B, H, m_blocks, n_blocks]: -1 none shown, -2 all, p >= 0
-        # partial block p) and the partial blocks' row words (int64 [partials, BLOCK_SIZE]).
+        # The mask is these two tensors, held once: every call reads them in place (the ops'
+        # arguments; plain attributes, which torch.compile reads as graph inputs). The kind of
+        # every block (int32 [B, H, m_blocks, n_blocks]: -1 none shown, -2 all, p >= 0 partial
+        # block p) and the partial blocks' row words (int64 [partials, BLOCK_SIZE]).
         self._shape = tuple(ext.shape)
         b, h, sq, sk = self._shape
         kinds, bits = ext.parts()
         blocks = (b, h, -(-sq // BLOCK_SIZE), -(-sk // BLOCK_SIZE))
         self._kinds = _from_bytes(kinds, torch.int32).view(blocks)
-        self._bits = _from_bytes(bits, torch.int64).view(-1, BLOCK_SIZE)
+        bits = _from_bytes(bits, torch.int64).view(-1, BLOCK_SIZE)
+        # Masks of one shape differ in their number of partial blocks: that size is dynamic
+        # from the start, and at least 2 (zero rows past the last partial block, which no kind
+        # names), since torch.compile specialises sizes 0 and 1. So a compiled call takes any
+        # mask of its shape without recompiling.
+        if len(bits) < 2:
+            bits = torch.cat([bits, bits.new_zeros(2 - len(bits), BLOCK_SIZE)])
+        self._bits = bits
+        torch._dynamo.maybe_mark_dynamic(self._bits, 0)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -84,7 +92,9 @@ class BlockMask:
 
     def block_counts(self) -> tuple[int, int, int]:
         """Blocks with no pair shown, with every pair shown, and partial ones."""
-        return tuple(self._ext.block_counts())
+        empty = int((self._kinds == -1).sum())
+        full = int((self._kinds == -2).sum())
+        return (empty, full, self._kinds.numel() - empty - full)
 
     def sparsity(self) -> float:
         """The fraction of blocks with no pair shown (those the kernels skip), in [0, 1]."""
@@ -93,12 +103,14 @@ class BlockMask:
         return empty / total if total else 0.0
 
     def nbytes(self) -> int:
-        return self._ext.nbytes()
+        """Bytes held: the block kinds and the partial blocks' bits."""
+        return self._kinds.nbytes + self._bits.nbytes
 
     def to_dense(self) -> Tensor:
         """The mask as bool ``[B, H, Q_LEN, KV_LEN]`` (for checking; O(Q_LEN · KV_LEN))."""
         out = torch.empty(self.shape, dtype=torch.bool)
-        self._ext.write_dense(_ops._view("out", out))
+        mask = _ops._MaskArg(self._kinds, self._bits, self._shape[2], self._shape[3])
+        mask._ext.write_dense(_ops._view("out", out))
         return out
 
     def __repr__(self) -> str:
@@ -211,33 +223,3 @@ def masked_attention(q, k, v, cu_q, cu_k, dropout_p, scale, causal, wl, wr, soft
     return _ops.fwd_masked(q, k, v, cu_q, cu_k, dropout_p, scale, causal, wl, wr, softcap, alibi,
                            sink, block_mask._kinds, block_mask._bits, block_mask._shape[2],
                            block_mask._shape[3])
-
-
-def flex_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    block_mask: Optional[BlockMask] = None,
-    scale: Optional[float] = None,
-    enable_gqa: bool = False,
-    return_lse: bool = False,
-):
-    """FlexAttention's call on ``[B, H, S, D]`` tensors (no copy: strided views of flashattn's
-    ``[B, S, H, D]`` layout): ``softmax(q·kᵀ·scale)·v`` with the mask of ``block_mask`` (or
-    none). ``scale``: 1/sqrt(D) by default. Key/value heads other than the query's need
-    ``enable_gqa`` (query heads a multiple of them). With ``return_lse``, ``(out, lse)``, lse f32
-    ``[B, H, S_q]`` (natural log)."""
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, Tensor) or t.dim() != 4:
-            raise ValueError(f"flashattn: flex_attention takes 4-D [B, H, S, D] tensors; "
-                             f"`{name}` is {getattr(t, 'shape', type(t).__name__)}")
-    if query.shape[1] != key.shape[1] and not enable_gqa:
-        raise ValueError(f"flashattn: query has {query.shape[1]} heads and key {key.shape[1]}: "
-                         "pass enable_gqa=True for grouped-query attention")
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    from .interface import flash_attn_func
-
-    out, lse, _ = flash_attn_func(q, k, v, softmax_scale=scale, return_attn_probs=True,
-                                  block_mask=block_mask)
-    out = out.transpose(1, 2)
-    return (out, lse) if return_lse else out

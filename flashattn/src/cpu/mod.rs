@@ -11,6 +11,7 @@ pub(crate) mod kernels;
 pub(crate) mod reuse;
 pub(crate) mod simd;
 pub(crate) mod softmax;
+pub(crate) mod tanh;
 
 use simd::Isa;
 use std::marker::PhantomData;

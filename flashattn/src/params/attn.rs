@@ -158,6 +158,7 @@ pub(crate) fn batched<V: ViewDesc + ?Sized>(
         kernels: o.kernels,
         descale: None,
         mask_mod: o.mask_mod,
+        score_fn: o.score_fn,
     })
 }
 
@@ -244,6 +245,7 @@ pub(crate) fn varlen<V: ViewDesc + ?Sized>(
         kernels: o.kernels,
         descale: None,
         mask_mod: o.mask_mod,
+        score_fn: o.score_fn,
     })
 }
 

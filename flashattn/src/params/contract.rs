@@ -4,6 +4,7 @@
 use crate::blocks::MaskMod;
 use crate::cpu::simd::Kernels;
 use crate::dropout::Dropout;
+use crate::score_fn::ScoreFn;
 use crate::tensor::DType;
 
 /// log2(e), folded into the softmax scale so the kernels can use exp2.
@@ -74,6 +75,8 @@ pub(crate) struct Params {
     pub descale: Option<Descales>,
     /// The custom mask function ([`crate::AttnOptions::mask_mod`]; CPU forward and backward).
     pub mask_mod: Option<MaskMod>,
+    /// The custom score function ([`crate::AttnOptions::score_mod`]; CPU forward and backward).
+    pub score_fn: Option<ScoreFn>,
 }
 
 /// The FP8 descale factors, folded: per (sequence b, kv head hk), at `b * heads_kv + hk`.

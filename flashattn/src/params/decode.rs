@@ -522,6 +522,7 @@ pub(crate) fn validate_caches<V: ViewDesc + ?Sized>(
         kernels: o.kernels,
         descale: None,
         mask_mod: None,
+        score_fn: None,
     };
     Ok(DecodeParams {
         cache: CacheLayout {

@@ -8,6 +8,7 @@ use crate::blocks::MaskMod;
 use crate::cpu::simd::{self, Isa, Kernels};
 use crate::dropout::Dropout;
 use crate::error::{ErrorKind, Result};
+use crate::score_fn::ScoreFn;
 use crate::tensor::{DType, TensorRef};
 
 /// The options of an attention call, as in flash-attn 2.x's `flash_attn_func`.
@@ -57,6 +58,9 @@ pub struct AttnOptions<'a> {
     /// and the mask allow it. CPU forward and backward only (any
     /// other call: [`crate::ErrorKind::MaskModUnsupported`]).
     pub mask_mod: Option<MaskMod>,
+    /// A custom score function ([`AttnOptions::score_mod`], FlexAttention's `score_mod`). CPU
+    /// forward and backward only (any other call: [`crate::ErrorKind::ScoreModUnsupported`]).
+    pub score_mod: Option<ScoreFn>,
 }
 
 impl Default for AttnOptions<'_> {
@@ -74,6 +78,7 @@ impl Default for AttnOptions<'_> {
             cu_seqlens: None,
             descale: None,
             mask_mod: None,
+            score_mod: None,
         }
     }
 }
@@ -146,6 +151,16 @@ impl<'a> AttnOptions<'a> {
         self.mask_mod = Some(MaskMod::from(mask));
         self
     }
+    /// A custom score function, FlexAttention's `score_mod`: each visible score `s` (the scaled
+    /// product `q·k·softmax_scale`, after softcap and ALiBi) becomes `f(s, (batch, head, q, k))`
+    /// before the masks and the softmax, in the coordinates of [`AttnOptions::mask_mod`]; the
+    /// backward multiplies dS by `f'(s)`. A score `f` makes -inf is hidden (a row whose scores
+    /// all are: out 0, lse -inf, zero gradients); +inf or NaN makes its row's out and lse NaN.
+    /// CPU forward and backward only ([`crate::ErrorKind::ScoreModUnsupported`] elsewhere).
+    pub fn score_mod(mut self, f: ScoreFn) -> Self {
+        self.score_mod = Some(f);
+        self
+    }
     /// The dequantisation factors of an FP8 call ([`crate::fp8`]); rejected by every other call.
     pub fn descale(mut self, descale: Descale<'a>) -> Self {
         self.descale = Some(descale);
@@ -206,10 +221,14 @@ pub(crate) fn check_no_descale(opts: &AttnOptions) -> Result<()> {
     }
 }
 
-/// Refuses a mask function on a call that does not implement it (`call` names the call).
+/// Refuses a mask or score function on a call that does not implement them (`call` names the
+/// call).
 pub(crate) fn check_no_mask_mod(opts: &AttnOptions, call: &'static str) -> Result<()> {
-    match opts.mask_mod {
-        Some(_) => Err(ErrorKind::MaskModUnsupported { call }.into()),
+    if opts.mask_mod.is_some() {
+        return Err(ErrorKind::MaskModUnsupported { call }.into());
+    }
+    match opts.score_mod {
+        Some(_) => Err(ErrorKind::ScoreModUnsupported { call }.into()),
         None => Ok(()),
     }
 }
@@ -232,6 +251,7 @@ pub(crate) struct CheckedOptions {
     pub dropout: Option<Dropout>,
     pub kernels: &'static Kernels,
     pub mask_mod: Option<MaskMod>,
+    pub score_fn: Option<ScoreFn>,
 }
 
 /// A score scale (the softmax scale, or FP8's folded `softmax_scale · q_descale · k_descale`)
@@ -278,6 +298,7 @@ pub(crate) fn check_options(opts: &AttnOptions, head_dim: usize) -> Result<Check
             None => simd::active()?,
         })?,
         mask_mod: opts.mask_mod.clone(),
+        score_fn: opts.score_mod.clone(),
     })
 }
 

@@ -19,4 +19,5 @@ mod fp8;
 mod kernels;
 mod mask_mod;
 mod packed_qkv;
+mod score_mod;
 mod sink;

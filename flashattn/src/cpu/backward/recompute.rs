@@ -228,7 +228,9 @@ impl<T: Element> Ctx<'_, T> {
         };
         let score_mod = ScoreMod::new(p, b, h);
         let masked = cover == Cover::Some;
-        let no_mods = p.dropout.is_none() && p.softcap.is_none();
+        // `dtanh` holds d(score)/d(scaled product) under softcap or a score function.
+        let dscore = p.softcap.is_some() || p.score_fn.is_some();
+        let no_mods = p.dropout.is_none() && !dscore;
         // A tile the causal or window mask cuts, with no other modifier: the mask set on the raw
         // scores (-inf · scale_log2 stays -inf), then the fused pass (the diagonal tiles of a
         // causal call took the three passes below).
@@ -267,7 +269,7 @@ impl<T: Element> Ctx<'_, T> {
                 pt,
                 np,
                 &mut scr.tmp,
-                p.softcap.is_some(),
+                p.softcap.is_some() || p.score_fn.is_some(),
             ),
             QTiles::Bf16([qt, ..]) => kern.gemm_bf16(&product2(&scr.k2, qt), pt, np),
         }
@@ -288,7 +290,7 @@ impl<T: Element> Ctx<'_, T> {
             return false;
         }
         if score_mod.needs_apply(masked) {
-            let dtanh = p.softcap.map(|_| &mut scr.dtanh[..cols * np]);
+            let dtanh = dscore.then(|| &mut scr.dtanh[..cols * np]);
             score_mod.apply(pt, np, (m0, rows), (n0, cols), &mask, masked, dtanh);
             if let (true, Some(f)) = (masked, &p.mask_mod) {
                 f.hide((b, h), pt, np, (m0, rows), (n0, cols), &mask);
@@ -312,7 +314,7 @@ impl<T: Element> Ctx<'_, T> {
             }
         }
         let scale = p.softmax_scale;
-        if p.dropout.is_none() && p.softcap.is_none() {
+        if p.dropout.is_none() && !dscore {
             // The common case as a plain loop over lanes, which LLVM vectorises.
             let delta = &scr.delta[..rows];
             for (pr, dr) in pt.chunks_exact(np).zip(ds.chunks_exact_mut(np)) {
@@ -329,8 +331,13 @@ impl<T: Element> Ctx<'_, T> {
                 let prob = pt[at];
                 let dp = if kept { ds[at] } else { 0.0 };
                 let mut g = prob * (dp * drop_scale - scr.delta[r]) * scale;
-                if p.softcap.is_some() {
-                    g *= scr.dtanh[at];
+                if dscore {
+                    // A score function's derivative may be non-finite where P = 0 (hidden pairs).
+                    g = if prob == 0.0 && p.score_fn.is_some() {
+                        0.0
+                    } else {
+                        g * scr.dtanh[at]
+                    };
                 }
                 ds[at] = g;
                 pt[at] = if kept { prob * drop_scale } else { 0.0 };

@@ -290,7 +290,7 @@ pub(super) fn forward_block<T: Element, S: Bf16Source>(
                         st,
                         nw,
                         &mut scr.st2,
-                        p.softcap.is_some(),
+                        p.softcap.is_some() || p.score_fn.is_some(),
                     );
                 }
             }
@@ -327,14 +327,10 @@ pub(super) fn forward_block<T: Element, S: Bf16Source>(
             );
             // alpha is exactly 1 where a lane's maximum did not move (exp2(0) = 1 in every
             // kernel): after the first blocks that is every lane, and acc_o's rescale can be
-            // skipped. The f32 P·V product rescales acc_o as it first adds to it
-            // (`gemm_rescaled`, same bits; on AVX2 one pass over acc_o fewer: 0.5-1.5% of the CPU
-            // time at N = 1024, Zen 4).
+            // skipped. The P·V product rescales acc_o as it first adds to it (`gemm_rescaled`,
+            // `gemm_bf16_rescaled`: same bits, one pass over acc_o fewer; on a Zen 4 AVX2 0.5-1.5%
+            // of the CPU time at N = 1024, AVX-512 f32 and bf16 ~2-3%).
             let rescale = scr.alpha[l0..l1].iter().any(|&a| a != 1.0);
-            let fold = inp.packed_v.is_none();
-            if rescale && !fold {
-                rescale_lanes(kern, &mut scr.ot[l0..], d, (nw, np), &scr.alpha[l0..]);
-            }
             if let Some(drop) = p.dropout {
                 // row_sum keeps the undropped probabilities (the softmax normaliser); only P·V
                 // sees the mask.
@@ -352,23 +348,23 @@ pub(super) fn forward_block<T: Element, S: Bf16Source>(
             match &inp.packed_v {
                 Some(pv) => {
                     kern.pack_pairs_bf16(st, cols, nw, &mut scr.pp);
-                    let bn2 = bs.block_n / 2;
-                    kern.gemm_bf16(
-                        &Gemm {
-                            m: d,
-                            n: nw,
-                            k: cols.div_ceil(2),
-                            a: pv.block(p, b, hk, n_block, bs.block_n),
-                            a_rs: bn2,
-                            a_cs: 1,
-                            b: &scr.pp,
-                            b_rs: nw,
-                            accumulate: true,
-                            kc: KC,
-                        },
-                        &mut scr.ot[l0..],
-                        np,
-                    );
+                    let g = Gemm {
+                        m: d,
+                        n: nw,
+                        k: cols.div_ceil(2),
+                        a: pv.block(p, b, hk, n_block, bs.block_n),
+                        a_rs: bs.block_n / 2,
+                        a_cs: 1,
+                        b: &scr.pp,
+                        b_rs: nw,
+                        accumulate: true,
+                        kc: KC,
+                    };
+                    if rescale {
+                        kern.gemm_bf16_rescaled(&g, &mut scr.ot[l0..], np, &scr.alpha[l0..]);
+                    } else {
+                        kern.gemm_bf16(&g, &mut scr.ot[l0..], np);
+                    }
                 }
                 None => {
                     let a = match &inp.tiles_f32 {
@@ -387,7 +383,7 @@ pub(super) fn forward_block<T: Element, S: Bf16Source>(
                         accumulate: true,
                         kc: KC,
                     };
-                    if rescale && fold {
+                    if rescale {
                         kern.gemm_rescaled(&g, &mut scr.ot[l0..], np, &scr.alpha[l0..]);
                     } else {
                         kern.gemm(&g, &mut scr.ot[l0..], np);
@@ -399,23 +395,6 @@ pub(super) fn forward_block<T: Element, S: Bf16Source>(
 
     let out_scale = p.dropout.map_or(1.0, |drop| drop.scale()) * p.out_descale(b, h);
     write_rows(p, (b, h, m0, rows, np), out_scale, scr, row_buf, out, lse);
-}
-
-/// `ot[x][r] *= alpha[r]` for lanes `0..nw` of `rows` rows `np` lanes apart (`ot` and `alpha`
-/// start at the part's first lane).
-fn rescale_lanes(
-    kern: &Kernels,
-    ot: &mut [f32],
-    rows: usize,
-    (nw, np): (usize, usize),
-    alpha: &[f32],
-) {
-    if nw == np {
-        return kern.rescale_o(ot, rows, np, alpha);
-    }
-    for x in 0..rows {
-        kern.rescale_o(&mut ot[x * np..x * np + nw], 1, nw, alpha);
-    }
 }
 
 /// Rows gathered from the transposed accumulator at a time by [`write_rows`].

@@ -173,6 +173,7 @@ type StepFn =
     unsafe fn(&mut [f32], usize, usize, f32, &mut [f32], &mut [f32], &mut [f32], &mut [f32]);
 type RescaleFn = unsafe fn(&mut [f32], usize, usize, &[f32]);
 type GemmRescaledFn = unsafe fn(&Gemm<f32>, &mut [f32], usize, &[f32]);
+type GemmBf16RescaledFn = unsafe fn(&Gemm<u32>, &mut [f32], usize, &[f32]);
 type PairsFn = unsafe fn(&[f32], usize, usize, &mut [u32]);
 type NarrowFn = unsafe fn(&[f32], &mut [u32]);
 type ProbsDsFn = unsafe fn(&mut [f32], &mut [f32], usize, usize, f32, &[f32], &[f32], f32);
@@ -194,6 +195,8 @@ pub struct Kernels {
     rescale_o: RescaleFn,
     /// A dedicated [`Kernels::gemm_rescaled`]; `None`: `rescale_o`, then `gemm`.
     gemm_rescaled: Option<GemmRescaledFn>,
+    /// A dedicated [`Kernels::gemm_bf16_rescaled`]; `None`: `rescale_o`, then `gemm_bf16`.
+    gemm_bf16_rescaled: Option<GemmBf16RescaledFn>,
     pack_pairs_bf16: PairsFn,
     narrow_pairs_bf16: NarrowFn,
     /// Whether the backward takes bf16 inputs through [`Kernels::gemm_bf16`] (true) or widens
@@ -241,6 +244,7 @@ static SCALAR: Kernels = Kernels {
     softmax_step: None,
     rescale_o: scalar::rescale_o,
     gemm_rescaled: None,
+    gemm_bf16_rescaled: None,
     pack_pairs_bf16: scalar::pack_pairs_bf16,
     narrow_pairs_bf16: scalar::narrow_pairs_bf16,
     backward_bf16_dot: false,
@@ -259,6 +263,7 @@ static NEON: Kernels = Kernels {
     softmax_step: None,
     rescale_o: aarch64_neon::rescale_o,
     gemm_rescaled: None,
+    gemm_bf16_rescaled: None,
     pack_pairs_bf16: scalar::pack_pairs_bf16,
     narrow_pairs_bf16: scalar::narrow_pairs_bf16,
     backward_bf16_dot: false,
@@ -277,6 +282,7 @@ static AVX2: Kernels = Kernels {
     softmax_step: None,
     rescale_o: x86_avx2::rescale_o,
     gemm_rescaled: Some(x86_avx2::gemm_rescaled),
+    gemm_bf16_rescaled: None,
     pack_pairs_bf16: scalar::pack_pairs_bf16,
     narrow_pairs_bf16: scalar::narrow_pairs_bf16,
     backward_bf16_dot: false,
@@ -294,7 +300,8 @@ static AVX512: Kernels = Kernels {
     online_softmax: x86_avx512::online_softmax,
     softmax_step: Some(x86_avx512::softmax_step),
     rescale_o: x86_avx512::rescale_o,
-    gemm_rescaled: None,
+    gemm_rescaled: Some(x86_avx512::gemm_rescaled),
+    gemm_bf16_rescaled: None,
     pack_pairs_bf16: scalar::pack_pairs_bf16,
     narrow_pairs_bf16: scalar::narrow_pairs_bf16,
     backward_bf16_dot: false,
@@ -313,7 +320,8 @@ static AVX512_BF16_BASE: Kernels = Kernels {
     online_softmax: x86_avx512::online_softmax,
     softmax_step: Some(x86_avx512::softmax_step),
     rescale_o: x86_avx512::rescale_o,
-    gemm_rescaled: None,
+    gemm_rescaled: Some(x86_avx512::gemm_rescaled),
+    gemm_bf16_rescaled: Some(x86_avx512::gemm_bf16_rescaled),
     pack_pairs_bf16: x86_avx512::pack_pairs_bf16,
     narrow_pairs_bf16: x86_avx512::narrow_pairs_bf16,
     backward_bf16_dot: false,
@@ -663,6 +671,27 @@ impl Kernels {
                     self.rescale_o(&mut c[i * c_rs..i * c_rs + g.n], 1, g.n, col_scale);
                 }
                 self.gemm(g, c, c_rs);
+            }
+        }
+    }
+
+    /// [`Kernels::gemm_rescaled`] over bf16 pairs: `C = C · col_scale + A·B` with the bits of
+    /// [`Kernels::rescale_o`] then [`Kernels::gemm_bf16`] (the forward's bf16 P·V product).
+    /// Panics if the table has no bf16 dot product.
+    pub fn gemm_bf16_rescaled(&self, g: &Gemm<u32>, c: &mut [f32], c_rs: usize, col_scale: &[f32]) {
+        assert!(
+            g.accumulate && col_scale.len() >= g.n,
+            "gemm_bf16_rescaled: operands"
+        );
+        g.check(c, c_rs);
+        match self.gemm_bf16_rescaled {
+            // SAFETY: bounds checked above (C's rows, and col_scale's g.n lanes); available ISA.
+            Some(f) if g.m > 0 && g.k > 0 => unsafe { f(g, c, c_rs, col_scale) },
+            _ => {
+                for i in 0..g.m {
+                    self.rescale_o(&mut c[i * c_rs..i * c_rs + g.n], 1, g.n, col_scale);
+                }
+                self.gemm_bf16(g, c, c_rs);
             }
         }
     }

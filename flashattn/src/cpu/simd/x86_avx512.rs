@@ -97,6 +97,20 @@ unsafe fn tile<const R: usize, const V: usize>(
     i: usize,
     j: usize,
 ) {
+    tile_scaled::<R, V, false>(g, cp, c_rs, (i, j), std::ptr::null())
+}
+
+/// [`tile`]; with `S`, the first chunk adds to C multiplied by `sc[j..j + 16·V]` (`g.accumulate`
+/// and `g.k > 0`, as [`gemm_rescaled`] is called).
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn tile_scaled<const R: usize, const V: usize, const S: bool>(
+    g: &Gemm<f32>,
+    cp: *mut f32,
+    c_rs: usize,
+    (i, j): (usize, usize),
+    sc: *const f32,
+) {
     let rows = row_ptrs::<_, R>(g, i);
     let b = g.b.as_ptr().add(j);
     let a = g.a.as_ptr().wrapping_add(i * g.a_rs);
@@ -137,8 +151,78 @@ unsafe fn tile<const R: usize, const V: usize>(
                 }
             }
         }
-        store_tile::<R, V>(&acc, cp, c_rs, i, j, first);
+        if S && k0 == 0 {
+            store_tile_scaled::<R, V>(&acc, cp, c_rs, (i, j), sc);
+        } else {
+            store_tile::<R, V>(&acc, cp, c_rs, i, j, first);
+        }
         first = false;
+    }
+}
+
+/// [`super::Kernels::gemm_rescaled`]: [`gemm`] adding to `C · col_scale` (per lane j), with the
+/// same two roundings as [`rescale_o`] and then [`gemm`] (multiply, then add the first chunk):
+/// C is multiplied as the first chunk's store loads it, which saves rescale_o's pass over C
+/// (the forward's acc_o before its P·V product). `g.accumulate` and `g.k > 0`.
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn gemm_rescaled(g: &Gemm<f32>, c: &mut [f32], c_rs: usize, col_scale: &[f32]) {
+    let (cp, sc) = (c.as_mut_ptr(), col_scale.as_ptr());
+    let mut j = 0;
+    while j + NV * W <= g.n {
+        rows_rescaled::<NV>(g, cp, c_rs, j, sc);
+        j += NV * W;
+    }
+    match (g.n - j) / W {
+        3 => rows_rescaled::<3>(g, cp, c_rs, j, sc),
+        2 => rows_rescaled::<2>(g, cp, c_rs, j, sc),
+        1 => rows_rescaled::<1>(g, cp, c_rs, j, sc),
+        _ => {}
+    }
+}
+
+/// The row walk of [`gemm_rescaled`] over lanes `j..j + 16·V` (as `row_walk!`'s).
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn rows_rescaled<const V: usize>(
+    g: &Gemm<f32>,
+    cp: *mut f32,
+    c_rs: usize,
+    j: usize,
+    sc: *const f32,
+) {
+    let mut i = 0;
+    while i + MR <= g.m {
+        tile_scaled::<MR, V, true>(g, cp, c_rs, (i, j), sc);
+        i += MR;
+    }
+    match g.m - i {
+        3 => tile_scaled::<3, V, true>(g, cp, c_rs, (i, j), sc),
+        2 => tile_scaled::<2, V, true>(g, cp, c_rs, (i, j), sc),
+        1 => tile_scaled::<1, V, true>(g, cp, c_rs, (i, j), sc),
+        _ => {}
+    }
+}
+
+/// Adds a tile of partial sums to C multiplied by `sc[j..j + 16·V]` (`C · sc`, rounded, `+ acc`).
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn store_tile_scaled<const R: usize, const V: usize>(
+    acc: &[[__m512; V]; R],
+    cp: *mut f32,
+    c_rs: usize,
+    (i, j): (usize, usize),
+    sc: *const f32,
+) {
+    let mut s = [_mm512_setzero_ps(); V];
+    for (v, x) in s.iter_mut().enumerate() {
+        *x = _mm512_loadu_ps(sc.add(j + W * v));
+    }
+    for (r, acc_r) in acc.iter().enumerate() {
+        for (v, x) in acc_r.iter().enumerate() {
+            let at = cp.add((i + r) * c_rs + j + W * v);
+            let scaled = _mm512_mul_ps(_mm512_loadu_ps(at), s[v]);
+            _mm512_storeu_ps(at, _mm512_add_ps(scaled, *x));
+        }
     }
 }
 
@@ -375,6 +459,19 @@ unsafe fn tile_bf16<const R: usize, const V: usize>(
     i: usize,
     j: usize,
 ) {
+    tile_bf16_scaled::<R, V, false>(g, cp, c_rs, (i, j), std::ptr::null())
+}
+
+/// [`tile_bf16`]; with `S`, as [`tile_scaled`].
+#[target_feature(enable = "avx512f,avx512bf16")]
+#[inline]
+unsafe fn tile_bf16_scaled<const R: usize, const V: usize, const S: bool>(
+    g: &Gemm<u32>,
+    cp: *mut f32,
+    c_rs: usize,
+    (i, j): (usize, usize),
+    sc: *const f32,
+) {
     let rows = row_ptrs::<_, R>(g, i);
     let b = g.b.as_ptr().add(j);
     let mut first = !g.accumulate;
@@ -397,8 +494,58 @@ unsafe fn tile_bf16<const R: usize, const V: usize>(
                 }
             }
         }
-        store_tile::<R, V>(&acc, cp, c_rs, i, j, first);
+        if S && k0 == 0 {
+            store_tile_scaled::<R, V>(&acc, cp, c_rs, (i, j), sc);
+        } else {
+            store_tile::<R, V>(&acc, cp, c_rs, i, j, first);
+        }
         first = false;
+    }
+}
+
+/// [`super::Kernels::gemm_bf16_rescaled`]: [`gemm_bf16`] adding to `C · col_scale`, as
+/// [`gemm_rescaled`] does for f32 (the forward's bf16 P·V product). `g.accumulate` and `g.k > 0`.
+#[target_feature(enable = "avx512f,avx512bf16")]
+pub(crate) unsafe fn gemm_bf16_rescaled(
+    g: &Gemm<u32>,
+    c: &mut [f32],
+    c_rs: usize,
+    col_scale: &[f32],
+) {
+    let (cp, sc) = (c.as_mut_ptr(), col_scale.as_ptr());
+    let mut j = 0;
+    while j + NV * W <= g.n {
+        rows_bf16_rescaled::<NV>(g, cp, c_rs, j, sc);
+        j += NV * W;
+    }
+    match (g.n - j) / W {
+        3 => rows_bf16_rescaled::<3>(g, cp, c_rs, j, sc),
+        2 => rows_bf16_rescaled::<2>(g, cp, c_rs, j, sc),
+        1 => rows_bf16_rescaled::<1>(g, cp, c_rs, j, sc),
+        _ => {}
+    }
+}
+
+/// The row walk of [`gemm_bf16_rescaled`] over lanes `j..j + 16·V`.
+#[target_feature(enable = "avx512f,avx512bf16")]
+#[inline]
+unsafe fn rows_bf16_rescaled<const V: usize>(
+    g: &Gemm<u32>,
+    cp: *mut f32,
+    c_rs: usize,
+    j: usize,
+    sc: *const f32,
+) {
+    let mut i = 0;
+    while i + MR <= g.m {
+        tile_bf16_scaled::<MR, V, true>(g, cp, c_rs, (i, j), sc);
+        i += MR;
+    }
+    match g.m - i {
+        3 => tile_bf16_scaled::<3, V, true>(g, cp, c_rs, (i, j), sc),
+        2 => tile_bf16_scaled::<2, V, true>(g, cp, c_rs, (i, j), sc),
+        1 => tile_bf16_scaled::<1, V, true>(g, cp, c_rs, (i, j), sc),
+        _ => {}
     }
 }
 

@@ -437,6 +437,48 @@ fn gemm_bf16_matches_f64_within_the_chunked_summation_bound() {
     }
 }
 
+/// `gemm_bf16_rescaled` (the forward's bf16 P·V with acc_o's rescale folded in) gives the bits
+/// of `rescale_o` then `gemm_bf16`, on every table with a bf16 dot product, over the grid's
+/// sizes (C's rows further apart than n), every chunk length, factors 1, 0 and random.
+#[test]
+fn gemm_bf16_rescaled_is_rescale_o_then_gemm_bf16() {
+    for kern in bf16_kernels() {
+        for (shape, lay, seed) in grid() {
+            let mut rng = common::rng(0xbf5c_0000 + seed);
+            let ops = Operands::new(shape, lay, || bf16_pair(|| uniform(&mut rng)));
+            let (m, n, c_rs) = (ops.m, ops.n, ops.c_rs);
+            let c0: Vec<f32> = (0..(m + 2) * c_rs).map(|_| uniform(&mut rng)).collect();
+            let alpha: Vec<f32> = (0..n)
+                .map(|j| match j % 4 {
+                    0 => 1.0,
+                    1 => 0.0,
+                    _ => uniform(&mut rng).abs().min(1.0),
+                })
+                .collect();
+            for kc in KCS {
+                let g = ops.gemm(true, kc);
+                let mut want = c0.clone();
+                for i in 0..m {
+                    kern.rescale_o(&mut want[i * c_rs..i * c_rs + n], 1, n, &alpha);
+                }
+                kern.gemm_bf16(&g, &mut want, c_rs);
+                let mut c = c0.clone();
+                kern.gemm_bf16_rescaled(&g, &mut c, c_rs, &alpha);
+                let at = c
+                    .iter()
+                    .zip(&want)
+                    .position(|(x, y)| x.to_bits() != y.to_bits());
+                assert!(
+                    at.is_none(),
+                    "{}: gemm_bf16_rescaled differs at C[{at:?}]: m={m} n={n} c_rs={c_rs} k={} kc={kc}",
+                    kern.isa,
+                    ops.k
+                );
+            }
+        }
+    }
+}
+
 /// With small integers the bf16 products and their sums are exact: results equal f64 exactly.
 #[test]
 fn gemm_bf16_is_exact_on_exact_sums() {
