@@ -337,11 +337,7 @@ pub(crate) fn try_collect<T>(
     iter: impl ExactSizeIterator<Item = T>,
 ) -> Result<Vec<T>> {
     let n = iter.len();
-    let mut v = Vec::new();
-    v.try_reserve_exact(n).map_err(|_| ErrorKind::OutOfMemory {
-        what,
-        bytes: n.saturating_mul(std::mem::size_of::<T>()),
-    })?;
+    let mut v = try_with_capacity(what, n)?;
     v.extend(iter.take(n));
     Ok(v)
 }
@@ -365,14 +361,7 @@ pub(crate) fn try_poisoned<T: Copy + Send + Sync>(
     value: T,
     n: usize,
 ) -> Result<Vec<T>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(n).map_err(|_| ErrorKind::OutOfMemory {
-        what,
-        bytes: n.saturating_mul(std::mem::size_of::<T>()),
-    })?;
-    // An indexed iterator extends in place, into the capacity reserved above.
-    v.par_extend(rayon::iter::repeat_n(value, n).with_min_len(POISON_CHUNK));
-    Ok(v)
+    poisoned(what, value, n, false)
 }
 
 /// [`try_poisoned`] with the allocation advised for transparent huge pages before its first
@@ -383,13 +372,31 @@ pub(crate) fn try_poisoned_huge<T: Copy + Send + Sync>(
     value: T,
     n: usize,
 ) -> Result<Vec<T>> {
+    poisoned(what, value, n, true)
+}
+
+fn poisoned<T: Copy + Send + Sync>(
+    what: &'static str,
+    value: T,
+    n: usize,
+    huge: bool,
+) -> Result<Vec<T>> {
+    let mut v = try_with_capacity(what, n)?;
+    if huge {
+        advise_huge_pages(v.as_ptr() as usize, n * std::mem::size_of::<T>());
+    }
+    // An indexed iterator extends in place, into the capacity reserved above.
+    v.par_extend(rayon::iter::repeat_n(value, n).with_min_len(POISON_CHUNK));
+    Ok(v)
+}
+
+/// An empty vector with room for `n` elements, or `OutOfMemory` naming `what`.
+fn try_with_capacity<T>(what: &'static str, n: usize) -> Result<Vec<T>> {
     let mut v = Vec::new();
     v.try_reserve_exact(n).map_err(|_| ErrorKind::OutOfMemory {
         what,
         bytes: n.saturating_mul(std::mem::size_of::<T>()),
     })?;
-    advise_huge_pages(v.as_ptr() as usize, n * std::mem::size_of::<T>());
-    v.par_extend(rayon::iter::repeat_n(value, n).with_min_len(POISON_CHUNK));
     Ok(v)
 }
 
