@@ -18,43 +18,50 @@ const MR: usize = 4;
 const NV: usize = 4;
 const W: usize = 16;
 
-/// Defines `$name::<V>`, the row walk of a driver over lanes `j..j + 16·V` of C: `$tile::<MR, V>`
-/// for each whole block of MR rows, then one `$tile` for the rest. The drivers differ only in
-/// their tile (and its element type and target features).
+/// Defines `$name::<V, S>`, the row walk of a driver over lanes `j..j + 16·V` of C:
+/// `$tile::<MR, V, S>` for each whole block of MR rows, then one `$tile` for the rest (`S`: the
+/// first chunk adds to C scaled by `sc`, see [`tile`]). The drivers differ only in their tile
+/// (and its element type and target features).
 macro_rules! row_walk {
     ($name:ident, $tile:ident, $elem:ty, $features:literal) => {
         #[target_feature(enable = $features)]
         #[inline]
-        unsafe fn $name<const V: usize>(g: &Gemm<$elem>, cp: *mut f32, c_rs: usize, j: usize) {
+        unsafe fn $name<const V: usize, const S: bool>(
+            g: &Gemm<$elem>,
+            cp: *mut f32,
+            c_rs: usize,
+            j: usize,
+            sc: *const f32,
+        ) {
             let mut i = 0;
             while i + MR <= g.m {
-                $tile::<MR, V>(g, cp, c_rs, i, j);
+                $tile::<MR, V, S>(g, cp, c_rs, (i, j), sc);
                 i += MR;
             }
             match g.m - i {
-                3 => $tile::<3, V>(g, cp, c_rs, i, j),
-                2 => $tile::<2, V>(g, cp, c_rs, i, j),
-                1 => $tile::<1, V>(g, cp, c_rs, i, j),
+                3 => $tile::<3, V, S>(g, cp, c_rs, (i, j), sc),
+                2 => $tile::<2, V, S>(g, cp, c_rs, (i, j), sc),
+                1 => $tile::<1, V, S>(g, cp, c_rs, (i, j), sc),
                 _ => {}
             }
         }
     };
 }
 
-/// The lane walk of a driver: `$rows::<NV>` for each whole block of NV vectors, then one
+/// The lane walk of a driver: `$rows::<NV, S>` for each whole block of NV vectors, then one
 /// `$rows` for the remaining whole vectors (the callers' n is a multiple of 16).
 macro_rules! lane_walk {
-    ($g:ident, $c:ident, $c_rs:ident, $rows:ident) => {{
-        let cp = $c.as_mut_ptr();
+    ($g:ident, $c:ident, $c_rs:ident, $rows:ident, $s:literal, $sc:expr) => {{
+        let (cp, sc) = ($c.as_mut_ptr(), $sc);
         let mut j = 0;
         while j + NV * W <= $g.n {
-            $rows::<NV>($g, cp, $c_rs, j);
+            $rows::<NV, $s>($g, cp, $c_rs, j, sc);
             j += NV * W;
         }
         match ($g.n - j) / W {
-            3 => $rows::<3>($g, cp, $c_rs, j),
-            2 => $rows::<2>($g, cp, $c_rs, j),
-            1 => $rows::<1>($g, cp, $c_rs, j),
+            3 => $rows::<3, $s>($g, cp, $c_rs, j, sc),
+            2 => $rows::<2, $s>($g, cp, $c_rs, j, sc),
+            1 => $rows::<1, $s>($g, cp, $c_rs, j, sc),
             _ => {}
         }
     }};
@@ -76,7 +83,7 @@ fn row_ptrs<T, const R: usize>(g: &Gemm<T>, i: usize) -> [*const T; R] {
 
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn gemm(g: &Gemm<f32>, c: &mut [f32], c_rs: usize) {
-    lane_walk!(g, c, c_rs, rows)
+    lane_walk!(g, c, c_rs, rows, false, std::ptr::null())
 }
 
 row_walk!(rows, tile, f32, "avx512f");
@@ -88,23 +95,11 @@ row_walk!(rows, tile, f32, "avx512f");
 /// k row, with `a_cs == 1` the next tile's rows, one line per k step; a tile that adds to C
 /// prefetches the next tile's C rows. The forward's packed v tiles arrive from L3 at every key
 /// block. Prefetches never fault: addresses past the operands are only formed (`wrapping_add`).
+/// With `S`, the first chunk adds to C multiplied by `sc[j..j + 16·V]` (`g.accumulate` and
+/// `g.k > 0`, as [`gemm_rescaled`] is called); without, `sc` is not read.
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn tile<const R: usize, const V: usize>(
-    g: &Gemm<f32>,
-    cp: *mut f32,
-    c_rs: usize,
-    i: usize,
-    j: usize,
-) {
-    tile_scaled::<R, V, false>(g, cp, c_rs, (i, j), std::ptr::null())
-}
-
-/// [`tile`]; with `S`, the first chunk adds to C multiplied by `sc[j..j + 16·V]` (`g.accumulate`
-/// and `g.k > 0`, as [`gemm_rescaled`] is called).
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn tile_scaled<const R: usize, const V: usize, const S: bool>(
+unsafe fn tile<const R: usize, const V: usize, const S: bool>(
     g: &Gemm<f32>,
     cp: *mut f32,
     c_rs: usize,
@@ -166,41 +161,7 @@ unsafe fn tile_scaled<const R: usize, const V: usize, const S: bool>(
 /// (the forward's acc_o before its P·V product). `g.accumulate` and `g.k > 0`.
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn gemm_rescaled(g: &Gemm<f32>, c: &mut [f32], c_rs: usize, col_scale: &[f32]) {
-    let (cp, sc) = (c.as_mut_ptr(), col_scale.as_ptr());
-    let mut j = 0;
-    while j + NV * W <= g.n {
-        rows_rescaled::<NV>(g, cp, c_rs, j, sc);
-        j += NV * W;
-    }
-    match (g.n - j) / W {
-        3 => rows_rescaled::<3>(g, cp, c_rs, j, sc),
-        2 => rows_rescaled::<2>(g, cp, c_rs, j, sc),
-        1 => rows_rescaled::<1>(g, cp, c_rs, j, sc),
-        _ => {}
-    }
-}
-
-/// The row walk of [`gemm_rescaled`] over lanes `j..j + 16·V` (as `row_walk!`'s).
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn rows_rescaled<const V: usize>(
-    g: &Gemm<f32>,
-    cp: *mut f32,
-    c_rs: usize,
-    j: usize,
-    sc: *const f32,
-) {
-    let mut i = 0;
-    while i + MR <= g.m {
-        tile_scaled::<MR, V, true>(g, cp, c_rs, (i, j), sc);
-        i += MR;
-    }
-    match g.m - i {
-        3 => tile_scaled::<3, V, true>(g, cp, c_rs, (i, j), sc),
-        2 => tile_scaled::<2, V, true>(g, cp, c_rs, (i, j), sc),
-        1 => tile_scaled::<1, V, true>(g, cp, c_rs, (i, j), sc),
-        _ => {}
-    }
+    lane_walk!(g, c, c_rs, rows, true, col_scale.as_ptr())
 }
 
 /// Adds a tile of partial sums to C multiplied by `sc[j..j + 16·V]` (`C · sc`, rounded, `+ acc`).
@@ -444,28 +405,16 @@ unsafe fn scores_tile<const R: usize, const V: usize, const PA: bool>(
 
 #[target_feature(enable = "avx512f,avx512bf16")]
 pub(crate) unsafe fn gemm_bf16(g: &Gemm<u32>, c: &mut [f32], c_rs: usize) {
-    lane_walk!(g, c, c_rs, rows_bf16)
+    lane_walk!(g, c, c_rs, rows_bf16, false, std::ptr::null())
 }
 
 row_walk!(rows_bf16, tile_bf16, u32, "avx512f,avx512bf16");
 
-/// As [`tile`], one bf16 pair per lane and k step: `vdpbf16ps` adds both products of the pair.
+/// As [`tile`] (`S` included), one bf16 pair per lane and k step: `vdpbf16ps` adds both
+/// products of the pair.
 #[target_feature(enable = "avx512f,avx512bf16")]
 #[inline]
-unsafe fn tile_bf16<const R: usize, const V: usize>(
-    g: &Gemm<u32>,
-    cp: *mut f32,
-    c_rs: usize,
-    i: usize,
-    j: usize,
-) {
-    tile_bf16_scaled::<R, V, false>(g, cp, c_rs, (i, j), std::ptr::null())
-}
-
-/// [`tile_bf16`]; with `S`, as [`tile_scaled`].
-#[target_feature(enable = "avx512f,avx512bf16")]
-#[inline]
-unsafe fn tile_bf16_scaled<const R: usize, const V: usize, const S: bool>(
+unsafe fn tile_bf16<const R: usize, const V: usize, const S: bool>(
     g: &Gemm<u32>,
     cp: *mut f32,
     c_rs: usize,
@@ -512,41 +461,7 @@ pub(crate) unsafe fn gemm_bf16_rescaled(
     c_rs: usize,
     col_scale: &[f32],
 ) {
-    let (cp, sc) = (c.as_mut_ptr(), col_scale.as_ptr());
-    let mut j = 0;
-    while j + NV * W <= g.n {
-        rows_bf16_rescaled::<NV>(g, cp, c_rs, j, sc);
-        j += NV * W;
-    }
-    match (g.n - j) / W {
-        3 => rows_bf16_rescaled::<3>(g, cp, c_rs, j, sc),
-        2 => rows_bf16_rescaled::<2>(g, cp, c_rs, j, sc),
-        1 => rows_bf16_rescaled::<1>(g, cp, c_rs, j, sc),
-        _ => {}
-    }
-}
-
-/// The row walk of [`gemm_bf16_rescaled`] over lanes `j..j + 16·V`.
-#[target_feature(enable = "avx512f,avx512bf16")]
-#[inline]
-unsafe fn rows_bf16_rescaled<const V: usize>(
-    g: &Gemm<u32>,
-    cp: *mut f32,
-    c_rs: usize,
-    j: usize,
-    sc: *const f32,
-) {
-    let mut i = 0;
-    while i + MR <= g.m {
-        tile_bf16_scaled::<MR, V, true>(g, cp, c_rs, (i, j), sc);
-        i += MR;
-    }
-    match g.m - i {
-        3 => tile_bf16_scaled::<3, V, true>(g, cp, c_rs, (i, j), sc),
-        2 => tile_bf16_scaled::<2, V, true>(g, cp, c_rs, (i, j), sc),
-        1 => tile_bf16_scaled::<1, V, true>(g, cp, c_rs, (i, j), sc),
-        _ => {}
-    }
+    lane_walk!(g, c, c_rs, rows_bf16, true, col_scale.as_ptr())
 }
 
 /// `2^x` per lane, as [`crate::cpu::softmax::exp2`]: the same reduction (`x = n + f`, n rounded to
