@@ -510,14 +510,8 @@ impl ScoreFunction for ScoreExpr {
     }
 
     fn eval_f64(&self, at: MaskIndex, score: f64) -> ScoreValue {
-        let strip = ScoreStrip {
-            batch: at.batch,
-            head: at.head,
-            q0: at.q,
-            k: at.k,
-        };
         let (mut y, mut g) = ([score], [0.0]);
-        self.eval(strip, &mut y, Some(&mut g));
+        self.eval(ScoreStrip::from(at), &mut y, Some(&mut g));
         ScoreValue {
             value: y[0],
             grad: g[0],

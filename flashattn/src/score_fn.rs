@@ -36,6 +36,18 @@ impl ScoreStrip {
     }
 }
 
+/// The strip of the one score at `at`.
+impl From<MaskIndex> for ScoreStrip {
+    fn from(at: MaskIndex) -> Self {
+        ScoreStrip {
+            batch: at.batch,
+            head: at.head,
+            q0: at.q,
+            k: at.k,
+        }
+    }
+}
+
 /// A function's value and derivative at one score.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ScoreValue {
@@ -56,14 +68,8 @@ pub trait ScoreFunction: Send + Sync {
     /// Value and derivative of one score in f64, for the f64 reference
     /// ([`crate::reference`]). The default goes through [`ScoreFunction::apply`] in f32.
     fn eval_f64(&self, at: MaskIndex, score: f64) -> ScoreValue {
-        let strip = ScoreStrip {
-            batch: at.batch,
-            head: at.head,
-            q0: at.q,
-            k: at.k,
-        };
         let (mut s, mut g) = ([score as f32], [0f32]);
-        self.apply(strip, &mut s, Some(&mut g));
+        self.apply(ScoreStrip::from(at), &mut s, Some(&mut g));
         ScoreValue {
             value: s[0] as f64,
             grad: g[0] as f64,
