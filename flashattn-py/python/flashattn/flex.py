@@ -60,7 +60,7 @@ class _Trace:
         self.nodes: list[tuple[str, list[int], float]] = []
         self.tables: list[tuple[list[float], list[int]]] = []
         self._table_of: dict[int, int] = {}
-        self._consts: dict[float, int] = {}
+        self._consts: dict[str, int] = {}
 
     def add(self, op: str, args=(), c: float = 0.0) -> "_Sym":
         self.nodes.append((op, list(args), float(c)))
